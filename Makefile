@@ -1,0 +1,33 @@
+# Two commands on a fresh machine (Python 3.11+): `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+
+.PHONY: demo test test-fast bench clean
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/activate pyproject.toml
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed            ## install and train the example GPT on all devices
+	$(BIN)/jaxpar train
+
+test: $(VENV)/.installed-dev        ## the whole suite on 8 simulated CPU devices
+	$(BIN)/python -m pytest -q
+
+test-fast: $(VENV)/.installed-dev   ## the suite without tests marked slow
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: $(VENV)/.installed-dev       ## step benchmark over a list of strategies (CPU figures here)
+	$(BIN)/python benchmarks/step.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,30 @@
+"""jaxpar: SPMD parallel training for JAX.
+
+Describe the parallelism once (``ParallelConfig``), get a mesh (``make_mesh``), build the
+model sharded (``init``) and train it (``Trainer``). Strategies come in MindSpore forms
+(integer tuples, ``Layout``) or JAX forms (logical names with rules, ``PartitionSpec``).
+"""
+
+from jaxpar import report
+from jaxpar.config import OptimizerConfig, ParallelConfig, PipelineConfig
+from jaxpar.mesh import make_mesh
+from jaxpar.nn import init
+from jaxpar.shard import LogicalConstraint, shard
+from jaxpar.strategy import Layout, to_partition_spec
+from jaxpar.train import Trainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Layout",
+    "LogicalConstraint",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "PipelineConfig",
+    "Trainer",
+    "init",
+    "make_mesh",
+    "report",
+    "shard",
+    "to_partition_spec",
+]

@@ -1,0 +1,328 @@
+"""``ParallelConfig``: how to split the work, described once.
+
+Small frozen keyword-only dataclasses, validated in ``__post_init__``. A bad value raises
+``ValueError`` naming the field, the value and what would be valid. Configs load from a dict,
+a YAML file, or command-line style overrides::
+
+    >>> cfg = ParallelConfig(mesh={"data": 2, "model": 4}, rules={"mlp": "model"})
+    >>> cfg.mesh
+    {'data': 2, 'model': 4}
+    >>> ParallelConfig.from_overrides(["--mesh", "data=2,model=-1", "--rules", "mlp=model"]).rules
+    {'mlp': 'model'}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+MODES = ("data", "semi_auto", "auto", "hybrid")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SEARCHES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
+REMAT_POLICIES = (
+    "none",
+    "full",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "nothing_saveable",
+    "everything_saveable",
+    "save_collectives",
+    "offload_dots",
+)
+OPTIMIZER_LEVELS = (0, 1, 2, 3)
+
+
+def _fail(field: str, value: Any, valid: str) -> ValueError:
+    return ValueError(f"ParallelConfig.{field}={value!r} is invalid: {valid}")
+
+
+def _check_axis_name(field: str, name: Any) -> None:
+    if not isinstance(name, str) or not name or not name.isidentifier():
+        raise _fail(field, name, "mesh axis names must be non-empty identifiers such as 'data'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Optimizer parallel (ZeRO) settings.
+
+    Attributes:
+      level: 0 = off; 1 = optimizer state sharded over ``axis``; 2 = gradients too;
+        3 = parameters too (FSDP).
+      threshold_kb: parameters smaller than this stay replicated.
+      axis: the data-parallel mesh axis (or axes) the state is sharded over.
+      shard_size: shard within groups of this many devices, replicate across groups.
+    """
+
+    level: int = 0
+    threshold_kb: float = 64.0
+    axis: str | tuple[str, ...] = "data"
+    shard_size: int | None = None
+
+    def __post_init__(self):
+        if self.level not in OPTIMIZER_LEVELS:
+            raise _fail("optimizer.level", self.level, f"choose one of {OPTIMIZER_LEVELS}")
+        if not isinstance(self.threshold_kb, (int, float)) or self.threshold_kb < 0:
+            raise _fail("optimizer.threshold_kb", self.threshold_kb, "use a number >= 0")
+        axes = (self.axis,) if isinstance(self.axis, str) else self.axis
+        if not isinstance(axes, tuple) or not axes:
+            raise _fail("optimizer.axis", self.axis, "use a mesh axis name or a tuple of them")
+        for a in axes:
+            _check_axis_name("optimizer.axis", a)
+        if self.shard_size is not None and (
+            not isinstance(self.shard_size, int) or self.shard_size < 1
+        ):
+            raise _fail("optimizer.shard_size", self.shard_size, "use a positive int or None")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """Pipeline parallel settings.
+
+    Attributes:
+      stages: number of pipeline stages (size of the ``axis`` mesh axis); 1 = off.
+      microbatches: micro-batches per step.
+      schedule: one of ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``.
+      virtual_stages: model chunks per stage (interleaved schedule).
+      axis: the mesh axis the stages live on.
+    """
+
+    stages: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    axis: str = "pipe"
+
+    def __post_init__(self):
+        for name in ("stages", "microbatches", "virtual_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise _fail(f"pipeline.{name}", v, "use a positive int")
+        if self.schedule not in SCHEDULES:
+            raise _fail("pipeline.schedule", self.schedule, f"choose one of {SCHEDULES}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise _fail(
+                "pipeline.virtual_stages",
+                self.virtual_stages,
+                "virtual stages need schedule='interleaved'",
+            )
+        _check_axis_name("pipeline.axis", self.axis)
+
+
+def _normalize_mesh(mesh: Any) -> dict[str, int]:
+    if not isinstance(mesh, Mapping) or not mesh:
+        raise _fail("mesh", mesh, "give a non-empty mapping of axis name -> size, e.g. {'data': -1}")
+    out: dict[str, int] = {}
+    for name, size in mesh.items():
+        _check_axis_name("mesh", name)
+        if not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise _fail("mesh", dict(mesh), f"axis {name!r} has size {size!r}; use a positive int or -1")
+        out[name] = size
+    if sum(1 for s in out.values() if s == -1) > 1:
+        raise _fail("mesh", out, "at most one axis may be -1 (the rest of the devices)")
+    return out
+
+
+def _normalize_rules(rules: Any) -> dict[str, Any]:
+    if rules is None:
+        return {}
+    if not isinstance(rules, Mapping):
+        raise _fail("rules", rules, "give a mapping logical name -> mesh axis, tuple of axes, or None")
+    out: dict[str, Any] = {}
+    for logical, target in rules.items():
+        if not isinstance(logical, str):
+            raise _fail("rules", dict(rules), f"logical axis name {logical!r} must be a str")
+        if isinstance(target, list):
+            target = tuple(target)
+        if target is not None and not isinstance(target, (str, tuple)):
+            raise _fail("rules", dict(rules), f"rule {logical!r} -> {target!r} must be str, tuple or None")
+        if isinstance(target, tuple) and not all(isinstance(t, str) for t in target):
+            raise _fail("rules", dict(rules), f"rule {logical!r} -> {target!r} must name mesh axes")
+        out[logical] = target
+    return out
+
+
+def _sub(cls, value: Any, field: str):
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, Mapping):
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = set(value) - known
+        if extra:
+            raise _fail(field, dict(value), f"unknown keys {sorted(extra)}; known: {sorted(known)}")
+        value = dict(value)
+        if isinstance(value.get("axis"), list):
+            value["axis"] = tuple(value["axis"])
+        return cls(**value)
+    raise _fail(field, value, f"give a dict or a {cls.__name__}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How to parallelize one training job.
+
+    Attributes:
+      mesh: mesh axis name -> size; at most one ``-1`` (the rest of the devices).
+      mode: ``"data"`` (replicate parameters, split the batch over every axis),
+        ``"semi_auto"`` (user strategies + XLA propagation; the default), ``"auto"``
+        (strategy search) or ``"hybrid"`` (the loss runs inside ``shard_map``).
+      rules: logical axis name -> mesh axis, tuple of mesh axes, or None (replicated).
+      parameter_plan: parameter-path glob pattern -> strategy (any strategy form), for
+        models whose code carries no annotations, e.g. ``{"*/mlp/up/kernel": (1, 4)}``.
+      dataset_strategy: how batches are split. ``None``: dimension 0 over the batch axes
+        (the ``"batch"`` rule, else the ``"data"`` axis, else every axis in mode
+        ``"data"``); ``"full_batch"``: replicated; or one strategy (any form) for every
+        leaf of the batch, e.g. ``(2, 1, 2, 2)`` to also split images over H/W.
+      optimizer: optimizer parallel (ZeRO) settings, an ``OptimizerConfig`` or dict.
+      grad_accum: micro-steps per optimizer update.
+      pipeline: pipeline settings, a ``PipelineConfig`` or dict.
+      remat: recompute policy name.
+      search: strategy search algorithm for ``mode="auto"``.
+    """
+
+    mesh: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"data": -1})
+    mode: str = "semi_auto"
+    rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    parameter_plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    dataset_strategy: Any = None
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    grad_accum: int = 1
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    remat: str = "none"
+    search: str | None = None
+
+    def __post_init__(self):
+        setf = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        setf("mesh", _normalize_mesh(self.mesh))
+        if self.mode not in MODES:
+            raise _fail("mode", self.mode, f"choose one of {MODES}")
+        setf("rules", _normalize_rules(self.rules))
+        self._check_rule_axes()
+        if not isinstance(self.parameter_plan, Mapping):
+            raise _fail("parameter_plan", self.parameter_plan, "give a mapping glob pattern -> strategy")
+        setf("parameter_plan", {str(k): _tuplify(v) for k, v in self.parameter_plan.items()})
+        setf("dataset_strategy", _tuplify(self.dataset_strategy))
+        if isinstance(self.dataset_strategy, str) and self.dataset_strategy != "full_batch":
+            raise _fail("dataset_strategy", self.dataset_strategy, "use None, 'full_batch' or a strategy")
+        setf("optimizer", _sub(OptimizerConfig, self.optimizer, "optimizer"))
+        setf("pipeline", _sub(PipelineConfig, self.pipeline, "pipeline"))
+        if not isinstance(self.grad_accum, int) or isinstance(self.grad_accum, bool) or self.grad_accum < 1:
+            raise _fail("grad_accum", self.grad_accum, "use a positive int")
+        if self.remat not in REMAT_POLICIES:
+            raise _fail("remat", self.remat, f"choose one of {REMAT_POLICIES}")
+        if self.search is not None and self.search not in SEARCHES:
+            raise _fail("search", self.search, f"choose one of {SEARCHES} or None")
+        if self.mode == "data" and self.rules:
+            raise _fail("rules", dict(self.rules), "mode='data' replicates every parameter; "
+                        "drop the rules or use mode='semi_auto'")
+        if self.pipeline.stages > 1 and self.pipeline.axis not in self.mesh:
+            raise _fail("pipeline.stages", self.pipeline.stages,
+                        f"pipeline needs a mesh axis {self.pipeline.axis!r}; mesh has {list(self.mesh)}")
+
+    def _check_rule_axes(self) -> None:
+        for logical, target in self.rules.items():
+            targets = (target,) if isinstance(target, str) else (target or ())
+            for axis in targets:
+                if axis not in self.mesh:
+                    raise _fail(
+                        "rules",
+                        dict(self.rules),
+                        f"rule {logical!r} -> {target!r} names mesh axis {axis!r}, "
+                        f"but the mesh axes are {list(self.mesh)}; add it to mesh or fix the rule",
+                    )
+
+    # ----------------------------------------------------------------- loading
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ParallelConfig":
+        """Build from a plain dict (e.g. parsed YAML or JSON)."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"ParallelConfig.from_dict expects a mapping, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = set(d) - known
+        if extra:
+            raise ValueError(f"unknown ParallelConfig fields {sorted(extra)}; known: {sorted(known)}")
+        return cls(**dict(d))
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "ParallelConfig":
+        """Build from a YAML file whose top level holds the fields."""
+        import yaml
+
+        with open(path) as f:
+            return cls.from_dict(yaml.safe_load(f) or {})
+
+    @classmethod
+    def from_overrides(cls, args: Sequence[str], base: "ParallelConfig | None" = None) -> "ParallelConfig":
+        """Apply ``--field value`` overrides (``--mesh data=2,model=4 --rules mlp=model``)."""
+        d = (base or cls()).to_dict()
+        it = iter(args)
+        for flag in it:
+            if not flag.startswith("--"):
+                raise ValueError(f"override {flag!r} must look like '--field value'")
+            key = flag[2:].replace("-", "_")
+            if "=" in key and not key.startswith(("mesh", "rules")):
+                key, raw = key.split("=", 1)
+            else:
+                raw = next(it, None)
+                if raw is None:
+                    raise ValueError(f"override {flag!r} needs a value")
+            _apply_override(d, key, raw)
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON/YAML-friendly dict that ``from_dict`` reads back."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else _plain(v)
+        return out
+
+
+def _tuplify(v: Any) -> Any:
+    """YAML and JSON give lists; strategies are tuples."""
+    if isinstance(v, list):
+        return tuple(_tuplify(x) for x in v)
+    return v
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, tuple):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _parse_scalar(raw: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(raw)
+
+
+def _parse_pairs(key: str, raw: str) -> dict[str, Any]:
+    out = {}
+    for item in filter(None, raw.split(",")):
+        if "=" not in item:
+            raise ValueError(f"--{key} {raw!r}: expected name=value pairs such as data=2,model=4")
+        k, v = item.split("=", 1)
+        if key == "rules" and "+" in v:
+            out[k] = tuple(v.split("+"))
+        else:
+            out[k] = None if v in ("None", "none", "") else _parse_scalar(v)
+    return out
+
+
+def _apply_override(d: dict[str, Any], key: str, raw: str) -> None:
+    if key in ("mesh", "rules"):
+        d[key] = _parse_pairs(key, raw)
+    elif "." in key:
+        top, sub = key.split(".", 1)
+        if not isinstance(d.get(top), dict):
+            raise ValueError(f"--{key}: {top!r} is not a config section")
+        d[top][sub] = _parse_scalar(raw)
+    elif key in ("optimizer", "pipeline"):
+        d[key] = {**d[key], **_parse_pairs(key, raw)}
+    else:
+        d[key] = _parse_scalar(raw)

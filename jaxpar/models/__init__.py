@@ -1,0 +1,1 @@
+"""Example models (plain Flax NNX with logical axis names)."""

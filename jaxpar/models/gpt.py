@@ -1,0 +1,163 @@
+"""The example GPT: a small decoder-only transformer in Flax NNX, readable in one sitting.
+
+It knows nothing about parallelism. Every parameter names its dimensions with logical axes
+(``"vocab"``, ``"embed"``, ``"heads"``, ``"kv"``, ``"mlp"``, and ``"layers"`` when the blocks
+are stacked for ``scan``); a rules table elsewhere maps them to mesh axes. An optional
+``constrain(x, names)`` hook lets the runner pin activations by logical names too.
+
+    >>> cfg = GPTConfig(vocab_size=16, seq_len=8, embed=32, heads=4, mlp=64, layers=2)
+    >>> model = GPT(cfg, rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 8), jnp.int32)).shape
+    (2, 8, 16)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    vocab_size: int = 16
+    seq_len: int = 32
+    embed: int = 64
+    heads: int = 8
+    mlp: int = 256
+    layers: int = 2
+    scan_layers: bool = False   # stack blocks on a "layers" axis and run them with scan
+    remat: str = "none"         # jax.checkpoint policy name for each block ("none" = keep all)
+    dtype: str = "float32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed // self.heads
+
+
+def _param(rngs, init, shape, names, dtype=jnp.float32):
+    # eager_sharding=False: build anywhere; jaxpar (or any runner) decides the placement.
+    init = nnx.with_partitioning(init, names, eager_sharding=False)
+    return nnx.Param(init(rngs.params(), shape, dtype))
+
+
+def no_constraint(x, names):
+    return x
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, rngs: nnx.Rngs):
+        self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",))
+        self.bias = _param(rngs, nnx.initializers.zeros, (dim,), ("embed",))
+
+    def __call__(self, x):
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        qkv_shape, qkv_names = (cfg.embed, cfg.heads, cfg.head_dim), ("embed", "heads", "kv")
+        self.wq = _param(rngs, init, qkv_shape, qkv_names)
+        self.wk = _param(rngs, init, qkv_shape, qkv_names)
+        self.wv = _param(rngs, init, qkv_shape, qkv_names)
+        self.wo = _param(rngs, init, (cfg.heads, cfg.head_dim, cfg.embed), ("heads", "kv", "embed"))
+
+    def __call__(self, x):
+        q = jnp.einsum("bse,ehd->bshd", x, self.wq[...])
+        k = jnp.einsum("bse,ehd->bshd", x, self.wk[...])
+        v = jnp.einsum("bse,ehd->bshd", x, self.wv[...])
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(x.dtype)
+        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+        return jnp.einsum("bshd,hde->bse", out, self.wo[...])
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        self.up = _param(rngs, init, (cfg.embed, cfg.mlp), ("embed", "mlp"))
+        self.up_bias = _param(rngs, nnx.initializers.zeros, (cfg.mlp,), ("mlp",))
+        self.down = _param(rngs, init, (cfg.mlp, cfg.embed), ("mlp", "embed"))
+        self.down_bias = _param(rngs, nnx.initializers.zeros, (cfg.embed,), ("embed",))
+
+    def __call__(self, x):
+        h = jax.nn.gelu(x @ self.up[...] + self.up_bias[...])
+        return h @ self.down[...] + self.down_bias[...]
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
+        self.ln1 = LayerNorm(cfg.embed, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.ln2 = LayerNorm(cfg.embed, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, constrain=no_constraint):
+        x = constrain(x + self.attn(self.ln1(x)), ("batch", "seq", "embed"))
+        return constrain(x + self.mlp(self.ln2(x)), ("batch", "seq", "embed"))
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    policies = {"full": None, "nothing_saveable": jax.checkpoint_policies.nothing_saveable}
+    pol = policies[policy] if policy in policies else getattr(jax.checkpoint_policies, policy)
+    return nnx.remat(fn, policy=pol)
+
+
+class GPT(nnx.Module):
+    """Token embedding → ``layers`` transformer blocks → final norm and vocabulary head."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, constrain: Callable = no_constraint):
+        self.cfg = cfg
+        self.constrain = constrain
+        init = nnx.initializers.normal(0.02)
+        self.wte = _param(rngs, init, (cfg.vocab_size, cfg.embed), ("vocab", "embed"))
+        self.wpe = _param(rngs, init, (cfg.seq_len, cfg.embed), (None, "embed"))
+        if cfg.scan_layers:
+            @nnx.split_rngs(splits=cfg.layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_blocks(rngs):
+                return Block(cfg, rngs)
+
+            self.blocks = make_blocks(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
+        self.ln_f = LayerNorm(cfg.embed, rngs)
+        self.head = _param(rngs, init, (cfg.embed, cfg.vocab_size), ("embed", "vocab"))
+
+    def embed(self, tokens):
+        x = self.wte[...][tokens] + self.wpe[...][: tokens.shape[1]]
+        return self.constrain(x, ("batch", "seq", "embed"))
+
+    def run_blocks(self, x):
+        block_fn = _remat(lambda block, h: block(h, self.constrain), self.cfg.remat)
+        if self.cfg.scan_layers:
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def scan_fn(block, h):
+                return block_fn(block, h)
+
+            return scan_fn(self.blocks, x)
+        for block in self.blocks:
+            x = block_fn(block, x)
+        return x
+
+    def logits(self, x):
+        return self.ln_f(x) @ self.head[...]
+
+    def __call__(self, tokens):
+        return self.logits(self.run_blocks(self.embed(tokens)))
+
+
+def loss_fn(model: GPT, batch: dict) -> jax.Array:
+    """Mean next-token cross-entropy; ``batch`` holds ``inputs`` and ``targets`` [B, S]."""
+    logits = model(batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()

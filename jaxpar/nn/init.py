@@ -1,0 +1,59 @@
+"""``init``: build a Flax NNX model directly sharded on the mesh.
+
+Abstract shapes first (``nnx.eval_shape``), then the plan, then one jitted init whose
+``out_shardings`` are the plan: each device computes only its own shards, so no device ever
+holds a full replica of a sharded parameter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from jaxpar.config import ParallelConfig
+from jaxpar.nn.plan import plan_state, to_shardings
+
+
+def _no_eager_sharding():
+    # Flax can shard variables at creation from their annotations; jaxpar places them itself.
+    if hasattr(nnx, "use_eager_sharding"):
+        return nnx.use_eager_sharding(False)
+    return contextlib.nullcontext()
+
+
+def abstract_model(model_fn: Callable[[], nnx.Module]) -> nnx.Module:
+    """The model with ``ShapeDtypeStruct`` values: nothing is allocated."""
+    with _no_eager_sharding():
+        return nnx.eval_shape(model_fn)
+
+
+def init(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mesh) -> nnx.Module:
+    """Build ``model_fn()`` with every variable placed by the plan for ``config`` on ``mesh``.
+
+    >>> cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules={"mlp": "model"})
+    >>> mesh = jaxpar.make_mesh(cfg)
+    >>> model = jaxpar.init(lambda: GPT(GPTConfig(), rngs=nnx.Rngs(0)), cfg, mesh)
+    """
+    if not callable(model_fn):
+        raise TypeError(f"init expects a function that builds the model, got {type(model_fn).__name__}")
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(f"init expects a ParallelConfig, got {type(config).__name__}")
+    graphdef, abs_state = nnx.split(abstract_model(model_fn))
+    shardings = to_shardings(plan_state(config, mesh, abs_state), mesh)
+
+    def make():
+        with _no_eager_sharding():
+            return nnx.split(model_fn())[1]
+
+    state = jax.jit(make, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def place(model: nnx.Module, config: ParallelConfig, mesh) -> nnx.Module:
+    """Move an already-built model's variables to the plan's shardings (returns a new model)."""
+    graphdef, state = nnx.split(model)
+    shardings = to_shardings(plan_state(config, mesh, state), mesh)
+    return nnx.merge(graphdef, jax.device_put(state, shardings))

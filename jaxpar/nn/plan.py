@@ -1,0 +1,145 @@
+"""The parameter plan: (config, mesh, abstract state) → one ``PartitionSpec`` per variable.
+
+A pure function: the same inputs always give the same plan, which can be printed and saved.
+Where a parameter's strategy comes from, first match wins in this order:
+
+1. ``config.parameter_plan``: glob pattern on the parameter path (``"blocks/*/mlp/up"``) →
+   strategy. For models you did not write. A path matching two patterns is an error, and so
+   is a pattern matching nothing (a typo would otherwise replicate silently).
+2. ``mode="data"``: replicated.
+3. The variable's logical names (``nnx.with_partitioning``) mapped through ``config.rules``.
+4. Otherwise replicated.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.config import ParallelConfig
+from jaxpar.strategy import shard_count, to_partition_spec
+
+_LOGICAL_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def is_variable(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def path_str(path) -> str:
+    """``blocks/0/attn/wq`` from a pytree key path (the Variable's own ``value`` key dropped)."""
+    parts = []
+    for k in path:
+        name = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        parts.append(str(name))
+    if parts and parts[-1] == "value":
+        parts.pop()
+    return "/".join(parts)
+
+
+def logical_names(var: nnx.Variable) -> tuple | None:
+    meta = var.get_metadata()
+    for key in _LOGICAL_KEYS:
+        names = meta.get(key)
+        if names:
+            return tuple(names)
+    return None
+
+
+def _matching_patterns(path: str, plan: dict[str, Any]) -> list[str]:
+    return [p for p in plan if fnmatch.fnmatchcase(path, p)]
+
+
+def variable_spec(config: ParallelConfig, mesh, path: str, var: nnx.Variable) -> PartitionSpec:
+    """The ``PartitionSpec`` of one variable (see the module docstring for the order)."""
+    shape = np.shape(var.get_value())
+    patterns = _matching_patterns(path, config.parameter_plan)
+    if len(patterns) > 1:
+        raise ValueError(
+            f"parameter {path!r} {shape} matches several parameter_plan patterns {patterns}; "
+            "make the patterns disjoint"
+        )
+    try:
+        if patterns:
+            return to_partition_spec(config.parameter_plan[patterns[0]], mesh, shape, rules=config.rules)
+        names = logical_names(var)
+        if config.mode == "data" or names is None or not shape:
+            return PartitionSpec()
+        return to_partition_spec(names, mesh, shape, rules=config.rules)
+    except ValueError as e:
+        raise ValueError(f"parameter {path!r}: {e}") from None
+
+
+def plan_state(config: ParallelConfig, mesh, state) -> Any:
+    """A tree like ``state`` (an ``nnx.State``) whose variables hold ``PartitionSpec`` values."""
+    used: set[str] = set()
+
+    def one(path, var):
+        p = path_str(path)
+        used.update(_matching_patterns(p, config.parameter_plan))
+        return var.replace(variable_spec(config, mesh, p, var))
+
+    specs = jax.tree_util.tree_map_with_path(one, state, is_leaf=is_variable)
+    unused = sorted(set(config.parameter_plan) - used)
+    if unused:
+        paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]]
+        raise ValueError(
+            f"parameter_plan patterns {unused} match no parameter; paths look like {paths[:4]}..."
+        )
+    return specs
+
+
+def to_shardings(specs, mesh) -> Any:
+    """``PartitionSpec`` tree → ``NamedSharding`` tree."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+class PlanRow(NamedTuple):
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical: tuple | None
+    spec: PartitionSpec
+    bytes_total: int
+    bytes_per_device: int
+
+
+def plan_rows(state, specs, mesh) -> list[PlanRow]:
+    """One row per variable: path, shape, logical names, ``PartitionSpec``, bytes."""
+    rows = []
+    flat_state = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]
+    flat_specs = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    for (path, var), spec in zip(flat_state, flat_specs):
+        value = var.get_value()
+        shape = tuple(np.shape(value))
+        nbytes = math.prod(shape) * np.dtype(value.dtype).itemsize
+        rows.append(
+            PlanRow(path_str(path), shape, str(np.dtype(value.dtype)), logical_names(var), spec,
+                    nbytes, nbytes // shard_count(spec, mesh))
+        )
+    return rows
+
+
+def format_plan(rows: list[PlanRow], title: str = "parameter plan") -> str:
+    """A table of parameters → strategy → bytes per device, as text."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("parameter", "shape", "logical axes", "PartitionSpec", "bytes", "bytes/device"):
+        table.add_column(col, justify="right" if "bytes" in col else "left")
+    for r in rows:
+        table.add_row(r.path, str(r.shape), str(r.logical or "-"), str(tuple(r.spec)),
+                      f"{r.bytes_total:,}", f"{r.bytes_per_device:,}")
+    total = sum(r.bytes_total for r in rows)
+    per_dev = sum(r.bytes_per_device for r in rows)
+    table.add_row("total", "", "", "", f"{total:,}", f"{per_dev:,}", style="bold")
+    console = Console(record=True, width=140, file=open("/dev/null", "w"))
+    console.print(table)
+    return console.export_text()

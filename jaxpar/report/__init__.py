@@ -1,0 +1,43 @@
+"""Reading a compiled step: what it communicates, how much memory and how many FLOPs.
+
+Everything here takes a ``jax.stages.Compiled`` (``jax.jit(f, ...).lower(...).compile()``),
+i.e. the program after XLA has chosen its collectives and buffers:
+
+- `collectives` / `collective_summary`: every collective with its kind, bytes, device groups
+  and mesh axes, parsed from the optimized HLO;
+- `memory`: per-device argument, output, temp and aliased bytes;
+- `flops` / `mfu`: XLA's FLOP count and model FLOPs utilisation;
+- `format_collectives` / `format_memory`: the same as plain-text tables.
+
+Example:
+  >>> compiled = jax.jit(step, in_shardings=..., out_shardings=...).lower(*args).compile()  # doctest: +SKIP
+  >>> print(format_collectives(collectives(compiled, mesh)))                               # doctest: +SKIP
+  >>> print(format_memory(memory(compiled)))                                               # doctest: +SKIP
+"""
+from jaxpar.report.collectives import KINDS, Collective, collective_summary, collectives
+from jaxpar.report.flops import flops, mfu
+from jaxpar.report.memory import MemoryReport, memory
+from jaxpar.report.step import StepReport, param_table, step_report
+from jaxpar.report.table import format_bytes, format_collectives, format_memory
+
+__all__ = [
+    # collectives
+    "KINDS",
+    "Collective",
+    "collectives",
+    "collective_summary",
+    # memory
+    "MemoryReport",
+    "memory",
+    # compute
+    "flops",
+    "mfu",
+    # whole step
+    "StepReport",
+    "param_table",
+    "step_report",
+    # text
+    "format_bytes",
+    "format_collectives",
+    "format_memory",
+]

@@ -1,0 +1,22 @@
+"""Strategy forms (integer tuples, ``Layout``, logical names, ``PartitionSpec``) → ``PartitionSpec``."""
+
+from jaxpar.strategy.layout import Layout, LayoutSpec
+from jaxpar.strategy.resolve import (
+    check_spec,
+    is_integer_strategy,
+    logical_axes,
+    shard_count,
+    spec_axes,
+    to_partition_spec,
+)
+
+__all__ = [
+    "Layout",
+    "LayoutSpec",
+    "check_spec",
+    "is_integer_strategy",
+    "logical_axes",
+    "shard_count",
+    "spec_axes",
+    "to_partition_spec",
+]

@@ -1,0 +1,223 @@
+"""Every strategy form to one ``PartitionSpec``.
+
+Forms (all mean the same thing when they describe the same split):
+
+* ``PartitionSpec`` — returned as is (checked against the mesh and shape).
+* MindSpore integer tuple, e.g. ``(2, 1)``: dimension ``i`` is split into ``strategy[i]``
+  parts. Each factor > 1 is matched to mesh axes, dimension by dimension, by this rule:
+  the first unused mesh axis (in mesh order) whose size equals the factor; otherwise the
+  first combination of unused axes (fewest axes first, in mesh order) whose sizes multiply
+  to the factor. A mesh axis never splits two dimensions of one tensor. Axes left unused
+  replicate the tensor (a product smaller than the mesh means "replicated over the rest").
+* ``Layout`` spec, e.g. ``layout("dp", ("sp", "mp"))``: aliases are mesh axes.
+* Logical names, e.g. ``("embed", "mlp")``, mapped by ``rules`` (logical name → mesh axis,
+  tuple of mesh axes, or None). A name that is neither a rule nor a mesh axis is
+  replicated (as in Flax's logical partitioning).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxpar.strategy.layout import Layout, LayoutSpec
+
+Strategy = Any  # tuple[int, ...] | tuple[str | None | tuple[str, ...], ...] | LayoutSpec | PartitionSpec
+
+
+def _sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
+    if isinstance(mesh, Mapping):
+        return dict(mesh)
+    return dict(zip(mesh.axis_names, mesh.devices.shape))
+
+
+def _where(shape, strategy) -> str:
+    return f"strategy {strategy!r} for a tensor of shape {tuple(shape) if shape is not None else '?'}"
+
+
+def is_integer_strategy(strategy: Any) -> bool:
+    return isinstance(strategy, tuple) and all(
+        isinstance(f, int) and not isinstance(f, bool) for f in strategy
+    ) and len(strategy) > 0
+
+
+def to_partition_spec(
+    strategy: Strategy,
+    mesh: Mesh | Mapping[str, int],
+    shape: Sequence[int] | None = None,
+    *,
+    rules: Mapping[str, Any] | None = None,
+) -> PartitionSpec:
+    """Turn any strategy form into a ``PartitionSpec`` for ``mesh``.
+
+    >>> sizes = {"data": 2, "model": 4}
+    >>> to_partition_spec((2, 4), sizes)
+    PartitionSpec('data', 'model')
+    >>> to_partition_spec((8, 1), sizes)
+    PartitionSpec(('data', 'model'), None)
+    >>> to_partition_spec(("embed", "mlp"), sizes, rules={"mlp": "model"})
+    PartitionSpec(None, 'model')
+    """
+    spec = _to_spec(strategy, mesh, shape, rules)
+    check_spec(spec, mesh, shape, strategy)
+    return spec
+
+
+def _to_spec(strategy, mesh, shape, rules) -> PartitionSpec:
+    if strategy is None:
+        return PartitionSpec()
+    if isinstance(strategy, PartitionSpec):
+        return strategy
+    if isinstance(strategy, Layout):
+        raise TypeError(
+            f"got the Layout {strategy} itself; call it with one entry per tensor dimension, "
+            "e.g. layout('dp', 'None')"
+        )
+    if isinstance(strategy, LayoutSpec):
+        _check_layout_matches(strategy.layout, mesh)
+        return strategy.to_partition_spec()
+    if is_integer_strategy(strategy):
+        return _integer_spec(strategy, _sizes(mesh), shape)
+    if isinstance(strategy, tuple):
+        return _logical_spec(strategy, _sizes(mesh), rules or {})
+    raise TypeError(
+        f"strategy {strategy!r} of type {type(strategy).__name__} is not a strategy: use an "
+        "integer tuple like (2, 1), logical names like ('embed', 'mlp'), a Layout spec, or a "
+        "PartitionSpec"
+    )
+
+
+def _check_layout_matches(layout: Layout, mesh) -> None:
+    sizes = _sizes(mesh)
+    for name, size in layout.axis_sizes().items():
+        if sizes.get(name) != size:
+            raise ValueError(
+                f"Layout{layout.device_matrix, layout.alias_name}: alias {name!r} of size {size} "
+                f"does not match the mesh {sizes}; build the mesh with layout.mesh() or use the "
+                "mesh's axis names and sizes as aliases"
+            )
+
+
+def _integer_spec(strategy: tuple[int, ...], sizes: dict[str, int], shape) -> PartitionSpec:
+    if shape is not None and len(strategy) != len(shape):
+        raise ValueError(
+            f"{_where(shape, strategy)}: the strategy has {len(strategy)} entries but the tensor "
+            f"has {len(shape)} dimensions; give one factor per dimension"
+        )
+    total = math.prod(sizes.values())
+    if any(f < 1 for f in strategy) or math.prod(strategy) > total:
+        raise ValueError(
+            f"{_where(shape, strategy)}: factors must be >= 1 and multiply to at most the "
+            f"{total} devices of mesh {sizes}"
+        )
+    used: set[str] = set()
+    entries = []
+    for dim, factor in enumerate(strategy):
+        if shape is not None and shape[dim] % factor:
+            raise ValueError(
+                f"{_where(shape, strategy)}: factor {factor} does not divide dimension {dim} "
+                f"of size {shape[dim]}; use a divisor of {shape[dim]}"
+            )
+        axes = _match_factor(factor, sizes, used)
+        if axes is None:
+            free = {a: s for a, s in sizes.items() if a not in used}
+            raise ValueError(
+                f"{_where(shape, strategy)}: no unused mesh axes multiply to {factor} for dimension "
+                f"{dim} (mesh {sizes}, still free {free}); use a factor that is a product of free "
+                "axis sizes, or a Layout to name the axes"
+            )
+        used.update(axes)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*entries)
+
+
+def _match_factor(factor: int, sizes: dict[str, int], used: set[str]) -> tuple[str, ...] | None:
+    if factor == 1:
+        return ()
+    free = [a for a in sizes if a not in used and sizes[a] > 1]
+    for r in range(1, len(free) + 1):
+        for combo in itertools.combinations(free, r):
+            if math.prod(sizes[a] for a in combo) == factor:
+                return combo
+    return None
+
+
+def logical_axes(entry: Any, sizes: Mapping[str, int], rules: Mapping[str, Any]) -> tuple[str, ...]:
+    """The mesh axes one logical dimension name maps to."""
+    if entry is None:
+        return ()
+    names = entry if isinstance(entry, tuple) else (entry,)
+    out: list[str] = []
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"logical axis {name!r} must be a str or None")
+        if name in rules:
+            target = rules[name]
+            out.extend(() if target is None else (target,) if isinstance(target, str) else target)
+        elif name in sizes:
+            out.append(name)
+    for a in out:
+        if a not in sizes:
+            raise ValueError(
+                f"logical axis {entry!r} maps to mesh axis {a!r}, which is not in the mesh "
+                f"{dict(sizes)}; fix the rule or add the axis to the mesh"
+            )
+    return tuple(out)
+
+
+def _logical_spec(strategy: tuple, sizes: dict[str, int], rules: Mapping[str, Any]) -> PartitionSpec:
+    entries = []
+    for entry in strategy:
+        axes = logical_axes(entry, sizes, rules)
+        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*entries)
+
+
+def spec_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def check_spec(spec: PartitionSpec, mesh, shape=None, strategy=None) -> None:
+    """Raise ``ValueError`` if ``spec`` names unknown axes, reuses one, or does not divide ``shape``."""
+    sizes = _sizes(mesh)
+    strategy = spec if strategy is None else strategy
+    if shape is not None and len(spec) > len(shape):
+        raise ValueError(
+            f"{_where(shape, strategy)}: PartitionSpec {spec} has {len(spec)} entries for a "
+            f"{len(shape)}-dimensional tensor"
+        )
+    seen: set[str] = set()
+    for dim, entry in enumerate(spec):
+        axes = spec_axes(entry)
+        for a in axes:
+            if a not in sizes:
+                raise ValueError(
+                    f"{_where(shape, strategy)}: mesh axis {a!r} is not in the mesh {sizes}; "
+                    f"use one of {list(sizes)}"
+                )
+            if a in seen:
+                raise ValueError(
+                    f"{_where(shape, strategy)}: mesh axis {a!r} splits two dimensions; one mesh "
+                    "axis can split only one dimension of a tensor"
+                )
+            seen.add(a)
+        n = math.prod(sizes[a] for a in axes)
+        if shape is not None and shape[dim] % n:
+            raise ValueError(
+                f"{_where(shape, strategy)}: dimension {dim} of size {shape[dim]} is not divisible "
+                f"by {n} (mesh axes {axes} of mesh {sizes}); pick a size divisible by {n} or "
+                "split it over fewer devices"
+            )
+
+
+def shard_count(spec: PartitionSpec, mesh) -> int:
+    """How many distinct pieces a tensor with ``spec`` is cut into."""
+    sizes = _sizes(mesh)
+    return math.prod(sizes[a] for entry in spec for a in spec_axes(entry))

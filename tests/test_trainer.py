@@ -1,0 +1,117 @@
+"""Equivalence: every parallel layout trains the example GPT exactly like one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from helpers import MEGATRON, TINY, assert_close, assert_losses_close, batches, reference, train_gpt
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
+
+LAYOUTS = {
+    "data=8": jaxpar.ParallelConfig(mesh={"data": 8}, mode="data"),
+    "data=2,model=4 (Megatron)": jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON),
+    "model=8": jaxpar.ParallelConfig(mesh={"model": 8}, rules={"heads": "model", "mlp": "model", "vocab": "model"}),
+    # 2D tensor parallel: weights split over both axes (embed over y, heads/mlp/vocab over x),
+    # activations split over both (batch over x, embed over y).
+    "2D x=2,y=4": jaxpar.ParallelConfig(
+        mesh={"x": 2, "y": 4}, rules={"batch": "x", "embed": "y", "heads": "x", "mlp": "x", "vocab": "x"}),
+    "hybrid data=8": jaxpar.ParallelConfig(mesh={"data": 8}, mode="hybrid"),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_matches_one_device(name):
+    ref_losses, ref_params = reference()
+    losses, params, trainer = train_gpt(LAYOUTS[name])
+    assert_losses_close(losses, ref_losses)
+    assert_close(params, ref_params, what=name)
+    assert losses[-1] < losses[0]
+
+
+def test_megatron_parameters_are_split_as_planned():
+    _, _, trainer = train_gpt(LAYOUTS["data=2,model=4 (Megatron)"], steps=1)
+    state = nnx.state(trainer.model, nnx.Param)
+    wq = state["blocks"][0]["attn"]["wq"].get_value()
+    up = state["blocks"][0]["mlp"]["up"].get_value()
+    down = state["blocks"][0]["mlp"]["down"].get_value()
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "model", None)
+    assert up.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert down.sharding.spec == jax.sharding.PartitionSpec("model", None)
+    assert up.addressable_shards[0].data.shape == (TINY.embed, TINY.mlp // 4)
+
+
+def test_scanned_layers_match_one_device():
+    scanned = GPTConfig(**{**TINY.__dict__, "scan_layers": True})
+    ref_losses, ref_params = reference(scanned)
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules={**MEGATRON, "layers": None})
+    losses, params, _ = train_gpt(config, gpt=scanned)
+    assert_losses_close(losses, ref_losses)
+    assert_close(params, ref_params, what="scan")
+    assert params["blocks"]["mlp"]["up"].shape == (TINY.layers, TINY.embed, TINY.mlp)
+
+
+def keep_gradients() -> optax.GradientTransformation:
+    """An optax transformation whose state is the last gradient and whose update is zero."""
+    return optax.GradientTransformation(
+        init=lambda params: jax.tree.map(jnp.zeros_like, params),
+        update=lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads),
+    )
+
+
+def test_gradients_match_one_device():
+    """First-step gradients (not only losses) under the Megatron layout equal the one-device ones."""
+    batch = batches(1)[0]
+
+    def grads(cfg, n):
+        mesh = jaxpar.make_mesh(cfg, devices=jax.devices()[:n])
+        model = jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), cfg, mesh)
+        trainer = jaxpar.Trainer(model, keep_gradients(), loss_fn, cfg, mesh)
+        trainer.step(batch)
+        return jax.tree.map(np.asarray, nnx.to_pure_dict(trainer.opt_state))
+
+    sharded = grads(LAYOUTS["data=2,model=4 (Megatron)"], 8)
+    assert_close(sharded, grads(jaxpar.ParallelConfig(mesh={"data": 1}), 1), rtol=1e-5, what="grads")
+    assert np.abs(sharded["blocks"][0]["mlp"]["up"]).max() > 0
+
+
+def test_fit_evaluate_and_lower():
+    config = LAYOUTS["data=2,model=4 (Megatron)"]
+    _, _, trainer = train_gpt(config, steps=1)
+    history = trainer.fit(iter(batches(3)), steps=3, progress=False)
+    assert [h["step"] for h in history] == [2, 3, 4]
+    assert all(np.isfinite(h["loss"]) for h in history)
+    loss = trainer.evaluate(batches(2), steps=2)
+    assert np.isfinite(loss)
+    compiled = trainer.lower(batches(1)[0]).compile()
+    assert isinstance(compiled, jax.stages.Compiled)
+    assert trainer.step_count == 4
+
+
+def test_loss_with_aux_is_returned():
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    mesh = jaxpar.make_mesh(config)
+    model = jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh)
+
+    def loss_with_aux(m, b):
+        loss = loss_fn(m, b)
+        return loss, {"double": 2 * loss}
+
+    trainer = jaxpar.Trainer(model, optax.sgd(0.1), loss_with_aux, config, mesh)
+    out = trainer.step(batches(1)[0])
+    np.testing.assert_allclose(float(out["aux"]["double"]), 2 * float(out["loss"]), rtol=1e-6)
+
+
+def test_per_process_batch_rows_single_process_equals_global():
+    """global_batch=False on one process is the same as the global batch (process 0 holds all rows)."""
+    config = LAYOUTS["data=8"]
+    mesh = jaxpar.make_mesh(config)
+    a = jaxpar.Trainer(jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh), optax.sgd(0.1), loss_fn,
+                       config, mesh, global_batch=False)
+    b = jaxpar.Trainer(jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh), optax.sgd(0.1), loss_fn,
+                       config, mesh)
+    batch = batches(1)[0]
+    assert float(a.step(batch)["loss"]) == float(b.step(batch)["loss"])
