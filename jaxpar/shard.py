@@ -28,7 +28,10 @@ from jaxpar.strategy import to_partition_spec
 def _current_mesh(mesh):
     if mesh is not None:
         return mesh
-    concrete = jax.sharding.get_mesh()
+    try:
+        concrete = jax.sharding.get_mesh()
+    except ValueError:  # inside jit only the abstract mesh is known
+        concrete = None
     if concrete is not None and not getattr(concrete, "empty", False) and concrete.axis_names:
         return concrete
     abstract = jax.sharding.get_abstract_mesh()

@@ -30,15 +30,14 @@ def abstract_model(model_fn: Callable[[], nnx.Module]) -> nnx.Module:
         return nnx.eval_shape(model_fn)
 
 
-def init(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mesh) -> nnx.Module:
-    """Build ``model_fn()`` with every variable placed by the plan for ``config`` on ``mesh``.
+def init_program(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mesh):
+    """``(graphdef, jitted_init)``: ``jitted_init()`` returns the model state, already sharded.
 
-    >>> cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules={"mlp": "model"})
-    >>> mesh = jaxpar.make_mesh(cfg)
-    >>> model = jaxpar.init(lambda: GPT(GPTConfig(), rngs=nnx.Rngs(0)), cfg, mesh)
+    Exposed so the init program can be inspected (``jitted_init.lower().compile()``).
     """
-    if not callable(model_fn):
-        raise TypeError(f"init expects a function that builds the model, got {type(model_fn).__name__}")
+    if isinstance(model_fn, nnx.Module) or not callable(model_fn):
+        raise TypeError(f"init expects a function that builds the model, got {type(model_fn).__name__}; "
+                        "write e.g. jaxpar.init(lambda: MyModel(rngs=nnx.Rngs(0)), config, mesh)")
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"init expects a ParallelConfig, got {type(config).__name__}")
     graphdef, abs_state = nnx.split(abstract_model(model_fn))
@@ -48,8 +47,18 @@ def init(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mesh) -> nn
         with _no_eager_sharding():
             return nnx.split(model_fn())[1]
 
-    state = jax.jit(make, out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+    return graphdef, jax.jit(make, out_shardings=shardings)
+
+
+def init(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mesh) -> nnx.Module:
+    """Build ``model_fn()`` with every variable placed by the plan for ``config`` on ``mesh``.
+
+    >>> cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules={"mlp": "model"})
+    >>> mesh = jaxpar.make_mesh(cfg)
+    >>> model = jaxpar.init(lambda: GPT(GPTConfig(), rngs=nnx.Rngs(0)), cfg, mesh)
+    """
+    graphdef, make = init_program(model_fn, config, mesh)
+    return nnx.merge(graphdef, make())
 
 
 def place(model: nnx.Module, config: ParallelConfig, mesh) -> nnx.Module:

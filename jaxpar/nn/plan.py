@@ -76,23 +76,35 @@ def variable_spec(config: ParallelConfig, mesh, path: str, var: nnx.Variable) ->
         raise ValueError(f"parameter {path!r}: {e}") from None
 
 
-def plan_state(config: ParallelConfig, mesh, state) -> Any:
-    """A tree like ``state`` (an ``nnx.State``) whose variables hold ``PartitionSpec`` values."""
-    used: set[str] = set()
+def plan_state(config: ParallelConfig, mesh, state, *, check_unused: bool = True) -> Any:
+    """A tree like ``state`` (an ``nnx.State``) whose variables hold ``PartitionSpec`` values.
+
+    ``check_unused``: raise if a ``parameter_plan`` pattern matches no variable of ``state``
+    (turn off when planning one part of a model; see ``check_plan_covers``).
+    """
 
     def one(path, var):
-        p = path_str(path)
-        used.update(_matching_patterns(p, config.parameter_plan))
-        return var.replace(variable_spec(config, mesh, p, var))
+        return var.replace(variable_spec(config, mesh, path_str(path), var))
 
     specs = jax.tree_util.tree_map_with_path(one, state, is_leaf=is_variable)
+    if check_unused:
+        check_plan_covers(config, state)
+    return specs
+
+
+def _paths(state) -> list[str]:
+    return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]]
+
+
+def check_plan_covers(config: ParallelConfig, *states) -> None:
+    """Raise ``ValueError`` for ``parameter_plan`` patterns that match no variable of ``states``."""
+    paths = [p for state in states for p in _paths(state)]
+    used = {pat for p in paths for pat in _matching_patterns(p, config.parameter_plan)}
     unused = sorted(set(config.parameter_plan) - used)
     if unused:
-        paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]]
         raise ValueError(
             f"parameter_plan patterns {unused} match no parameter; paths look like {paths[:4]}..."
         )
-    return specs
 
 
 def to_shardings(specs, mesh) -> Any:

@@ -106,7 +106,7 @@ def _integer_spec(strategy: tuple[int, ...], sizes: dict[str, int], shape) -> Pa
     if shape is not None and len(strategy) != len(shape):
         raise ValueError(
             f"{_where(shape, strategy)}: the strategy has {len(strategy)} entries but the tensor "
-            f"has {len(shape)} dimensions; give one factor per dimension"
+            f"has {len(shape)} dimensions (mesh {sizes}); give one factor per dimension"
         )
     total = math.prod(sizes.values())
     if any(f < 1 for f in strategy) or math.prod(strategy) > total:
@@ -120,7 +120,7 @@ def _integer_spec(strategy: tuple[int, ...], sizes: dict[str, int], shape) -> Pa
         if shape is not None and shape[dim] % factor:
             raise ValueError(
                 f"{_where(shape, strategy)}: factor {factor} does not divide dimension {dim} "
-                f"of size {shape[dim]}; use a divisor of {shape[dim]}"
+                f"of size {shape[dim]} (mesh {sizes}); use a divisor of {shape[dim]}"
             )
         axes = _match_factor(factor, sizes, used)
         if axes is None:

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig
 from jaxpar.data import batch_axes, batch_shardings, leaf_spec, place_batch
-from jaxpar.nn.plan import plan_state, to_shardings
+from jaxpar.nn.plan import check_plan_covers, plan_state, to_shardings
 from jaxpar.train.step import build_eval, build_step, make_hybrid_loss, make_loss
 
 _is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
@@ -67,8 +67,9 @@ class Trainer:
         self.global_batch = jax.process_count() == 1 if global_batch is None else global_batch
         self._donate = donate
         self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        self.param_specs = plan_state(config, mesh, params)
-        self.rest_specs = plan_state(config, mesh, rest)
+        self.param_specs = plan_state(config, mesh, params, check_unused=False)
+        self.rest_specs = plan_state(config, mesh, rest, check_unused=False)
+        check_plan_covers(config, params, rest)
         self.param_shardings = to_shardings(self.param_specs, mesh)
         self.rest_shardings = to_shardings(self.rest_specs, mesh)
         self.params = jax.device_put(params, self.param_shardings)

@@ -1,0 +1,71 @@
+"""ParallelConfig: defaults, validation, loading from dict / YAML / overrides."""
+
+import pytest
+
+import jaxpar
+from jaxpar.config import OptimizerConfig, PipelineConfig
+
+
+def test_defaults_and_sub_configs_from_dicts():
+    cfg = jaxpar.ParallelConfig(optimizer={"level": 1}, pipeline={"stages": 2, "microbatches": 4, "schedule": "1f1b"},
+                                mesh={"data": -1, "pipe": 2})
+    assert cfg.mesh == {"data": -1, "pipe": 2}
+    assert cfg.mode == "semi_auto"
+    assert cfg.optimizer == OptimizerConfig(level=1)
+    assert cfg.pipeline == PipelineConfig(stages=2, microbatches=4, schedule="1f1b")
+
+
+def test_frozen_and_keyword_only():
+    cfg = jaxpar.ParallelConfig()
+    with pytest.raises(Exception):
+        cfg.mode = "data"
+    with pytest.raises(TypeError):
+        jaxpar.ParallelConfig({"data": 8})
+
+
+def test_round_trip_dict_and_yaml(tmp_path):
+    cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules={"mlp": "model", "embed": None, "x": ("data", "model")},
+                                parameter_plan={"*/up": (1, 4)}, dataset_strategy=(2, 1), grad_accum=2, remat="full")
+    assert jaxpar.ParallelConfig.from_dict(cfg.to_dict()) == cfg
+    import yaml
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    assert jaxpar.ParallelConfig.from_yaml(str(path)) == cfg
+
+
+def test_overrides():
+    cfg = jaxpar.ParallelConfig.from_overrides(
+        ["--mesh", "data=2,model=-1", "--rules", "mlp=model,heads=model,embed=None,batch=data+model",
+         "--mode", "hybrid", "--optimizer.level", "2", "--grad-accum", "4"])
+    assert cfg.mesh == {"data": 2, "model": -1}
+    assert cfg.rules == {"mlp": "model", "heads": "model", "embed": None, "batch": ("data", "model")}
+    assert cfg.mode == "hybrid" and cfg.optimizer.level == 2 and cfg.grad_accum == 4
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"mode": "fast"}, ["mode", "'fast'", "semi_auto"]),
+    ({"mesh": {"data": -1, "model": -1}}, ["at most one axis may be -1"]),
+    ({"mesh": {"data": 0}}, ["'data'", "size 0"]),
+    ({"mesh": {}}, ["mesh", "non-empty"]),
+    ({"rules": {"mlp": "tensor"}, "mesh": {"data": 8}}, ["'tensor'", "mesh axes are ['data']"]),
+    ({"grad_accum": 0}, ["grad_accum", "positive"]),
+    ({"remat": "sometimes"}, ["remat", "'sometimes'", "dots_saveable"]),
+    ({"search": "greedy"}, ["search", "dynamic_programming"]),
+    ({"optimizer": {"level": 4}}, ["optimizer.level", "4"]),
+    ({"optimizer": {"lvl": 1}}, ["unknown keys", "lvl"]),
+    ({"pipeline": {"stages": 2}}, ["pipe", "mesh has"]),
+    ({"pipeline": {"schedule": "best"}}, ["pipeline.schedule", "1f1b"]),
+    ({"mode": "data", "rules": {"mlp": "data"}, "mesh": {"data": 8}}, ["mode='data'", "semi_auto"]),
+    ({"dataset_strategy": "half"}, ["dataset_strategy", "full_batch"]),
+])
+def test_bad_values_name_field_value_and_fix(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        jaxpar.ParallelConfig(**kwargs)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_unknown_field_from_dict():
+    with pytest.raises(ValueError, match="unknown ParallelConfig fields.*meshes"):
+        jaxpar.ParallelConfig.from_dict({"meshes": {"data": 8}})
