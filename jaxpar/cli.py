@@ -190,5 +190,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m jaxpar.cli
     sys.exit(main())

@@ -1,0 +1,38 @@
+"""The jaxpar command as a user runs it (subprocesses)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def _run(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "jaxpar.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=ENV)
+
+
+@pytest.mark.slow
+def test_train_writes_metrics(tmp_path):
+    out = tmp_path / "m.json"
+    r = _run("train", "--steps", "12", "--batch", "16", "--metrics", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "parameter plan" in r.stdout and "tokens/s" in r.stdout
+    m = json.loads(out.read_text())
+    assert m["mesh"] == {"data": 2, "model": 4}
+    assert len(m["history"]) == 12 and m["history"][-1]["loss"] < m["history"][0]["loss"]
+    assert m["report"]["collectives"]["count"] > 0 and m["report"]["memory"]["argument_bytes"] > 0
+
+
+def test_plan_and_bad_input(tmp_path):
+    r = _run("plan", "--mesh", "data=4,model=2", "--save", str(tmp_path / "plan.json"))
+    assert r.returncode == 0, r.stderr
+    assert "PartitionSpec" in r.stdout and "blocks/0/mlp/up" in r.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["mesh"] == {"data": 4, "model": 2}
+    r = _run("plan", "--mesh", "data=3,model=2")
+    assert r.returncode == 2
+    assert "mesh {'data': 3, 'model': 2} has 6 devices but 8 are available" in r.stderr
