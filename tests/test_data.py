@@ -1,0 +1,69 @@
+"""Batches placed by dataset_strategy: batch axes by default, full batch, and H/W splits of images."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import jaxpar
+from jaxpar.data import batch_axes, leaf_spec
+
+
+class ConvNet(nnx.Module):
+    def __init__(self, rngs):
+        self.conv1 = nnx.Conv(3, 8, (3, 3), padding="SAME", rngs=rngs)
+        self.conv2 = nnx.Conv(8, 4, (3, 3), padding="SAME", rngs=rngs)
+
+    def __call__(self, x):
+        return self.conv2(jax.nn.relu(self.conv1(x)))
+
+
+def _images():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 16, 16, 3)).astype(np.float32)
+    return {"x": x, "y": rng.normal(size=(4, 16, 16, 4)).astype(np.float32)}
+
+
+def _mse(model, b):
+    return jnp.mean((model(b["x"]) - b["y"]) ** 2)
+
+
+def _train(config, n):
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:n])
+    model = jaxpar.init(lambda: ConvNet(nnx.Rngs(0)), config, mesh)
+    trainer = jaxpar.Trainer(model, optax.adam(1e-2), _mse, config, mesh)
+    return [float(trainer.step(_images())["loss"]) for _ in range(3)], trainer
+
+
+def test_batch_and_spatial_split_matches_one_device():
+    """Images NHWC split over batch (2), H (2) and W (2): XLA exchanges halos; numerics unchanged."""
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "h": 2, "w": 2}, dataset_strategy=(2, 2, 2, 1))
+    losses, trainer = _train(config, 8)
+    ref, _ = _train(jaxpar.ParallelConfig(mesh={"data": 1}), 1)
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    placed = trainer.place(_images())
+    assert placed["x"].sharding.spec == P("data", "h", "w", None)
+    assert placed["x"].addressable_shards[0].data.shape == (2, 8, 8, 3)
+
+
+def test_default_full_batch_and_mode_data():
+    sizes = jaxpar.make_mesh({"data": 2, "model": 4})
+    assert leaf_spec(jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}), sizes, (8, 3)) == P("data")
+    assert leaf_spec(jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, dataset_strategy="full_batch"),
+                     sizes, (8, 3)) == P()
+    cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, mode="data")
+    assert batch_axes(cfg, sizes) == ("data", "model")
+    cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules={"batch": ("data", "model")})
+    assert leaf_spec(cfg, sizes, (8, 3)) == P(("data", "model"))
+
+
+def test_batch_not_divisible_names_the_fix():
+    mesh = jaxpar.make_mesh({"data": 8})
+    with pytest.raises(ValueError, match=r"batch leaf of shape \(12, 3\).*not divisible by 8.*multiple of 8"):
+        leaf_spec(jaxpar.ParallelConfig(mesh={"data": 8}), mesh, (12, 3))
+    with pytest.raises(ValueError, match="factor 2 does not divide dimension 1 of size 15"):
+        leaf_spec(jaxpar.ParallelConfig(mesh={"data": 2, "h": 4}, dataset_strategy=(2, 2, 1)),
+                  jaxpar.make_mesh({"data": 2, "h": 4}), (4, 15, 3))
