@@ -5,7 +5,7 @@ model sharded (``init``) and train it (``Trainer``). Strategies come in MindSpor
 (integer tuples, ``Layout``) or JAX forms (logical names with rules, ``PartitionSpec``).
 """
 
-from jaxpar import report
+from jaxpar import ops, report
 from jaxpar.config import OptimizerConfig, ParallelConfig, PipelineConfig
 from jaxpar.mesh import make_mesh
 from jaxpar.nn import init
@@ -24,6 +24,7 @@ __all__ = [
     "Trainer",
     "init",
     "make_mesh",
+    "ops",
     "report",
     "shard",
     "to_partition_spec",

@@ -1,0 +1,32 @@
+"""Operator-level parallel operators with MindSpore-style strategies.
+
+Each is a plain function, usable eagerly and inside ``jax.jit``, that takes its mesh as
+``mesh=`` (or the one set with ``jax.set_mesh``) and says which collectives it implies:
+
+* `matmul` / `dense`: ``x @ w`` with ``in_strategy=(x, w)`` / ``out_strategy=(y,)``; K split
+  → all-reduce, or reduce-scatter when the output is split over K's axes.
+* `matmul_2d`: 2D tensor parallel (all-gather of w, reduce-scatter of y).
+* `embedding`: vocab-parallel lookup (psum), with MindSpore's ``manual_split``
+  (`pad_for_manual_split` / `unpad`).
+* `attention`: heads (and batch) split, no communication.
+* `conv2d`: image split over H/W, halo exchange with collective-permutes.
+
+See docs/operators.md.
+"""
+
+from jaxpar.ops.conv import conv2d
+from jaxpar.ops.head_parallel import attention
+from jaxpar.ops.linear import dense, matmul
+from jaxpar.ops.linear_2d import matmul_2d
+from jaxpar.ops.vocab_parallel import embedding, pad_for_manual_split, unpad
+
+__all__ = [
+    "attention",
+    "conv2d",
+    "dense",
+    "embedding",
+    "matmul",
+    "matmul_2d",
+    "pad_for_manual_split",
+    "unpad",
+]
