@@ -88,10 +88,12 @@ def place_batch(config: ParallelConfig, mesh, batch, *, global_batch: bool = Tru
 
         return jax.tree.map(put, batch)
 
+    from jaxpar.distributed import make_global_batch
+
     def put_local(x):
         x = np.asarray(x)
         shape = _global_shape(x.shape, None)
-        sharding = NamedSharding(mesh, leaf_spec(config, mesh, shape))
-        return jax.make_array_from_process_local_data(sharding, x, shape)
+        # Handles meshes whose batch axes do not follow process boundaries (e.g. data=2 on 4 processes).
+        return make_global_batch(x, NamedSharding(mesh, leaf_spec(config, mesh, shape)))
 
     return jax.tree.map(put_local, batch)

@@ -1,0 +1,166 @@
+"""The ``jaxpar launch`` and ``jaxpar k8s`` subcommands, for the ``jaxpar`` command to register.
+
+    parser = argparse.ArgumentParser(prog="jaxpar")
+    sub = parser.add_subparsers()
+    add_launch_parser(sub)
+    add_k8s_parser(sub)
+    args = parser.parse_args()
+    sys.exit(args.func(args))
+
+``python -m jaxpar.launch ARGS`` is ``jaxpar launch ARGS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from jaxpar.launch import k8s, launcher
+
+_LAUNCH_HELP = "start this node's worker processes of a multi-process job (msrun-like)"
+_LAUNCH_EPILOG = """\
+examples:
+  # one machine, 2 processes x 4 simulated CPU devices
+  jaxpar launch --worker-num 2 --local-worker-num 2 --simulated-devices 4 train.py --steps 5
+  # two nodes, 8 processes each; run on each node with its --node-rank
+  jaxpar launch --worker-num 16 --local-worker-num 8 --master-addr 10.0.0.1 \\
+      --master-port 8118 --node-rank 0 --log-dir logs train.py
+Option names also accept msrun's spelling (--worker_num, --master_addr, ...).
+"""
+
+
+def _flag(parser, name: str, **kwargs) -> None:
+    """Adds ``--a-b`` with msrun's ``--a_b`` as an alias."""
+    alias = "--" + name[2:].replace("-", "_")
+    names = [name] + ([alias] if alias != name else [])
+    parser.add_argument(*names, **kwargs)
+
+
+def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    d = launcher.LaunchConfig()
+    _flag(p, "--worker-num", type=int, default=d.worker_num,
+          help="processes in the whole job (default %(default)s)")
+    _flag(p, "--local-worker-num", type=int, default=d.local_worker_num,
+          help="processes on this node (default %(default)s)")
+    _flag(p, "--master-addr", default=d.master_addr,
+          help="host of rank 0, the coordinator (default %(default)s)")
+    _flag(p, "--master-port", type=int, default=d.master_port,
+          help="coordinator port (default %(default)s)")
+    _flag(p, "--node-rank", type=int, default=d.node_rank,
+          help="index of this node (default %(default)s)")
+    _flag(p, "--log-dir", default=d.log_dir,
+          help="folder for worker_<rank>.log and launcher_<node>.log (default %(default)s)")
+    p.add_argument("--join", action="store_true",
+                   help="stream the workers' output to stdout, prefixed by rank")
+    _flag(p, "--cluster-time-out", type=float, default=d.cluster_time_out,
+          help="seconds to wait for all workers to join (default %(default)s)")
+    _flag(p, "--simulated-devices", type=int, default=None, metavar="K",
+          help="K CPU devices per process (CPU machines)")
+    _flag(p, "--devices-per-worker", type=int, default=None, metavar="D",
+          help="give local worker i accelerators i*D..i*D+D-1")
+    _flag(p, "--kill-time-out", type=float, default=d.kill_time_out,
+          help="on Ctrl-C/SIGTERM: seconds between SIGTERM and SIGKILL to the workers "
+               "(default %(default)s)")
+    p.add_argument("script", help="Python script (or executable) each worker runs")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def add_launch_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers ``launch`` on an argparse ``subparsers``; ``args.func(args)`` returns the exit code."""
+    p = subparsers.add_parser(
+        "launch", help=_LAUNCH_HELP, description=_LAUNCH_HELP, epilog=_LAUNCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_launch_arguments(p)
+    p.set_defaults(func=run_launch)
+    return p
+
+
+def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
+    """The LaunchConfig that parsed ``jaxpar launch`` arguments describe."""
+    return launcher.LaunchConfig(
+        worker_num=args.worker_num, local_worker_num=args.local_worker_num,
+        master_addr=args.master_addr, master_port=args.master_port, node_rank=args.node_rank,
+        log_dir=args.log_dir, join=args.join, cluster_time_out=args.cluster_time_out,
+        simulated_devices=args.simulated_devices, devices_per_worker=args.devices_per_worker,
+        kill_time_out=args.kill_time_out,
+    )
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    """Handler of ``jaxpar launch``."""
+    try:
+        config = launch_config(args)
+    except ValueError as err:
+        sys.stderr.write(f"jaxpar launch: error: {err}\n")
+        return 2
+    return launcher.launch(config, args.script, args.script_args, echo=sys.stdout)
+
+
+def add_k8s_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers ``k8s`` on an argparse ``subparsers``; ``args.func(args)`` returns the exit code."""
+    text = "print a Kubernetes manifest (headless Service + indexed Job, or a JobSet) for a job"
+    p = subparsers.add_parser(
+        "k8s", help=text, description=text,
+        epilog="example:\n  jaxpar k8s --workers 4 --image me/train:1 -- python train.py --steps 100 "
+               "| kubectl apply -f -",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--workers", type=int, required=True, help="number of pods (processes)")
+    p.add_argument("--image", required=True, help="container image")
+    p.add_argument("--name", default="jaxpar",
+                   help="name of the Job / JobSet and Service (default %(default)s)")
+    p.add_argument("--jobset", action="store_true", help="emit a JobSet instead of Service + Job")
+    p.add_argument("--port", type=int, default=k8s.sources.DEFAULT_PORT,
+                   help="coordinator port (default %(default)s)")
+    p.add_argument("--namespace", default=None, help="namespace of the objects")
+    p.add_argument("--gpus-per-worker", type=int, default=0, help="nvidia.com/gpu limit per pod")
+    p.add_argument("--simulated-devices", type=int, default=None, metavar="K",
+                   help="K CPU devices per pod")
+    p.add_argument("--cluster-time-out", type=float, default=None,
+                   help="seconds pods wait for each other")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="extra variable (repeatable)")
+    # dest differs from "command": the jaxpar command keeps the subcommand's name there.
+    p.add_argument("pod_command", nargs=argparse.REMAINDER, metavar="command",
+                   help="-- then the command each pod runs")
+    p.set_defaults(func=run_k8s)
+    return p
+
+
+def _env_pairs(items: Sequence[str]) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--env {item!r} must look like NAME=VALUE.")
+        pairs[name] = value
+    return pairs
+
+
+def run_k8s(args: argparse.Namespace) -> int:
+    """Handler of ``jaxpar k8s``: prints the manifest to stdout."""
+    try:
+        job = k8s.K8sJob(
+            workers=args.workers, image=args.image, command=k8s.command_after_dashes(args.pod_command),
+            name=args.name, kind="jobset" if args.jobset else "job", port=args.port,
+            namespace=args.namespace, gpus_per_worker=args.gpus_per_worker,
+            simulated_devices=args.simulated_devices, cluster_time_out=args.cluster_time_out,
+            env=_env_pairs(args.env),
+        )
+    except ValueError as err:
+        sys.stderr.write(f"jaxpar k8s: error: {err}\n")
+        return 2
+    sys.stdout.write(k8s.manifest(job))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``jaxpar``-like entry with just the ``launch`` and ``k8s`` subcommands."""
+    parser = argparse.ArgumentParser(prog="jaxpar")
+    sub = parser.add_subparsers(dest="command_name", required=True)
+    add_launch_parser(sub)
+    add_k8s_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)

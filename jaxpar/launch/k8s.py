@@ -1,0 +1,191 @@
+"""``jaxpar k8s``: a Kubernetes manifest that runs a command on N worker pods.
+
+Two shapes, both one pod per process:
+
+* ``kind="job"``: a headless Service plus an indexed Job. Pod ``i`` is ``<name>-<i>``; with
+  ``subdomain: <name>`` it resolves as ``<name>-<i>.<name>``, so process 0 is the coordinator at
+  ``<name>-0.<name>:<port>``.
+* ``kind="jobset"``: a JobSet (``jobset.x-k8s.io/v1alpha2``) with one replicated Job; JobSet
+  makes the headless Service itself, and pod ``i`` is ``<name>-workers-0-<i>.<name>``.
+
+Each pod gets ``JAXPAR_COORDINATOR_ADDRESS``, ``JAXPAR_NUM_PROCESSES`` and ``JAXPAR_PROCESS_ID``
+(from the pod's ``batch.kubernetes.io/job-completion-index`` annotation). Any failed pod fails
+the Job (``backoffLimit: 0``), and Kubernetes deletes the other pods.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+
+import yaml
+
+from jaxpar.launch import sources
+
+_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class K8sJob:
+    """What to run on Kubernetes; ``manifest(job)`` turns it into YAML.
+
+    Example:
+        >>> K8sJob(workers=4, image="me/train:1", command=("python", "train.py"),
+        ...        name="gpt").coordinator_host
+        'gpt-0.gpt'
+    """
+
+    workers: int
+    """Number of pods = processes."""
+    image: str
+    """Container image with Python, jaxpar and the script."""
+    command: tuple[str, ...]
+    """What each pod runs, e.g. ``("python", "train.py", "--steps", "100")``."""
+    name: str = "jaxpar"
+    """Name of the Job / JobSet and its Service (a DNS label)."""
+    kind: str = "job"
+    """``"job"`` (Service + indexed Job) or ``"jobset"``."""
+    port: int = sources.DEFAULT_PORT
+    """Coordinator port on pod 0."""
+    namespace: str | None = None
+    gpus_per_worker: int = 0
+    """``nvidia.com/gpu`` limit per pod (0: none)."""
+    simulated_devices: int | None = None
+    """CPU devices per pod, for trying the manifest out on a CPU cluster."""
+    cluster_time_out: float | None = None
+    """Seconds each pod waits for the others (``JAXPAR_CLUSTER_TIMEOUT``)."""
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """More environment variables for every pod."""
+
+    def __post_init__(self):
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers={self.workers!r} must be a whole number >= 1 (--workers).")
+        if not self.image:
+            raise ValueError("image='' is empty; name the container image (--image IMG).")
+        if not self.command:
+            raise ValueError("command=() is empty; put the command after '--', e.g. -- python train.py.")
+        if not _NAME.match(self.name) or len(self.name) > 40:
+            raise ValueError(
+                f"name={self.name!r} must be a lowercase DNS label of at most 40 characters "
+                "(letters, digits, '-'), such as 'gpt-train'."
+            )
+        if self.kind not in ("job", "jobset"):
+            raise ValueError(f"kind={self.kind!r} must be 'job' or 'jobset' (--jobset picks the latter).")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port={self.port!r} must be in 1..65535 (--port).")
+        if self.gpus_per_worker < 0:
+            raise ValueError(f"gpus_per_worker={self.gpus_per_worker!r} must be >= 0.")
+
+    @property
+    def coordinator_host(self) -> str:
+        """DNS name of pod 0 inside the namespace."""
+        pod = f"{self.name}-0" if self.kind == "job" else f"{self.name}-workers-0-0"
+        return f"{pod}.{self.name}"
+
+
+def _env(job: K8sJob) -> list[dict]:
+    env = [
+        {"name": sources.COORDINATOR_ADDRESS, "value": f"{job.coordinator_host}:{job.port}"},
+        {"name": sources.NUM_PROCESSES, "value": str(job.workers)},
+        {"name": sources.PROCESS_ID, "valueFrom": {"fieldRef": {"fieldPath": _INDEX}}},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    if job.simulated_devices is not None:
+        env += [{"name": "JAXPAR_SIMULATED_DEVICES", "value": str(job.simulated_devices)},
+                {"name": "JAX_PLATFORMS", "value": "cpu"}]
+    if job.cluster_time_out is not None:
+        env.append({"name": "JAXPAR_CLUSTER_TIMEOUT", "value": f"{job.cluster_time_out:g}"})
+    return env + [{"name": k, "value": str(v)} for k, v in job.env.items()]
+
+
+def _container(job: K8sJob) -> dict:
+    container = {
+        "name": "worker",
+        "image": job.image,
+        "command": list(job.command),
+        "env": _env(job),
+        "ports": [{"name": "coordinator", "containerPort": job.port}],
+    }
+    if job.gpus_per_worker:
+        container["resources"] = {"limits": {"nvidia.com/gpu": job.gpus_per_worker}}
+    return container
+
+
+def _job_spec(job: K8sJob, subdomain: bool) -> dict:
+    pod = {"restartPolicy": "Never", "containers": [_container(job)]}
+    if subdomain:
+        pod["subdomain"] = job.name
+    return {
+        "completionMode": "Indexed",
+        "completions": job.workers,
+        "parallelism": job.workers,
+        # One failed pod fails the job: a JAX job cannot go on with a process missing.
+        "backoffLimit": 0,
+        "template": {"metadata": {"labels": {"app": job.name}}, "spec": pod},
+    }
+
+
+def _metadata(job: K8sJob) -> dict:
+    meta = {"name": job.name, "labels": {"app": job.name}}
+    if job.namespace:
+        meta["namespace"] = job.namespace
+    return meta
+
+
+def _service(job: K8sJob) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(job),
+        "spec": {
+            "clusterIP": "None",
+            # Pods must resolve each other before they are ready: they are waiting for each other.
+            "publishNotReadyAddresses": True,
+            "selector": {"app": job.name},
+            "ports": [{"name": "coordinator", "port": job.port}],
+        },
+    }
+
+
+def _jobset(job: K8sJob) -> dict:
+    return {
+        "apiVersion": "jobset.x-k8s.io/v1alpha2",
+        "kind": "JobSet",
+        "metadata": _metadata(job),
+        "spec": {
+            "failurePolicy": {"maxRestarts": 0},
+            "network": {"enableDNSHostnames": True, "subdomain": job.name,
+                        "publishNotReadyAddresses": True},
+            "replicatedJobs": [
+                {"name": "workers", "replicas": 1, "template": {"spec": _job_spec(job, False)}}
+            ],
+        },
+    }
+
+
+def manifest_objects(job: K8sJob) -> list[dict]:
+    """The Kubernetes objects for ``job``, as plain dicts."""
+    if job.kind == "jobset":
+        return [_jobset(job)]
+    batch_job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(job),
+                 "spec": _job_spec(job, True)}
+    return [_service(job), batch_job]
+
+
+def manifest(job: K8sJob) -> str:
+    """The YAML manifest for ``job`` (several documents separated by ``---``).
+
+    Example:
+        >>> text = manifest(K8sJob(workers=4, image="me/train:1", command=("python", "train.py")))
+        >>> "completionMode: Indexed" in text
+        True
+    """
+    return yaml.safe_dump_all(manifest_objects(job), sort_keys=False, default_flow_style=False)
+
+
+def command_after_dashes(words: Sequence[str]) -> tuple[str, ...]:
+    """Drops the ``--`` that separates ``jaxpar k8s`` options from the pod's command."""
+    words = list(words)
+    return tuple(words[1:] if words[:1] == ["--"] else words)

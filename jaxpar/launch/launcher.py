@@ -1,0 +1,317 @@
+"""``jaxpar launch``: start this node's workers, watch them, and never leave one behind.
+
+The launcher plays msrun's part on top of JAX's own runtime: it sets each worker's
+``JAXPAR_*`` variables, and the worker's ``jaxpar.distributed.initialize()`` connects through
+``jax.distributed`` (process 0 serves as coordinator at ``--master-addr:--master-port``).
+
+Supervision, in one loop:
+
+* a worker exits non-zero or is killed → SIGKILL to every other worker's process group at
+  once (the job cannot go on, or save, without that process, and JAX's preemption handler
+  swallows SIGTERM); exit with the worker's status, naming its rank, how it ended and its log;
+* a worker gives up waiting for the cluster (status 124 from ``initialize``) → the same, with
+  the ranks that never joined;
+* SIGINT / SIGTERM / SIGHUP to the launcher → SIGTERM to the workers (a loop that watches
+  ``jax.experimental.multihost_utils.reached_preemption_sync_point`` can save a checkpoint),
+  SIGKILL after ``kill_time_out`` seconds or at a second signal; exit ``128 + signal``;
+* the launcher itself killed with SIGKILL → the kernel kills the workers (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+from jaxpar.launch import cluster, sources
+from jaxpar.launch.ports import port_problem
+from jaxpar.launch.worker import Worker, signal_name, stop_all
+
+# Names shared with jaxpar.distributed, which the launcher must not import (it imports jax).
+SIMULATED_DEVICES = "JAXPAR_SIMULATED_DEVICES"
+CLUSTER_TIMEOUT = "JAXPAR_CLUSTER_TIMEOUT"
+LAUNCH_RUN_DIR = "JAXPAR_LAUNCH_RUN_DIR"
+NODE_RANK = "JAXPAR_NODE_RANK"
+JOIN_TIMEOUT_EXIT_CODE = 124
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """How to start this node's share of a job; the options of ``jaxpar launch``.
+
+    Example:
+        >>> config = LaunchConfig(worker_num=16, local_worker_num=8, node_rank=1,
+        ...                       master_addr="10.0.0.1")
+        >>> list(config.ranks)[:2], config.coordinator_address
+        ([8, 9], '10.0.0.1:8118')
+    """
+
+    worker_num: int = 8
+    """Processes in the whole job, over all nodes (msrun ``--worker_num``)."""
+    local_worker_num: int = 8
+    """Processes on this node; rank = node_rank * local_worker_num + local index."""
+    master_addr: str = "127.0.0.1"
+    """Host of rank 0, which serves as the coordinator."""
+    master_port: int = 8118
+    """Coordinator port on ``master_addr``."""
+    node_rank: int = 0
+    """Index of this node, 0 .. nodes - 1."""
+    log_dir: str = "jaxpar_logs"
+    """Folder for ``worker_<rank>.log`` and ``launcher_<node_rank>.log``."""
+    join: bool = False
+    """Stream the workers' output, prefixed with their rank, to the launcher's stdout."""
+    cluster_time_out: float = 600.0
+    """Seconds every worker waits for all the others to join before it gives up."""
+    simulated_devices: int | None = None
+    """On CPU machines: this many CPU devices in each worker (``JAXPAR_SIMULATED_DEVICES``)."""
+    devices_per_worker: int | None = None
+    """Give worker ``i`` of this node accelerators ``i*d .. i*d + d - 1`` (several workers a node)."""
+    kill_time_out: float = 10.0
+    """Seconds between SIGTERM and SIGKILL when the launcher is interrupted."""
+
+    def __post_init__(self):
+        _positive("worker_num", self.worker_num, "--worker-num")
+        _positive("local_worker_num", self.local_worker_num, "--local-worker-num")
+        _positive("cluster_time_out", self.cluster_time_out, "--cluster-time-out", number=float)
+        _positive("kill_time_out", self.kill_time_out, "--kill-time-out", number=float)
+        for name in ("simulated_devices", "devices_per_worker"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name), "--" + name.replace("_", "-"))
+        if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port={self.master_port!r} must be in 1..65535 (--master-port).")
+        if not isinstance(self.node_rank, int) or self.node_rank < 0:
+            raise ValueError(f"node_rank={self.node_rank!r} must be a whole number >= 0 (--node-rank).")
+        first = self.node_rank * self.local_worker_num
+        if first + self.local_worker_num > self.worker_num:
+            raise ValueError(
+                f"node_rank={self.node_rank} with local_worker_num={self.local_worker_num} "
+                f"gives ranks {first}..{first + self.local_worker_num - 1}, but worker_num="
+                f"{self.worker_num}; use --worker-num >= {first + self.local_worker_num} or a "
+                "smaller --node-rank / --local-worker-num."
+            )
+
+    @property
+    def ranks(self) -> range:
+        """The global ranks of this node's workers."""
+        first = self.node_rank * self.local_worker_num
+        return range(first, first + self.local_worker_num)
+
+    @property
+    def coordinator_address(self) -> str:
+        host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
+        return f"{host}:{self.master_port}"
+
+
+def _positive(name: str, value, flag: str, number=int) -> None:
+    ok = isinstance(value, (int, float) if number is float else int) and not isinstance(value, bool)
+    if not ok or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive {number.__name__} ({flag}).")
+
+
+def worker_command(script: str, args: Sequence[str]) -> list[str]:
+    """``script.py args`` → ``python -u script.py args``; any other executable runs as is."""
+    is_python = script.endswith(".py") or not (os.path.isfile(script) and os.access(script, os.X_OK))
+    return [sys.executable, "-u", script, *args] if is_python else [script, *args]
+
+
+def worker_env(config: LaunchConfig, rank: int, run_dir: str, base: Mapping[str, str]) -> dict:
+    """The environment of the worker with global ``rank``: ``base`` plus the JAXPAR_* names."""
+    local = rank - config.ranks.start
+    env = dict(base)
+    env.update({
+        sources.COORDINATOR_ADDRESS: config.coordinator_address,
+        sources.NUM_PROCESSES: str(config.worker_num),
+        sources.PROCESS_ID: str(rank),
+        sources.LOCAL_PROCESS_ID: str(local),
+        NODE_RANK: str(config.node_rank),
+        CLUSTER_TIMEOUT: str(config.cluster_time_out),
+        # Only these variables count: an srun or mpirun around the launcher describes the
+        # launchers, not the workers.
+        cluster.CLUSTER_SOURCE: "env",
+        LAUNCH_RUN_DIR: run_dir,
+        "PYTHONUNBUFFERED": "1",
+    })
+    if config.simulated_devices is not None:
+        env[SIMULATED_DEVICES] = str(config.simulated_devices)
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    if config.devices_per_worker is not None:
+        d = config.devices_per_worker
+        env[sources.LOCAL_DEVICE_IDS] = ",".join(str(i) for i in range(local * d, local * d + d))
+    return env
+
+
+class _Log:
+    """The launcher's messages: to stderr and to launcher_<node>.log."""
+
+    def __init__(self, path: str, lock: threading.Lock):
+        self._file = open(path, "a", encoding="utf-8")
+        self._lock = lock
+
+    def __call__(self, message: str) -> None:
+        stamp = time.strftime("%H:%M:%S")
+        with self._lock:
+            for line in message.splitlines():
+                sys.stderr.write(f"jaxpar launch: {line}\n")
+                self._file.write(f"{stamp} {line}\n")
+            sys.stderr.flush()
+            self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class _Signals:
+    """Turns SIGINT/SIGTERM/SIGHUP into a flag the loop reads (main thread only)."""
+
+    NAMES = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self):
+        self.received: int | None = None
+        self.count = 0
+        self._old: dict = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.NAMES:
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+        self.count += 1
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def launch(config: LaunchConfig, script: str, args: Sequence[str] = (), *,
+           echo: IO[str] | None = None) -> int:
+    """Runs this node's workers of ``script`` until all end; returns the exit status.
+
+    0 when every worker exits 0; otherwise the failing worker's status (``128 + signal``
+    when killed), ``124`` when the cluster did not form in time, ``128 + signal`` when the
+    launcher was interrupted.
+
+    Example:
+        >>> launch(LaunchConfig(worker_num=2, local_worker_num=2, simulated_devices=4),
+        ...        "train.py", ["--steps", "5"])  # doctest: +SKIP
+        0
+    """
+    os.makedirs(config.log_dir, exist_ok=True)
+    lock = threading.Lock()
+    log = _Log(os.path.join(config.log_dir, f"launcher_{config.node_rank}.log"), lock)
+    run_dir = tempfile.mkdtemp(prefix="jaxpar-launch-")
+    try:
+        if config.node_rank == 0 and not _port_free(config, log):
+            return 1
+        with _Signals() as signals:
+            return _run(config, worker_command(script, args), run_dir, log, signals,
+                        echo if config.join else None, lock)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        log.close()
+
+
+def _port_free(config: LaunchConfig, log: _Log) -> bool:
+    problem = port_problem(config.master_port)
+    if problem:
+        log(f"error: --master-port {config.master_port} {problem}; pick a free port with "
+            f"--master-port, or stop the process holding it (ss -ltnp 'sport = :{config.master_port}').")
+    return not problem
+
+
+def _start(config, command, run_dir, log, workers: list[Worker]) -> None:
+    """Starts the workers, appending each as it starts (so a failure leaves none unwatched)."""
+    for rank in config.ranks:
+        path = os.path.join(config.log_dir, f"worker_{rank}.log")
+        env = worker_env(config, rank, run_dir, os.environ)
+        workers.append(Worker(rank=rank, command=command, env=env, log_path=path))
+        log(f"started rank {rank} (pid {workers[-1].pid}), log {path}")
+
+
+def _run(config, command, run_dir, log, signals, echo, lock) -> int:
+    log(f"node {config.node_rank}: ranks {config.ranks.start}..{config.ranks.stop - 1} of "
+        f"{config.worker_num}, coordinator {config.coordinator_address}: {' '.join(command)}")
+    workers: list[Worker] = []
+    try:
+        _start(config, command, run_dir, log, workers)
+        # Copy output only once every worker has forked: no thread runs during a fork.
+        for w in workers:
+            w.start_copying(echo, lock)
+        return _watch(config, workers, run_dir, log, signals)
+    finally:
+        stop_all(workers, 0.0)  # normally all have ended: this reaps them and their children
+        for w in workers:
+            w.close()
+
+
+def _marked(run_dir: str, stage: str) -> set[int]:
+    """Ranks that wrote ``<stage>.<rank>`` (``waiting`` / ``joined``) in ``run_dir``."""
+    names = os.listdir(run_dir) if os.path.isdir(run_dir) else []
+    return {int(n.split(".", 1)[1]) for n in names if n.startswith(stage + ".")}
+
+
+def _watch(config, workers, run_dir, log, signals) -> int:
+    while True:
+        if signals.received is not None:
+            return _interrupted(config, workers, signals, log)
+        ended = [w for w in workers if w.poll() not in (None, 0)]
+        if ended:
+            # The first to end is the cause; the others may have died of it.
+            failed = min(ended, key=lambda w: w.ended_at)
+            return _failed(config, workers, failed, run_dir, log)
+        if all(w.poll() == 0 for w in workers):
+            log(f"all {len(workers)} workers of node {config.node_rank} exited with code 0")
+            return 0
+        time.sleep(0.05)
+
+
+def _interrupted(config, workers, signals, log) -> int:
+    running = [w for w in workers if w.poll() is None]
+    name = signal_name(signals.received)
+    log(f"received {name}: sending SIGTERM to {len(running)} worker(s), SIGKILL in "
+        f"{config.kill_time_out:g} s (--kill-time-out) or at the next signal")
+    took = stop_all(workers, config.kill_time_out, hurry=lambda: signals.count > 1)
+    log(f"stopped {len(running)} worker(s) in {took:.2f} s")
+    return 128 + signals.received
+
+
+def _failed(config, workers, failed: Worker, run_dir: str, log) -> int:
+    code = failed.process.returncode
+    joined = _marked(run_dir, "joined")
+    running = [w for w in workers if w.poll() is None]
+    took = stop_all(workers, 0.0)
+    log(f"rank {failed.rank} {failed.describe_exit()}: killed the {len(running)} other "
+        f"running worker(s) in {took:.2f} s")
+    if code == JOIN_TIMEOUT_EXIT_CODE and failed.rank not in joined:
+        _join_timeout_report(config, failed, _marked(run_dir, "waiting"), log)
+        return JOIN_TIMEOUT_EXIT_CODE
+    log(f"error: rank {failed.rank} (pid {failed.pid}) {failed.describe_exit()}; "
+        f"its log: {failed.log_path}")
+    tail = failed.tail()
+    if tail:
+        log(f"last {len(tail)} lines of {failed.log_path}:\n" + "\n".join("  | " + t for t in tail))
+    return code if code > 0 else 128 - code
+
+
+def _join_timeout_report(config, failed: Worker, waiting: set[int], log) -> None:
+    absent = [r for r in config.ranks if r not in waiting]
+    remote = config.worker_num - config.local_worker_num
+    parts = [f"error: the cluster did not form within {config.cluster_time_out:g} s "
+             f"(--cluster-time-out); rank {failed.rank} gave up waiting (log: {failed.log_path})"]
+    if absent:
+        parts.append(f"on this node, rank(s) {absent} never joined (never reached "
+                     "jaxpar.distributed.initialize)")
+    if remote:
+        parts.append(f"{remote} rank(s) run on other nodes: check that every node runs jaxpar "
+                     "launch with the same --worker-num, --master-addr and --master-port and "
+                     "its own --node-rank")
+    log("; ".join(parts) + ".")

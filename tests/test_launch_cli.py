@@ -1,0 +1,108 @@
+"""`jaxpar launch` options: parsing, msrun spellings, validation, and `python -m jaxpar.launch`."""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jaxpar.launch import LaunchConfig
+from jaxpar.launch.cli import add_k8s_parser, add_launch_parser, launch_config
+from jaxpar.launch.launcher import worker_command, worker_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="jaxpar")
+    sub = parser.add_subparsers()
+    add_launch_parser(sub)
+    add_k8s_parser(sub)
+    return parser.parse_args(argv)
+
+
+def test_options_and_script_args():
+    args = parse(["launch", "--worker-num", "4", "--local-worker-num", "2", "--master-addr",
+                  "10.0.0.1", "--master-port", "9000", "--node-rank", "1", "--log-dir", "L",
+                  "--join", "--cluster-time-out", "30", "--simulated-devices", "2",
+                  "train.py", "--steps", "5", "--join"])
+    config = launch_config(args)
+    assert config == LaunchConfig(worker_num=4, local_worker_num=2, master_addr="10.0.0.1",
+                                  master_port=9000, node_rank=1, log_dir="L", join=True,
+                                  cluster_time_out=30.0, simulated_devices=2)
+    assert args.script == "train.py" and args.script_args == ["--steps", "5", "--join"]
+    assert list(config.ranks) == [2, 3]
+    assert callable(args.func)
+
+
+def test_msrun_spellings():
+    args = parse(["launch", "--worker_num", "2", "--local_worker_num", "2", "--master_port",
+                  "1234", "--cluster_time_out", "5", "t.py"])
+    assert (args.worker_num, args.local_worker_num, args.master_port) == (2, 2, 1234)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"worker_num": 0}, "worker_num=0"),
+    ({"worker_num": 4, "local_worker_num": 2, "node_rank": 2}, "--worker-num >= 6"),
+    ({"master_port": 70000}, "master_port=70000"),
+    ({"cluster_time_out": -1.0}, "cluster_time_out=-1.0"),
+])
+def test_bad_configs(kw, words):
+    with pytest.raises(ValueError) as err:
+        LaunchConfig(**kw)
+    assert words in str(err.value)
+
+
+def test_worker_env():
+    config = LaunchConfig(worker_num=4, local_worker_num=2, node_rank=1, master_port=9000,
+                          simulated_devices=2, devices_per_worker=2, cluster_time_out=7)
+    env = worker_env(config, 3, "/run", {"SLURM_PROCID": "1", "KEEP": "x"})
+    assert env["JAXPAR_COORDINATOR_ADDRESS"] == "127.0.0.1:9000"
+    assert (env["JAXPAR_NUM_PROCESSES"], env["JAXPAR_PROCESS_ID"]) == ("4", "3")
+    assert env["JAXPAR_LOCAL_PROCESS_ID"] == "1" and env["JAXPAR_LOCAL_DEVICE_IDS"] == "2,3"
+    assert env["JAXPAR_SIMULATED_DEVICES"] == "2" and env["JAXPAR_CLUSTER_TIMEOUT"] == "7"
+    assert env["JAXPAR_CLUSTER_SOURCE"] == "env" and env["KEEP"] == "x"
+
+
+def test_worker_command():
+    assert worker_command("t.py", ["-x"]) == [sys.executable, "-u", "t.py", "-x"]
+
+
+def test_bad_option_exits_2_with_message(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxpar.launch", "--worker-num", "2", "--local-worker-num", "3",
+         "--log-dir", str(tmp_path), "t.py"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+    assert result.returncode == 2
+    assert "local_worker_num=3" in result.stderr
+
+
+def test_module_entry_is_jaxpar_launch():
+    """`python -m jaxpar.launch --help` prints the parser `jaxpar launch` registers."""
+    result = subprocess.run([sys.executable, "-m", "jaxpar.launch", "--help"], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+    assert result.returncode == 0
+    assert result.stdout.startswith("usage: jaxpar launch")
+    for flag in ("--worker-num", "--local-worker-num", "--master-addr", "--master-port",
+                 "--node-rank", "--log-dir", "--join", "--cluster-time-out",
+                 "--simulated-devices"):
+        assert flag in result.stdout
+
+
+def help_flags(code: str) -> set[str]:
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": "100"})
+    assert result.returncode == 0, result.stderr
+    return set(re.findall(r"--[a-z][-a-z_]*", result.stdout))
+
+
+def test_jaxpar_command_wires_launch():
+    """Once the `jaxpar` command registers the subcommands, `jaxpar launch` = ours."""
+    cli = pytest.importorskip("jaxpar.cli")
+    if "add_launch_parser" not in open(cli.__file__).read():
+        pytest.skip("jaxpar.cli does not register `launch` yet")
+    ours = help_flags("import sys; from jaxpar.launch.cli import main; main(['launch', '--help'])")
+    theirs = help_flags("import sys; from jaxpar.cli import main; main(['launch', '--help'])")
+    assert ours == theirs and "--worker-num" in ours

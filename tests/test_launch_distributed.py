@@ -1,0 +1,82 @@
+"""jaxpar.distributed in one process: initialize, process rows, global batches, port checks."""
+
+import socket
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jaxpar.distributed as dist
+from jaxpar.launch import ClusterError
+from jaxpar.launch.ports import free_port, port_problem
+from conftest import requires_devices
+
+CLUSTER_VARS = ("JAXPAR_", "OMPI_COMM_WORLD", "SLURM_", "JOB_COMPLETION_INDEX", "RANK_ID")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith(CLUSTER_VARS):
+            monkeypatch.delenv(name)
+    yield
+    dist.shutdown()
+
+
+def test_initialize_one_process_is_idempotent(clean_env):
+    spec = dist.initialize()
+    assert (spec.num_processes, spec.process_id, spec.source) == (1, 0, "single")
+    assert dist.initialize() is spec and dist.is_initialized()
+
+
+def test_simulated_devices_after_backend_start_says_why(clean_env):
+    jax.devices()
+    assert dist.initialize(simulated_devices=len(jax.devices())).num_processes == 1
+    dist.shutdown()
+    with pytest.raises(RuntimeError, match="before any JAX operation"):
+        dist.initialize(simulated_devices=len(jax.devices()) + 1)
+
+
+def test_bad_timeout_and_env(clean_env, monkeypatch):
+    with pytest.raises(ValueError, match="timeout=-1"):
+        dist.initialize(timeout=-1)
+    monkeypatch.setenv("JAXPAR_SIMULATED_DEVICES", "lots")
+    with pytest.raises(ValueError, match="JAXPAR_SIMULATED_DEVICES='lots'"):
+        dist.initialize()
+
+
+def test_process_rows():
+    assert dist.process_rows(32, process_index=1, process_count=4) == slice(8, 16)
+    assert dist.process_rows(8) == slice(0, 8)
+    with pytest.raises(ValueError, match="global_batch_size=10 does not split over 4"):
+        dist.process_rows(10, process_index=0, process_count=4)
+
+
+@requires_devices(8)
+def test_make_global_batch():
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    tokens = np.arange(16 * 5, dtype=np.int32).reshape(16, 5)
+    labels = np.arange(16, dtype=np.float32)
+    shardings = {"tokens": NamedSharding(mesh, P("data")), "labels": NamedSharding(mesh, P())}
+    batch = dist.make_global_batch({"tokens": tokens, "labels": labels}, shardings)
+    assert batch["tokens"].sharding == shardings["tokens"]
+    np.testing.assert_array_equal(np.asarray(batch["tokens"]), tokens)
+    np.testing.assert_array_equal(np.asarray(batch["labels"]), labels)
+    wide = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    full = dist.make_global_batch(wide, NamedSharding(mesh, P("data", "model")), per_process=False)
+    assert full.sharding.spec == P("data", "model")
+    np.testing.assert_array_equal(np.asarray(full), wide)
+
+
+def test_port_checks():
+    port = free_port()
+    assert port_problem(port) is None
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        assert "already in use" in port_problem(port)
+        with pytest.raises(ClusterError, match=f"coordinator port {port} is already in use"):
+            dist.check_port_free(f"127.0.0.1:{port}")
