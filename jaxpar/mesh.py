@@ -59,6 +59,12 @@ def make_mesh(config_or_axes: ParallelConfig | Mapping[str, int], devices: Seque
             f"make_mesh expects a ParallelConfig or a mapping axis -> size, got "
             f"{type(config_or_axes).__name__}"
         )
+    if devices is None:
+        # Join the cluster first (idempotent; a no-op for one process): the device list of a
+        # multi-process job is only complete after jax.distributed has connected.
+        from jaxpar.distributed import initialize
+
+        initialize()
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh: the device list is empty")
