@@ -1,0 +1,136 @@
+"""``search``: (model, loss, batch shapes, config, mesh sizes, costs) → `Plan`. Nothing compiles."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from jaxpar.auto.assign import Axes, batch_specs, fill, from_specs, hand_strategy, param_specs
+from jaxpar.auto.cost import CostParams, evaluate, op_terms
+from jaxpar.auto.graph import Graph, build_graph
+from jaxpar.auto.plan import Plan
+from jaxpar.auto.search import SEARCHES, Problem
+
+
+def mesh_sizes(mesh) -> dict[str, int]:
+    """Axis name -> size, from a ``Mesh``, an ``AbstractMesh`` or a mapping."""
+    if isinstance(mesh, Mapping):
+        return {str(k): int(v) for k, v in mesh.items()}
+    return {str(k): int(v) for k, v in dict(mesh.shape).items()}
+
+
+def annotations(graph: Graph, config, sizes: Mapping[str, int], extra: Mapping[str, Any] | None = None):
+    """``{path: PartitionSpec}`` the user fixed: ``config.parameter_plan`` patterns,
+    ``config.dataset_strategy`` (every batch leaf) and ``extra`` (path glob -> strategy)."""
+    from jaxpar.data import leaf_spec
+    from jaxpar.strategy import to_partition_spec
+
+    from jaxpar.auto.assign import _SizesMesh
+
+    specs: dict[str, PartitionSpec] = {}
+    for patterns in (config.parameter_plan, extra or {}):
+        for pattern, strategy in patterns.items():
+            hits = [(p, t) for p, t in (*graph.params, *graph.batch) if fnmatch.fnmatchcase(p, pattern)]
+            if not hits:
+                raise ValueError(f"annotation {pattern!r} matches no parameter or batch leaf; paths look like "
+                                 f"{[p for p, _ in graph.params[:3]]}")
+            for p, t in hits:
+                specs[p] = to_partition_spec(strategy, sizes, graph.tensors[t].shape, rules=config.rules)
+    if config.dataset_strategy is not None:
+        for p, t in graph.batch:
+            specs.setdefault(p, leaf_spec(config, _SizesMesh(sizes), graph.tensors[t].shape))
+    return specs
+
+
+def search(model, loss_fn: Callable, batch: Any, config, mesh, *, cost_params: CostParams | None = None,
+           annotate: Mapping[str, Any] | None = None, memory_budget: float | None = None,
+           graph: Graph | None = None) -> Plan:
+    """Search a strategy for training ``model`` with ``loss_fn`` on ``batch``-shaped batches.
+
+    Args:
+      model: a Flax NNX module (its values are not read; abstract models work).
+      loss_fn: ``loss_fn(model, batch)`` → scalar loss or ``(loss, aux)``.
+      batch: the global batch (arrays or ``jax.ShapeDtypeStruct``s).
+      config: ``ParallelConfig``; ``config.search`` picks the algorithm (default
+        ``"dynamic_programming"``); its ``parameter_plan`` and ``dataset_strategy`` are
+        annotations the search keeps.
+      mesh: a ``Mesh`` or a mapping axis name -> size (simulated meshes of any size work).
+      cost_params: machine numbers (`CostParams`); defaults when ``None``.
+      annotate: more annotations, path glob → strategy (parameters or batch leaves).
+      memory_budget: per-device bytes the predicted memory must fit.
+
+    >>> plan = search(model, loss_fn, batch, ParallelConfig(mesh={"data": 2, "model": 4},
+    ...               mode="auto", search="dynamic_programming"), mesh)     # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    sizes = mesh_sizes(mesh)
+    params = cost_params or CostParams()
+    algorithm = config.search or "dynamic_programming"
+    graph = graph if graph is not None else build_graph(model, loss_fn, batch)
+    problem = Problem.make(graph, sizes, params)
+    fixed, sources, conflicts = from_specs(graph, annotations(graph, config, sizes, annotate), sizes)
+    notes = [f"annotation: class {graph.class_names[c]} -> {fixed[c] or 'whole'} (from {sources[c]})"
+             for c in range(graph.num_classes) if fixed[c] is not None]
+    run = SEARCHES[algorithm]
+    kw = {"memory_budget": memory_budget}
+    if algorithm == "sharding_propagation" or any(f is not None for f in fixed):
+        axes = run(problem, list(fixed), **kw)
+    else:
+        axes = run(problem, None, **kw)
+    for c, options in conflicts:
+        tried = []
+        for path, value in options:
+            trial = list(fixed)
+            trial[c] = value
+            cand = run(problem, trial, **kw)
+            tried.append((problem.total(cand), path, value, cand))
+        tried.sort(key=lambda x: x[0])
+        axes = tried[0][3]
+        notes.append(f"conflict on class {graph.class_names[c]}: " + ", ".join(
+            f"{p} wants {v or 'whole'} (step {t * 1e3:.4g} ms)" for t, p, v, _ in tried)
+            + f" -> kept {tried[0][2] or 'whole'} (cheapest)")
+    return make_plan(graph, axes, sizes, params, algorithm, notes, time.perf_counter() - t0)
+
+
+def make_plan(graph: Graph, axes, sizes, params: CostParams, algorithm: str, notes=(), seconds: float = 0.0) -> Plan:
+    """The `Plan` of one assignment (with its predicted cost and per-operator rows)."""
+    cost = evaluate(graph, axes, sizes, params)
+    pspecs = param_specs(graph, axes)
+    rows = []
+    for path, t in graph.params:
+        tensor = graph.tensors[t]
+        shards = math.prod(sizes[a] for c in tensor.classes if c >= 0 for a in axes[c])
+        rows.append((path, tensor.shape, pspecs[path], tensor.nbytes // shards))
+    return Plan(algorithm, dict(sizes), tuple(rows), tuple(batch_specs(graph, axes).items()),
+                tuple((n, z, tuple(axes[c])) for c, (n, z) in enumerate(zip(graph.class_names, graph.class_sizes))),
+                cost.to_dict(), _operator_rows(graph, axes, sizes), tuple(notes), params.to_dict(), seconds)
+
+
+def _operator_rows(graph: Graph, axes, sizes):
+    from jaxpar.auto.assign import spec_of
+    from jaxpar.auto.cost import analyse
+
+    flags = analyse(graph)
+    names = {t: p for p, t in graph.params}
+    rows = []
+    for i, op in enumerate(graph.ops):
+        if op.prim not in ("dot_general", "gather", "conv_general_dilated"):
+            continue
+        flops, comms, _, _ = op_terms(graph, op, axes, sizes, flags)
+        label = next((names[t] for t in op.ins if t in names), "")
+        specs = ", ".join(str(tuple(spec_of(graph, t, axes))) for t in op.ins if t >= 0)
+        rows.append((f"{op.prim}#{i} {label}".strip(), specs, flops / 1e9, int(round(sum(c[2] for c in comms)))))
+    return tuple(rows)
+
+
+def hand_plan(model, loss_fn, batch, config, mesh, *, cost_params: CostParams | None = None,
+              graph: Graph | None = None) -> Plan:
+    """The `Plan` (and predicted cost) of a hand-written config, for comparison."""
+    sizes = mesh_sizes(mesh)
+    graph = graph if graph is not None else build_graph(model, loss_fn, batch)
+    return make_plan(graph, hand_strategy(graph, config, sizes), sizes, cost_params or CostParams(), "hand")

@@ -1,0 +1,65 @@
+"""``jaxpar plan --search ...``: search a plan for the example GPT, print it, save it.
+
+Wiring (in ``jaxpar/cli.py``)::
+
+    from jaxpar.auto.cli import add_plan_search_arguments, run_plan_search
+    add_plan_search_arguments(p)                  # on the "plan" sub-parser
+    # in cmd_plan: if args.search: return run_plan_search(args, build_job)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxpar.config import SEARCHES
+
+
+def add_plan_search_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("strategy search (jaxpar.auto)")
+    g.add_argument("--search", choices=SEARCHES, help="search a plan with this algorithm instead of printing "
+                   "the configured one")
+    g.add_argument("--annotate", action="append", default=[], metavar="GLOB=SPEC",
+                   help="fix a parameter's split, e.g. 'blocks/*/mlp/up=None,model' (repeatable)")
+    g.add_argument("--memory-budget", type=float, help="per-device bytes the plan must fit (plans the whole job)")
+    g.add_argument("--flops", type=float, help="device FLOP/s for the cost model")
+    g.add_argument("--bandwidth", type=float, help="collective bandwidth, bytes/s")
+    g.add_argument("--latency", type=float, help="seconds per collective")
+    g.add_argument("--plan-out", help="write the plan (strategy file, JSON)")
+
+
+def _parse_annotation(text: str):
+    if "=" not in text:
+        raise SystemExit(f"--annotate {text!r}: expected GLOB=SPEC such as 'blocks/*/mlp/up=None,model'")
+    glob, spec = text.split("=", 1)
+    from jax.sharding import PartitionSpec
+
+    entries = [None if e in ("None", "") else tuple(e.split("+")) if "+" in e else e for e in spec.split(",")]
+    return glob, PartitionSpec(*entries)
+
+
+def run_plan_search(args, build_job) -> int:
+    """Handler: search (or plan the job within ``--memory-budget``), print the table, save it."""
+    import dataclasses
+
+    from jaxpar.auto import CostParams, plan_job, search
+    from jaxpar.models.gpt import loss_fn
+
+    config, mesh, trainer, data = build_job(args)
+    batch = data.batch(args.batch, 0)
+    costs = CostParams(**{k: v for k, v in (("flops_per_s", args.flops), ("default_bandwidth", args.bandwidth),
+                                            ("latency", args.latency)) if v is not None})
+    config = dataclasses.replace(config, mode="auto", search=args.search, rules={})
+    annotate = dict(_parse_annotation(a) for a in args.annotate)
+    if args.memory_budget:
+        model = trainer.model
+        job = plan_job(lambda: model, loss_fn, batch, devices=mesh.devices.size, memory_budget=args.memory_budget,
+                       cost_params=costs, search_name=args.search, base_config=config)
+        print(job.explain())
+        plan = job.plan
+    else:
+        plan = search(trainer.model, loss_fn, batch, config, mesh, cost_params=costs, annotate=annotate)
+        print(plan.table())
+    if args.plan_out:
+        plan.to_json(args.plan_out)
+        print(f"plan written to {args.plan_out}")
+    return 0

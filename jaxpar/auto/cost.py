@@ -1,0 +1,323 @@
+"""The cost model: per-device compute, communication and memory of one training step.
+
+A *strategy* is an assignment of mesh axes to the graph's dimension classes (``axes[c]``, a
+tuple of mesh axis names, ``()`` = not split). Each tensor then has a split: dimension ``d``
+is divided by the product of the sizes of its class's axes. For every operator of the
+forward program, with ``A(t)`` = the set of mesh axes splitting tensor ``t``:
+
+* **compute**: ``flops × 3 / (product of the sizes of every axis in A(op))`` for matmuls,
+  gathers and convolutions (forward + two backward products), ``elements × 3 / shards`` for
+  the rest; time = flops / ``CostParams.flops_per_s``.
+* **forward communication**: an operator whose inputs are split over axes its output is not
+  (``A(inputs) − A(output)``: a split contracting dimension, a reduction over a split
+  dimension, a gather from a split table) leaves partial sums → an **all-reduce** of the
+  output's per-device bytes over those axes.
+* **backward communication**: the gradient of input ``i`` (when it needs one: it depends on a
+  parameter) sums over the axes the operator uses but ``i`` is not split over
+  (``A(op) − A(i)``) → an **all-reduce** of ``i``'s per-device bytes. For ``x @ W`` with the
+  batch split over ``data`` this is the data-parallel gradient all-reduce; with ``W``'s
+  output columns split over ``model`` it is Megatron's all-reduce of ``dx``.
+* **optimizer**: the gradient norm adds one 4-byte all-reduce per split parameter.
+* **collective time**: an all-reduce of ``b`` bytes over a group of ``n`` devices takes
+  ``latency + 2 (n − 1) / n · b / bandwidth`` (all-gather: ``(n − 1) / n · b / bandwidth``),
+  with the slowest of the group's axes' bandwidths (``CostParams.bandwidth``, per axis).
+* **memory** per device: parameters × (1 + ``optimizer_states``) + the batch (the step's
+  arguments, exact), and ``temp_activation_factor`` × the per-device bytes of every forward
+  intermediate + the gradients (an estimate of XLA's temp).
+
+Bytes follow `jaxpar.report.collectives`' convention (an all-reduce counts its result), so
+predicted and compiled bytes can be compared directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from jaxpar.auto.graph import Graph, Op
+
+_PRODUCTS = ("dot_general", "conv_general_dilated")
+_GATHER_LIKE = ("reshape", "concatenate", "slice", "dynamic_slice", "pad")
+_FREE = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "convert_element_type",
+         "stop_gradient", "iota", "copy", "copy_p")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostParams:
+    """Machine numbers of the cost model; set them or fit them with `calibrate`.
+
+    Attributes:
+      flops_per_s: sustained FLOP/s of one device.
+      bandwidth: mesh axis name -> bytes/s of a collective over that axis (bus bandwidth);
+        axes not named use ``default_bandwidth``.
+      default_bandwidth: bytes/s for axes not in ``bandwidth``.
+      latency: seconds per collective (per axis: ``latency_per_axis`` overrides).
+      latency_per_axis: mesh axis name -> seconds per collective.
+      optimizer_states: optimizer state tensors per parameter (Adam: 2).
+      optimizer_scalar_bytes: optimizer state that is not per parameter (Adam's int32 count).
+      temp_activation_factor: the share of the *saved* forward values (inputs and outputs of
+        matmuls, gathers and reductions) that XLA holds as temp at its peak.
+    """
+
+    flops_per_s: float = 1e14
+    bandwidth: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    default_bandwidth: float = 1e11
+    latency: float = 1e-5
+    latency_per_axis: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    optimizer_states: int = 2
+    optimizer_scalar_bytes: int = 4
+    temp_activation_factor: float = 0.8
+
+    def __post_init__(self):
+        for name in ("flops_per_s", "default_bandwidth"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"CostParams.{name}={getattr(self, name)!r} is invalid: use a positive number")
+        if self.latency < 0 or self.optimizer_states < 0 or self.temp_activation_factor < 0:
+            raise ValueError("CostParams: latency, optimizer_states and temp_activation_factor must be >= 0")
+        object.__setattr__(self, "bandwidth", dict(self.bandwidth))
+        object.__setattr__(self, "latency_per_axis", dict(self.latency_per_axis))
+
+    def collective_time(self, kind: str, axes: Sequence[str], nbytes: float, sizes: Mapping[str, int],
+                        combined: bool = False) -> float:
+        """Seconds for one collective; ``combined``: fused with others (gradients), no latency."""
+        n = math.prod(sizes[a] for a in axes)
+        if n <= 1:
+            return 0.0
+        bw = min(self.bandwidth.get(a, self.default_bandwidth) for a in axes)
+        lat = 0.0 if combined else max(self.latency_per_axis.get(a, self.latency) for a in axes)
+        factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+        return lat + factor * nbytes / bw
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """Predicted per-device cost of one step under one strategy."""
+
+    compute_s: float
+    comm_s: float
+    comm_bytes: int
+    comm_by_axes: Mapping[str, int]          # "data" / "data+model" -> bytes
+    argument_bytes: int
+    temp_bytes: int
+    invalid: int = 0                         # tensors that use one mesh axis twice
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.comm_s if not self.invalid else math.inf
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.argument_bytes + self.temp_bytes
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["comm_by_axes"] = dict(self.comm_by_axes)
+        d["time_s"], d["memory_bytes"] = self.time_s, self.memory_bytes
+        return d
+
+
+# --------------------------------------------------------------------------- one operator
+
+def tensor_axes(graph: Graph, t: int, axes: Sequence[tuple[str, ...]]) -> tuple[str, ...] | None:
+    """The mesh axes splitting tensor ``t`` (``None`` if one axis would split two dims)."""
+    out: list[str] = []
+    for c in graph.tensors[t].classes:
+        if c >= 0:
+            out.extend(axes[c])
+    return tuple(out) if len(set(out)) == len(out) else None
+
+
+def local_bytes(graph: Graph, t: int, axes, sizes: Mapping[str, int]) -> float:
+    ta = tensor_axes(graph, t, axes) or ()
+    return graph.tensors[t].nbytes / math.prod(sizes[a] for a in ta)
+
+
+def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags"):
+    """``(flops, [(kind, axes, bytes, combined)], activation bytes, invalid)`` of one operator."""
+    ts = [t for t in (*op.ins, *op.outs) if t >= 0]
+    per = {}
+    invalid = 0
+    for t in ts:
+        a = tensor_axes(graph, t, axes)
+        if a is None:
+            invalid += 1
+            a = ()
+        per[t] = frozenset(a)
+    all_axes = frozenset().union(*per.values()) if per else frozenset()
+    op_axes = [a for c in {c for t in ts for c in graph.tensors[t].classes if c >= 0} for a in axes[c]]
+    if len(op_axes) != len(set(op_axes)):
+        invalid += 1      # one mesh axis would split two dimensions of the iteration space
+    shards = math.prod(sizes[a] for a in all_axes)
+    comms = []
+    if op.prim in _PRODUCTS or op.prim == "gather":
+        space = _iteration_space(graph, op)
+        flops = (2 if op.prim != "gather" else 1) * space * 3 / shards
+    elif op.prim in _FREE:
+        flops = 0.0
+    else:
+        flops = 3 * max((graph.tensors[t].nbytes / graph.tensors[t].itemsize for t in ts), default=0) / shards
+    out = op.outs[0] if op.outs else -1
+    if out >= 0:
+        ins_axes = frozenset().union(*(per[t] for t in op.ins if t >= 0)) if any(t >= 0 for t in op.ins) else frozenset()
+        lost = tuple(sorted(ins_axes - per[out], key=list(sizes).index))
+        if lost:
+            kind = "all-gather" if op.prim in _GATHER_LIKE else "all-reduce"
+            comms.append((kind, lost, local_bytes(graph, out, axes, sizes), False))
+    for t in op.ins:
+        if t >= 0 and flags.grad[t]:
+            missing = tuple(sorted(all_axes - per[t], key=list(sizes).index))
+            if missing:   # a parameter's gradient: XLA combines these into few all-reduces
+                comms.append(("all-reduce", missing, local_bytes(graph, t, axes, sizes), flags.param[t]))
+    act = sum(local_bytes(graph, t, axes, sizes) for t in op.outs if flags.saved[t])
+    return flops, comms, act, invalid
+
+
+def _iteration_space(graph: Graph, op: Op) -> float:
+    sizes: dict[int, int] = {}
+    fixed = 1
+    for t in (*op.ins, *op.outs):
+        if t < 0:
+            continue
+        for c, n in zip(graph.tensors[t].classes, graph.tensors[t].shape):
+            if c >= 0:
+                sizes[c] = max(sizes.get(c, 1), n)
+    if op.prim == "conv_general_dilated":
+        rhs = graph.tensors[op.ins[1]]
+        fixed = math.prod(rhs.shape) // max(1, math.prod(n for c, n in zip(rhs.classes, rhs.shape) if c >= 0))
+    return math.prod(sizes.values()) * fixed
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """Per tensor: needs a gradient, is a parameter, is kept for the backward pass."""
+
+    grad: tuple[bool, ...]
+    param: tuple[bool, ...]
+    saved: tuple[bool, ...]
+
+
+def analyse(graph: Graph) -> Flags:
+    """The per-tensor flags the cost model reads (computed once per graph)."""
+    params = {t for _, t in graph.params}
+    inputs = params | {t for _, t in (*graph.batch, *graph.others)}
+    saved = set()
+    for op in graph.ops:
+        if op.prim in _PRODUCTS or op.prim == "gather" or op.prim.startswith("reduce_"):
+            saved.update(t for t in (*op.ins, *op.outs) if t >= 0)
+    saved = tuple(t in saved and t not in inputs and graph.tensors[t].itemsize >= 4 and len(graph.tensors[t].shape) > 0
+                  for t in range(len(graph.tensors)))
+    return Flags(tuple(needs_grad(graph)), tuple(t in params for t in range(len(graph.tensors))), saved)
+
+
+def needs_grad(graph: Graph) -> list[bool]:
+    """Tensors that depend on a parameter (and are floating point): their gradients exist."""
+    flags = [False] * len(graph.tensors)
+    for _, t in graph.params:
+        flags[t] = True
+    for op in graph.ops:
+        if op.prim in ("stop_gradient", "iota") or not any(t >= 0 and flags[t] for t in op.ins):
+            continue
+        for t in op.outs:
+            flags[t] = graph.tensors[t].itemsize >= 2 and op.prim not in ("argmax", "argmin") and \
+                op.prim not in ("lt", "gt", "le", "ge", "eq", "ne", "is_finite", "sign")
+    return flags
+
+
+# --------------------------------------------------------------------------- a whole strategy
+
+def param_terms(graph: Graph, axes, sizes, params: CostParams, batch_bytes: bool = True):
+    """``(argument bytes, gradient bytes, [(kind, axes, bytes)])`` of the parameters and batch."""
+    args, grads = float(params.optimizer_scalar_bytes), 0.0
+    comms = []
+    for _, t in graph.params:
+        b = local_bytes(graph, t, axes, sizes)
+        args += b * (1 + params.optimizer_states)
+        grads += b
+        ta = tensor_axes(graph, t, axes) or ()
+        if ta:
+            comms.append(("all-reduce", tuple(sorted(ta, key=list(sizes).index)), 4, True))
+    for _, t in (*graph.others, *(graph.batch if batch_bytes else ())):
+        args += local_bytes(graph, t, axes, sizes)
+    return args, grads, comms
+
+
+def evaluate(graph: Graph, axes: Sequence[tuple[str, ...]], sizes: Mapping[str, int],
+             params: CostParams = CostParams(), *, flags: Flags | None = None) -> Cost:
+    """The predicted `Cost` of the strategy ``axes`` (one tuple of mesh axes per class)."""
+    flags = analyse(graph) if flags is None else flags
+    flops = comm_s = act = 0.0
+    by_axes: dict[str, float] = {}
+    invalid = 0
+    args, grads, comms = param_terms(graph, axes, sizes, params)
+    for op in graph.ops:
+        f, c, a, bad = op_terms(graph, op, axes, sizes, flags)
+        flops, act, invalid = flops + f, act + a, invalid + bad
+        comms += c
+    for kind, ax, nbytes, combined in comms:
+        comm_s += params.collective_time(kind, ax, nbytes, sizes, combined)
+        key = "+".join(ax)
+        by_axes[key] = by_axes.get(key, 0) + nbytes
+    temp = params.temp_activation_factor * act + grads
+    return Cost(flops / params.flops_per_s, comm_s, int(round(sum(by_axes.values()))),
+                {k: int(round(v)) for k, v in by_axes.items()}, int(round(args)), int(round(temp)), invalid)
+
+
+def op_scalar(graph: Graph, op: Op, axes, sizes, params: CostParams, flags: Flags) -> tuple[float, float]:
+    """One operator's (time, temp bytes): the DP's factor values."""
+    f, comms, act, bad = op_terms(graph, op, axes, sizes, flags)
+    if bad:
+        return math.inf, math.inf
+    t = f / params.flops_per_s + sum(params.collective_time(k, a, b, sizes, c) for k, a, b, c in comms)
+    return t, params.temp_activation_factor * act
+
+
+def param_scalar(graph: Graph, t: int, axes, sizes, params: CostParams) -> tuple[float, float]:
+    """One parameter's (time of its norm all-reduce, bytes: value + optimizer states + gradient)."""
+    b = local_bytes(graph, t, axes, sizes)
+    ta = tensor_axes(graph, t, axes)
+    if ta is None:
+        return math.inf, math.inf
+    time = params.collective_time("all-reduce", ta, 4, sizes, True) if ta else 0.0
+    return time, b * (2 + params.optimizer_states)
+
+
+def calibrate(mesh, sizes_bytes: Sequence[int] = (1 << 12, 1 << 22), repeats: int = 5) -> CostParams:
+    """Measure ``CostParams`` on ``mesh``: a matmul for FLOP/s, and per mesh axis an
+    all-reduce of two sizes, fitted to ``latency + 2 (n-1)/n · bytes / bandwidth``."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def best(fn, *args):
+        fn(*args).block_until_ready()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn(*args).block_until_ready()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    n = 512
+    a = jnp.ones((n, n), jnp.float32)
+    flops = 2 * n ** 3 / best(jax.jit(lambda x: x @ x), a)
+    bandwidth, latency = {}, {}
+    for axis, size in dict(mesh.shape).items():
+        if size < 2:
+            continue
+        points = []
+        for nbytes in sizes_bytes:
+            # rows split over the axis, summed: an all-reduce of one row (nbytes) over it
+            x = jax.device_put(jnp.ones((size, max(1, nbytes // 4))), NamedSharding(mesh, PartitionSpec(axis)))
+            f = jax.jit(lambda v: jnp.sum(v, axis=0), out_shardings=NamedSharding(mesh, PartitionSpec()))
+            points.append((nbytes * 2 * (size - 1) / size, best(f, x)))
+        (b0, t0), (b1, t1) = points[0], points[-1]
+        slope = max((t1 - t0) / max(b1 - b0, 1), 1e-15)
+        bandwidth[axis], latency[axis] = 1.0 / slope, max(t0 - slope * b0, 0.0)
+    return CostParams(flops_per_s=flops, bandwidth=bandwidth, latency_per_axis=latency,
+                      latency=max(latency.values(), default=1e-5))

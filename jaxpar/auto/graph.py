@@ -1,0 +1,407 @@
+"""The operator graph of a training step, read from the loss's jaxpr.
+
+``build_graph(model, loss_fn, batch)`` traces ``loss_fn(nnx.merge(graphdef, params, rest),
+batch)`` with ``jax.make_jaxpr`` (parameters are explicit inputs, so every jaxpr input maps
+back to a parameter path or a batch leaf), inlines nested calls (``jit``, ``custom_jvp``,
+``custom_vjp``, ``remat``) and keeps one `Op` per primitive.
+
+Every tensor dimension belongs to a *dimension class*: dimensions that an operator ties
+together (the same position of an elementwise op's operands, a dot's contracting pair, a
+dot's batch dimensions and the output dimension they become, a reduction's kept dimensions,
+a transpose's permutation...) are unified, so a class is a logical axis found from the
+program itself: "the batch", "the residual width", "layer 3's MLP width". A strategy assigns
+mesh axes to classes; every operator's strategy (how each of its inputs and outputs is
+split) follows from it. A class that appears twice in one tensor (the two sequence axes of
+attention scores) is kept whole.
+
+    >>> g = build_graph(model, loss_fn, batch)            # doctest: +SKIP
+    >>> len(g.ops), g.class_names[:3]                     # doctest: +SKIP
+    (221, ('batch', 'seq', 'wte:1'))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.extend.core import Literal as _Literal
+
+from jaxpar.nn.plan import logical_names, path_str
+
+_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+           "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+           "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
+_CONTRACTING = ("dot_general", "gather", "conv_general_dilated")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One value of the program: shape, bytes per element, and one class id per dimension
+    (``-1`` for size-1 dimensions, which are never split)."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    classes: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One primitive: its name, input and output tensor ids and the few parameters the cost
+    model needs (``contract``: input dims summed over, per input; ``reduce``: reduced dims)."""
+
+    prim: str
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    info: tuple = ()
+
+    def get(self, key, default=None):
+        return dict(self.info).get(key, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """Tensors, operators and dimension classes of one loss; inputs named by path."""
+
+    tensors: tuple[Tensor, ...]
+    ops: tuple[Op, ...]
+    class_sizes: tuple[int, ...]
+    class_names: tuple[str, ...]
+    params: tuple[tuple[str, int], ...]          # (parameter path, tensor id)
+    batch: tuple[tuple[str, int], ...]           # (batch leaf path, tensor id)
+    others: tuple[tuple[str, int], ...]          # non-Param variables (rng counts, stats)
+    param_logical: tuple[tuple | None, ...]      # the model's own logical names, per parameter
+    unsplittable: frozenset[int]                 # classes kept whole (twice in one tensor, ...)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_sizes)
+
+    def param_tensor(self, path: str) -> Tensor:
+        return self.tensors[dict(self.params)[path]]
+
+
+# --------------------------------------------------------------------------- tracing
+
+def build_graph(model: nnx.Module, loss_fn: Callable, batch: Any) -> Graph:
+    """Trace ``loss_fn(model, batch)`` (abstractly, nothing runs) into a `Graph`."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)  # noqa: E731
+                                      if not hasattr(x, "dtype") else jax.ShapeDtypeStruct(x.shape, x.dtype), t)
+
+    def loss(params, rest, batch):
+        out = loss_fn(nnx.merge(graphdef, params, rest), batch)
+        return out[0] if isinstance(out, tuple) else out
+
+    closed = jax.make_jaxpr(loss)(abstract(params), abstract(rest), abstract(batch))
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    p_flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=is_var)[0]
+    r_flat = jax.tree_util.tree_flatten_with_path(rest, is_leaf=is_var)[0]
+    b_flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+    builder = _Builder()
+    invars = closed.jaxpr.invars
+    if len(invars) != len(p_flat) + len(r_flat) + len(b_flat):
+        raise ValueError(f"build_graph: the loss jaxpr has {len(invars)} inputs but the model and batch have "
+                         f"{len(p_flat) + len(r_flat) + len(b_flat)} leaves; is loss_fn closing over arrays?")
+    ids = [builder.var(v) for v in invars]
+    for v in closed.jaxpr.constvars:
+        builder.var(v)
+    builder.inline(closed.jaxpr, {})
+    n_p, n_r = len(p_flat), len(r_flat)
+    params_named = tuple((path_str(p), ids[i]) for i, (p, _) in enumerate(p_flat))
+    others = tuple((path_str(p), ids[n_p + i]) for i, (p, _) in enumerate(r_flat))
+    batch_named = tuple((jax.tree_util.keystr(p), ids[n_p + n_r + i]) for i, (p, _) in enumerate(b_flat))
+    logical = tuple(logical_names(v) for _, v in p_flat)
+    return builder.finish(params_named, batch_named, others, logical)
+
+
+class _Builder:
+    def __init__(self):
+        self.shapes: list[tuple[int, ...]] = []
+        self.itemsizes: list[int] = []
+        self.ids: dict[Any, int] = {}
+        self.ops: list[Op] = []
+        self.parent: list[int] = []          # union-find over (tensor, dim) slots
+        self.slot0: list[int] = []
+        self.keep: list[Any] = []
+
+    # ------------------------------------------------------------ tensors and dims
+    def var(self, v) -> int:
+        """The tensor of a top-level jaxpr variable (inputs and constants)."""
+        if id(v) not in self.ids:
+            self.ids[id(v)] = self.new(v)
+            self.keep.append(v)               # id(v) is the key: v must outlive the build
+        return self.ids[id(v)]
+
+    def new(self, v) -> int:
+        """A fresh tensor for ``v`` (one per call: a jitted function called twice shares its jaxpr)."""
+        aval = v.aval
+        shape = tuple(int(s) for s in getattr(aval, "shape", ()))
+        dtype = getattr(aval, "dtype", None)
+        itemsize = np.dtype(dtype).itemsize if dtype is not None and dtype != jax.dtypes.float0 else 1
+        tid = len(self.shapes)
+        self.shapes.append(shape)
+        self.itemsizes.append(itemsize)
+        self.slot0.append(len(self.parent))
+        self.parent.extend(range(len(self.parent), len(self.parent) + len(shape)))
+        return tid
+
+    def slot(self, t: int, d: int) -> int:
+        return self.slot0[t] + d
+
+    def find(self, s: int) -> int:
+        while self.parent[s] != s:
+            self.parent[s] = self.parent[self.parent[s]]
+            s = self.parent[s]
+        return s
+
+    def link(self, t1: int, d1: int, t2: int, d2: int) -> None:
+        if t1 < 0 or t2 < 0:
+            return
+        if self.shapes[t1][d1] != self.shapes[t2][d2] or self.shapes[t1][d1] == 1:
+            return
+        a, b = self.find(self.slot(t1, d1)), self.find(self.slot(t2, d2))
+        if a != b:
+            self.parent[max(a, b)] = min(a, b)
+
+    # ------------------------------------------------------------ jaxpr walking
+    def inline(self, jaxpr, env: dict) -> None:
+        def tid(atom):
+            if isinstance(atom, _Literal):
+                return -1
+            return env[id(atom)] if id(atom) in env else self.var(atom)
+
+        for eqn in jaxpr.eqns:
+            name = eqn.primitive.name
+            sub = _INLINE.get(name)
+            inner = eqn.params.get(sub) if sub else None
+            if inner is None and name.startswith("custom_") and "call_jaxpr" in eqn.params:
+                inner = eqn.params["call_jaxpr"]
+            if inner is not None:
+                inner_jaxpr = getattr(inner, "jaxpr", inner)
+                sub_env = {}
+                args = eqn.invars[len(eqn.invars) - len(inner_jaxpr.invars):]
+                for v, atom in zip(inner_jaxpr.invars, args):
+                    t = tid(atom)
+                    sub_env[id(v)] = t if t >= 0 else self.new(v)
+                for v in inner_jaxpr.constvars:
+                    sub_env[id(v)] = self.new(v)
+                self.inline(inner_jaxpr, sub_env)
+                for v, out in zip(inner_jaxpr.outvars, eqn.outvars):
+                    t = -1 if isinstance(v, _Literal) else sub_env.get(id(v), -1)
+                    env[id(out)] = t if t >= 0 else self.new(out)
+                continue
+            if name in ("scan", "while", "cond"):
+                raise NotImplementedError(
+                    f"jaxpar.auto: the loss uses lax.{name}; the strategy search reads straight-line "
+                    "programs. Build the model with unrolled layers (e.g. GPTConfig(scan_layers=False)) "
+                    "for the search, then train either form with the plan.")
+            ins = tuple(tid(a) for a in eqn.invars)
+            outs = tuple(self.new(v) for v in eqn.outvars)
+            for v, t in zip(eqn.outvars, outs):
+                env[id(v)] = t
+            self.ops.append(Op(name, ins, outs, self._link_op(name, ins, outs, eqn.params)))
+
+    def _link_op(self, name: str, ins, outs, params) -> tuple:
+        rule = _RULES.get(name)
+        if rule is not None:
+            return rule(self, ins, outs, params) or ()
+        return _elementwise(self, ins, outs, params) or ()
+
+    # ------------------------------------------------------------ result
+    def finish(self, params, batch, others, logical) -> Graph:
+        roots: dict[int, int] = {}
+        tensors = []
+        sizes: list[int] = []
+        for t, shape in enumerate(self.shapes):
+            cls = []
+            for d, size in enumerate(shape):
+                if size == 1:
+                    cls.append(-1)
+                    continue
+                r = self.find(self.slot(t, d))
+                if r not in roots:
+                    roots[r] = len(sizes)
+                    sizes.append(size)
+                sizes[roots[r]] = math.gcd(sizes[roots[r]], size)   # merged reshape dims
+                cls.append(roots[r])
+            tensors.append(Tensor(shape, self.itemsizes[t], tuple(cls)))
+        unsplittable = {c for t in tensors for c in t.classes if c >= 0 and t.classes.count(c) > 1}
+        names = _class_names(tensors, len(sizes), params, batch)
+        return Graph(tuple(tensors), tuple(self.ops), tuple(sizes), names, params, batch, others,
+                     logical, frozenset(unsplittable))
+
+
+def _class_names(tensors, n, params, batch) -> tuple[str, ...]:
+    names: list[str | None] = [None] * n
+    for path, t in (*batch, *params):
+        for d, c in enumerate(tensors[t].classes):
+            if c >= 0 and names[c] is None:
+                names[c] = f"{path}:{d}"
+    return tuple(nm or f"c{i}" for i, nm in enumerate(names))
+
+
+# --------------------------------------------------------------------------- linking rules
+
+def _elementwise(b: _Builder, ins, outs, params):
+    for o in outs:
+        for i in ins:
+            if i >= 0 and len(b.shapes[i]) == len(b.shapes[o]):
+                for d in range(len(b.shapes[o])):
+                    b.link(i, d, o, d)
+
+
+def _broadcast(b: _Builder, ins, outs, params):
+    for d, od in enumerate(params["broadcast_dimensions"]):
+        b.link(ins[0], d, outs[0], od)
+    return (("new", tuple(d for d in range(len(b.shapes[outs[0]])) if d not in params["broadcast_dimensions"])),)
+
+
+def _reduce(b: _Builder, ins, outs, params):
+    axes = tuple(params["axes"])
+    kept = [d for d in range(len(b.shapes[ins[0]])) if d not in axes]
+    for od, d in enumerate(kept):
+        b.link(ins[0], d, outs[0], od)
+    return (("reduce", axes),)
+
+
+def _transpose(b: _Builder, ins, outs, params):
+    for od, d in enumerate(params["permutation"]):
+        b.link(ins[0], d, outs[0], od)
+
+
+def _dot(b: _Builder, ins, outs, params):
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    lhs, rhs, out = ins[0], ins[1], outs[0]
+    for x, y in zip(lc, rc):
+        b.link(lhs, x, rhs, y)
+    for k, (x, y) in enumerate(zip(lb, rb)):
+        b.link(lhs, x, rhs, y)
+        b.link(lhs, x, out, k)
+    lf = [d for d in range(len(b.shapes[lhs])) if d not in lc and d not in lb]
+    rf = [d for d in range(len(b.shapes[rhs])) if d not in rc and d not in rb]
+    for k, d in enumerate(lf):
+        b.link(lhs, d, out, len(lb) + k)
+    for k, d in enumerate(rf):
+        b.link(rhs, d, out, len(lb) + len(lf) + k)
+    return (("contract", (tuple(lc), tuple(rc))), ("free", (tuple(lf), tuple(rf))))
+
+
+def _gather(b: _Builder, ins, outs, params):
+    dn = params["dimension_numbers"]
+    operand, indices, out = ins[0], ins[1], outs[0]
+    out_rank, idx_rank = len(b.shapes[out]), len(b.shapes[indices])
+    offset = tuple(dn.offset_dims)
+    batch_out = [d for d in range(out_rank) if d not in offset]
+    for k, od in enumerate(batch_out[: idx_rank - 1]):
+        b.link(indices, k, out, od)
+    op_batch = tuple(getattr(dn, "operand_batching_dims", ()))
+    for x, y in zip(op_batch, getattr(dn, "start_indices_batching_dims", ())):
+        b.link(operand, x, indices, y)
+    kept = [d for d in range(len(b.shapes[operand])) if d not in dn.collapsed_slice_dims and d not in op_batch]
+    sizes = params["slice_sizes"]
+    for od, d in zip(offset, kept):
+        if sizes[d] == b.shapes[operand][d]:
+            b.link(operand, d, out, od)
+    indexed = tuple(d for d in dn.start_index_map if sizes[d] != b.shapes[operand][d])
+    return (("contract", (indexed, ())), ("free", (tuple(kept), tuple(range(idx_rank - 1)))))
+
+
+def _reshape(b: _Builder, ins, outs, params):
+    src, dst = b.shapes[ins[0]], b.shapes[outs[0]]
+    i = j = 0
+    minor: list[int] = []
+    while i < len(src) and j < len(dst):
+        if src[i] == dst[j]:
+            b.link(ins[0], i, outs[0], j)
+            i, j = i + 1, j + 1
+            continue
+        gi, gj, pi, pj = [i], [j], src[i], dst[j]
+        while pi != pj:
+            if pi < pj:
+                i += 1
+                gi.append(i)
+                pi *= src[i]
+            else:
+                j += 1
+                gj.append(j)
+                pj *= dst[j]
+        big_i = [d for d in gi if src[d] > 1]
+        big_j = [d for d in gj if dst[d] > 1]
+        if big_i and big_j and src[big_i[0]] % dst[big_j[0]] == 0 or big_i and big_j and dst[big_j[0]] % src[big_i[0]] == 0:
+            # the major dims keep their split when the minor ones are whole
+            _link_major(b, ins[0], big_i[0], outs[0], big_j[0])
+        minor += big_i[1:]
+        i, j = gi[-1] + 1, gj[-1] + 1
+    return (("minor", tuple(minor)),)
+
+
+def _link_major(b: _Builder, t1, d1, t2, d2):
+    # sizes differ: unify only if the class is later split by a divisor of both (checked by the
+    # cost model through the class size); record the pair as linked via a shared slot
+    a, c = b.find(b.slot(t1, d1)), b.find(b.slot(t2, d2))
+    if a != c and min(b.shapes[t1][d1], b.shapes[t2][d2]) > 1:
+        b.parent[max(a, c)] = min(a, c)
+
+
+def _concat(b: _Builder, ins, outs, params):
+    dim = params["dimension"]
+    for i in ins:
+        for d in range(len(b.shapes[outs[0]])):
+            if d != dim:
+                b.link(i, d, outs[0], d)
+    return (("minor", (dim,)),)
+
+
+def _same_size(b: _Builder, ins, outs, params):
+    for d in range(len(b.shapes[outs[0]])):
+        b.link(ins[0], d, outs[0], d)
+    return (("minor", tuple(d for d in range(len(b.shapes[ins[0]]))
+                            if b.shapes[ins[0]][d] != b.shapes[outs[0]][d])),)
+
+
+def _squeeze(b: _Builder, ins, outs, params):
+    kept = [d for d in range(len(b.shapes[ins[0]])) if d not in params["dimensions"]]
+    for od, d in enumerate(kept):
+        b.link(ins[0], d, outs[0], od)
+
+
+def _expand(b: _Builder, ins, outs, params):
+    kept = [d for d in range(len(b.shapes[outs[0]])) if d not in params["dimensions"]]
+    for d, od in enumerate(kept):
+        b.link(ins[0], d, outs[0], od)
+
+
+def _nothing(b: _Builder, ins, outs, params):
+    return None
+
+
+def _conv(b: _Builder, ins, outs, params):
+    dn = params["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    lhs, rhs, out = ins[0], ins[1], outs[0]
+    b.link(lhs, lhs_spec[0], out, out_spec[0])
+    b.link(rhs, rhs_spec[0], out, out_spec[1])
+    b.link(lhs, lhs_spec[1], rhs, rhs_spec[1])
+    spatial = tuple(lhs_spec[2:])
+    return (("contract", ((lhs_spec[1], *spatial), (rhs_spec[1], *rhs_spec[2:]))),
+            ("free", ((lhs_spec[0],), (rhs_spec[0],))), ("minor", spatial))
+
+
+_RULES = {
+    "broadcast_in_dim": _broadcast, "reduce_sum": _reduce, "reduce_max": _reduce, "reduce_min": _reduce,
+    "reduce_prod": _reduce, "argmax": _reduce, "argmin": _reduce, "reduce_and": _reduce, "reduce_or": _reduce,
+    "transpose": _transpose, "dot_general": _dot, "gather": _gather, "reshape": _reshape,
+    "concatenate": _concat, "slice": _same_size, "dynamic_slice": _same_size, "pad": _same_size,
+    "squeeze": _squeeze, "expand_dims": _expand, "iota": _nothing, "rng_bit_generator": _nothing,
+    "conv_general_dilated": _conv, "random_bits": _nothing, "random_wrap": _nothing,
+    "random_unwrap": _nothing, "random_seed": _nothing,
+}

@@ -1,0 +1,166 @@
+"""`Plan`: what a search found, as a frozen value that prints, saves and becomes a config."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+
+def _spec_json(spec: PartitionSpec) -> list:
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def _spec_load(entries) -> PartitionSpec:
+    return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in entries))
+
+
+def _glob_escape(path: str) -> str:
+    return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A strategy found by `jaxpar.auto.search`.
+
+    Attributes:
+      search: the algorithm (``"dynamic_programming"``, ...; ``"hand"`` for a config's own).
+      mesh: mesh axis name -> size the plan is for.
+      params: ``(path, shape, PartitionSpec, bytes per device)`` per parameter.
+      batch: ``(leaf path, PartitionSpec)`` per batch leaf.
+      classes: ``(name, size, mesh axes)`` per dimension class of the graph.
+      cost: the predicted `jaxpar.auto.cost.Cost`, as a dict.
+      operators: ``(operator, input specs, GFLOP, comm bytes)`` of the matmuls and gathers.
+      notes: annotations, conflicts and how they were resolved, runners-up.
+      cost_params: the `CostParams` used, as a dict.
+      search_time_s: wall time of the search.
+
+    >>> plan = jaxpar.auto.search(model, loss_fn, batch, config, mesh)    # doctest: +SKIP
+    >>> print(plan.table()); plan.to_json("plan.json")                    # doctest: +SKIP
+    >>> trainer = jaxpar.Trainer(model, tx, loss_fn, plan.to_config(config), mesh)  # doctest: +SKIP
+    """
+
+    search: str
+    mesh: Mapping[str, int]
+    params: tuple[tuple[str, tuple[int, ...], PartitionSpec, int], ...]
+    batch: tuple[tuple[str, PartitionSpec], ...]
+    classes: tuple[tuple[str, int, tuple[str, ...]], ...]
+    cost: Mapping[str, Any]
+    operators: tuple[tuple[str, str, float, int], ...] = ()
+    notes: tuple[str, ...] = ()
+    cost_params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    search_time_s: float = 0.0
+
+    # ----------------------------------------------------------------- use
+    @property
+    def param_specs(self) -> dict[str, PartitionSpec]:
+        return {p: s for p, _, s, _ in self.params}
+
+    def dataset_strategy(self) -> PartitionSpec | str:
+        specs = {s for _, s in self.batch}
+        if len(specs) != 1:
+            # leaves split differently: keep the batch dimension's split (shared by every leaf)
+            firsts = {tuple(s)[0] if len(tuple(s)) else None for _, s in self.batch}
+            if len(firsts) != 1:
+                raise ValueError(f"plan splits batch leaves differently ({self.batch}); "
+                                 "ParallelConfig.dataset_strategy holds one strategy for every leaf")
+            first = firsts.pop()
+            return PartitionSpec(first) if first is not None else "full_batch"
+        spec = specs.pop()
+        return spec if len(tuple(spec)) else "full_batch"
+
+    def to_config(self, config):
+        """A ``mode="semi_auto"`` config whose ``parameter_plan`` (exact paths) and
+        ``dataset_strategy`` reproduce this plan; every other field is kept."""
+        plan = {_glob_escape(p): s for p, _, s, _ in self.params}
+        return dataclasses.replace(config, mode="semi_auto", mesh=dict(self.mesh), parameter_plan=plan,
+                                   dataset_strategy=self.dataset_strategy())
+
+    # ----------------------------------------------------------------- show
+    def table(self, *, operators: bool = True, width: int = 150) -> str:
+        """The plan as text: parameters → PartitionSpec → bytes, operators, predicted cost."""
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console(record=True, width=width, file=open("/dev/null", "w"))
+        t = Table(title=f"jaxpar plan ({self.search}) on mesh {dict(self.mesh)}")
+        for col in ("parameter", "shape", "PartitionSpec", "bytes/device"):
+            t.add_column(col, justify="right" if "bytes" in col else "left")
+        for path, shape, spec, nbytes in self.params:
+            t.add_row(path, str(tuple(shape)), str(tuple(spec)), f"{nbytes:,}")
+        for path, spec in self.batch:
+            t.add_row(f"batch{path}", "", str(tuple(spec)), "")
+        console.print(t)
+        if operators and self.operators:
+            o = Table(title="operators (matmuls and gathers)")
+            for col in ("operator", "input specs", "GFLOP/device", "comm bytes"):
+                o.add_column(col)
+            for name, specs, gflop, comm in self.operators:
+                o.add_row(name, specs, f"{gflop:.4g}", f"{comm:,}")
+            console.print(o)
+        c = self.cost
+        console.print(f"predicted per device: compute {c['compute_s'] * 1e3:.4g} ms, communication "
+                      f"{c['comm_s'] * 1e3:.4g} ms ({c['comm_bytes']:,} B: "
+                      + ", ".join(f"{k or '-'} {v:,}" for k, v in c["comm_by_axes"].items())
+                      + f"), step {c['time_s'] * 1e3:.4g} ms; memory: arguments {c['argument_bytes']:,} B "
+                      f"(exact), temp ~{c['temp_bytes']:,} B; search {self.search_time_s:.3g} s")
+        for note in self.notes:
+            console.print(f"note: {note}")
+        return console.export_text()
+
+    def __str__(self) -> str:
+        return self.table()
+
+    # ----------------------------------------------------------------- files
+    def to_dict(self) -> dict:
+        return {
+            "format": "jaxpar.plan/1", "search": self.search, "mesh": dict(self.mesh),
+            "params": [{"path": p, "shape": list(sh), "spec": _spec_json(s), "bytes_per_device": b}
+                       for p, sh, s, b in self.params],
+            "batch": [{"path": p, "spec": _spec_json(s)} for p, s in self.batch],
+            "classes": [{"name": n, "size": z, "axes": list(a)} for n, z, a in self.classes],
+            "cost": dict(self.cost), "operators": [list(o) for o in self.operators],
+            "notes": list(self.notes), "cost_params": dict(self.cost_params),
+            "search_time_s": self.search_time_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        if d.get("format") != "jaxpar.plan/1":
+            raise ValueError(f"not a jaxpar plan (format {d.get('format')!r}; expected 'jaxpar.plan/1')")
+        return cls(
+            search=d["search"], mesh=dict(d["mesh"]),
+            params=tuple((p["path"], tuple(p["shape"]), _spec_load(p["spec"]), p["bytes_per_device"])
+                         for p in d["params"]),
+            batch=tuple((b["path"], _spec_load(b["spec"])) for b in d["batch"]),
+            classes=tuple((c["name"], c["size"], tuple(c["axes"])) for c in d["classes"]),
+            cost=dict(d["cost"]), operators=tuple(tuple(o) for o in d.get("operators", ())),
+            notes=tuple(d.get("notes", ())), cost_params=dict(d.get("cost_params", {})),
+            search_time_s=float(d.get("search_time_s", 0.0)),
+        )
+
+    def to_json(self, path: str) -> None:
+        """Save as a strategy file (JSON; keep it next to the checkpoints)."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def from_json(cls, path: str) -> "Plan":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Plan) and json.dumps(self.to_dict(), sort_keys=True, default=str) == \
+            json.dumps(other.to_dict(), sort_keys=True, default=str)
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_dict(), sort_keys=True, default=str))
+
+
+def spec_bytes(shape, itemsize: int, spec: PartitionSpec, sizes: Mapping[str, int]) -> int:
+    shards = math.prod(sizes[a] for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
+    return math.prod(shape) * itemsize // shards
