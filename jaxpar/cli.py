@@ -111,8 +111,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from jaxpar.report import param_table
     from jaxpar.nn.plan import format_plan
+    from jaxpar.report import param_table
+
+    if args.search:
+        from jaxpar.auto.cli import run_plan_search
+
+        return run_plan_search(args, build_job)
 
     config, mesh, trainer, _ = build_job(args)
     print(f"mesh {dict(mesh.shape)}  mode {config.mode}")
@@ -167,6 +172,9 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the parameter plan (parameter -> PartitionSpec -> bytes)")
     _add_job_args(p)
     p.add_argument("--save", help="write the plan as JSON")
+    from jaxpar.auto.cli import add_plan_search_arguments
+
+    add_plan_search_arguments(p)
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("report", help="compile the GPT step and report memory, collectives, FLOPs")
     _add_job_args(p)
