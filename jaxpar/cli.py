@@ -184,6 +184,9 @@ def make_parser() -> argparse.ArgumentParser:
 
     add_launch_parser(sub)
     add_k8s_parser(sub)
+    from jaxpar.checkpoint.cli import add_ckpt_parser
+
+    add_ckpt_parser(sub)
     return parser
 
 

@@ -1,0 +1,29 @@
+"""Distributed checkpoints that reshard: save in one layout, restore in any other.
+
+    >>> jaxpar.checkpoint.save(trainer, "ckpt")              # whole state, step = trainer.step_count
+    >>> jaxpar.checkpoint.restore(other_trainer, "ckpt")      # any mesh / ZeRO level / device count
+    >>> load_strategy("ckpt")["mesh"]                         # the layout it was saved under
+
+See ``docs/checkpoint.md``; ``python -m jaxpar.checkpoint {inspect,transform,merge}`` works offline.
+"""
+
+from jaxpar.checkpoint.manager import Checkpointer, latest_step, restore, save
+from jaxpar.checkpoint.offline import format_inspect, inspect, load_strategy, merge, plan_leaves, transform
+from jaxpar.checkpoint.state import CheckpointMismatchError
+from jaxpar.checkpoint.strategy import strategy_config, strategy_specs
+
+__all__ = [
+    "CheckpointMismatchError",
+    "Checkpointer",
+    "format_inspect",
+    "inspect",
+    "latest_step",
+    "load_strategy",
+    "merge",
+    "plan_leaves",
+    "restore",
+    "save",
+    "strategy_config",
+    "strategy_specs",
+    "transform",
+]

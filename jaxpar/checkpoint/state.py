@@ -1,0 +1,162 @@
+"""A trainer's whole state as one flat ``{path: array}`` map, and the restore target.
+
+Every leaf gets a path ``section/...`` (``params/blocks/0/attn/wq``, ``opt_state/0/mu/...``,
+``rest/rngs/dropout/key``): the same paths the parameter plan prints. Checkpoints store the
+leaves as a nested dict of these path parts, so a checkpoint is independent of optax's and
+NNX's container classes and two trainers whose states have the same paths (other mesh, other
+ZeRO level, other tensor layout) read each other's checkpoints.
+
+PRNG key arrays (``nnx.RngKey`` in ``trainer.rest``) are stored as their raw ``uint32`` key data
+and wrapped again with the target's key implementation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.nn.plan import path_str
+
+SECTIONS = ("params", "opt_state", "rest")
+
+
+def is_key(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _trees(trainer) -> dict[str, Any]:
+    return {"params": trainer.params, "opt_state": trainer.opt_state, "rest": trainer.rest}
+
+
+def flat_state(trainer) -> dict[str, Any]:
+    """``{path: leaf}`` of the trainer's params, optimizer state and other NNX state."""
+    out = {}
+    for section, tree in _trees(trainer).items():
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            out[f"{section}/{path_str(path)}"] = leaf
+    return out
+
+
+def savable(flat: dict[str, Any]) -> dict[str, Any]:
+    """Key arrays → their ``uint32`` key data; Python scalars → numpy."""
+    out = {}
+    for path, leaf in flat.items():
+        if is_key(leaf):
+            leaf = jax.random.key_data(leaf)
+        elif not isinstance(leaf, (jax.Array, np.ndarray)):
+            leaf = np.asarray(leaf)
+        out[path] = leaf
+    return out
+
+
+class Leaf(NamedTuple):
+    """What a checkpoint records about one stored leaf (and what a trainer expects)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def leaf_info(x) -> Leaf:
+    return Leaf(tuple(int(d) for d in x.shape), str(np.dtype(x.dtype)))
+
+
+def _sharding_of(leaf, mesh) -> jax.sharding.Sharding:
+    sharding = getattr(leaf, "sharding", None)
+    return sharding if sharding is not None else NamedSharding(mesh, PartitionSpec())
+
+
+def target(trainer) -> dict[str, jax.ShapeDtypeStruct]:
+    """``{path: ShapeDtypeStruct(shape, dtype, sharding)}``: where each stored leaf must land.
+
+    Shapes and shardings come from the trainer's own (already planned) arrays, so a restore
+    reads every array straight into the shards this trainer's layout wants.
+    """
+    out = {}
+    for path, leaf in flat_state(trainer).items():
+        sharding = _sharding_of(leaf, trainer.mesh)
+        if is_key(leaf):
+            data = jax.eval_shape(jax.random.key_data, leaf)
+            spec = getattr(sharding, "spec", PartitionSpec())
+            sharding = NamedSharding(trainer.mesh, PartitionSpec(*spec))
+            out[path] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
+        else:
+            dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+            out[path] = jax.ShapeDtypeStruct(np.shape(leaf), dtype, sharding=sharding)
+    return out
+
+
+def install(trainer, restored: dict[str, Any]) -> None:
+    """Put restored leaves (by path) back into the trainer's trees."""
+    for section, tree in _trees(trainer).items():
+        flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        leaves = []
+        for path, old in flat:
+            new = restored[f"{section}/{path_str(path)}"]
+            if is_key(old):
+                new = jax.random.wrap_key_data(new, impl=jax.random.key_impl(old))
+            leaves.append(new)
+        setattr(trainer, section, jax.tree_util.tree_unflatten(treedef, leaves))
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """``{"a/b/c": x}`` → ``{"a": {"b": {"c": x}}}`` (how orbax stores the tree)."""
+    out: dict[str, Any] = {}
+    for path, leaf in flat.items():
+        node = out
+        *parents, name = path.split("/")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[name] = leaf
+    return out
+
+
+def unnest(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """The inverse of ``nest`` (also for orbax's metadata trees)."""
+    if isinstance(tree, dict) or (hasattr(tree, "keys") and hasattr(tree, "__getitem__")):
+        out = {}
+        for k in tree.keys():
+            out.update(unnest(tree[k], f"{prefix}{k}/"))
+        return out
+    if isinstance(tree, (list, tuple)):
+        out = {}
+        for i, v in enumerate(tree):
+            out.update(unnest(v, f"{prefix}{i}/"))
+        return out
+    return {prefix[:-1]: tree}
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not fit the model: each difference listed by parameter path."""
+
+    def __init__(self, directory: str, step: int, problems: list[str]):
+        self.problems = problems
+        listing = "\n  ".join(problems)
+        super().__init__(
+            f"checkpoint {directory} step {step} does not fit this trainer ({len(problems)} "
+            f"difference(s); nothing was restored):\n  {listing}\n"
+            "Build the trainer from the same model and optimizer that were saved (the layout "
+            "may differ), or convert the checkpoint first."
+        )
+
+
+def differences(saved: dict[str, Leaf], wanted: dict[str, Leaf]) -> list[str]:
+    """One line per missing, extra, reshaped or retyped leaf (sorted by path)."""
+    problems = []
+    for path in sorted(set(saved) | set(wanted)):
+        if path not in saved:
+            problems.append(f"missing {path}: the trainer has {wanted[path].shape} {wanted[path].dtype}, "
+                            "the checkpoint has no such entry")
+        elif path not in wanted:
+            problems.append(f"extra   {path}: the checkpoint has {saved[path].shape} {saved[path].dtype}, "
+                            "the trainer has no such entry")
+        else:
+            s, w = saved[path], wanted[path]
+            if s.shape != w.shape:
+                problems.append(f"shape   {path}: checkpoint {s.shape}, trainer {w.shape}")
+            if s.dtype != w.dtype:
+                problems.append(f"dtype   {path}: checkpoint {s.dtype}, trainer {w.dtype}")
+    return problems
