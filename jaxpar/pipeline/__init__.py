@@ -1,0 +1,41 @@
+"""Pipeline parallelism: schedules as plain data, one shard_map executor for all of them.
+
+``schedules`` builds and draws tables (tick × stage → F / B / W / idle) without JAX;
+``executor`` runs any table as one compiled program over a ``"pipe"`` mesh axis.
+
+Example:
+    >>> from jaxpar.pipeline import build, bubble_fraction
+    >>> bubble_fraction(build("zb-h1", 4, 8))
+    Fraction(1, 9)
+"""
+from jaxpar.pipeline.executor import (
+    Program,
+    from_stage_layout,
+    lower,
+    pipeline_loss,
+    pipeline_value_and_grad,
+    to_stage_layout,
+)
+from jaxpar.pipeline.schedules import (
+    SCHEDULES,
+    Kind,
+    Op,
+    Schedule,
+    bubble_fraction,
+    build,
+    gpipe,
+    interleaved,
+    one_f_one_b,
+    peak_activations,
+    plot_timeline,
+    timeline,
+    validate,
+    zb_h1,
+)
+
+__all__ = [
+    "SCHEDULES", "Kind", "Op", "Program", "Schedule", "bubble_fraction", "build",
+    "from_stage_layout", "gpipe", "interleaved", "lower", "one_f_one_b", "peak_activations",
+    "pipeline_loss", "pipeline_value_and_grad", "plot_timeline", "timeline", "to_stage_layout",
+    "validate", "zb_h1",
+]
