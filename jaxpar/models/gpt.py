@@ -161,3 +161,25 @@ def loss_fn(model: GPT, batch: dict) -> jax.Array:
     """Mean next-token cross-entropy; ``batch`` holds ``inputs`` and ``targets`` [B, S]."""
     logits = model(batch["inputs"])
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def _head_loss(head, h, batch):
+    ln_f, w = head
+    logits = ln_f(h) @ w[...]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def pipeline_loss():
+    """``loss_fn`` in the three parts a pipeline needs (embedding, stacked blocks, head).
+
+    Equal to ``loss_fn`` for a model built with ``scan_layers=True``; pass it to the
+    ``Trainer`` when ``ParallelConfig.pipeline.stages > 1``.
+    """
+    from jaxpar.pipeline.model import PipelineLoss  # the model itself stays parallelism-free
+
+    return PipelineLoss(
+        embed=lambda model, batch: model.embed(batch["inputs"]),
+        blocks=lambda model: model.blocks,
+        head=lambda model: (model.ln_f, model.head),
+        head_loss=_head_loss,
+    )
