@@ -12,10 +12,14 @@ from jaxpar.nn import init
 from jaxpar.shard import LogicalConstraint, shard
 from jaxpar.strategy import Layout, to_partition_spec
 from jaxpar.train import Trainer
+from jaxpar import optim
+from jaxpar.config import CommFusionConfig
+from jaxpar.remat import remat  # the function; the policies live in the jaxpar.remat module
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommFusionConfig",
     "Layout",
     "LogicalConstraint",
     "OptimizerConfig",
@@ -24,6 +28,8 @@ __all__ = [
     "Trainer",
     "init",
     "make_mesh",
+    "optim",
+    "remat",
     "ops",
     "report",
     "shard",

@@ -28,8 +28,10 @@ REMAT_POLICIES = (
     "nothing_saveable",
     "everything_saveable",
     "save_collectives",
+    "everything_except_collectives",
     "offload_dots",
 )
+FUSION_MODES = ("size", "auto")
 OPTIMIZER_LEVELS = (0, 1, 2, 3)
 
 
@@ -73,6 +75,32 @@ class OptimizerConfig:
             not isinstance(self.shard_size, int) or self.shard_size < 1
         ):
             raise _fail("optimizer.shard_size", self.shard_size, "use a positive int or None")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommFusionConfig:
+    """Fusion of gradient collectives into fewer, larger ones (MindSpore ``comm_fusion``).
+
+    Attributes:
+      mode: ``"size"``: buckets of ``bucket_mb``; ``"auto"``: the compiler's own choice
+        (jit modes) / 64 MB buckets (``mode="hybrid"``).
+      bucket_mb: bucket size in MB (2**20 bytes) for ``mode="size"``.
+
+    Loads from ``None`` (off), ``"auto"``, or a dict ``{"mode": "size", "bucket_mb": 4}``.
+    """
+
+    mode: str = "size"
+    bucket_mb: float = 64.0
+
+    def __post_init__(self):
+        if self.mode not in FUSION_MODES:
+            raise _fail("comm_fusion.mode", self.mode, f"choose one of {FUSION_MODES}")
+        if not isinstance(self.bucket_mb, (int, float)) or isinstance(self.bucket_mb, bool) or self.bucket_mb <= 0:
+            raise _fail("comm_fusion.bucket_mb", self.bucket_mb, "use a number of MB > 0")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return int(self.bucket_mb * 2**20)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,7 +206,12 @@ class ParallelConfig:
       optimizer: optimizer parallel (ZeRO) settings, an ``OptimizerConfig`` or dict.
       grad_accum: micro-steps per optimizer update.
       pipeline: pipeline settings, a ``PipelineConfig`` or dict.
-      remat: recompute policy name.
+      remat: recompute policy name for the whole loss (see ``jaxpar.remat``).
+      comm_fusion: fuse gradient collectives: ``None`` (off), ``"auto"`` or
+        ``{"mode": "size", "bucket_mb": 4}`` (a ``CommFusionConfig``).
+      interleave: multi-copy parallel (MindSpore ``MicroBatchInterleaved``): each step's
+        batch runs as this many parts one after another, so one part's collectives can
+        overlap the next part's compute. 1 = off.
       search: strategy search algorithm for ``mode="auto"``.
     """
 
@@ -192,6 +225,8 @@ class ParallelConfig:
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     remat: str = "none"
     search: str | None = None
+    comm_fusion: CommFusionConfig | None = None
+    interleave: int = 1
 
     def __post_init__(self):
         setf = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -212,6 +247,13 @@ class ParallelConfig:
             raise _fail("grad_accum", self.grad_accum, "use a positive int")
         if self.remat not in REMAT_POLICIES:
             raise _fail("remat", self.remat, f"choose one of {REMAT_POLICIES}")
+        if self.comm_fusion is not None:
+            fusion = CommFusionConfig(mode="auto") if self.comm_fusion == "auto" else self.comm_fusion
+            if isinstance(fusion, str):
+                raise _fail("comm_fusion", fusion, "use None, 'auto' or {'mode': 'size', 'bucket_mb': 4}")
+            setf("comm_fusion", _sub(CommFusionConfig, fusion, "comm_fusion"))
+        if not isinstance(self.interleave, int) or isinstance(self.interleave, bool) or self.interleave < 1:
+            raise _fail("interleave", self.interleave, "use a positive int (1 = off)")
         if self.search is not None and self.search not in SEARCHES:
             raise _fail("search", self.search, f"choose one of {SEARCHES} or None")
         if self.mode == "data" and self.rules:
@@ -322,6 +364,8 @@ def _apply_override(d: dict[str, Any], key: str, raw: str) -> None:
         if not isinstance(d.get(top), dict):
             raise ValueError(f"--{key}: {top!r} is not a config section")
         d[top][sub] = _parse_scalar(raw)
+    elif key == "comm_fusion" and "=" in raw:
+        d[key] = {**(d[key] or {}), **_parse_pairs(key, raw)}
     elif key in ("optimizer", "pipeline"):
         d[key] = {**d[key], **_parse_pairs(key, raw)}
     else:

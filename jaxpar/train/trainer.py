@@ -1,4 +1,19 @@
-"""``Trainer``: compiles one training step for a config and mesh, and runs the loop."""
+"""``Trainer``: compiles one training step for a config and mesh, and runs the loop.
+
+The step is assembled in one place (``Trainer._train_fn``), from the inside out; the order
+matters:
+
+1. the loss of the merged model (jit modes) or per device in ``shard_map`` (hybrid);
+2. ZeRO-3 gathers the sharded parameters to their compute layout *inside* the loss, so
+   that recompute (next) gathers them again in the backward instead of keeping them;
+3. ``remat`` wraps the whole loss (gather included) in ``jax.checkpoint``;
+4. ``interleave`` runs the loss as ``n`` parts one after another (multi-copy parallel);
+5. gradients (hybrid + ``comm_fusion``: per device, then bucketed all-reduces);
+6. ``grad_accum`` scans 1–5 over ``k`` micro-batches, the gradient sum laid out as the ZeRO
+   gradient specs (sharded at level ≥ 2);
+7. the optimizer update, state sharded by the ZeRO plan; host-offloaded state is moved in
+   first and written back by ``out_shardings``.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +30,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.config import ParallelConfig
 from jaxpar.data import batch_axes, batch_shardings, leaf_spec, place_batch
 from jaxpar.nn.plan import check_plan_covers, plan_state, to_shardings
-from jaxpar.train.step import build_eval, build_step, make_hybrid_loss, make_loss
+from jaxpar.optim import accumulate, fusion
+from jaxpar.optim import offload as host
+from jaxpar.optim.zero import gather_params, opt_state_specs, reduce_gradients, shard_optimizer, zero_plan
+from jaxpar.remat import checkpoint_policy
+from jaxpar.train.step import (build_eval, build_train_step, make_hybrid_grads, make_hybrid_loss, make_loss,
+                               value_and_grads)
 
 _is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
 
@@ -26,8 +46,7 @@ def _check_supported(config: ParallelConfig) -> None:
             "ParallelConfig(mode='auto') is not available yet: strategy search has not landed. "
             "Use mode='semi_auto' with rules / parameter_plan, or mode='data'."
         )
-    for field, active in (("optimizer.level", config.optimizer.level > 0), ("grad_accum", config.grad_accum > 1),
-                          ("pipeline.stages", config.pipeline.stages > 1)):
+    for field, active in (("pipeline.stages", config.pipeline.stages > 1),):
         if active:
             raise NotImplementedError(
                 f"ParallelConfig.{field} is set, but this jaxpar build does not implement it yet; "
@@ -44,10 +63,19 @@ class Trainer:
     >>> trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh)
     >>> metrics = trainer.step(batch)          # {"loss": ..., "grad_norm": ...}
     >>> history = trainer.fit(batches, steps=100)
+
+    ``offload``: ``"opt_state"`` and/or ``"params"`` to keep them in host memory
+    (``pinned_host``) between steps (see ``jaxpar.optim.offload``).
+
+    Attributes: ``params`` / ``param_shardings`` (as stored: sharded at ZeRO level 3),
+    ``compute_specs`` (the parameter plan, where parameters are used), ``opt_state`` /
+    ``opt_shardings``, ``rest`` / ``rest_shardings``, ``zero`` (the ``ZeroPlan``),
+    ``step_count``, ``config``, ``mesh``.
     """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, loss_fn: Callable,
-                 config: ParallelConfig, mesh, *, global_batch: bool | None = None, donate: bool = True):
+                 config: ParallelConfig, mesh, *, global_batch: bool | None = None, donate: bool = True,
+                 offload: str | tuple[str, ...] = ()):
         if not isinstance(model, nnx.Module):
             raise TypeError(f"Trainer: model must be a flax.nnx.Module, got {type(model).__name__}")
         if not isinstance(tx, optax.GradientTransformation):
@@ -66,32 +94,111 @@ class Trainer:
         self.config, self.mesh, self.tx, self.loss_fn = config, mesh, tx, loss_fn
         self.global_batch = jax.process_count() == 1 if global_batch is None else global_batch
         self._donate = donate
+        self.offload = host.check_targets(offload)
+        if self.offload and not host.host_memory_available(mesh):
+            raise ValueError(f"Trainer: offload={self.offload} needs a '{host.HOST}' memory space, which "
+                             f"{mesh.devices.flat[0].platform} devices here do not have; drop offload")
         self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-        self.param_specs = plan_state(config, mesh, params, check_unused=False)
+        self.compute_specs = plan_state(config, mesh, params, check_unused=False)
         self.rest_specs = plan_state(config, mesh, rest, check_unused=False)
         check_plan_covers(config, params, rest)
-        self.param_shardings = to_shardings(self.param_specs, mesh)
+        self.zero = zero_plan(config.optimizer, mesh, self.compute_specs, params)
+        self.param_specs = self.zero.params
+        self._device_param_shardings = to_shardings(self.param_specs, mesh)
+        self.param_shardings = self._placed(self._device_param_shardings, "params")
         self.rest_shardings = to_shardings(self.rest_specs, mesh)
         self.params = jax.device_put(params, self.param_shardings)
         self.rest = jax.device_put(rest, self.rest_shardings)
-        self.opt_specs = self._opt_state_specs()
-        self.opt_shardings = to_shardings(self.opt_specs, mesh)
-        self.opt_state = jax.jit(tx.init, out_shardings=self.opt_shardings)(self.params)
+        self._tx = shard_optimizer(tx, mesh, self.zero, params) if config.optimizer.level else tx
+        self.opt_specs = opt_state_specs(tx, self.zero.state, params)
+        self._device_opt_shardings = to_shardings(self.opt_specs, mesh)
+        self.opt_shardings = self._placed(self._device_opt_shardings, "opt_state")
+        init = lambda p: self._tx.init(host.to_device(p, self.param_shardings))  # noqa: E731
+        self.opt_state = jax.jit(init, out_shardings=self.opt_shardings)(self.params)
         self.step_count = 0
         self._compiled: dict[Any, Any] = {}
 
     # ------------------------------------------------------------------ planning
-    def _opt_state_specs(self):
-        abstract = jax.eval_shape(self.tx.init, self.params)
-        return optax.tree_map_params(
-            self.tx, lambda _, spec: spec, abstract, self.param_specs,
-            transform_non_params=lambda _: PartitionSpec(), is_leaf=_is_spec,
-        )
+    def _placed(self, shardings, target: str):
+        return host.on_host(shardings) if target in self.offload else shardings
+
+    def _enter(self, params, opt_state):
+        """Inside the step: host-offloaded parameters / optimizer state into device memory."""
+        if "params" in self.offload:
+            params = host.to_device(params, self.param_shardings)
+        if "opt_state" in self.offload and opt_state is not None:
+            opt_state = host.to_device(opt_state, self.opt_shardings)
+        return params, opt_state
+
+    def _part_view(self, batch, parts: int):
+        """Shapes of one of ``parts`` equal parts of ``batch``, and a constraint for the split tree."""
+        def view(x):
+            if x.shape[0] % parts:
+                raise ValueError(
+                    f"batch leaf of shape {tuple(x.shape)}: grad_accum × interleave = {parts} parts do not "
+                    f"divide the batch dimension {x.shape[0]}; use a batch that is a multiple of {parts}")
+            return jax.ShapeDtypeStruct((x.shape[0] // parts, *x.shape[1:]), x.dtype)
+
+        part = jax.tree.map(view, batch)
+
+        def constrain(split):
+            return jax.tree.map(lambda x, p: jax.lax.with_sharding_constraint(x, NamedSharding(
+                self.mesh, PartitionSpec(None, *leaf_spec(self.config, self.mesh, tuple(p.shape))))), split, part)
+
+        return part, constrain
+
+    def _gather(self, compute_loss):
+        """ZeRO-3: parameters stored sharded are gathered to their compute layout where used."""
+        if self.config.optimizer.level < 3:
+            return compute_loss
+        shardings = to_shardings(self.compute_specs, self.mesh)
+
+        def gathered(params, rest, batch):
+            params = jax.tree.map(jax.lax.with_sharding_constraint, params, shardings)
+            return compute_loss(params, rest, batch)
+
+        return gathered
+
+    def _train_fn(self, batch):
+        """The step function for ``batch`` (global shapes); the order is the module docstring's."""
+        return build_train_step(self._grads_fn(batch), self._tx, enter=self._enter)
+
+    def _grads_fn(self, batch):
+        """Steps 1–6 of the module docstring: ``(params, rest, batch) -> (loss, aux, rest, grads)``."""
+        cfg = self.config
+        k, n = cfg.grad_accum, cfg.interleave
+        micro, micro_constrain = self._part_view(batch, k)
+        part, part_constrain = self._part_view(batch, k * n)
+        remat = (lambda f: f) if cfg.remat == "none" else (
+            lambda f: jax.checkpoint(f, policy=checkpoint_policy(cfg.remat)))
+        if cfg.mode == "hybrid" and (cfg.comm_fusion is not None or cfg.optimizer.level > 0):
+            grads = self._hybrid_grads(micro, lambda f: accumulate.interleave_loss(remat(f), n))
+        else:
+            loss = remat(self._gather(self._loss_for(part)))
+            grads = value_and_grads(accumulate.interleave_loss(loss, n, constrain_parts=part_constrain))
+        constrain_grads = lambda g: jax.tree.map(  # noqa: E731
+            jax.lax.with_sharding_constraint, g, to_shardings(self.zero.grads, self.mesh))
+        return accumulate.accumulate_grads(grads, k, constrain_grads=constrain_grads,
+                                           constrain_parts=micro_constrain)
+
+    def _hybrid_grads(self, micro, wrap_local):
+        """Hybrid mode: per-device gradients reduced by jaxpar (bucketed and/or to ZeRO shards)."""
+        cfg, axes, zero = self.config, batch_axes(self.config, self.mesh), self.zero
+        if set(zero.axes) - set(axes):
+            raise ValueError(f"optimizer.axis {zero.axes} must be batch axes {axes} in mode='hybrid'")
+        batch_specs = jax.tree.map(lambda x: leaf_spec(cfg, self.mesh, tuple(x.shape)), micro)
+        bucket = fusion.bucket_bytes(cfg.comm_fusion) if cfg.comm_fusion is not None else None
+        rest = (lambda leaves, on: fusion.bucketed_psum(leaves, on, bucket)) if bucket else None
+        target = zero.state if cfg.optimizer.level else zero.compute
+        reduce = lambda g: reduce_gradients(g, zero.params, target, axes, rest)  # noqa: E731
+        gather = lambda p: gather_params(p, zero.params, zero.compute)  # noqa: E731
+        return make_hybrid_grads(self.graphdef, self.loss_fn, self.mesh, (zero.params, self.rest_specs, batch_specs),
+                                 axes, reduce, target, wrap_local=wrap_local, gather=gather)
 
     def _loss_for(self, batch):
         if self.config.mode == "hybrid":
             batch_specs = jax.tree.map(lambda x: leaf_spec(self.config, self.mesh, tuple(x.shape)), batch)
-            specs = (self.param_specs, self.rest_specs, batch_specs)
+            specs = (self.compute_specs, self.rest_specs, batch_specs)
             return make_hybrid_loss(self.graphdef, self.loss_fn, self.mesh, specs,
                                     batch_axes(self.config, self.mesh))
         return make_loss(self.graphdef, self.loss_fn)
@@ -103,16 +210,19 @@ class Trainer:
         key = self._key(batch, kind)
         if key not in self._compiled:
             b_sh = batch_shardings(self.config, self.mesh, batch)
-            compute = self._loss_for(batch)
             if kind == "train":
                 fn = jax.jit(
-                    build_step(compute, self.tx),
+                    self._train_fn(batch),
                     in_shardings=(self.param_shardings, self.rest_shardings, self.opt_shardings, b_sh),
                     out_shardings=(self.param_shardings, self.rest_shardings, self.opt_shardings, None),
                     donate_argnums=(0, 1, 2) if self._donate else (),
+                    compiler_options=fusion.compiler_options(self.config.comm_fusion,
+                                                             self.mesh.devices.flat[0].platform) or None,
                 )
             else:
-                fn = jax.jit(build_eval(compute), in_shardings=(self.param_shardings, self.rest_shardings, b_sh))
+                compute = self._gather(self._loss_for(batch))
+                fn = jax.jit(lambda p, r, b: build_eval(compute)(host.to_device(p, self.param_shardings), r, b),
+                             in_shardings=(self.param_shardings, self.rest_shardings, b_sh))
             self._compiled[key] = fn
         return self._compiled[key]
 
@@ -137,6 +247,18 @@ class Trainer:
         """The lowered step for ``batch`` (``.compile()`` gives the program for reports)."""
         placed = self.place(batch)
         return self._jitted(self._global_view(placed)).lower(self.params, self.rest, self.opt_state, placed)
+
+    def lower_grads(self, batch) -> jax.stages.Lowered:
+        """The step up to the update for ``batch``: its outputs are the gradients as the update
+        receives them (ZeRO gradient specs), e.g. to measure their bytes per device."""
+        placed = self.place(batch)
+        grads_fn = self._grads_fn(self._global_view(placed))
+        grad_shardings = to_shardings(self.zero.grads, self.mesh)
+        fn = jax.jit(lambda p, r, b: grads_fn(self._enter(p, None)[0], r, b)[3],
+                     in_shardings=(self.param_shardings, self.rest_shardings,
+                                   batch_shardings(self.config, self.mesh, placed)),
+                     out_shardings=grad_shardings)
+        return fn.lower(self.params, self.rest, placed)
 
     def evaluate(self, batches: Iterable, steps: int | None = None) -> float:
         """Mean loss over ``batches`` (the first ``steps`` of them), without updating."""

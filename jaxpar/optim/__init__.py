@@ -1,0 +1,29 @@
+"""Optimizer parallel (ZeRO), gradient accumulation, communication fusion, host offload.
+
+The ``Trainer`` applies these from ``ParallelConfig``; the functions here are the same
+pieces for a hand-written loop:
+
+>>> plan = jaxpar.optim.zero_plan(jaxpar.OptimizerConfig(level=2), mesh, specs, params)   # doctest: +SKIP
+>>> tx = jaxpar.optim.shard_optimizer(optax.adamw(1e-3), mesh, plan, params)             # doctest: +SKIP
+"""
+
+from jaxpar.optim.accumulate import accumulate_grads, interleave_loss, split_batch
+from jaxpar.optim.fusion import bucketed_psum, compiler_options
+from jaxpar.optim.offload import on_host, to_device
+from jaxpar.optim.zero import ZeroPlan, opt_state_specs, shard_optimizer, zero_axes, zero_plan, zero_spec
+
+__all__ = [
+    "ZeroPlan",
+    "accumulate_grads",
+    "bucketed_psum",
+    "compiler_options",
+    "interleave_loss",
+    "on_host",
+    "opt_state_specs",
+    "shard_optimizer",
+    "split_batch",
+    "to_device",
+    "zero_axes",
+    "zero_plan",
+    "zero_spec",
+]

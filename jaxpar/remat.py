@@ -1,0 +1,138 @@
+"""Recompute (activation checkpointing) policies by name, for a whole function or a module.
+
+A policy decides which intermediate values of the forward pass are *saved* for the
+backward pass; everything else is recomputed there (``jax.checkpoint``):
+
+================================  ===================================================
+name                              saves
+================================  ===================================================
+``"none"``                        everything (no recompute; no ``jax.checkpoint``)
+``"full"``                        nothing but the inputs (recompute the whole forward)
+``"nothing_saveable"``            same as ``"full"``
+``"everything_saveable"``         everything (checkpoint boundary, no recompute)
+``"dots_saveable"``               matmul outputs; elementwise work is recomputed
+``"dots_with_no_batch_dims_saveable"``  matmuls without batch dims (weights × activations)
+``"save_collectives"``            only results of collectives (psum, all_gather, ...):
+                                  recompute compute, never communication
+``"everything_except_collectives"``  everything but collective results (they are redone)
+``"offload_dots"``                matmul outputs (no batch dims), moved to host memory
+                                  (``pinned_host``) and brought back for the backward
+================================  ===================================================
+
+The collective policies see collectives that are explicit in the program (``shard_map``
+code, ``mode="hybrid"``, the ``jaxpar.ops`` operators); collectives that XLA inserts
+during sharding propagation do not exist yet when the policy runs.
+
+On CPU, XLA undoes recompute in straight-line (unrolled) code: the memory saving shows
+only when the recomputed region is the body of a loop, e.g. scanned layers
+(``GPTConfig(scan_layers=True)``). On GPU and TPU it works in both.
+
+Example:
+  >>> block_fn = remat(lambda block, x: block(x), "dots_saveable")      # doctest: +SKIP
+  >>> model.blocks = remat(model.blocks, "full")                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+
+COLLECTIVES = frozenset({
+    "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant", "all_to_all",
+    "ppermute", "reduce_scatter", "psum_scatter", "ragged_all_to_all",
+})
+
+
+def _is_collective(prim, *_, **__) -> bool:
+    return prim.name in COLLECTIVES
+
+
+def _save_collectives(prim, *_, **__) -> bool:
+    return _is_collective(prim)
+
+
+def _everything_except_collectives(prim, *_, **__) -> bool:
+    return not _is_collective(prim)
+
+
+def _offload_dots():
+    return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+
+
+_POLICIES: dict[str, Callable[[], Any]] = {
+    "full": lambda: None,
+    "nothing_saveable": lambda: jax.checkpoint_policies.nothing_saveable,
+    "everything_saveable": lambda: jax.checkpoint_policies.everything_saveable,
+    "dots_saveable": lambda: jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_collectives": lambda: _save_collectives,
+    "everything_except_collectives": lambda: _everything_except_collectives,
+    "offload_dots": _offload_dots,
+}
+POLICY_NAMES = ("none", *_POLICIES)
+
+
+def checkpoint_policy(name: str):
+    """The ``jax.checkpoint`` policy for ``name`` (``None`` = save nothing, for ``"full"``)."""
+    if name not in _POLICIES:
+        raise ValueError(f"remat policy {name!r} is unknown; choose one of {POLICY_NAMES}")
+    return _POLICIES[name]()
+
+
+def remat(fn_or_module, policy: str = "full"):
+    """Recompute ``fn_or_module`` in the backward pass, saving what ``policy`` allows.
+
+    * a function (it may take NNX modules as arguments): returns the wrapped function;
+    * an ``nnx.Module`` instance: changes its class to a subclass whose ``__call__`` is
+      recomputed, and returns it. Its variables, their paths and the plan stay the same,
+      and it keeps working inside ``nnx.scan`` / ``nnx.vmap`` (scanned layers):
+      ``model.blocks = jaxpar.remat(model.blocks, "full")``.
+
+    ``policy="none"`` returns ``fn_or_module`` unchanged.
+
+    Example:
+      >>> f = remat(lambda x: jnp.sin(jnp.sin(x)), "full")
+      >>> float(jax.grad(f)(0.0))
+      1.0
+    """
+    if policy == "none":
+        checkpoint_policy("full")   # nothing to wrap, but still a known name
+        return fn_or_module
+    pol = checkpoint_policy(policy)
+    if isinstance(fn_or_module, nnx.Module):
+        module = fn_or_module
+        module.__class__ = _remat_class(type(module), policy)
+        return module
+    if not callable(fn_or_module):
+        raise TypeError(f"remat expects a function or an nnx.Module, got {type(fn_or_module).__name__}")
+    return nnx.remat(fn_or_module, policy=pol)
+
+
+_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _remat_class(cls: type, policy: str) -> type:
+    base = getattr(cls, "_jaxpar_remat_base", cls)
+    key = (base, policy)
+    if key not in _CLASSES:
+        pol = checkpoint_policy(policy)
+
+        def __call__(self, *args, **kwargs):
+            # arrays (and pytrees of them) go through the checkpoint; other arguments (hooks,
+            # flags) are closed over as constants
+            is_data = [all(hasattr(x, "dtype") for x in jax.tree.leaves(a)) for a in args]
+            data = [a for a, d in zip(args, is_data) if d]
+
+            def call(module, *data_args):
+                it = iter(data_args)
+                return base.__call__(module, *[next(it) if d else a for a, d in zip(args, is_data)], **kwargs)
+
+            return nnx.remat(call, policy=pol)(self, *data)
+
+        _CLASSES[key] = type(base.__name__, (base,), {
+            "__call__": __call__, "_jaxpar_remat_base": base, "_jaxpar_remat_policy": policy,
+            "__module__": base.__module__, "__qualname__": base.__qualname__})
+    return _CLASSES[key]

@@ -1,0 +1,86 @@
+"""Communication fusion and host offload: collective counts from the HLO, placements, numerics."""
+
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from helpers import TINY, assert_close, assert_losses_close, batches, mesh_for, reference, train_gpt
+from jaxpar.models.gpt import GPT, loss_fn
+from jaxpar.optim import compiler_options
+from jaxpar.report import collectives
+
+
+def _all_reduce_buffers(config):
+    mesh = mesh_for(config)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh), optax.adamw(1e-3),
+                             loss_fn, config, mesh)
+    cols = [c for c in collectives(trainer.lower(batches(1)[0]).compile(), mesh) if c.kind == "all-reduce"]
+    grad_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.params))
+    # XLA's CPU combiner packs everything into tuple all-reduces afterwards (and cannot be
+    # tuned on CPU), so count the buffers the all-reduces carry, not the instructions.
+    return sum(len(c.shapes) for c in cols), len(jax.tree.leaves(trainer.params)), grad_bytes
+
+
+def test_hybrid_fusion_buckets_gradients():
+    bucket_mb = 0.004
+    fused, n_params, grad_bytes = _all_reduce_buffers(
+        jaxpar.ParallelConfig(mesh={"data": 8}, mode="hybrid", comm_fusion={"mode": "size", "bucket_mb": bucket_mb}))
+    plain, _, _ = _all_reduce_buffers(jaxpar.ParallelConfig(mesh={"data": 8}, mode="hybrid"))
+    bound = math.ceil(grad_bytes / (bucket_mb * 2**20)) + 1          # + the loss
+    print(f"all-reduce buffers: fused {fused} (bound {bound}), unfused {plain} ({n_params} parameters + loss)")
+    assert fused <= bound
+    assert plain == n_params + 1
+
+
+@pytest.mark.slow  # hybrid fusion numerics are also covered by test_zero (zero2 + fusion)
+def test_hybrid_fusion_matches_one_device():
+    ref_losses, ref_params = reference(TINY, 2)
+    losses, params, _ = train_gpt(jaxpar.ParallelConfig(mesh={"data": 8}, mode="hybrid", comm_fusion="auto"), steps=2)
+    assert_losses_close(losses, ref_losses)
+    assert_close(params, ref_params)
+
+
+def test_jit_fusion_sets_combiner_thresholds_per_backend():
+    fusion = jaxpar.CommFusionConfig(mode="size", bucket_mb=4)
+    gpu = compiler_options(fusion, "gpu")
+    assert gpu["xla_gpu_all_reduce_combine_threshold_bytes"] == 4 * 2**20
+    assert gpu["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 4 * 2**20
+    assert compiler_options(fusion, "cpu") == {}             # CPU's combiner has no such option
+    assert compiler_options(jaxpar.CommFusionConfig(mode="auto"), "gpu") == {}
+    assert compiler_options(None, "gpu") == {}
+
+
+def test_comm_fusion_config_loads_and_validates():
+    cfg = jaxpar.ParallelConfig.from_dict({"comm_fusion": {"mode": "size", "bucket_mb": 2}, "interleave": 2})
+    assert cfg.comm_fusion.bucket_bytes == 2 * 2**20 and cfg.interleave == 2
+    assert jaxpar.ParallelConfig.from_dict(cfg.to_dict()) == cfg
+    assert jaxpar.ParallelConfig(comm_fusion="auto").comm_fusion.mode == "auto"
+    with pytest.raises(ValueError, match="comm_fusion.bucket_mb"):
+        jaxpar.ParallelConfig(comm_fusion={"bucket_mb": 0})
+    with pytest.raises(ValueError, match="interleave"):
+        jaxpar.ParallelConfig(interleave=0)
+
+
+def test_offload_places_state_on_host_and_matches():
+    cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", optimizer={"level": 1, "threshold_kb": 0})
+    mesh = mesh_for(cfg)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), cfg, mesh), optax.adamw(1e-3),
+                             loss_fn, cfg, mesh, offload=("opt_state", "params"))
+    losses = [float(trainer.step(b)["loss"]) for b in batches()]
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(trainer.opt_state)} == {"pinned_host"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(trainer.params)} == {"pinned_host"}
+    ref_losses, ref_params = reference()
+    assert_losses_close(losses, ref_losses)
+    assert_close(jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param))), ref_params)
+
+
+def test_offload_rejects_unknown_targets():
+    cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    mesh = mesh_for(cfg)
+    with pytest.raises(ValueError, match="unknown targets"):
+        jaxpar.Trainer(GPT(TINY, rngs=nnx.Rngs(0)), optax.sgd(0.1), loss_fn, cfg, mesh, offload=("grads",))
