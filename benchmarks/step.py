@@ -1,0 +1,328 @@
+"""Step benchmark: the example GPT under a list of strategies, and a hand-written jax.jit baseline.
+
+For each strategy it compiles the jaxpar training step, reads what the compiled program costs
+(``jaxpar.report``: per-device memory, collectives, FLOPs), then times steps (median of
+``--steps`` after ``--warmup``, each ended with ``jax.block_until_ready``). The baseline is
+the same data-parallel step written directly with ``jax.jit``, ``nnx.split/merge``,
+``jax.value_and_grad``, optax and ``NamedSharding``, without jaxpar; the data=8 row reports
+jaxpar's step time over the baseline's.
+
+    python benchmarks/step.py                          # CPU: 8 simulated devices, size "tiny"
+    python benchmarks/step.py --size small --layers both --out /tmp/step.json
+
+On a CPU the timings only compare strategies with each other on this machine (8 simulated
+devices share its cores; ``JAXPAR_BENCH_DEVICES`` changes how many are simulated); on a GPU
+the script also reports MFU against ``--peak-flops``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+
+if __name__ == "__main__":  # before JAX starts its backend; harmless on GPU/TPU
+    jax.config.update("jax_num_cpu_devices", int(os.environ.get("JAXPAR_BENCH_DEVICES", "8")))
+
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jaxpar
+from jaxpar.models.data import ArithmeticData
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
+from jaxpar.report import collective_summary, collectives, flops, memory, mfu
+
+SIZES = {  # embed, heads, layers, seq_len, global batch
+    "tiny": dict(embed=64, heads=8, layers=2, seq_len=32, batch=32),
+    "small": dict(embed=128, heads=8, layers=4, seq_len=64, batch=32),
+    "medium": dict(embed=512, heads=8, layers=8, seq_len=256, batch=64),
+    "large": dict(embed=1024, heads=16, layers=16, seq_len=1024, batch=64),
+}
+MEGATRON = {"batch": "data", "heads": "model", "mlp": "model", "vocab": "model"}
+STRATEGIES = {
+    "data=8": dict(mesh={"data": 8}, mode="data"),
+    "data=2 x model=4 (Megatron)": dict(mesh={"data": 2, "model": 4}, rules=MEGATRON),
+    "model=8": dict(mesh={"model": 8}, rules={"heads": "model", "mlp": "model", "vocab": "model"}),
+    "2D x=2, y=4": dict(mesh={"x": 2, "y": 4},
+                        rules={"batch": "x", "embed": "y", "heads": "x", "mlp": "x", "vocab": "x"}),
+    "hybrid data=8": dict(mesh={"data": 8}, mode="hybrid"),
+}
+PEAK_FLOPS = {  # dense bf16 FLOP/s per device, by a substring of jax's device_kind
+    "H200": 989e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12,
+    "L40S": 362e12, "L4": 121e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v4": 275e12,
+}
+LR = 1e-3
+
+
+def gpt_config(size: str, scan: bool) -> GPTConfig:
+    s = SIZES[size]
+    return GPTConfig(vocab_size=16, seq_len=s["seq_len"], embed=s["embed"], heads=s["heads"],
+                     mlp=4 * s["embed"], layers=s["layers"], scan_layers=scan)
+
+
+def model_flops(gpt: GPTConfig, tokens: int) -> float:
+    """Model FLOPs of one training step (PaLM's count): 6 x matmul weights + 12 x L x S x E per token.
+
+    Unlike XLA's count (``jaxpar.report.flops``) it does not depend on the strategy and counts
+    a scanned model fully; the causal mask's savings are not subtracted.
+    """
+    per_layer = 4 * gpt.embed * gpt.embed + 2 * gpt.embed * gpt.mlp
+    dense = per_layer * gpt.layers + gpt.embed * gpt.vocab_size
+    attention = gpt.layers * gpt.seq_len * gpt.embed
+    return 6.0 * dense * tokens + 12.0 * attention * tokens
+
+
+def time_interleaved(runs: list, warmup: int, steps: int) -> list[list[float]]:
+    """Seconds per step of each run, timed in turns (one step of each per round).
+
+    Taking turns spreads any change in the machine's load (other processes, CPU frequency)
+    over all runs alike, so their ratios stay meaningful on a shared machine; the order is
+    reversed every other round so that no run always follows the same neighbour.
+    """
+    for run in runs:
+        for _ in range(warmup):
+            jax.block_until_ready(run())
+    times: list[list[float]] = [[] for _ in runs]
+    for i in range(steps):
+        turns = list(zip(runs, times))
+        for run, ts in (turns if i % 2 == 0 else turns[::-1]):  # alternate who goes first
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            ts.append(time.perf_counter() - t0)
+    return times
+
+
+def compiled_costs(compiled, mesh) -> dict:
+    mem = memory(compiled)
+    cols = collective_summary(collectives(compiled, mesh))
+    return {
+        "memory": {"argument": mem.argument_bytes, "output": mem.output_bytes, "temp": mem.temp_bytes,
+                   "alias": mem.alias_bytes, "total": mem.total},
+        "collectives": {"count": cols["count"], "bytes": cols["bytes"],
+                        "executed_bytes": cols["executed_bytes"],
+                        "by_kind": {k: v["count"] for k, v in cols["by_kind"].items()}},
+        "flops_per_device": flops(compiled),
+    }
+
+
+def bench_jaxpar(name: str, strategy: dict, gpt: GPTConfig, batch: dict):
+    """Compile jaxpar's step for one strategy: (row of compiled costs, a function running one step)."""
+    config = jaxpar.ParallelConfig(**strategy)
+    mesh = jaxpar.make_mesh(config)
+    constrain = jaxpar.LogicalConstraint(mesh, config.rules)
+    model = jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0), constrain=constrain), config, mesh)
+    trainer = jaxpar.Trainer(model, optax.adamw(LR), loss_fn, config, mesh)
+    placed = trainer.place(batch)
+    t0 = time.perf_counter()
+    compiled = trainer.lower(placed).compile()
+    compile_s = time.perf_counter() - t0
+    row = {"strategy": name, "config": config.to_dict(), "compile_s": compile_s, **compiled_costs(compiled, mesh)}
+    return row, lambda: (trainer.step(placed), trainer.params)
+
+
+def bench_baseline(gpt: GPTConfig, batch: dict):
+    """The data=8 step written by hand: jax.jit, nnx.split/merge, value_and_grad, optax."""
+    n = len(jax.devices())
+    mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    replicated, by_rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    graphdef, params = nnx.split(GPT(gpt, rngs=nnx.Rngs(0)))
+    tx = optax.adamw(LR)
+    params = jax.device_put(params, replicated)
+    opt_state = jax.device_put(tx.init(params), replicated)
+
+    def train_step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), batch))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}  # what Trainer.step returns
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    step = jax.jit(train_step, in_shardings=(replicated, replicated, by_rows),
+                   out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
+    placed = jax.device_put(batch, by_rows)
+    t0 = time.perf_counter()
+    compiled = step.lower(params, opt_state, placed).compile()
+    compile_s = time.perf_counter() - t0
+    state = {"params": params, "opt": opt_state}
+
+    def run():
+        state["params"], state["opt"], metrics = step(state["params"], state["opt"], placed)
+        return state["params"], metrics
+
+    row = {"strategy": f"baseline jax.jit data={n}", "config": None, "compile_s": compile_s,
+           **compiled_costs(compiled, mesh)}
+    return row, run
+
+
+def finish(row: dict, times: list[float], gpt: GPTConfig, tokens: int, peak: float | None) -> dict:
+    step_s = statistics.median(times)
+    row.update(step_s=step_s, step_times_s=times, tokens_per_s=tokens / step_s,
+               model_flops_per_step=model_flops(gpt, tokens))
+    if peak is not None:
+        row["mfu"] = mfu(row["model_flops_per_step"], step_s, peak, len(jax.devices()))
+    return row
+
+
+def peak_flops(args) -> float | None:
+    """Peak FLOP/s per device for MFU: on a GPU only (CPU timings of simulated devices mean nothing)."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    if args.peak_flops is not None:
+        return args.peak_flops
+    kind = device.device_kind
+    return next((v for k, v in PEAK_FLOPS.items() if k.lower() in kind.lower()), 989e12)
+
+
+def per_step_bytes(c: dict) -> int:
+    """Collective bytes one step moves per device: loop bodies (scanned layers) count per iteration."""
+    return c["bytes"] if c["executed_bytes"] is None else c["executed_bytes"]
+
+
+def print_table(rows: list[dict], ratio: float | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"GPT train step on {len(jax.devices())} {jax.devices()[0].platform} devices")
+    cols = ["strategy", "layers", "compile s", "step ms", "tokens/s", "arg KiB", "out KiB", "temp KiB",
+            "collectives", "coll. KiB/step", "GFLOP/dev"]
+    if any("mfu" in r for r in rows):
+        cols.append("MFU")
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("strategy", "layers") else "right")
+    for r in rows:
+        m, c = r["memory"], r["collectives"]
+        cells = [r["strategy"], r["layers"], f"{r['compile_s']:.2f}", f"{r['step_s'] * 1e3:.1f}",
+                 f"{r['tokens_per_s']:,.0f}", f"{m['argument'] / 1024:,.0f}", f"{m['output'] / 1024:,.0f}",
+                 f"{m['temp'] / 1024:,.0f}", str(c["count"]), f"{per_step_bytes(c) / 1024:,.0f}",
+                 f"{r['flops_per_device'] / 1e9:.3f}"]
+        if "MFU" in cols:
+            cells.append(f"{100 * r['mfu']:.1f}%" if "mfu" in r else "")
+        table.add_row(*cells)
+    console = Console(width=170)
+    console.print(table)
+    if ratio is not None:
+        console.print(f"jaxpar data=8 / hand-written jax.jit baseline step time: {ratio:.3f}")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['strategy']}\n({r['layers']})" for r in rows]
+    x = np.arange(len(rows))
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(14, 5))
+    ax_t.bar(x, [r["step_s"] * 1e3 for r in rows], color="tab:blue")
+    ax_t.set_ylabel("step time, ms (median)")
+    ax_t.set_title("step time")
+    bottom = np.zeros(len(rows))
+    parts = {"arguments": lambda m: m["argument"], "outputs (not donated)": lambda m: m["output"] - m["alias"],
+             "temporaries": lambda m: m["temp"]}
+    for (part, bytes_of), color in zip(parts.items(), ("tab:green", "tab:orange", "tab:red")):
+        values = np.array([bytes_of(r["memory"]) / 2**20 for r in rows])
+        ax_m.bar(x, values, bottom=bottom, label=part, color=color)
+        bottom += values
+    ax_m.set_ylabel("MiB per device")
+    ax_m.set_title("per-device memory of the compiled step (total = stack)")
+    ax_m.legend()
+    for ax in (ax_t, ax_m):
+        ax.set_xticks(x, labels, rotation=45, ha="right", fontsize=8)
+    fig.suptitle(f"GPT train step, {len(jax.devices())} {jax.devices()[0].platform} devices")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--size", choices=list(SIZES), default="tiny", help="model size (default tiny)")
+    p.add_argument("--layers", choices=("unrolled", "scanned", "both"), default="unrolled",
+                   help="blocks as a Python loop, stacked under lax.scan, or both")
+    p.add_argument("--strategies", nargs="*", default=list(STRATEGIES), metavar="NAME",
+                   help=f"subset of {list(STRATEGIES)}")
+    p.add_argument("--steps", type=int, default=40, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--no-baseline", action="store_true", help="skip the hand-written jax.jit baseline")
+    p.add_argument("--peak-flops", type=float, default=None,
+                   help="peak FLOP/s per device for MFU (GPU only; default from device_kind, else 989e12)")
+    p.add_argument("--out", default=os.path.join(here, "results", "step_cpu.json"), help="JSON results")
+    p.add_argument("--plot", default=None, help="PNG plot (default: --out with .png)")
+    args = p.parse_args(argv)
+    unknown = set(args.strategies) - set(STRATEGIES)
+    if unknown:
+        p.error(f"unknown strategies {sorted(unknown)}; choose from {list(STRATEGIES)}")
+    return args
+
+
+def fits(strategy: dict, n: int) -> bool:
+    sizes = strategy["mesh"].values()
+    return -1 in sizes or int(np.prod(list(sizes))) == n
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    n = len(jax.devices())
+    s = SIZES[args.size]
+    batch = ArithmeticData(s["seq_len"]).batch(s["batch"], 0)
+    tokens = s["batch"] * s["seq_len"]
+    peak = peak_flops(args)
+    t_start = time.perf_counter()
+    compiled_rows, runs, gpts = [], [], []
+    for layers in (("unrolled", "scanned") if args.layers == "both" else (args.layers,)):
+        gpt = gpt_config(args.size, layers == "scanned")
+        for name in args.strategies:
+            if not fits(STRATEGIES[name], n):
+                print(f"  skipping {name}: its mesh does not fit {n} devices", file=sys.stderr)
+                continue
+            row, run = bench_jaxpar(name, STRATEGIES[name], gpt, batch)
+            compiled_rows.append(row | {"layers": layers})
+            runs.append(run)
+            gpts.append(gpt)
+            print(f"  compiled {name} ({layers}) in {row['compile_s']:.1f}s", file=sys.stderr)
+        if not args.no_baseline:
+            row, run = bench_baseline(gpt, batch)
+            compiled_rows.append(row | {"layers": layers})
+            runs.append(run)
+            gpts.append(gpt)
+    times = time_interleaved(runs, args.warmup, args.steps)
+    rows = [finish(r, t, g, tokens, peak) for r, t, g in zip(compiled_rows, times, gpts)]
+    ratio = None
+    for base in (r for r in rows if r["strategy"].startswith("baseline")):
+        mine = next((r for r in rows if r["strategy"] == "data=8" and r["layers"] == base["layers"]), None)
+        if mine is not None:
+            base["jaxpar_over_baseline"] = mine["step_s"] / base["step_s"]
+            ratio = base["jaxpar_over_baseline"] if ratio is None else ratio
+    print_table(rows, ratio)
+    device = jax.devices()[0]
+    out = {
+        "meta": {"jax": jax.__version__, "jaxpar": jaxpar.__version__, "platform": device.platform,
+                 "device_kind": device.device_kind, "devices": len(jax.devices()), "host_cpus": os.cpu_count(),
+                 "python": platform.python_version(), "size": args.size, "model": dataclasses.asdict(gpt_config(args.size, False)),
+                 "global_batch": s["batch"], "tokens_per_step": tokens, "steps": args.steps, "warmup": args.warmup,
+                 "peak_flops": peak, "timing": "interleaved rounds (order reversed every other round), median", "total_s": time.perf_counter() - t_start,
+                 "date": time.strftime("%Y-%m-%d")},
+        "results": rows,
+        "jaxpar_over_baseline_data8": ratio,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=2)
+    png = args.plot or os.path.splitext(args.out)[0] + ".png"
+    plot(rows, png)
+    print(f"results written to {args.out} and {png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
