@@ -9,6 +9,7 @@ rules. Parallel settings come from ``--config FILE.yaml`` and/or overrides such 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -40,6 +41,8 @@ def _job_config(args):
     from jaxpar.config import ParallelConfig
 
     base = ParallelConfig.from_yaml(args.config) if args.config else default_config(len(jax.devices()))
+    if args.mode == "data" and args.rules is None:
+        base = dataclasses.replace(base, rules={})   # mode "data" replicates every parameter
     overrides = []
     for flag in ("mesh", "rules", "mode", "remat"):
         value = getattr(args, flag)
@@ -75,7 +78,8 @@ def build_job(args):
 
 
 def _print(console, text: str) -> None:
-    console.print(text, markup=False, highlight=False)
+    # Tables arrive rendered; print them as they are (rich would re-wrap them in a narrow log).
+    print(text, flush=True)
 
 
 def cmd_train(args) -> int:

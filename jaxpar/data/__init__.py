@@ -5,7 +5,9 @@
 * ``None`` (default): dimension 0 over the *batch axes* — the mesh axes of the ``"batch"``
   rule if there is one, else the ``"data"`` axis, else (mode ``"data"``) every mesh axis;
 * ``"full_batch"``: every device sees the whole batch (replicated);
-* one strategy in any form, e.g. ``(2, 1, 2, 2)`` for NHWC images split over batch, H, W.
+* one strategy in any form, e.g. ``(2, 2, 2, 1)`` for NHWC images split over batch, H, W;
+* a dict, top-level batch key → one of the above (MindSpore's one strategy per dataset
+  column), e.g. ``{"image": (2, 2, 2, 1), "label": (2,)}``.
 
 Batches come as host numpy arrays holding the global batch. In a run of several processes
 each process passes its own contiguous block of rows by default (``global_batch=False``),
@@ -35,13 +37,24 @@ def batch_axes(config: ParallelConfig, mesh) -> tuple[str, ...]:
     return ("data",) if "data" in sizes else ()
 
 
-def leaf_spec(config: ParallelConfig, mesh, shape) -> PartitionSpec:
-    """The ``PartitionSpec`` of one batch leaf of global ``shape``."""
+def leaf_spec(config: ParallelConfig, mesh, shape, key: str | None = None) -> PartitionSpec:
+    """The ``PartitionSpec`` of one batch leaf of global ``shape`` (under top-level ``key``)."""
     strategy = config.dataset_strategy
+    if isinstance(strategy, dict):
+        if key not in strategy:
+            raise ValueError(
+                f"dataset_strategy is a dict with keys {sorted(strategy)} but the batch has a leaf "
+                f"under {key!r}; give a strategy (or None) for every top-level batch key"
+            )
+        strategy = strategy[key]
     if strategy == "full_batch" or not shape:
         return PartitionSpec()
     if strategy is not None:
         return to_partition_spec(strategy, mesh, shape, rules=config.rules)
+    return _default_spec(config, mesh, shape)
+
+
+def _default_spec(config: ParallelConfig, mesh, shape) -> PartitionSpec:
     axes = batch_axes(config, mesh)
     spec = PartitionSpec(axes if len(axes) > 1 else axes[0] if axes else None)
     n = math.prod(dict(mesh.shape)[a] for a in axes)
@@ -55,16 +68,27 @@ def leaf_spec(config: ParallelConfig, mesh, shape) -> PartitionSpec:
     return spec
 
 
+def _top_key(path) -> str | None:
+    return getattr(path[0], "key", getattr(path[0], "name", None)) if path else None
+
+
+def batch_specs(config: ParallelConfig, mesh, batch) -> Any:
+    """``PartitionSpec`` for every leaf of ``batch`` (by its global shape and top-level key)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: leaf_spec(config, mesh, _shape(x), _top_key(path)), batch)
+
+
 def batch_shardings(config: ParallelConfig, mesh, batch) -> Any:
-    """``NamedSharding`` for every leaf of ``batch`` (by its global shape)."""
-    return jax.tree.map(lambda x: NamedSharding(mesh, leaf_spec(config, mesh, _shape(x))), batch)
+    """``NamedSharding`` for every leaf of ``batch``."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), batch_specs(config, mesh, batch),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def _shape(x) -> tuple[int, ...]:
     return tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
 
 
-def _global_shape(local_shape, sharding: NamedSharding) -> tuple[int, ...]:
+def _global_shape(local_shape) -> tuple[int, ...]:
     procs = jax.process_count()
     return (local_shape[0] * procs, *local_shape[1:]) if local_shape else local_shape
 
@@ -77,23 +101,22 @@ def place_batch(config: ParallelConfig, mesh, batch, *, global_batch: bool = Tru
     rows; the global array is assembled with ``make_array_from_process_local_data``.
     """
     if jax.process_count() == 1 or global_batch:
-        def put(x):
-            if isinstance(x, jax.Array) and not isinstance(x, np.ndarray) and x.is_fully_addressable is False:
+        def put(x, sharding):
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:
                 return x
-            sharding = NamedSharding(mesh, leaf_spec(config, mesh, np.shape(x)))
             if jax.process_count() == 1:
                 return jax.device_put(x, sharding)
             x = np.asarray(x)
             return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
-        return jax.tree.map(put, batch)
+        return jax.tree.map(put, batch, batch_shardings(config, mesh, batch))
 
     from jaxpar.distributed import make_global_batch
 
-    def put_local(x):
+    def put_local(path, x):
         x = np.asarray(x)
-        shape = _global_shape(x.shape, None)
+        spec = leaf_spec(config, mesh, _global_shape(x.shape), _top_key(path))
         # Handles meshes whose batch axes do not follow process boundaries (e.g. data=2 on 4 processes).
-        return make_global_batch(x, NamedSharding(mesh, leaf_spec(config, mesh, shape)))
+        return make_global_batch(x, NamedSharding(mesh, spec))
 
-    return jax.tree.map(put_local, batch)
+    return jax.tree_util.tree_map_with_path(put_local, batch)
