@@ -326,6 +326,8 @@ def _tuplify(v: Any) -> Any:
     """YAML and JSON give lists; strategies are tuples."""
     if isinstance(v, list):
         return tuple(_tuplify(x) for x in v)
+    if isinstance(v, Mapping):
+        return {k: _tuplify(x) for k, x in v.items()}
     return v
 
 

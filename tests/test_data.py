@@ -67,3 +67,21 @@ def test_batch_not_divisible_names_the_fix():
     with pytest.raises(ValueError, match="factor 2 does not divide dimension 1 of size 15"):
         leaf_spec(jaxpar.ParallelConfig(mesh={"data": 2, "h": 4}, dataset_strategy=(2, 2, 1)),
                   jaxpar.make_mesh({"data": 2, "h": 4}), (4, 15, 3))
+
+
+def test_dataset_strategy_per_batch_key():
+    """Images split over batch, H and W; their labels only over the batch (one strategy per key)."""
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "h": 2, "w": 2},
+                                   dataset_strategy={"x": (2, 2, 2, 1), "y": (2, 1, 1, 1), "label": [2]})
+    assert config.dataset_strategy["label"] == (2,)
+    assert jaxpar.ParallelConfig.from_dict(config.to_dict()) == config
+    mesh = jaxpar.make_mesh(config)
+    model = jaxpar.init(lambda: ConvNet(nnx.Rngs(0)), config, mesh)
+    trainer = jaxpar.Trainer(model, optax.adam(1e-2), _mse, config, mesh)
+    batch = {**_images(), "label": np.arange(4, dtype=np.int32)}
+    placed = trainer.place(batch)
+    assert placed["x"].sharding.spec == P("data", "h", "w", None)
+    assert placed["label"].sharding.spec == P("data")
+    assert np.isfinite(float(trainer.step(batch)["loss"]))
+    with pytest.raises(ValueError, match=r"keys \['label', 'x', 'y'\].*under 'extra'"):
+        trainer.place({**batch, "extra": np.ones(4)})

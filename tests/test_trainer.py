@@ -115,3 +115,26 @@ def test_per_process_batch_rows_single_process_equals_global():
                        config, mesh)
     batch = batches(1)[0]
     assert float(a.step(batch)["loss"]) == float(b.step(batch)["loss"])
+
+
+class DropoutMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(8, 32, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.down = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.drop(jax.nn.relu(self.up(x))))
+
+
+def test_rng_state_advances_inside_the_step():
+    """Dropout draws new masks each step: the RNG count in the non-parameter state advances."""
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    mesh = jaxpar.make_mesh(config)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: DropoutMLP(nnx.Rngs(0)), config, mesh), optax.sgd(0.0),
+                             lambda m, b: jnp.mean(m(b["x"]) ** 2), config, mesh)
+    batch = {"x": np.ones((8, 8), np.float32)}
+    losses = [float(trainer.step(batch)["loss"]) for _ in range(3)]
+    assert len(set(losses)) == 3          # same parameters (lr 0), different dropout masks
+    counts = jax.tree.leaves(nnx.state(trainer.model, nnx.RngCount))
+    assert int(counts[0]) == 3

@@ -192,3 +192,18 @@ def test_traffic_against_data_parallel(measured, level):
     # levels 1 and 2: reduce-scatter + all-gather = one all-reduce. Level 3 theory is 1.5x
     # (gather again in the backward); XLA keeps the forward's gathered parameters on CPU, so 1.0x.
     assert abs(ratio - 1.0) < 0.05, (level, ratio)
+
+
+def test_level3_parameters_are_sharded_from_init():
+    """jaxpar.init at ZeRO level 3 stores every large parameter sharded over the data axis."""
+    import jaxpar
+    from flax import nnx as _nnx
+    from jaxpar.models.gpt import GPT as _GPT, GPTConfig as _Cfg
+
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, optimizer={"level": 3, "threshold_kb": 1})
+    mesh = jaxpar.make_mesh(config)
+    model = jaxpar.init(lambda: _GPT(_Cfg(vocab_size=16, seq_len=16, embed=32, heads=8, mlp=64, layers=1),
+                                     rngs=_nnx.Rngs(0)), config, mesh)
+    up = model.blocks[0].mlp.up.get_value()
+    assert "data" in str(up.sharding.spec)
+    assert up.addressable_shards[0].data.size == up.size // 8

@@ -14,7 +14,7 @@ import jax
 from flax import nnx
 
 from jaxpar.config import ParallelConfig
-from jaxpar.nn.plan import plan_state, to_shardings
+from jaxpar.nn.plan import check_plan_covers, plan_state, to_shardings
 
 
 def _no_eager_sharding():
@@ -31,7 +31,7 @@ def abstract_model(model_fn: Callable[[], nnx.Module]) -> nnx.Module:
 
 
 def init_program(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mesh):
-    """``(graphdef, jitted_init)``: ``jitted_init()`` returns the model state, already sharded.
+    """``(graphdef, jitted_init)``: ``jitted_init()`` returns ``(params, rest)``, already sharded.
 
     Exposed so the init program can be inspected (``jitted_init.lower().compile()``).
     """
@@ -40,12 +40,20 @@ def init_program(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mes
                         "write e.g. jaxpar.init(lambda: MyModel(rngs=nnx.Rngs(0)), config, mesh)")
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"init expects a ParallelConfig, got {type(config).__name__}")
-    graphdef, abs_state = nnx.split(abstract_model(model_fn))
-    shardings = to_shardings(plan_state(config, mesh, abs_state), mesh)
+    graphdef, abs_params, abs_rest = nnx.split(abstract_model(model_fn), nnx.Param, ...)
+    param_specs = plan_state(config, mesh, abs_params, check_unused=False)
+    check_plan_covers(config, abs_params, abs_rest)
+    if config.optimizer.level == 3:
+        # FSDP: parameters are stored sharded over the data axis from the start.
+        from jaxpar.optim.zero import zero_plan
+
+        param_specs = zero_plan(config.optimizer, mesh, param_specs, abs_params).params
+    shardings = (to_shardings(param_specs, mesh),
+                 to_shardings(plan_state(config, mesh, abs_rest, check_unused=False), mesh))
 
     def make():
         with _no_eager_sharding():
-            return nnx.split(model_fn())[1]
+            return nnx.split(model_fn(), nnx.Param, ...)[1:]
 
     return graphdef, jax.jit(make, out_shardings=shardings)
 
@@ -58,7 +66,7 @@ def init(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mesh) -> nn
     >>> model = jaxpar.init(lambda: GPT(GPTConfig(), rngs=nnx.Rngs(0)), cfg, mesh)
     """
     graphdef, make = init_program(model_fn, config, mesh)
-    return nnx.merge(graphdef, make())
+    return nnx.merge(graphdef, *make())
 
 
 def place(model: nnx.Module, config: ParallelConfig, mesh) -> nnx.Module:

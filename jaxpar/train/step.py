@@ -35,6 +35,9 @@ def make_loss(graphdef, loss_fn: Callable) -> Callable:
     """``(params, rest, batch) -> (loss, (aux, new_rest))`` for the merged model."""
 
     def compute(params, rest, batch):
+        # Fresh Variables for the non-parameter state, so the loss may update it in this trace
+        # (e.g. dropout advancing its RNG count).
+        rest = jax.tree.map(lambda x: x, rest)
         model = nnx.merge(graphdef, params, rest)
         loss, aux = split_loss_output(loss_fn(model, batch))
         return loss, (aux, nnx.state(model, nnx.Not(nnx.Param)))

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig
-from jaxpar.data import batch_axes, batch_shardings, leaf_spec, place_batch
+from jaxpar.data import batch_axes, batch_shardings, batch_specs, place_batch
 from jaxpar.nn.plan import check_plan_covers, plan_state, to_shardings
 from jaxpar.optim import accumulate, fusion
 from jaxpar.optim import offload as host
@@ -41,17 +41,11 @@ _is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
 
 
 def _check_supported(config: ParallelConfig) -> None:
-    if config.mode == "auto":
-        raise NotImplementedError(
-            "ParallelConfig(mode='auto') is not available yet: strategy search has not landed. "
-            "Use mode='semi_auto' with rules / parameter_plan, or mode='data'."
+    if config.pipeline.stages > 1 and config.mode == "hybrid":
+        raise ValueError(
+            "ParallelConfig: pipeline.stages > 1 with mode='hybrid' is not supported (the pipeline is "
+            "itself a shard_map over the pipe axis); use mode='semi_auto' or 'data' with the pipeline"
         )
-    for field, active in (("pipeline.stages", config.pipeline.stages > 1),):
-        if active:
-            raise NotImplementedError(
-                f"ParallelConfig.{field} is set, but this jaxpar build does not implement it yet; "
-                "leave it at its default"
-            )
 
 
 class Trainer:
@@ -75,7 +69,8 @@ class Trainer:
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, loss_fn: Callable,
                  config: ParallelConfig, mesh, *, global_batch: bool | None = None, donate: bool = True,
-                 offload: str | tuple[str, ...] = ()):
+                 offload: str | tuple[str, ...] = (), example_batch: Any = None,
+                 checkpoint_dir: str | None = None, save_every: int = 0, keep: int | None = 3):
         if not isinstance(model, nnx.Module):
             raise TypeError(f"Trainer: model must be a flax.nnx.Module, got {type(model).__name__}")
         if not isinstance(tx, optax.GradientTransformation):
@@ -98,6 +93,33 @@ class Trainer:
         if self.offload and not host.host_memory_available(mesh):
             raise ValueError(f"Trainer: offload={self.offload} needs a '{host.HOST}' memory space, which "
                              f"{mesh.devices.flat[0].platform} devices here do not have; drop offload")
+        self.plan = None              # the strategy search's Plan, in mode "auto"
+        self.data_state: dict = {}    # user data position, saved with checkpoints
+        self.step_count = 0
+        self._compiled: dict[Any, Any] = {}
+        self._pending = model         # set up now, or (mode "auto" without example_batch) at the first batch
+        self.checkpointer = None
+        if checkpoint_dir is not None:
+            from jaxpar.checkpoint import Checkpointer   # checkpoints come after training in the data flow
+
+            self.checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep)
+        if config.mode != "auto" or example_batch is not None:
+            self._setup(example_batch)
+
+    # ------------------------------------------------------------------ planning
+    def _setup(self, batch) -> None:
+        """Plan and place everything: the auto search (if any), pipeline, ZeRO, optimizer state."""
+        model, self._pending = self._pending, None
+        config, mesh, tx = self.config, self.mesh, self.tx
+        if config.mode == "auto":
+            from jaxpar.auto import search
+
+            self.plan = search(model, self.loss_fn, batch, config, mesh)
+            config = self.config = self.plan.to_config(config)
+        if config.pipeline.stages > 1:
+            from jaxpar.pipeline.model import pipelined
+
+            self.loss_fn = pipelined(self.loss_fn, config, mesh)
         self.graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         self.compute_specs = plan_state(config, mesh, params, check_unused=False)
         self.rest_specs = plan_state(config, mesh, rest, check_unused=False)
@@ -115,10 +137,9 @@ class Trainer:
         self.opt_shardings = self._placed(self._device_opt_shardings, "opt_state")
         init = lambda p: self._tx.init(host.to_device(p, self.param_shardings))  # noqa: E731
         self.opt_state = jax.jit(init, out_shardings=self.opt_shardings)(self.params)
-        self.step_count = 0
-        self._compiled: dict[Any, Any] = {}
+        if self.checkpointer is not None:
+            self.checkpointer.resume(self)                # the newest complete step, if any
 
-    # ------------------------------------------------------------------ planning
     def _placed(self, shardings, target: str):
         return host.on_host(shardings) if target in self.offload else shardings
 
@@ -141,9 +162,11 @@ class Trainer:
 
         part = jax.tree.map(view, batch)
 
+        specs = batch_specs(self.config, self.mesh, part)
+
         def constrain(split):
-            return jax.tree.map(lambda x, p: jax.lax.with_sharding_constraint(x, NamedSharding(
-                self.mesh, PartitionSpec(None, *leaf_spec(self.config, self.mesh, tuple(p.shape))))), split, part)
+            return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(
+                x, NamedSharding(self.mesh, PartitionSpec(None, *s))), split, specs, is_leaf=_is_spec)
 
         return part, constrain
 
@@ -186,19 +209,18 @@ class Trainer:
         cfg, axes, zero = self.config, batch_axes(self.config, self.mesh), self.zero
         if set(zero.axes) - set(axes):
             raise ValueError(f"optimizer.axis {zero.axes} must be batch axes {axes} in mode='hybrid'")
-        batch_specs = jax.tree.map(lambda x: leaf_spec(cfg, self.mesh, tuple(x.shape)), micro)
+        specs = batch_specs(cfg, self.mesh, micro)
         bucket = fusion.bucket_bytes(cfg.comm_fusion) if cfg.comm_fusion is not None else None
         rest = (lambda leaves, on: fusion.bucketed_psum(leaves, on, bucket)) if bucket else None
         target = zero.state if cfg.optimizer.level else zero.compute
         reduce = lambda g: reduce_gradients(g, zero.params, target, axes, rest)  # noqa: E731
         gather = lambda p: gather_params(p, zero.params, zero.compute)  # noqa: E731
-        return make_hybrid_grads(self.graphdef, self.loss_fn, self.mesh, (zero.params, self.rest_specs, batch_specs),
+        return make_hybrid_grads(self.graphdef, self.loss_fn, self.mesh, (zero.params, self.rest_specs, specs),
                                  axes, reduce, target, wrap_local=wrap_local, gather=gather)
 
     def _loss_for(self, batch):
         if self.config.mode == "hybrid":
-            batch_specs = jax.tree.map(lambda x: leaf_spec(self.config, self.mesh, tuple(x.shape)), batch)
-            specs = (self.compute_specs, self.rest_specs, batch_specs)
+            specs = (self.compute_specs, self.rest_specs, batch_specs(self.config, self.mesh, batch))
             return make_hybrid_loss(self.graphdef, self.loss_fn, self.mesh, specs,
                                     batch_axes(self.config, self.mesh))
         return make_loss(self.graphdef, self.loss_fn)
@@ -229,6 +251,8 @@ class Trainer:
     # ------------------------------------------------------------------ running
     def place(self, batch):
         """Put a host batch on the mesh by ``dataset_strategy``."""
+        if self._pending is not None:
+            self._setup(batch)
         return place_batch(self.config, self.mesh, batch, global_batch=self.global_batch)
 
     def _global_view(self, batch):
@@ -241,7 +265,37 @@ class Trainer:
         fn = self._jitted(self._global_view(placed))
         self.params, self.rest, self.opt_state, metrics = fn(self.params, self.rest, self.opt_state, placed)
         self.step_count += 1
+        if self.checkpointer is not None:
+            self.checkpointer.maybe_save(self)
         return metrics
+
+    def save(self, directory: str | None = None, *, data_state: dict | None = None) -> int:
+        """Save the whole state to ``directory`` (blocking), or without one asynchronously to
+        ``checkpoint_dir``. Returns the step saved."""
+        from jaxpar import checkpoint
+
+        self._require_setup("save")
+        if directory is not None:
+            return checkpoint.save(self, directory, data_state=data_state)
+        if self.checkpointer is None:
+            raise ValueError("Trainer.save: give a directory or construct the Trainer with checkpoint_dir=")
+        return self.checkpointer.save(self, data_state=data_state)
+
+    def restore(self, directory: str | None = None, *, step: int | None = None) -> dict:
+        """Restore a checkpoint saved under any layout into this trainer's layout."""
+        from jaxpar import checkpoint
+
+        self._require_setup("restore")
+        if directory is not None:
+            return checkpoint.restore(self, directory, step=step)
+        if self.checkpointer is None:
+            raise ValueError("Trainer.restore: give a directory or construct the Trainer with checkpoint_dir=")
+        return self.checkpointer.restore(self, step)
+
+    def _require_setup(self, what: str) -> None:
+        if self._pending is not None:
+            raise ValueError(f"Trainer.{what}: mode='auto' plans at the first batch; call step() first or "
+                             "pass example_batch= to the Trainer")
 
     def lower(self, batch) -> jax.stages.Lowered:
         """The lowered step for ``batch`` (``.compile()`` gives the program for reports)."""
@@ -300,6 +354,7 @@ class Trainer:
     @property
     def model(self) -> nnx.Module:
         """The model with the current parameters (sharded as planned)."""
+        self._require_setup("model")
         return nnx.merge(self.graphdef, self.params, self.rest)
 
     @property

@@ -1,0 +1,68 @@
+"""The example GPT pipelined by the Trainer: every schedule equals the one-device run."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from helpers import batches
+from jaxpar.models.gpt import GPT, GPTConfig, pipeline_loss
+
+GPT4 = GPTConfig(vocab_size=16, seq_len=16, embed=32, heads=8, mlp=64, layers=4, scan_layers=True)
+RULES = {"layers": "pipe", "batch": "data", "heads": "model", "mlp": "model"}
+
+
+def _train(config, n=None):
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:n] if n else None)
+    model = jaxpar.init(lambda: GPT(GPT4, rngs=nnx.Rngs(0)), config, mesh)
+    trainer = jaxpar.Trainer(model, optax.adamw(1e-3), pipeline_loss(), config, mesh)
+    losses = [float(trainer.step(b)["loss"]) for b in batches(5)]
+    return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param))), trainer
+
+
+@pytest.fixture(scope="module")
+def reference():
+    losses, params, _ = _train(jaxpar.ParallelConfig(mesh={"data": 1}), 1)
+    return losses, params
+
+
+def _assert_matches(result, reference):
+    losses, params, _ = result
+    np.testing.assert_allclose(losses, reference[0], rtol=1e-5)
+    for a, e in zip(jax.tree.leaves(params), jax.tree.leaves(reference[1])):
+        assert np.linalg.norm(a - e) / np.linalg.norm(e) <= 1e-5
+
+
+CASES = [
+    ({"pipe": 2, "data": 4}, "gpipe", 1),
+    ({"pipe": 2, "data": 4}, "1f1b", 1),
+    ({"pipe": 2, "data": 4}, "zb-h1", 1),
+    ({"pipe": 2, "data": 4}, "interleaved", 2),
+    ({"pipe": 4, "data": 2}, "1f1b", 1),
+    ({"pipe": 2, "data": 2, "model": 2}, "1f1b", 1),
+]
+
+
+@pytest.mark.parametrize("mesh, schedule, v", CASES, ids=[f"{m}-{s}" for m, s, _ in CASES])
+def test_pipelined_gpt_matches_one_device(reference, mesh, schedule, v):
+    config = jaxpar.ParallelConfig(mesh=mesh, rules={k: r for k, r in RULES.items() if r in mesh},
+                                   pipeline={"stages": mesh["pipe"], "microbatches": 4, "schedule": schedule,
+                                             "virtual_stages": v})
+    result = _train(config)
+    _assert_matches(result, reference)
+    wq = result[2].params["blocks"]["attn"]["wq"].get_value()
+    assert wq.sharding.spec[0] == "pipe"          # each stage holds only its layers
+    assert wq.addressable_shards[0].data.shape[0] == GPT4.layers // mesh["pipe"]
+
+
+def test_pipeline_needs_a_pipeline_loss():
+    config = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe"},
+                                   pipeline={"stages": 2, "microbatches": 4})
+    mesh = jaxpar.make_mesh(config)
+    model = jaxpar.init(lambda: GPT(GPT4, rngs=nnx.Rngs(0)), config, mesh)
+    from jaxpar.models.gpt import loss_fn
+
+    with pytest.raises(TypeError, match="PipelineLoss"):
+        jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh)
