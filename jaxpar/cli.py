@@ -44,18 +44,19 @@ def _job_config(args):
     if args.mode == "data" and args.rules is None:
         base = dataclasses.replace(base, rules={})   # mode "data" replicates every parameter
     overrides = []
-    for flag in ("mesh", "rules", "mode", "remat"):
+    for flag in ("mesh", "rules", "mode", "remat", "optimizer", "pipeline", "grad_accum"):
         value = getattr(args, flag)
         if value is not None:
-            overrides += [f"--{flag}", value]
+            overrides += [f"--{flag}", str(value)]
     return ParallelConfig.from_overrides(overrides, base=base) if overrides else base
 
 
-def _model_config(args):
+def _model_config(args, config):
     from jaxpar.models.gpt import GPTConfig
 
+    # A pipeline cuts the stacked blocks into stages, so it needs scanned layers.
     return GPTConfig(vocab_size=16, seq_len=args.seq_len, embed=args.embed, heads=args.heads,
-                     mlp=4 * args.embed, layers=args.layers, scan_layers=args.scan)
+                     mlp=4 * args.embed, layers=args.layers, scan_layers=args.scan or config.pipeline.stages > 1)
 
 
 def build_job(args):
@@ -65,15 +66,16 @@ def build_job(args):
 
     import jaxpar
     from jaxpar.models.data import ArithmeticData
-    from jaxpar.models.gpt import GPT, loss_fn
+    from jaxpar.models.gpt import GPT, loss_fn, pipeline_loss
 
     config = _job_config(args)
     mesh = jaxpar.make_mesh(config)
-    gpt = _model_config(args)
+    gpt = _model_config(args, config)
     constrain = jaxpar.LogicalConstraint(mesh, config.rules)
     model = jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(args.seed), constrain=constrain), config, mesh)
     tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, max(args.steps, 21)))
-    trainer = jaxpar.Trainer(model, tx, loss_fn, config, mesh)
+    loss = pipeline_loss() if config.pipeline.stages > 1 else loss_fn
+    trainer = jaxpar.Trainer(model, tx, loss, config, mesh)
     return config, mesh, trainer, ArithmeticData(gpt.seq_len, seed=args.seed)
 
 
@@ -94,6 +96,10 @@ def cmd_train(args) -> int:
     batches = data.batches(args.batch)
     report = step_report(trainer, data.batch(args.batch, 0))
     _print(console, report.format(detail=False))
+    if config.pipeline.stages > 1:
+        from jaxpar.report import format_schedule
+
+        _print(console, format_schedule(config))
     t0 = time.perf_counter()
     history = trainer.fit(batches, args.steps, progress=not args.quiet)
     wall = time.perf_counter() - t0
@@ -140,6 +146,10 @@ def cmd_report(args) -> int:
     config, mesh, trainer, data = build_job(args)
     report = step_report(trainer, data.batch(args.batch, 0))
     print(report.format())
+    if config.pipeline.stages > 1:
+        from jaxpar.report import format_schedule
+
+        print(format_schedule(config))
     if args.json:
         print(json.dumps(report.summary(), indent=2, default=str))
     return 0
@@ -152,6 +162,9 @@ def _add_job_args(p: argparse.ArgumentParser, steps: int = 300) -> None:
     g.add_argument("--rules", help="logical axis rules, e.g. mlp=model,heads=model,batch=data")
     g.add_argument("--mode", help="data | semi_auto | hybrid")
     g.add_argument("--remat", help="recompute policy name")
+    g.add_argument("--optimizer", help="optimizer parallel, e.g. level=1,threshold_kb=64")
+    g.add_argument("--pipeline", help="pipeline, e.g. stages=2,microbatches=4,schedule=1f1b (needs a pipe axis)")
+    g.add_argument("--grad-accum", type=int, help="micro-steps per optimizer update")
     g.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator (default 8)")
     m = p.add_argument_group("model and data")
     m.add_argument("--layers", type=int, default=2)

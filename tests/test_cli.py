@@ -36,3 +36,11 @@ def test_plan_and_bad_input(tmp_path):
     r = _run("plan", "--mesh", "data=3,model=2")
     assert r.returncode == 2
     assert "mesh {'data': 3, 'model': 2} has 6 devices but 8 are available" in r.stderr
+
+
+def test_report_shows_the_pipeline_schedule():
+    r = _run("report", "--mesh", "pipe=2,data=4", "--rules", "layers=pipe,batch=data",
+             "--pipeline", "stages=2,microbatches=4,schedule=zb-h1", "--batch", "16")
+    assert r.returncode == 0, r.stderr
+    assert "pipeline schedule zb-h1: 2 stages, 4 micro-batches" in r.stdout
+    assert "bubble fraction 1/13" in r.stdout            # (p-1)/(3m+p-1)

@@ -92,8 +92,9 @@ def test_trainer_errors():
     cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
     mesh = jaxpar.make_mesh(cfg)
     model = jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), cfg, mesh)
-    with pytest.raises(NotImplementedError, match=r"mode='auto'\) is not available yet"):
-        jaxpar.Trainer(model, optax.sgd(0.1), loss_fn, jaxpar.ParallelConfig(mesh={"data": 8}, mode="auto"), mesh)
+    with pytest.raises(ValueError, match="pipeline.stages > 1 with mode='hybrid' is not supported"):
+        jaxpar.Trainer(model, optax.sgd(0.1), loss_fn, jaxpar.ParallelConfig(
+            mesh={"data": 4, "pipe": 2}, mode="hybrid", pipeline={"stages": 2}), jaxpar.make_mesh({"data": 4, "pipe": 2}))
     with pytest.raises(ValueError, match="does not match the mesh"):
         jaxpar.Trainer(model, optax.sgd(0.1), loss_fn, jaxpar.ParallelConfig(mesh={"data": 4, "model": 2}), mesh)
     with pytest.raises(TypeError, match="optax.GradientTransformation"):

@@ -17,6 +17,7 @@ Example:
 from jaxpar.report.collectives import KINDS, Collective, collective_summary, collectives
 from jaxpar.report.flops import flops, mfu
 from jaxpar.report.memory import MemoryReport, memory
+from jaxpar.report.pipeline import format_schedule, schedule_of
 from jaxpar.report.step import StepReport, param_table, step_report
 from jaxpar.report.table import format_bytes, format_collectives, format_memory
 
@@ -32,6 +33,9 @@ __all__ = [
     # compute
     "flops",
     "mfu",
+    # pipeline
+    "format_schedule",
+    "schedule_of",
     # whole step
     "StepReport",
     "param_table",
