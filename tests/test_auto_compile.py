@@ -1,7 +1,5 @@
 """The cost model against compiled programs, and plans trained against one device."""
 
-import jax
-import numpy as np
 import optax
 import pytest
 from flax import nnx

@@ -217,7 +217,7 @@ def test_1f1b_holds_less_temp_memory_than_gpipe():
 
 def _simulate(schedule, program):
     """Run a Program with labels instead of arrays; every read must find the right item."""
-    p, v = schedule.stages, schedule.virtual_stages
+    p = schedule.stages
     xbuf = [[None] * (program.x_slots + 1) for _ in range(p)]
     gbuf = [[None] * (program.g_slots + 1) for _ in range(p)]
     fmsg, bmsg, ran = [None] * p, [None] * p, []

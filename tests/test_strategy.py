@@ -3,7 +3,6 @@
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import jaxpar
 from jaxpar import Layout, to_partition_spec
 
 SIZES = {"data": 2, "model": 4}

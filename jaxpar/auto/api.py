@@ -10,7 +10,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from jaxpar.auto.assign import Axes, batch_specs, fill, from_specs, hand_strategy, param_specs
+from jaxpar.auto.assign import batch_specs, from_specs, hand_strategy, param_specs
 from jaxpar.auto.cost import CostParams, evaluate, op_terms
 from jaxpar.auto.graph import Graph, build_graph
 from jaxpar.auto.plan import Plan

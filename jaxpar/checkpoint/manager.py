@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
 from jaxpar.checkpoint import state as st
