@@ -60,6 +60,13 @@ class Trainer:
 
     ``offload``: ``"opt_state"`` and/or ``"params"`` to keep them in host memory
     (``pinned_host``) between steps (see ``jaxpar.optim.offload``).
+    ``example_batch``: in mode ``"auto"``, plan at construction from this batch (otherwise the
+    search runs on the first batch given to ``step`` / ``lower`` / ``place``).
+    ``checkpoint_dir`` / ``save_every`` / ``keep``: save asynchronously every ``save_every``
+    steps, keep the newest ``keep``, and resume from the newest complete one at construction.
+    ``pipeline.stages > 1`` needs ``loss_fn`` as a ``jaxpar.pipeline.PipelineLoss``.
+    The Trainer owns the model's arrays from then on (they are donated to the step): read the
+    trained model as ``trainer.model``.
 
     Attributes: ``params`` / ``param_shardings`` (as stored: sharded at ZeRO level 3),
     ``compute_specs`` (the parameter plan, where parameters are used), ``opt_state`` /
