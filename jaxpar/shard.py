@@ -150,15 +150,6 @@ class ShardedModule(nnx.Module):
         return fn(*args, **kwargs)
 
 
-def named_sharding(mesh, strategy: Any = None, shape=None, *, rules=None) -> NamedSharding:
-    """A ``NamedSharding`` for ``strategy`` on ``mesh`` (replicated when ``strategy`` is None)."""
-    return NamedSharding(mesh, to_partition_spec(strategy, mesh, shape, rules=rules))
-
-
-def replicated(mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
-
-
 class LogicalConstraint:
     """``constrain(x, logical_names)`` for model code: pins activations by logical names.
 

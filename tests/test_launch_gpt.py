@@ -11,7 +11,7 @@ import pytest
 import jaxpar
 from helpers import MEGATRON, STEPS, train_gpt
 from jaxpar.launch.ports import free_port
-from workers.procs import WORKERS, Launch, kill_tagged, new_tag, wait_gone
+from workers.procs import WORKERS, Launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -23,15 +23,6 @@ def one_process_losses():
     config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
     losses, _, _ = train_gpt(config)
     return losses
-
-
-@pytest.fixture
-def tag():
-    tag = new_tag()
-    yield tag
-    left = wait_gone(tag, timeout=10)
-    kill_tagged(tag)
-    assert not left, f"processes left behind: {left}"
 
 
 def run_gpt(tmp_path, tag, processes, devices, feeds):

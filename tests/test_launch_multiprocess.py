@@ -16,19 +16,9 @@ import time
 import pytest
 
 from jaxpar.launch.ports import free_port
-from workers.procs import Launch, kill_tagged, new_tag, start_worker, wait_gone
+from workers.procs import Launch, start_worker, wait_gone
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-def tag():
-    """A unique mark for this test's processes; none may outlive the test."""
-    tag = new_tag()
-    yield tag
-    left = wait_gone(tag, timeout=10)
-    kill_tagged(tag)
-    assert not left, f"processes left behind: {left}"
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The compiled training step: loss → gradients → optimizer update, as one XLA program.
 
-``build_step`` returns a pure function ``(params, rest, opt_state, batch) -> (params, rest,
+``build_train_step`` returns a pure function ``(params, rest, opt_state, batch) -> (params, rest,
 opt_state, metrics)``; the ``Trainer`` jits it with the plan's shardings. In modes ``"data"``
 and ``"semi_auto"`` the loss runs under the compiler's sharding propagation; in ``"hybrid"``
 the user's loss runs per device inside ``jax.shard_map`` and jaxpar averages it over the
@@ -118,11 +118,6 @@ def value_and_grads(compute_loss: Callable) -> Callable:
         return loss, aux, rest, grads
 
     return compute
-
-
-def build_step(compute_loss: Callable, tx: optax.GradientTransformation) -> Callable:
-    """One optimizer step on one batch."""
-    return build_train_step(value_and_grads(compute_loss), tx)
 
 
 def build_train_step(compute_grads: Callable, tx: optax.GradientTransformation, *,
