@@ -173,6 +173,8 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
             if missing:   # a parameter's gradient: XLA combines these into few all-reduces
                 comms.append(("all-reduce", missing, local_bytes(graph, t, axes, sizes), flags.param[t]))
     act = sum(local_bytes(graph, t, axes, sizes) for t in op.outs if flags.saved[t])
+    if op.repeat != 1:      # inside a loop: every iteration computes, communicates and saves
+        flops, comms, act = flops * op.repeat, comms * op.repeat, act * op.repeat
     return flops, comms, act, invalid
 
 

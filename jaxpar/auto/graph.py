@@ -56,12 +56,14 @@ class Tensor:
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One primitive: its name, input and output tensor ids and the few parameters the cost
-    model needs (``contract``: input dims summed over, per input; ``reduce``: reduced dims)."""
+    model needs (``contract``: input dims summed over, per input; ``reduce``: reduced dims).
+    ``repeat``: how many times the operator runs per step (the trip count of an enclosing loop)."""
 
     prim: str
     ins: tuple[int, ...]
     outs: tuple[int, ...]
     info: tuple = ()
+    repeat: int = 1
 
     def get(self, key, default=None):
         return dict(self.info).get(key, default)

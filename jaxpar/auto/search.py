@@ -101,7 +101,7 @@ def _op_key(graph: Graph, op, cs, flags: Flags) -> tuple:
                   tuple(rel.get(c, -1) for c in graph.tensors[t].classes),
                   flags.grad[t], flags.param[t], flags.saved[t]) if t >= 0 else None
                  for t in (*op.ins, *op.outs))
-    return (op.prim, op.info, len(op.ins), tens)
+    return (op.prim, op.info, op.repeat, len(op.ins), tens)
 
 
 # --------------------------------------------------------------------------- dynamic programming
