@@ -23,25 +23,35 @@ STRATEGIES = {
 COSTS = CostParams(flops_per_s=1e9, default_bandwidth=1e9, latency=1e-6)
 
 
+# tensors of a few KB (TINY) are packed by XLA in ways a liveness model does not follow;
+# from embed=64 up the temp prediction is within 6% (see docs/auto_parallel.md)
+WIDE = GPTConfig(vocab_size=16, seq_len=16, embed=64, heads=8, mlp=256, layers=2)
+
+
 @pytest.fixture(scope="module")
 def graph():
     return build_graph(GPT(TINY, rngs=nnx.Rngs(0)), loss_fn, BATCH)
 
 
+@pytest.fixture(scope="module")
+def wide_graph():
+    return build_graph(GPT(WIDE, rngs=nnx.Rngs(0)), loss_fn, BATCH)
+
+
 @pytest.mark.parametrize("name", list(STRATEGIES))
-def test_predicted_bytes_and_memory_match_the_compiled_step(graph, name):
+def test_predicted_bytes_and_memory_match_the_compiled_step(wide_graph, name):
     config = STRATEGIES[name]
     mesh = mesh_for(config)
-    plan = hand_plan(None, loss_fn, BATCH, config, mesh, graph=graph)
-    trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh), optax.adamw(1e-3),
+    plan = hand_plan(None, loss_fn, BATCH, config, mesh, graph=wide_graph)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(WIDE, rngs=nnx.Rngs(0)), config, mesh), optax.adamw(1e-3),
                              loss_fn, config, mesh)
     compiled = trainer.lower(BATCH).compile()
     hlo_bytes = sum(c.bytes for c in collectives(compiled, mesh))
     mem = memory(compiled)
     assert abs(plan.cost["comm_bytes"] - hlo_bytes) <= 0.10 * hlo_bytes, (plan.cost["comm_bytes"], hlo_bytes)
     assert plan.cost["argument_bytes"] == mem.argument_bytes           # exact
-    # temp is an estimate (XLA's fusion and buffer reuse decide it): within 25% on these five
-    assert abs(plan.cost["temp_bytes"] - mem.temp_bytes) <= 0.25 * mem.temp_bytes, (plan.cost["temp_bytes"], mem)
+    assert abs(plan.cost["temp_bytes"] - mem.temp_bytes) <= 0.10 * mem.temp_bytes, (plan.cost["temp_bytes"], mem)
+    assert abs(plan.cost["memory_bytes"] - mem.total) <= 0.10 * mem.total
 
 
 @pytest.mark.parametrize("algorithm", ["dynamic_programming",

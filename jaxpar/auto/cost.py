@@ -22,8 +22,8 @@ forward program, with ``A(t)`` = the set of mesh axes splitting tensor ``t``:
   ``latency + 2 (n − 1) / n · b / bandwidth`` (all-gather: ``(n − 1) / n · b / bandwidth``),
   with the slowest of the group's axes' bandwidths (``CostParams.bandwidth``, per axis).
 * **memory** per device: parameters × (1 + ``optimizer_states``) + the batch (the step's
-  arguments, exact), and ``temp_activation_factor`` × the per-device bytes of every forward
-  intermediate + the gradients (an estimate of XLA's temp).
+  arguments, exact), and the peak of temp buffers from a liveness walk of the forward and
+  backward passes (`temp_peak`: saved values, cotangents, gradients; an estimate of XLA's temp).
 
 Bytes follow `jaxpar.report.collectives`' convention (an all-reduce counts its result), so
 predicted and compiled bytes can be compared directly.
@@ -56,8 +56,9 @@ class CostParams:
       latency_per_axis: mesh axis name -> seconds per collective.
       optimizer_states: optimizer state tensors per parameter (Adam: 2).
       optimizer_scalar_bytes: optimizer state that is not per parameter (Adam's int32 count).
-      temp_activation_factor: the share of the *saved* forward values (inputs and outputs of
-        matmuls, gathers and reductions) that XLA holds as temp at its peak.
+      temp_activation_factor: a scale on the predicted peak of temp buffers (see `temp_peak`);
+        1.0 is the liveness model as is; a backend that packs buffers differently can be fitted by
+        comparing `Cost.temp_bytes` with ``jaxpar.report.memory(compiled).temp_bytes``.
     """
 
     flops_per_s: float = 1e14
@@ -67,7 +68,7 @@ class CostParams:
     latency_per_axis: Mapping[str, float] = dataclasses.field(default_factory=dict)
     optimizer_states: int = 2
     optimizer_scalar_bytes: int = 4
-    temp_activation_factor: float = 0.8
+    temp_activation_factor: float = 1.0
 
     def __post_init__(self):
         for name in ("flops_per_s", "default_bandwidth"):
@@ -263,9 +264,67 @@ def evaluate(graph: Graph, axes: Sequence[tuple[str, ...]], sizes: Mapping[str, 
         comm_s += params.collective_time(kind, ax, nbytes, sizes, combined)
         key = "+".join(ax)
         by_axes[key] = by_axes.get(key, 0) + nbytes
-    temp = params.temp_activation_factor * act + grads
+    temp = temp_peak(graph, axes, sizes, params, flags)
     return Cost(flops / params.flops_per_s, comm_s, int(round(sum(by_axes.values()))),
                 {k: int(round(v)) for k, v in by_axes.items()}, int(round(args)), int(round(temp)), invalid)
+
+
+def temp_peak(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, flags: Flags) -> float:
+    """Predicted peak of XLA's temp buffers: a liveness walk over the forward program and its
+    mirror-image backward pass, per device.
+
+    Backward step ``i`` (operator ``i``'s backward; they run from the last operator to the
+    first) holds: every saved forward value produced at or after ``i`` (``flags.saved``: the
+    inputs and outputs of matmuls, gathers and reductions, the values XLA materialises rather
+    than fuses), the cotangents of saved values still being summed (produced before ``i``,
+    last read at or after it), and the gradients of parameters whose last reader is at or
+    after ``i``. After the backward pass, gradients that are all-reduced exist twice (the
+    sum is a new buffer) until the optimizer update reads them. The peak is the larger of
+    the two. Values inside a loop are saved once per iteration (``Op.repeat``).
+    """
+    n = len(graph.ops)
+    if n == 0:
+        return 0.0
+    produced: dict[int, int] = {}
+    last: dict[int, int] = {}
+    repeat: dict[int, int] = {}
+    for i, op in enumerate(graph.ops):
+        for t in op.outs:
+            produced[t], repeat[t] = i, op.repeat
+        for t in op.ins:
+            if t >= 0:
+                last[t] = i
+    diff = [0.0] * (n + 1)
+
+    def add(lo: int, hi: int, nbytes: float) -> None:     # live at steps lo..hi
+        diff[lo] += nbytes
+        diff[hi + 1] -= nbytes
+
+    for t, i in produced.items():
+        if flags.saved[t]:
+            b = local_bytes(graph, t, axes, sizes)
+            add(i, n - 1, b * repeat[t])
+            if flags.grad[t] and t in last:
+                add(i, max(last[t], i), b)
+    grads = reduced = 0.0
+    for _, t in graph.params:
+        b = local_bytes(graph, t, axes, sizes)
+        add(0, last.get(t, n - 1), b)
+        grads += b
+        if _grad_reduced(graph, t, axes, sizes):
+            reduced += b
+    peak = running = 0.0
+    for i in range(n):
+        running += diff[i]
+        peak = max(peak, running)
+    return max(params.temp_activation_factor * peak, grads + reduced)
+
+
+def _grad_reduced(graph: Graph, t: int, axes, sizes) -> bool:
+    """Whether parameter ``t``'s gradient is summed over a mesh axis (some mesh axis of size
+    > 1 does not split it but splits another tensor of the step)."""
+    own = set(tensor_axes(graph, t, axes) or ())
+    return any(sizes[a] > 1 and a not in own for c in range(graph.num_classes) for a in axes[c])
 
 
 def op_scalar(graph: Graph, op: Op, axes, sizes, params: CostParams, flags: Flags) -> tuple[float, float]:

@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from jaxpar.auto.assign import Axes, domains
-from jaxpar.auto.cost import CostParams, Flags, analyse, op_scalar, param_scalar
+from jaxpar.auto.cost import CostParams, Flags, analyse, evaluate, op_scalar, param_scalar
 from jaxpar.auto.graph import Graph
 
 
@@ -130,9 +130,10 @@ def dynamic_programming(problem: Problem, fixed: Sequence[Axes | None] | None = 
 
 
 def _memory(problem: Problem, axes) -> float:
-    """Predicted per-device bytes of the assignment (parameters, optimizer state, gradients, temp)."""
-    mem = sum(problem.op_cost(i, axes)[1] for i in range(len(problem.graph.ops)))
-    return mem + sum(problem.param_cost(t, axes)[1] for _, t in problem.graph.params)
+    """Predicted per-device bytes of the assignment: arguments + the liveness peak of temp
+    (`cost.evaluate`); the searches minimise an additive stand-in (saved values + parameter
+    state) weighted by λ and check the budget with this."""
+    return evaluate(problem.graph, axes, problem.sizes, problem.params, flags=problem.flags).memory_bytes
 
 
 def _domains(problem: Problem, fixed) -> list[list[Axes]]:
