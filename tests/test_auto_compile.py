@@ -81,8 +81,51 @@ def test_planner_fits_a_budget_data_parallel_exceeds():
                      graph=graph)
     budget = 0.5 * data.cost["memory_bytes"]
     job = plan_job(model_fn, loss_fn, batch, devices=8, memory_budget=budget, cost_params=COSTS)
-    assert job.plan.cost["memory_bytes"] <= budget
+    assert job.chosen.memory_bytes <= budget
     assert job.dry_run is not None and job.dry_run["fits"] and job.dry_run["total"] <= budget
     assert data.cost["memory_bytes"] > budget                 # plain data parallel does not fit
     assert "CHOSEN (dry run confirms)" in job.explain()
-    assert any(tuple(spec) for _, _, spec, _ in job.plan.params)   # parameters are split
+    assert any(tuple(spec) for _, _, spec, _ in job.plan.params) or job.chosen.zero   # something is split
+
+
+def test_planner_chooses_zero_and_micro_batches_and_the_dry_run_agrees():
+    """On data=8 alone, a budget under plain data parallel: the planner picks a ZeRO level
+    and/or micro-batches, and the compiled program's memory is the predicted one (10%)."""
+    batch = batches(1, batch=32)[0]
+    model_fn = lambda: GPT(WIDE, rngs=nnx.Rngs(0))  # noqa: E731
+    base = jaxpar.ParallelConfig(mode="auto", optimizer=jaxpar.OptimizerConfig(threshold_kb=0))
+    common = dict(devices=8, cost_params=COSTS, base_config=base, meshes=[{"data": 8}])
+    plain = plan_job(model_fn, loss_fn, batch, memory_budget=1e12, zero_levels=(0,), grad_accum=(1,),
+                     dry_run=False, **common)
+    budget = 0.6 * plain.chosen.memory_bytes
+    job = plan_job(model_fn, loss_fn, batch, memory_budget=budget, **common)
+    assert (job.chosen.zero >= 1 or job.chosen.grad_accum > 1) and job.chosen.memory_bytes <= budget
+    assert job.config.optimizer.level == job.chosen.zero and job.config.grad_accum == job.chosen.grad_accum
+    assert job.dry_run["fits"]
+    assert job.dry_run["total"] <= 1.10 * job.chosen.memory_bytes      # never under-predicted
+    faster = [o for o in job.candidates if o.time_s < job.chosen.time_s]
+    assert faster and all(o.memory_bytes > budget for o in faster)
+    text = job.explain()
+    assert "over budget" in text and "zero=0, grad_accum=1" in text
+
+
+@pytest.mark.parametrize("zero,k", [(1, 1), (3, 1), (0, 2), (2, 4), (3, 2)])
+def test_zero_and_micro_batch_memory_match_the_compiled_step(zero, k):
+    """`price` on data-parallel: ZeRO levels and micro-batches against memory_analysis (10%)."""
+    import dataclasses
+
+    from jaxpar.auto.assign import hand_strategy
+    from jaxpar.auto.planner import micro_batch, price
+
+    batch = batches(1, batch=32)[0]
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", grad_accum=k,
+                                   optimizer=jaxpar.OptimizerConfig(level=zero, threshold_kb=0))
+    mesh = mesh_for(config)
+    graph = build_graph(GPT(WIDE, rngs=nnx.Rngs(0)), loss_fn, micro_batch(batch, k) if k > 1 else batch)
+    axes = hand_strategy(graph, dataclasses.replace(config, grad_accum=1), {"data": 8})
+    _, args, temp = price(graph, axes, {"data": 8}, COSTS, zero=zero, grad_accum=k, threshold_kb=0)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(WIDE, rngs=nnx.Rngs(0)), config, mesh), optax.adamw(1e-3),
+                             loss_fn, config, mesh)
+    mem = memory(trainer.lower(batch).compile())
+    assert args == mem.argument_bytes
+    assert abs(args + temp - mem.total) <= 0.10 * mem.total, (args + temp, mem)

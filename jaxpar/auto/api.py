@@ -74,7 +74,7 @@ def search(model, loss_fn: Callable, batch: Any, config, mesh, *, cost_params: C
     graph = graph if graph is not None else build_graph(model, loss_fn, batch)
     problem = Problem.make(graph, sizes, params)
     fixed, sources, conflicts = from_specs(graph, annotations(graph, config, sizes, annotate), sizes)
-    notes = [f"annotation: class {graph.class_names[c]} -> {fixed[c] or 'whole'} (from {sources[c]})"
+    notes = list(getattr(graph, "notes", ())) + [f"annotation: class {graph.class_names[c]} -> {fixed[c] or 'whole'} (from {sources[c]})"
              for c in range(graph.num_classes) if fixed[c] is not None]
     run = SEARCHES[algorithm]
     kw = {"memory_budget": memory_budget}

@@ -105,6 +105,7 @@ class Cost:
     argument_bytes: int
     temp_bytes: int
     invalid: int = 0                         # tensors that use one mesh axis twice
+    grad_comm_s: float = 0.0                 # the parameter-gradient collectives' share of comm_s
 
     @property
     def time_s(self) -> float:
@@ -206,6 +207,9 @@ class Flags:
 def analyse(graph: Graph) -> Flags:
     """The per-tensor flags the cost model reads (computed once per graph)."""
     params = {t for _, t in graph.params}
+    for op in graph.ops:      # a loop's slice of a stacked parameter is that parameter, per iteration
+        if op.prim == "copy" and op.get("scan") == "xs" and op.ins[0] in params:
+            params.update(op.outs)
     inputs = params | {t for _, t in (*graph.batch, *graph.others)}
     saved = set()
     for op in graph.ops:
@@ -260,13 +264,16 @@ def evaluate(graph: Graph, axes: Sequence[tuple[str, ...]], sizes: Mapping[str, 
         f, c, a, bad = op_terms(graph, op, axes, sizes, flags)
         flops, act, invalid = flops + f, act + a, invalid + bad
         comms += c
+    grad_s = 0.0
     for kind, ax, nbytes, combined in comms:
-        comm_s += params.collective_time(kind, ax, nbytes, sizes, combined)
+        seconds = params.collective_time(kind, ax, nbytes, sizes, combined)
+        comm_s += seconds
+        grad_s += seconds if combined else 0.0
         key = "+".join(ax)
         by_axes[key] = by_axes.get(key, 0) + nbytes
     temp = temp_peak(graph, axes, sizes, params, flags)
     return Cost(flops / params.flops_per_s, comm_s, int(round(sum(by_axes.values()))),
-                {k: int(round(v)) for k, v in by_axes.items()}, int(round(args)), int(round(temp)), invalid)
+                {k: int(round(v)) for k, v in by_axes.items()}, int(round(args)), int(round(temp)), invalid, grad_s)
 
 
 def temp_peak(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, flags: Flags) -> float:
@@ -282,9 +289,15 @@ def temp_peak(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, 
     sum is a new buffer) until the optimizer update reads them. The peak is the larger of
     the two. Values inside a loop are saved once per iteration (``Op.repeat``).
     """
+    act, grads, reduced = temp_parts(graph, axes, sizes, flags)
+    return max(params.temp_activation_factor * act, grads + reduced)
+
+
+def temp_parts(graph: Graph, axes, sizes: Mapping[str, int], flags: Flags) -> tuple[float, float, float]:
+    """``(peak during the passes, gradient bytes, bytes of gradients all-reduced)`` of `temp_peak`."""
     n = len(graph.ops)
     if n == 0:
-        return 0.0
+        return 0.0, 0.0, 0.0
     produced: dict[int, int] = {}
     last: dict[int, int] = {}
     repeat: dict[int, int] = {}
@@ -294,6 +307,11 @@ def temp_peak(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, 
         for t in op.ins:
             if t >= 0:
                 last[t] = i
+    for op in reversed(graph.ops):     # a loop slice is read where its readers read it
+        if op.prim == "copy":
+            for t in op.ins:
+                if t >= 0:
+                    last[t] = max(last[t], *(last.get(o, 0) for o in op.outs))
     diff = [0.0] * (n + 1)
 
     def add(lo: int, hi: int, nbytes: float) -> None:     # live at steps lo..hi
@@ -317,7 +335,7 @@ def temp_peak(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, 
     for i in range(n):
         running += diff[i]
         peak = max(peak, running)
-    return max(params.temp_activation_factor * peak, grads + reduced)
+    return peak, grads, reduced
 
 
 def _grad_reduced(graph: Graph, t: int, axes, sizes) -> bool:

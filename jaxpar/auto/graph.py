@@ -5,6 +5,11 @@ batch)`` with ``jax.make_jaxpr`` (parameters are explicit inputs, so every jaxpr
 back to a parameter path or a batch leaf), inlines nested calls (``jit``, ``custom_jvp``,
 ``custom_vjp``, ``remat``) and keeps one `Op` per primitive.
 
+Loops and branches are read too (see `_Builder.inline`): a ``lax.scan`` body is inlined once,
+its operators' ``repeat`` multiplied by the trip count; a ``lax.while_loop`` (trip count
+unknown) is costed as one iteration and said so in `Graph.notes`; every branch of a
+``lax.cond`` / ``lax.switch`` is inlined (the compute of all branches is counted).
+
 Every tensor dimension belongs to a *dimension class*: dimensions that an operator ties
 together (the same position of an elementwise op's operands, a dot's contracting pair, a
 dot's batch dimensions and the output dimension they become, a reduction's kept dimensions,
@@ -30,12 +35,14 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.extend.core import Literal as _Literal
+from jax.extend.core import jaxprs_in_params
 
 from jaxpar.nn.plan import logical_names, path_str
 
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-           "custom_vjp_call_jaxpr": "fun_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
+           "custom_vjp_call_jaxpr": "fun_jaxpr", "custom_vmap_call": "call", "remat": "jaxpr",
+           "checkpoint": "jaxpr"}
 _CONTRACTING = ("dot_general", "gather", "conv_general_dilated")
 
 
@@ -81,7 +88,8 @@ class Graph:
     batch: tuple[tuple[str, int], ...]           # (batch leaf path, tensor id)
     others: tuple[tuple[str, int], ...]          # non-Param variables (rng counts, stats)
     param_logical: tuple[tuple | None, ...]      # the model's own logical names, per parameter
-    unsplittable: frozenset[int]                 # classes kept whole (twice in one tensor, ...)
+    unsplittable: frozenset[int]                 # classes kept whole (twice in one tensor, a scan's axis)
+    notes: tuple[str, ...] = ()                  # what the graph approximates (while loops' trip counts)
 
     @property
     def num_classes(self) -> int:
@@ -134,6 +142,9 @@ class _Builder:
         self.parent: list[int] = []          # union-find over (tensor, dim) slots
         self.slot0: list[int] = []
         self.keep: list[Any] = []
+        self.repeat = 1                      # runs per step of the ops appended now (enclosing scans)
+        self.whole: list[tuple[int, int]] = []   # (tensor, dim) slots whose class stays whole
+        self.notes: list[str] = []
 
     # ------------------------------------------------------------ tensors and dims
     def var(self, v) -> int:
@@ -176,6 +187,32 @@ class _Builder:
 
     # ------------------------------------------------------------ jaxpr walking
     def inline(self, jaxpr, env: dict) -> None:
+        """Append the ops of ``jaxpr`` (``env``: id of a variable -> its tensor).
+
+        Nested calls are inlined with their inputs and outputs mapped to the caller's tensors.
+        Loops and branches:
+
+        * ``scan``: the body is inlined once, with ``self.repeat`` multiplied by ``length``
+          (so nested scans multiply), which every op appended inside it records. Consts and
+          carries map to the caller's tensors (a body carry output is linked dim by dim to
+          its input); an ``xs`` input ``[length, ...]`` is read through a fresh slice tensor
+          whose dim ``d`` is linked with dim ``d + 1`` of the stacked input, a ``ys`` output
+          is a fresh stacked tensor linked the same way. The stacked (iteration) dims of one
+          scan form one class, kept whole: the loop walks it in order.
+        * ``while``: the trip count is not known statically: the body (and the condition)
+          are inlined once, at the enclosing repeat, carries as for ``scan``; the graph's
+          ``notes`` say so.
+        * ``cond`` / ``switch``: every branch is inlined on the same operand tensors, and each
+          result is linked dim by dim to every branch's result. The compute and communication
+          of all branches are counted (an over-estimate by up to the number of branches:
+          ``repeat`` is an integer, and which branch runs is known only at run time).
+
+        The slices and merges are recorded as ``copy`` operators (no compute; they carry the
+        gradient dependence the cost model reads): an ``xs`` slice as run ``0`` times (XLA
+        reads the slice in place, and a stacked parameter's slice is no more an activation
+        than the unrolled layer's parameter is), a ``ys`` stack and a branch merge once.
+        Any other primitive holding a sub-program raises ``NotImplementedError``.
+        """
         def tid(atom):
             if isinstance(atom, _Literal):
                 return -1
@@ -183,34 +220,120 @@ class _Builder:
 
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
+            if name in _LOOPS:
+                _LOOPS[name](self, eqn, [tid(a) for a in eqn.invars], env)
+                continue
             sub = _INLINE.get(name)
             inner = eqn.params.get(sub) if sub else None
             if inner is None and name.startswith("custom_") and "call_jaxpr" in eqn.params:
                 inner = eqn.params["call_jaxpr"]
             if inner is not None:
                 inner_jaxpr = getattr(inner, "jaxpr", inner)
-                sub_env = {}
-                args = eqn.invars[len(eqn.invars) - len(inner_jaxpr.invars):]
-                for v, atom in zip(inner_jaxpr.invars, args):
-                    t = tid(atom)
-                    sub_env[id(v)] = t if t >= 0 else self.new(v)
-                for v in inner_jaxpr.constvars:
-                    sub_env[id(v)] = self.new(v)
+                args = [tid(a) for a in eqn.invars[len(eqn.invars) - len(inner_jaxpr.invars):]]
+                sub_env = self._enter(inner_jaxpr, args)
                 self.inline(inner_jaxpr, sub_env)
-                for v, out in zip(inner_jaxpr.outvars, eqn.outvars):
-                    t = -1 if isinstance(v, _Literal) else sub_env.get(id(v), -1)
+                for out, t in zip(eqn.outvars, self._results(inner_jaxpr, sub_env)):
                     env[id(out)] = t if t >= 0 else self.new(out)
                 continue
-            if name in ("scan", "while", "cond"):
+            if next(iter(jaxprs_in_params(eqn.params)), None) is not None:
                 raise NotImplementedError(
-                    f"jaxpar.auto: the loss uses lax.{name}; the strategy search reads straight-line "
-                    "programs. Build the model with unrolled layers (e.g. GPTConfig(scan_layers=False)) "
-                    "for the search, then train either form with the plan.")
+                    f"jaxpar.auto: the loss uses the primitive {name!r}, which holds a sub-program the "
+                    "strategy search does not read (it reads jit/remat/custom_jvp/custom_vjp calls, "
+                    "lax.scan, lax.while_loop and lax.cond). Search on a model without it.")
             ins = tuple(tid(a) for a in eqn.invars)
             outs = tuple(self.new(v) for v in eqn.outvars)
             for v, t in zip(eqn.outvars, outs):
                 env[id(v)] = t
-            self.ops.append(Op(name, ins, outs, self._link_op(name, ins, outs, eqn.params)))
+            self.ops.append(Op(name, ins, outs, self._link_op(name, ins, outs, eqn.params), self.repeat))
+
+    def _enter(self, jaxpr, args) -> dict:
+        """The env of a sub-jaxpr whose inputs are the tensors ``args`` (``-1``, a literal: a
+        fresh tensor); its constants get fresh tensors."""
+        sub = {}
+        for v, t in zip(jaxpr.invars, args):
+            sub[id(v)] = t if t >= 0 else self.new(v)
+        for v in jaxpr.constvars:
+            sub[id(v)] = self.new(v)
+        return sub
+
+    @staticmethod
+    def _results(jaxpr, env) -> list[int]:
+        """The tensors of a sub-jaxpr's outputs (``-1`` for literals)."""
+        return [-1 if isinstance(v, _Literal) else env.get(id(v), -1) for v in jaxpr.outvars]
+
+    def _link_all(self, t1: int, t2: int, shift: int = 0) -> None:
+        """Link dim ``d`` of ``t1`` with dim ``d + shift`` of ``t2``."""
+        if t1 >= 0 and t2 >= 0:
+            for d in range(len(self.shapes[t1])):
+                if d + shift < len(self.shapes[t2]):
+                    self.link(t1, d, t2, d + shift)
+
+    def _carry(self, carry_in, body_outs, outvars, env) -> None:
+        """Loop carries: the body's output linked to its input, the loop's result is it."""
+        for t_in, t_out, out in zip(carry_in, body_outs, outvars):
+            self._link_all(t_in, t_out)
+            if t_out < 0:
+                t_out = self.new(out)
+                self._link_all(t_in, t_out)
+            env[id(out)] = t_out
+
+    def _scan(self, eqn, ins, env) -> None:
+        p = eqn.params
+        body = p["jaxpr"].jaxpr
+        nc, nk, length = p["num_consts"], p["num_carry"], int(p["length"])
+        outer = self.repeat
+        self.repeat = outer * length
+        try:
+            sub = self._enter(body, ins[:nc + nk] + [-1] * (len(ins) - nc - nk))
+            stacked: list[int] = []
+            for v, t in zip(body.invars[nc + nk:], ins[nc + nk:]):
+                s = sub[id(v)]
+                if t >= 0:
+                    self._link_all(s, t, 1)
+                    stacked.append(t)
+                    self.ops.append(Op("copy", (t,), (s,), (("scan", "xs"),), 0))
+            carry_in = [sub[id(v)] for v in body.invars[nc:nc + nk]]
+            self.inline(body, sub)
+            outs = self._results(body, sub)
+        finally:
+            self.repeat = outer
+        self._carry(carry_in, outs[:nk], eqn.outvars[:nk], env)
+        for y, out in zip(outs[nk:], eqn.outvars[nk:]):
+            t = env[id(out)] = self.new(out)
+            stacked.append(t)
+            if y >= 0:
+                self._link_all(y, t, 1)
+                self.ops.append(Op("copy", (y,), (t,), (("scan", "ys"),), self.repeat))
+        for t in stacked:                 # one iteration axis, walked in order: kept whole
+            self.link(stacked[0], 0, t, 0)
+            self.whole.append((t, 0))
+
+    def _while(self, eqn, ins, env) -> None:
+        p = eqn.params
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cond, body = p["cond_jaxpr"].jaxpr, p["body_jaxpr"].jaxpr
+        sub = self._enter(body, ins[cn:])
+        carry_in = [sub[id(v)] for v in body.invars[bn:]]
+        cond_env = self._enter(cond, ins[:cn] + carry_in)
+        self.inline(cond, cond_env)
+        self.inline(body, sub)
+        self._carry(carry_in, self._results(body, sub), eqn.outvars, env)
+        self.notes.append(f"lax.while_loop at {_where(eqn)}: trip count unknown, costed as one iteration")
+
+    def _cond(self, eqn, ins, env) -> None:
+        results = []
+        for branch in eqn.params["branches"]:
+            j = branch.jaxpr
+            sub = self._enter(j, ins[1:])
+            self.inline(j, sub)
+            results.append(self._results(j, sub))
+        for k, out in enumerate(eqn.outvars):
+            t = env[id(out)] = self.new(out)
+            srcs = tuple(dict.fromkeys(r[k] for r in results if r[k] >= 0))
+            for s in srcs:
+                self._link_all(s, t)
+            if srcs:
+                self.ops.append(Op("copy", srcs, (t,), (("cond", "merge"),), self.repeat))
 
     def _link_op(self, name: str, ins, outs, params) -> tuple:
         rule = _RULES.get(name)
@@ -237,9 +360,22 @@ class _Builder:
                 cls.append(roots[r])
             tensors.append(Tensor(shape, self.itemsizes[t], tuple(cls)))
         unsplittable = {c for t in tensors for c in t.classes if c >= 0 and t.classes.count(c) > 1}
+        unsplittable |= {tensors[t].classes[d] for t, d in self.whole if tensors[t].classes[d] >= 0}
         names = _class_names(tensors, len(sizes), params, batch)
         return Graph(tuple(tensors), tuple(self.ops), tuple(sizes), names, params, batch, others,
-                     logical, frozenset(unsplittable))
+                     logical, frozenset(unsplittable), tuple(self.notes))
+
+
+_LOOPS = {"scan": _Builder._scan, "while": _Builder._while, "cond": _Builder._cond}
+
+
+def _where(eqn) -> str:
+    """``file:line (function)`` of an equation, for messages."""
+    try:
+        from jax._src import source_info_util
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:                 # a private helper: fall back to the primitive's name
+        return eqn.primitive.name
 
 
 def _class_names(tensors, n, params, batch) -> tuple[str, ...]:
