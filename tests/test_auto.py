@@ -142,3 +142,24 @@ def test_recursive_on_a_large_simulated_mesh_is_fast(model):
     assert plan.cost["invalid"] == 0 and np.isfinite(plan.cost["time_s"])
     used = {a for _, _, axes in plan.classes for a in axes}
     assert used, "a 128-device plan splits something"
+
+
+def test_calibrate_measures_flops_and_each_axis():
+    """`calibrate` on the 8 simulated devices: positive FLOP/s, a bandwidth and latency per
+    mesh axis of size > 1, and a CostParams the searches accept."""
+    import math
+
+    from jaxpar.auto import calibrate
+
+    mesh = jaxpar.make_mesh(jaxpar.ParallelConfig(mesh={"data": 2, "model": 4, "one": 1}))
+    params = calibrate(mesh, sizes_bytes=(1 << 10, 1 << 20), repeats=2)
+    assert params.flops_per_s > 1e6 and math.isfinite(params.flops_per_s)
+    assert set(params.bandwidth) == {"data", "model"} and set(params.latency_per_axis) == {"data", "model"}
+    assert all(0 < b < math.inf for b in params.bandwidth.values())
+    assert all(0 <= t < 1 for t in params.latency_per_axis.values())
+    small = params.collective_time("all-reduce", ("model",), 1 << 10, {"model": 4})
+    big = params.collective_time("all-reduce", ("model",), 1 << 20, {"model": 4})
+    assert big > small > 0
+    plan = search(GPT(TINY, rngs=nnx.Rngs(0)), loss_fn, BATCH, jaxpar.ParallelConfig(mesh=MESH, mode="auto"),
+                  MESH, cost_params=params)
+    assert plan.cost["time_s"] > 0

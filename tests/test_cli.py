@@ -38,6 +38,22 @@ def test_plan_and_bad_input(tmp_path):
     assert "mesh {'data': 3, 'model': 2} has 6 devices but 8 are available" in r.stderr
 
 
+def test_plan_the_job_within_a_memory_budget(tmp_path):
+    """`jaxpar plan --memory-budget`: the planner prices meshes x ZeRO x micro-batches, the
+    fastest plan (about 4.0 MB per device) does not fit 2.4 MB, the dry run confirms the choice."""
+    r = _run("plan", "--mesh", "data=8", "--rules", "batch=data", "--search", "dynamic_programming",
+             "--memory-budget", "2.4e6", "--flops", "1e9", "--bandwidth", "1e9", "--latency", "1e-6",
+             "--accum-options", "1,2", "--plan-out", str(tmp_path / "plan.json"))
+    assert r.returncode == 0, r.stderr
+    chosen = r.stdout.splitlines()[0]
+    assert chosen.startswith("chosen: ") and ("zero=0, grad_accum=1" not in chosen), chosen
+    assert "CHOSEN (dry run confirms)" in r.stdout and "-> fits" in r.stdout
+    assert json.loads((tmp_path / "plan.json").read_text())["mesh"]
+    r = _run("plan", "--mesh", "data=8", "--search", "dynamic_programming", "--rules", "batch=data",
+             "--memory-budget", "1e6", "--zero-levels", "x")
+    assert r.returncode != 0 and "--zero-levels 'x'" in r.stderr
+
+
 def test_report_shows_the_pipeline_schedule():
     r = _run("report", "--mesh", "pipe=2,data=4", "--rules", "layers=pipe,batch=data",
              "--pipeline", "stages=2,microbatches=4,schedule=zb-h1", "--batch", "16")

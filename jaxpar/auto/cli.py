@@ -21,10 +21,21 @@ def add_plan_search_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--annotate", action="append", default=[], metavar="GLOB=SPEC",
                    help="fix a parameter's split, e.g. 'blocks/*/mlp/up=None,model' (repeatable)")
     g.add_argument("--memory-budget", type=float, help="per-device bytes the plan must fit (plans the whole job)")
+    g.add_argument("--zero-levels", default="0,1,2,3", help="ZeRO levels the job planner may choose (with "
+                   "--memory-budget), e.g. 0,1")
+    g.add_argument("--accum-options", default="1,2,4", help="micro-batch counts the job planner may choose "
+                   "(with --memory-budget)")
     g.add_argument("--flops", type=float, help="device FLOP/s for the cost model")
     g.add_argument("--bandwidth", type=float, help="collective bandwidth, bytes/s")
     g.add_argument("--latency", type=float, help="seconds per collective")
     g.add_argument("--plan-out", help="write the plan (strategy file, JSON)")
+
+
+def _ints(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise SystemExit(f"{flag} {text!r}: expected comma-separated integers such as 0,1,2") from None
 
 
 def _parse_annotation(text: str):
@@ -52,8 +63,11 @@ def run_plan_search(args, build_job) -> int:
     annotate = dict(_parse_annotation(a) for a in args.annotate)
     if args.memory_budget:
         model = trainer.model
+        ints = lambda text, flag: _ints(text, flag)  # noqa: E731
         job = plan_job(lambda: model, loss_fn, batch, devices=mesh.devices.size, memory_budget=args.memory_budget,
-                       cost_params=costs, search_name=args.search, base_config=config)
+                       cost_params=costs, search_name=args.search, base_config=config,
+                       zero_levels=ints(args.zero_levels, "--zero-levels"),
+                       grad_accum=ints(args.accum_options, "--accum-options"))
         print(job.explain())
         plan = job.plan
     else:
