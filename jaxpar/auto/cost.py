@@ -325,24 +325,18 @@ def temp_parts(graph: Graph, axes, sizes: Mapping[str, int], flags: Flags) -> tu
             if flags.grad[t] and t in last:
                 add(i, max(last[t], i), b)
     grads = reduced = 0.0
+    used = {a for c in range(graph.num_classes) for a in axes[c] if sizes[a] > 1}
     for _, t in graph.params:
         b = local_bytes(graph, t, axes, sizes)
         add(0, last.get(t, n - 1), b)
         grads += b
-        if _grad_reduced(graph, t, axes, sizes):
+        if used - set(tensor_axes(graph, t, axes) or ()):    # summed over an axis it is not split on
             reduced += b
     peak = running = 0.0
     for i in range(n):
         running += diff[i]
         peak = max(peak, running)
     return peak, grads, reduced
-
-
-def _grad_reduced(graph: Graph, t: int, axes, sizes) -> bool:
-    """Whether parameter ``t``'s gradient is summed over a mesh axis (some mesh axis of size
-    > 1 does not split it but splits another tensor of the step)."""
-    own = set(tensor_axes(graph, t, axes) or ())
-    return any(sizes[a] > 1 and a not in own for c in range(graph.num_classes) for a in axes[c])
 
 
 def op_scalar(graph: Graph, op: Op, axes, sizes, params: CostParams, flags: Flags) -> tuple[float, float]:

@@ -371,11 +371,11 @@ _LOOPS = {"scan": _Builder._scan, "while": _Builder._while, "cond": _Builder._co
 
 def _where(eqn) -> str:
     """``file:line (function)`` of an equation, for messages."""
-    try:
-        from jax._src import source_info_util
-        return source_info_util.summarize(eqn.source_info)
-    except Exception:                 # a private helper: fall back to the primitive's name
-        return eqn.primitive.name
+    traceback = getattr(eqn.source_info, "traceback", None)
+    for frame in (traceback.frames if traceback is not None else ()):
+        if not any(part in frame.file_name for part in ("/jax/", "/jaxlib/", "/flax/", "/jaxpar/auto/")):
+            return f"{frame.file_name}:{frame.line_num} ({frame.function_name})"
+    return eqn.primitive.name
 
 
 def _class_names(tensors, n, params, batch) -> tuple[str, ...]:

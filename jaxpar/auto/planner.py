@@ -132,7 +132,8 @@ def micro_batch(batch: Any, k: int) -> Any:
 
 
 def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, zero: int = 0,
-          grad_accum: int = 1, zero_axis: str = "data", threshold_kb: float = 0.0) -> tuple[float, int, int]:
+          grad_accum: int = 1, zero_axis: str = "data", threshold_kb: float = 0.0,
+          flags=None) -> tuple[float, int, int]:
     """``(step seconds, argument bytes, temp bytes)`` per device of a strategy on the graph of
     one micro-batch, with ``grad_accum`` micro-batches and ZeRO level ``zero`` (module docstring)."""
     from jax.sharding import PartitionSpec
@@ -140,7 +141,7 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
     from jaxpar.auto.assign import spec_of
     from jaxpar.optim.zero import zero_spec
 
-    flags = analyse(graph)
+    flags = analyse(graph) if flags is None else flags
     cost = evaluate(graph, axes, sizes, params, flags=flags)
     act, grads, reduced = temp_parts(graph, axes, sizes, flags)
     k, d = grad_accum, sizes.get(zero_axis, 1)
@@ -222,6 +223,7 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
         if k < 1 or rows % k:
             continue
         graph = build_graph(abstract, loss_fn, micro_batch(batch, k) if k > 1 else batch)
+        flags = analyse(graph)
         for shape in shapes:
             if (rows // k) % shape.get("data", 1):
                 continue
@@ -237,7 +239,7 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
                     if z and d == 1:
                         continue
                     t, a, tmp = price(graph, axes, shape, params, zero=z, grad_accum=k,
-                                      threshold_kb=base.optimizer.threshold_kb)
+                                      threshold_kb=base.optimizer.threshold_kb, flags=flags)
                     if math.isfinite(t):
                         options.append(JobOption(shape, k, z, plan, t, a, tmp))
             if progress:
