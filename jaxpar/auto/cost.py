@@ -39,8 +39,12 @@ from jaxpar.auto.graph import Graph, Op
 
 _PRODUCTS = ("dot_general", "conv_general_dilated")
 _GATHER_LIKE = ("reshape", "concatenate", "slice", "dynamic_slice", "pad")
+# operators whose derivative needs none of their operands (the rest save their inputs in a loop)
+_LINEAR = ("add", "add_any", "sub", "neg", "reduce_sum", "select_n", "concatenate", "pad", "slice",
+           "dynamic_slice", "dynamic_update_slice", "cumsum")
 _FREE = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "convert_element_type",
          "stop_gradient", "iota", "copy", "copy_p")
+_LINEAR += _FREE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -169,12 +173,16 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
         if lost:
             kind = "all-gather" if op.prim in _GATHER_LIKE else "all-reduce"
             comms.append((kind, lost, local_bytes(graph, out, axes, sizes), False))
+    forward = len(comms)          # the forward pass's collective; gradients' come next
     for t in op.ins:
         if t >= 0 and flags.grad[t]:
             missing = tuple(sorted(all_axes - per[t], key=list(sizes).index))
             if missing:   # a parameter's gradient: XLA combines these into few all-reduces
                 comms.append(("all-reduce", missing, local_bytes(graph, t, axes, sizes), flags.param[t]))
     act = sum(local_bytes(graph, t, axes, sizes) for t in op.outs if flags.saved[t])
+    if op.keep == "recompute":    # the backward pass runs the forward again, collectives included
+        flops += flops / 3
+        comms += [c for c in comms[:forward] if not c[3]]
     if op.repeat != 1:      # inside a loop: every iteration computes, communicates and saves
         flops, comms, act = flops * op.repeat, comms * op.repeat, act * op.repeat
     return flops, comms, act, invalid
@@ -197,27 +205,53 @@ def _iteration_space(graph: Graph, op: Op) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Flags:
-    """Per tensor: needs a gradient, is a parameter, is kept for the backward pass."""
+    """Per tensor: needs a gradient, is a parameter, is kept for the backward pass, is
+    recomputed in it."""
 
     grad: tuple[bool, ...]
     param: tuple[bool, ...]
     saved: tuple[bool, ...]
+    recomputed: tuple[bool, ...] = ()     # would be saved, but a recompute region redoes it
 
 
-def analyse(graph: Graph) -> Flags:
-    """The per-tensor flags the cost model reads (computed once per graph)."""
+def analyse(graph: Graph, loops: bool = True) -> Flags:
+    """The per-tensor flags the cost model reads (computed once per graph).
+
+    Saved for the backward pass: the inputs and outputs of matmuls, gathers and reductions
+    (what XLA materialises rather than fuses); in a loop body (``repeat > 1``), also the
+    inputs of every nonlinear operator (JAX stacks a scan's residuals, and XLA cannot fuse
+    them away across iterations; ``loops=False``: a loop of one iteration, which XLA
+    removes). Inside a recompute region only what its policy
+    keeps on the device is saved, plus the region's inputs; the rest is *recomputed*: it
+    lives only while the region's backward runs."""
     params = {t for _, t in graph.params}
     for op in graph.ops:      # a loop's slice of a stacked parameter is that parameter, per iteration
         if op.prim == "copy" and op.get("scan") == "xs" and op.ins[0] in params:
             params.update(op.outs)
     inputs = params | {t for _, t in (*graph.batch, *graph.others)}
-    saved = set()
+    base = set()
     for op in graph.ops:
         if op.prim in _PRODUCTS or op.prim == "gather" or op.prim.startswith("reduce_"):
-            saved.update(t for t in (*op.ins, *op.outs) if t >= 0)
-    saved = tuple(t in saved and t not in inputs and graph.tensors[t].itemsize >= 4 and len(graph.tensors[t].shape) > 0
-                  for t in range(len(graph.tensors)))
-    return Flags(tuple(needs_grad(graph)), tuple(t in params for t in range(len(graph.tensors))), saved)
+            base.update(t for t in (*op.ins, *op.outs) if t >= 0)
+    keep = {t: op.keep for op in graph.ops for t in op.outs}
+    residual = {t for r in graph.regions for t in r.inputs}
+    grad = needs_grad(graph)
+    for op in graph.ops:    # XLA does not fuse across a loop's iterations: what the derivative
+        if loops and op.repeat > 1 and op.region < 0 and op.prim not in _LINEAR:   # of a body needs is stacked
+            varying = [t for t in op.ins if t >= 0 and grad[t]]
+            if op.prim in ("mul", "div") and len(varying) < 2:
+                continue        # scaled by a constant: the derivative needs only the constant
+            base.update(varying)
+
+    def real(t):
+        return t not in inputs and graph.tensors[t].itemsize >= 4 and len(graph.tensors[t].shape) > 0
+
+    n = len(graph.tensors)
+    saved = tuple(real(t) and ((t in base and keep.get(t, "device") == "device") or t in residual)
+                  for t in range(n))
+    recomputed = tuple(real(t) and t in base and keep.get(t) == "recompute" and t not in residual
+                       for t in range(n))
+    return Flags(tuple(grad), tuple(t in params for t in range(n)), saved, recomputed)
 
 
 def needs_grad(graph: Graph) -> list[bool]:
@@ -287,7 +321,9 @@ def temp_peak(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, 
     last read at or after it), and the gradients of parameters whose last reader is at or
     after ``i``. After the backward pass, gradients that are all-reduced exist twice (the
     sum is a new buffer) until the optimizer update reads them. The peak is the larger of
-    the two. Values inside a loop are saved once per iteration (``Op.repeat``).
+    the two. Values inside a loop are saved once per iteration (``Op.repeat``). A value a
+    recompute region redoes (``flags.recomputed``) is live only from the start of that
+    region's backward (its last operator) down to its producer, once per call.
     """
     act, grads, reduced = temp_parts(graph, axes, sizes, flags)
     return max(params.temp_activation_factor * act, grads + reduced)
@@ -318,10 +354,19 @@ def temp_parts(graph: Graph, axes, sizes: Mapping[str, int], flags: Flags) -> tu
         diff[lo] += nbytes
         diff[hi + 1] -= nbytes
 
+    recomputed = flags.recomputed or (False,) * len(graph.tensors)
+    calls = {}      # a region's input is saved once per call (a loop carry: once per iteration)
+    for r in graph.regions:
+        for t in r.inputs:
+            calls[t] = max(calls.get(t, 1), r.repeat)
     for t, i in produced.items():
-        if flags.saved[t]:
+        if flags.saved[t] or recomputed[t]:
             b = local_bytes(graph, t, axes, sizes)
-            add(i, n - 1, b * repeat[t])
+            if flags.saved[t]:
+                add(i, n - 1, b * max(repeat[t], calls.get(t, 1)))
+            else:   # redone when its region's backward starts, freed when that backward ends
+                r = graph.regions[graph.ops[i].region]
+                add(i, r.last, b * max(1, repeat[t] // max(r.repeat, 1)))
             if flags.grad[t] and t in last:
                 add(i, max(last[t], i), b)
     grads = reduced = 0.0

@@ -42,7 +42,8 @@ from jaxpar.nn.plan import logical_names, path_str
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
            "custom_vjp_call_jaxpr": "fun_jaxpr", "custom_vmap_call": "call", "remat": "jaxpr",
-           "checkpoint": "jaxpr"}
+           "remat2": "jaxpr", "checkpoint": "jaxpr"}
+_CHECKPOINTS = ("checkpoint", "remat", "remat2")     # jax.checkpoint's primitive, by JAX version
 _CONTRACTING = ("dot_general", "gather", "conv_general_dilated")
 
 
@@ -64,16 +65,36 @@ class Tensor:
 class Op:
     """One primitive: its name, input and output tensor ids and the few parameters the cost
     model needs (``contract``: input dims summed over, per input; ``reduce``: reduced dims).
-    ``repeat``: how many times the operator runs per step (the trip count of an enclosing loop)."""
+    ``repeat``: how many times the operator runs per step (the trip count of an enclosing loop).
+    ``region``: the recompute (``jax.checkpoint``) region it is in, an index into
+    ``Graph.regions`` (``-1``: none); ``keep``: what that region's policy does with its outputs:
+    ``"device"`` (saved for the backward pass, also outside regions), ``"host"`` (offloaded)
+    or ``"recompute"`` (recomputed in the backward pass)."""
 
     prim: str
     ins: tuple[int, ...]
     outs: tuple[int, ...]
     info: tuple = ()
     repeat: int = 1
+    region: int = -1
+    keep: str = "device"
 
     def get(self, key, default=None):
         return dict(self.info).get(key, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One ``jax.checkpoint`` call: its operators are ``ops[first:last + 1]``; ``inputs``, the
+    tensors it reads from outside (saved for its backward instead of its own values);
+    ``repeat``: runs per step of the call itself (its operators' ``repeat`` divided by it is
+    how many loop iterations run inside one call)."""
+
+    first: int
+    last: int
+    inputs: tuple[int, ...]
+    repeat: int
+    policy: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +111,7 @@ class Graph:
     param_logical: tuple[tuple | None, ...]      # the model's own logical names, per parameter
     unsplittable: frozenset[int]                 # classes kept whole (twice in one tensor, a scan's axis)
     notes: tuple[str, ...] = ()                  # what the graph approximates (while loops' trip counts)
+    regions: tuple["Region", ...] = ()          # recompute regions (jax.checkpoint / nnx.remat)
 
     @property
     def num_classes(self) -> int:
@@ -145,6 +167,9 @@ class _Builder:
         self.repeat = 1                      # runs per step of the ops appended now (enclosing scans)
         self.whole: list[tuple[int, int]] = []   # (tensor, dim) slots whose class stays whole
         self.notes: list[str] = []
+        self.regions: list[Region] = []
+        self.region = -1                     # the recompute region ops appended now belong to
+        self.policy: Any = None              # its jax.checkpoint policy (None: save nothing)
 
     # ------------------------------------------------------------ tensors and dims
     def var(self, v) -> int:
@@ -231,7 +256,10 @@ class _Builder:
                 inner_jaxpr = getattr(inner, "jaxpr", inner)
                 args = [tid(a) for a in eqn.invars[len(eqn.invars) - len(inner_jaxpr.invars):]]
                 sub_env = self._enter(inner_jaxpr, args)
-                self.inline(inner_jaxpr, sub_env)
+                if name in _CHECKPOINTS:
+                    self._checkpoint(eqn, inner_jaxpr, args, sub_env)
+                else:
+                    self.inline(inner_jaxpr, sub_env)
                 for out, t in zip(eqn.outvars, self._results(inner_jaxpr, sub_env)):
                     env[id(out)] = t if t >= 0 else self.new(out)
                 continue
@@ -244,7 +272,37 @@ class _Builder:
             outs = tuple(self.new(v) for v in eqn.outvars)
             for v, t in zip(eqn.outvars, outs):
                 env[id(v)] = t
-            self.ops.append(Op(name, ins, outs, self._link_op(name, ins, outs, eqn.params), self.repeat))
+            self.ops.append(Op(name, ins, outs, self._link_op(name, ins, outs, eqn.params), self.repeat,
+                               self.region, self._keep(eqn)))
+
+    def _checkpoint(self, eqn, jaxpr, args, env) -> None:
+        """A recompute region: its ops record the region and what its policy keeps (nested
+        regions: the innermost one's policy decides, as in JAX)."""
+        outer = self.region, self.policy
+        policy = eqn.params.get("policy")
+        first, idx = len(self.ops), len(self.regions)
+        self.region, self.policy = idx, policy
+        self.regions.append(None)   # reserve the index (nested regions come after it)
+        try:
+            self.inline(jaxpr, env)
+        finally:
+            self.region, self.policy = outer
+        name = getattr(policy, "__name__", None) or ("nothing_saveable" if policy is None else repr(policy))
+        inputs = tuple(dict.fromkeys(t for t in args if t >= 0))
+        self.regions[idx] = Region(first, len(self.ops) - 1, inputs, self.repeat, name)
+
+    def _keep(self, eqn) -> str:
+        """What the current region's policy does with ``eqn``'s outputs (see `Op`)."""
+        if self.region < 0:
+            return "device"
+        if self.policy is None:
+            return "recompute"
+        decision = self.policy(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
+        if decision is True or type(decision).__name__ == "Saveable":
+            return "device"
+        if type(decision).__name__ == "Offloadable":
+            return "host"
+        return "recompute"
 
     def _enter(self, jaxpr, args) -> dict:
         """The env of a sub-jaxpr whose inputs are the tensors ``args`` (``-1``, a literal: a
@@ -363,7 +421,7 @@ class _Builder:
         unsplittable |= {tensors[t].classes[d] for t, d in self.whole if tensors[t].classes[d] >= 0}
         names = _class_names(tensors, len(sizes), params, batch)
         return Graph(tuple(tensors), tuple(self.ops), tuple(sizes), names, params, batch, others,
-                     logical, frozenset(unsplittable), tuple(self.notes))
+                     logical, frozenset(unsplittable), tuple(self.notes), tuple(self.regions))
 
 
 _LOOPS = {"scan": _Builder._scan, "while": _Builder._while, "cond": _Builder._cond}

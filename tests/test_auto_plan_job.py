@@ -1,0 +1,144 @@
+"""The job planner's recompute and pipeline choices: priced, confirmed by the dry run, and
+trained to the one-device losses."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from helpers import batches
+from jaxpar.auto import CostParams, build_graph, plan_job
+from jaxpar.auto.assign import hand_strategy
+from jaxpar.auto.cost import evaluate
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss
+from jaxpar.report import memory
+
+COSTS = CostParams(flops_per_s=1e9, default_bandwidth=1e9, latency=1e-6)
+SCANNED = GPTConfig(vocab_size=16, seq_len=32, embed=64, heads=4, mlp=256, layers=4, scan_layers=True)
+BASE = jaxpar.ParallelConfig(mode="auto", optimizer=jaxpar.OptimizerConfig(threshold_kb=0))
+
+
+def gpt_fn(gpt=SCANNED):
+    def build(remat="none"):
+        return GPT(dataclasses.replace(gpt, remat=remat), rngs=nnx.Rngs(0))
+    return build
+
+
+def _losses(model_fn, loss, config, steps=3, rows=32):
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:int(np.prod(list(config.mesh.values())))])
+    trainer = jaxpar.Trainer(jaxpar.init(model_fn, config, mesh), optax.adamw(1e-3), loss, config, mesh)
+    return [float(trainer.step(b)["loss"]) for b in batches(steps, batch=rows, seq=SCANNED.seq_len)]
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _losses(gpt_fn(), loss_fn, jaxpar.ParallelConfig(mesh={"data": 1}))
+
+
+def test_recompute_regions_in_the_graph_and_their_price():
+    """``jax.checkpoint`` regions: what the policy does not keep is recomputed (FLOPs +1/3
+    of those operators) and lives only during the region's backward."""
+    batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
+    costs = {}
+    for remat in ("none", "full", "dots_saveable"):
+        graph = build_graph(nnx.eval_shape(lambda: gpt_fn()(remat)), loss_fn, batch)
+        assert len(graph.regions) == (0 if remat == "none" else 1)         # one block body, scanned
+        keeps = {op.keep for op in graph.ops}
+        assert keeps == ({"device"} if remat == "none" else {"device", "recompute"})
+        axes = hand_strategy(graph, jaxpar.ParallelConfig(mesh={"data": 8}), {"data": 8})
+        costs[remat] = evaluate(graph, axes, {"data": 8}, COSTS)
+    none, full, dots = costs["none"], costs["full"], costs["dots_saveable"]
+    assert full.temp_bytes < dots.temp_bytes < none.temp_bytes
+    assert none.compute_s < dots.compute_s < full.compute_s < 4 / 3 * none.compute_s
+    assert full.argument_bytes == none.argument_bytes and full.comm_bytes == none.comm_bytes
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "dots_saveable"])
+def test_scanned_recompute_temp_matches_the_compiled_step(remat):
+    """Predicted temp of the scanned GPT under each policy, against memory_analysis (15%)."""
+    batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
+    model_fn = lambda: gpt_fn()(remat)  # noqa: E731
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    graph = build_graph(nnx.eval_shape(model_fn), loss_fn, batch)
+    cost = evaluate(graph, hand_strategy(graph, config, {"data": 8}), {"data": 8}, COSTS)
+    mesh = jaxpar.make_mesh(config)
+    trainer = jaxpar.Trainer(jaxpar.init(model_fn, config, mesh), optax.adamw(1e-3), loss_fn, config, mesh)
+    mem = memory(trainer.lower(batch).compile())
+    assert cost.argument_bytes == mem.argument_bytes
+    assert 0.85 <= cost.temp_bytes / mem.temp_bytes <= 1.15, (cost.temp_bytes, mem.temp_bytes)
+
+
+def test_planner_chooses_recompute_to_fit_and_trains_like_one_device(one_device):
+    batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
+    common = dict(devices=8, cost_params=COSTS, base_config=BASE, meshes=[{"data": 8}], zero_levels=(0,),
+                  grad_accum=(1,), remat=("none", "full", "dots_saveable"))
+    free = plan_job(gpt_fn(), loss_fn, batch, memory_budget=1e12, dry_run=False, **common)
+    by = {o.remat: o for o in free.candidates}
+    assert by["none"].time_s < by["dots_saveable"].time_s < by["full"].time_s
+    assert by["full"].memory_bytes < by["dots_saveable"].memory_bytes < by["none"].memory_bytes
+    budget = (by["full"].memory_bytes + by["dots_saveable"].memory_bytes) / 2 * 1.05
+    job = plan_job(gpt_fn(), loss_fn, batch, memory_budget=budget, **common)
+    assert job.remat == "full" and job.dry_run["fits"]
+    assert 0.85 <= job.chosen.memory_bytes / job.dry_run["total"] <= 1.15
+    assert "remat=full" in job.explain() and "over budget" in job.explain()
+    losses = _losses(lambda: gpt_fn()(job.remat), loss_fn, job.config)
+    np.testing.assert_allclose(losses, one_device, rtol=1e-5)
+
+
+def test_planner_chooses_pipeline_stages_to_fit_and_trains_like_one_device(one_device):
+    """A budget that no unpipelined option fits: the planner picks stages and micro-batches,
+    the dry run compiles the pipelined step within the budget, and it trains exactly."""
+    batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
+    common = dict(devices=8, cost_params=COSTS, base_config=BASE, zero_levels=(0,), grad_accum=(1,),
+                  pipeline_stages=(1, 2, 4), microbatches=(4, 8))
+    free = plan_job(gpt_fn(), pipeline_loss(), batch, memory_budget=1e12, dry_run=False, **common)
+    flat = min(o.memory_bytes for o in free.candidates if not o.pipeline)
+    piped = min(o.memory_bytes for o in free.candidates if o.pipeline)
+    budget = 1.3 * piped
+    assert budget < flat                                   # nothing unpipelined fits
+    job = plan_job(gpt_fn(), pipeline_loss(), batch, memory_budget=budget, **common)
+    pipe = job.config.pipeline
+    assert job.chosen.pipeline and pipe.stages == job.chosen.mesh["pipe"] > 1
+    assert job.dry_run["fits"] and job.dry_run["total"] <= budget
+    assert 0.8 <= job.chosen.memory_bytes / job.dry_run["total"] <= 1.25
+    spec = job.config.parameter_plan["blocks/mlp/up"]
+    assert tuple(spec)[0] == "pipe"                         # each stage holds its layers
+    losses = _losses(gpt_fn(), pipeline_loss(), job.config)
+    np.testing.assert_allclose(losses, one_device, rtol=1e-5)
+
+
+def test_pipeline_price_follows_the_schedule():
+    """More micro-batches: a smaller bubble per micro-batch and fewer activations in flight."""
+    from jaxpar.auto.planner import micro_batch, price_pipeline
+
+    batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
+    model = nnx.eval_shape(gpt_fn())
+    loss = pipeline_loss()
+    rows = {}
+    for schedule, m in (("gpipe", 4), ("1f1b", 4), ("1f1b", 8), ("zb-h1", 8)):
+        part = micro_batch(batch, m)
+        graph = build_graph(model, loss, part)
+        axes = hand_strategy(graph, jaxpar.ParallelConfig(mesh={"data": 2}), {"data": 2})
+        h = jax.eval_shape(loss.embed, model, part)
+        rows[schedule, m] = price_pipeline(graph, axes, {"data": 2}, COSTS, stages=4, microbatches=m, layers=4,
+                                           activation_bytes=h.size * 4, schedule=schedule)
+    assert rows["gpipe", 4][1] == rows["1f1b", 8][1]                     # same parameters per stage
+    assert rows["1f1b", 8][2] < rows["1f1b", 4][2]                       # smaller micro-batches
+    assert rows["1f1b", 4][2] <= rows["gpipe", 4][2]                     # 1F1B holds fewer inputs
+
+
+def test_planner_errors_name_the_fix():
+    batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
+    with pytest.raises(TypeError, match="remat= keyword"):
+        plan_job(lambda: GPT(SCANNED, rngs=nnx.Rngs(0)), loss_fn, batch, devices=8, memory_budget=1e9,
+                 remat=("none", "full"), dry_run=False)
+    with pytest.raises(TypeError, match="PipelineLoss"):
+        plan_job(gpt_fn(), loss_fn, batch, devices=8, memory_budget=1e9, pipeline_stages=(2,), dry_run=False)
+    with pytest.raises(ValueError, match="pipeline_stages has 3"):
+        plan_job(gpt_fn(), pipeline_loss(), batch, devices=8, memory_budget=1e9, pipeline_stages=(3,))
+    with pytest.raises(ValueError, match="remat has 'sometimes'"):
+        plan_job(gpt_fn(), loss_fn, batch, devices=8, memory_budget=1e9, remat=("sometimes",))
