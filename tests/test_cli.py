@@ -54,6 +54,20 @@ def test_plan_the_job_within_a_memory_budget(tmp_path):
     assert r.returncode != 0 and "--zero-levels 'x'" in r.stderr
 
 
+def test_plan_chooses_recompute_or_pipeline_stages_within_a_budget():
+    """With recompute and pipeline options, 2.2 MB per device fits no unpipelined plan of
+    the 4-layer GPT (about 10.7 MB without recompute, 4.8 MB with it): a pipeline wins."""
+    r = _run("plan", "--mesh", "data=8", "--rules", "batch=data", "--search", "dynamic_programming",
+             "--memory-budget", "2.2e6", "--flops", "1e9", "--bandwidth", "1e9", "--latency", "1e-6",
+             "--accum-options", "1", "--zero-levels", "0", "--remat-options", "none,full",
+             "--pipeline-options", "1,2,4", "--layers", "4", "--batch", "32")
+    assert r.returncode == 0, r.stderr
+    chosen = r.stdout.splitlines()[0]
+    assert chosen.startswith("chosen: pipe="), chosen
+    assert "(compiled on 8 devices)" in r.stdout and "-> fits" in r.stdout
+    assert "remat=full" in r.stdout and "pipeline: " in r.stdout
+
+
 def test_report_shows_the_pipeline_schedule():
     r = _run("report", "--mesh", "pipe=2,data=4", "--rules", "layers=pipe,batch=data",
              "--pipeline", "stages=2,microbatches=4,schedule=zb-h1", "--batch", "16")

@@ -10,6 +10,7 @@ Wiring (in ``jaxpar/cli.py``)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from jaxpar.config import SEARCHES
 
@@ -25,6 +26,13 @@ def add_plan_search_arguments(parser: argparse.ArgumentParser) -> None:
                    "--memory-budget), e.g. 0,1")
     g.add_argument("--accum-options", default="1,2,4", help="micro-batch counts the job planner may choose "
                    "(with --memory-budget)")
+    g.add_argument("--remat-options", default="none", help="recompute policies of each block the job planner "
+                   "may choose (with --memory-budget), e.g. none,full,dots_saveable")
+    g.add_argument("--pipeline-options", default="1", help="pipeline stage counts the job planner may choose "
+                   "(with --memory-budget), e.g. 1,2,4; above 1 the model's layers are scanned")
+    g.add_argument("--microbatch-options", help="the pipeline's micro-batch counts (default p, 2p, 4p)")
+    g.add_argument("--schedule", default="1f1b", help="pipeline schedule the planner prices (gpipe, 1f1b, "
+                   "zb-h1, interleaved)")
     g.add_argument("--flops", type=float, help="device FLOP/s for the cost model")
     g.add_argument("--bandwidth", type=float, help="collective bandwidth, bytes/s")
     g.add_argument("--latency", type=float, help="seconds per collective")
@@ -48,11 +56,42 @@ def _parse_annotation(text: str):
     return glob, PartitionSpec(*entries)
 
 
+def _plan_job(args, config, mesh, batch, costs):
+    """`jaxpar.auto.plan_job` for the example GPT, with the CLI's option lists."""
+    from flax import nnx
+
+    from jaxpar.auto import plan_job
+    from jaxpar.cli import _model_config
+    from jaxpar.models.gpt import GPT, loss_fn, pipeline_loss
+
+    stages = _ints(args.pipeline_options, "--pipeline-options")
+    remat = tuple(r for r in args.remat_options.split(",") if r.strip())
+    gpt = _model_config(args, config)
+    if max(stages) > 1:      # a pipeline cuts the stacked blocks: every option uses scanned layers
+        gpt = dataclasses.replace(gpt, scan_layers=True)
+
+    def model_fn(remat="none"):
+        return GPT(dataclasses.replace(gpt, remat=remat), rngs=nnx.Rngs(args.seed))
+
+    job = plan_job(model_fn, loss_fn, batch, pipeline_loss=pipeline_loss(), devices=mesh.devices.size,
+                   memory_budget=args.memory_budget, cost_params=costs, search_name=args.search, base_config=config,
+                   zero_levels=_ints(args.zero_levels, "--zero-levels"),
+                   grad_accum=_ints(args.accum_options, "--accum-options"), remat=remat, pipeline_stages=stages,
+                   microbatches=_ints(args.microbatch_options, "--microbatch-options")
+                   if args.microbatch_options else None, schedule=args.schedule)
+    print(job.explain())
+    if job.remat != "none":
+        print(f"recompute: build the model with GPTConfig(remat={job.remat!r})")
+    pipe = job.config.pipeline
+    if pipe.stages > 1:
+        print(f"pipeline: {pipe.stages} stages, {pipe.microbatches} micro-batches, schedule {pipe.schedule} "
+              "(train with pipeline_loss(); the blocks' layers are split over the pipe axis)")
+    return job
+
+
 def run_plan_search(args, build_job) -> int:
     """Handler: search (or plan the job within ``--memory-budget``), print the table, save it."""
-    import dataclasses
-
-    from jaxpar.auto import CostParams, plan_job, search
+    from jaxpar.auto import CostParams, search
     from jaxpar.models.gpt import loss_fn
 
     config, mesh, trainer, data = build_job(args)
@@ -62,14 +101,7 @@ def run_plan_search(args, build_job) -> int:
     config = dataclasses.replace(config, mode="auto", search=args.search, rules={})
     annotate = dict(_parse_annotation(a) for a in args.annotate)
     if args.memory_budget:
-        model = trainer.model
-        ints = lambda text, flag: _ints(text, flag)  # noqa: E731
-        job = plan_job(lambda: model, loss_fn, batch, devices=mesh.devices.size, memory_budget=args.memory_budget,
-                       cost_params=costs, search_name=args.search, base_config=config,
-                       zero_levels=ints(args.zero_levels, "--zero-levels"),
-                       grad_accum=ints(args.accum_options, "--accum-options"))
-        print(job.explain())
-        plan = job.plan
+        plan = _plan_job(args, config, mesh, batch, costs).plan
     else:
         plan = search(trainer.model, loss_fn, batch, config, mesh, cost_params=costs, annotate=annotate)
         print(plan.table())

@@ -138,6 +138,10 @@ class JobPlan:
         lines.append(f"  {'option':<64} {'step ms':>9} {'memory B':>12}  verdict")
         for o in self.candidates[:top]:
             lines.append(f"  {o.label():<64} {o.time_s * 1e3:>9.4g} {o.memory_bytes:>12,}  {o.verdict}")
+        if c.pipeline:
+            lines.append(f"the table below is the {' x '.join(f'{k}={v}' for k, v in self.plan.mesh.items())} strategy "
+                         f"of one micro-batch; the blocks' leading (layers) dimension goes on 'pipe' "
+                         f"({c.mesh['pipe']} stages), so each stage holds 1/{c.mesh['pipe']} of their bytes")
         return "\n".join(lines) + "\n" + self.plan.table(operators=False)
 
     def to_dict(self) -> dict:
@@ -340,7 +344,7 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
              meshes: Sequence[Mapping[str, int]] | None = None, zero_levels: Sequence[int] = (0, 1, 2, 3),
              grad_accum: Sequence[int] = (1, 2, 4), remat: Sequence[str] = ("none",),
              pipeline_stages: Sequence[int] = (1,), microbatches: Sequence[int] | None = None,
-             schedule: str = "1f1b", progress: Callable[[str], None] | None = None) -> JobPlan:
+             schedule: str = "1f1b", pipeline_loss=None, progress: Callable[[str], None] | None = None) -> JobPlan:
     """Choose mesh shape, strategies, ZeRO level, recompute policy, micro-batches and
     pipeline stages for ``devices`` devices within ``memory_budget`` bytes per device,
     minimising predicted step time; confirm the winner by compiling it (``dry_run``).
@@ -349,8 +353,9 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
       model_fn: builds the model (called abstractly for the search, for real in the dry run);
         with more than one ``remat`` policy it must take ``remat=`` (the policy of its
         repeated blocks, e.g. `GPTConfig.remat`).
-      loss_fn, batch: as for `jaxpar.auto.search` (``batch``: the whole step's global batch);
-        for ``pipeline_stages`` above 1, ``loss_fn`` is a `jaxpar.pipeline.PipelineLoss`.
+      loss_fn, batch: as for `jaxpar.auto.search` (``batch``: the whole step's global batch).
+      pipeline_loss: the `jaxpar.pipeline.PipelineLoss` for ``pipeline_stages`` above 1
+        (default: ``loss_fn``, which must then be one).
       devices: device count to plan for (the dry run needs that many local devices).
       memory_budget: bytes per device.
       base_config: ``ParallelConfig`` whose other settings (``optimizer.threshold_kb``,
@@ -418,10 +423,11 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
                     if progress:
                         progress(f"priced mesh {shape}, grad_accum={k}, remat={policy}")
     blocks: set[str] = set()
+    pipe_loss = loss_fn if pipeline_loss is None else pipeline_loss
     staged = [p for p in pipeline_stages if p > 1]
     if staged:
         plain = model_fn if tuple(remat) == ("none",) else builders.get("none", model_fn)
-        blocks = _pipeline_options(options, staged, nnx.eval_shape(plain), loss_fn, batch, base, devices,
+        blocks = _pipeline_options(options, staged, nnx.eval_shape(plain), pipe_loss, batch, base, devices,
                                    microbatches, schedule, search_name, params, zero_levels, progress)
     if not options:
         raise ValueError(f"plan_job: no option for devices={devices}: the batch's {rows} rows divide by none of "
@@ -442,7 +448,8 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
                 cfg = o.plan.to_config(dataclasses.replace(base, mesh=dict(o.mesh), mode="auto", search=search_name,
                                                            rules={}, grad_accum=o.grad_accum, optimizer=zero))
                 build = builders[o.remat]
-            report = _dry_run(build, loss_fn, batch, cfg, tx, memory_budget) if dry_run else None
+            report = _dry_run(build, pipe_loss if o.pipeline else loss_fn, batch, cfg, tx, memory_budget) \
+                if dry_run else None
             if report is None or report["fits"]:
                 chosen, config = o, cfg
                 verdict = "CHOSEN" + (" (dry run confirms)" if report else "")
@@ -481,7 +488,8 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, devices, 
     from jaxpar.pipeline.model import PipelineLoss
 
     if not isinstance(loss_fn, PipelineLoss):
-        raise TypeError(f"plan_job: pipeline_stages={tuple(stages)} needs loss_fn as a jaxpar.pipeline.PipelineLoss "
+        raise TypeError(f"plan_job: pipeline_stages={tuple(stages)} needs pipeline_loss= (or loss_fn) as a "
+                        "jaxpar.pipeline.PipelineLoss "
                         f"(embed / blocks / head / head_loss), got {type(loss_fn).__name__}; see docs/pipeline.md")
     rows = jax.tree.leaves(batch)[0].shape[0]
     layers = jax.tree.leaves(nnx.state(loss_fn.blocks(abstract), nnx.Param))[0].shape[0]
