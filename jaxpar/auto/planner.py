@@ -1,7 +1,8 @@
 """``plan_job``: the whole job for a device count and a memory budget, confirmed by a dry run.
 
 The planner enumerates *job options*: a mesh shape ``data × model`` of the device count, a
-number of micro-batches ``k`` (gradient accumulation), and a ZeRO level. For each mesh shape
+number of micro-batches ``k`` (gradient accumulation), a ZeRO level and a recompute policy;
+or a pipeline (``pipe × data × model``, micro-batches, schedule) with a ZeRO level. For each mesh shape
 and ``k`` it searches operator strategies on the graph of one micro-batch (twice: the
 fastest, and the fastest within the budget), then prices every ZeRO level on top of each
 strategy with the formulas below. Options are sorted by predicted step time; the fastest
