@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from helpers import batches
+from helpers import MEGATRON, batches
 from jaxpar.auto import CostParams, build_graph, plan_job
 from jaxpar.auto.assign import hand_strategy
 from jaxpar.auto.cost import evaluate
@@ -54,7 +54,67 @@ def test_recompute_regions_in_the_graph_and_their_price():
     none, full, dots = costs["none"], costs["full"], costs["dots_saveable"]
     assert full.temp_bytes < dots.temp_bytes < none.temp_bytes
     assert none.compute_s < dots.compute_s < full.compute_s < 4 / 3 * none.compute_s
-    assert full.argument_bytes == none.argument_bytes and full.comm_bytes == none.comm_bytes
+    assert full.argument_bytes == none.argument_bytes and full.comm_bytes == none.comm_bytes  # data only
+    megatron = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
+    comm = {}
+    for remat in ("none", "full"):
+        graph = build_graph(nnx.eval_shape(lambda: gpt_fn()(remat)), loss_fn, batch)
+        sizes = {"data": 2, "model": 4}
+        comm[remat] = evaluate(graph, hand_strategy(graph, megatron, sizes), sizes, COSTS).comm_bytes
+    assert comm["full"] > comm["none"]           # the recomputed forward all-reduces again
+
+
+class Dense(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jax.numpy.ones((8, 8)))
+        self.v = nnx.Param(jax.numpy.ones((8, 8)))
+
+
+def _graph(loss):
+    x = jax.ShapeDtypeStruct((4, 8), np.float32)
+    return build_graph(nnx.eval_shape(Dense), loss, x)
+
+
+def test_region_results_read_later_are_saved_and_nested_regions_follow_the_outer_policy():
+    from jax.ad_checkpoint import checkpoint_name
+    from jaxpar.auto.cost import analyse
+
+    pol = jax.checkpoint_policies
+
+    def later(model, x):       # y leaves the region and a matmul reads it: y is saved
+        y = jax.checkpoint(lambda x: jax.numpy.sin(x @ model.w[...]) @ model.w[...])(x)
+        return (y @ model.v[...]).sum()
+
+    graph = _graph(later)
+    flags = analyse(graph)
+    (region,) = graph.regions
+    inner = [op for op in graph.ops[region.first:region.last + 1] if op.prim == "dot_general"]
+    y = inner[-1].outs[0]
+    assert flags.saved[y] and not flags.recomputed[y]
+    assert flags.recomputed[inner[0].outs[0]]       # x @ w inside the region is redone
+
+    def nested(model, x):      # the outer region saves nothing: the inner policy does not matter
+        inner_fn = jax.checkpoint(lambda h: jax.numpy.sin(h @ model.w[...]), policy=pol.everything_saveable)
+        return jax.checkpoint(lambda x: inner_fn(jax.numpy.cos(x)) @ model.v[...],
+                              policy=pol.nothing_saveable)(x).sum()
+
+    graph = _graph(nested)
+    assert len(graph.regions) == 1
+    (region,) = graph.regions
+    assert {op.keep for op in graph.ops[region.first:region.last + 1]} == {"recompute"}
+
+    def named(model, x):       # save_only_these_names answers with jax.ad_checkpoint.Saveable / Recompute
+        f = lambda x: jax.numpy.sin(checkpoint_name(x @ model.w[...], "a")) @ model.v[...]  # noqa: E731
+        return jax.checkpoint(f, policy=pol.save_only_these_names("a"))(x).sum()
+
+    keeps = {op.prim: op.keep for op in _graph(named).ops if op.region >= 0}
+    assert keeps["name"] == "device" and keeps["sin"] == "recompute"
+
+    def odd(model, x):
+        return jax.checkpoint(lambda x: jax.numpy.sin(x @ model.w[...]), policy=lambda *a, **k: 3)(x).sum()
+
+    with pytest.raises(TypeError, match="returned 3"):
+        _graph(odd)
 
 
 @pytest.mark.parametrize("remat", ["none", "full", "dots_saveable"])
@@ -112,23 +172,31 @@ def test_planner_chooses_pipeline_stages_to_fit_and_trains_like_one_device(one_d
 
 
 def test_pipeline_price_follows_the_schedule():
-    """More micro-batches: a smaller bubble per micro-batch and fewer activations in flight."""
+    """More micro-batches: a smaller bubble per micro-batch and fewer activations in flight;
+    the head runs in the last stage's backward (its F is idle), so the table's length rules."""
     from jaxpar.auto.planner import micro_batch, price_pipeline
+    from jaxpar.pipeline import build, lower
 
     batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
     model = nnx.eval_shape(gpt_fn())
     loss = pipeline_loss()
     rows = {}
-    for schedule, m in (("gpipe", 4), ("1f1b", 4), ("1f1b", 8), ("zb-h1", 8)):
+    for schedule, m in (("gpipe", 8), ("1f1b", 4), ("1f1b", 8), ("zb-h1", 8)):
         part = micro_batch(batch, m)
         graph = build_graph(model, loss, part)
         axes = hand_strategy(graph, jaxpar.ParallelConfig(mesh={"data": 2}), {"data": 2})
         h = jax.eval_shape(loss.embed, model, part)
         rows[schedule, m] = price_pipeline(graph, axes, {"data": 2}, COSTS, stages=4, microbatches=m, layers=4,
                                            activation_bytes=h.size * 4, schedule=schedule)
-    assert rows["gpipe", 4][1] == rows["1f1b", 8][1]                     # same parameters per stage
+    assert rows["gpipe", 8][1] == rows["1f1b", 4][1]                     # same parameters per stage
     assert rows["1f1b", 8][2] < rows["1f1b", 4][2]                       # smaller micro-batches
-    assert rows["1f1b", 4][2] <= rows["gpipe", 4][2]                     # 1F1B holds fewer inputs
+    assert rows["1f1b", 8][2] < rows["gpipe", 8][2]                      # 1F1B holds fewer inputs
+    assert lower(build("1f1b", 4, 8)).x_slots < lower(build("gpipe", 4, 8)).x_slots
+    # the same work in half-size micro-batches: the (p-1)-step bubble is half as long
+    assert rows["1f1b", 8][0] < rows["1f1b", 4][0]
+    # ZB-H1 fills the bubble with weight-gradient work: in lock-step, its steps are shorter
+    # (2f for B and W, not 3f) and the idle ones fewer, even with the chunk recomputed twice
+    assert rows["zb-h1", 8][0] < rows["1f1b", 8][0]
 
 
 def test_planner_errors_name_the_fix():
@@ -142,3 +210,13 @@ def test_planner_errors_name_the_fix():
         plan_job(gpt_fn(), pipeline_loss(), batch, devices=8, memory_budget=1e9, pipeline_stages=(3,))
     with pytest.raises(ValueError, match="remat has 'sometimes'"):
         plan_job(gpt_fn(), loss_fn, batch, devices=8, memory_budget=1e9, remat=("sometimes",))
+    with pytest.raises(ValueError, match="does not price host transfers"):
+        plan_job(gpt_fn(), loss_fn, batch, devices=8, memory_budget=1e9, remat=("none", "offload_dots"))
+    with pytest.raises(ValueError, match="zero_levels=.. is empty"):
+        plan_job(gpt_fn(), loss_fn, batch, devices=8, memory_budget=1e9, zero_levels=())
+    with pytest.raises(ValueError, match="microbatches has 5"):
+        plan_job(gpt_fn(), pipeline_loss(), batch, devices=8, memory_budget=1e9, pipeline_stages=(2,),
+                 microbatches=(5,), dry_run=False)
+    with pytest.raises(ValueError, match="do not divide into 8 stages"):
+        plan_job(gpt_fn(), pipeline_loss(), batch, devices=8, memory_budget=1e9, pipeline_stages=(8,),
+                 dry_run=False)

@@ -54,18 +54,24 @@ def test_plan_the_job_within_a_memory_budget(tmp_path):
     assert r.returncode != 0 and "--zero-levels 'x'" in r.stderr
 
 
-def test_plan_chooses_recompute_or_pipeline_stages_within_a_budget():
+def test_plan_chooses_recompute_or_pipeline_stages_within_a_budget(tmp_path):
     """With recompute and pipeline options, 2.2 MB per device fits no unpipelined plan of
     the 4-layer GPT (about 10.7 MB without recompute, 4.8 MB with it): a pipeline wins."""
     r = _run("plan", "--mesh", "data=8", "--rules", "batch=data", "--search", "dynamic_programming",
              "--memory-budget", "2.2e6", "--flops", "1e9", "--bandwidth", "1e9", "--latency", "1e-6",
-             "--accum-options", "1", "--zero-levels", "0", "--remat-options", "none,full",
-             "--pipeline-options", "1,2,4", "--layers", "4", "--batch", "32")
+             "--accum-options", "1", "--zero-levels", "0", "--remat-options", "none, full",
+             "--pipeline-options", "1,2,4", "--layers", "4", "--batch", "32", "--plan-out", str(tmp_path / "p.json"))
     assert r.returncode == 0, r.stderr
-    chosen = r.stdout.splitlines()[0]
+    chosen = next(line for line in r.stdout.splitlines() if line.startswith("chosen: "))
     assert chosen.startswith("chosen: pipe="), chosen
-    assert "(compiled on 8 devices)" in r.stdout and "-> fits" in r.stdout
-    assert "remat=full" in r.stdout and "pipeline: " in r.stdout
+    assert "(compiled on 8 devices)" in r.stdout and "-> fits" in r.stdout and "pipeline: " in r.stdout
+    job = json.loads((tmp_path / "p.job.json").read_text())
+    assert job["chosen"]["pipeline"]["stages"] > 1 and job["chosen"]["verdict"].startswith("CHOSEN")
+    remat = [c for c in job["candidates"] if c["remat"] == "full"]
+    assert remat and all(c["memory_bytes"] > 2.2e6 for c in remat)      # recompute alone is not enough
+    r = _run("plan", "--mesh", "data=8", "--search", "dynamic_programming", "--memory-budget", "1e6",
+             "--schedule", "sideways")
+    assert r.returncode == 2 and "--schedule" in r.stderr
 
 
 def test_report_shows_the_pipeline_schedule():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from jaxpar.config import SEARCHES
+from jaxpar.config import SCHEDULES, SEARCHES
 
 
 def add_plan_search_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +31,8 @@ def add_plan_search_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-options", default="1", help="pipeline stage counts the job planner may choose "
                    "(with --memory-budget), e.g. 1,2,4; above 1 the model's layers are scanned")
     g.add_argument("--microbatch-options", help="the pipeline's micro-batch counts (default p, 2p, 4p)")
-    g.add_argument("--schedule", default="1f1b", help="pipeline schedule the planner prices (gpipe, 1f1b, "
-                   "zb-h1, interleaved)")
+    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule the job planner "
+                   "prices")
     g.add_argument("--flops", type=float, help="device FLOP/s for the cost model")
     g.add_argument("--bandwidth", type=float, help="collective bandwidth, bytes/s")
     g.add_argument("--latency", type=float, help="seconds per collective")
@@ -65,9 +65,12 @@ def _plan_job(args, config, mesh, batch, costs):
     from jaxpar.models.gpt import GPT, loss_fn, pipeline_loss
 
     stages = _ints(args.pipeline_options, "--pipeline-options")
-    remat = tuple(r for r in args.remat_options.split(",") if r.strip())
+    remat = tuple(r.strip() for r in args.remat_options.split(",") if r.strip())
     gpt = _model_config(args, config)
-    if max(stages) > 1:      # a pipeline cuts the stacked blocks: every option uses scanned layers
+    if stages and max(stages) > 1 and not gpt.scan_layers:
+        # a pipeline cuts the stacked blocks: every option is planned on scanned layers
+        print("note: --pipeline-options above 1 plan the model with scanned layers (--scan); its parameter "
+              "paths are those of GPTConfig(scan_layers=True)")
         gpt = dataclasses.replace(gpt, scan_layers=True)
 
     def model_fn(remat="none"):
@@ -101,7 +104,16 @@ def run_plan_search(args, build_job) -> int:
     config = dataclasses.replace(config, mode="auto", search=args.search, rules={})
     annotate = dict(_parse_annotation(a) for a in args.annotate)
     if args.memory_budget:
-        plan = _plan_job(args, config, mesh, batch, costs).plan
+        job = _plan_job(args, config, mesh, batch, costs)
+        plan = job.plan
+        if args.plan_out:
+            import json
+            import os
+
+            path = os.path.splitext(args.plan_out)[0] + ".job.json"
+            with open(path, "w") as f:
+                json.dump(job.to_dict(), f, indent=1, default=str)
+            print(f"job (config, remat, pipeline, candidates) written to {path}")
     else:
         plan = search(trainer.model, loss_fn, batch, config, mesh, cost_params=costs, annotate=annotate)
         print(plan.table())

@@ -43,7 +43,7 @@ _GATHER_LIKE = ("reshape", "concatenate", "slice", "dynamic_slice", "pad")
 _LINEAR = ("add", "add_any", "sub", "neg", "reduce_sum", "select_n", "concatenate", "pad", "slice",
            "dynamic_slice", "dynamic_update_slice", "cumsum")
 _FREE = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "convert_element_type",
-         "stop_gradient", "iota", "copy", "copy_p")
+         "stop_gradient", "iota", "copy", "copy_p", "name")
 _LINEAR += _FREE
 
 
@@ -219,11 +219,11 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
 
     Saved for the backward pass: the inputs and outputs of matmuls, gathers and reductions
     (what XLA materialises rather than fuses); in a loop body (``repeat > 1``), also the
-    inputs of every nonlinear operator (JAX stacks a scan's residuals, and XLA cannot fuse
-    them away across iterations; ``loops=False``: a loop of one iteration, which XLA
-    removes). Inside a recompute region only what its policy
-    keeps on the device is saved, plus the region's inputs; the rest is *recomputed*: it
-    lives only while the region's backward runs."""
+    operands a nonlinear operator's derivative reads (`_needed`: JAX stacks a scan's
+    residuals, and XLA cannot fuse them away across iterations; ``loops=False``: a loop of
+    one iteration, which XLA removes). Inside a recompute region only what its policy keeps
+    on the device is saved, plus the region's inputs and any of its values read after it;
+    the rest is *recomputed*: it lives only while the region's backward runs."""
     params = {t for _, t in graph.params}
     for op in graph.ops:      # a loop's slice of a stacked parameter is that parameter, per iteration
         if op.prim == "copy" and op.get("scan") == "xs" and op.ins[0] in params:
@@ -234,14 +234,16 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
         if op.prim in _PRODUCTS or op.prim == "gather" or op.prim.startswith("reduce_"):
             base.update(t for t in (*op.ins, *op.outs) if t >= 0)
     keep = {t: op.keep for op in graph.ops for t in op.outs}
+    region_of = {t: op.region for op in graph.ops for t in op.outs}
+    for op in graph.ops:      # a region's result read after it is saved like any value
+        for t in op.ins:
+            if t >= 0 and keep.get(t) == "recompute" and region_of[t] != op.region:
+                keep[t] = "device"
     residual = {t for r in graph.regions for t in r.inputs}
     grad = needs_grad(graph)
     for op in graph.ops:    # XLA does not fuse across a loop's iterations: what the derivative
-        if loops and op.repeat > 1 and op.region < 0 and op.prim not in _LINEAR:   # of a body needs is stacked
-            varying = [t for t in op.ins if t >= 0 and grad[t]]
-            if op.prim in ("mul", "div") and len(varying) < 2:
-                continue        # scaled by a constant: the derivative needs only the constant
-            base.update(varying)
+        if loops and op.repeat > 1 and op.region < 0 and op.prim not in _LINEAR:   # of a body reads is stacked
+            base.update(_needed(op, grad))
 
     def real(t):
         return t not in inputs and graph.tensors[t].itemsize >= 4 and len(graph.tensors[t].shape) > 0
@@ -252,6 +254,21 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
     recomputed = tuple(real(t) and t in base and keep.get(t) == "recompute" and t not in residual
                        for t in range(n))
     return Flags(tuple(grad), tuple(t in params for t in range(n)), saved, recomputed)
+
+
+def _needed(op: Op, grad) -> list[int]:
+    """The operands a nonlinear operator's derivative reads: ``x · y`` needs ``y`` where ``x``
+    has a gradient and ``x`` where ``y`` does; ``x / y`` needs ``y`` (and ``x`` where ``y`` has
+    a gradient); any other operator, its operands that have one."""
+    if op.prim == "mul" and len(op.ins) == 2:
+        a, b = op.ins
+        return [t for t, other in ((a, b), (b, a)) if t >= 0 and other >= 0 and grad[other]]
+    if op.prim == "div" and len(op.ins) == 2:
+        x, y = op.ins
+        if not any(t >= 0 and grad[t] for t in (x, y)):
+            return []
+        return [t for t in (y, x if y >= 0 and grad[y] else -1) if t >= 0]
+    return [t for t in op.ins if t >= 0 and grad[t]]
 
 
 def needs_grad(graph: Graph) -> list[bool]:

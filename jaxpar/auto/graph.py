@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 from jax.extend.core import Literal as _Literal
 from jax.extend.core import jaxprs_in_params
 
@@ -276,17 +277,22 @@ class _Builder:
                                self.region, self._keep(eqn)))
 
     def _checkpoint(self, eqn, jaxpr, args, env) -> None:
-        """A recompute region: its ops record the region and what its policy keeps (nested
-        regions: the innermost one's policy decides, as in JAX)."""
-        outer = self.region, self.policy
+        """A recompute region: its ops record the region and what its policy keeps.
+
+        A checkpoint nested in another one is read as part of the outer region: what the
+        step keeps between the forward and the backward is the outermost policy's choice
+        (the inner policy only shapes the outer region's own backward)."""
+        if self.region >= 0:
+            self.inline(jaxpr, env)
+            return
         policy = eqn.params.get("policy")
         first, idx = len(self.ops), len(self.regions)
         self.region, self.policy = idx, policy
-        self.regions.append(None)   # reserve the index (nested regions come after it)
+        self.regions.append(None)   # reserve the index
         try:
             self.inline(jaxpr, env)
         finally:
-            self.region, self.policy = outer
+            self.region, self.policy = -1, None
         name = getattr(policy, "__name__", None) or ("nothing_saveable" if policy is None else repr(policy))
         inputs = tuple(dict.fromkeys(t for t in args if t >= 0))
         self.regions[idx] = Region(first, len(self.ops) - 1, inputs, self.repeat, name)
@@ -298,11 +304,21 @@ class _Builder:
         if self.policy is None:
             return "recompute"
         decision = self.policy(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params)
-        if decision is True or type(decision).__name__ == "Saveable":
+        if isinstance(decision, bool):
+            return "device" if decision else "recompute"
+        if decision is Saveable:
             return "device"
-        if type(decision).__name__ == "Offloadable":
+        if decision is Recompute:
+            return "recompute"
+        if isinstance(decision, Offloadable):
             return "host"
-        return "recompute"
+        raise TypeError(f"jaxpar.auto: the checkpoint policy {self.policy!r} returned {decision!r} for "
+                        f"{eqn.primitive.name}; a policy returns a bool, jax.ad_checkpoint.Saveable, Recompute "
+                        "or an Offloadable")
+
+    def _copy_keep(self) -> str:
+        """A scan's or cond's copy inside a region is kept or redone as the region's values are."""
+        return "device" if self.region < 0 or self.policy is not None else "recompute"
 
     def _enter(self, jaxpr, args) -> dict:
         """The env of a sub-jaxpr whose inputs are the tensors ``args`` (``-1``, a literal: a
@@ -349,7 +365,7 @@ class _Builder:
                 if t >= 0:
                     self._link_all(s, t, 1)
                     stacked.append(t)
-                    self.ops.append(Op("copy", (t,), (s,), (("scan", "xs"),), 0))
+                    self.ops.append(Op("copy", (t,), (s,), (("scan", "xs"),), 0, self.region, self._copy_keep()))
             carry_in = [sub[id(v)] for v in body.invars[nc:nc + nk]]
             self.inline(body, sub)
             outs = self._results(body, sub)
@@ -361,7 +377,8 @@ class _Builder:
             stacked.append(t)
             if y >= 0:
                 self._link_all(y, t, 1)
-                self.ops.append(Op("copy", (y,), (t,), (("scan", "ys"),), self.repeat))
+                self.ops.append(Op("copy", (y,), (t,), (("scan", "ys"),), self.repeat, self.region,
+                                   self._copy_keep()))
         for t in stacked:                 # one iteration axis, walked in order: kept whole
             self.link(stacked[0], 0, t, 0)
             self.whole.append((t, 0))
@@ -391,7 +408,8 @@ class _Builder:
             for s in srcs:
                 self._link_all(s, t)
             if srcs:
-                self.ops.append(Op("copy", srcs, (t,), (("cond", "merge"),), self.repeat))
+                self.ops.append(Op("copy", srcs, (t,), (("cond", "merge"),), self.repeat, self.region,
+                                   self._copy_keep()))
 
     def _link_op(self, name: str, ins, outs, params) -> tuple:
         rule = _RULES.get(name)

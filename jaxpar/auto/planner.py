@@ -39,12 +39,13 @@ searched on the graph of one pipeline micro-batch (the unpipelined loss, blocks 
 then priced by `price_pipeline`: the schedule is lowered to the executor's lock-step
 program and each step lasts as long as its slowest stage (a chunk forward ``f``, a
 backward ``3f``: the executor recomputes the chunk forward; ``2f`` each for the split
-backward's B and W; the last stage adds the head), plus two ``ppermute`` of one
+backward's B and W; the last chunk's F is idle and its B and W add the head), plus two ``ppermute`` of one
 micro-batch's activations per step, the embedding and head on the whole batch, and the
 gradient all-reduces. Memory: the blocks' parameters and optimizer states divided by
 ``p``; temp holds the executor's input and gradient buffers (``x_slots + g_slots``
-micro-batch activations), the embedding output and its gradient for the whole batch, one
-chunk's recomputed activations and the gradients.
+micro-batch activations), the embedding output, its micro-batch view and its gradient for
+the whole batch, one chunk's recomputed activations, the head's activations of one
+micro-batch and the gradients.
 """
 
 from __future__ import annotations
@@ -245,12 +246,17 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
 
     flags = analyse(graph) if flags is None else flags
     p, m, v = stages, microbatches, virtual_stages
-    in_loop = [op.repeat >= layers and op.repeat % layers == 0 for op in graph.ops]
-    if not any(in_loop):
-        raise ValueError(f"price_pipeline: no operator of the loss runs layers={layers} times; the loss must be "
-                         "a jaxpar.pipeline.PipelineLoss whose blocks are stacked on a leading dimension of that size")
-    lo = in_loop.index(True)
-    hi = len(in_loop) - 1 - in_loop[::-1].index(True)
+    stacked = stacked_params(graph, layers)
+    # the blocks: from the scan's first slice of a stacked parameter to the end of its body
+    starts = [i for i, op in enumerate(graph.ops) if op.prim == "copy" and op.get("scan") == "xs"
+              and op.ins[0] in stacked]
+    if not starts:
+        raise ValueError(f"price_pipeline: no lax.scan of the loss reads parameters stacked over layers={layers}; "
+                         "the loss must be a jaxpar.pipeline.PipelineLoss whose blocks are stacked on a leading "
+                         "dimension of that size")
+    lo = hi = starts[0]
+    while hi + 1 < len(graph.ops) and (graph.ops[hi + 1].repeat >= layers or graph.ops[hi + 1].repeat == 0):
+        hi += 1
     part = ["embed" if i < lo else "blocks" if i <= hi else "head" for i in range(len(graph.ops))]
     full = {"embed": 0.0, "blocks": 0.0, "head": 0.0}     # forward + backward seconds, one micro-batch
     act = dict(full)
@@ -258,13 +264,13 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     # one chunk's layers run as a loop only if there are several (XLA removes a loop of one)
     chunk_flags = flags if layers // (p * v) > 1 else analyse(graph, loops=False)
     for op, where in zip(graph.ops, part):
-        f, comms, a, bad = op_terms(graph, op, axes, sizes, flags)
+        flops, comms, a, bad = op_terms(graph, op, axes, sizes, flags)
         if chunk_flags is not flags:
             a = op_terms(graph, op, axes, sizes, chunk_flags)[2]
         if bad:
             return math.inf, 0, 0
         share = 1 / p if where == "blocks" else 1.0
-        full[where] += f / params.flops_per_s + sum(params.collective_time(k, ax, b, sizes, c)
+        full[where] += flops / params.flops_per_s + sum(params.collective_time(k, ax, b, sizes, c)
                                                     for k, ax, b, c in comms if not c)
         grad_s += share * sum(params.collective_time(k, ax, b, sizes, c) for k, ax, b, c in comms if c)
         act[where] += a
@@ -272,14 +278,14 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     f, h = full["blocks"] / (3 * p * v), full["head"] / 3     # one chunk's / the head's forward
     back = 2 if program.split_backward else 3                # the executor recomputes the forward
     cost = np.zeros(7)
-    cost[[IDLE, F, F_LAST, B, B_LAST, W, W_LAST]] = [0, f, f + h, back * f, back * (f + h), 2 * f, 2 * f]
+    # the last chunk's F is idle: its B runs the forward, the head and the backward at once
+    cost[[IDLE, F, F_LAST, B, B_LAST, W, W_LAST]] = [0, f, 0, back * f, back * (f + h), 2 * f, 2 * (f + h)]
     pipe_s = float(cost[program.code[:, :, OP]].max(axis=1).sum())
     batch_class = graph.tensors[graph.batch[0][1]].classes[0] if graph.batch else -1
     split = math.prod(sizes[a] for a in axes[batch_class]) if batch_class >= 0 else 1
     x = activation_bytes / split
     bw = params.bandwidth.get(axis, params.default_bandwidth)
     p2p = 2 * (params.latency_per_axis.get(axis, params.latency) + x / bw)
-    stacked = stacked_params(graph, layers)
     scale = {t: 1 / p for t in stacked}
     held = {t: local_bytes(graph, t, axes, sizes) * scale.get(t, 1.0) for _, t in graph.params}
     rest = sum(b for t, b in held.items() if t not in stacked)
@@ -297,10 +303,10 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     # the pipeline holds: its input and gradient buffers, the embedding output (and its micro-batch
     # view) and input gradient for the whole batch, one chunk's recomputed activations, the head's
     # activations of one micro-batch and the gradients it accumulates
-    during = ((program.x_slots + program.g_slots + 3 * m) * x + act["blocks"] / (p * v) + act["head"]
-              + m * act["embed"] + grads + gathered)
+    during = ((program.x_slots + program.g_slots + 3 * m) * x + grads + gathered
+              + params.temp_activation_factor * (act["blocks"] / (p * v) + act["head"] + m * act["embed"]))
     end = grads + (reduced - saved if zero >= 2 else reduced)
-    if zero >= 3 and shardable:
+    if zero >= 3 and shardable:   # gathered once per step, before the pipeline runs
         time += 2 * params.collective_time("all-gather", (zero_axis,), shardable, sizes)
     return time, int(round(args)), int(round(max(during, end)))
 
@@ -352,7 +358,7 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
 
     Args:
       model_fn: builds the model (called abstractly for the search, for real in the dry run);
-        with more than one ``remat`` policy it must take ``remat=`` (the policy of its
+        with ``remat`` other than ``("none",)`` it must take ``remat=`` (the policy of its
         repeated blocks, e.g. `GPTConfig.remat`).
       loss_fn, batch: as for `jaxpar.auto.search` (``batch``: the whole step's global batch).
       pipeline_loss: the `jaxpar.pipeline.PipelineLoss` for ``pipeline_stages`` above 1
@@ -384,13 +390,20 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
     for z in zero_levels:
         if z not in (0, 1, 2, 3):
             raise ValueError(f"plan_job: zero_levels has {z!r}; ZeRO levels are 0, 1, 2, 3")
+    for name, values in (("zero_levels", zero_levels), ("grad_accum", grad_accum), ("remat", remat),
+                         ("pipeline_stages", pipeline_stages)):
+        if not len(values):
+            raise ValueError(f"plan_job: {name}=() is empty; give at least one option")
     for r in remat:
         if r not in REMAT_POLICIES:
             raise ValueError(f"plan_job: remat has {r!r}; choose policies from {REMAT_POLICIES}")
+        if r == "offload_dots":
+            raise ValueError("plan_job: remat has 'offload_dots'; the planner does not price host transfers, "
+                             "so an offloading policy would look free. Leave it out of remat and set it by hand")
     if schedule not in SCHEDULES:
         raise ValueError(f"plan_job: schedule={schedule!r}; choose one of {SCHEDULES}")
     for p in pipeline_stages:
-        if isinstance(p, bool) or not isinstance(p, int) or p < 1 or devices % p:
+        if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1 or devices % p:
             raise ValueError(f"plan_job: pipeline_stages has {p!r}; use positive divisors of devices={devices}")
     base = base_config or ParallelConfig(mode="auto")
     params = cost_params or CostParams()
@@ -498,11 +511,15 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, devices, 
     paths: set[str] = set()
     for p in stages:
         if layers % (p * v):
-            if progress:
-                progress(f"skipped pipe={p}: {layers} layers do not divide into {p} x {v} chunks")
-            continue
+            raise ValueError(f"plan_job: pipeline_stages has {p}, but the {layers} stacked layers do not divide "
+                             f"into {p} stages x {v} chunks; use stage counts that divide {layers // v}")
         for m in (microbatches or (p, 2 * p, 4 * p)):
-            if m < 1 or rows % m or (schedule == "interleaved" and m % p):
+            bad = m < 1 or rows % m or (schedule == "interleaved" and m % p)
+            if bad and microbatches:
+                raise ValueError(f"plan_job: microbatches has {m}, which does not divide the batch's {rows} rows"
+                                 + (f" or is not a multiple of pipe={p} (interleaved)" if schedule == "interleaved"
+                                    else "") + "; use divisors of the batch")
+            if bad:
                 continue
             part = micro_batch(batch, m)
             graph = build_graph(abstract, loss_fn, part)

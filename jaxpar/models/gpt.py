@@ -108,9 +108,9 @@ class Block(nnx.Module):
 def _remat(fn, policy: str):
     if policy == "none":
         return fn
-    policies = {"full": None, "nothing_saveable": jax.checkpoint_policies.nothing_saveable}
-    pol = policies[policy] if policy in policies else getattr(jax.checkpoint_policies, policy)
-    return nnx.remat(fn, policy=pol)
+    from jaxpar.remat import checkpoint_policy  # policies by name (jax.checkpoint's, and a few more)
+
+    return nnx.remat(fn, policy=checkpoint_policy(policy))
 
 
 class GPT(nnx.Module):
