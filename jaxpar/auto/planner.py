@@ -39,8 +39,8 @@ searched on the graph of one pipeline micro-batch (the unpipelined loss, blocks 
 then priced by `price_pipeline`: the schedule is lowered to the executor's lock-step
 program and each step lasts as long as its slowest stage (a chunk forward ``f``, a
 backward ``3f``: the executor recomputes the chunk forward; ``2f`` each for the split
-backward's B and W; the last chunk's F is idle and its B and W add the head), plus two ``ppermute`` of one
-micro-batch's activations per step, the embedding and head on the whole batch, and the
+backward's B and W; the last chunk's F is idle and its B and W add the head), plus two
+``ppermute`` of one micro-batch's activations per step, the embedding and head on the whole batch, and the
 gradient all-reduces. Memory: the blocks' parameters and optimizer states divided by
 ``p``; temp holds the executor's input and gradient buffers (``x_slots + g_slots``
 micro-batch activations), the embedding output, its micro-batch view and its gradient for
