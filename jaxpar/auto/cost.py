@@ -179,7 +179,9 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
             missing = tuple(sorted(all_axes - per[t], key=list(sizes).index))
             if missing:   # a parameter's gradient: XLA combines these into few all-reduces
                 comms.append(("all-reduce", missing, local_bytes(graph, t, axes, sizes), flags.param[t]))
-    act = sum(local_bytes(graph, t, axes, sizes) for t in op.outs if flags.saved[t])
+    calls = flags.calls or (1,) * len(graph.tensors)
+    act = sum(local_bytes(graph, t, axes, sizes) * max(1, calls[t] // max(op.repeat, 1))
+              for t in op.outs if flags.saved[t])
     if op.keep == "recompute":    # the backward pass runs the forward again, collectives included
         flops += flops / 3
         comms += [c for c in comms[:forward] if not c[3]]
@@ -212,6 +214,7 @@ class Flags:
     param: tuple[bool, ...]
     saved: tuple[bool, ...]
     recomputed: tuple[bool, ...] = ()     # would be saved, but a recompute region redoes it
+    calls: tuple[int, ...] = ()           # a region input: saved once per call of its region
 
 
 def analyse(graph: Graph, loops: bool = True) -> Flags:
@@ -253,7 +256,11 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
                   for t in range(n))
     recomputed = tuple(real(t) and t in base and keep.get(t) == "recompute" and t not in residual
                        for t in range(n))
-    return Flags(tuple(grad), tuple(t in params for t in range(n)), saved, recomputed)
+    calls = [1] * n
+    for r in graph.regions:
+        for t in r.inputs:
+            calls[t] = max(calls[t], r.repeat)
+    return Flags(tuple(grad), tuple(t in params for t in range(n)), saved, recomputed, tuple(calls))
 
 
 def _needed(op: Op, grad) -> list[int]:
@@ -372,15 +379,12 @@ def temp_parts(graph: Graph, axes, sizes: Mapping[str, int], flags: Flags) -> tu
         diff[hi + 1] -= nbytes
 
     recomputed = flags.recomputed or (False,) * len(graph.tensors)
-    calls = {}      # a region's input is saved once per call (a loop carry: once per iteration)
-    for r in graph.regions:
-        for t in r.inputs:
-            calls[t] = max(calls.get(t, 1), r.repeat)
+    calls = flags.calls or (1,) * len(graph.tensors)    # a region input: once per call of it
     for t, i in produced.items():
         if flags.saved[t] or recomputed[t]:
             b = local_bytes(graph, t, axes, sizes)
             if flags.saved[t]:
-                add(i, n - 1, b * max(repeat[t], calls.get(t, 1)))
+                add(i, n - 1, b * max(repeat[t], calls[t]))
             else:   # redone when its region's backward starts, freed when that backward ends
                 r = graph.regions[graph.ops[i].region]
                 add(i, r.last, b * max(1, repeat[t] // max(r.repeat, 1)))

@@ -3,7 +3,9 @@
 ``build_graph(model, loss_fn, batch)`` traces ``loss_fn(nnx.merge(graphdef, params, rest),
 batch)`` with ``jax.make_jaxpr`` (parameters are explicit inputs, so every jaxpr input maps
 back to a parameter path or a batch leaf), inlines nested calls (``jit``, ``custom_jvp``,
-``custom_vjp``, ``remat``) and keeps one `Op` per primitive.
+``custom_vjp``) and keeps one `Op` per primitive. A ``jax.checkpoint`` call is inlined too
+and recorded as a `Region` (`Graph.regions`); each of its operators carries its policy's
+verdict (`Op.keep`).
 
 Loops and branches are read too (see `_Builder.inline`): a ``lax.scan`` body is inlined once,
 its operators' ``repeat`` multiplied by the trip count; a ``lax.while_loop`` (trip count
@@ -13,7 +15,7 @@ unknown) is costed as one iteration and said so in `Graph.notes`; every branch o
 Every tensor dimension belongs to a *dimension class*: dimensions that an operator ties
 together (the same position of an elementwise op's operands, a dot's contracting pair, a
 dot's batch dimensions and the output dimension they become, a reduction's kept dimensions,
-a transpose's permutation...) are unified, so a class is a logical axis found from the
+a transpose's permutation...; the per-primitive rules are in `jaxpar.auto.graph_rules`) are unified, so a class is a logical axis found from the
 program itself: "the batch", "the residual width", "layer 3's MLP width". A strategy assigns
 mesh axes to classes; every operator's strategy (how each of its inputs and outputs is
 split) follows from it. A class that appears twice in one tensor (the two sequence axes of
@@ -38,6 +40,7 @@ from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 from jax.extend.core import Literal as _Literal
 from jax.extend.core import jaxprs_in_params
 
+from jaxpar.auto.graph_rules import RULES, elementwise
 from jaxpar.nn.plan import logical_names, path_str
 
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
@@ -412,10 +415,10 @@ class _Builder:
                                    self._copy_keep()))
 
     def _link_op(self, name: str, ins, outs, params) -> tuple:
-        rule = _RULES.get(name)
+        rule = RULES.get(name)
         if rule is not None:
             return rule(self, ins, outs, params) or ()
-        return _elementwise(self, ins, outs, params) or ()
+        return elementwise(self, ins, outs, params) or ()
 
     # ------------------------------------------------------------ result
     def finish(self, params, batch, others, logical) -> Graph:
@@ -461,161 +464,3 @@ def _class_names(tensors, n, params, batch) -> tuple[str, ...]:
             if c >= 0 and names[c] is None:
                 names[c] = f"{path}:{d}"
     return tuple(nm or f"c{i}" for i, nm in enumerate(names))
-
-
-# --------------------------------------------------------------------------- linking rules
-
-def _elementwise(b: _Builder, ins, outs, params):
-    for o in outs:
-        for i in ins:
-            if i >= 0 and len(b.shapes[i]) == len(b.shapes[o]):
-                for d in range(len(b.shapes[o])):
-                    b.link(i, d, o, d)
-
-
-def _broadcast(b: _Builder, ins, outs, params):
-    for d, od in enumerate(params["broadcast_dimensions"]):
-        b.link(ins[0], d, outs[0], od)
-    return (("new", tuple(d for d in range(len(b.shapes[outs[0]])) if d not in params["broadcast_dimensions"])),)
-
-
-def _reduce(b: _Builder, ins, outs, params):
-    axes = tuple(params["axes"])
-    kept = [d for d in range(len(b.shapes[ins[0]])) if d not in axes]
-    for od, d in enumerate(kept):
-        b.link(ins[0], d, outs[0], od)
-    return (("reduce", axes),)
-
-
-def _transpose(b: _Builder, ins, outs, params):
-    for od, d in enumerate(params["permutation"]):
-        b.link(ins[0], d, outs[0], od)
-
-
-def _dot(b: _Builder, ins, outs, params):
-    (lc, rc), (lb, rb) = params["dimension_numbers"]
-    lhs, rhs, out = ins[0], ins[1], outs[0]
-    for x, y in zip(lc, rc):
-        b.link(lhs, x, rhs, y)
-    for k, (x, y) in enumerate(zip(lb, rb)):
-        b.link(lhs, x, rhs, y)
-        b.link(lhs, x, out, k)
-    lf = [d for d in range(len(b.shapes[lhs])) if d not in lc and d not in lb]
-    rf = [d for d in range(len(b.shapes[rhs])) if d not in rc and d not in rb]
-    for k, d in enumerate(lf):
-        b.link(lhs, d, out, len(lb) + k)
-    for k, d in enumerate(rf):
-        b.link(rhs, d, out, len(lb) + len(lf) + k)
-    return (("contract", (tuple(lc), tuple(rc))), ("free", (tuple(lf), tuple(rf))))
-
-
-def _gather(b: _Builder, ins, outs, params):
-    dn = params["dimension_numbers"]
-    operand, indices, out = ins[0], ins[1], outs[0]
-    out_rank, idx_rank = len(b.shapes[out]), len(b.shapes[indices])
-    offset = tuple(dn.offset_dims)
-    batch_out = [d for d in range(out_rank) if d not in offset]
-    for k, od in enumerate(batch_out[: idx_rank - 1]):
-        b.link(indices, k, out, od)
-    op_batch = tuple(getattr(dn, "operand_batching_dims", ()))
-    for x, y in zip(op_batch, getattr(dn, "start_indices_batching_dims", ())):
-        b.link(operand, x, indices, y)
-    kept = [d for d in range(len(b.shapes[operand])) if d not in dn.collapsed_slice_dims and d not in op_batch]
-    sizes = params["slice_sizes"]
-    for od, d in zip(offset, kept):
-        if sizes[d] == b.shapes[operand][d]:
-            b.link(operand, d, out, od)
-    indexed = tuple(d for d in dn.start_index_map if sizes[d] != b.shapes[operand][d])
-    return (("contract", (indexed, ())), ("free", (tuple(kept), tuple(range(idx_rank - 1)))))
-
-
-def _reshape(b: _Builder, ins, outs, params):
-    src, dst = b.shapes[ins[0]], b.shapes[outs[0]]
-    i = j = 0
-    minor: list[int] = []
-    while i < len(src) and j < len(dst):
-        if src[i] == dst[j]:
-            b.link(ins[0], i, outs[0], j)
-            i, j = i + 1, j + 1
-            continue
-        gi, gj, pi, pj = [i], [j], src[i], dst[j]
-        while pi != pj:
-            if pi < pj:
-                i += 1
-                gi.append(i)
-                pi *= src[i]
-            else:
-                j += 1
-                gj.append(j)
-                pj *= dst[j]
-        big_i = [d for d in gi if src[d] > 1]
-        big_j = [d for d in gj if dst[d] > 1]
-        if big_i and big_j and src[big_i[0]] % dst[big_j[0]] == 0 or big_i and big_j and dst[big_j[0]] % src[big_i[0]] == 0:
-            # the major dims keep their split when the minor ones are whole
-            _link_major(b, ins[0], big_i[0], outs[0], big_j[0])
-        minor += big_i[1:]
-        i, j = gi[-1] + 1, gj[-1] + 1
-    return (("minor", tuple(minor)),)
-
-
-def _link_major(b: _Builder, t1, d1, t2, d2):
-    # sizes differ: unify only if the class is later split by a divisor of both (checked by the
-    # cost model through the class size); record the pair as linked via a shared slot
-    a, c = b.find(b.slot(t1, d1)), b.find(b.slot(t2, d2))
-    if a != c and min(b.shapes[t1][d1], b.shapes[t2][d2]) > 1:
-        b.parent[max(a, c)] = min(a, c)
-
-
-def _concat(b: _Builder, ins, outs, params):
-    dim = params["dimension"]
-    for i in ins:
-        for d in range(len(b.shapes[outs[0]])):
-            if d != dim:
-                b.link(i, d, outs[0], d)
-    return (("minor", (dim,)),)
-
-
-def _same_size(b: _Builder, ins, outs, params):
-    for d in range(len(b.shapes[outs[0]])):
-        b.link(ins[0], d, outs[0], d)
-    return (("minor", tuple(d for d in range(len(b.shapes[ins[0]]))
-                            if b.shapes[ins[0]][d] != b.shapes[outs[0]][d])),)
-
-
-def _squeeze(b: _Builder, ins, outs, params):
-    kept = [d for d in range(len(b.shapes[ins[0]])) if d not in params["dimensions"]]
-    for od, d in enumerate(kept):
-        b.link(ins[0], d, outs[0], od)
-
-
-def _expand(b: _Builder, ins, outs, params):
-    kept = [d for d in range(len(b.shapes[outs[0]])) if d not in params["dimensions"]]
-    for d, od in enumerate(kept):
-        b.link(ins[0], d, outs[0], od)
-
-
-def _nothing(b: _Builder, ins, outs, params):
-    return None
-
-
-def _conv(b: _Builder, ins, outs, params):
-    dn = params["dimension_numbers"]
-    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
-    lhs, rhs, out = ins[0], ins[1], outs[0]
-    b.link(lhs, lhs_spec[0], out, out_spec[0])
-    b.link(rhs, rhs_spec[0], out, out_spec[1])
-    b.link(lhs, lhs_spec[1], rhs, rhs_spec[1])
-    spatial = tuple(lhs_spec[2:])
-    return (("contract", ((lhs_spec[1], *spatial), (rhs_spec[1], *rhs_spec[2:]))),
-            ("free", ((lhs_spec[0],), (rhs_spec[0],))), ("minor", spatial))
-
-
-_RULES = {
-    "broadcast_in_dim": _broadcast, "reduce_sum": _reduce, "reduce_max": _reduce, "reduce_min": _reduce,
-    "reduce_prod": _reduce, "argmax": _reduce, "argmin": _reduce, "reduce_and": _reduce, "reduce_or": _reduce,
-    "transpose": _transpose, "dot_general": _dot, "gather": _gather, "reshape": _reshape,
-    "concatenate": _concat, "slice": _same_size, "dynamic_slice": _same_size, "pad": _same_size,
-    "squeeze": _squeeze, "expand_dims": _expand, "iota": _nothing, "rng_bit_generator": _nothing,
-    "conv_general_dilated": _conv, "random_bits": _nothing, "random_wrap": _nothing,
-    "random_unwrap": _nothing, "random_seed": _nothing,
-}
