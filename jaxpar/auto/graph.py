@@ -15,8 +15,8 @@ unknown) is costed as one iteration and said so in `Graph.notes`; every branch o
 Every tensor dimension belongs to a *dimension class*: dimensions that an operator ties
 together (the same position of an elementwise op's operands, a dot's contracting pair, a
 dot's batch dimensions and the output dimension they become, a reduction's kept dimensions,
-a transpose's permutation...; the per-primitive rules are in `jaxpar.auto.graph_rules`) are unified, so a class is a logical axis found from the
-program itself: "the batch", "the residual width", "layer 3's MLP width". A strategy assigns
+a transpose's permutation...: the rules per primitive are in `jaxpar.auto.graph_rules`) are
+unified, so a class is a logical axis found from the program itself: "the batch", "the residual width", "layer 3's MLP width". A strategy assigns
 mesh axes to classes; every operator's strategy (how each of its inputs and outputs is
 split) follows from it. A class that appears twice in one tensor (the two sequence axes of
 attention scores) is kept whole.
