@@ -24,7 +24,7 @@ from flax import nnx  # noqa: E402
 import jaxpar  # noqa: E402
 from jaxpar.auto import CostParams, build_graph, hand_plan  # noqa: E402
 from jaxpar.auto.assign import hand_strategy  # noqa: E402
-from jaxpar.auto.planner import micro_batch, price  # noqa: E402
+from jaxpar.auto.pricing import micro_batch, price  # noqa: E402
 from jaxpar.models.data import ArithmeticData  # noqa: E402
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 from jaxpar.report import collectives, memory  # noqa: E402

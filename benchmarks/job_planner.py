@@ -28,7 +28,8 @@ import jaxpar  # noqa: E402
 from jaxpar.auto import CostParams, build_graph, plan_job  # noqa: E402
 from jaxpar.auto.assign import hand_strategy  # noqa: E402
 from jaxpar.auto.cost import evaluate  # noqa: E402
-from jaxpar.auto.planner import _pipeline_config, stacked_params  # noqa: E402
+from jaxpar.auto.planner import _pipeline_config  # noqa: E402
+from jaxpar.auto.pricing import stacked_params  # noqa: E402
 from jaxpar.models.data import ArithmeticData  # noqa: E402
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss  # noqa: E402
 from jaxpar.report import memory  # noqa: E402

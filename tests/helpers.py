@@ -11,6 +11,7 @@ import optax
 from flax import nnx
 
 import jaxpar
+from jaxpar.auto import CostParams
 from jaxpar.models.data import ArithmeticData
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
 
@@ -19,6 +20,8 @@ MEGATRON = {"batch": "data", "heads": "model", "mlp": "model", "vocab": "model"}
 BATCH = 16
 STEPS = 5
 LR = 1e-3
+# machine numbers for strategy-search tests: slow enough devices that splitting pays off
+COSTS = CostParams(flops_per_s=1e9, default_bandwidth=1e9, latency=1e-6)
 
 
 def batches(n: int = STEPS, batch: int = BATCH, seq: int = TINY.seq_len):

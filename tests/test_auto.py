@@ -8,13 +8,12 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from helpers import TINY
-from jaxpar.auto import CostParams, Plan, build_graph, hand_plan, search
+from helpers import COSTS, TINY
+from jaxpar.auto import Plan, build_graph, hand_plan, search
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
 
 MESH = {"data": 2, "model": 4}
 # a slow-ish machine so that compute matters for the tiny GPT (the defaults are GPU-like)
-COSTS = CostParams(flops_per_s=1e9, default_bandwidth=1e9, latency=1e-6)
 BATCH = {"inputs": np.zeros((16, TINY.seq_len), np.int32), "targets": np.zeros((16, TINY.seq_len), np.int32)}
 BOTH = ("data", "model")
 HANDS = {   # the hand strategies, on the same 2 x 4 mesh (a tuple of axes = their product)

@@ -5,8 +5,8 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from helpers import TINY, assert_losses_close, batches, mesh_for, reference, train_gpt
-from jaxpar.auto import CostParams, build_graph, hand_plan, plan_job, search
+from helpers import COSTS, TINY, assert_losses_close, batches, mesh_for, reference, train_gpt
+from jaxpar.auto import build_graph, hand_plan, plan_job, search
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
 from jaxpar.report import collectives, memory
 
@@ -20,7 +20,6 @@ STRATEGIES = {
                                                    rules={"batch": "data", "heads": "model", "mlp": "model"}),
     "embed split (2D)": jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules={"batch": "data", "embed": "model"}),
 }
-COSTS = CostParams(flops_per_s=1e9, default_bandwidth=1e9, latency=1e-6)
 
 
 # tensors of a few KB (TINY) are packed by XLA in ways a liveness model does not follow;
@@ -115,7 +114,7 @@ def test_zero_and_micro_batch_memory_match_the_compiled_step(zero, k):
     import dataclasses
 
     from jaxpar.auto.assign import hand_strategy
-    from jaxpar.auto.planner import micro_batch, price
+    from jaxpar.auto.pricing import micro_batch, price
 
     batch = batches(1, batch=32)[0]
     config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", grad_accum=k,

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from helpers import MEGATRON, TINY, assert_losses_close, batches, mesh_for, reference, train_gpt
-from jaxpar.auto import CostParams, build_graph, hand_plan, search
+from helpers import COSTS, MEGATRON, TINY, assert_losses_close, batches, mesh_for, reference, train_gpt
+from jaxpar.auto import build_graph, hand_plan, search
 from jaxpar.auto.cost import evaluate
 from jaxpar.models.gpt import GPT, loss_fn
 from jaxpar.report import collectives
@@ -21,7 +21,6 @@ STRATEGIES = {
     "data=8": jaxpar.ParallelConfig(mesh={"data": 8}, mode="data"),
     "megatron": jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON),
 }
-COSTS = CostParams(flops_per_s=1e9, default_bandwidth=1e9, latency=1e-6)
 
 
 @pytest.fixture(scope="module")

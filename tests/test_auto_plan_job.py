@@ -10,14 +10,13 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from helpers import MEGATRON, batches
-from jaxpar.auto import CostParams, build_graph, plan_job
+from helpers import COSTS, MEGATRON, batches
+from jaxpar.auto import build_graph, plan_job
 from jaxpar.auto.assign import hand_strategy
 from jaxpar.auto.cost import evaluate
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss
 from jaxpar.report import memory
 
-COSTS = CostParams(flops_per_s=1e9, default_bandwidth=1e9, latency=1e-6)
 SCANNED = GPTConfig(vocab_size=16, seq_len=32, embed=64, heads=4, mlp=256, layers=4, scan_layers=True)
 BASE = jaxpar.ParallelConfig(mode="auto", optimizer=jaxpar.OptimizerConfig(threshold_kb=0))
 
@@ -174,7 +173,7 @@ def test_planner_chooses_pipeline_stages_to_fit_and_trains_like_one_device(one_d
 def test_pipeline_price_follows_the_schedule():
     """More micro-batches: a smaller bubble per micro-batch and fewer activations in flight;
     the head runs in the last stage's backward (its F is idle), so the table's length rules."""
-    from jaxpar.auto.planner import micro_batch, price_pipeline
+    from jaxpar.auto.pricing import micro_batch, price_pipeline
     from jaxpar.pipeline import build, lower
 
     batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]

@@ -110,6 +110,7 @@ class Cost:
     temp_bytes: int
     invalid: int = 0                         # tensors that use one mesh axis twice
     grad_comm_s: float = 0.0                 # the parameter-gradient collectives' share of comm_s
+    temp_parts: tuple[float, float, float] = (0.0, 0.0, 0.0)   # `temp_parts`: the walk's terms
 
     @property
     def time_s(self) -> float:
@@ -329,9 +330,11 @@ def evaluate(graph: Graph, axes: Sequence[tuple[str, ...]], sizes: Mapping[str, 
         grad_s += seconds if combined else 0.0
         key = "+".join(ax)
         by_axes[key] = by_axes.get(key, 0) + nbytes
-    temp = temp_peak(graph, axes, sizes, params, flags)
+    parts = temp_parts(graph, axes, sizes, flags)
+    temp = _peak(parts, params)
     return Cost(flops / params.flops_per_s, comm_s, int(round(sum(by_axes.values()))),
-                {k: int(round(v)) for k, v in by_axes.items()}, int(round(args)), int(round(temp)), invalid, grad_s)
+                {k: int(round(v)) for k, v in by_axes.items()}, int(round(args)), int(round(temp)), invalid, grad_s,
+                parts)
 
 
 def temp_peak(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, flags: Flags) -> float:
@@ -349,7 +352,11 @@ def temp_peak(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, 
     recompute region redoes (``flags.recomputed``) is live only from the start of that
     region's backward (its last operator) down to its producer, once per call.
     """
-    act, grads, reduced = temp_parts(graph, axes, sizes, flags)
+    return _peak(temp_parts(graph, axes, sizes, flags), params)
+
+
+def _peak(parts: tuple[float, float, float], params: CostParams) -> float:
+    act, grads, reduced = parts
     return max(params.temp_activation_factor * act, grads + reduced)
 
 

@@ -1,0 +1,203 @@
+"""Prices of job options: step time, argument bytes and temp bytes per device.
+
+`price` prices a strategy with ``grad_accum`` micro-batches and a ZeRO level on the graph of
+one micro-batch; `price_pipeline` a pipelined option. `jaxpar.auto.planner.plan_job` sorts
+the options by these prices.
+
+With ``d`` the size of the ZeRO axis (``data``), ``P`` the per-device bytes of the
+parameters ZeRO shards (replicated over ``data``, at least ``threshold_kb``, a dimension
+divisible by ``d``), ``f = 1 − 1/d`` and ``s`` the optimizer states per parameter:
+
+* arguments: ZeRO ≥ 1 saves ``s · P · f`` (optimizer state), ZeRO 3 also ``P · f``
+  (parameters); the batch is the whole step's batch.
+* temp: the liveness peak of one micro-batch (`jaxpar.auto.cost.temp_parts`); at the end of
+  the step the gradients and their all-reduced sums are live together (the sums sharded at
+  ZeRO ≥ 2); ZeRO 3 holds the gathered parameters (``P · f`` more) while the passes run.
+  ``k > 1`` adds the gradient accumulator, a loop carry (old and new value live while a
+  micro-batch's gradients, and at ZeRO ≥ 2 their all-reduced sum, are added), sharded
+  over ``data`` at ZeRO ≥ 2.
+* time: ``k ×`` (compute + activation collectives of one micro-batch) + the gradient
+  collectives once; ZeRO 3 adds an all-gather of ``P`` per micro-batch for the forward
+  and one for the backward.
+
+Recompute needs no formula of its own: the graph marks each ``jax.checkpoint`` region and
+the cost model (`jaxpar.auto.cost`) prices what its policy recomputes.
+
+Pipeline (`price_pipeline`): the schedule is lowered to the executor's lock-step
+program and each step lasts as long as its slowest stage (a chunk forward ``f``, a
+backward ``3f``: the executor recomputes the chunk forward; ``2f`` each for the split
+backward's B and W; the last chunk's F is idle and its B and W add the head), plus two
+``ppermute`` of one micro-batch's activations per step, the embedding and head on the
+whole batch, and the gradient all-reduces. Memory: the blocks' parameters and optimizer states divided by
+``p``; temp holds the executor's input and gradient buffers (``x_slots + g_slots``
+micro-batch activations), the embedding output, its micro-batch view and its gradient for
+the whole batch, one chunk's recomputed activations, the head's activations of one
+micro-batch and the gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpar.auto.cost import Cost, CostParams, analyse, evaluate, local_bytes, op_terms, tensor_axes
+from jaxpar.auto.graph import Graph
+
+
+def micro_batch(batch: Any, k: int) -> Any:
+    """Abstract shapes of one of ``k`` micro-batches (the leading dimension divided by ``k``)."""
+    def one(x):
+        shape = tuple(np.shape(x))
+        return jax.ShapeDtypeStruct((shape[0] // k, *shape[1:]), np.asarray(x).dtype
+                                    if not hasattr(x, "dtype") else x.dtype)
+    return jax.tree.map(one, batch)
+
+
+def _zero_shardable(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str, threshold_kb: float,
+                    scale: Mapping[int, float] | None = None) -> float:
+    """Per-device bytes of the parameters ZeRO shards over ``zero_axis`` (``scale``: per
+    parameter tensor, the share a device holds, e.g. ``1/p`` for a pipeline stage's blocks)."""
+    from jax.sharding import PartitionSpec
+
+    from jaxpar.auto.assign import spec_of
+    from jaxpar.optim.zero import zero_spec
+
+    total = 0.0
+    for _, t in graph.params:
+        tensor = graph.tensors[t]
+        spec = PartitionSpec(*spec_of(graph, t, axes))
+        out = zero_spec(spec, tensor.shape, tensor.itemsize, (zero_axis,), dict(sizes), threshold_kb)
+        if out is not None and out != spec and zero_axis not in (tensor_axes(graph, t, axes) or ()):
+            total += local_bytes(graph, t, axes, sizes) * (scale or {}).get(t, 1.0)
+    return total
+
+
+def _zero_terms(zero: int, shardable: float, d: int, params: CostParams) -> tuple[float, float, float]:
+    """``(argument bytes saved, bytes ZeRO-3 gathers, bytes saved per device of P)``."""
+    f = (1 - 1 / d) if d > 1 else 0.0
+    saved = shardable * f
+    args = (params.optimizer_states * saved if zero >= 1 else 0.0) + (saved if zero >= 3 else 0.0)
+    return args, (saved if zero >= 3 else 0.0), saved
+
+
+def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, zero: int = 0,
+          grad_accum: int = 1, zero_axis: str = "data", threshold_kb: float = 0.0,
+          flags=None, cost: Cost | None = None) -> tuple[float, int, int]:
+    """``(step seconds, argument bytes, temp bytes)`` per device of a strategy on the graph of
+    one micro-batch, with ``grad_accum`` micro-batches and ZeRO level ``zero`` (module docstring).
+    ``cost``: the strategy's `evaluate` result, when the caller prices several levels of it."""
+    if cost is None:
+        cost = evaluate(graph, axes, sizes, params, flags=analyse(graph) if flags is None else flags)
+    act, grads, reduced = cost.temp_parts
+    k, d = grad_accum, sizes.get(zero_axis, 1)
+    batch = sum(local_bytes(graph, t, axes, sizes) for _, t in graph.batch)
+    shardable = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb) if zero and d > 1 else 0.0
+    args_saved, gathered, saved = _zero_terms(zero, shardable, d, params)
+    args = cost.argument_bytes + (k - 1) * batch - args_saved
+    if k == 1:
+        during = params.temp_activation_factor * act + gathered
+        end = grads + (reduced - saved if zero >= 2 else reduced)
+        temp = max(during, end)
+    else:
+        # the accumulator (sharded at ZeRO >= 2, where each micro-batch's gradients are
+        # reduced into it inside the loop) is a loop carry: old and new value both live
+        # while a micro-batch's gradients are added
+        acc = grads - (saved if zero >= 2 else 0.0)
+        during = params.temp_activation_factor * act + acc + gathered
+        add = grads + (reduced if zero >= 2 else 0.0) + 2 * acc + gathered
+        end = acc + (reduced if zero < 2 else 0.0)
+        temp = max(during, add, end)
+    time = k * (cost.time_s - cost.grad_comm_s) + cost.grad_comm_s
+    if zero >= 3 and shardable:
+        time += k * 2 * params.collective_time("all-gather", (zero_axis,), shardable, sizes)
+    return time, int(round(args)), int(round(temp))
+
+
+def stacked_params(graph: Graph, layers: int) -> set[int]:
+    """Parameter tensors a scan over ``layers`` iterations reads slice by slice (the blocks)."""
+    params = {t for _, t in graph.params}
+    return {op.ins[0] for op in graph.ops if op.prim == "copy" and op.get("scan") == "xs"
+            and op.ins[0] in params and graph.tensors[op.ins[0]].shape[:1] == (layers,)}
+
+
+def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, stages: int,
+                   microbatches: int, layers: int, activation_bytes: float, schedule: str = "1f1b",
+                   virtual_stages: int = 1, zero: int = 0, zero_axis: str = "data", threshold_kb: float = 0.0,
+                   axis: str = "pipe", flags=None) -> tuple[float, int, int]:
+    """``(step seconds, argument bytes, temp bytes)`` per device of a pipelined job (module docstring).
+
+    ``graph``: one pipeline micro-batch of the unpipelined loss, its blocks a scan over
+    ``layers``; ``axes`` / ``sizes``: the strategy of the other mesh axes; ``activation_bytes``:
+    one micro-batch's block input (global bytes; divided here by the batch split)."""
+    from jaxpar.pipeline import build, lower
+    from jaxpar.pipeline.executor import B, B_LAST, F, F_LAST, IDLE, OP, W, W_LAST
+
+    flags = analyse(graph) if flags is None else flags
+    p, m, v = stages, microbatches, virtual_stages
+    stacked = stacked_params(graph, layers)
+    # the blocks: from the scan's first slice of a stacked parameter to the end of its body
+    starts = [i for i, op in enumerate(graph.ops) if op.prim == "copy" and op.get("scan") == "xs"
+              and op.ins[0] in stacked]
+    if not starts:
+        raise ValueError(f"price_pipeline: no lax.scan of the loss reads parameters stacked over layers={layers}; "
+                         "the loss must be a jaxpar.pipeline.PipelineLoss whose blocks are stacked on a leading "
+                         "dimension of that size")
+    lo = hi = starts[0]
+    while hi + 1 < len(graph.ops) and (graph.ops[hi + 1].repeat >= layers or graph.ops[hi + 1].repeat == 0):
+        hi += 1
+    part = ["embed" if i < lo else "blocks" if i <= hi else "head" for i in range(len(graph.ops))]
+    full = {"embed": 0.0, "blocks": 0.0, "head": 0.0}     # forward + backward seconds, one micro-batch
+    act = dict(full)
+    grad_s = 0.0
+    # one chunk's layers run as a loop only if there are several (XLA removes a loop of one)
+    chunk_flags = flags if layers // (p * v) > 1 else analyse(graph, loops=False)
+    for op, where in zip(graph.ops, part):
+        flops, comms, a, bad = op_terms(graph, op, axes, sizes, flags)
+        if chunk_flags is not flags:
+            a = op_terms(graph, op, axes, sizes, chunk_flags)[2]
+        if bad:
+            return math.inf, 0, 0
+        share = 1 / p if where == "blocks" else 1.0
+        full[where] += flops / params.flops_per_s + sum(params.collective_time(k, ax, b, sizes, c)
+                                                    for k, ax, b, c in comms if not c)
+        grad_s += share * sum(params.collective_time(k, ax, b, sizes, c) for k, ax, b, c in comms if c)
+        act[where] += a
+    program = lower(build(schedule, p, m, v))
+    f, h = full["blocks"] / (3 * p * v), full["head"] / 3     # one chunk's / the head's forward
+    back = 2 if program.split_backward else 3                # the executor recomputes the forward
+    cost = np.zeros(7)
+    # the last chunk's F is idle: its B runs the forward, the head and the backward at once
+    cost[[IDLE, F, F_LAST, B, B_LAST, W, W_LAST]] = [0, f, 0, back * f, back * (f + h), 2 * f, 2 * (f + h)]
+    pipe_s = float(cost[program.code[:, :, OP]].max(axis=1).sum())
+    batch_class = graph.tensors[graph.batch[0][1]].classes[0] if graph.batch else -1
+    split = math.prod(sizes[a] for a in axes[batch_class]) if batch_class >= 0 else 1
+    x = activation_bytes / split
+    bw = params.bandwidth.get(axis, params.default_bandwidth)
+    p2p = 2 * (params.latency_per_axis.get(axis, params.latency) + x / bw)
+    scale = {t: 1 / p for t in stacked}
+    held = {t: local_bytes(graph, t, axes, sizes) * scale.get(t, 1.0) for _, t in graph.params}
+    rest = sum(b for t, b in held.items() if t not in stacked)
+    grad_s += params.collective_time("all-reduce", (axis,), rest, {**sizes, axis: p}, True)
+    time = pipe_s + program.steps * p2p + m * full["embed"] + grad_s
+    d = sizes.get(zero_axis, 1)
+    shardable = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, scale) if zero and d > 1 else 0.0
+    args_saved, gathered, saved = _zero_terms(zero, shardable, d, params)
+    grads = sum(held.values())
+    others = sum(local_bytes(graph, t, axes, sizes) for _, t in graph.others)
+    batch = m * sum(local_bytes(graph, t, axes, sizes) for _, t in graph.batch)
+    args = params.optimizer_scalar_bytes + grads * (1 + params.optimizer_states) + others + batch - args_saved
+    used = {a for c in range(graph.num_classes) for a in axes[c] if sizes[a] > 1}
+    reduced = sum(b for t, b in held.items() if t not in stacked or used - set(tensor_axes(graph, t, axes) or ()))
+    # the pipeline holds: its input and gradient buffers, the embedding output (and its micro-batch
+    # view) and input gradient for the whole batch, one chunk's recomputed activations, the head's
+    # activations of one micro-batch and the gradients it accumulates
+    during = ((program.x_slots + program.g_slots + 3 * m) * x + grads + gathered
+              + params.temp_activation_factor * (act["blocks"] / (p * v) + act["head"] + m * act["embed"]))
+    end = grads + (reduced - saved if zero >= 2 else reduced)
+    if zero >= 3 and shardable:   # gathered once per step, before the pipeline runs
+        time += 2 * params.collective_time("all-gather", (zero_axis,), shardable, sizes)
+    return time, int(round(args)), int(round(max(during, end)))
