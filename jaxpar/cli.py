@@ -50,7 +50,7 @@ def _job_config(args):
     return ParallelConfig.from_overrides(overrides, base=base) if overrides else base
 
 
-def _model_config(args, config):
+def model_config(args, config):
     from jaxpar.models.gpt import GPTConfig
 
     # A pipeline cuts the stacked blocks into stages, so it needs scanned layers.
@@ -69,7 +69,7 @@ def build_job(args):
 
     config = _job_config(args)
     mesh = jaxpar.make_mesh(config)
-    gpt = _model_config(args, config)
+    gpt = model_config(args, config)
     constrain = jaxpar.LogicalConstraint(mesh, config.rules)
     model = jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(args.seed), constrain=constrain), config, mesh)
     tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, max(args.steps, 21)))
@@ -124,9 +124,9 @@ def cmd_plan(args) -> int:
     from jaxpar.report import param_table
 
     if args.search:
-        from jaxpar.auto.cli import run_plan_search
+        from jaxpar.plan_cli import run_plan_search
 
-        return run_plan_search(args, build_job)
+        return run_plan_search(args, build_job, model_config)
 
     config, mesh, trainer, _ = build_job(args)
     print(f"mesh {dict(mesh.shape)}  mode {config.mode}")
@@ -188,7 +188,7 @@ def make_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the parameter plan (parameter -> PartitionSpec -> bytes)")
     _add_job_args(p)
     p.add_argument("--save", help="write the plan as JSON")
-    from jaxpar.auto.cli import add_plan_search_arguments
+    from jaxpar.plan_cli import add_plan_search_arguments
 
     add_plan_search_arguments(p)
     p.set_defaults(func=cmd_plan)

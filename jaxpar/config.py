@@ -17,6 +17,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jax.sharding import PartitionSpec
+
+from jaxpar.strategy.layout import Layout, LayoutSpec
+
 MODES = ("data", "semi_auto", "auto", "hybrid")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
 SEARCHES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
@@ -137,7 +141,7 @@ class PipelineConfig:
         _check_axis_name("pipeline.axis", self.axis)
 
 
-def _normalize_mesh(mesh: Any) -> dict[str, int]:
+def normalize_mesh(mesh: Any) -> dict[str, int]:
     if not isinstance(mesh, Mapping) or not mesh:
         raise _fail("mesh", mesh, "give a non-empty mapping of axis name -> size, e.g. {'data': -1}")
     out: dict[str, int] = {}
@@ -230,7 +234,7 @@ class ParallelConfig:
 
     def __post_init__(self):
         setf = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
-        setf("mesh", _normalize_mesh(self.mesh))
+        setf("mesh", normalize_mesh(self.mesh))
         if self.mode not in MODES:
             raise _fail("mode", self.mode, f"choose one of {MODES}")
         setf("rules", _normalize_rules(self.rules))
@@ -323,15 +327,29 @@ class ParallelConfig:
 
 
 def _tuplify(v: Any) -> Any:
-    """YAML and JSON give lists; strategies are tuples."""
+    """YAML and JSON give lists; strategies are tuples. ``{"PartitionSpec": [...]}`` and
+    ``{"Layout": {...}}`` (how `to_dict` writes those strategy forms) are read back."""
     if isinstance(v, list):
         return tuple(_tuplify(x) for x in v)
     if isinstance(v, Mapping):
+        if set(v) == {"PartitionSpec"}:
+            return PartitionSpec(*(_tuplify(e) for e in v["PartitionSpec"]))
+        if set(v) == {"Layout"}:
+            d = v["Layout"]
+            layout = Layout(tuple(d["device_matrix"]), tuple(d["alias_name"]))
+            return LayoutSpec(layout, tuple(tuple(e) for e in d["tensor_map"]))
         return {k: _tuplify(x) for k, x in v.items()}
     return v
 
 
 def _plain(v: Any) -> Any:
+    """JSON/YAML-friendly form of a config value (every strategy form included)."""
+    if isinstance(v, PartitionSpec):
+        return {"PartitionSpec": [_plain(e) for e in v]}
+    if isinstance(v, LayoutSpec):
+        return {"Layout": {"device_matrix": list(v.layout.device_matrix),
+                           "alias_name": list(v.layout.alias_name),
+                           "tensor_map": [list(e) for e in v.tensor_map]}}
     if isinstance(v, Mapping):
         return {k: _plain(x) for k, x in v.items()}
     if isinstance(v, tuple):

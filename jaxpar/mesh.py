@@ -16,7 +16,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxpar.config import ParallelConfig, _normalize_mesh
+from jaxpar.config import ParallelConfig, normalize_mesh
+from jaxpar.strategy import mesh_sizes  # noqa: F401  (re-exported: jaxpar.mesh.mesh_sizes)
 
 
 def resolve_axes(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -25,7 +26,7 @@ def resolve_axes(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
     >>> resolve_axes({"data": 2, "model": -1}, 8)
     {'data': 2, 'model': 4}
     """
-    axes = _normalize_mesh(axes)
+    axes = normalize_mesh(axes)
     known = math.prod(s for s in axes.values() if s != -1)
     if -1 in axes.values():
         if num_devices % known:
@@ -76,8 +77,3 @@ def make_mesh(config_or_axes: ParallelConfig | Mapping[str, int], devices: Seque
         ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
         return Mesh(np.array(ordered).reshape(shape), names, axis_types=types)
     return jax.make_mesh(shape, names, axis_types=types, devices=devices)
-
-
-def mesh_sizes(mesh: Mesh) -> dict[str, int]:
-    """``{axis: size}`` of a mesh, in axis order."""
-    return dict(zip(mesh.axis_names, mesh.devices.shape))

@@ -9,6 +9,7 @@ from helpers import COSTS, TINY, assert_losses_close, batches, mesh_for, referen
 from jaxpar.auto import build_graph, hand_plan, plan_job, search
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
 from jaxpar.report import collectives, memory
+from jaxpar.train import compile_step
 
 BATCH = batches(1)[0]
 MEG = {"batch": "data", "heads": "model", "mlp": "model", "vocab": "model"}
@@ -79,7 +80,7 @@ def test_planner_fits_a_budget_data_parallel_exceeds():
     data = hand_plan(None, loss_fn, batch, jaxpar.ParallelConfig(mesh={"data": 8}, mode="data"), {"data": 8},
                      graph=graph)
     budget = 0.5 * data.cost["memory_bytes"]
-    job = plan_job(model_fn, loss_fn, batch, devices=8, memory_budget=budget, cost_params=COSTS)
+    job = plan_job(model_fn, loss_fn, batch, devices=8, memory_budget=budget, cost_params=COSTS, dry_run=compile_step)
     assert job.chosen.memory_bytes <= budget
     assert job.dry_run is not None and job.dry_run["fits"] and job.dry_run["total"] <= budget
     assert data.cost["memory_bytes"] > budget                 # plain data parallel does not fit
@@ -97,7 +98,7 @@ def test_planner_chooses_zero_and_micro_batches_and_the_dry_run_agrees():
     plain = plan_job(model_fn, loss_fn, batch, memory_budget=1e12, zero_levels=(0,), grad_accum=(1,),
                      dry_run=False, **common)
     budget = 0.6 * plain.chosen.memory_bytes
-    job = plan_job(model_fn, loss_fn, batch, memory_budget=budget, **common)
+    job = plan_job(model_fn, loss_fn, batch, memory_budget=budget, dry_run=compile_step, **common)
     assert (job.chosen.zero >= 1 or job.chosen.grad_accum > 1) and job.chosen.memory_bytes <= budget
     assert job.config.optimizer.level == job.chosen.zero and job.config.grad_accum == job.chosen.grad_accum
     assert job.dry_run["fits"]

@@ -16,6 +16,7 @@ from jaxpar.auto.assign import hand_strategy
 from jaxpar.auto.cost import evaluate
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss
 from jaxpar.report import memory
+from jaxpar.train import compile_step
 
 SCANNED = GPTConfig(vocab_size=16, seq_len=32, embed=64, heads=4, mlp=256, layers=4, scan_layers=True)
 BASE = jaxpar.ParallelConfig(mode="auto", optimizer=jaxpar.OptimizerConfig(threshold_kb=0))
@@ -140,7 +141,7 @@ def test_planner_chooses_recompute_to_fit_and_trains_like_one_device(one_device)
     assert by["none"].time_s < by["dots_saveable"].time_s < by["full"].time_s
     assert by["full"].memory_bytes < by["dots_saveable"].memory_bytes < by["none"].memory_bytes
     budget = (by["full"].memory_bytes + by["dots_saveable"].memory_bytes) / 2 * 1.05
-    job = plan_job(gpt_fn(), loss_fn, batch, memory_budget=budget, **common)
+    job = plan_job(gpt_fn(), loss_fn, batch, memory_budget=budget, dry_run=compile_step, **common)
     assert job.remat == "full" and job.dry_run["fits"]
     assert 0.85 <= job.chosen.memory_bytes / job.dry_run["total"] <= 1.15
     assert "remat=full" in job.explain() and "over budget" in job.explain()
@@ -159,7 +160,7 @@ def test_planner_chooses_pipeline_stages_to_fit_and_trains_like_one_device(one_d
     piped = min(o.memory_bytes for o in free.candidates if o.pipeline)
     budget = 1.3 * piped
     assert budget < flat                                   # nothing unpipelined fits
-    job = plan_job(gpt_fn(), pipeline_loss(), batch, memory_budget=budget, **common)
+    job = plan_job(gpt_fn(), pipeline_loss(), batch, memory_budget=budget, dry_run=compile_step, **common)
     pipe = job.config.pipeline
     assert job.chosen.pipeline and pipe.stages == job.chosen.mesh["pipe"] > 1
     assert job.dry_run["fits"] and job.dry_run["total"] <= budget

@@ -10,7 +10,7 @@ Everything here is a pure function of (config, mesh sizes, abstract model, batch
 parameters): nothing compiles except `plan_job`'s optional dry run.
 """
 
-from jaxpar.auto.api import hand_plan, make_plan, mesh_sizes, search
+from jaxpar.auto.api import hand_plan, make_plan, mesh_sizes, plan_training, search
 from jaxpar.auto.cost import Cost, CostParams, calibrate, evaluate
 from jaxpar.auto.graph import Graph, build_graph
 from jaxpar.auto.plan import Plan
@@ -29,5 +29,6 @@ __all__ = [
     "make_plan",
     "mesh_sizes",
     "plan_job",
+    "plan_training",
     "search",
 ]

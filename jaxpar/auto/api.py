@@ -15,23 +15,16 @@ from jaxpar.auto.cost import CostParams, evaluate, op_terms
 from jaxpar.auto.graph import Graph, build_graph
 from jaxpar.auto.plan import Plan
 from jaxpar.auto.search import SEARCHES, Problem
+from jaxpar.data import leaf_spec
+from jaxpar.plan import make_train_plan
+from jaxpar.strategy import mesh_sizes, to_partition_spec
 
 
-def mesh_sizes(mesh) -> dict[str, int]:
-    """Axis name -> size, from a ``Mesh``, an ``AbstractMesh`` or a mapping."""
-    if isinstance(mesh, Mapping):
-        return {str(k): int(v) for k, v in mesh.items()}
-    return {str(k): int(v) for k, v in dict(mesh.shape).items()}
 
 
 def annotations(graph: Graph, config, sizes: Mapping[str, int], extra: Mapping[str, Any] | None = None):
     """``{path: PartitionSpec}`` the user fixed: ``config.parameter_plan`` patterns,
     ``config.dataset_strategy`` (every batch leaf) and ``extra`` (path glob -> strategy)."""
-    from jaxpar.data import leaf_spec
-    from jaxpar.strategy import to_partition_spec
-
-    from jaxpar.auto.assign import _SizesMesh
-
     specs: dict[str, PartitionSpec] = {}
     for patterns in (config.parameter_plan, extra or {}):
         for pattern, strategy in patterns.items():
@@ -43,7 +36,7 @@ def annotations(graph: Graph, config, sizes: Mapping[str, int], extra: Mapping[s
                 specs[p] = to_partition_spec(strategy, sizes, graph.tensors[t].shape, rules=config.rules)
     if config.dataset_strategy is not None:
         for p, t in graph.batch:
-            specs.setdefault(p, leaf_spec(config, _SizesMesh(sizes), graph.tensors[t].shape))
+            specs.setdefault(p, leaf_spec(config, sizes, graph.tensors[t].shape))
     return specs
 
 
@@ -134,3 +127,19 @@ def hand_plan(model, loss_fn, batch, config, mesh, *, cost_params: CostParams | 
     sizes = mesh_sizes(mesh)
     graph = graph if graph is not None else build_graph(model, loss_fn, batch)
     return make_plan(graph, hand_strategy(graph, config, sizes), sizes, cost_params or CostParams(), "hand")
+
+
+def plan_training(model, loss_fn: Callable, batch: Any, config, mesh, tx, *, offload: tuple[str, ...] = (),
+                  **search_options):
+    """Search a strategy and return ``(TrainPlan, Plan)``: the plan to train under, and the search's
+    own record (its predicted cost, operators and notes).
+
+    ``search_options`` go to `search` (``cost_params``, ``annotate``, ``memory_budget``).
+
+    >>> train_plan, found = plan_training(model, loss_fn, batch, config, mesh, optax.adamw(1e-3))  # doctest: +SKIP
+    >>> trainer = jaxpar.Trainer(model, tx, loss_fn, train_plan.config, mesh, plan=train_plan)      # doctest: +SKIP
+    """
+    found = search(model, loss_fn, batch, config, mesh, **search_options)
+    train_plan = make_train_plan(found.to_config(config), mesh, model, tx, offload=offload,
+                                 source=f"searched:{found.search}")
+    return train_plan, found

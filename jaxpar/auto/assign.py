@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from jax.sharding import PartitionSpec
 
 from jaxpar.auto.graph import Graph
+from jaxpar.data import leaf_spec
+from jaxpar.nn.plan import resolve_spec
 
 Axes = tuple[str, ...]
 
@@ -92,27 +94,13 @@ def fill(axes: Sequence[Axes | None]) -> list[Axes]:
 
 
 def config_specs(graph: Graph, config, mesh_sizes: Mapping[str, int]) -> dict[str, PartitionSpec]:
-    """The ``PartitionSpec`` of every parameter and batch leaf under a ``ParallelConfig`` (the
-    rules of `jaxpar.nn.plan`: ``parameter_plan`` first, then mode ``"data"``, then logical
-    names through ``rules``; batch leaves by `jaxpar.data.leaf_spec`)."""
-    import fnmatch
-
-    from jaxpar.data import leaf_spec
-    from jaxpar.strategy import to_partition_spec
-
+    """The ``PartitionSpec`` of every parameter and batch leaf under a ``ParallelConfig``
+    (parameters by `jaxpar.nn.plan.resolve_spec`, batch leaves by `jaxpar.data.leaf_spec`)."""
     specs = {}
     for (path, t), logical in zip(graph.params, graph.param_logical):
-        shape = graph.tensors[t].shape
-        pats = [p for p in config.parameter_plan if fnmatch.fnmatchcase(path, p)]
-        if pats:
-            specs[path] = to_partition_spec(config.parameter_plan[pats[0]], mesh_sizes, shape, rules=config.rules)
-        elif config.mode == "data" or logical is None:
-            specs[path] = PartitionSpec()
-        else:
-            specs[path] = to_partition_spec(logical, mesh_sizes, shape, rules=config.rules)
-    mesh = _SizesMesh(mesh_sizes)
+        specs[path] = resolve_spec(config, mesh_sizes, path, graph.tensors[t].shape, logical)
     for path, t in graph.batch:
-        specs[path] = leaf_spec(config, mesh, graph.tensors[t].shape)
+        specs[path] = leaf_spec(config, mesh_sizes, graph.tensors[t].shape)
     return specs
 
 
@@ -120,18 +108,3 @@ def hand_strategy(graph: Graph, config, mesh_sizes: Mapping[str, int]) -> list[A
     """The assignment a hand-written ``ParallelConfig`` gives (classes that no parameter or
     batch layout touches stay whole)."""
     return fill(from_specs(graph, config_specs(graph, config, mesh_sizes), mesh_sizes)[0])
-
-
-class _SizesMesh:
-    """The parts of a ``Mesh`` that `jaxpar.data.leaf_spec` reads, from axis sizes alone."""
-
-    def __init__(self, sizes):
-        self.shape = dict(sizes)
-        self.axis_names = tuple(sizes)
-        self.devices = _Devices(tuple(sizes.values()))
-
-
-class _Devices:
-    def __init__(self, shape):
-        self.shape = shape
-        self.size = math.prod(shape)

@@ -159,6 +159,15 @@ def build_graph(model: nnx.Module, loss_fn: Callable, batch: Any) -> Graph:
     return builder.finish(params_named, batch_named, others, logical)
 
 
+def _itemsize(dtype) -> int:
+    """Bytes per element; a PRNG key counts as its key data (two uint32 for threefry)."""
+    if dtype is None or dtype == jax.dtypes.float0:
+        return 1
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return 8
+    return np.dtype(dtype).itemsize
+
+
 class _Builder:
     def __init__(self):
         self.shapes: list[tuple[int, ...]] = []
@@ -188,7 +197,7 @@ class _Builder:
         aval = v.aval
         shape = tuple(int(s) for s in getattr(aval, "shape", ()))
         dtype = getattr(aval, "dtype", None)
-        itemsize = np.dtype(dtype).itemsize if dtype is not None and dtype != jax.dtypes.float0 else 1
+        itemsize = _itemsize(dtype)
         tid = len(self.shapes)
         self.shapes.append(shape)
         self.itemsizes.append(itemsize)

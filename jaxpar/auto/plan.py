@@ -19,7 +19,8 @@ def _spec_load(entries) -> PartitionSpec:
     return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in entries))
 
 
-def _glob_escape(path: str) -> str:
+def glob_escape(path: str) -> str:
+    """``path`` as a glob pattern that matches exactly that path."""
     return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in path)
 
 
@@ -76,7 +77,7 @@ class Plan:
     def to_config(self, config):
         """A ``mode="semi_auto"`` config whose ``parameter_plan`` (exact paths) and
         ``dataset_strategy`` reproduce this plan; every other field is kept."""
-        plan = {_glob_escape(p): s for p, _, s, _ in self.params}
+        plan = {glob_escape(p): s for p, _, s, _ in self.params}
         return dataclasses.replace(config, mode="semi_auto", mesh=dict(self.mesh), parameter_plan=plan,
                                    dataset_strategy=self.dataset_strategy())
 

@@ -38,7 +38,7 @@ import numpy as np
 from jaxpar.auto.api import search
 from jaxpar.auto.cost import CostParams, analyse, evaluate
 from jaxpar.auto.graph import build_graph
-from jaxpar.auto.plan import Plan
+from jaxpar.auto.plan import Plan, glob_escape
 from jaxpar.auto.pricing import micro_batch, price, price_pipeline, stacked_params
 
 
@@ -154,11 +154,10 @@ def _pipeline_config(option: JobOption, base, block_paths: set[str]):
     (layers) dimension on the pipe axis."""
     from jax.sharding import PartitionSpec
 
-    from jaxpar.auto.plan import _glob_escape
     from jaxpar.config import PipelineConfig
 
     pipe = option.pipeline
-    plan = {_glob_escape(path): PartitionSpec("pipe", *tuple(spec)[1:]) if path in block_paths else spec
+    plan = {glob_escape(path): PartitionSpec("pipe", *tuple(spec)[1:]) if path in block_paths else spec
             for path, _, spec, _ in option.plan.params}
     return dataclasses.replace(
         base, mode="semi_auto", mesh=dict(option.mesh), rules={}, grad_accum=1, parameter_plan=plan,
@@ -169,7 +168,7 @@ def _pipeline_config(option: JobOption, base, block_paths: set[str]):
 
 def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int, memory_budget: float,
              base_config=None, tx=None, cost_params: CostParams | None = None,
-             search_name: str = "dynamic_programming", dry_run: bool = True,
+             search_name: str = "dynamic_programming", dry_run: Callable | None = None,
              meshes: Sequence[Mapping[str, int]] | None = None, zero_levels: Sequence[int] = (0, 1, 2, 3),
              grad_accum: Sequence[int] = (1, 2, 4), remat: Sequence[str] = ("none",),
              pipeline_stages: Sequence[int] = (1,), microbatches: Sequence[int] | None = None,
@@ -177,6 +176,10 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
     """Choose mesh shape, strategies, ZeRO level, recompute policy, micro-batches and
     pipeline stages for ``devices`` devices within ``memory_budget`` bytes per device,
     minimising predicted step time; confirm the winner by compiling it (``dry_run``).
+
+    ``dry_run``: ``compile_fn(model_fn, loss_fn, batch, config, tx) -> jax.stages.Compiled``
+    (``jaxpar.train.compile_step`` compiles the Trainer's step), called on the winner; its
+    ``memory_analysis`` is compared with the budget. ``None``: no dry run.
 
     Args:
       model_fn: builds the model (called abstractly for the search, for real in the dry run);
@@ -285,8 +288,8 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
                 cfg = o.plan.to_config(dataclasses.replace(base, mesh=dict(o.mesh), mode="auto", search=search_name,
                                                            rules={}, grad_accum=o.grad_accum, optimizer=zero))
                 build = builders[o.remat]
-            report = _dry_run(build, pipe_loss if o.pipeline else loss_fn, batch, cfg, tx, memory_budget) \
-                if dry_run else None
+            report = _dry_run(dry_run, build, pipe_loss if o.pipeline else loss_fn, batch, cfg, tx, memory_budget) \
+                if dry_run is not None else None
             if report is None or report["fits"]:
                 chosen, config = o, cfg
                 verdict = "CHOSEN" + (" (dry run confirms)" if report else "")
@@ -370,19 +373,14 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, devices, 
     return paths
 
 
-def _dry_run(model_fn, loss_fn, batch, config, tx, budget) -> dict | None:
-    """Compile the config's step on ``jax.devices()`` (simulated CPU devices work) and read its memory."""
-    import optax
-
-    import jaxpar
+def _dry_run(compile_fn, model_fn, loss_fn, batch, config, tx, budget) -> dict | None:
+    """Compile the config's step with ``compile_fn`` on ``jax.devices()`` (simulated CPU devices
+    work) and read its memory; ``None`` when there are too few devices."""
     from jaxpar.report import memory
 
     n = math.prod(config.mesh.values())
     if len(jax.devices()) < n:
         return None
-    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:n])
-    model = jaxpar.init(model_fn, config, mesh)
-    trainer = jaxpar.Trainer(model, tx or optax.adamw(1e-3), loss_fn, config, mesh)
-    m = memory(trainer.lower(batch).compile())
+    m = memory(compile_fn(model_fn, loss_fn, batch, config, tx))
     return {"devices": n, "argument_bytes": m.argument_bytes, "temp_bytes": m.temp_bytes, "total": m.total,
             "fits": m.total <= budget}

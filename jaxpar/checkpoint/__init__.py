@@ -7,7 +7,7 @@
 See ``docs/checkpoint.md``; ``python -m jaxpar.checkpoint {inspect,transform,merge}`` works offline.
 """
 
-from jaxpar.checkpoint.manager import Checkpointer, latest_step, restore, save
+from jaxpar.checkpoint.manager import Checkpointer, latest_step, restore, restore_state, save, save_state
 from jaxpar.checkpoint.offline import format_inspect, inspect, load_strategy, merge, plan_leaves, transform
 from jaxpar.checkpoint.state import CheckpointMismatchError
 from jaxpar.checkpoint.strategy import strategy_config, strategy_specs
@@ -22,7 +22,9 @@ __all__ = [
     "merge",
     "plan_leaves",
     "restore",
+    "restore_state",
     "save",
+    "save_state",
     "strategy_config",
     "strategy_specs",
     "transform",

@@ -21,10 +21,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxpar.checkpoint import state as st
 from jaxpar.checkpoint.strategy import build_strategy
+from jaxpar.plan import check_data
 
 ITEMS = ("state", "meta", "strategy")
 
@@ -43,15 +46,14 @@ def open_manager(directory: str, *, keep: int | None = None, read_only: bool = F
     return ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options, item_handlers=handlers)
 
 
-def _save_args(trainer, data_state: dict | None) -> ocp.args.Composite:
+def _save_args(plan, state, mesh) -> ocp.args.Composite:
     import jaxpar
 
-    meta = {"step": int(trainer.step_count), "data_state": dict(data_state or {}),
-            "jaxpar_version": jaxpar.__version__}
+    meta = {"step": int(state.step), "data_state": state.data, "jaxpar_version": jaxpar.__version__}
     return ocp.args.Composite(
-        state=ocp.args.StandardSave(st.nest(st.savable(st.flat_state(trainer)))),
+        state=ocp.args.StandardSave(st.nest(st.savable(st.flat_state(state)))),
         meta=ocp.args.JsonSave(meta),
-        strategy=ocp.args.JsonSave(build_strategy(trainer)),
+        strategy=ocp.args.JsonSave(build_strategy(plan, state, mesh)),
     )
 
 
@@ -61,14 +63,15 @@ def saved_leaves(manager: ocp.CheckpointManager, step: int) -> dict[str, st.Leaf
     return {path: st.leaf_info(m) for path, m in st.unnest(tree).items()}
 
 
-def _steps(manager: ocp.CheckpointManager) -> list[int]:
+def complete_steps(manager: ocp.CheckpointManager) -> list[int]:
     """The complete (committed) steps, read from storage now."""
     manager.reload()
     return list(manager.all_steps())
 
 
-def _complete_step(manager: ocp.CheckpointManager, directory, step: int | None) -> int:
-    steps = _steps(manager)
+def complete_step(manager: ocp.CheckpointManager, directory, step: int | None) -> int:
+    """``step``, or the newest complete step; ``FileNotFoundError`` naming the directory otherwise."""
+    steps = complete_steps(manager)
     if step is None:
         if not steps:
             raise FileNotFoundError(f"no complete checkpoint in {directory}")
@@ -78,50 +81,66 @@ def _complete_step(manager: ocp.CheckpointManager, directory, step: int | None) 
     return step
 
 
-def restore_into(trainer, manager: ocp.CheckpointManager, step: int, directory: str = "") -> dict[str, Any]:
-    """Restore ``step`` into ``trainer`` (any layout); returns the ``meta`` dict."""
-    target = st.target(trainer)
+def restore_from(manager: ocp.CheckpointManager, step: int, state, mesh, directory: str = ""):
+    """``(TrainState, meta)``: ``step`` read into ``state``'s layout (any layout saved)."""
+    state = st.as_state(state)
+    target = st.target(state, mesh)
     problems = st.differences(saved_leaves(manager, step), {p: st.leaf_info(t) for p, t in target.items()})
     if problems:
         raise st.CheckpointMismatchError(str(directory), step, problems)
     restored = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
-    st.install(trainer, st.unnest(restored["state"]))
     meta = dict(restored["meta"])
-    trainer.step_count = int(meta["step"])
-    trainer.data_state = dict(meta.get("data_state") or {})
-    return meta
+    new = st.install(state, st.unnest(restored["state"]))
+    step_value = jax.device_put(jnp.asarray(int(meta["step"]), jnp.int32), state.step.sharding)
+    return new.replace(step=step_value, data=dict(meta.get("data_state") or {})), meta
+
+
+def save_state(directory, plan, state, mesh, *, keep: int | None = None, force: bool = False) -> int:
+    """Save ``state`` (laid out by ``plan`` on ``mesh``) as step ``state.step`` of ``directory``
+    and wait; returns the step. ``keep``: delete all but the newest ``keep`` steps."""
+    with Checkpointer(directory, keep=keep, asynchronous=False) as ckpt:
+        return ckpt.save_state(plan, state, mesh, force=force)
+
+
+def restore_state(directory, state, mesh, *, step: int | None = None):
+    """``(TrainState, meta)``: the newest complete step (or ``step``) of ``directory`` read into
+    the layout of ``state`` (a `TrainState` of arrays or of ``ShapeDtypeStruct``s with
+    shardings). Raises ``FileNotFoundError`` when there is no complete step and
+    ``CheckpointMismatchError`` (a ``ValueError``) listing every path whose presence, shape or
+    dtype differs."""
+    with open_manager(directory, read_only=True) as manager:
+        return restore_from(manager, complete_step(manager, directory, step), state, mesh, directory)
 
 
 def save(trainer, directory, *, data_state: dict | None = None, keep: int | None = None,
          force: bool = False) -> int:
-    """Save ``trainer``'s whole state as step ``trainer.step_count`` of ``directory`` and wait.
+    """Save a trainer's whole state as step ``trainer.step_count`` of ``directory`` and wait.
 
-    Returns the step. ``data_state``: a JSON-able dict stored with it (default
-    ``trainer.data_state`` when the trainer has one). ``keep``: delete all but the newest
-    ``keep`` steps. For saves that overlap training use ``Checkpointer``.
+    Returns the step. ``data_state``: a JSON-able dict stored with it (default: the state's
+    own data position). ``keep``: delete all but the newest ``keep`` steps. For saves that
+    overlap training use ``Checkpointer``.
 
     >>> jaxpar.checkpoint.save(trainer, "ckpt")
     5
     """
-    with Checkpointer(directory, keep=keep, asynchronous=False) as ckpt:
-        return ckpt.save(trainer, data_state=data_state, force=force)
+    state = trainer.state if data_state is None else trainer.state.replace(data=check_data(data_state))
+    return save_state(directory, trainer.plan, state, trainer.mesh, keep=keep, force=force)
 
 
 def restore(trainer, directory, *, step: int | None = None) -> dict[str, Any]:
     """Restore the newest complete step (or ``step``) of ``directory`` into ``trainer``.
 
     The trainer may use any layout (mesh, device count, tensor/data parallel, ZeRO level):
-    arrays are read straight into its shards. Sets ``trainer.step_count`` and
-    ``trainer.data_state``; returns ``{"step", "data_state", "jaxpar_version"}``. Raises
-    ``FileNotFoundError`` when there is no complete step and ``CheckpointMismatchError``
-    (a ``ValueError``) listing every path whose presence, shape or dtype differs.
+    arrays are read straight into its shards. Sets the trainer's step and data position;
+    returns ``{"step", "data_state", "jaxpar_version"}``. Raises ``FileNotFoundError`` when
+    there is no complete step and ``CheckpointMismatchError`` (a ``ValueError``) listing every
+    path whose presence, shape or dtype differs.
 
     >>> jaxpar.checkpoint.restore(trainer, "ckpt")["step"]
     5
     """
-    with open_manager(directory, read_only=True) as manager:
-        return restore_into(trainer, manager, _complete_step(manager, directory, step), directory)
+    return trainer.restore(directory, step=step)
 
 
 def latest_step(directory) -> int | None:
@@ -129,7 +148,7 @@ def latest_step(directory) -> int | None:
     if not os.path.isdir(directory):
         return None
     with open_manager(directory, read_only=True) as manager:
-        steps = _steps(manager)
+        steps = complete_steps(manager)
     return max(steps) if steps else None
 
 
@@ -157,18 +176,21 @@ class Checkpointer:
         self.save_every = save_every
         self.manager = open_manager(self.directory, keep=keep, asynchronous=asynchronous)
 
-    def save(self, trainer, *, data_state: dict | None = None, force: bool = False) -> int:
-        """Start saving the trainer's state as step ``trainer.step_count``; returns the step."""
-        if data_state is None:
-            data_state = getattr(trainer, "data_state", None)
-        step = int(trainer.step_count)
+    def save_state(self, plan, state, mesh, *, force: bool = False) -> int:
+        """Start saving ``state`` (laid out by ``plan`` on ``mesh``) as step ``state.step``."""
+        step = int(state.step)
         if step in self.manager.all_steps():
             if not force:
                 raise FileExistsError(f"{self.directory} already holds step {step}; pass force=True to replace it")
             self.manager.wait_until_finished()
             self.manager.delete(step)
-        self.manager.save(step, args=_save_args(trainer, data_state), force=True)
+        self.manager.save(step, args=_save_args(plan, state, mesh), force=True)
         return step
+
+    def save(self, trainer, *, data_state: dict | None = None, force: bool = False) -> int:
+        """Start saving a trainer's state as step ``trainer.step_count``; returns the step."""
+        state = trainer.state if data_state is None else trainer.state.replace(data=check_data(data_state))
+        return self.save_state(trainer.plan, state, trainer.mesh, force=force)
 
     def maybe_save(self, trainer) -> int | None:
         """Save if ``trainer.step_count`` is a multiple of ``save_every``."""
@@ -177,17 +199,26 @@ class Checkpointer:
             return self.save(trainer)
         return None
 
+    def restore_state(self, state, mesh, step: int | None = None):
+        """``(TrainState, meta)``: ``step`` (default the newest complete one) in ``state``'s layout."""
+        self.manager.wait_until_finished()
+        return restore_from(self.manager, complete_step(self.manager, self.directory, step), state, mesh,
+                            self.directory)
+
     def resume(self, trainer) -> dict[str, Any] | None:
         """Restore the newest complete step into ``trainer``; ``None`` if there is none."""
         self.manager.wait_until_finished()
-        steps = _steps(self.manager)
-        if not steps:
+        if not complete_steps(self.manager):
             return None
-        return restore_into(trainer, self.manager, max(steps), self.directory)
+        state, meta = self.restore_state(trainer.state, trainer.mesh)
+        trainer.state = state
+        return meta
 
     def restore(self, trainer, step: int | None = None) -> dict[str, Any]:
-        self.manager.wait_until_finished()
-        return restore_into(trainer, self.manager, _complete_step(self.manager, self.directory, step), self.directory)
+        """Restore ``step`` (default the newest complete one) into ``trainer``."""
+        state, meta = self.restore_state(trainer.state, trainer.mesh, step)
+        trainer.state = state
+        return meta
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

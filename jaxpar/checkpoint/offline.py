@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.checkpoint import state as st
-from jaxpar.checkpoint.manager import _complete_step, _steps, open_manager, saved_leaves
+from jaxpar.checkpoint.manager import complete_step, complete_steps, open_manager, saved_leaves
 from jaxpar.checkpoint.strategy import spec_from_json, spec_to_json, strategy_file
 from jaxpar.config import ParallelConfig
 from jaxpar.mesh import make_mesh
@@ -29,7 +29,7 @@ from jaxpar.nn.plan import variable_spec
 def load_strategy(directory, *, step: int | None = None) -> dict[str, Any]:
     """The strategy file of the newest complete step (or ``step``) of ``directory``."""
     with open_manager(directory, read_only=True) as manager:
-        step = _complete_step(manager, directory, step)
+        step = complete_step(manager, directory, step)
         return dict(manager.restore(step, args=ocp.args.Composite(strategy=ocp.args.JsonRestore()))["strategy"])
 
 
@@ -41,8 +41,8 @@ def _shards(spec: PartitionSpec, axes: dict[str, int]) -> int:
 def inspect(directory, *, step: int | None = None) -> dict[str, Any]:
     """Steps, meta and one row per stored leaf (shape, dtype, strategy, bytes) of a checkpoint."""
     with open_manager(directory, read_only=True) as manager:
-        steps = sorted(_steps(manager))
-        step = _complete_step(manager, directory, step)
+        steps = sorted(complete_steps(manager))
+        step = complete_step(manager, directory, step)
         restored = manager.restore(step, args=ocp.args.Composite(
             strategy=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
         stored = saved_leaves(manager, step)
@@ -134,7 +134,7 @@ def transform(directory, out, config: ParallelConfig, *, step: int | None = None
     """
     mesh = _mesh_for(config, devices)
     with open_manager(directory, read_only=True) as manager:
-        step = _complete_step(manager, directory, step)
+        step = complete_step(manager, directory, step)
         strategy = dict(manager.restore(step, args=ocp.args.Composite(strategy=ocp.args.JsonRestore()))["strategy"])
         stored = saved_leaves(manager, step)
         specs = plan_leaves(strategy, config, mesh)

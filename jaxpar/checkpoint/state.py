@@ -1,4 +1,4 @@
-"""A trainer's whole state as one flat ``{path: array}`` map, and the restore target.
+"""A `TrainState` as one flat ``{path: array}`` map, and the restore target.
 
 Every leaf gets a path ``section/...`` (``params/blocks/0/attn/wq``, ``opt_state/0/mu/...``,
 ``rest/rngs/dropout/key``): the same paths the parameter plan prints. Checkpoints store the
@@ -28,14 +28,20 @@ def is_key(x) -> bool:
     return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def _trees(trainer) -> dict[str, Any]:
-    return {"params": trainer.params, "opt_state": trainer.opt_state, "rest": trainer.rest}
+def as_state(state_or_trainer):
+    """A `TrainState`, or the ``.state`` of an object that holds one (a Trainer)."""
+    return getattr(state_or_trainer, "state", state_or_trainer)
 
 
-def flat_state(trainer) -> dict[str, Any]:
-    """``{path: leaf}`` of the trainer's params, optimizer state and other NNX state."""
+def sections(state) -> dict[str, Any]:
+    state = as_state(state)
+    return {"params": state.params, "opt_state": state.opt_state, "rest": state.rest}
+
+
+def flat_state(state) -> dict[str, Any]:
+    """``{path: leaf}`` of a state's params, optimizer state and other NNX state."""
     out = {}
-    for section, tree in _trees(trainer).items():
+    for section, tree in sections(state).items():
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             out[f"{section}/{path_str(path)}"] = leaf
     return out
@@ -69,19 +75,19 @@ def _sharding_of(leaf, mesh) -> jax.sharding.Sharding:
     return sharding if sharding is not None else NamedSharding(mesh, PartitionSpec())
 
 
-def target(trainer) -> dict[str, jax.ShapeDtypeStruct]:
+def target(state, mesh) -> dict[str, jax.ShapeDtypeStruct]:
     """``{path: ShapeDtypeStruct(shape, dtype, sharding)}``: where each stored leaf must land.
 
-    Shapes and shardings come from the trainer's own (already planned) arrays, so a restore
-    reads every array straight into the shards this trainer's layout wants.
+    Shapes and shardings come from the target state's own (already planned) arrays, so a
+    restore reads every array straight into the shards its layout wants.
     """
     out = {}
-    for path, leaf in flat_state(trainer).items():
-        sharding = _sharding_of(leaf, trainer.mesh)
+    for path, leaf in flat_state(state).items():
+        sharding = _sharding_of(leaf, mesh)
         if is_key(leaf):
             data = jax.eval_shape(jax.random.key_data, leaf)
             spec = getattr(sharding, "spec", PartitionSpec())
-            sharding = NamedSharding(trainer.mesh, PartitionSpec(*spec))
+            sharding = NamedSharding(mesh, PartitionSpec(*spec))
             out[path] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
         else:
             dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
@@ -89,9 +95,11 @@ def target(trainer) -> dict[str, jax.ShapeDtypeStruct]:
     return out
 
 
-def install(trainer, restored: dict[str, Any]) -> None:
-    """Put restored leaves (by path) back into the trainer's trees."""
-    for section, tree in _trees(trainer).items():
+def install(state, restored: dict[str, Any]):
+    """A copy of ``state`` holding the restored leaves (by path)."""
+    state = as_state(state)
+    trees = {}
+    for section, tree in sections(state).items():
         flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
         leaves = []
         for path, old in flat:
@@ -99,7 +107,8 @@ def install(trainer, restored: dict[str, Any]) -> None:
             if is_key(old):
                 new = jax.random.wrap_key_data(new, impl=jax.random.key_impl(old))
             leaves.append(new)
-        setattr(trainer, section, jax.tree_util.tree_unflatten(treedef, leaves))
+        trees[section] = jax.tree_util.tree_unflatten(treedef, leaves)
+    return state.replace(**trees)
 
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:

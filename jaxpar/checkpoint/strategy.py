@@ -20,7 +20,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxpar.checkpoint.state import flat_state, is_key
+from jaxpar.checkpoint.state import sections, flat_state, is_key
 from jaxpar.config import ParallelConfig
 from jaxpar.mesh import mesh_sizes
 from jaxpar.nn.plan import logical_names, path_str
@@ -36,12 +36,12 @@ def spec_from_json(entries: list) -> PartitionSpec:
     return PartitionSpec(*(tuple(e) if isinstance(e, list) else e for e in entries))
 
 
-def _logical(trainer) -> dict[str, list | None]:
+def _logical(state) -> dict[str, list | None]:
     """Logical axis names of every param / rest variable, by stored path."""
     out = {}
+    trees = sections(state)
     for section in ("params", "rest"):
-        state = getattr(trainer, section)
-        flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+        flat = jax.tree_util.tree_flatten_with_path(trees[section], is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
         for path, var in flat:
             if isinstance(var, nnx.Variable):
                 names = logical_names(var)
@@ -49,11 +49,11 @@ def _logical(trainer) -> dict[str, list | None]:
     return out
 
 
-def build_strategy(trainer) -> dict[str, Any]:
-    """The strategy file of ``trainer``'s current layout (a JSON-able dict)."""
-    logical = _logical(trainer)
+def build_strategy(plan, state, mesh) -> dict[str, Any]:
+    """The strategy file of a state laid out by ``plan`` on ``mesh`` (a JSON-able dict)."""
+    logical = _logical(state)
     leaves = {}
-    for path, leaf in flat_state(trainer).items():
+    for path, leaf in flat_state(state).items():
         spec = getattr(getattr(leaf, "sharding", None), "spec", PartitionSpec())
         entry = {"shape": list(leaf.shape), "dtype": str(leaf.dtype), "spec": spec_to_json(spec)}
         if is_key(leaf):
@@ -61,7 +61,7 @@ def build_strategy(trainer) -> dict[str, Any]:
         if path in logical:
             entry["logical"] = logical[path]
         leaves[path] = entry
-    return strategy_file(leaves, trainer.mesh, trainer.config)
+    return strategy_file(leaves, mesh, plan.config)
 
 
 def strategy_file(leaves: dict[str, dict], mesh, config: ParallelConfig) -> dict[str, Any]:

@@ -24,16 +24,17 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig
-from jaxpar.strategy import check_spec, logical_axes, to_partition_spec
+from jaxpar.strategy import check_spec, logical_axes, mesh_sizes, to_partition_spec
 
 
 def batch_axes(config: ParallelConfig, mesh) -> tuple[str, ...]:
-    """The mesh axes the batch dimension is split over by default."""
-    sizes = dict(mesh.shape)
+    """The mesh axes the batch dimension is split over by default (``mesh``: a ``Mesh``,
+    ``AbstractMesh`` or ``{axis: size}``)."""
+    sizes = mesh_sizes(mesh)
     if "batch" in config.rules:
         return logical_axes("batch", sizes, config.rules)
     if config.mode == "data":
-        return tuple(a for a in mesh.axis_names if a != config.pipeline.axis)
+        return tuple(a for a in sizes if a != config.pipeline.axis)
     return ("data",) if "data" in sizes else ()
 
 
@@ -57,15 +58,50 @@ def leaf_spec(config: ParallelConfig, mesh, shape, key: str | None = None) -> Pa
 def _default_spec(config: ParallelConfig, mesh, shape) -> PartitionSpec:
     axes = batch_axes(config, mesh)
     spec = PartitionSpec(axes if len(axes) > 1 else axes[0] if axes else None)
-    n = math.prod(dict(mesh.shape)[a] for a in axes)
+    sizes = mesh_sizes(mesh)
+    n = math.prod(sizes[a] for a in axes)
     if shape[0] % n:
         raise ValueError(
             f"batch leaf of shape {tuple(shape)}: the batch dimension {shape[0]} is not divisible by "
-            f"{n}, the size of the batch axes {axes} of mesh {dict(mesh.shape)}; use a global batch "
+            f"{n}, the size of the batch axes {axes} of mesh {sizes}; use a global batch "
             f"that is a multiple of {n}"
         )
     check_spec(spec, mesh, shape)
     return spec
+
+
+def part_shapes(batch, k: int) -> Any:
+    """Abstract shapes of one of ``k`` equal parts of ``batch`` (see `split_rows`).
+
+    >>> part_shapes({"x": np.zeros((8, 3))}, 4)["x"].shape
+    (2, 3)
+    """
+    def one(x):
+        shape = _shape(x)
+        if not shape or shape[0] % k:
+            raise ValueError(
+                f"batch leaf of shape {tuple(shape)}: its batch dimension is not divisible into {k} "
+                f"equal parts (grad_accum × interleave, or pipeline micro-batches); use a global batch "
+                f"that is a multiple of {k}")
+        return jax.ShapeDtypeStruct((shape[0] // k, *shape[1:]), x.dtype)
+
+    return jax.tree.map(one, batch)
+
+
+def split_rows(x, k: int):
+    """``[B, ...]`` → ``[k, B/k, ...]`` where part ``j`` holds rows ``j, j+k, j+2k, ...``.
+
+    The one way jaxpar cuts a batch into parts (gradient accumulation, multi-copy, pipeline
+    micro-batches): with the batch split over the data axes in contiguous blocks, every
+    device holds ``1/k`` of its own rows in each part, so no row moves between devices.
+
+    >>> split_rows(np.arange(6), 3).tolist()
+    [[0, 3], [1, 4], [2, 5]]
+    """
+    if not np.shape(x) or x.shape[0] % k:
+        raise ValueError(f"batch leaf of shape {tuple(np.shape(x))}: the batch dimension is not divisible "
+                         f"into {k} equal parts; use a batch that is a multiple of {k}")
+    return x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
 
 
 def _top_key(path) -> str | None:

@@ -52,28 +52,38 @@ def logical_names(var: nnx.Variable) -> tuple | None:
     return None
 
 
-def _matching_patterns(path: str, plan: dict[str, Any]) -> list[str]:
+def matching_patterns(path: str, plan: dict[str, Any]) -> list[str]:
+    """The ``parameter_plan`` glob patterns that match ``path``."""
     return [p for p in plan if fnmatch.fnmatchcase(path, p)]
 
 
-def variable_spec(config: ParallelConfig, mesh, path: str, var: nnx.Variable) -> PartitionSpec:
-    """The ``PartitionSpec`` of one variable (see the module docstring for the order)."""
-    shape = np.shape(var.get_value())
-    patterns = _matching_patterns(path, config.parameter_plan)
+def resolve_spec(config: ParallelConfig, mesh, path: str, shape: tuple[int, ...],
+                 logical: tuple | None) -> PartitionSpec:
+    """The ``PartitionSpec`` of one variable (see the module docstring for the order).
+
+    The one place a parameter's layout is decided: init, the Trainer's plan, the strategy
+    search and checkpoint transforms all call it. ``mesh``: a ``Mesh``, ``AbstractMesh`` or
+    ``{axis: size}``; ``logical``: the variable's logical axis names or ``None``.
+    """
+    patterns = matching_patterns(path, config.parameter_plan)
     if len(patterns) > 1:
         raise ValueError(
-            f"parameter {path!r} {shape} matches several parameter_plan patterns {patterns}; "
+            f"parameter {path!r} {tuple(shape)} matches several parameter_plan patterns {patterns}; "
             "make the patterns disjoint"
         )
     try:
         if patterns:
             return to_partition_spec(config.parameter_plan[patterns[0]], mesh, shape, rules=config.rules)
-        names = logical_names(var)
-        if config.mode == "data" or names is None or not shape:
+        if config.mode == "data" or logical is None or not shape:
             return PartitionSpec()
-        return to_partition_spec(names, mesh, shape, rules=config.rules)
+        return to_partition_spec(logical, mesh, shape, rules=config.rules)
     except ValueError as e:
         raise ValueError(f"parameter {path!r}: {e}") from None
+
+
+def variable_spec(config: ParallelConfig, mesh, path: str, var: nnx.Variable) -> PartitionSpec:
+    """`resolve_spec` of an NNX variable."""
+    return resolve_spec(config, mesh, path, np.shape(var.get_value()), logical_names(var))
 
 
 def plan_state(config: ParallelConfig, mesh, state, *, check_unused: bool = True) -> Any:
@@ -99,7 +109,7 @@ def _paths(state) -> list[str]:
 def check_plan_covers(config: ParallelConfig, *states) -> None:
     """Raise ``ValueError`` for ``parameter_plan`` patterns that match no variable of ``states``."""
     paths = [p for state in states for p in _paths(state)]
-    used = {pat for p in paths for pat in _matching_patterns(p, config.parameter_plan)}
+    used = {pat for p in paths for pat in matching_patterns(p, config.parameter_plan)}
     unused = sorted(set(config.parameter_plan) - used)
     if unused:
         raise ValueError(
@@ -110,6 +120,13 @@ def check_plan_covers(config: ParallelConfig, *states) -> None:
 def to_shardings(specs, mesh) -> Any:
     """``PartitionSpec`` tree → ``NamedSharding`` tree."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def itemsize(dtype) -> int:
+    """Bytes per element; a PRNG key array counts as its ``uint32`` key data (threefry: 8)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return 8
+    return np.dtype(dtype).itemsize
 
 
 class PlanRow(NamedTuple):
@@ -130,9 +147,9 @@ def plan_rows(state, specs, mesh) -> list[PlanRow]:
     for (path, var), spec in zip(flat_state, flat_specs):
         value = var.get_value()
         shape = tuple(np.shape(value))
-        nbytes = math.prod(shape) * np.dtype(value.dtype).itemsize
+        nbytes = math.prod(shape) * itemsize(value.dtype)
         rows.append(
-            PlanRow(path_str(path), shape, str(np.dtype(value.dtype)), logical_names(var), spec,
+            PlanRow(path_str(path), shape, str(value.dtype), logical_names(var), spec,
                     nbytes, nbytes // shard_count(spec, mesh))
         )
     return rows

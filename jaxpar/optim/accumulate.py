@@ -23,19 +23,15 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpar.data import split_rows
+
 
 def split_batch(batch, k: int, constrain: Callable = lambda x: x):
     """Every leaf ``[B, ...]`` → ``[k, B/k, ...]``; part ``j`` holds rows ``j::k``.
 
     ``constrain`` pins the split tree (e.g. to ``P(None, "data", ...)``)."""
 
-    def one(x):
-        if x.shape[0] % k:
-            raise ValueError(f"batch leaf of shape {tuple(x.shape)}: the batch dimension {x.shape[0]} "
-                             f"is not divisible into {k} equal parts; use a batch that is a multiple of {k}")
-        return jnp.moveaxis(x.reshape(x.shape[0] // k, k, *x.shape[1:]), 1, 0)
-
-    return constrain(jax.tree.map(one, batch))
+    return constrain(jax.tree.map(lambda x: split_rows(x, k), batch))
 
 
 def _mean_tree(tree):

@@ -50,7 +50,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import OptimizerConfig
-from jaxpar.strategy import spec_axes
+from jaxpar.strategy import mesh_sizes, spec_axes
 
 _is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
 
@@ -79,7 +79,7 @@ class ZeroPlan(NamedTuple):
 
 def zero_axes(config: OptimizerConfig, mesh) -> tuple[str, ...]:
     """The mesh axes ZeRO shards over: ``config.axis``, or its trailing ``shard_size`` group."""
-    sizes = dict(mesh.shape)
+    sizes = mesh_sizes(mesh)
     axes = (config.axis,) if isinstance(config.axis, str) else tuple(config.axis)
     missing = [a for a in axes if a not in sizes]
     if missing:
@@ -140,7 +140,7 @@ def zero_plan(config: OptimizerConfig, mesh, param_specs, params) -> ZeroPlan:
     if config.level == 0:
         return ZeroPlan(param_specs, param_specs, param_specs, param_specs, (), ())
     axes = zero_axes(config, mesh)
-    sizes = dict(mesh.shape)
+    sizes = mesh_sizes(mesh)
     unsharded: list[str] = []
 
     def one(path, spec, x):

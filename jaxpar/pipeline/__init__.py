@@ -16,6 +16,7 @@ from jaxpar.pipeline.executor import (
     pipeline_value_and_grad,
     to_stage_layout,
 )
+from jaxpar.pipeline.model import PipelineLoss, pipelined
 from jaxpar.pipeline.schedules import (
     SCHEDULES,
     Kind,
@@ -34,8 +35,8 @@ from jaxpar.pipeline.schedules import (
 )
 
 __all__ = [
-    "SCHEDULES", "Kind", "Op", "Program", "Schedule", "bubble_fraction", "build",
+    "SCHEDULES", "Kind", "Op", "PipelineLoss", "Program", "Schedule", "bubble_fraction", "build",
     "from_stage_layout", "gpipe", "interleaved", "lower", "one_f_one_b", "peak_activations",
-    "pipeline_loss", "pipeline_value_and_grad", "plot_timeline", "timeline", "to_stage_layout",
+    "pipeline_loss", "pipeline_value_and_grad", "pipelined", "plot_timeline", "timeline", "to_stage_layout",
     "validate", "zb_h1",
 ]

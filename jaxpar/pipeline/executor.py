@@ -193,6 +193,8 @@ def pipeline_value_and_grad(
     targets: Any = None,
     *,
     axis: str = "pipe",
+    specs: tuple[Any, Any, Any] | None = None,
+    consts: Any = None,
 ) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
     """Mean loss over micro-batches and its gradients, run as the pipeline ``schedule``.
 
@@ -212,6 +214,15 @@ def pipeline_value_and_grad(
       inputs: ``[m, micro_batch, ...]`` activations entering chunk 0.
       targets: pytree of ``[m, ...]`` arrays handed to ``loss_fn`` per micro-batch, or None.
       axis: the pipe mesh axis.
+      specs: ``(stage_specs, head_specs, activation_spec)``: ``PartitionSpec`` trees over the
+        *other* mesh axes for one chunk of ``stage_params`` (without its two leading axes),
+        for ``head_params``, and the spec of one micro-batch's activations. Each op's
+        operands and results are pinned to them, so no layout chosen outside (e.g. a ZeRO
+        shard of the update) propagates into the per-stage branches, where a resharding
+        collective would run on the devices of some stages only (a deadlock).
+      consts: a pytree in stage layout like ``stage_params`` that is not differentiated
+        (e.g. the blocks' RNG state); ``stage_fn`` is then called as
+        ``stage_fn(chunk, x, const_chunk)``.
 
     Returns:
       ``(loss, (stage_grads, head_grads, input_grads))``; ``input_grads`` has the shape of
@@ -223,23 +234,29 @@ def pipeline_value_and_grad(
     """
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     _check_args(mesh, axis, p, m, v, stage_params, inputs, targets)
-    _check_stage_fn(stage_fn, stage_params, inputs)
+    if consts is None:
+        fn, consts = (lambda chunk, x, const: stage_fn(chunk, x)), ()
+    else:
+        fn = stage_fn
+    _check_stage_fn(fn, stage_params, consts, inputs)
     program = lower(schedule)
-    body = _make_body(stage_fn, loss_fn, program, axis, m)
+    body = _make_body(fn, loss_fn, program, axis, m, specs)
     run = jax.shard_map(
         body, mesh=mesh, axis_names={axis},
-        in_specs=(P(axis), P(), P(), P()), out_specs=(P(), P(axis), P(), P()), check_vma=True)
-    loss, stage_grads, head_grads, input_grads = run(stage_params, head_params, inputs, targets)
+        in_specs=(P(axis), P(), P(), P(), P(axis)), out_specs=(P(), P(axis), P(), P()), check_vma=True)
+    loss, stage_grads, head_grads, input_grads = run(stage_params, head_params, inputs, targets, consts)
     return loss, (stage_grads, head_grads, input_grads)
 
 
 def pipeline_loss(
-    stage_fn: StageFn, loss_fn: LossFn, schedule: Schedule, mesh: Mesh, *, axis: str = "pipe"
-) -> Callable[[Any, Any, jax.Array, Any], jax.Array]:
+    stage_fn: StageFn, loss_fn: LossFn, schedule: Schedule, mesh: Mesh, *, axis: str = "pipe",
+    specs: tuple[Any, Any, Any] | None = None, with_consts: bool = False,
+) -> Callable[..., jax.Array]:
     """``pipeline_value_and_grad`` as a differentiable loss function (a ``jax.custom_vjp``).
 
     Returns ``f(stage_params, head_params, inputs, targets) -> loss`` whose gradient is the
-    pipeline's. Use it inside an ordinary loss function so that ``jax.grad`` (or
+    pipeline's (with ``with_consts``: ``f(stage_params, head_params, inputs, targets, consts)``,
+    see ``pipeline_value_and_grad``). Use it inside an ordinary loss function so that ``jax.grad`` (or
     ``nnx.value_and_grad``) also reaches what produced ``inputs`` (an embedding) and
     ``stage_params`` (a reshape of stacked layers). Calling it runs the whole schedule,
     backward included, and keeps the gradients for the backward pass (so evaluating it
@@ -249,28 +266,30 @@ def pipeline_loss(
         >>> f = pipeline_loss(blocks_fn, head_loss, build("1f1b", 4, 8), mesh)  # doctest: +SKIP
         >>> g = jax.grad(lambda e: f(blocks, head, embed(e, tokens), labels))(e)  # doctest: +SKIP
     """
-    def value_and_grad(stage_params, head_params, inputs, targets):
-        return pipeline_value_and_grad(stage_fn, loss_fn, schedule, mesh, stage_params,
-                                       head_params, inputs, targets, axis=axis)
+    def value_and_grad(stage_params, head_params, inputs, targets, consts):
+        return pipeline_value_and_grad(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs,
+                                       targets, axis=axis, specs=specs, consts=consts if with_consts else None)
 
     @jax.custom_vjp
-    def loss(stage_params, head_params, inputs, targets):
-        return value_and_grad(stage_params, head_params, inputs, targets)[0]
+    def loss(stage_params, head_params, inputs, targets, consts):
+        return value_and_grad(stage_params, head_params, inputs, targets, consts)[0]
 
-    def fwd(stage_params, head_params, inputs, targets):
-        value, grads = value_and_grad(stage_params, head_params, inputs, targets)
-        return value, (grads, targets)
+    def fwd(stage_params, head_params, inputs, targets, consts):
+        value, grads = value_and_grad(stage_params, head_params, inputs, targets, consts)
+        return value, (grads, targets, consts)
 
     def bwd(res, cotangent):
-        (stage_grads, head_grads, input_grads), targets = res
+        (stage_grads, head_grads, input_grads), targets, consts = res
         def scale(tree):
             return jax.tree.map(lambda g: g * cotangent.astype(g.dtype), tree)
 
         return (scale(stage_grads), scale(head_grads), scale(input_grads),
-                jax.tree.map(_zero_cotangent, targets))
+                jax.tree.map(_zero_cotangent, targets), jax.tree.map(_zero_cotangent, consts))
 
     loss.defvjp(fwd, bwd)
-    return loss
+    if with_consts:
+        return loss
+    return lambda stage_params, head_params, inputs, targets: loss(stage_params, head_params, inputs, targets, ())
 
 
 def _zero_cotangent(a):
@@ -300,17 +319,37 @@ def _check_args(mesh, axis, p, m, v, stage_params, inputs, targets) -> None:
                              f"micro-batches of the schedule (reshape to [{m}, batch/{m}, ...])")
 
 
-def _check_stage_fn(stage_fn, stage_params, inputs) -> None:
+def _check_stage_fn(stage_fn, stage_params, consts, inputs) -> None:
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stage_params)
+    const = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), consts)
     x = jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype)
-    y = jax.eval_shape(stage_fn, chunk, x)
+    y = jax.eval_shape(stage_fn, chunk, x, const)
     if (getattr(y, "shape", None), getattr(y, "dtype", None)) != (x.shape, x.dtype):
         raise ValueError(f"stage_fn must map activations to the same shape and dtype: "
                          f"x {x.shape} {x.dtype} gave {y}; move shape changes into the "
                          f"function producing the inputs or into loss_fn")
 
 
-def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int):
+def _pin(tree, specs, lead: int = 0):
+    """``with_sharding_constraint`` on the automatic mesh axes (inside the shard_map)."""
+    if specs is None:
+        return tree
+    return jax.tree.map(lambda a, s: lax.with_sharding_constraint(a, P(*(None,) * lead, *s)), tree, specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def _pinned_branch(branch, stage_specs, head_specs, act_spec):
+    def run(chunk, head, x, g, t, c):
+        chunk, head = _pin(chunk, stage_specs, 1), _pin(head, head_specs)
+        x, g = _pin((x, g), (act_spec, act_spec))
+        y, dx, dp, dh, loss = branch(chunk, head, x, g, t, c)
+        y, dx = _pin((y, dx), (act_spec, act_spec))
+        return y, dx, _pin(dp, stage_specs, 1), _pin(dh, head_specs), loss
+
+    return run
+
+
+def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=None):
     code = np.array(program.code)
     # The last chunk's F does nothing (its B recomputes the forward and the loss anyway), so
     # it shares the idle branch; without W the W branches are left out of the switch.
@@ -319,14 +358,22 @@ def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int):
 
     varying = functools.partial(_varying, axis=axis)
 
-    def body(params, head, inputs, targets):
+    stage_specs, head_specs, act_spec = specs if specs is not None else (None, None, None)
+    if specs is not None:
+        branches = [_pinned_branch(b, stage_specs, head_specs, act_spec) for b in branches]
+
+    def body(params, head, inputs, targets, consts):
+        params, head = _pin(params, stage_specs, 2), _pin(head, head_specs)
         head, inputs, targets = varying((head, inputs, targets))
         stage = lax.axis_index(axis)
         carry = varying(_initial_carry(params, head, inputs, program, m))
 
         def step(carry, rows):
             r = rows[stage]
-            return _tick(carry, r, params, head, inputs, targets, branches, axis), None
+            carry = _tick(carry, r, params, head, inputs, targets, consts, branches, axis)
+            carry["grads"] = _pin(carry["grads"], stage_specs, 2)
+            carry["hgrads"] = _pin(carry["hgrads"], head_specs)
+            return carry, None
 
         carry, _ = lax.scan(step, carry, jnp.asarray(code))
         return (lax.psum(carry["loss"], axis), carry["grads"], lax.psum(carry["hgrads"], axis),
@@ -355,14 +402,15 @@ def _initial_carry(params, head, inputs, program: Program, m: int) -> dict:
                 hgrads=_zeros(head), loss=jnp.zeros((), jnp.float32), dinputs=buffer(m))
 
 
-def _tick(carry, r, params, head, inputs, targets, branches, axis: str) -> dict:
+def _tick(carry, r, params, head, inputs, targets, consts, branches, axis: str) -> dict:
     p = lax.axis_size(axis)
     xbuf = carry["xbuf"].at[r[RECV_X]].set(carry["fmsg"])
     gbuf = carry["gbuf"].at[r[RECV_G]].set(carry["bmsg"])
     x = jnp.where(r[FROM_INPUT] == 1, inputs[r[MB]], xbuf[r[X_SLOT]])
     chunk = jax.tree.map(lambda a: a[r[CHUNK]], params)
     target = jax.tree.map(lambda a: a[r[MB]], targets)
-    y, dx, dp, dh, loss = lax.switch(r[OP], branches, chunk, head, x, gbuf[r[G_SLOT]], target)
+    const = jax.tree.map(lambda a: a[r[CHUNK]], consts)
+    y, dx, dp, dh, loss = lax.switch(r[OP], branches, chunk, head, x, gbuf[r[G_SLOT]], target, const)
     return dict(
         xbuf=xbuf, gbuf=gbuf,
         fmsg=lax.ppermute(y, axis, [(s, (s + 1) % p) for s in range(p)]),
@@ -374,7 +422,7 @@ def _tick(carry, r, params, head, inputs, targets, branches, axis: str) -> dict:
 
 
 def _branches(stage_fn, loss_fn, split: bool, m: int) -> list[Callable]:
-    """One function per op code: ``(chunk, head, x, g, target) -> (y, dx, dθ, dhead, loss)``."""
+    """One function per op code: ``(chunk, head, x, g, target, const) -> (y, dx, dθ, dhead, loss)``."""
     scale = 1.0 / m  # the loss is the mean over micro-batches
 
     def out(x, chunk, head, y=None, dx=None, dp=None, dh=None, loss=None):
@@ -384,37 +432,37 @@ def _branches(stage_fn, loss_fn, split: bool, m: int) -> list[Callable]:
         return (zero(x, y), zero(x, dx), zero(chunk, dp), zero(head, dh),
                 jnp.zeros_like(x, jnp.float32, shape=()) if loss is None else loss)
 
-    def last(chunk, head, x, target):
-        return loss_fn(head, stage_fn(chunk, x), target).astype(jnp.float32) * scale
+    def last(chunk, head, x, target, k):
+        return loss_fn(head, stage_fn(chunk, x, k), target).astype(jnp.float32) * scale
 
-    def idle(chunk, head, x, g, t):
+    def idle(chunk, head, x, g, t, k):
         return out(x, chunk, head)
 
-    def fwd(chunk, head, x, g, t):
-        return out(x, chunk, head, y=stage_fn(chunk, x))
+    def fwd(chunk, head, x, g, t, k):
+        return out(x, chunk, head, y=stage_fn(chunk, x, k))
 
-    def bwd(chunk, head, x, g, t):
+    def bwd(chunk, head, x, g, t, k):
         if split:
-            _, vjp = jax.vjp(lambda x_: stage_fn(chunk, x_), x)
+            _, vjp = jax.vjp(lambda x_: stage_fn(chunk, x_, k), x)
             return out(x, chunk, head, dx=vjp(g)[0])
-        _, vjp = jax.vjp(stage_fn, chunk, x)
+        _, vjp = jax.vjp(lambda c, x_: stage_fn(c, x_, k), chunk, x)
         dp, dx = vjp(g)
         return out(x, chunk, head, dx=dx, dp=dp)
 
-    def bwd_last(chunk, head, x, g, t):
+    def bwd_last(chunk, head, x, g, t, k):
         if split:
-            loss, vjp = jax.vjp(lambda x_: last(chunk, head, x_, t), x)
+            loss, vjp = jax.vjp(lambda x_: last(chunk, head, x_, t, k), x)
             return out(x, chunk, head, dx=vjp(jnp.ones_like(loss))[0], loss=loss)
-        loss, vjp = jax.vjp(lambda c, h, x_: last(c, h, x_, t), chunk, head, x)
+        loss, vjp = jax.vjp(lambda c, h, x_: last(c, h, x_, t, k), chunk, head, x)
         dp, dh, dx = vjp(jnp.ones_like(loss))
         return out(x, chunk, head, dx=dx, dp=dp, dh=dh, loss=loss)
 
-    def wgt(chunk, head, x, g, t):
-        _, vjp = jax.vjp(lambda c: stage_fn(c, x), chunk)
+    def wgt(chunk, head, x, g, t, k):
+        _, vjp = jax.vjp(lambda c: stage_fn(c, x, k), chunk)
         return out(x, chunk, head, dp=vjp(g)[0])
 
-    def wgt_last(chunk, head, x, g, t):
-        loss, vjp = jax.vjp(lambda c, h: last(c, h, x, t), chunk, head)
+    def wgt_last(chunk, head, x, g, t, k):
+        loss, vjp = jax.vjp(lambda c, h: last(c, h, x, t, k), chunk, head)
         dp, dh = vjp(jnp.ones_like(loss))
         return out(x, chunk, head, dp=dp, dh=dh)
 

@@ -29,8 +29,10 @@ from typing import Any
 
 import jax
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ParallelConfig
+from jaxpar.data import batch_axes, split_rows
 from jaxpar.pipeline.executor import pipeline_loss, to_stage_layout
 from jaxpar.pipeline.schedules import build
 
@@ -47,21 +49,20 @@ class PipelineLoss:
 
     def __call__(self, model: nnx.Module, batch: Any) -> jax.Array:
         h = self.embed(model, batch)
-        blocks_def, blocks_state = nnx.split(self.blocks(model))
-        h = _run_layers(blocks_def, blocks_state, h)
+        blocks = self.blocks(model)
+        graphdef, params, rest = nnx.split(blocks, nnx.Param, ...)
+        h, rest = _run_layers(graphdef, params, rest, h)
+        nnx.update(blocks, rest)   # the blocks' RNG counts and statistics advance, as unrolled
         return self.head_loss(self.head(model), h, batch)
 
 
-def _run_layers(blocks_def, stacked_state, h):
-    def one(h, layer_state):
-        return nnx.merge(blocks_def, layer_state)(h), None
+def _run_layers(graphdef, params, rest, h):
+    """The stacked layers one after another (``lax.scan``); returns ``(h, new rest)``."""
+    def one(h, layer):
+        block = nnx.merge(graphdef, *layer)
+        return block(h), nnx.state(block, nnx.Not(nnx.Param))
 
-    return jax.lax.scan(one, h, stacked_state)[0]
-
-
-def _micro(x: jax.Array, m: int) -> jax.Array:
-    """[B, ...] → [m, B/m, ...] with micro-batch i = rows i, i+m, ... (no cross-shard moves)."""
-    return x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1)
+    return jax.lax.scan(one, h, (params, rest))
 
 
 def _check(config: ParallelConfig, mesh, n_layers: int, batch_rows: int) -> None:
@@ -84,8 +85,19 @@ def _check(config: ParallelConfig, mesh, n_layers: int, batch_rows: int) -> None
         )
 
 
-def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh) -> Callable[[nnx.Module, Any], jax.Array]:
-    """The pipelined ``loss_fn(model, batch)`` for ``config.pipeline`` on ``mesh``."""
+def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Module | None = None
+              ) -> Callable[[nnx.Module, Any], jax.Array]:
+    """The pipelined ``loss_fn(model, batch)`` for ``config.pipeline`` on ``mesh``.
+
+    ``specs``: the model with a ``PartitionSpec`` in place of every value (the plan's compute
+    specs, merged with the model's graph). The executor pins each op's operands to them,
+    and keeps the head whole over the tensor axes inside the stage branches: XLA cannot
+    partition a vocabulary-split loss inside a branch that only the last stage runs.
+
+    The blocks' non-parameter state (dropout RNG streams) enters every chunk as a constant:
+    the micro-batches of one step share its keys, and the streams advance once per step, as
+    in the unpipelined model (by running the blocks on an empty batch, which costs nothing).
+    """
     if not isinstance(loss, PipelineLoss):
         raise TypeError(
             f"pipeline.stages={config.pipeline.stages} needs the loss as a jaxpar.pipeline.PipelineLoss "
@@ -93,24 +105,41 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh) -> Callable[[nnx
         )
     pipe = config.pipeline
     schedule = build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages)
+    pins = None if specs is None else _pins(loss, specs, config, mesh)
 
     def pipelined_loss(model: nnx.Module, batch: Any) -> jax.Array:
-        blocks_def, blocks_state = nnx.split(loss.blocks(model))
-        layers = jax.tree.leaves(blocks_state)[0].shape[0]
+        blocks = loss.blocks(model)
+        blocks_def, params, rest = nnx.split(blocks, nnx.Param, ...)
+        layers = jax.tree.leaves(params)[0].shape[0]
         rows = jax.tree.leaves(batch)[0].shape[0]
         _check(config, mesh, layers, rows)
         head_def, head_state = nnx.split(loss.head(model))
 
-        def stage_fn(chunk, h):
-            return _run_layers(blocks_def, chunk, h)
+        def stage_fn(chunk, h, const):
+            return _run_layers(blocks_def, chunk, const, h)[0]
 
         def head_fn(head_state, h, micro_batch):
             return loss.head_loss(nnx.merge(head_def, head_state), h, micro_batch)
 
-        run = pipeline_loss(stage_fn, head_fn, schedule, mesh, axis=pipe.axis)
+        run = pipeline_loss(stage_fn, head_fn, schedule, mesh, axis=pipe.axis, specs=pins, with_consts=True)
         h = loss.embed(model, batch)
         m = pipe.microbatches
-        stage_params = to_stage_layout(blocks_state, pipe.stages, pipe.virtual_stages)
-        return run(stage_params, head_state, _micro(h, m), jax.tree.map(lambda x: _micro(x, m), batch))
+        layout = lambda tree: to_stage_layout(tree, pipe.stages, pipe.virtual_stages)  # noqa: E731
+        value = run(layout(params), head_state, split_rows(h, m), jax.tree.map(lambda x: split_rows(x, m), batch),
+                    layout(rest))
+        if jax.tree.leaves(rest):
+            nnx.update(blocks, _run_layers(blocks_def, params, rest, jax.lax.stop_gradient(h[:0]))[1])
+        return value
 
     return pipelined_loss
+
+
+def _pins(loss: PipelineLoss, specs: nnx.Module, config: ParallelConfig, mesh):
+    """``(chunk specs, head specs, activation spec)`` for the executor, from the spec model."""
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    block_specs = nnx.split(loss.blocks(specs), nnx.Param, ...)[1]
+    chunk = jax.tree.map(lambda s: P(*tuple(s)[1:]), block_specs, is_leaf=is_spec)
+    head = jax.tree.map(lambda s: P(), nnx.split(loss.head(specs))[1], is_leaf=is_spec)
+    axes = tuple(a for a in batch_axes(config, mesh) if a != config.pipeline.axis)
+    act = P(axes if len(axes) > 1 else axes[0] if axes else None)
+    return chunk, head, act

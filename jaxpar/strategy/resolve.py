@@ -29,10 +29,24 @@ from jaxpar.strategy.layout import Layout, LayoutSpec
 Strategy = Any  # tuple[int, ...] | tuple[str | None | tuple[str, ...], ...] | LayoutSpec | PartitionSpec
 
 
-def _sizes(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
+def mesh_sizes(mesh: Any) -> dict[str, int]:
+    """``{axis: size}`` in axis order, of a ``Mesh``, an ``AbstractMesh`` or a mapping.
+
+    The one place that turns a mesh into axis sizes: everything that only needs sizes (the
+    plan, the search, the cost model) accepts any of the three.
+
+    >>> mesh_sizes({"data": 2, "model": 4})
+    {'data': 2, 'model': 4}
+    """
     if isinstance(mesh, Mapping):
-        return dict(mesh)
-    return dict(zip(mesh.axis_names, mesh.devices.shape))
+        return {str(k): int(v) for k, v in mesh.items()}
+    shape = getattr(mesh, "shape", None)
+    if shape is None or not hasattr(mesh, "axis_names"):
+        raise TypeError(f"expected a Mesh, an AbstractMesh or a mapping axis -> size, got {type(mesh).__name__}")
+    return {str(a): int(shape[a]) for a in mesh.axis_names}
+
+
+_sizes = mesh_sizes
 
 
 def _where(shape, strategy) -> str:

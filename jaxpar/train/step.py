@@ -1,11 +1,16 @@
-"""The compiled training step: loss → gradients → optimizer update, as one XLA program.
+"""The training step, built in one place from one wrapper per technique.
 
-``build_train_step`` returns a pure function ``(params, rest, opt_state, batch) -> (params, rest,
-opt_state, metrics)``; the ``Trainer`` jits it with the plan's shardings. In modes ``"data"``
-and ``"semi_auto"`` the loss runs under the compiler's sharding propagation; in ``"hybrid"``
-the user's loss runs per device inside ``jax.shard_map`` and jaxpar averages it over the
-batch axes, so gradients of replicated parameters are reduced by the transpose of the
-implicit broadcast (``check_vma=True`` keeps this exact).
+`build_step` reads top to bottom as the order the techniques apply in; each wrapper is a
+verb-named function of this module that takes a loss (or gradient) function and returns one
+of the same kind. Every variant of the step — training, gradients only (``lower_grads``),
+evaluation — is a prefix of that one chain, so there is no second copy to drift.
+
+The functions passed along the chain:
+
+- a *model loss* ``loss_fn(model, batch) -> loss | (loss, aux)`` (the user's);
+- a *state loss* ``(params, rest, batch) -> (loss, (aux, rest))`` on the split state;
+- a *gradient function* ``(params, rest, batch) -> (loss, aux, rest, grads)``;
+- the *step* ``(TrainState, batch) -> (TrainState, metrics)``.
 """
 
 from __future__ import annotations
@@ -14,133 +19,283 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.data import part_shapes
+from jaxpar.optim import accumulate, fusion
+from jaxpar.optim.offload import to_device
+from jaxpar.optim.zero import gather_params, reduce_gradients
+from jaxpar.pipeline.model import pipelined
+from jaxpar.plan.state import TrainState, sharded_tx
+from jaxpar.remat import checkpoint_policy
 from jaxpar.strategy import spec_axes
+
+_is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+
+
+class Setting:
+    """What every wrapper may read: the plan, the mesh, the model's graph, and state shapes."""
+
+    def __init__(self, plan, mesh, graphdef, params_like, rest_like):
+        self.plan, self.mesh, self.graphdef = plan, mesh, graphdef
+        self.params_like, self.rest_like = params_like, rest_like
+        self.zero = plan.zero(params_like)
+        self.rest_specs = plan.specs("rest", rest_like)
+
+    def shardings(self, specs):
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
+
+    def constrain(self, tree, specs):
+        return jax.tree.map(jax.lax.with_sharding_constraint, tree, self.shardings(specs))
+
+    def batch_constraint(self, part):
+        """Pins a batch split into parts (``[k, B/k, ...]``) to the batch layout of one part."""
+        specs = self.plan.batch_specs(part)
+        return lambda split: jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(
+            x, NamedSharding(self.mesh, PartitionSpec(None, *s))), split, specs, is_leaf=_is_spec)
 
 
 def split_loss_output(out) -> tuple[jax.Array, Any]:
-    """``loss_fn`` may return a scalar or ``(loss, aux)``."""
-    loss, aux = out if isinstance(out, tuple) else (out, None)
+    """``loss_fn`` may return a scalar or ``(loss, aux)``; anything else is named."""
+    if isinstance(out, tuple):
+        if len(out) != 2:
+            raise ValueError(f"loss_fn returned a tuple of {len(out)} values; return a scalar loss or "
+                             "(loss, aux) with aux any pytree of arrays")
+        loss, aux = out
+    else:
+        loss, aux = out, None
     if not hasattr(loss, "shape") or loss.shape != ():
-        raise ValueError(
-            f"loss_fn must return a scalar loss (or (loss, aux)); got shape {getattr(loss, 'shape', type(loss))}"
-        )
+        raise ValueError(f"loss_fn must return a scalar loss (or (loss, aux)); its loss has shape "
+                         f"{getattr(loss, 'shape', type(loss).__name__)}; reduce it, e.g. with .mean()")
     return loss, aux
 
 
-def make_loss(graphdef, loss_fn: Callable) -> Callable:
-    """``(params, rest, batch) -> (loss, (aux, new_rest))`` for the merged model."""
+# --------------------------------------------------------------------------- the chain
+
+
+def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
+    """``(params as stored, rest, batch) -> (loss, aux, rest, grads)`` for a global ``batch`` shape."""
+    plan = s.plan
+    k, n = plan.grad_accum, plan.interleave
+    micro, part = part_shapes(batch, k), part_shapes(batch, k * n)
+    # A pipeline is a model loss too: its stages run the blocks as the schedule over the
+    # pipe axis, so every wrapper below applies to it unchanged.
+    loss_fn = pipeline(s, loss_fn)
+    if plan.loss_runs == "per_device" and (plan.config.comm_fusion is not None or plan.zero_level):
+        # Per-device gradients reduced by jaxpar: bucketed all-reduces and reduce-scatters
+        # to the ZeRO shards, inside the same shard_map as the loss.
+        grads = reduce_per_device(s, loss_fn, micro, lambda f: interleave(recompute(f, plan.remat), n))
+    else:
+        loss = merge(s, loss_fn, part)
+        # ZeRO-3 gathers the stored shards to the compute layout *inside* the loss, so that
+        # recompute (next) gathers them again in the backward instead of keeping them.
+        loss = gather(s, loss)
+        loss = recompute(loss, plan.remat)
+        # Multi-copy: the parts run one after another in one program, so one part's
+        # collectives can overlap the next part's compute.
+        loss = interleave(loss, n, s.batch_constraint(part))
+        grads = differentiate(loss)
+    # Accumulation scans everything above over k micro-batches; the running sum is kept in
+    # the ZeRO gradient layout (sharded from level 2).
+    return accumulate_grads(s, grads, k, micro)
+
+
+def build_step(s: Setting, loss_fn: Callable, tx: optax.GradientTransformation, batch) -> Callable:
+    """``(TrainState, batch) -> (TrainState, metrics)``: gradients, then the update."""
+    grads = build_grads(s, loss_fn, batch)
+    # The update runs on the ZeRO shards of the optimizer state (level >= 1).
+    return update(s, grads, sharded_tx(s.plan, s.mesh, tx, s.params_like))
+
+
+def build_eval(s: Setting, loss_fn: Callable, batch) -> Callable:
+    """``(TrainState, batch) -> loss``: the forward of the chain, no gradients."""
+    loss = gather(s, merge(s, pipeline(s, loss_fn), batch))
+
+    def evaluate(state: TrainState, batch):
+        return loss(enter(s, state.params), state.rest, batch)[0]
+
+    return evaluate
+
+
+# --------------------------------------------------------------------------- wrappers
+
+
+def pipeline(s: Setting, loss_fn: Callable) -> Callable:
+    """``pipeline.stages > 1``: the ``PipelineLoss`` run as the schedule over the pipe axis."""
+    if s.plan.pipeline.stages == 1:
+        return loss_fn
+    specs = nnx.merge(s.graphdef, s.plan.specs("params", s.params_like), s.rest_specs)
+    return pipelined(loss_fn, s.plan.config, s.mesh, specs=specs)
+
+
+def merge(s: Setting, loss_fn: Callable, batch) -> Callable:
+    """The model loss as a state loss: compiled SPMD, or per device in ``shard_map`` (hybrid)."""
+    if s.plan.loss_runs == "per_device":
+        return per_device(s, loss_fn, batch)
 
     def compute(params, rest, batch):
         # Fresh Variables for the non-parameter state, so the loss may update it in this trace
         # (e.g. dropout advancing its RNG count).
-        rest = jax.tree.map(lambda x: x, rest)
-        model = nnx.merge(graphdef, params, rest)
+        model = nnx.merge(s.graphdef, params, jax.tree.map(lambda x: x, rest))
         loss, aux = split_loss_output(loss_fn(model, batch))
         return loss, (aux, nnx.state(model, nnx.Not(nnx.Param)))
 
     return compute
 
 
-def make_hybrid_loss(graphdef, loss_fn: Callable, mesh, specs: tuple, batch_axes: tuple[str, ...]) -> Callable:
-    """The user's loss run per device in ``shard_map``, averaged over the batch axes."""
-    param_specs, rest_specs, batch_specs = specs
+def per_device(s: Setting, loss_fn: Callable, batch) -> Callable:
+    """Hybrid: the user's loss per device in ``shard_map``, averaged over the batch axes; the
+    non-parameter state it updates comes back (float statistics averaged like the loss)."""
+    axes = s.plan.batch_axes()
+    compute_specs = s.plan.specs("params", s.params_like)
+    batch_specs = s.plan.batch_specs(batch)
 
     def local(params, rest, batch):
-        model = nnx.merge(graphdef, params, rest)
+        model = nnx.merge(s.graphdef, params, rest)
         loss, aux = split_loss_output(loss_fn(model, batch))
-        mean = (lambda x: jax.lax.pmean(x, batch_axes)) if batch_axes else (lambda x: x)
-        return mean(loss), jax.tree.map(mean, aux)
+        return _mean(loss, axes), jax.tree.map(lambda x: _mean(x, axes), aux), \
+            _agree(nnx.state(model, nnx.Not(nnx.Param)), axes)
 
     def compute(params, rest, batch):
-        loss, aux = jax.shard_map(
-            local,
-            mesh=mesh,
-            in_specs=(param_specs, rest_specs, batch_specs),
-            out_specs=(PartitionSpec(), PartitionSpec()),
-            check_vma=True,
+        loss, aux, rest = jax.shard_map(
+            local, mesh=s.mesh, in_specs=(compute_specs, s.rest_specs, batch_specs),
+            out_specs=(PartitionSpec(), PartitionSpec(), s.rest_specs), check_vma=True,
         )(params, rest, batch)
         return loss, (aux, rest)
 
     return compute
 
 
-def make_hybrid_grads(graphdef, loss_fn: Callable, mesh, specs: tuple, batch_axes: tuple[str, ...],
-                      reduce: Callable, grad_specs, wrap_local: Callable = lambda f: f,
-                      gather: Callable = lambda params: params) -> Callable:
-    """Hybrid mode, gradients reduced by jaxpar: ``(params, rest, batch) -> (loss, aux, rest, grads)``.
+def gather(s: Setting, loss: Callable) -> Callable:
+    """ZeRO-3: parameters stored sharded are constrained to their compute layout where used."""
+    if s.plan.zero_level < 3 or s.plan.loss_runs == "per_device":
+        return loss   # (per device, `reduce_per_device` all-gathers inside the shard_map)
 
-    The gradients are taken per device (the parameters are made varying over the batch axes
-    first, so nothing is reduced implicitly), then ``reduce(grads)`` averages them over the
-    batch axes into ``grad_specs`` inside the same ``shard_map``: bucketed all-reduces
-    (``comm_fusion``) and/or reduce-scatters to the ZeRO shards. ``wrap_local`` wraps the
-    per-device loss ``(params, rest, batch) -> (loss, (aux, rest))`` (e.g. recompute, parts);
-    ``gather`` runs first inside it (ZeRO-3: all-gather the parameter shards), so recompute
-    gathers again in the backward."""
-    param_specs, rest_specs, batch_specs = specs
+    def gathered(params, rest, batch):
+        return loss(s.constrain(params, s.zero.compute), rest, batch)
 
-    def local_loss(params, rest, batch):
-        model = nnx.merge(graphdef, gather(params), rest)
+    return gathered
+
+
+def recompute(loss: Callable, policy: str) -> Callable:
+    """``remat``: keep only what the policy saves; recompute the rest in the backward."""
+    if policy == "none":
+        return loss
+    return jax.checkpoint(loss, policy=checkpoint_policy(policy))
+
+
+def interleave(loss: Callable, n: int, constrain: Callable = lambda b: b) -> Callable:
+    """``interleave=n``: the loss of ``n`` parts of the batch, unrolled one after another."""
+    return accumulate.interleave_loss(loss, n, constrain_parts=constrain)
+
+
+def differentiate(loss: Callable) -> Callable:
+    """A state loss → a gradient function (gradients with respect to the parameters)."""
+
+    def compute(params, rest, batch):
+        (value, (aux, rest)), grads = jax.value_and_grad(loss, has_aux=True)(params, rest, batch)
+        return value, aux, rest, grads
+
+    return compute
+
+
+def reduce_per_device(s: Setting, loss_fn: Callable, batch, wrap: Callable) -> Callable:
+    """Hybrid with ZeRO or comm_fusion: per-device gradients reduced by jaxpar in ``shard_map``
+    (parameters made varying first so nothing is reduced implicitly; ZeRO-3 shards gathered
+    inside the loss, so recompute gathers them again)."""
+    plan, zero = s.plan, s.zero
+    axes = plan.batch_axes()
+    if set(zero.axes) - set(axes):
+        raise ValueError(f"optimizer.axis {zero.axes} must be batch axes {axes} in mode='hybrid'; set "
+                         f"optimizer.axis to one of {axes}")
+    bucket = fusion.bucket_bytes(plan.config.comm_fusion) if plan.config.comm_fusion is not None else None
+    others = (lambda leaves, on: fusion.bucketed_psum(leaves, on, bucket)) if bucket else None
+    target = zero.state if plan.zero_level else zero.compute
+    batch_specs = plan.batch_specs(batch)
+
+    def state_loss(params, rest, batch):
+        model = nnx.merge(s.graphdef, gather_params(params, zero.params, zero.compute), rest)
         loss, aux = split_loss_output(loss_fn(model, batch))
-        return loss, (aux, rest)
+        return loss, (aux, nnx.state(model, nnx.Not(nnx.Param)))
 
-    local_loss = wrap_local(local_loss)
+    state_loss = wrap(state_loss)
 
-    def varying(x, spec):
-        # a parameter is varying over the mesh axes of its spec, invariant over the others
-        missing = tuple(a for a in batch_axes if a not in {b for e in spec for b in spec_axes(e)})
+    def varying(x, spec):   # a parameter varies over the axes of its spec only
+        missing = tuple(a for a in axes if a not in {b for e in spec for b in spec_axes(e)})
         return jax.lax.pcast(x, missing, to="varying") if missing else x
 
     def local(params, rest, batch):
-        grad_fn = jax.value_and_grad(lambda p: local_loss(p, rest, batch), has_aux=True)
-        (loss, (aux, _)), grads = grad_fn(jax.tree.map(varying, params, param_specs))
-        mean = (lambda x: jax.lax.pmean(x, batch_axes)) if batch_axes else (lambda x: x)
-        return mean(loss), jax.tree.map(mean, aux), reduce(grads) if batch_axes else grads
+        grad_fn = jax.value_and_grad(lambda p: state_loss(p, rest, batch), has_aux=True)
+        (loss, (aux, rest)), grads = grad_fn(jax.tree.map(varying, params, zero.params, is_leaf=_is_spec))
+        grads = reduce_gradients(grads, zero.params, target, axes, others) if axes else grads
+        return _mean(loss, axes), jax.tree.map(lambda x: _mean(x, axes), aux), _agree(rest, axes), grads
 
     def compute(params, rest, batch):
-        loss, aux, grads = jax.shard_map(
-            local, mesh=mesh, in_specs=(param_specs, rest_specs, batch_specs),
-            out_specs=(PartitionSpec(), PartitionSpec(), grad_specs), check_vma=True,
+        return jax.shard_map(
+            local, mesh=s.mesh, in_specs=(zero.params, s.rest_specs, batch_specs),
+            out_specs=(PartitionSpec(), PartitionSpec(), s.rest_specs, target), check_vma=True,
         )(params, rest, batch)
-        return loss, aux, rest, grads
 
     return compute
 
 
-def value_and_grads(compute_loss: Callable) -> Callable:
-    """``compute_loss`` → ``(params, rest, batch) -> (loss, aux, rest, grads)``."""
-
-    def compute(params, rest, batch):
-        (loss, (aux, rest)), grads = jax.value_and_grad(compute_loss, has_aux=True)(params, rest, batch)
-        return loss, aux, rest, grads
-
-    return compute
+def accumulate_grads(s: Setting, grads: Callable, k: int, micro) -> Callable:
+    """``grad_accum=k``: a scan over ``k`` micro-batches; the sum kept in the ZeRO gradient layout."""
+    return accumulate.accumulate_grads(grads, k, constrain_grads=lambda g: s.constrain(g, s.zero.grads),
+                                       constrain_parts=s.batch_constraint(micro))
 
 
-def build_train_step(compute_grads: Callable, tx: optax.GradientTransformation, *,
-                     enter: Callable = lambda params, opt_state: (params, opt_state)) -> Callable:
-    """One optimizer step: ``compute_grads(params, rest, batch) -> (loss, aux, rest, grads)``,
-    then ``tx``. ``enter`` runs first (e.g. moves host-offloaded state into device memory)."""
+def enter(s: Setting, params):
+    """Host-offloaded parameters into device memory, where the step starts using them."""
+    if "params" in s.plan.offload:
+        return to_device(params, s.plan.shardings("stored", s.params_like, s.mesh))
+    return params
 
-    def step(params, rest, opt_state, batch):
-        params, opt_state = enter(params, opt_state)
-        loss, aux, rest, grads = compute_grads(params, rest, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
+
+def update(s: Setting, grads: Callable, tx: optax.GradientTransformation) -> Callable:
+    """One optimizer update after ``grads``; the step counter advances on the device."""
+    offload_state = "opt_state" in s.plan.offload
+
+    def step(state: TrainState, batch):
+        params = enter(s, state.params)
+        opt_state = state.opt_state
+        if offload_state:
+            opt_state = to_device(opt_state, s.plan.shardings("opt_state", opt_state, s.mesh))
+        loss, aux, rest, g = grads(params, state.rest, batch)
+        updates, opt_state = tx.update(g, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(g)}
         if aux is not None:
             metrics["aux"] = aux
-        return params, rest, opt_state, metrics
+        return state.replace(params=params, rest=rest, opt_state=opt_state, step=state.step + 1), metrics
 
     return step
 
 
-def build_eval(compute_loss: Callable) -> Callable:
-    def evaluate(params, rest, batch):
-        loss, (aux, _) = compute_loss(params, rest, batch)
-        return loss
+# --------------------------------------------------------------------------- helpers
 
-    return evaluate
+
+def _mean(x, axes):
+    return jax.lax.pmean(x, axes) if axes else x
+
+
+def _agree(rest, axes):
+    """Per-device non-parameter state made equal across the batch axes: float statistics are
+    averaged (as the loss is); integer state (RNG keys and counts) must already agree."""
+    if not axes:
+        return rest
+
+    def one(x):
+        varying = tuple(a for a in axes if a in getattr(jax.typeof(x), "vma", ()))
+        if not varying:
+            return x
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return jax.lax.pmean(x, varying)
+        raise ValueError(f"mode='hybrid': a non-parameter variable of dtype {x.dtype} and shape {x.shape} "
+                         f"differs across the batch axes {varying}; keep integer state (RNG counts) the same "
+                         "on every device, or use mode='semi_auto'")
+
+    return jax.tree.map(one, rest)

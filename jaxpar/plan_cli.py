@@ -1,10 +1,9 @@
 """``jaxpar plan --search ...``: search a plan for the example GPT, print it, save it.
 
-Wiring (in ``jaxpar/cli.py``)::
+Wiring (in ``jaxpar/cli.py``, which imports this module, never the other way)::
 
-    from jaxpar.auto.cli import add_plan_search_arguments, run_plan_search
     add_plan_search_arguments(p)                  # on the "plan" sub-parser
-    # in cmd_plan: if args.search: return run_plan_search(args, build_job)
+    # in cmd_plan: if args.search: return run_plan_search(args, build_job, model_config)
 """
 
 from __future__ import annotations
@@ -56,17 +55,17 @@ def _parse_annotation(text: str):
     return glob, PartitionSpec(*entries)
 
 
-def _plan_job(args, config, mesh, batch, costs):
+def _plan_job(args, config, mesh, batch, costs, model_config):
     """`jaxpar.auto.plan_job` for the example GPT, with the CLI's option lists."""
     from flax import nnx
 
     from jaxpar.auto import plan_job
-    from jaxpar.cli import _model_config
     from jaxpar.models.gpt import GPT, loss_fn, pipeline_loss
+    from jaxpar.train import compile_step
 
     stages = _ints(args.pipeline_options, "--pipeline-options")
     remat = tuple(r.strip() for r in args.remat_options.split(",") if r.strip())
-    gpt = _model_config(args, config)
+    gpt = model_config(args, config)
     if stages and max(stages) > 1 and not gpt.scan_layers:
         # a pipeline cuts the stacked blocks: every option is planned on scanned layers
         print("note: --pipeline-options above 1 plan the model with scanned layers (--scan); its parameter "
@@ -81,7 +80,7 @@ def _plan_job(args, config, mesh, batch, costs):
                    zero_levels=_ints(args.zero_levels, "--zero-levels"),
                    grad_accum=_ints(args.accum_options, "--accum-options"), remat=remat, pipeline_stages=stages,
                    microbatches=_ints(args.microbatch_options, "--microbatch-options")
-                   if args.microbatch_options else None, schedule=args.schedule)
+                   if args.microbatch_options else None, schedule=args.schedule, dry_run=compile_step)
     print(job.explain())
     if job.remat != "none":
         print(f"recompute: build the model with GPTConfig(remat={job.remat!r})")
@@ -92,7 +91,7 @@ def _plan_job(args, config, mesh, batch, costs):
     return job
 
 
-def run_plan_search(args, build_job) -> int:
+def run_plan_search(args, build_job, model_config) -> int:
     """Handler: search (or plan the job within ``--memory-budget``), print the table, save it."""
     from jaxpar.auto import CostParams, search
     from jaxpar.models.gpt import loss_fn
@@ -104,7 +103,7 @@ def run_plan_search(args, build_job) -> int:
     config = dataclasses.replace(config, mode="auto", search=args.search, rules={})
     annotate = dict(_parse_annotation(a) for a in args.annotate)
     if args.memory_budget:
-        job = _plan_job(args, config, mesh, batch, costs)
+        job = _plan_job(args, config, mesh, batch, costs, model_config)
         plan = job.plan
         if args.plan_out:
             import json

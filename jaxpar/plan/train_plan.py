@@ -1,0 +1,325 @@
+"""``TrainPlan``: every layout decision of a training job, as one value.
+
+A plan is a pure function of (config, mesh sizes, abstract state, optimizer): the same inputs
+always give the same plan. It holds, by parameter path, where each parameter is used
+(compute specs), where it is stored (ZeRO-3), how its gradient is kept (ZeRO-2), where every
+optimizer-state leaf and every non-parameter variable lives, and the techniques the step
+applies (pipeline, recompute, accumulation, multi-copy, communication fusion, offload). It
+prints as a table, saves to JSON, loads back and diffs against another plan::
+
+    >>> plan = make_train_plan(config, mesh, model, optax.adamw(1e-3))      # doctest: +SKIP
+    >>> print(plan)                                  # path -> compute / stored spec, bytes
+    >>> plan.to_json("plan.json"); TrainPlan.from_json("plan.json") == plan
+    True
+    >>> plan.diff(other_plan)                        # ["params/head: compute P(...) -> P(...)", ...]
+
+Spec trees for ``jax.jit`` come from `TrainPlan.specs` (a section's specs laid out like a
+given state tree, matched by path), so a loaded plan applies to any state with the same
+paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.config import ParallelConfig, _plain, _tuplify
+from jaxpar.data import batch_axes, batch_specs
+from jaxpar.nn.plan import check_plan_covers, is_variable, path_str, plan_state
+from jaxpar.optim.zero import ZeroPlan, opt_state_specs, zero_plan
+from jaxpar.strategy import mesh_sizes, spec_axes
+
+SECTIONS = ("params", "stored", "grads", "update", "opt_state", "rest")
+_OFFLOADED = {"stored": "params", "opt_state": "opt_state"}   # plan section -> offload target
+FORMAT = "jaxpar.train_plan/1"
+_is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+
+
+def flat_paths(tree) -> list[tuple[str, Any]]:
+    """``[(path, leaf)]`` of a state tree (NNX Variables count as leaves; ``value`` dropped)."""
+    return [(path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_variable)[0]]
+
+
+def _flat_specs(specs) -> dict[str, PartitionSpec]:
+    flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: _is_spec(x) or is_variable(x))[0]
+    out = {}
+    for p, s in flat:
+        out[path_str(p)] = s.get_value() if is_variable(s) else s
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainPlan:
+    """Where every array of a training job lives and how the step is built (see module doc).
+
+    Attributes:
+      config: the ``ParallelConfig`` the plan realises (for a searched plan: the search's
+        result as a ``mode="semi_auto"`` config).
+      mesh: mesh axis name -> size.
+      source: ``"given"`` (the config's strategies) or ``"searched:<algorithm>"``.
+      params: path -> ``PartitionSpec`` where each parameter is used (compute layout).
+      stored: path -> where each parameter is stored between steps (differs at ZeRO-3).
+      grads: path -> where each gradient is kept before the update (differs from ZeRO-2).
+      update: path -> where the optimizer update of each parameter runs (differs from
+        ZeRO-1: gradients are reduced to these shards and parameter-shaped optimizer state
+        lives there).
+      opt_state: optimizer-state leaf path -> ``PartitionSpec``.
+      rest: path -> ``PartitionSpec`` of every non-parameter variable (RNG state, statistics).
+      zero_axes: the mesh axes ZeRO shards over (``()`` at level 0).
+      unsharded: parameters above the ZeRO threshold that no dimension could take.
+      offload: ``"params"`` / ``"opt_state"`` kept in host memory between steps.
+      shapes: path -> (shape, dtype) of every parameter, for the table and byte counts.
+    """
+
+    config: ParallelConfig
+    mesh: Mapping[str, int]
+    source: str
+    params: Mapping[str, PartitionSpec]
+    stored: Mapping[str, PartitionSpec]
+    grads: Mapping[str, PartitionSpec]
+    update: Mapping[str, PartitionSpec]
+    opt_state: Mapping[str, PartitionSpec]
+    rest: Mapping[str, PartitionSpec]
+    zero_axes: tuple[str, ...] = ()
+    unsharded: tuple[str, ...] = ()
+    offload: tuple[str, ...] = ()
+    shapes: Mapping[str, tuple[tuple[int, ...], str]] = dataclasses.field(default_factory=dict)
+
+    # ----------------------------------------------------------------- techniques
+    @property
+    def loss_runs(self) -> str:
+        """``"spmd"`` (one program under the compiler's propagation) or ``"per_device"``
+        (the user's loss inside ``shard_map``: mode ``"hybrid"``)."""
+        return "per_device" if self.config.mode == "hybrid" else "spmd"
+
+    @property
+    def pipeline(self):
+        return self.config.pipeline
+
+    @property
+    def remat(self) -> str:
+        return self.config.remat
+
+    @property
+    def grad_accum(self) -> int:
+        return self.config.grad_accum
+
+    @property
+    def interleave(self) -> int:
+        return self.config.interleave
+
+    @property
+    def zero_level(self) -> int:
+        return self.config.optimizer.level
+
+    def batch_axes(self) -> tuple[str, ...]:
+        return batch_axes(self.config, self.mesh)
+
+    def batch_specs(self, batch) -> Any:
+        """``PartitionSpec`` per leaf of ``batch`` (arrays or shapes of the global batch)."""
+        return batch_specs(self.config, self.mesh, batch)
+
+    # ----------------------------------------------------------------- spec trees
+    def specs(self, section: str, like) -> Any:
+        """The ``PartitionSpec`` tree of ``section`` laid out like the state tree ``like``.
+
+        ``like``'s leaves (or NNX Variables) are matched to the plan by path; a path the
+        plan does not know is an error naming it (the plan was made for another model).
+        """
+        table = getattr(self, section)
+
+        def one(path, x):
+            key = path_str(path)
+            if key not in table:
+                known = list(table)[:4]
+                raise ValueError(f"TrainPlan.{section} has no entry for {key!r} (it plans paths like {known}); "
+                                 "make the plan from the same model and optimizer")
+            spec = table[key]
+            return x.replace(spec) if is_variable(x) else spec
+
+        return jax.tree_util.tree_map_with_path(one, like, is_leaf=is_variable)
+
+    def zero(self, params_like):
+        """The ``jaxpar.optim.ZeroPlan`` (spec trees like ``params_like``) of this plan."""
+        tree = lambda section: self.specs(section, params_like)  # noqa: E731
+        return ZeroPlan(tree("params"), tree("stored"), tree("grads"), tree("update"), self.zero_axes, self.unsharded)
+
+    def shardings(self, section: str, like, mesh) -> Any:
+        """``NamedSharding`` tree of ``section`` (host memory where the plan offloads it)."""
+        memory = "pinned_host" if _OFFLOADED.get(section) in self.offload else None
+
+        def one(s):
+            sharding = NamedSharding(mesh, s)
+            return sharding.with_memory_kind(memory) if memory else sharding
+
+        return jax.tree.map(one, self.specs(section, like), is_leaf=_is_spec)
+
+    # ----------------------------------------------------------------- show
+    def rows(self) -> list[tuple[str, tuple[int, ...], str, PartitionSpec, PartitionSpec, int, int]]:
+        """``(path, shape, dtype, compute spec, stored spec, bytes, stored bytes/device)`` per parameter."""
+        out = []
+        for path, spec in self.params.items():
+            shape, dtype = self.shapes.get(path, ((), "float32"))
+            nbytes = math.prod(shape) * _itemsize(dtype)
+            stored = self.stored[path]
+            out.append((path, tuple(shape), dtype, spec, stored, nbytes, nbytes // _shards(stored, self.mesh)))
+        return out
+
+    def table(self, width: int = 140) -> str:
+        """The plan as text: one row per parameter, then the techniques."""
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"train plan ({self.source}) on mesh {dict(self.mesh)}")
+        for col in ("parameter", "shape", "compute spec", "stored spec", "bytes", "stored/device"):
+            t.add_column(col, justify="right" if "bytes" in col or "device" in col else "left")
+        total = per_dev = 0
+        for path, shape, _, spec, stored, nbytes, dev in self.rows():
+            t.add_row(path, str(shape), str(tuple(spec)), str(tuple(stored)) if stored != spec else "=",
+                      f"{nbytes:,}", f"{dev:,}")
+            total, per_dev = total + nbytes, per_dev + dev
+        t.add_row("total", "", "", "", f"{total:,}", f"{per_dev:,}", style="bold")
+        console = Console(record=True, width=width, file=open("/dev/null", "w"))
+        console.print(t)
+        console.print(self.summary())
+        return console.export_text()
+
+    def summary(self) -> str:
+        c = self.config
+        parts = [f"loss runs {self.loss_runs}", f"batch over {self.batch_axes() or 'nothing'}",
+                 f"ZeRO-{c.optimizer.level}" + (f" over {self.zero_axes}" if self.zero_axes else ""),
+                 f"remat {c.remat}", f"grad_accum {c.grad_accum}", f"interleave {c.interleave}"]
+        if c.pipeline.stages > 1:
+            parts.append(f"pipeline {c.pipeline.schedule} stages={c.pipeline.stages} "
+                         f"microbatches={c.pipeline.microbatches} virtual={c.pipeline.virtual_stages}")
+        if c.comm_fusion is not None:
+            parts.append(f"comm_fusion {c.comm_fusion.mode}")
+        if self.offload:
+            parts.append(f"offload {list(self.offload)}")
+        return "; ".join(parts)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    # ----------------------------------------------------------------- files
+    def to_dict(self) -> dict[str, Any]:
+        spec = lambda s: _plain(s)["PartitionSpec"]  # noqa: E731
+        return {
+            "format": FORMAT, "config": self.config.to_dict(), "mesh": dict(self.mesh), "source": self.source,
+            **{section: {p: spec(s) for p, s in getattr(self, section).items()} for section in SECTIONS},
+            "zero_axes": list(self.zero_axes), "unsharded": list(self.unsharded), "offload": list(self.offload),
+            "shapes": {p: [list(shape), dtype] for p, (shape, dtype) in self.shapes.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TrainPlan":
+        if not isinstance(d, Mapping) or d.get("format") != FORMAT:
+            raise ValueError(f"not a jaxpar train plan (format {getattr(d, 'get', lambda k: None)('format')!r}; "
+                             f"expected {FORMAT!r})")
+        spec = lambda entries: _tuplify({"PartitionSpec": entries})  # noqa: E731
+        return cls(
+            config=ParallelConfig.from_dict(d["config"]), mesh=dict(d["mesh"]), source=d["source"],
+            **{section: {p: spec(e) for p, e in d[section].items()} for section in SECTIONS},
+            zero_axes=tuple(d.get("zero_axes", ())), unsharded=tuple(d.get("unsharded", ())),
+            offload=tuple(d.get("offload", ())),
+            shapes={p: (tuple(shape), dtype) for p, (shape, dtype) in d.get("shapes", {}).items()},
+        )
+
+    def to_json(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def from_json(cls, path: str) -> "TrainPlan":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def diff(self, other: "TrainPlan") -> list[str]:
+        """One line per difference: mesh, techniques, then every spec that changed, by path."""
+        out = []
+        if dict(self.mesh) != dict(other.mesh):
+            out.append(f"mesh: {dict(self.mesh)} -> {dict(other.mesh)}")
+        if self.summary() != other.summary():
+            out.append(f"techniques: {self.summary()} -> {other.summary()}")
+        for section in SECTIONS:
+            a, b = getattr(self, section), getattr(other, section)
+            for path in sorted(set(a) | set(b)):
+                if a.get(path) != b.get(path):
+                    out.append(f"{section}/{path}: {_show(a.get(path))} -> {_show(b.get(path))}")
+        return out
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TrainPlan) and self.to_dict() == other.to_dict()
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+
+def _show(spec) -> str:
+    return "absent" if spec is None else str(tuple(spec))
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:           # PRNG key dtypes: counted as their uint32 key data
+        return 4
+
+
+def _shards(spec: PartitionSpec, sizes: Mapping[str, int]) -> int:
+    return math.prod(sizes[a] for e in spec for a in spec_axes(e))
+
+
+def _abstract(x):
+    value = x.get_value() if is_variable(x) else x
+    return jax.ShapeDtypeStruct(np.shape(value), value.dtype)
+
+
+def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.GradientTransformation, *,
+                    offload: tuple[str, ...] = (), source: str = "given") -> TrainPlan:
+    """The `TrainPlan` of ``config`` on ``mesh`` for a model and optimizer.
+
+    Args:
+      config: the ``ParallelConfig`` (``mode="auto"`` needs a search first: see
+        ``jaxpar.auto.plan_training``).
+      mesh: a ``Mesh``, ``AbstractMesh`` or ``{axis: size}``: only sizes are read.
+      model_or_state: an NNX module (abstract ones from ``nnx.eval_shape`` work) or its
+        ``(params, rest)`` states.
+      tx: the optax optimizer (its state's layout follows the parameters').
+      offload: ``"params"`` and/or ``"opt_state"`` to keep in host memory.
+      source: recorded as the plan's origin.
+
+    >>> plan = make_train_plan(config, {"data": 8}, nnx.eval_shape(make_model), optax.adamw(1e-3))  # doctest: +SKIP
+    """
+    if config.mode == "auto":
+        raise ValueError("make_train_plan: mode='auto' has no strategies to plan yet; search first with "
+                         "jaxpar.auto.plan_training(model, loss_fn, batch, config, mesh, tx)")
+    sizes = mesh_sizes(mesh)
+    if isinstance(model_or_state, nnx.Module):
+        _, params, rest = nnx.split(model_or_state, nnx.Param, ...)
+    else:
+        params, rest = model_or_state
+    param_specs = plan_state(config, sizes, params, check_unused=False)
+    rest_specs = plan_state(config, sizes, rest, check_unused=False)
+    check_plan_covers(config, params, rest)
+    abstract = jax.tree.map(_abstract, params, is_leaf=is_variable)
+    pure_specs = jax.tree.map(lambda v: v.get_value(), param_specs, is_leaf=is_variable)
+    zero = zero_plan(config.optimizer, sizes, pure_specs, abstract)
+    opt = opt_state_specs(tx, zero.state, abstract)
+    shapes = {p: (tuple(a.shape), str(a.dtype)) for p, a in flat_paths(abstract)}
+    return TrainPlan(
+        config=config, mesh=sizes, source=source,
+        params=_flat_specs(pure_specs), stored=_flat_specs(zero.params), grads=_flat_specs(zero.grads),
+        update=_flat_specs(zero.state),
+        opt_state=_flat_specs(opt), rest=_flat_specs(rest_specs),
+        zero_axes=tuple(zero.axes), unsharded=tuple(zero.unsharded), offload=tuple(offload), shapes=shapes,
+    )
