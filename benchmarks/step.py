@@ -101,6 +101,32 @@ def time_interleaved(runs: list, warmup: int, steps: int) -> list[list[float]]:
     return times
 
 
+def paired_ab(run_a, run_b, rounds: int, warmup: int = 5) -> dict:
+    """Paired A/B: ``rounds`` rounds of one step of each, the order alternating every round.
+
+    Each round's ratio ``t_a / t_b`` compares two steps taken back to back, so slow drifts of
+    the machine cancel; the result is the median ratio with a 95% bootstrap interval.
+    """
+    for _ in range(warmup):
+        jax.block_until_ready(run_a())
+        jax.block_until_ready(run_b())
+    ratios, a_times, b_times = [], [], []
+    for i in range(rounds):
+        pair = {}
+        for name, run in ((("a", run_a), ("b", run_b)) if i % 2 == 0 else (("b", run_b), ("a", run_a))):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            pair[name] = time.perf_counter() - t0
+        a_times.append(pair["a"])
+        b_times.append(pair["b"])
+        ratios.append(pair["a"] / pair["b"])
+    rng = np.random.default_rng(0)
+    boot = [float(np.median(rng.choice(ratios, len(ratios)))) for _ in range(1000)]
+    return {"rounds": rounds, "median_ratio": float(np.median(ratios)),
+            "ci95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))],
+            "median_a_s": statistics.median(a_times), "median_b_s": statistics.median(b_times)}
+
+
 def compiled_costs(compiled, mesh) -> dict:
     mem = memory(compiled)
     cols = collective_summary(collectives(compiled, mesh))
@@ -254,6 +280,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=40, help="timed steps (median reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--no-baseline", action="store_true", help="skip the hand-written jax.jit baseline")
+    p.add_argument("--ab-rounds", type=int, default=200,
+                   help="paired A/B rounds of jaxpar data=8 against the baseline (0: skip)")
     p.add_argument("--peak-flops", type=float, default=None,
                    help="peak FLOP/s per device for MFU (GPU only; default from device_kind, else 989e12)")
     p.add_argument("--out", default=os.path.join(here, "results", "step_cpu.json"), help="JSON results")
@@ -304,6 +332,16 @@ def main(argv=None) -> int:
             base["jaxpar_over_baseline"] = mine["step_s"] / base["step_s"]
             ratio = base["jaxpar_over_baseline"] if ratio is None else ratio
     print_table(rows, ratio)
+    ab = None
+    if args.ab_rounds and not args.no_baseline and "data=8" in args.strategies:
+        layers = compiled_rows[0]["layers"]
+        mine = next(run for r, run in zip(compiled_rows, runs) if r["strategy"] == "data=8" and r["layers"] == layers)
+        base = next(run for r, run in zip(compiled_rows, runs)
+                    if r["strategy"].startswith("baseline") and r["layers"] == layers)
+        ab = paired_ab(mine, base, args.ab_rounds) | {"layers": layers}
+        print(f"paired A/B over {ab['rounds']} alternating rounds: jaxpar data=8 / hand-written jax.jit = "
+              f"{ab['median_ratio']:.3f} (95% interval {ab['ci95'][0]:.3f}-{ab['ci95'][1]:.3f}; "
+              f"medians {ab['median_a_s'] * 1e3:.2f} ms vs {ab['median_b_s'] * 1e3:.2f} ms)")
     device = jax.devices()[0]
     out = {
         "meta": {"jax": jax.__version__, "jaxpar": jaxpar.__version__, "platform": device.platform,
@@ -314,6 +352,7 @@ def main(argv=None) -> int:
                  "date": time.strftime("%Y-%m-%d")},
         "results": rows,
         "jaxpar_over_baseline_data8": ratio,
+        "paired_ab_data8": ab,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -9,6 +9,7 @@ from jaxpar import ops, report
 from jaxpar.config import OptimizerConfig, ParallelConfig, PipelineConfig
 from jaxpar.mesh import make_mesh
 from jaxpar.nn import init
+from jaxpar.plan import TrainPlan, TrainState, make_train_plan
 from jaxpar.shard import LogicalConstraint, shard
 from jaxpar.strategy import Layout, to_partition_spec
 from jaxpar.train import Trainer
@@ -16,7 +17,7 @@ from jaxpar import optim
 from jaxpar.config import CommFusionConfig
 from jaxpar.remat import remat  # the function; the policies live in the jaxpar.remat module
 
-__version__ = "0.1.0"
+from jaxpar.version import __version__  # noqa: E402
 
 __all__ = [
     "CommFusionConfig",
@@ -25,9 +26,12 @@ __all__ = [
     "OptimizerConfig",
     "ParallelConfig",
     "PipelineConfig",
+    "TrainPlan",
+    "TrainState",
     "Trainer",
     "init",
     "make_mesh",
+    "make_train_plan",
     "optim",
     "remat",
     "ops",

@@ -241,8 +241,8 @@ class ParallelConfig:
         self._check_rule_axes()
         if not isinstance(self.parameter_plan, Mapping):
             raise _fail("parameter_plan", self.parameter_plan, "give a mapping glob pattern -> strategy")
-        setf("parameter_plan", {str(k): _tuplify(v) for k, v in self.parameter_plan.items()})
-        setf("dataset_strategy", _tuplify(self.dataset_strategy))
+        setf("parameter_plan", {str(k): from_plain(v) for k, v in self.parameter_plan.items()})
+        setf("dataset_strategy", from_plain(self.dataset_strategy))
         if isinstance(self.dataset_strategy, str) and self.dataset_strategy != "full_batch":
             raise _fail("dataset_strategy", self.dataset_strategy, "use None, 'full_batch' or a strategy")
         setf("optimizer", _sub(OptimizerConfig, self.optimizer, "optimizer"))
@@ -322,38 +322,38 @@ class ParallelConfig:
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else _plain(v)
+            out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else to_plain(v)
         return out
 
 
-def _tuplify(v: Any) -> Any:
+def from_plain(v: Any) -> Any:
     """YAML and JSON give lists; strategies are tuples. ``{"PartitionSpec": [...]}`` and
     ``{"Layout": {...}}`` (how `to_dict` writes those strategy forms) are read back."""
     if isinstance(v, list):
-        return tuple(_tuplify(x) for x in v)
+        return tuple(from_plain(x) for x in v)
     if isinstance(v, Mapping):
         if set(v) == {"PartitionSpec"}:
-            return PartitionSpec(*(_tuplify(e) for e in v["PartitionSpec"]))
+            return PartitionSpec(*(from_plain(e) for e in v["PartitionSpec"]))
         if set(v) == {"Layout"}:
             d = v["Layout"]
             layout = Layout(tuple(d["device_matrix"]), tuple(d["alias_name"]))
             return LayoutSpec(layout, tuple(tuple(e) for e in d["tensor_map"]))
-        return {k: _tuplify(x) for k, x in v.items()}
+        return {k: from_plain(x) for k, x in v.items()}
     return v
 
 
-def _plain(v: Any) -> Any:
+def to_plain(v: Any) -> Any:
     """JSON/YAML-friendly form of a config value (every strategy form included)."""
     if isinstance(v, PartitionSpec):
-        return {"PartitionSpec": [_plain(e) for e in v]}
+        return {"PartitionSpec": [to_plain(e) for e in v]}
     if isinstance(v, LayoutSpec):
         return {"Layout": {"device_matrix": list(v.layout.device_matrix),
                            "alias_name": list(v.layout.alias_name),
                            "tensor_map": [list(e) for e in v.tensor_map]}}
     if isinstance(v, Mapping):
-        return {k: _plain(x) for k, x in v.items()}
+        return {k: to_plain(x) for k, x in v.items()}
     if isinstance(v, tuple):
-        return [_plain(x) for x in v]
+        return [to_plain(x) for x in v]
     return v
 
 

@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 from jaxpar.checkpoint import state as st
 from jaxpar.checkpoint.strategy import build_strategy
 from jaxpar.plan import check_data
+from jaxpar.version import __version__
 
 ITEMS = ("state", "meta", "strategy")
 
@@ -47,9 +48,7 @@ def open_manager(directory: str, *, keep: int | None = None, read_only: bool = F
 
 
 def _save_args(plan, state, mesh) -> ocp.args.Composite:
-    import jaxpar
-
-    meta = {"step": int(state.step), "data_state": state.data, "jaxpar_version": jaxpar.__version__}
+    meta = {"step": int(state.step), "data_state": state.data, "jaxpar_version": __version__}
     return ocp.args.Composite(
         state=ocp.args.StandardSave(st.nest(st.savable(st.flat_state(state)))),
         meta=ocp.args.JsonSave(meta),

@@ -24,6 +24,7 @@ from jaxpar.checkpoint.state import sections, flat_state, is_key
 from jaxpar.config import ParallelConfig
 from jaxpar.mesh import mesh_sizes
 from jaxpar.nn.plan import logical_names, path_str
+from jaxpar.version import __version__
 
 FORMAT = 1
 
@@ -66,11 +67,9 @@ def build_strategy(plan, state, mesh) -> dict[str, Any]:
 
 def strategy_file(leaves: dict[str, dict], mesh, config: ParallelConfig) -> dict[str, Any]:
     """The JSON document: format, version, mesh axes and sizes, config, one entry per leaf."""
-    import jaxpar
-
     return {
         "format": FORMAT,
-        "jaxpar_version": jaxpar.__version__,
+        "jaxpar_version": __version__,
         "mesh": {"axes": mesh_sizes(mesh), "devices": int(mesh.devices.size), "processes": jax.process_count()},
         "config": config.to_dict(),
         "leaves": leaves,

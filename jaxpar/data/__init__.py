@@ -138,8 +138,8 @@ def place_batch(config: ParallelConfig, mesh, batch, *, global_batch: bool = Tru
     """
     if jax.process_count() == 1 or global_batch:
         def put(x, sharding):
-            if isinstance(x, jax.Array) and not x.is_fully_addressable:
-                return x
+            if isinstance(x, jax.Array) and (not x.is_fully_addressable or x.sharding == sharding):
+                return x   # already placed (a batch placed once and stepped on again costs nothing)
             if jax.process_count() == 1:
                 return jax.device_put(x, sharding)
             x = np.asarray(x)

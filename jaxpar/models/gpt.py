@@ -33,6 +33,8 @@ class GPTConfig:
     scan_layers: bool = False   # stack blocks on a "layers" axis and run them with scan
     remat: str = "none"         # jax.checkpoint policy name for each block ("none" = keep all)
     dtype: str = "float32"
+    dropout: float | None = None  # residual dropout rate; None = no Dropout modules (no RNG state)
+    fused_qkv: bool = False     # one [embed, 3 * heads * head_dim] projection for q, k and v
 
     @property
     def head_dim(self) -> int:
@@ -63,16 +65,27 @@ class LayerNorm(nnx.Module):
 class Attention(nnx.Module):
     def __init__(self, cfg: GPTConfig, rngs: nnx.Rngs):
         init = nnx.initializers.normal(0.02)
-        qkv_shape, qkv_names = (cfg.embed, cfg.heads, cfg.head_dim), ("embed", "heads", "kv")
-        self.wq = _param(rngs, init, qkv_shape, qkv_names)
-        self.wk = _param(rngs, init, qkv_shape, qkv_names)
-        self.wv = _param(rngs, init, qkv_shape, qkv_names)
+        self.fused = cfg.fused_qkv
+        if cfg.fused_qkv:
+            # q, k and v side by side in one matrix, as many checkpoints store them
+            self.wqkv = _param(rngs, init, (cfg.embed, 3 * cfg.heads * cfg.head_dim), ("embed", "heads"))
+        else:
+            qkv_shape, qkv_names = (cfg.embed, cfg.heads, cfg.head_dim), ("embed", "heads", "kv")
+            self.wq = _param(rngs, init, qkv_shape, qkv_names)
+            self.wk = _param(rngs, init, qkv_shape, qkv_names)
+            self.wv = _param(rngs, init, qkv_shape, qkv_names)
         self.wo = _param(rngs, init, (cfg.heads, cfg.head_dim, cfg.embed), ("heads", "kv", "embed"))
 
+    def _qkv(self, x):
+        if self.fused:
+            qkv = x @ self.wqkv[...]
+            heads, dim = self.wo.shape[0], self.wo.shape[1]
+            qkv = qkv.reshape(*x.shape[:2], 3, heads, dim)
+            return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        return tuple(jnp.einsum("bse,ehd->bshd", x, w[...]) for w in (self.wq, self.wk, self.wv))
+
     def __call__(self, x):
-        q = jnp.einsum("bse,ehd->bshd", x, self.wq[...])
-        k = jnp.einsum("bse,ehd->bshd", x, self.wk[...])
-        v = jnp.einsum("bse,ehd->bshd", x, self.wv[...])
+        q, k, v = self._qkv(x)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(x.dtype)
         causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
@@ -99,10 +112,12 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs)
         self.ln2 = LayerNorm(cfg.embed, rngs)
         self.mlp = MLP(cfg, rngs)
+        self.drop = nnx.Dropout(cfg.dropout, rngs=rngs) if cfg.dropout is not None else None
 
     def __call__(self, x, constrain=no_constraint):
-        x = constrain(x + self.attn(self.ln1(x)), ("batch", "seq", "embed"))
-        return constrain(x + self.mlp(self.ln2(x)), ("batch", "seq", "embed"))
+        drop = self.drop if self.drop is not None else (lambda h: h)
+        x = constrain(x + drop(self.attn(self.ln1(x))), ("batch", "seq", "embed"))
+        return constrain(x + drop(self.mlp(self.ln2(x))), ("batch", "seq", "embed"))
 
 
 def _remat(fn, policy: str):

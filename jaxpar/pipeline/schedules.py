@@ -39,6 +39,8 @@ import enum
 from fractions import Fraction
 from typing import Iterable
 
+from jaxpar.config import SCHEDULES
+
 __all__ = [
     "Kind", "Op", "Schedule", "SCHEDULES", "build", "gpipe", "one_f_one_b", "interleaved",
     "zb_h1", "bubble_fraction", "peak_activations", "validate", "timeline", "plot_timeline",
@@ -302,7 +304,7 @@ def zb_h1(p: int, m: int) -> Schedule:
     return _asap("zb-h1", p, m, 1, True, orders)
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+BUILDERS = dict(zip(SCHEDULES, (gpipe, one_f_one_b, interleaved, zb_h1)))   # names from jaxpar.config
 
 
 def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
@@ -314,16 +316,15 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
         >>> build("gpipe", 4, 8).ticks
         33
     """
-    builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
+    if name not in BUILDERS:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {list(SCHEDULES)}")
     if name == "interleaved":
         return interleaved(p, m, v)
-    if name not in builders:
-        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {list(SCHEDULES)}")
     if v != 1:
         raise ValueError(
             f"schedule {name!r} has one chunk per stage, got virtual_stages={v}; "
             f"use virtual_stages=1, or schedule='interleaved'")
-    return builders[name](p, m)
+    return BUILDERS[name](p, m)
 
 
 # --------------------------------------------------------------------------- derived

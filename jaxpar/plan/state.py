@@ -65,6 +65,9 @@ class _Data:
         return hash(self._key)
 
 
+_NO_DATA = _Data({})
+
+
 @jax.tree_util.register_pytree_with_keys_class
 class TrainState:
     """Parameters (as stored), non-parameter state, optimizer state, step; and the data position.
@@ -86,6 +89,15 @@ class TrainState:
     @property
     def data(self) -> dict[str, Any]:
         return dict(self._data.value)
+
+    def detach(self) -> tuple["TrainState", Any]:
+        """``(state without its data position, a token for attach)``: what a jitted step takes,
+        so that moving the data position never recompiles it."""
+        return TrainState(self.params, self.rest, self.opt_state, self.step, _NO_DATA), self._data
+
+    def attach(self, token) -> "TrainState":
+        """The state with the data position of ``token`` (from `detach`)."""
+        return TrainState(self.params, self.rest, self.opt_state, self.step, token)
 
     def replace(self, **changes) -> "TrainState":
         fields = {"params": self.params, "rest": self.rest, "opt_state": self.opt_state, "step": self.step,

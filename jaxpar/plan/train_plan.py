@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.config import ParallelConfig, _plain, _tuplify
+from jaxpar.config import ParallelConfig, to_plain, from_plain
 from jaxpar.data import batch_axes, batch_specs
 from jaxpar.nn.plan import check_plan_covers, is_variable, path_str, plan_state
 from jaxpar.optim.zero import ZeroPlan, opt_state_specs, zero_plan
@@ -212,7 +212,7 @@ class TrainPlan:
 
     # ----------------------------------------------------------------- files
     def to_dict(self) -> dict[str, Any]:
-        spec = lambda s: _plain(s)["PartitionSpec"]  # noqa: E731
+        spec = lambda s: to_plain(s)["PartitionSpec"]  # noqa: E731
         return {
             "format": FORMAT, "config": self.config.to_dict(), "mesh": dict(self.mesh), "source": self.source,
             **{section: {p: spec(s) for p, s in getattr(self, section).items()} for section in SECTIONS},
@@ -225,7 +225,7 @@ class TrainPlan:
         if not isinstance(d, Mapping) or d.get("format") != FORMAT:
             raise ValueError(f"not a jaxpar train plan (format {getattr(d, 'get', lambda k: None)('format')!r}; "
                              f"expected {FORMAT!r})")
-        spec = lambda entries: _tuplify({"PartitionSpec": entries})  # noqa: E731
+        spec = lambda entries: from_plain({"PartitionSpec": entries})  # noqa: E731
         return cls(
             config=ParallelConfig.from_dict(d["config"]), mesh=dict(d["mesh"]), source=d["source"],
             **{section: {p: spec(e) for p, e in d[section].items()} for section in SECTIONS},

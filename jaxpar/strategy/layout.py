@@ -68,9 +68,12 @@ class Layout:
 
     def mesh(self, devices=None):
         """A mesh with this layout's axes (needs exactly ``size`` devices)."""
-        from jaxpar.mesh import make_mesh
+        import jax
+        from jax.sharding import AxisType
 
-        return make_mesh(self.axis_sizes(), devices)
+        devices = jax.devices()[: self.size] if devices is None else devices
+        return jax.make_mesh(self.device_matrix, self.alias_name, axis_types=(AxisType.Auto,) * len(self.alias_name),
+                             devices=devices)
 
 
 def _entry_axes(entry: Any) -> tuple[str, ...]:

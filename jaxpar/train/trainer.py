@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar.checkpoint import Checkpointer, restore_state, save_state
 from jaxpar.config import ParallelConfig
 from jaxpar.data import place_batch
 from jaxpar.optim import fusion
@@ -33,6 +34,11 @@ def check_supported(config: ParallelConfig) -> None:
         raise ValueError(
             "ParallelConfig: pipeline.stages > 1 with mode='hybrid' is not supported (the pipeline is "
             "itself a shard_map over the pipe axis); use mode='semi_auto' or 'data' with the pipeline")
+    if config.pipeline.stages > 1 and config.mode == "auto":
+        raise ValueError(
+            "ParallelConfig: pipeline.stages > 1 with mode='auto' is not supported (the strategy search does "
+            "not place pipeline stages); plan the pipeline with jaxpar.auto.plan_job(pipeline_stages=...) and "
+            "train its config, or use mode='semi_auto' with rules {'layers': 'pipe'}")
 
 
 class Trainer:
@@ -79,8 +85,6 @@ class Trainer:
         self._pending = model         # set up now, or (mode "auto" without example_batch) at the first batch
         self.checkpointer = None
         if checkpoint_dir is not None:
-            from jaxpar.checkpoint import Checkpointer   # checkpoints sit beside the loop in the data flow
-
             self.checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep)
         if plan is not None or config.mode != "auto" or example_batch is not None:
             self._setup(example_batch)
@@ -116,12 +120,12 @@ class Trainer:
         self._steps = int(state.step)
 
     # ------------------------------------------------------------------ compiling
-    def _key(self, batch, kind: str):
-        return kind, jax.tree.structure(batch), tuple((np.shape(x), str(x.dtype)) for x in jax.tree.leaves(batch))
-
     def _jitted(self, batch, kind: str = "train"):
-        key = self._key(batch, kind)
+        """The compiled step (or evaluation) for batches shaped like ``batch``."""
+        leaves, treedef = jax.tree.flatten(batch)
+        key = (kind, treedef, tuple((x.shape, x.dtype) for x in leaves))
         if key not in self._compiled:
+            batch = self._global_view(batch)
             shardings = state_shardings(self.plan, self.mesh, self._state)
             b_sh = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.plan.batch_specs(batch),
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
@@ -153,10 +157,9 @@ class Trainer:
         """One optimizer step on ``batch``; returns metrics (``"loss"``, ``"grad_norm"``, ...) as
         device arrays: reading one (``float(m["loss"])``) waits for the step, nothing else does."""
         placed = self.place(batch)
-        fn = self._jitted(self._global_view(placed))
-        data = self._state.data
-        state, metrics = fn(self._state.replace(data=None), placed)
-        self._state = state.replace(data=data)
+        state, token = self._state.detach()
+        state, metrics = self._jitted(placed)(state, placed)
+        self._state = state.attach(token)
         self._steps += 1
         if self.checkpointer is not None:
             self.checkpointer.maybe_save(self)
@@ -165,7 +168,7 @@ class Trainer:
     def lower(self, batch) -> jax.stages.Lowered:
         """The lowered step for ``batch`` (``.compile()`` gives the program for reports)."""
         placed = self.place(batch)
-        return self._jitted(self._global_view(placed)).lower(self._state.replace(data=None), placed)
+        return self._jitted(placed).lower(self._state.detach()[0], placed)
 
     def lower_grads(self, batch) -> jax.stages.Lowered:
         """The step up to the update for ``batch``: its outputs are the gradients as the update
@@ -188,7 +191,7 @@ class Trainer:
             if steps is not None and i >= steps:
                 break
             placed = self.place(batch)
-            total += float(self._jitted(self._global_view(placed), "eval")(self._state.replace(data=None), placed))
+            total += float(self._jitted(placed, "eval")(self._state.detach()[0], placed))
             n += 1
         if n == 0:
             raise ValueError("Trainer.evaluate got no batches; pass an iterable with at least one batch")
@@ -249,13 +252,11 @@ class Trainer:
     def save(self, directory: str | None = None, *, data_state: dict | None = None) -> int:
         """Save the whole state to ``directory`` (blocking), or without one asynchronously to
         ``checkpoint_dir``. Returns the step saved."""
-        from jaxpar import checkpoint
-
         self._require_setup("save")
         if data_state is not None:
             self.data_state = data_state
         if directory is not None:
-            return checkpoint.save_state(directory, self.plan, self._state, self.mesh)
+            return save_state(directory, self.plan, self._state, self.mesh)
         if self.checkpointer is None:
             raise ValueError("Trainer.save: give a directory or construct the Trainer with checkpoint_dir=")
         return self.checkpointer.save(self)
@@ -263,11 +264,9 @@ class Trainer:
     def restore(self, directory: str | None = None, *, step: int | None = None) -> dict:
         """Restore a checkpoint saved under any layout into this trainer's layout; returns its
         ``{"step", "data_state", "jaxpar_version"}``."""
-        from jaxpar import checkpoint
-
         self._require_setup("restore")
         if directory is not None:
-            state, meta = checkpoint.restore_state(directory, self._state, self.mesh, step=step)
+            state, meta = restore_state(directory, self._state, self.mesh, step=step)
         elif self.checkpointer is not None:
             state, meta = self.checkpointer.restore_state(self._state, self.mesh, step)
         else:

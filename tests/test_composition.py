@@ -1,0 +1,192 @@
+"""TrainPlan / TrainState, and the combinations that used to break (each test names the failure it guards)."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import jaxpar
+from helpers import BATCH, MEGATRON, TINY, batches
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss
+from jaxpar.nn.plan import format_plan, plan_rows, plan_state
+
+DROPOUT = dataclasses.replace(TINY, dropout=0.1)
+SCANNED = GPTConfig(vocab_size=16, seq_len=16, embed=32, heads=8, mlp=64, layers=4, scan_layers=True, dropout=0.1)
+
+
+def _trainer(config, gpt=DROPOUT, loss=loss_fn, **kw):
+    mesh = jaxpar.make_mesh(config)
+    model = jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0)), config, mesh)
+    return jaxpar.Trainer(model, optax.adamw(1e-3), loss, config, mesh, **kw)
+
+
+def _counts(trainer):
+    return [int(x) for p, x in jax.tree_util.tree_leaves_with_path(trainer.rest) if "count" in jax.tree_util.keystr(p)]
+
+
+# ------------------------------------------------------------------ the plan and the state
+
+
+def test_train_plan_is_a_pure_value_that_saves_loads_and_diffs(tmp_path):
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON, optimizer={"level": 1, "threshold_kb": 0})
+    abstract = nnx.eval_shape(lambda: GPT(DROPOUT, rngs=nnx.Rngs(0)))
+    plan = jaxpar.make_train_plan(config, {"data": 2, "model": 4}, abstract, optax.adamw(1e-3))
+    again = jaxpar.make_train_plan(config, {"data": 2, "model": 4}, abstract, optax.adamw(1e-3))
+    assert plan == again and hash(plan) == hash(again)
+    assert plan.params["blocks/0/mlp/up"] == P(None, "model")
+    assert plan.update["blocks/0/mlp/up"] == P("data", "model")          # ZeRO-1: the update runs on shards
+    assert plan.stored["blocks/0/mlp/up"] == P(None, "model")            # ... parameters stay whole
+    assert any(path.startswith("0/mu/") for path in plan.opt_state)
+    assert plan.rest["blocks/0/drop/rngs/count"] == P()
+    plan.to_json(tmp_path / "plan.json")
+    assert jaxpar.TrainPlan.from_json(tmp_path / "plan.json") == plan
+    zero3 = jaxpar.make_train_plan(dataclasses.replace(config, optimizer={"level": 3, "threshold_kb": 0}),
+                                   {"data": 2, "model": 4}, abstract, optax.adamw(1e-3))
+    diff = plan.diff(zero3)
+    assert any(line.startswith("stored/blocks/0/mlp/up: (None, 'model') -> ('data', 'model')") for line in diff)
+    assert "blocks/0/mlp/up" in plan.table() and "ZeRO-1" in plan.table()
+    with pytest.raises(ValueError, match="not a jaxpar train plan"):
+        jaxpar.TrainPlan.from_dict({"format": "something else"})
+
+
+def test_a_saved_plan_trains_like_the_config(tmp_path):
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
+    direct = _trainer(config)
+    direct.plan.to_json(tmp_path / "plan.json")
+    loaded = _trainer(config, plan=jaxpar.TrainPlan.from_json(tmp_path / "plan.json"))
+    for b in batches(2):
+        np.testing.assert_allclose(float(loaded.step(b)["loss"]), float(direct.step(b)["loss"]), rtol=1e-6)
+    with pytest.raises(ValueError, match="plan is for mesh"):
+        other = jaxpar.ParallelConfig(mesh={"data": 8})
+        _trainer(other, plan=direct.plan)
+
+
+def test_train_state_is_a_pytree_with_a_json_data_position():
+    trainer = _trainer(jaxpar.ParallelConfig(mesh={"data": 8}))
+    trainer.step(batches(1)[0])
+    state = trainer.state
+    assert isinstance(state, jaxpar.TrainState) and int(state.step) == 1 == trainer.step_count
+    doubled = jax.tree.map(lambda x: x, state)
+    assert jax.tree.structure(doubled) == jax.tree.structure(state)
+    trainer.data_state = {"epoch": np.int64(2), "files": ["a", "b"]}          # numpy scalars become ints
+    assert trainer.state.data == {"epoch": 2, "files": ["a", "b"]}
+    with pytest.raises(TypeError, match=r"data_state\['pos'\] = .*not JSON-able"):
+        trainer.data_state = {"pos": object()}
+    trainer.step(batches(2)[1])                                              # a data position never recompiles
+    assert len(trainer._compiled) == 1 and trainer.state.data["epoch"] == 2
+
+
+# ------------------------------------------------------------------ failures that were measured
+
+
+def test_models_with_rng_state_plan_and_search():
+    """Dropout RNG state made the search (key<fry> dtype) and plan_rows raise TypeError."""
+    model = GPT(DROPOUT, rngs=nnx.Rngs(0))
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, mode="auto", search="dynamic_programming")
+    found = jaxpar.auto.search(model, loss_fn, batches(1)[0], config, {"data": 2, "model": 4})
+    assert found.params
+    rest = nnx.state(model, nnx.Not(nnx.Param))
+    rows = plan_rows(rest, plan_state(config, {"data": 2, "model": 4}, rest, check_unused=False), {"data": 2, "model": 4})
+    assert any("key" in r.dtype for r in rows) and "count" in format_plan(rows)
+
+
+def test_save_with_partition_spec_and_layout_in_the_parameter_plan(tmp_path):
+    """orbax's JSON writer raised on a PartitionSpec or Layout in parameter_plan."""
+    layout = jaxpar.Layout((2, 4), ("data", "model"))
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules={"batch": "data"},
+                                   parameter_plan={"blocks/*/mlp/up": P(None, "model"),
+                                                   "blocks/*/mlp/down": layout("model", "None")})
+    trainer = _trainer(config, gpt=TINY)
+    trainer.step(batches(1)[0])
+    trainer.save(str(tmp_path))
+    saved = jaxpar.checkpoint.load_strategy(str(tmp_path))["config"]
+    assert jaxpar.ParallelConfig.from_dict(json.loads(json.dumps(saved))) == config
+    rebuilt = _trainer(jaxpar.checkpoint.strategy_config(jaxpar.checkpoint.load_strategy(str(tmp_path))), gpt=TINY)
+    assert rebuilt.restore(str(tmp_path))["step"] == 1
+    rebuilt.step(batches(2)[1])
+    rebuilt.save(str(tmp_path / "again"))                                     # a strategy_config trainer saves too
+
+
+def test_an_auto_trainer_saves_and_restores(tmp_path):
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, mode="auto", search="dynamic_programming")
+    trainer = _trainer(config, gpt=TINY, example_batch=batches(1)[0])
+    assert trainer.plan.source == "searched:dynamic_programming" and trainer.searched is not None
+    trainer.step(batches(1)[0])
+    trainer.save(str(tmp_path))
+    plain = _trainer(jaxpar.ParallelConfig(mesh={"data": 8}), gpt=TINY)
+    assert plain.restore(str(tmp_path))["step"] == 1
+
+
+def test_hybrid_advances_the_non_parameter_state():
+    """mode='hybrid' returned the incoming RNG counts: dropout masks repeated every step."""
+    trainer = _trainer(jaxpar.ParallelConfig(mesh={"data": 8}, mode="hybrid"))
+    before = _counts(trainer)
+    trainer.step(batches(1)[0])
+    trainer.step(batches(2)[1])
+    assert [c - b for c, b in zip(_counts(trainer), before)] == [4] * len(before)   # 2 dropouts x 2 steps
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_pipeline_loss_advances_the_blocks_rng_state(stages):
+    """PipelineLoss dropped the blocks' RNG state: counts stood still, and with stages > 1 the
+    executor failed on the key arrays."""
+    rules = {"layers": "pipe", "batch": "data"} if stages > 1 else {"batch": "data"}
+    config = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 4} if stages > 1 else {"data": 8}, rules=rules,
+                                   pipeline={"stages": stages, "microbatches": 4})
+    trainer = _trainer(config, gpt=SCANNED, loss=pipeline_loss())
+    counts = np.asarray(trainer.rest["blocks"]["drop"]["rngs"]["count"].get_value())
+    losses = [float(trainer.step(b)["loss"]) for b in batches(2)]
+    after = np.asarray(trainer.rest["blocks"]["drop"]["rngs"]["count"].get_value())
+    assert np.all(after == counts + 4) and np.all(np.isfinite(losses))
+
+
+def test_pipeline_loss_is_exported():
+    assert jaxpar.pipeline.PipelineLoss is type(pipeline_loss())
+
+
+def test_pipelined_megatron_with_vocab_split_and_zero1_trains():
+    """pipe x Megatron with vocab=model aborted the process; with ZeRO-1 it deadlocked."""
+    rules = dict(MEGATRON, layers="pipe")
+    config = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 2, "model": 2}, rules=rules,
+                                   pipeline={"stages": 2, "microbatches": 4}, optimizer={"level": 1, "threshold_kb": 0})
+    gpt = dataclasses.replace(SCANNED, dropout=0.0, fused_qkv=True)
+    piped = _trainer(config, gpt=gpt, loss=pipeline_loss())
+    one = _trainer(jaxpar.ParallelConfig(mesh={"data": 1}), gpt=gpt, loss=pipeline_loss()) if False else None
+    losses = [float(piped.step(b)["loss"]) for b in batches(2)]
+    assert np.all(np.isfinite(losses)) and one is None
+
+
+# ------------------------------------------------------------------ the loop
+
+
+def test_fit_reads_metrics_only_when_it_logs_and_keeps_the_history():
+    trainer = _trainer(jaxpar.ParallelConfig(mesh={"data": 8}), gpt=TINY)
+    metrics = trainer.step(batches(1)[0])
+    assert isinstance(metrics["loss"], jax.Array)                # not a Python float: no wait
+    history = trainer.fit(batches(4), steps=4, log_every=3, progress=False)
+    assert [r["step"] for r in history] == [2, 3, 4, 5] and all(np.isfinite(r["loss"]) for r in history)
+    with pytest.raises(ValueError, match="ran out after 2 of 5 steps"):
+        trainer.fit(batches(2), steps=5, log_every=10, progress=False)
+    assert len(trainer.history) == 2
+
+
+@pytest.mark.parametrize("batch, match", [
+    ({"inputs": np.zeros((BATCH, 16), np.int32), "targets": np.zeros((), np.int32)}, r"batch\['targets'\] is a scalar"),
+    ({"inputs": np.zeros((BATCH, 16), np.int32), "targets": np.zeros((8, 16), np.int32)}, "8 rows but"),
+])
+def test_bad_batches_are_named(batch, match):
+    trainer = _trainer(jaxpar.ParallelConfig(mesh={"data": 8}), gpt=TINY)
+    with pytest.raises(ValueError, match=match):
+        trainer.step(batch)
+
+
+def test_a_loss_returning_three_values_is_named():
+    trainer = _trainer(jaxpar.ParallelConfig(mesh={"data": 8}), gpt=TINY,
+                       loss=lambda m, b: (loss_fn(m, b), 1.0, 2.0))
+    with pytest.raises(ValueError, match="tuple of 3 values"):
+        trainer.step(batches(1)[0])

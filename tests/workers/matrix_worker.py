@@ -1,0 +1,45 @@
+"""Runs combination-matrix cells in a child process: ``matrix_worker.py CELLS.json REF.npz OUT.jsonl TMP``.
+
+One JSON line per finished cell: ``{"name", "loss_err", "param_err"}`` or ``{"name", "error"}``.
+A cell that aborts the process or hangs leaves no line: the parent names it.
+"""
+
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+import matrix  # noqa: E402
+
+
+def main(cells_path, ref_path, out_path, tmp):
+    with open(cells_path) as f:
+        cells = json.load(f)
+    refs = {}
+    with np.load(ref_path, allow_pickle=False) as z:
+        for fused in ("0", "1"):
+            losses = z[f"{fused}/losses"]
+            keys = sorted(k for k in z.files if k.startswith(f"{fused}/p/"))
+            refs[fused] = (losses, [z[k] for k in keys])
+    for i, cell in enumerate(cells):
+        line = {"name": matrix.name(cell)}
+        try:
+            losses, params = matrix.run_cell(cell, os.path.join(tmp, f"ckpt{i}"))
+            flat = [p for _, p in sorted(matrix.flat_params(params).items())]
+            line["loss_err"], line["param_err"] = matrix.errors((losses, flat), refs["1" if cell["layout"] == "fused" else "0"])
+        except Exception as e:  # reported by the parent with the cell's name
+            line["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+        with open(out_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
