@@ -319,10 +319,20 @@ def _interrupted(config, workers, signals, log) -> int:
 
 
 def _deaths(workers, run_dir) -> list[deaths.Death]:
-    """The workers that have ended on their own so far (before the launcher stops the rest)."""
-    return [deaths.death_of(w.rank, w.process.returncode, w.ended_at, w.tail(),
-                            deaths.read_record(run_dir, w.rank))
-            for w in workers if w.poll() is not None]
+    """The workers that have failed on their own so far (before the launcher stops the rest).
+
+    A worker whose runner recorded a failure counts even while its process still tears down
+    (flushing output, say): a peer may die of it, and exit, before it does.
+    """
+    found = []
+    for w in workers:
+        record = deaths.read_record(run_dir, w.rank)
+        if w.poll() is not None:
+            found.append(deaths.death_of(w.rank, w.process.returncode, w.ended_at, w.tail(),
+                                         record))
+        elif record is not None and record.get("code", 0) != 0:
+            found.append(deaths.death_of(w.rank, record["code"], time.time(), w.tail(), record))
+    return found
 
 
 def _failed(config, workers, run_dir: str, log) -> int:
