@@ -108,13 +108,10 @@ def _give_up(spec: ClusterSpec, timeout: float) -> None:
 
 def _bind_address(spec: ClusterSpec, requested: str | None) -> str | None:
     """Process 0's listening address (see ``coordinator_bind_address``); warns when it is all."""
-    where = "bind_address" if requested is not None else BIND_ADDRESS
+    where = "bind_address=" if requested is not None else BIND_ADDRESS
     if requested is None:
         requested = os.environ.get(BIND_ADDRESS)
-    try:
-        bind = coordinator_bind_address(spec.coordinator_address, requested)
-    except ValueError as err:
-        raise ValueError(f"{err} (from {where})") from None
+    bind = coordinator_bind_address(spec.coordinator_address, requested, where)
     if bind is None or bind.rpartition(":")[0].strip("[]") in ("0.0.0.0", "::"):
         sys.stderr.write(
             f"jaxpar: warning: the coordinator of {spec.coordinator_address} listens on all "

@@ -75,7 +75,7 @@ def check_bind_address(address: str, port: int, flag: str = BIND_ADDRESS) -> str
     parts = _split_bind(address, port) if isinstance(address, str) else None
     if parts is None or not 0 < parts[1] < 65536:
         raise ValueError(
-            f"{flag} {address!r} must be an address of this host, with an optional port in "
+            f"{flag}{'' if flag.endswith('=') else ' '}{address!r} must be an address of this host, with an optional port in "
             "1..65535: '127.0.0.1', '10.0.0.1:8118', '[::1]', or '0.0.0.0' to listen on all "
             "interfaces."
         )
@@ -106,7 +106,8 @@ def _is_local_ip(host: str) -> bool:
         return False
 
 
-def coordinator_bind_address(coordinator_address: str, requested: str | None) -> str | None:
+def coordinator_bind_address(coordinator_address: str, requested: str | None,
+                             flag: str = BIND_ADDRESS) -> str | None:
     """Where process 0's coordinator should listen; ``None`` means all interfaces.
 
     ``requested`` (``--bind-address`` / ``JAXPAR_COORDINATOR_BIND_ADDRESS``) wins. Otherwise
@@ -123,7 +124,7 @@ def coordinator_bind_address(coordinator_address: str, requested: str | None) ->
     host, _, port_text = coordinator_address.rpartition(":")
     host, port = host.strip("[]"), int(port_text)
     if requested is not None and requested.strip():
-        return check_bind_address(requested, port)
+        return check_bind_address(requested, port, flag)
     if is_loopback(host) or _is_local_ip(host):
         return _join(host, port)
     return None
