@@ -22,7 +22,8 @@ _LAUNCH_HELP = "start this node's worker processes of a multi-process job (msrun
 _LAUNCH_EPILOG = """\
 examples:
   # one machine, 2 processes x 4 simulated CPU devices
-  jaxpar launch --worker-num 2 --local-worker-num 2 --simulated-devices 4 train.py --steps 5
+  jaxpar launch --worker-num 2 --local-worker-num 2 --simulated-devices 4 \\
+      examples/train_gpt.py --steps 30
   # two nodes, 8 processes each; run on each node with its --node-rank
   jaxpar launch --worker-num 16 --local-worker-num 8 --master-addr 10.0.0.1 \\
       --master-port 8118 --node-rank 0 --log-dir logs train.py
