@@ -10,7 +10,7 @@ import pytest
 
 from jaxpar.launch import LaunchConfig
 from jaxpar.launch.cli import add_k8s_parser, add_launch_parser, launch_config
-from jaxpar.launch.launcher import worker_command, worker_env
+from jaxpar.launch.launcher import RUNNER, worker_command, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,8 +68,8 @@ def test_worker_env():
 
 def test_worker_command():
     # Python scripts run under the runner, which records how they end.
-    assert worker_command("t.py", ["-x"]) == [sys.executable, "-u", "-m", "jaxpar.launch.runner",
-                                              "t.py", "-x"]
+    assert worker_command("t.py", ["-x"]) == [sys.executable, "-u", RUNNER, "t.py", "-x"]
+    assert RUNNER == os.path.join(ROOT, "jaxpar", "launch", "runner.py")
     assert worker_command("/bin/true", ["-x"]) == ["/bin/true", "-x"]
 
 

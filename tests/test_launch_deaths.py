@@ -15,7 +15,9 @@ from jaxpar.launch.deaths import Death, death_of, root_cause
 from jaxpar.launch.ports import check_bind_address, coordinator_bind_address
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GLOO_HELLO = "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+RUNNER = os.path.join(ROOT, "jaxpar", "launch", "runner.py")
+GLOO_HELLO = ("[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer "
+              "ranks is : 1")
 JAX_FATAL = ("F1122 client.h:80] Terminating process because the JAX distributed service "
              "detected fatal errors. This most likely indicates that another task died")
 
@@ -61,14 +63,14 @@ def run_script(tmp_path, body, *args):
     script.write_text(body)
     env = {**os.environ, "PYTHONPATH": ROOT, "JAXPAR_LAUNCH_RUN_DIR": str(tmp_path),
            "JAXPAR_PROCESS_ID": "3"}
-    result = subprocess.run([sys.executable, "-m", "jaxpar.launch.runner", str(script), *args],
+    result = subprocess.run([sys.executable, RUNNER, str(script), *args],
                             capture_output=True, text=True, timeout=60, env=env)
     record = json.loads((tmp_path / "end.3").read_text())
     return result, record
 
 
 @pytest.mark.parametrize("body, code, how", [
-    ("import sys\nprint(sys.argv[1:], __name__)\n", 0, "return"),
+    ("import sys\nprint(sys.argv[1:], __name__, 'jax' in sys.modules)\n", 0, "return"),
     ("import sys\nsys.exit(3)\n", 3, "exit"),
     ("import sys\nsys.exit('bad config')\n", 1, "exit"),
     ("def f():\n    raise ValueError('broken batch')\nf()\n", 1, "exception"),
@@ -78,7 +80,8 @@ def test_runner_records_how_the_script_ended(tmp_path, body, code, how):
     assert result.returncode == code == record["code"]
     assert record["how"] == how and record["rank"] == 3 and record["time"] > 0
     if how == "return":
-        assert result.stdout == "['--steps', '2'] __main__\n"
+        # As `python script.py`: its arguments, run as __main__, JAX not imported before it.
+        assert result.stdout == "['--steps', '2'] __main__ False\n"
     if how == "exception":
         # The script's own frames, none of the runner's.
         assert "ValueError: broken batch" in result.stderr and "runpy" not in result.stderr
@@ -88,7 +91,7 @@ def test_runner_records_how_the_script_ended(tmp_path, body, code, how):
 
 
 def test_runner_missing_script(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "jaxpar.launch.runner", str(tmp_path / "no.py")],
+    result = subprocess.run([sys.executable, RUNNER, str(tmp_path / "no.py")],
                             capture_output=True, text=True, timeout=60,
                             env={**os.environ, "PYTHONPATH": ROOT})
     assert result.returncode == 2 and "can't open file" in result.stderr

@@ -32,7 +32,7 @@ def start(tmp_path, tag, worker_args, script=None, port=None, **flags):
 @pytest.mark.parametrize("repeat", REPEATS)
 def test_rank_that_dies_of_a_peer_is_not_blamed(tmp_path, tag, repeat):
     """Rank 0 dies of rank 1's failure and exits first; rank 1 is named, with its traceback."""
-    run = start(tmp_path, tag, ["--slow-exit", 2], script=FAKE_RANKS)
+    run = start(tmp_path, tag, ["--slow-exit", 1], script=FAKE_RANKS)
     try:
         assert run.wait(timeout=60) == 1
     finally:
@@ -58,8 +58,8 @@ FAULTS = {
 def test_fault_names_the_failing_rank(tmp_path, tag, fault, repeat):
     flags, status, words = FAULTS[fault]
     # Every step is a cross-process sum, so rank 0 is inside a collective when rank 1 goes.
-    run = start(tmp_path, tag, ["--steps", 100000, "--step-psum", "--fail-rank", 1,
-                                "--fail-step", 3, *flags])
+    run = start(tmp_path, tag, ["--steps", 100000, "--step-psum", "--skip-checks",
+                                "--fail-rank", 1, "--fail-step", 3, *flags])
     try:
         run.wait_for_log(1, "failing at step 3", timeout=90)
         failed_at = time.monotonic()

@@ -44,6 +44,7 @@ CLUSTER_TIMEOUT = "JAXPAR_CLUSTER_TIMEOUT"
 LAUNCH_RUN_DIR = "JAXPAR_LAUNCH_RUN_DIR"
 NODE_RANK = "JAXPAR_NODE_RANK"
 JOIN_TIMEOUT_EXIT_CODE = 124
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runner.py")
 SETTLE_SECONDS = 0.2
 """After the first failure is seen, how long the launcher lets other deaths land first."""
 
@@ -130,14 +131,14 @@ def _positive(name: str, value, flag: str, number=int) -> None:
 
 
 def worker_command(script: str, args: Sequence[str]) -> list[str]:
-    """``script.py args`` → ``python -u -m jaxpar.launch.runner script.py args``.
+    """``script.py args`` → ``python -u .../jaxpar/launch/runner.py script.py args``.
 
-    The runner records how the script ended (see ``jaxpar.launch.runner``); any other
-    executable runs as is.
+    The runner records how the script ended (see ``jaxpar.launch.runner``). It runs as a file,
+    not ``-m jaxpar.launch.runner``: importing the jaxpar package would import JAX before the
+    script could set JAX's environment variables. Any other executable runs as is.
     """
     is_python = script.endswith(".py") or not (os.path.isfile(script) and os.access(script, os.X_OK))
-    runner = [sys.executable, "-u", "-m", "jaxpar.launch.runner"]
-    return [*runner, script, *args] if is_python else [script, *args]
+    return [sys.executable, "-u", RUNNER, script, *args] if is_python else [script, *args]
 
 
 def worker_env(config: LaunchConfig, rank: int, run_dir: str, base: Mapping[str, str]) -> dict:

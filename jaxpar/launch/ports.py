@@ -74,8 +74,9 @@ def check_bind_address(address: str, port: int, flag: str = BIND_ADDRESS) -> str
     """
     parts = _split_bind(address, port) if isinstance(address, str) else None
     if parts is None or not 0 < parts[1] < 65536:
+        given = f"{flag}{'' if flag.endswith('=') else ' '}{address!r}"
         raise ValueError(
-            f"{flag}{'' if flag.endswith('=') else ' '}{address!r} must be an address of this host, with an optional port in "
+            f"{given} must be an address of this host, with an optional port in "
             "1..65535: '127.0.0.1', '10.0.0.1:8118', '[::1]', or '0.0.0.0' to listen on all "
             "interfaces."
         )

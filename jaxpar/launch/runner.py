@@ -1,9 +1,10 @@
 """Runs one worker's Python script under ``jaxpar launch`` and records how it ended.
 
-``python -m jaxpar.launch.runner script.py ARGS`` runs ``script.py`` as ``python script.py
+``python jaxpar/launch/runner.py script.py ARGS`` runs ``script.py`` as ``python script.py
 ARGS`` would (``__name__ == "__main__"``, ``sys.argv``, the script's folder first on
 ``sys.path``), then writes ``end.<rank>`` into the launcher's run folder: the exit code, the
-time, and the tail of the traceback. The launcher reads these records to name the rank whose
+time, and the tail of the traceback. It imports only the standard library, so the script still
+sets JAX's environment variables before JAX is imported. The launcher reads these records to name the rank whose
 failure came first, not the peers that failed because of it.
 
 How the script ends decides how the process ends:
@@ -92,7 +93,7 @@ def _flush() -> None:
 def main(argv: list[str]) -> None:
     """Entry point: ``argv`` is ``[script, *args]``."""
     if not argv:
-        sys.stderr.write("usage: python -m jaxpar.launch.runner SCRIPT [ARGS...]\n")
+        sys.stderr.write("usage: python jaxpar/launch/runner.py SCRIPT [ARGS...]\n")
         sys.exit(2)
     code, how, text = run_script(argv[0], argv[1:])
     record_end(code, how, text)
