@@ -306,7 +306,10 @@ def _first_finish(workers, run_dir) -> tuple[Worker, float] | None:
             ends.append((float(record["time"]), w.rank, w))
         elif w.poll() == 0:
             ends.append((w.ended_at, w.rank, w))
-    return (min(ends)[2], min(ends)[0]) if ends else None
+    if not ends:
+        return None
+    at, _, worker = min(ends)
+    return worker, at
 
 
 def _interrupted(config, workers, signals, log) -> int:
@@ -355,6 +358,9 @@ def _failed(config, workers, run_dir: str, log) -> int:
         return JOIN_TIMEOUT_EXIT_CODE
     log(f"error: rank {root.rank} (pid {failed.pid}) {root.describe()}, the first rank to "
         f"fail; its log: {failed.log_path}")
+    if root.consequence:
+        log(f"rank {root.rank}'s error says a peer failed, and no rank of this node failed on "
+            "its own: look at the other nodes' launcher logs for the first failure.")
     _report_others(root, ended, log)
     tail = failed.tail()
     if tail:
