@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jaxpar.launch.cluster import ClusterError, ClusterSpec, detect_cluster, split_address
-from jaxpar.launch.ports import port_problem
+from jaxpar.launch.ports import BIND_ADDRESS, coordinator_bind_address, port_problem
 from jaxpar.launch.sources import COORDINATOR_ADDRESS
 
 SIMULATED_DEVICES = "JAXPAR_SIMULATED_DEVICES"
@@ -106,9 +106,27 @@ def _give_up(spec: ClusterSpec, timeout: float) -> None:
     os._exit(JOIN_TIMEOUT_EXIT_CODE)
 
 
-def _connect(spec: ClusterSpec, timeout: float) -> None:
+def _bind_address(spec: ClusterSpec, requested: str | None) -> str | None:
+    """Process 0's listening address (see ``coordinator_bind_address``); warns when it is all."""
+    where = "bind_address=" if requested is not None else BIND_ADDRESS
+    if requested is None:
+        requested = os.environ.get(BIND_ADDRESS)
+    bind = coordinator_bind_address(spec.coordinator_address, requested, where)
+    if bind is None or bind.rpartition(":")[0].strip("[]") in ("0.0.0.0", "::"):
+        sys.stderr.write(
+            f"jaxpar: warning: the coordinator of {spec.coordinator_address} listens on all "
+            "interfaces, and JAX's coordination service has no authentication: anyone who "
+            "reaches the port can join or disrupt the job. Restrict it with jaxpar launch "
+            f"--bind-address IP (or {BIND_ADDRESS}=IP) and a firewall.\n"
+        )
+    return bind
+
+
+def _connect(spec: ClusterSpec, timeout: float, bind_address: str | None = None) -> None:
+    bind = None
     if spec.process_id == 0:
         check_port_free(spec.coordinator_address)
+        bind = _bind_address(spec, bind_address)
     watchdog = threading.Timer(timeout, _give_up, (spec, timeout))
     watchdog.daemon = True
     watchdog.start()
@@ -120,6 +138,7 @@ def _connect(spec: ClusterSpec, timeout: float) -> None:
             local_device_ids=list(spec.local_device_ids) if spec.local_device_ids else None,
             # JAX aborts the process when its own timeout passes; ours fires first.
             initialization_timeout=int(timeout) + 30,
+            coordinator_bind_address=bind,
         )
     except RuntimeError as err:
         raise RuntimeError(
@@ -170,6 +189,7 @@ def initialize(
     rank_table: str | None = None,
     simulated_devices: int | None = None,
     timeout: float | None = None,
+    bind_address: str | None = None,
 ) -> ClusterSpec:
     """Joins this process to its job (idempotent) and returns where it sits in it.
 
@@ -177,7 +197,10 @@ def initialize(
     ``jaxpar.launch.detect_cluster`` for the sources and their order). ``simulated_devices``
     (default ``JAXPAR_SIMULATED_DEVICES``) gives the CPU backend that many devices; ``timeout``
     (default ``JAXPAR_CLUSTER_TIMEOUT``, else 600 s) bounds the wait for all processes: past
-    it the process prints why and exits with status 124 rather than hang.
+    it the process prints why and exits with status 124 rather than hang. ``bind_address``
+    (default ``JAXPAR_COORDINATOR_BIND_ADDRESS``) is where process 0's coordinator listens;
+    without it, a loopback or local-IP coordinator address listens on that interface only
+    (see ``jaxpar.launch.ports.coordinator_bind_address``).
 
     Must run before any JAX operation in a multi-process job (``Trainer`` calls it too).
 
@@ -200,7 +223,7 @@ def initialize(
     if spec.is_multi_process and not jax.distributed.is_initialized():
         _use_cpu_collectives()
         _mark(spec, "waiting")
-        _connect(spec, wait)
+        _connect(spec, wait, bind_address)
         sys.excepthook = _exit_on_uncaught(sys.excepthook)
         _mark(spec, "joined")
     _joined = spec

@@ -10,7 +10,7 @@ import pytest
 
 from jaxpar.launch import LaunchConfig
 from jaxpar.launch.cli import add_k8s_parser, add_launch_parser, launch_config
-from jaxpar.launch.launcher import worker_command, worker_env
+from jaxpar.launch.launcher import RUNNER, worker_command, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +67,33 @@ def test_worker_env():
 
 
 def test_worker_command():
-    assert worker_command("t.py", ["-x"]) == [sys.executable, "-u", "t.py", "-x"]
+    # Python scripts run under the runner, which records how they end.
+    assert worker_command("t.py", ["-x"]) == [sys.executable, "-u", RUNNER, "t.py", "-x"]
+    assert RUNNER == os.path.join(ROOT, "jaxpar", "launch", "runner.py")
+    assert worker_command("/bin/true", ["-x"]) == ["/bin/true", "-x"]
+
+
+def test_bind_address_and_exit_time_out():
+    args = parse(["launch", "--master-addr", "10.0.0.1", "--bind-address", "10.0.0.1",
+                  "--exit-time-out", "4", "t.py"])
+    config = launch_config(args)
+    assert (config.bind_address, config.exit_time_out) == ("10.0.0.1", 4.0)
+    env = worker_env(config, 0, "/run", {})
+    assert env["JAXPAR_COORDINATOR_BIND_ADDRESS"] == "10.0.0.1"
+    # No flag: no variable, and jaxpar.distributed binds the coordinator's own address.
+    assert "JAXPAR_COORDINATOR_BIND_ADDRESS" not in worker_env(LaunchConfig(), 0, "/run", {})
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--bind-address", "a:b"], "--bind-address 'a:b' must be an address of this host"),
+    (["--exit-time-out", "0"], "exit_time_out=0.0 must be a positive float (--exit-time-out)"),
+])
+def test_bad_launch_flags_exit_2(tmp_path, argv, words):
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxpar.launch", "--log-dir", str(tmp_path), *argv, "t.py"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+    assert result.returncode == 2 and words in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
 
 
 def test_bad_option_exits_2_with_message(tmp_path):
@@ -87,7 +113,7 @@ def test_module_entry_is_jaxpar_launch():
     assert result.stdout.startswith("usage: jaxpar launch")
     for flag in ("--worker-num", "--local-worker-num", "--master-addr", "--master-port",
                  "--node-rank", "--log-dir", "--join", "--cluster-time-out",
-                 "--simulated-devices"):
+                 "--simulated-devices", "--bind-address", "--exit-time-out"):
         assert flag in result.stdout
 
 

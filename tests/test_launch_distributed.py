@@ -80,3 +80,29 @@ def test_port_checks():
         assert "already in use" in port_problem(port)
         with pytest.raises(ClusterError, match=f"coordinator port {port} is already in use"):
             dist.check_port_free(f"127.0.0.1:{port}")
+
+
+def spec_at(address):
+    from jaxpar.launch import detect_cluster
+
+    return detect_cluster({}, coordinator_address=address, num_processes=2, process_id=0)
+
+
+def test_coordinator_bind_address_for_initialize(clean_env, monkeypatch, capsys):
+    # Loopback stays on loopback, silently; the argument wins over the variable.
+    assert dist._bind_address(spec_at("127.0.0.1:9000"), None) == "127.0.0.1:9000"
+    monkeypatch.setenv("JAXPAR_COORDINATOR_BIND_ADDRESS", "127.0.0.2")
+    assert dist._bind_address(spec_at("127.0.0.1:9000"), None) == "127.0.0.2:9000"
+    assert dist._bind_address(spec_at("127.0.0.1:9000"), "[::1]") == "[::1]:9000"
+    assert capsys.readouterr().err == ""
+    # Listening on all interfaces (a host name, or asked for) comes with a warning.
+    monkeypatch.delenv("JAXPAR_COORDINATOR_BIND_ADDRESS")
+    assert dist._bind_address(spec_at("node-0:9000"), None) is None
+    assert dist._bind_address(spec_at("node-0:9000"), "0.0.0.0") == "0.0.0.0:9000"
+    err = capsys.readouterr().err
+    assert err.count("listens on all interfaces") == 2 and "no authentication" in err
+    monkeypatch.setenv("JAXPAR_COORDINATOR_BIND_ADDRESS", "x:y")
+    with pytest.raises(ValueError, match="JAXPAR_COORDINATOR_BIND_ADDRESS 'x:y' must be"):
+        dist._bind_address(spec_at("127.0.0.1:9000"), None)
+    with pytest.raises(ValueError, match="bind_address='x:' must be"):
+        dist._bind_address(spec_at("127.0.0.1:9000"), "x:")

@@ -81,3 +81,31 @@ def test_cli_prints_manifest(monkeypatch):
     assert container["command"] == ["python", "train.py", "--steps", "5"]
     env = env_of(container)
     assert env["JAXPAR_SIMULATED_DEVICES"] == "4" and env["A"] == "1"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--env", "JAXPAR_PROCESS_ID=7"], "--env JAXPAR_PROCESS_ID=7: jaxpar k8s sets "
+                                       "JAXPAR_PROCESS_ID itself"),
+    (["--simulated-devices", "2", "--env", "JAX_PLATFORMS=gpu"], "sets JAX_PLATFORMS itself"),
+    (["--env", "A=1", "--env", "A=2"], "--env A is given twice"),
+    (["--env", "A"], "--env 'A' must look like NAME=VALUE"),
+    (["--cluster-time-out", "0"], "cluster_time_out=0.0 must be a positive float "
+                                  "(--cluster-time-out)"),
+    (["--simulated-devices", "0"], "simulated_devices=0 must be a positive int "
+                                   "(--simulated-devices)"),
+    (["--gpus-per-worker", "-1"], "(--gpus-per-worker)"),
+])
+def test_cli_mistakes_exit_2_with_one_paragraph(monkeypatch, capsys, argv, words):
+    code = main(["k8s", "--workers", "2", "--image", "img", *argv, "--", "python", "t.py"])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err, err
+    assert err.startswith("jaxpar k8s: error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_env_name_appears_once():
+    job = K8sJob(workers=2, image="img", command=("python", "t.py"), env={"A": "1"},
+                 cluster_time_out=5)
+    container = list(yaml.safe_load_all(k8s_manifest(job)))[1]["spec"]["template"]["spec"][
+        "containers"][0]
+    names = [e["name"] for e in container["env"]]
+    assert len(names) == len(set(names)) and "A" in names

@@ -22,10 +22,13 @@ _LAUNCH_HELP = "start this node's worker processes of a multi-process job (msrun
 _LAUNCH_EPILOG = """\
 examples:
   # one machine, 2 processes x 4 simulated CPU devices
-  jaxpar launch --worker-num 2 --local-worker-num 2 --simulated-devices 4 train.py --steps 5
+  jaxpar launch --worker-num 2 --local-worker-num 2 --simulated-devices 4 \\
+      examples/train_gpt.py --steps 30
   # two nodes, 8 processes each; run on each node with its --node-rank
   jaxpar launch --worker-num 16 --local-worker-num 8 --master-addr 10.0.0.1 \\
       --master-port 8118 --node-rank 0 --log-dir logs train.py
+  (rank 0's coordinator listens on 10.0.0.1 only; it has no authentication, so keep the
+  port behind a firewall)
 Option names also accept msrun's spelling (--worker_num, --master_addr, ...).
 """
 
@@ -47,6 +50,10 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
           help="host of rank 0, the coordinator (default %(default)s)")
     _flag(p, "--master-port", type=int, default=d.master_port,
           help="coordinator port (default %(default)s)")
+    _flag(p, "--bind-address", default=None, metavar="IP[:PORT]",
+          help="where rank 0's coordinator listens (default: the --master-addr interface, "
+               "so 127.0.0.1 stays on loopback). JAX's coordination service has no "
+               "authentication: 0.0.0.0 lets anyone who reaches the port join the job")
     _flag(p, "--node-rank", type=int, default=d.node_rank,
           help="index of this node (default %(default)s)")
     _flag(p, "--log-dir", default=d.log_dir,
@@ -62,6 +69,9 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "--kill-time-out", type=float, default=d.kill_time_out,
           help="on Ctrl-C/SIGTERM: seconds between SIGTERM and SIGKILL to the workers "
                "(default %(default)s)")
+    _flag(p, "--exit-time-out", type=float, default=d.exit_time_out,
+          help="seconds the other workers may run on after one worker's script ended with "
+               "code 0, before the launcher stops the job (default %(default)s)")
     p.add_argument("script", help="Python script (or executable) each worker runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -84,7 +94,8 @@ def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
         master_addr=args.master_addr, master_port=args.master_port, node_rank=args.node_rank,
         log_dir=args.log_dir, join=args.join, cluster_time_out=args.cluster_time_out,
         simulated_devices=args.simulated_devices, devices_per_worker=args.devices_per_worker,
-        kill_time_out=args.kill_time_out,
+        kill_time_out=args.kill_time_out, exit_time_out=args.exit_time_out,
+        bind_address=args.bind_address,
     )
 
 
@@ -134,7 +145,10 @@ def _env_pairs(items: Sequence[str]) -> dict[str, str]:
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name:
-            raise ValueError(f"--env {item!r} must look like NAME=VALUE.")
+            raise ValueError(f"--env {item!r} must look like NAME=VALUE, e.g. --env A=1.")
+        if name in pairs:
+            raise ValueError(f"--env {name} is given twice ({name}={pairs[name]!r} and "
+                             f"{item!r}); keep one.")
         pairs[name] = value
     return pairs
 

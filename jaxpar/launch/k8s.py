@@ -75,8 +75,18 @@ class K8sJob:
             raise ValueError(f"kind={self.kind!r} must be 'job' or 'jobset' (--jobset picks the latter).")
         if not 0 < self.port < 65536:
             raise ValueError(f"port={self.port!r} must be in 1..65535 (--port).")
-        if self.gpus_per_worker < 0:
-            raise ValueError(f"gpus_per_worker={self.gpus_per_worker!r} must be >= 0.")
+        if not isinstance(self.gpus_per_worker, int) or self.gpus_per_worker < 0:
+            raise ValueError(f"gpus_per_worker={self.gpus_per_worker!r} must be a whole number "
+                             ">= 0 (--gpus-per-worker).")
+        _positive_or_none("simulated_devices", self.simulated_devices, "--simulated-devices", int)
+        _positive_or_none("cluster_time_out", self.cluster_time_out, "--cluster-time-out", float)
+        taken = sorted(set(self.env) & set(_fixed_names(self)))
+        if taken:
+            raise ValueError(
+                f"--env {taken[0]}={self.env[taken[0]]}: jaxpar k8s sets {taken[0]} itself "
+                f"(it sets {', '.join(_fixed_names(self))}); drop that --env, or use the "
+                "matching option (--workers, --port, --simulated-devices, --cluster-time-out)."
+            )
 
     @property
     def coordinator_host(self) -> str:
@@ -85,7 +95,21 @@ class K8sJob:
         return f"{pod}.{self.name}"
 
 
-def _env(job: K8sJob) -> list[dict]:
+def _positive_or_none(name: str, value, flag: str, kind: type) -> None:
+    kinds = (int, float) if kind is float else int
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive {kind.__name__} ({flag}); "
+                         f"leave {flag} out for the default.")
+
+
+def _fixed_names(job: K8sJob) -> list[str]:
+    """The variables the manifest sets for every pod (``--env`` may not set them again)."""
+    return [e["name"] for e in _env(job, extra=False)]
+
+
+def _env(job: K8sJob, extra: bool = True) -> list[dict]:
     env = [
         {"name": sources.COORDINATOR_ADDRESS, "value": f"{job.coordinator_host}:{job.port}"},
         {"name": sources.NUM_PROCESSES, "value": str(job.workers)},
@@ -97,7 +121,7 @@ def _env(job: K8sJob) -> list[dict]:
                 {"name": "JAX_PLATFORMS", "value": "cpu"}]
     if job.cluster_time_out is not None:
         env.append({"name": "JAXPAR_CLUSTER_TIMEOUT", "value": f"{job.cluster_time_out:g}"})
-    return env + [{"name": k, "value": str(v)} for k, v in job.env.items()]
+    return env + ([{"name": k, "value": str(v)} for k, v in job.env.items()] if extra else [])
 
 
 def _container(job: K8sJob) -> dict:

@@ -8,7 +8,11 @@ Supervision, in one loop:
 
 * a worker exits non-zero or is killed → SIGKILL to every other worker's process group at
   once (the job cannot go on, or save, without that process, and JAX's preemption handler
-  swallows SIGTERM); exit with the worker's status, naming its rank, how it ended and its log;
+  swallows SIGTERM); exit with the status of the rank that failed *first*, naming it, how it
+  ended, its log and its tail (a peer that died of it, e.g. with a gloo error, is not blamed:
+  see ``jaxpar.launch.deaths``);
+* a worker's script ends with status 0 while others run on for ``exit_time_out`` seconds → the
+  same, exit 1 (a rank that leaves early leaves its peers waiting in a collective);
 * a worker gives up waiting for the cluster (status 124 from ``initialize``) → the same, with
   the ranks that never joined;
 * SIGINT / SIGTERM / SIGHUP to the launcher → SIGTERM to the workers (a loop that watches
@@ -30,8 +34,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from jaxpar.launch import cluster, sources
-from jaxpar.launch.ports import port_problem
+from jaxpar.launch import cluster, deaths, sources
+from jaxpar.launch.ports import BIND_ADDRESS, check_bind_address, port_problem
 from jaxpar.launch.worker import Worker, signal_name, stop_all
 
 # Names shared with jaxpar.distributed, which the launcher must not import (it imports jax).
@@ -40,6 +44,9 @@ CLUSTER_TIMEOUT = "JAXPAR_CLUSTER_TIMEOUT"
 LAUNCH_RUN_DIR = "JAXPAR_LAUNCH_RUN_DIR"
 NODE_RANK = "JAXPAR_NODE_RANK"
 JOIN_TIMEOUT_EXIT_CODE = 124
+RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runner.py")
+SETTLE_SECONDS = 0.2
+"""After the first failure is seen, how long the launcher lets other deaths land first."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -75,12 +82,20 @@ class LaunchConfig:
     """Give worker ``i`` of this node accelerators ``i*d .. i*d + d - 1`` (several workers a node)."""
     kill_time_out: float = 10.0
     """Seconds between SIGTERM and SIGKILL when the launcher is interrupted."""
+    exit_time_out: float = 10.0
+    """Seconds the other workers may run on after one worker's script ended with status 0."""
+    bind_address: str | None = None
+    """Where rank 0's coordinator listens (``host`` or ``host:port``). Default: the
+    ``master_addr`` interface (loopback for ``127.0.0.1``); ``0.0.0.0`` listens on all."""
 
     def __post_init__(self):
         _positive("worker_num", self.worker_num, "--worker-num")
         _positive("local_worker_num", self.local_worker_num, "--local-worker-num")
         _positive("cluster_time_out", self.cluster_time_out, "--cluster-time-out", number=float)
         _positive("kill_time_out", self.kill_time_out, "--kill-time-out", number=float)
+        _positive("exit_time_out", self.exit_time_out, "--exit-time-out", number=float)
+        if self.bind_address is not None:
+            check_bind_address(self.bind_address, self.master_port, "--bind-address")
         for name in ("simulated_devices", "devices_per_worker"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name), "--" + name.replace("_", "-"))
@@ -116,9 +131,14 @@ def _positive(name: str, value, flag: str, number=int) -> None:
 
 
 def worker_command(script: str, args: Sequence[str]) -> list[str]:
-    """``script.py args`` → ``python -u script.py args``; any other executable runs as is."""
+    """``script.py args`` → ``python -u .../jaxpar/launch/runner.py script.py args``.
+
+    The runner records how the script ended (see ``jaxpar.launch.runner``). It runs as a file,
+    not ``-m jaxpar.launch.runner``: importing the jaxpar package would import JAX before the
+    script could set JAX's environment variables. Any other executable runs as is.
+    """
     is_python = script.endswith(".py") or not (os.path.isfile(script) and os.access(script, os.X_OK))
-    return [sys.executable, "-u", script, *args] if is_python else [script, *args]
+    return [sys.executable, "-u", RUNNER, script, *args] if is_python else [script, *args]
 
 
 def worker_env(config: LaunchConfig, rank: int, run_dir: str, base: Mapping[str, str]) -> dict:
@@ -138,6 +158,8 @@ def worker_env(config: LaunchConfig, rank: int, run_dir: str, base: Mapping[str,
         LAUNCH_RUN_DIR: run_dir,
         "PYTHONUNBUFFERED": "1",
     })
+    if config.bind_address is not None:
+        env[BIND_ADDRESS] = config.bind_address
     if config.simulated_devices is not None:
         env[SIMULATED_DEVICES] = str(config.simulated_devices)
         env.setdefault("JAX_PLATFORMS", "cpu")
@@ -263,15 +285,31 @@ def _watch(config, workers, run_dir, log, signals) -> int:
     while True:
         if signals.received is not None:
             return _interrupted(config, workers, signals, log)
-        ended = [w for w in workers if w.poll() not in (None, 0)]
-        if ended:
-            # The first to end is the cause; the others may have died of it.
-            failed = min(ended, key=lambda w: w.ended_at)
-            return _failed(config, workers, failed, run_dir, log)
-        if all(w.poll() == 0 for w in workers):
+        codes = [w.poll() for w in workers]
+        if any(code not in (None, 0) for code in codes):
+            return _failed(config, workers, run_dir, log)
+        if all(code == 0 for code in codes):
             log(f"all {len(workers)} workers of node {config.node_rank} exited with code 0")
             return 0
+        first = _first_finish(workers, run_dir)
+        if first is not None and time.time() - first[1] > config.exit_time_out:
+            return _left_early(config, workers, first, log)
         time.sleep(0.05)
+
+
+def _first_finish(workers, run_dir) -> tuple[Worker, float] | None:
+    """The worker whose script ended first with status 0 (its record, or its exit), and when."""
+    ends = []
+    for w in workers:
+        record = deaths.read_record(run_dir, w.rank)
+        if record is not None and record.get("code") == 0:
+            ends.append((float(record["time"]), w.rank, w))
+        elif w.poll() == 0:
+            ends.append((w.ended_at, w.rank, w))
+    if not ends:
+        return None
+    at, _, worker = min(ends)
+    return worker, at
 
 
 def _interrupted(config, workers, signals, log) -> int:
@@ -284,22 +322,71 @@ def _interrupted(config, workers, signals, log) -> int:
     return 128 + signals.received
 
 
-def _failed(config, workers, failed: Worker, run_dir: str, log) -> int:
-    code = failed.process.returncode
+def _deaths(workers, run_dir) -> list[deaths.Death]:
+    """The workers that have failed on their own so far (before the launcher stops the rest).
+
+    A worker whose runner recorded a failure counts even while its process still tears down
+    (flushing output, say): a peer may die of it, and exit, before it does.
+    """
+    found = []
+    for w in workers:
+        record = deaths.read_record(run_dir, w.rank)
+        if w.poll() is not None:
+            found.append(deaths.death_of(w.rank, w.process.returncode, w.ended_at, w.tail(),
+                                         record))
+        elif record is not None and record.get("code", 0) != 0:
+            found.append(deaths.death_of(w.rank, record["code"], time.time(), w.tail(), record))
+    return found
+
+
+def _failed(config, workers, run_dir: str, log) -> int:
+    # A peer that died of this failure may have been noticed first: give the deaths a moment
+    # to be stamped, then take them, before the launcher's own kills (which are no causes).
+    time.sleep(SETTLE_SECONDS)
+    for w in workers:
+        w.has_exited()
+    ended = _deaths(workers, run_dir)
     joined = _marked(run_dir, "joined")
     running = [w for w in workers if w.poll() is None]
     took = stop_all(workers, 0.0)
-    log(f"rank {failed.rank} {failed.describe_exit()}: killed the {len(running)} other "
-        f"running worker(s) in {took:.2f} s")
-    if code == JOIN_TIMEOUT_EXIT_CODE and failed.rank not in joined:
+    root = deaths.root_cause(ended)
+    failed = next(w for w in workers if w.rank == root.rank)
+    log(f"rank {root.rank} {root.describe()}: killed the {len(running)} other running "
+        f"worker(s) in {took:.2f} s")
+    if root.code == JOIN_TIMEOUT_EXIT_CODE and root.rank not in joined:
         _join_timeout_report(config, failed, _marked(run_dir, "waiting"), log)
         return JOIN_TIMEOUT_EXIT_CODE
-    log(f"error: rank {failed.rank} (pid {failed.pid}) {failed.describe_exit()}; "
-        f"its log: {failed.log_path}")
+    log(f"error: rank {root.rank} (pid {failed.pid}) {root.describe()}, the first rank to "
+        f"fail; its log: {failed.log_path}")
+    if root.consequence:
+        log(f"rank {root.rank}'s error says a peer failed, and no rank of this node failed on "
+            "its own: look at the other nodes' launcher logs for the first failure.")
+    _report_others(root, ended, log)
     tail = failed.tail()
     if tail:
         log(f"last {len(tail)} lines of {failed.log_path}:\n" + "\n".join("  | " + t for t in tail))
-    return code if code > 0 else 128 - code
+    return root.code if root.code > 0 else 128 - root.code
+
+
+def _report_others(root: deaths.Death, ended: list[deaths.Death], log) -> None:
+    for d in sorted(ended, key=lambda d: d.time):
+        if d.rank != root.rank and d.failed:
+            why = "after a peer failed" if d.consequence else "on its own"
+            log(f"rank {d.rank} also {d.describe()}, {d.time - root.time:+.2f} s from rank "
+                f"{root.rank} ({why})")
+
+
+def _left_early(config, workers, first: tuple[Worker, float], log) -> int:
+    worker, _ = first
+    running = [w.rank for w in workers if w.poll() is None and w is not worker]
+    took = stop_all(workers, 0.0)
+    log(f"error: rank {worker.rank} ended its script with code 0, but rank(s) {running} were "
+        f"still running {config.exit_time_out:g} s later (--exit-time-out). A rank that leaves "
+        "early leaves the others waiting for it in a collective or in JAX's shutdown "
+        f"barrier; stopped the workers in {took:.2f} s. Every rank must run the same steps; "
+        "raise --exit-time-out if some rank does long work of its own at the end. "
+        f"Its log: {worker.log_path}")
+    return 1
 
 
 def _join_timeout_report(config, failed: Worker, waiting: set[int], log) -> None:

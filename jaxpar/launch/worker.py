@@ -58,6 +58,7 @@ class Worker:
         self.rank = rank
         self.log_path = log_path
         self.ended_at: float | None = None
+        """``time.time()`` when the process ended (comparable with the workers' own clocks)."""
         self._log = open(log_path, "ab", buffering=0)
         self.process = subprocess.Popen(
             list(command),
@@ -69,6 +70,7 @@ class Worker:
             preexec_fn=_die_with_parent(os.getpid()),
         )
         self._pump: threading.Thread | None = None
+        self._reaper: threading.Thread | None = None
 
     @property
     def pid(self) -> int:
@@ -78,6 +80,14 @@ class Worker:
         """Copies the worker's output to its log file and, with ``echo``, prefixed to there."""
         self._pump = threading.Thread(target=self._copy, args=(echo, lock), daemon=True)
         self._pump.start()
+        self._reaper = threading.Thread(target=self._reap, daemon=True)
+        self._reaper.start()
+
+    def _reap(self) -> None:
+        # A thread blocked in wait() stamps the death when it happens, not at the next look
+        # of a polling loop: the launcher orders deaths by these times.
+        self.process.wait()
+        self.ended_at = time.time()
 
     def _copy(self, echo: IO[str] | None, lock: threading.Lock) -> None:
         prefix = f"[rank {self.rank}] "
@@ -94,10 +104,29 @@ class Worker:
 
     def poll(self) -> int | None:
         """The exit status (negative: killed by that signal), or None while it runs."""
+        if self._reaper is not None and self._reaper.is_alive():
+            return None
         code = self.process.poll()
         if code is not None and self.ended_at is None:
-            self.ended_at = time.monotonic()
+            self.ended_at = time.time()
         return code
+
+    def has_exited(self, timeout: float = 2.0) -> bool:
+        """True when the process has ended, even if the reaper thread has not stamped it yet.
+
+        Waits up to ``timeout`` s for that stamp, so a death that came first is never taken
+        for a process still running (and then counted among those the launcher killed).
+        """
+        if self.poll() is not None:
+            return True
+        try:
+            # WNOWAIT: look without reaping; the reaper thread still reaps it.
+            ended = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            ended = True  # already reaped: the reaper is about to stamp it
+        if ended and self._reaper is not None:
+            self._reaper.join(timeout)
+        return self.poll() is not None
 
     def signal_group(self, sig: int) -> None:
         """Sends ``sig`` to the worker's process group (it and anything it started)."""

@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 
 
@@ -18,12 +19,28 @@ def parse():
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--fail-rank", type=int, default=-1)
     p.add_argument("--fail-step", type=int, default=0)
-    p.add_argument("--fail-how", choices=("raise", "kill", "exit"), default="raise",
-                   help="an uncaught exception, SIGKILL to itself, or os._exit(--exit-code)")
+    p.add_argument("--fail-how", choices=("raise", "kill", "exit", "sysexit"), default="raise",
+                   help="an uncaught exception, SIGKILL to itself, os._exit(--exit-code) or "
+                        "sys.exit(--exit-code)")
+    p.add_argument("--skip-checks", action="store_true",
+                   help="skip the start-up checks (fault tests only need the steps)")
+    p.add_argument("--step-psum", action="store_true",
+                   help="a cross-process sum every step, so a dead peer fails the others")
     p.add_argument("--exit-code", type=int, default=3)
     p.add_argument("--never-join-rank", type=int, default=-1)
     p.add_argument("--tag", default="")
     return p.parse_args()
+
+
+def step_sum(jax, np):
+    """A jitted cross-process sum over all devices: the collective a training step runs."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("all",))
+    ones = jax.make_array_from_callback((jax.device_count(),), NamedSharding(mesh, P("all")),
+                                        lambda i: np.ones(1, np.float32))
+    total = jax.jit(lambda x: x.sum(), out_shardings=NamedSharding(mesh, P()))
+    return lambda: float(total(ones))
 
 
 def checks(jax, np, dist):
@@ -68,7 +85,8 @@ def main():
           flush=True)
     result = {"rank": rank, "process_count": jax.process_count(),
               "device_count": jax.device_count(), "local_device_count": jax.local_device_count(),
-              "source": spec.source, **checks(jax, np, dist)}
+              "source": spec.source, **({} if args.skip_checks else checks(jax, np, dist))}
+    step_fn = step_sum(jax, np) if args.step_psum else lambda: None
     for step in range(args.steps):
         if rank == args.fail_rank and step == args.fail_step:
             print(f"rank {rank}: failing at step {step}", flush=True)
@@ -76,7 +94,10 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.fail_how == "exit":
                 os._exit(args.exit_code)
+            if args.fail_how == "sysexit":
+                sys.exit(args.exit_code)
             raise RuntimeError(f"rank {rank} fails on purpose at step {step}")
+        step_fn()
         print(f"rank {rank}: step {step}", flush=True)
         time.sleep(args.step_sleep)
     with open(os.path.join(args.out, f"rank_{rank}.json"), "w") as f:
