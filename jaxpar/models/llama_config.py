@@ -103,6 +103,10 @@ class LlamaConfig:
         self._check_options()
 
     def _check_options(self) -> None:
+        from jaxpar.remat import POLICY_NAMES  # recompute policies by name
+
+        if self.remat not in POLICY_NAMES:
+            raise ValueError(f"LlamaConfig.remat={self.remat!r} is not one of {POLICY_NAMES}")
         if self.attention not in ATTENTION:
             raise ValueError(f"LlamaConfig.attention={self.attention!r} is not one of {ATTENTION}")
         for name in ("dtype", "param_dtype"):
