@@ -180,6 +180,16 @@ def test_model_logits_agree_across_attention_kinds():
     np.testing.assert_allclose(outs["auto"], outs["xla"], rtol=1e-5, atol=1e-5)
 
 
+def test_bfloat16_compute_stays_near_float32():
+    """bf16 activations (fp32 norms, RoPE angles, softmax and logits) track the fp32 model."""
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 64, size=(2, 16)), jnp.int32)
+    fp32 = np.asarray(forward(random_model(TINY)[0], tokens))
+    bf16 = forward(random_model(LlamaConfig.named("tiny", dtype="bfloat16"))[0], tokens)
+    assert bf16.dtype == jnp.float32
+    err = np.abs(np.asarray(bf16) - fp32).max() / np.abs(fp32).max()
+    assert 1e-4 < err < 3e-2            # visibly bf16, and still the same function
+
+
 # ----------------------------------------------------------------------------- parallel = one device
 
 # 8 query heads over 4 key/value heads: both split 4 ways over "model", 2 ways over "x".
