@@ -129,6 +129,12 @@ def attention(q, k, v, segment_ids=None, *, kind: str = "auto") -> jax.Array:
 # ----------------------------------------------------------------------------- modules
 
 class RMSNorm(nnx.Module):
+    """x / rms(x) * scale over ``embed``, computed in fp32.
+
+    >>> RMSNorm(LlamaConfig.named("tiny"), nnx.Rngs(0))(jnp.full((1, 2, 32), 3.0))[0, 0, :2].round(4).tolist()
+    [1.0, 1.0]
+    """
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.eps = cfg.norm_eps
         self.scale = _param(rngs, cfg, nnx.initializers.ones, (cfg.embed,), ("embed",))
@@ -141,6 +147,13 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
+    """Grouped-query attention with rotary positions: ``heads`` queries share ``kv_heads`` keys/values.
+
+    >>> attn = Attention(LlamaConfig.named("tiny"), nnx.Rngs(0))
+    >>> attn(jnp.ones((1, 4, 32)), jnp.arange(4)[None]).shape
+    (1, 4, 32)
+    """
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.cfg = cfg
         e, n, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
@@ -163,7 +176,11 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+    """SwiGLU: down(silu(x @ gate) * (x @ up)).
+
+    >>> MLP(LlamaConfig.named("tiny"), nnx.Rngs(0))(jnp.ones((1, 4, 32))).shape
+    (1, 4, 32)
+    """
 
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.gate = _param(rngs, cfg, _INIT, (cfg.embed, cfg.mlp), ("embed", "mlp"))
@@ -177,6 +194,12 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then x + SwiGLU(norm(x)).
+
+    >>> Block(LlamaConfig.named("tiny"), nnx.Rngs(0))(jnp.ones((1, 4, 32))).shape
+    (1, 4, 32)
+    """
+
     def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg, rngs)
         self.attn = Attention(cfg, rngs)
