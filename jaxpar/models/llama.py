@@ -1,0 +1,353 @@
+"""The Llama-3 family in Flax NNX: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU.
+
+Like the example GPT it knows nothing about parallelism: every parameter names its dimensions
+with logical axes (``"vocab"``, ``"embed"``, ``"heads"``, ``"kv_heads"``, ``"head_dim"``,
+``"mlp"``, and ``"layers"`` when the blocks are stacked for ``scan``), and an optional
+``constrain(x, names)`` pins the activations by ``"batch"``, ``"length"`` and the same names.
+
+    >>> cfg = LlamaConfig.named("tiny")
+    >>> model = Llama(cfg, rngs=nnx.Rngs(0))
+    >>> model(jnp.zeros((2, 16), jnp.int32)).shape
+    (2, 16, 64)
+
+Rotary embeddings use the "rotate half" layout (the first and second halves of a head form
+the pairs), the layout of the Hugging Face Llama checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxpar.models.llama_config import SIZES, LlamaConfig, RopeScaling, describe, flops_per_token, param_count
+
+__all__ = ["SIZES", "Llama", "LlamaConfig", "RopeScaling", "attention", "describe", "flops_per_token",
+           "loss_fn", "param_count", "pipeline_loss", "rope_frequencies", "segment_positions"]
+
+_INIT = nnx.initializers.normal(0.02)
+
+
+def no_constraint(x, names):
+    return x
+
+
+def _param(rngs, cfg: LlamaConfig, init, shape, names):
+    # eager_sharding=False: build anywhere; jaxpar (or any runner) decides the placement.
+    init = nnx.with_partitioning(init, names, eager_sharding=False)
+    return nnx.Param(init(rngs.params(), shape, jnp.dtype(cfg.param_dtype)))
+
+
+# ----------------------------------------------------------------------------- rotary embeddings
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> np.ndarray:
+    """The ``head_dim // 2`` rotary frequencies (radians per position), Llama-3.1-scaled if asked.
+
+    >>> rope_frequencies(4, 10000.0)
+    array([1.  , 0.01])
+    """
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if scaling is None:
+        return freqs
+    wavelength = 2 * np.pi / freqs
+    original = scaling.original_max_positions
+    smooth = (original / wavelength - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    scaled = np.where(wavelength > original / scaling.low_freq_factor, freqs / scaling.factor, blended)
+    return np.where(wavelength < original / scaling.high_freq_factor, freqs, scaled)
+
+
+def _rotate(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Array:
+    """x [B, S, H, D] rotated by ``positions`` [B, S] (angles in fp32 whatever x's dtype)."""
+    angles = positions.astype(jnp.float32)[:, :, None, None] * jnp.asarray(freqs, jnp.float32)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Position of each token inside its segment: packed sequences restart at 0.
+
+    >>> segment_positions(jnp.array([[1, 1, 1, 2, 2, 0]])).tolist()
+    [[0, 1, 2, 0, 1, 0]]
+    """
+    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1]), segment_ids.shape)
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+# ----------------------------------------------------------------------------- attention
+
+def _reference_attention(q, k, v, mask):
+    """Plain einsum softmax; query heads grouped [K, G] so K/V are never repeated."""
+    b, t, n, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, n // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32) / np.sqrt(d)
+    allowed = jnp.tril(jnp.ones((t, k.shape[1]), bool))
+    if mask is not None:
+        allowed = allowed & mask[:, :, None]          # [B, 1, T, S] -> [B, 1, 1, T, S]
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, n, d)
+
+
+def _implementation(kind: str, dtype) -> str:
+    if kind != "auto":
+        return kind
+    # cuDNN's fused kernel takes only half precision; everything else goes to XLA's
+    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+
+
+def attention(q, k, v, segment_ids=None, *, kind: str = "auto") -> jax.Array:
+    """Causal grouped-query attention: q [B, T, N, D], k and v [B, S, K, D] with K dividing N.
+
+    ``segment_ids`` [B, T] keeps packed sequences apart (a token attends only inside its own
+    segment). ``kind`` is ``LlamaConfig.attention``: ``"xla"`` / ``"cudnn"`` go through
+    ``jax.nn.dot_product_attention`` (which groups the query heads itself, no repeated K/V),
+    ``"auto"`` picks cuDNN for half precision on GPU, ``"reference"`` is the einsum softmax.
+
+    >>> q = jnp.ones((1, 4, 4, 8)); kv = jnp.ones((1, 4, 2, 8))
+    >>> attention(q, kv, kv, kind="reference").shape
+    (1, 4, 4, 8)
+    """
+    mask = None
+    if segment_ids is not None:
+        mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    if kind == "reference":
+        return _reference_attention(q, k, v, mask)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                        implementation=_implementation(kind, q.dtype))
+
+
+# ----------------------------------------------------------------------------- modules
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale over ``embed``, computed in fp32.
+
+    >>> RMSNorm(LlamaConfig.named("tiny"), nnx.Rngs(0))(jnp.full((1, 2, 32), 3.0))[0, 0, :2].round(4).tolist()
+    [1.0, 1.0]
+    """
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.eps = cfg.norm_eps
+        self.scale = _param(rngs, cfg, nnx.initializers.ones, (cfg.embed,), ("embed",))
+
+    def __call__(self, x):
+        # normalise in fp32 (a bf16 mean of squares loses the small components)
+        h = x.astype(jnp.float32)
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
+        return (h * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with rotary positions: ``heads`` queries share ``kv_heads`` keys/values.
+
+    >>> attn = Attention(LlamaConfig.named("tiny"), nnx.Rngs(0))
+    >>> attn(jnp.ones((1, 4, 32)), jnp.arange(4)[None]).shape
+    (1, 4, 32)
+    """
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        e, n, k, d = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.wq = _param(rngs, cfg, _INIT, (e, n, d), ("embed", "heads", "head_dim"))
+        self.wk = _param(rngs, cfg, _INIT, (e, k, d), ("embed", "kv_heads", "head_dim"))
+        self.wv = _param(rngs, cfg, _INIT, (e, k, d), ("embed", "kv_heads", "head_dim"))
+        self.wo = _param(rngs, cfg, _INIT, (n, d, e), ("heads", "head_dim", "embed"))
+
+    def __call__(self, x, positions, segment_ids=None, constrain=no_constraint):
+        dtype, freqs = x.dtype, rope_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+        q = jnp.einsum("bse,ehd->bshd", x, self.wq[...].astype(dtype))
+        k = jnp.einsum("bse,ehd->bshd", x, self.wk[...].astype(dtype))
+        v = jnp.einsum("bse,ehd->bshd", x, self.wv[...].astype(dtype))
+        q = constrain(_rotate(q, positions, freqs), ("batch", "length", "heads", "head_dim"))
+        k = constrain(_rotate(k, positions, freqs), ("batch", "length", "kv_heads", "head_dim"))
+        v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        out = attention(q, k, v, segment_ids, kind=self.cfg.attention)
+        out = constrain(out, ("batch", "length", "heads", "head_dim"))
+        return jnp.einsum("bshd,hde->bse", out, self.wo[...].astype(dtype))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x @ gate) * (x @ up)).
+
+    >>> MLP(LlamaConfig.named("tiny"), nnx.Rngs(0))(jnp.ones((1, 4, 32))).shape
+    (1, 4, 32)
+    """
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.gate = _param(rngs, cfg, _INIT, (cfg.embed, cfg.mlp), ("embed", "mlp"))
+        self.up = _param(rngs, cfg, _INIT, (cfg.embed, cfg.mlp), ("embed", "mlp"))
+        self.down = _param(rngs, cfg, _INIT, (cfg.mlp, cfg.embed), ("mlp", "embed"))
+
+    def __call__(self, x, constrain=no_constraint):
+        dtype = x.dtype
+        h = jax.nn.silu(x @ self.gate[...].astype(dtype)) * (x @ self.up[...].astype(dtype))
+        return constrain(h, ("batch", "length", "mlp")) @ self.down[...].astype(dtype)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then x + SwiGLU(norm(x)).
+
+    >>> Block(LlamaConfig.named("tiny"), nnx.Rngs(0))(jnp.ones((1, 4, 32))).shape
+    (1, 4, 32)
+    """
+
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, rngs)
+        self.attn = Attention(cfg, rngs)
+        self.mlp_norm = RMSNorm(cfg, rngs)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions=None, segment_ids=None, constrain=no_constraint):
+        if positions is None:   # the pipeline calls block(h): one unpacked sequence per row
+            positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+        x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids, constrain),
+                      ("batch", "length", "embed"))
+        return constrain(x + self.mlp(self.mlp_norm(x), constrain), ("batch", "length", "embed"))
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    from jaxpar.remat import checkpoint_policy  # policies by name (jax.checkpoint's, and a few more)
+
+    return nnx.remat(fn, policy=checkpoint_policy(policy))
+
+
+def _check_tokens(tokens, segment_ids) -> None:
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"Llama takes integer token ids [batch, length], got {tokens.dtype} {tuple(tokens.shape)}; "
+                        f"pass e.g. batch['inputs'] with dtype int32")
+    if segment_ids is not None and tuple(segment_ids.shape) != tuple(tokens.shape):
+        raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)} but tokens {tuple(tokens.shape)}; "
+                         f"give one segment id per token")
+
+
+class Llama(nnx.Module):
+    """Token embedding → ``layers`` blocks → final RMSNorm → vocabulary head (or the tied table).
+
+    >>> model = Llama(LlamaConfig.named("tiny", kv_heads=1), rngs=nnx.Rngs(0))   # MQA
+    >>> model(jnp.zeros((1, 8), jnp.int32), segment_ids=jnp.ones((1, 8), jnp.int32)).shape
+    (1, 8, 64)
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, constrain: Callable = no_constraint):
+        if not isinstance(cfg, LlamaConfig):
+            raise TypeError(f"Llama(cfg) takes a LlamaConfig, got {type(cfg).__name__}; "
+                            f"e.g. LlamaConfig.named('tiny')")
+        self.cfg = cfg
+        self.constrain = constrain
+        self.embedding = _param(rngs, cfg, _INIT, (cfg.vocab_size, cfg.embed), ("vocab", "embed"))
+        if cfg.scan_layers:
+            @nnx.split_rngs(splits=cfg.layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_blocks(rngs):
+                return Block(cfg, rngs)
+
+            self.blocks = make_blocks(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
+        self.norm = RMSNorm(cfg, rngs)
+        self.head = None if cfg.tie_embeddings else _param(rngs, cfg, _INIT, (cfg.embed, cfg.vocab_size),
+                                                           ("embed", "vocab"))
+
+    def embed(self, tokens):
+        x = self.embedding[...][tokens].astype(jnp.dtype(self.cfg.dtype))
+        return self.constrain(x, ("batch", "length", "embed"))
+
+    def run_blocks(self, x, segment_ids=None):
+        positions = (jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]) if segment_ids is None
+                     else segment_positions(segment_ids))
+        block_fn = _remat(lambda block, h: block(h, positions, segment_ids, self.constrain), self.cfg.remat)
+        if self.cfg.scan_layers:
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def scan_fn(block, h):
+                return block_fn(block, h)
+
+            return scan_fn(self.blocks, x)
+        for block in self.blocks:
+            x = block_fn(block, x)
+        return x
+
+    def logits(self, x):
+        return _logits(self.norm, self.embedding if self.head is None else self.head, x,
+                       tied=self.head is None, constrain=self.constrain)
+
+    def __call__(self, tokens, segment_ids=None):
+        """Logits [B, S, vocab] in fp32 for token ids [B, S]."""
+        _check_tokens(tokens, segment_ids)
+        return self.logits(self.run_blocks(self.embed(tokens), segment_ids))
+
+
+def _logits(norm, table, x, *, tied: bool, constrain=no_constraint):
+    w = table[...].astype(x.dtype)
+    out = jnp.einsum("bse,ve->bsv" if tied else "bse,ev->bsv", norm(x), w, preferred_element_type=jnp.float32)
+    return constrain(out, ("batch", "length", "vocab"))
+
+
+def _xent(logits, batch) -> jax.Array:
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    if "segment_ids" not in batch:
+        return losses.mean()
+    keep = (batch["segment_ids"] != 0).astype(losses.dtype)   # segment 0 = padding
+    return (losses * keep).sum() / jnp.maximum(keep.sum(), 1.0)
+
+
+def loss_fn(model: Llama, batch: dict) -> jax.Array:
+    """Mean next-token cross-entropy over ``batch["inputs"]`` / ``batch["targets"]`` [B, S].
+
+    With ``batch["segment_ids"]`` the sequences are packed: attention stays inside a segment,
+    positions restart at each segment, and tokens of segment 0 (padding) are left out of the mean.
+
+    >>> model = Llama(LlamaConfig.named("tiny"), rngs=nnx.Rngs(0))
+    >>> tokens = jnp.zeros((2, 16), jnp.int32)
+    >>> float(loss_fn(model, {"inputs": tokens, "targets": tokens})) > 0
+    True
+    """
+    for key in ("inputs", "targets"):
+        if key not in batch:
+            raise ValueError(f"Llama loss_fn needs batch[{key!r}] [batch, length]; the batch has {sorted(batch)}")
+    return _xent(model(batch["inputs"], batch.get("segment_ids")), batch)
+
+
+def _pipeline_embed(model: Llama, batch) -> jax.Array:
+    if "segment_ids" in batch:
+        raise ValueError(
+            "the Llama pipeline_loss cannot take batch['segment_ids']: the pipeline hands only the "
+            "hidden state from stage to stage, so packed sequences would attend across segments. "
+            "Train packed batches without pipeline stages, or pass unpacked rows")
+    return model.embed(batch["inputs"])
+
+
+def _pipeline_head(model: Llama):
+    if model.head is None:
+        raise ValueError(
+            "the Llama pipeline_loss needs LlamaConfig(tie_embeddings=False): the head runs on the last "
+            "stage and the embedding outside the pipeline, so they cannot share one table")
+    return model.norm, model.head
+
+
+def _head_loss(head, h, batch):
+    norm, table = head
+    return _xent(_logits(norm, table, h, tied=False), batch)
+
+
+def pipeline_loss():
+    """``loss_fn`` in the three parts a pipeline needs (embedding, stacked blocks, head).
+
+    Equal to ``loss_fn`` for a model built with ``scan_layers=True`` and untied embeddings;
+    pass it to the ``Trainer`` when ``ParallelConfig.pipeline.stages > 1``. Packed batches
+    (``segment_ids``) are refused.
+    """
+    from jaxpar.pipeline.model import PipelineLoss  # the model itself stays parallelism-free
+
+    return PipelineLoss(embed=_pipeline_embed, blocks=lambda model: model.blocks,
+                        head=_pipeline_head, head_loss=_head_loss)

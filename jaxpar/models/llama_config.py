@@ -1,0 +1,193 @@
+"""``LlamaConfig``: the shape of a Llama-3 model, its named sizes and its parameter count.
+
+A frozen keyword-only dataclass, checked when it is built; the model in
+``jaxpar.models.llama`` reads nothing else.
+
+    >>> cfg = LlamaConfig.named("tiny")
+    >>> cfg.heads, cfg.kv_heads, cfg.head_dim
+    (4, 2, 8)
+    >>> f"{param_count(LlamaConfig.named('llama3_8b')) / 1e9:.2f}B"
+    '8.03B'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+ATTENTION = ("auto", "xla", "cudnn", "reference")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama-3.1's rotary frequency scaling (``rope_type="llama3"`` in other libraries).
+
+    Wavelengths shorter than ``original_max_positions / high_freq_factor`` keep their
+    frequency, those longer than ``original_max_positions / low_freq_factor`` are divided by
+    ``factor``, and the band between is interpolated smoothly.
+
+    >>> RopeScaling(factor=8.0).original_max_positions
+    8192
+    """
+
+    factor: float = 8.0                   # how much longer the context becomes
+    low_freq_factor: float = 1.0          # wavelengths above original/low are scaled fully
+    high_freq_factor: float = 4.0         # wavelengths below original/high are left alone
+    original_max_positions: int = 8192    # the context length the model was pre-trained on
+
+    def __post_init__(self):
+        if self.factor < 1:
+            raise ValueError(f"RopeScaling.factor={self.factor} must be >= 1 (1 = no scaling); e.g. 8.0")
+        if not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(
+                f"RopeScaling needs 0 < low_freq_factor < high_freq_factor, got low_freq_factor="
+                f"{self.low_freq_factor}, high_freq_factor={self.high_freq_factor}; Llama-3.1 uses 1.0 and 4.0")
+        if self.original_max_positions < 1:
+            raise ValueError(f"RopeScaling.original_max_positions={self.original_max_positions} must be "
+                             f"positive; Llama-3 was pre-trained with 8192")
+
+
+def _check_positive(cfg: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"LlamaConfig.{name}={value!r} must be a positive int")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig:
+    """The shape and options of a Llama-3 model. ``LlamaConfig.named(name)`` gives the sizes.
+
+    >>> LlamaConfig(vocab_size=64, embed=32, heads=4, kv_heads=2, mlp=64, layers=2).head_dim
+    8
+    """
+
+    vocab_size: int = 64          # tokens in the vocabulary
+    embed: int = 32               # width of the residual stream
+    heads: int = 4                # query heads
+    kv_heads: int = 2             # key/value heads shared by heads // kv_heads query heads (1 = MQA)
+    head_dim: int | None = None   # width of one head; None = embed // heads
+    mlp: int = 64                 # hidden width of the SwiGLU feed-forward
+    layers: int = 2               # transformer blocks
+    max_seq_len: int = 16         # longest sequence the model is meant for (data / planning only)
+    rope_theta: float = 500000.0  # RoPE base: frequency i is theta ** (-2i / head_dim)
+    rope_scaling: RopeScaling | None = None   # Llama-3.1 long-context scaling; None = plain RoPE
+    norm_eps: float = 1e-5        # RMSNorm epsilon
+    tie_embeddings: bool = False  # the output head reuses the token embedding table
+    scan_layers: bool = False     # stack blocks on a "layers" axis and run them with scan
+    remat: str = "none"           # jax.checkpoint policy name for each block ("none" = keep all)
+    attention: str = "auto"       # "auto" | "xla" | "cudnn" | "reference" (plain einsum softmax)
+    dtype: str = "float32"        # compute dtype of activations
+    param_dtype: str = "float32"  # storage dtype of parameters
+
+    def __post_init__(self):
+        _check_positive(self, "vocab_size", "embed", "heads", "kv_heads", "mlp", "layers", "max_seq_len")
+        if self.head_dim is None:
+            if self.embed % self.heads:
+                raise ValueError(
+                    f"LlamaConfig: embed={self.embed} is not divisible by heads={self.heads}, so head_dim "
+                    f"cannot default to embed // heads; give head_dim explicitly or pick heads dividing {self.embed}")
+            object.__setattr__(self, "head_dim", self.embed // self.heads)  # resolved once, then frozen
+        _check_positive(self, "head_dim")
+        if self.heads % self.kv_heads:
+            divisors = [d for d in range(1, self.heads + 1) if self.heads % d == 0]
+            raise ValueError(
+                f"LlamaConfig: kv_heads={self.kv_heads} does not divide heads={self.heads}; grouped-query "
+                f"attention shares each key/value head among heads // kv_heads query heads. "
+                f"Use kv_heads in {divisors}")
+        if self.head_dim % 2:
+            raise ValueError(
+                f"LlamaConfig: head_dim={self.head_dim} is odd, but rotary embeddings rotate pairs of "
+                f"dimensions; use an even head_dim (e.g. {self.head_dim + 1}) or embed/heads that give one")
+        self._check_options()
+
+    def _check_options(self) -> None:
+        from jaxpar.remat import POLICY_NAMES  # recompute policies by name
+
+        if self.remat not in POLICY_NAMES:
+            raise ValueError(f"LlamaConfig.remat={self.remat!r} is not one of {POLICY_NAMES}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"LlamaConfig.attention={self.attention!r} is not one of {ATTENTION}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"LlamaConfig.{name}={getattr(self, name)!r} is not one of {DTYPES}")
+        if isinstance(self.rope_scaling, dict):   # from YAML / JSON
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise TypeError(f"LlamaConfig.rope_scaling must be a RopeScaling, a dict of its fields or None, "
+                            f"got {type(self.rope_scaling).__name__}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError(f"LlamaConfig: rope_theta={self.rope_theta} and norm_eps={self.norm_eps} "
+                             f"must be positive; Llama-3 uses 500000.0 and 1e-5")
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head."""
+        return self.heads // self.kv_heads
+
+    @classmethod
+    def named(cls, name: str, **overrides: Any) -> LlamaConfig:
+        """One of ``SIZES`` (``"tiny"``, ``"125m"``, ``"1b"``, ``"llama3_8b"``, ``"llama3_70b"``),
+        with fields replaced by ``overrides``.
+
+        >>> LlamaConfig.named("tiny", scan_layers=True).scan_layers
+        True
+        """
+        if name not in SIZES:
+            raise ValueError(f"no Llama size named {name!r}; the sizes are {sorted(SIZES)}")
+        return cls(**{**SIZES[name], **overrides})
+
+
+# Real shapes for the large ones (Meta's published configurations); they are for planning and
+# abstract shapes (jaxpar.nn.abstract_model), never trained in the tests.
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=8192)
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=64, embed=32, heads=4, kv_heads=2, mlp=64, layers=2, max_seq_len=16),
+    "125m": dict(vocab_size=32000, embed=768, heads=12, kv_heads=4, mlp=2048, layers=12, max_seq_len=2048),
+    "1b": dict(_LLAMA3, embed=2048, heads=32, kv_heads=8, mlp=8192, layers=16, tie_embeddings=True,
+               rope_scaling=RopeScaling(factor=32.0)),   # the Llama-3.2-1B shape
+    "llama3_8b": dict(_LLAMA3, embed=4096, heads=32, kv_heads=8, mlp=14336, layers=32),
+    "llama3_70b": dict(_LLAMA3, embed=8192, heads=64, kv_heads=8, mlp=28672, layers=80),
+}
+
+
+def param_count(cfg: LlamaConfig) -> int:
+    """Parameters of the model ``cfg`` describes, from its shape alone (no model is built).
+
+    >>> param_count(LlamaConfig.named("tiny"))
+    22688
+    """
+    e, d = cfg.embed, cfg.head_dim
+    attention = e * cfg.heads * d * 2 + e * cfg.kv_heads * d * 2       # wq, wo; wk, wv
+    block = attention + 3 * e * cfg.mlp + 2 * e                          # gate, up, down; two norms
+    tables = cfg.vocab_size * e * (1 if cfg.tie_embeddings else 2)
+    return cfg.layers * block + tables + e                               # + final norm
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward = 3 × forward): 6 per matmul parameter plus
+    the attention scores, 6 · layers · seq · heads · head_dim (causal halves the 12).
+
+    >>> flops_per_token(LlamaConfig.named("tiny")) > 6 * param_count(LlamaConfig.named("tiny")) / 2
+    True
+    """
+    seq = seq_len or cfg.max_seq_len
+    # the input table is a lookup, not a matmul (when tied, its one copy is the head's matmul)
+    matmul_params = param_count(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed)
+    return 6.0 * matmul_params + 6.0 * cfg.layers * seq * cfg.heads * cfg.head_dim
+
+
+_DIGITS = {"B": 2, "M": 1, "K": 1, "": 0}
+
+
+def describe(cfg: LlamaConfig) -> str:
+    """One line: the shape and the parameter count.
+
+    >>> describe(LlamaConfig.named("tiny"))
+    'layers=2 embed=32 heads=4/kv 2 head_dim=8 mlp=64 vocab=64: 22.7K parameters'
+    """
+    n = param_count(cfg)
+    unit, scale = next((u, s) for u, s in (("B", 1e9), ("M", 1e6), ("K", 1e3), ("", 1)) if n >= s)
+    return (f"layers={cfg.layers} embed={cfg.embed} heads={cfg.heads}/kv {cfg.kv_heads} head_dim={cfg.head_dim} "
+            f"mlp={cfg.mlp} vocab={cfg.vocab_size}: {n / scale:.{_DIGITS[unit]}f}{unit} parameters")
