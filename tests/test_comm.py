@@ -74,4 +74,4 @@ def test_parameter_split_8_ways_takes_one_eighth_of_argument_bytes():
     trainer = jaxpar.Trainer(model, optax.adam(1e-3), lambda m, b: jnp.mean(m(b["x"]) ** 2), cfg, mesh)
     batch = {"x": np.ones((8, 256), np.float32)}
     args = memory(trainer.lower(batch).compile()).argument_bytes
-    assert args == 3 * full // 8 + 4 + batch["x"].nbytes    # + Adam's int32 step count
+    assert args == 3 * full // 8 + 4 + 4 + batch["x"].nbytes    # + Adam's int32 count + the TrainState step

@@ -7,12 +7,13 @@
 See ``docs/checkpoint.md``; ``python -m jaxpar.checkpoint {inspect,transform,merge}`` works offline.
 """
 
-from jaxpar.checkpoint.manager import Checkpointer, latest_step, restore, restore_state, save, save_state
+from jaxpar.checkpoint.manager import CheckpointDamagedError, Checkpointer, latest_step, restore, restore_state, save, save_state
 from jaxpar.checkpoint.offline import format_inspect, inspect, load_strategy, merge, plan_leaves, transform
 from jaxpar.checkpoint.state import CheckpointMismatchError
 from jaxpar.checkpoint.strategy import strategy_config, strategy_specs
 
 __all__ = [
+    "CheckpointDamagedError",
     "CheckpointMismatchError",
     "Checkpointer",
     "format_inspect",

@@ -18,7 +18,11 @@ Restoring reads every array straight into the shards of the *target* trainer's l
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
+import warnings
+import weakref
 from typing import Any
 
 import jax
@@ -31,6 +35,7 @@ from jaxpar.plan import check_data
 from jaxpar.version import __version__
 
 ITEMS = ("state", "meta", "strategy")
+RESUME = ("newest", "newest_intact")
 
 
 def open_manager(directory: str, *, keep: int | None = None, read_only: bool = False,
@@ -80,16 +85,36 @@ def complete_step(manager: ocp.CheckpointManager, directory, step: int | None) -
     return step
 
 
+class CheckpointDamagedError(ValueError):
+    """A committed step that does not read back: names the step directory and the damage."""
+
+    def __init__(self, directory: str, step: int, error: BaseException):
+        self.step = step
+        super().__init__(
+            f"checkpoint step {step} in {directory} is damaged ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:300] if str(error) else 'no detail'}); the steps before it are "
+            f"untouched. Resume from the newest intact step with Trainer(resume='newest_intact') "
+            f"(`jaxpar train --resume newest_intact`), or delete {os.path.join(directory, str(step))}")
+
+
 def restore_from(manager: ocp.CheckpointManager, step: int, state, mesh, directory: str = ""):
     """``(TrainState, meta)``: ``step`` read into ``state``'s layout (any layout saved)."""
     state = st.as_state(state)
     target = st.target(state, mesh)
-    problems = st.differences(saved_leaves(manager, step), {p: st.leaf_info(t) for p, t in target.items()})
+    try:
+        saved = saved_leaves(manager, step)
+    except Exception as e:  # orbax/tensorstore raise many kinds for a damaged file
+        raise CheckpointDamagedError(str(directory), step, e) from e
+    problems = st.differences(saved, {p: st.leaf_info(t) for p, t in target.items()})
     if problems:
         raise st.CheckpointMismatchError(str(directory), step, problems)
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
-    meta = dict(restored["meta"])
+    try:
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
+        meta = dict(restored["meta"])
+        int(meta["step"])
+    except Exception as e:
+        raise CheckpointDamagedError(str(directory), step, e) from e
     new = st.install(state, st.unnest(restored["state"]))
     step_value = jax.device_put(jnp.asarray(int(meta["step"]), jnp.int32), state.step.sharding)
     return new.replace(step=step_value, data=dict(meta.get("data_state") or {})), meta
@@ -151,6 +176,26 @@ def latest_step(directory) -> int | None:
     return max(steps) if steps else None
 
 
+def _at_exit(ref: weakref.ref) -> None:
+    """Close the checkpointer behind ``ref`` (if still open) when the interpreter exits.
+
+    Registered with the hooks that run when the main thread ends, before the thread pools shut
+    down: orbax finishes a save through them, so a plain ``atexit`` handler comes too late
+    ("cannot schedule new futures after shutdown") and the step would be lost. Python has that
+    hook only as ``threading._register_atexit`` (3.9+); without it, ``atexit`` is the fallback.
+    """
+    def finish():
+        ckpt = ref()
+        if ckpt is not None:
+            ckpt.close()
+
+    register = getattr(threading, "_register_atexit", None)
+    try:
+        (register or atexit.register)(finish)
+    except RuntimeError:     # already shutting down: nothing more can be scheduled anyway
+        pass
+
+
 class Checkpointer:
     """Periodic asynchronous checkpoints of one trainer into ``directory``, keeping the last ``keep``.
 
@@ -166,14 +211,29 @@ class Checkpointer:
     >>> ckpt.close()
     """
 
-    def __init__(self, directory, *, save_every: int = 0, keep: int | None = 3, asynchronous: bool = True):
-        if not isinstance(save_every, int) or save_every < 0:
+    def __init__(self, directory, *, save_every: int = 0, keep: int | None = 3, asynchronous: bool = True,
+                 resume: str = "newest"):
+        if not isinstance(save_every, int) or isinstance(save_every, bool) or save_every < 0:
             raise ValueError(f"Checkpointer: save_every={save_every!r} must be an int >= 0 (0 = only explicit saves)")
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"Checkpointer: keep={keep!r} must be a positive int or None (keep all)")
-        self.directory = os.path.abspath(os.fspath(directory))
+        if resume not in RESUME:
+            raise ValueError(f"Checkpointer: resume={resume!r}; choose one of {RESUME}")
+        path = os.path.abspath(os.fspath(directory))
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"checkpoint_dir={directory!r} is a file, not a directory; give a directory path "
+                             "(it is created if missing)")
+        self.directory = path
         self.save_every = save_every
+        self.resume_policy = resume
         self.manager = open_manager(self.directory, keep=keep, asynchronous=asynchronous)
+        self._closed = False
+        # A script that trains and returns must not lose the save still being written.
+        _at_exit(weakref.ref(self))
+
+    def due(self, step: int) -> bool:
+        """Whether ``maybe_save`` would save at ``step``."""
+        return bool(self.save_every) and step % self.save_every == 0
 
     def save_state(self, plan, state, mesh, *, force: bool = False) -> int:
         """Start saving ``state`` (laid out by ``plan`` on ``mesh``) as step ``state.step``."""
@@ -205,13 +265,24 @@ class Checkpointer:
                             self.directory)
 
     def resume(self, trainer) -> dict[str, Any] | None:
-        """Restore the newest complete step into ``trainer``; ``None`` if there is none."""
+        """Restore the newest complete step into ``trainer``; ``None`` if there is none.
+
+        A newest step that does not read back whole raises `CheckpointDamagedError` naming it,
+        or, with ``resume="newest_intact"``, is passed over (with a warning) for the newest
+        step that does."""
         self.manager.wait_until_finished()
-        if not complete_steps(self.manager):
-            return None
-        state, meta = self.restore_state(trainer.state, trainer.mesh)
-        trainer.state = state
-        return meta
+        steps = sorted(complete_steps(self.manager), reverse=True)
+        for i, step in enumerate(steps):
+            try:
+                state, meta = self.restore_state(trainer.state, trainer.mesh, step)
+            except CheckpointDamagedError as e:
+                if self.resume_policy != "newest_intact" or i + 1 == len(steps):
+                    raise
+                warnings.warn(f"{e}; resuming from the previous step {steps[i + 1]}", stacklevel=2)
+                continue
+            trainer.state = state
+            return meta
+        return None
 
     def restore(self, trainer, step: int | None = None) -> dict[str, Any]:
         """Restore ``step`` (default the newest complete one) into ``trainer``."""
@@ -227,6 +298,11 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
+        """Wait for every started save to commit, then close (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.manager.wait_until_finished()
         self.manager.close()
 
     def __enter__(self) -> "Checkpointer":

@@ -256,7 +256,11 @@ def enter(s: Setting, params):
 
 
 def update(s: Setting, grads: Callable, tx: optax.GradientTransformation) -> Callable:
-    """One optimizer update after ``grads``; the step counter advances on the device."""
+    """One optimizer update after ``grads``; the step counter advances on the device.
+
+    A step whose loss or gradient is not finite keeps the previous parameters and optimizer
+    state (``metrics["finite"]`` is False): a NaN batch never reaches the state, so it never
+    reaches a checkpoint. The Trainer decides whether to stop or go on (``nonfinite=``)."""
     offload_state = "opt_state" in s.plan.offload
 
     def step(state: TrainState, batch):
@@ -265,9 +269,13 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation) -> Cal
         if offload_state:
             opt_state = to_device(opt_state, s.plan.shardings("opt_state", opt_state, s.mesh))
         loss, aux, rest, g = grads(params, state.rest, batch)
-        updates, opt_state = tx.update(g, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(g)}
+        norm = optax.tree.norm(g)
+        updates, new_opt_state = tx.update(g, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+        params, opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+        metrics = {"loss": loss, "grad_norm": norm, "finite": finite}
         if aux is not None:
             metrics["aux"] = aux
         return state.replace(params=params, rest=rest, opt_state=opt_state, step=state.step + 1), metrics

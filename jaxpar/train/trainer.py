@@ -8,6 +8,9 @@ batch shape, runs it, and keeps metrics on the device until they are logged.
 
 from __future__ import annotations
 
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,6 +29,35 @@ from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
 from jaxpar.plan import TrainPlan, TrainState, check_data, init_state, make_train_plan, state_shardings
 from jaxpar.train.step import Setting, build_eval, build_grads, build_step
+
+
+class Preempted(SystemExit):
+    """Raised by ``Trainer.step`` after a SIGTERM: the state of ``step`` is saved; exit code 0."""
+
+    def __init__(self, step: int, directory: str):
+        super().__init__(0)
+        self.step, self.directory = step, directory
+        print(f"jaxpar: preempted (SIGTERM): saved step {step} to {directory}; restart to resume", file=sys.stderr)
+
+
+class Preemption:
+    """Where a SIGTERM is noticed: a flag set by a signal handler (one process), or JAX's
+    preemption sync point, which makes every process stop at the same step (several)."""
+
+    def __init__(self):
+        self.flag = threading.Event()
+        self.multi = jax.process_count() > 1
+        if not self.multi and threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGTERM)
+            if previous in (signal.SIG_DFL, None):
+                signal.signal(signal.SIGTERM, lambda *_: self.flag.set())
+
+    def reached(self, step: int) -> bool:
+        if self.multi:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.flag.is_set()
 
 
 def check_supported(config: ParallelConfig) -> None:
@@ -58,7 +90,18 @@ class Trainer:
     construction on this batch (otherwise on the first batch given to ``step`` / ``lower``).
     ``checkpoint_dir`` / ``save_every`` / ``keep``: save asynchronously every ``save_every``
     steps, keep the newest ``keep``, and resume from the newest complete one at construction.
+    ``resume``: ``"newest"`` (a damaged newest step is an error naming it) or
+    ``"newest_intact"`` (fall back to the newest step that reads back whole).
+    ``nonfinite``: a step whose loss or gradient is not finite never changes the state (its
+    update is skipped on the device); ``"stop"`` raises ``FloatingPointError`` naming the step
+    when the metrics are next read (logging, saving, every 100 steps), ``"skip"`` counts it in
+    ``trainer.skipped_steps`` and goes on.
     ``pipeline.stages > 1`` needs ``loss_fn`` as a ``jaxpar.pipeline.PipelineLoss``.
+    ``preemption`` (with ``checkpoint_dir``): on SIGTERM the Trainer saves at the next step
+    boundary — the same step on every process (JAX's preemption sync point) — and raises
+    ``Preempted`` (a ``SystemExit`` with code 0), so a restart resumes exactly there.
+    Saves still in flight finish at ``close()`` (or leaving ``with trainer:``), at the end of
+    ``fit``, and at interpreter exit.
     The Trainer owns the model's arrays from then on (they are donated to the step): read the
     trained model as ``trainer.model``.
     """
@@ -66,8 +109,12 @@ class Trainer:
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, loss_fn: Callable,
                  config: ParallelConfig, mesh, *, plan: TrainPlan | None = None, global_batch: bool | None = None,
                  donate: bool = True, offload: str | tuple[str, ...] = (), example_batch: Any = None,
-                 checkpoint_dir: str | None = None, save_every: int = 0, keep: int | None = 3):
+                 checkpoint_dir: str | None = None, save_every: int = 0, keep: int | None = 3,
+                 nonfinite: str = "stop", resume: str = "newest", preemption: bool = True):
         _check_args(model, tx, loss_fn, config, mesh, plan)
+        if nonfinite not in ("stop", "skip"):
+            raise ValueError(f"Trainer: nonfinite={nonfinite!r}; choose 'stop' (raise naming the step) or 'skip' "
+                             "(count the skipped updates and go on)")
         check_supported(config)
         self.mesh, self.tx, self.loss_fn = mesh, tx, loss_fn
         self.global_batch = jax.process_count() == 1 if global_batch is None else global_batch
@@ -82,10 +129,15 @@ class Trainer:
         self._state: TrainState | None = None
         self._steps = 0               # host mirror of state.step: the loop never waits on the device
         self._compiled: dict[Any, Any] = {}
+        self._nonfinite = nonfinite
+        self._finite: list[tuple[int, Any]] = []   # (step, device flag) not yet read
+        self.skipped_steps: list[int] = []
+        self.graphdef = None
         self._pending = model         # set up now, or (mode "auto" without example_batch) at the first batch
         self.checkpointer = None
         if checkpoint_dir is not None:
-            self.checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep)
+            self.checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep, resume=resume)
+        self._preemption = Preemption() if checkpoint_dir is not None and preemption else None
         if plan is not None or config.mode != "auto" or example_batch is not None:
             self._setup(example_batch)
 
@@ -161,9 +213,40 @@ class Trainer:
         state, metrics = self._jitted(placed)(state, placed)
         self._state = state.attach(token)
         self._steps += 1
-        if self.checkpointer is not None:
+        self._finite.append((self._steps, metrics["finite"]))
+        if self._preemption is not None and self._preemption.reached(self._steps):
+            self._save_and_exit()
+        if len(self._finite) >= 100:
+            self.check_finite()
+        if self.checkpointer is not None and self.checkpointer.due(self._steps):
+            self.check_finite()          # a step that did not update must not pass silently into a save
             self.checkpointer.maybe_save(self)
         return metrics
+
+    def _save_and_exit(self) -> None:
+        """Preempted (SIGTERM): save this step, wait for it, and leave with exit code 0."""
+        self.check_finite()
+        if self._steps not in self.checkpointer.manager.all_steps():
+            self.checkpointer.save(self)
+        self.checkpointer.close()
+        raise Preempted(self._steps, self.checkpointer.directory)
+
+    def check_finite(self) -> None:
+        """Read the finite flags of the steps since the last read (one wait); see ``nonfinite``."""
+        if not self._finite:
+            return
+        flags = jax.device_get([f for _, f in self._finite])
+        bad = [step for (step, _), ok in zip(self._finite, flags) if not ok]
+        self._finite.clear()
+        if not bad:
+            return
+        self.skipped_steps.extend(bad)
+        if self._nonfinite == "stop":
+            raise FloatingPointError(
+                f"Trainer: step {bad[0]} had a non-finite loss or gradient norm"
+                + (f" (and steps {bad[1:]})" if bad[1:] else "") + "; its update was skipped, so the state and "
+                "every checkpoint hold only finite values. Inspect that batch, lower the learning rate, or pass "
+                "Trainer(nonfinite='skip') to count such steps and go on")
 
     def lower(self, batch) -> jax.stages.Lowered:
         """The lowered step for ``batch`` (``.compile()`` gives the program for reports)."""
@@ -230,12 +313,26 @@ class Trainer:
                     last = self._flush(pending, history, callback, last)
                     bar.update(task, info=f"loss {history[-1]['loss']:.4f}")
                 bar.update(task, advance=1)
+        if self.checkpointer is not None:
+            self.checkpointer.wait()     # the run is over: every save started is committed
         return history
+
+    def close(self) -> None:
+        """Finish the saves in flight and close the checkpoint directory."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _flush(self, pending, history, callback, since: float) -> float:
         """Read the pending steps' metrics (one wait for all of them)."""
         if not pending:
             return since
+        self.check_finite()
         values = jax.device_get([(m["loss"], m["grad_norm"]) for _, _, m, _ in pending])
         now = time.perf_counter()
         per_step = (now - since) / len(pending)
@@ -253,6 +350,7 @@ class Trainer:
         """Save the whole state to ``directory`` (blocking), or without one asynchronously to
         ``checkpoint_dir``. Returns the step saved."""
         self._require_setup("save")
+        self.check_finite()
         if data_state is not None:
             self.data_state = data_state
         if directory is not None:
@@ -349,7 +447,8 @@ class Trainer:
     @property
     def model(self) -> nnx.Module:
         """The model with the current parameters (sharded as planned)."""
-        return nnx.merge(self.graphdef, self.params, self.rest)
+        state = self.state
+        return nnx.merge(self.graphdef, state.params, state.rest)
 
     @property
     def shardings(self) -> dict[str, Any]:

@@ -1,0 +1,191 @@
+"""Nothing is lost: saves finish at exit, a NaN never reaches a checkpoint, a damaged newest step
+is named (and can be passed over). Rows of the fault table in docs/reliability.md."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.checkpoint import CheckpointDamagedError
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+class Linear(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones((4, 4)))
+
+    def __call__(self, x):
+        return x @ self.w[...]
+
+
+def _loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _batch(i, bad=False):
+    rng = np.random.default_rng(i)
+    x = rng.normal(size=(8, 4)).astype(np.float32)
+    if bad:
+        x[0, 0] = np.nan
+    return {"x": x, "y": rng.normal(size=(8, 4)).astype(np.float32)}
+
+
+def _trainer(directory=None, **kw):
+    config = jaxpar.ParallelConfig(mesh={"data": 8})
+    mesh = jaxpar.make_mesh(config)
+    return jaxpar.Trainer(Linear(), optax.sgd(0.1), _loss, config, mesh, checkpoint_dir=directory, **kw)
+
+
+def test_a_script_that_trains_and_returns_keeps_its_last_save(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(ROOT / "tests")!r})
+        import jax; jax.config.update("jax_num_cpu_devices", 8)
+        import test_reliability as t
+        trainer = t._trainer({str(tmp_path / "ckpt")!r}, save_every=2, keep=2)
+        for i in range(4):
+            trainer.step(t._batch(i))
+        # no close(), no wait(): the interpreter's exit must finish the save of step 4
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    entries = sorted(os.listdir(tmp_path / "ckpt"))
+    assert entries == ["2", "4"], entries                      # committed, no *-tmp directory left
+    assert jaxpar.checkpoint.latest_step(str(tmp_path / "ckpt")) == 4
+
+
+def test_fit_and_close_finish_pending_saves(tmp_path):
+    with _trainer(str(tmp_path), save_every=1, keep=None) as trainer:
+        trainer.fit([_batch(i) for i in range(3)], steps=3, progress=False)
+        assert sorted(os.listdir(tmp_path)) == ["1", "2", "3"]      # fit waited for its saves
+
+
+def test_a_nan_step_never_reaches_the_state_or_a_checkpoint(tmp_path):
+    trainer = _trainer(str(tmp_path), save_every=1, keep=2)
+    trainer.step(_batch(0))
+    trainer.step(_batch(1))
+    good = np.asarray(trainer.params["w"].get_value())
+    with pytest.raises(FloatingPointError, match="step 3 had a non-finite loss"):
+        trainer.step(_batch(2, bad=True))             # read before step 3's save: stop, naming the step
+    assert np.array_equal(np.asarray(trainer.params["w"].get_value()), good)   # the update was skipped
+    trainer.close()
+    assert sorted(os.listdir(tmp_path)) == ["1", "2"]  # rotation kept the finite steps
+    fresh = _trainer(str(tmp_path))
+    assert fresh.step_count == 2 and np.all(np.isfinite(np.asarray(fresh.params["w"].get_value())))
+
+
+def test_nonfinite_skip_counts_and_goes_on(tmp_path):
+    trainer = _trainer(str(tmp_path), save_every=2, keep=None, nonfinite="skip")
+    history = trainer.fit([_batch(0), _batch(1, bad=True), _batch(2), _batch(3)], steps=4, progress=False)
+    assert trainer.skipped_steps == [2] and np.isnan(history[1]["loss"])
+    assert np.all(np.isfinite(np.asarray(trainer.params["w"].get_value())))
+    with pytest.raises(ValueError, match="nonfinite='maybe'"):
+        _trainer(nonfinite="maybe")
+
+
+def _damage(directory: pathlib.Path, step: int) -> None:
+    files = sorted(p for p in (directory / str(step) / "state").rglob("*") if p.is_file() and p.stat().st_size)
+    for p in files:
+        p.write_bytes(b"\0" * 7)
+
+
+def test_a_damaged_newest_step_is_named_and_can_be_passed_over(tmp_path):
+    trainer = _trainer(str(tmp_path), save_every=1, keep=None)
+    for i in range(2):
+        trainer.step(_batch(i))
+    trainer.close()
+    _damage(tmp_path, 2)
+    with pytest.raises(CheckpointDamagedError, match=r"step 2 in .* is damaged.*newest_intact"):
+        _trainer(str(tmp_path))
+    with pytest.warns(UserWarning, match="resuming from the previous step 1"):
+        resumed = _trainer(str(tmp_path), resume="newest_intact")
+    assert resumed.step_count == 1
+
+
+def test_checkpoint_dir_that_is_a_file_is_refused(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        _trainer(str(path))
+
+
+WORKER = ROOT / "tests" / "workers_ckpt" / "preempt_worker.py"
+STEPS = 12
+
+
+def _preempt_run(tmp_path, processes: int):
+    import json
+    import signal
+    import socket
+    import time
+
+    coordinator = "-"
+    if processes == 2:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            coordinator = f"127.0.0.1:{s.getsockname()[1]}"
+    directory, out = tmp_path / "ckpt", tmp_path
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+    def start():
+        return [subprocess.Popen([sys.executable, str(WORKER), str(directory), str(out), coordinator, str(i), str(STEPS)],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for i in range(processes)]
+
+    procs = start()
+    try:
+        deadline = time.time() + 300
+        while not all((out / f"rank_{i}.ready").exists() for i in range(processes)):
+            assert time.time() < deadline and all(p.poll() is None for p in procs), \
+                "\n".join(p.communicate()[0][-2000:] for p in procs if p.poll() is not None)
+            time.sleep(0.1)
+        for p in procs:                                   # what SLURM / Kubernetes send to every task
+            p.send_signal(signal.SIGTERM)
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0] * processes, "\n".join(x[-3000:] for x in logs)
+        assert all("preempted (SIGTERM): saved step" in x for x in logs), logs[0][-2000:]
+        saved = jaxpar.checkpoint.latest_step(str(directory))
+        assert 1 <= saved < STEPS
+        procs = start()                                   # the restart
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0] * processes, "\n".join(x[-3000:] for x in logs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    lines = [json.loads(x) for x in (out / "rank_0.jsonl").read_text().splitlines()]
+    return saved, lines
+
+
+def _uninterrupted():
+    sys.path.insert(0, str(ROOT / "tests" / "workers_ckpt"))
+    import common
+
+    trainer = common.gpt_trainer(common.DATA8)
+    return [float(trainer.step(b)["loss"]) for b in common.batches(STEPS)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("processes", [1, 2])
+def test_sigterm_saves_at_a_step_boundary_and_the_restart_resumes_exactly(tmp_path, processes):
+    saved, lines = _preempt_run(tmp_path, processes)
+    steps = [x["step"] for x in lines]
+    # the first run logged steps 1.. up to the saved one (whose step call raised Preempted);
+    # the restart resumes right after the saved step and runs to the end
+    restart = steps.index(saved + 1)
+    assert steps[:restart] == list(range(1, restart + 1)) and restart <= saved
+    assert steps[restart:] == list(range(saved + 1, STEPS + 1))
+    expected = _uninterrupted()
+    np.testing.assert_allclose([x["loss"] for x in lines], [expected[s - 1] for s in steps], rtol=1e-5)
