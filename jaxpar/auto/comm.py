@@ -9,9 +9,9 @@ tuple-shaped collective per group of mesh axes, so a group pays one latency per 
 
 * ``"grad"``: the all-reduce of a gradient of a parameter, or of a value computed from
   parameters alone (a reshape, a broadcast, a cast of one: `derivations`). Nothing but the
-  optimizer reads it, so all of them can wait for one another. A parameter read twice
-  has its gradient summed first and reduced once (XLA's all-reduce reassociation), so uses
-  that come from the same parameter count once (`combine` merges them).
+  optimizer reads it, so all of them can wait for one another. A parameter read by two
+  operators is reduced once per reader: XLA keeps one buffer per use in the combined
+  all-reduce rather than summing them first (measured: ``tests/test_auto_comm.py``).
 * ``"tail"``: a forward all-reduce whose result the backward pass never reads (the loss's
   own mean over the batch): it joins the gradients' group.
 * ``"norm"``: the optimizer's gradient-norm partial sums (one scalar per split parameter),
@@ -48,9 +48,7 @@ class Comm(NamedTuple):
 
     ``combined``: ``""`` for a collective with its own latency, else the combined group it
     joins (``"grad"``, ``"tail"``, ``"norm"``; see the module docstring). ``runs``: how many
-    times it runs per step (the trip count of an enclosing loop). ``source``: for a
-    gradient, the tensor it is the gradient of (a parameter, or the parameter a reshape or
-    cast of it came from): uses of one source are reduced once. ``tensor``: the value it
+    times it runs per step (the trip count of an enclosing loop). ``tensor``: the value it
     carries (an operator's result: its forward collective; an operand: that operand's
     gradient; ``-1``: neither, never combined). ``level``: set by `levels`."""
 
@@ -59,7 +57,6 @@ class Comm(NamedTuple):
     nbytes: float
     combined: str = SERIAL
     runs: int = 1
-    source: int = -1
     tensor: int = -1
     level: int = -1
 
@@ -68,7 +65,7 @@ class Combined(NamedTuple):
     """The price of a list of `Comm`: seconds, of which the gradients' groups take
     ``grad_s`` (tails left out), collectives paying a latency per step (``count``; of them,
     ``grad_count`` combined), bytes per step of the combined ones (``grad_bytes``), and the
-    comms as priced (a source's gradients merged)."""
+    comms as priced."""
 
     seconds: float
     grad_s: float
@@ -165,28 +162,9 @@ def buckets(nbytes: float, count: int, params: Any) -> int:
     return max(1, by_bytes, math.ceil(count / params.combine_threshold_count))
 
 
-def merge_sources(comms: Iterable[Comm], order: Sequence[str]) -> list[Comm]:
-    """Gradients of one source, kind and loop merged: one reduction over the union of their
-    axes, of the largest of their sizes (XLA sums a parameter's gradient, then reduces it)."""
-    out: list[Comm] = []
-    seen: dict[tuple, int] = {}
-    for c in comms:
-        key = (c.source, c.kind, c.runs)
-        if c.combined != GRAD or c.source < 0:
-            out.append(c)
-        elif key not in seen:
-            seen[key] = len(out)
-            out.append(c)
-        else:
-            old = out[seen[key]]
-            axes = tuple(a for a in order if a in old.axes or a in c.axes)
-            out[seen[key]] = old._replace(axes=axes, nbytes=max(old.nbytes, c.nbytes))
-    return out
-
-
 def combined_time(comms: Iterable[Comm], sizes: Mapping[str, int], params: Any) -> Combined:
     """Seconds of ``comms`` with the combined ones grouped into buckets (module docstring)."""
-    comms = merge_sources(comms, list(sizes))
+    comms = list(comms)
     seconds = count = 0.0
     groups: dict[tuple, list[Comm]] = {}
     serial: dict[tuple, list[Comm]] = {}

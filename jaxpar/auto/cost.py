@@ -204,12 +204,15 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
             comms.append(Comm(kind, lost, local_bytes(graph, out, axes, sizes), group, tensor=out))
     forward = len(comms)          # the forward pass's collective; gradients' come next
     source = flags.source or tuple(t if p else -1 for t, p in enumerate(flags.param))
+    # a reshape / transpose / cast does not sum its operand's gradient: a split result gives a
+    # split cotangent, gathered (a broadcast sums over its new dims: an all-reduce)
+    kind = "all-gather" if op.prim in _FREE and op.prim != "broadcast_in_dim" else "all-reduce"
     for t in op.ins:
         if t >= 0 and flags.grad[t]:
             missing = tuple(sorted(all_axes - per[t], key=list(sizes).index))
             if missing:   # the gradient of a parameter (or of a value of parameters alone) waits
-                comms.append(Comm("all-reduce", missing, local_bytes(graph, t, axes, sizes),   # for the others
-                                  GRAD if source[t] >= 0 else SERIAL, 1, source[t], t))
+                comms.append(Comm(kind, missing, local_bytes(graph, t, axes, sizes),   # for the others
+                                  GRAD if source[t] >= 0 else SERIAL, 1, t))
     calls = flags.calls or (1,) * len(graph.tensors)
     act = sum(local_bytes(graph, t, axes, sizes) * max(1, calls[t] // max(op.repeat, 1))
               for t in op.outs if flags.saved[t])
