@@ -28,6 +28,7 @@ LAYOUTS = {
     "2D (embed on model)": jaxpar.ParallelConfig(mesh={"data": 2, "model": 4},
                                                  rules={"batch": "data", "embed": "model"}),
 }
+SLOW = {"2D (embed on model)"}      # ~20 s to compile
 SIZES = {"data": 8}
 
 
@@ -76,10 +77,21 @@ def test_search_share_and_buckets():
         CostParams(combine_threshold_bytes=0)
 
 
+def test_calibrate_on_cpu_combines_without_a_byte_limit():
+    from jaxpar.auto import calibrate
+
+    machine = calibrate(jaxpar.make_mesh({"data": 8}), sizes_bytes=(1 << 10, 1 << 14), repeats=1)
+    assert machine.combine_threshold_bytes == math.inf and machine.combine_threshold_count == 256
+
+
 # --------------------------------------------------------------------------- the graph's flags
 
-def test_values_of_parameters_alone_and_the_loss_tail():
-    graph = build_graph(GPT(TINY, rngs=nnx.Rngs(0)), loss_fn, BATCH)
+@pytest.fixture(scope="module")
+def graph():
+    return build_graph(GPT(TINY, rngs=nnx.Rngs(0)), loss_fn, BATCH)
+
+
+def test_values_of_parameters_alone_and_the_loss_tail(graph):
     flags = analyse(graph)
     params = {t for _, t in graph.params}
     # a broadcast / reshape / cast of a parameter is traced back to it
@@ -104,12 +116,7 @@ def _local_shapes(plan, mesh) -> set:
     return out
 
 
-@pytest.fixture(scope="module")
-def graph():
-    return build_graph(GPT(TINY, rngs=nnx.Rngs(0)), loss_fn, BATCH)
-
-
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in LAYOUTS])
 def test_gradient_bytes_and_collective_counts_match_the_compiled_step(graph, name):
     config = LAYOUTS[name]
     mesh = mesh_for(config)
