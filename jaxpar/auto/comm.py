@@ -64,15 +64,13 @@ class Comm(NamedTuple):
 class Combined(NamedTuple):
     """The price of a list of `Comm`: seconds, of which the gradients' groups take
     ``grad_s`` (tails left out), collectives paying a latency per step (``count``; of them,
-    ``grad_count`` combined), bytes per step of the combined ones (``grad_bytes``), and the
-    comms as priced."""
+    ``grad_count`` combined), bytes per step of the combined ones (``grad_bytes``)."""
 
     seconds: float
     grad_s: float
-    count: float
-    grad_count: float
+    count: int
+    grad_count: int
     grad_bytes: float
-    comms: tuple[Comm, ...] = ()
 
 
 def derivations(graph: Any, grad: Sequence[bool]) -> tuple[tuple[int, ...], tuple[bool, ...]]:
@@ -164,8 +162,7 @@ def buckets(nbytes: float, count: int, params: Any) -> int:
 
 def combined_time(comms: Iterable[Comm], sizes: Mapping[str, int], params: Any) -> Combined:
     """Seconds of ``comms`` with the combined ones grouped into buckets (module docstring)."""
-    comms = list(comms)
-    seconds = count = 0.0
+    seconds, count = 0.0, 0
     groups: dict[tuple, list[Comm]] = {}
     serial: dict[tuple, list[Comm]] = {}
     for c in comms:
@@ -180,21 +177,24 @@ def combined_time(comms: Iterable[Comm], sizes: Mapping[str, int], params: Any) 
             seconds += c.runs * params.latency_of(c.axes)
             count += c.runs
     for (_, _, axes, runs), members in serial.items():
-        n = runs * buckets(sum(c.nbytes for c in members) / runs, len(members), params)
-        seconds += n * params.latency_of(axes)
-        count += n
-    grad_s = grad_count = grad_bytes = 0.0
+        n, lat = _latency(members, axes, runs, params)
+        seconds, count = seconds + lat, count + n
+    grad_s, grad_count, grad_bytes = 0.0, 0, 0.0
     for (_, kind, axes, runs), members in groups.items():
-        own = [c for c in members if c.combined != TAIL]
-        n = runs * buckets(sum(c.nbytes for c in members) / runs, len(members), params)
-        seconds += n * params.latency_of(axes)
-        count += n
-        grad_count += n
+        n, lat = _latency(members, axes, runs, params)
+        seconds, count, grad_count = seconds + lat, count + n, grad_count + n
         grad_bytes += sum(c.nbytes for c in members)
+        own = [c for c in members if c.combined != TAIL]     # the step's gradients alone
         if own:
-            grad_s += runs * buckets(sum(c.nbytes for c in own) / runs, len(own), params) * \
-                params.latency_of(axes) + sum(params.collective_time(kind, axes, c.nbytes, sizes, True) for c in own)
-    return Combined(seconds, grad_s, count, grad_count, grad_bytes, tuple(comms))
+            grad_s += _latency(own, axes, runs, params)[1] + sum(
+                params.collective_time(kind, axes, c.nbytes, sizes, True) for c in own)
+    return Combined(seconds, grad_s, count, grad_count, grad_bytes)
+
+
+def _latency(members: Sequence[Comm], axes, runs: int, params: Any) -> tuple[int, float]:
+    """(combined collectives, their latency seconds) of one group, per step."""
+    n = runs * buckets(sum(c.nbytes for c in members) / runs, len(members), params)
+    return n, n * params.latency_of(axes)
 
 
 def comm_share(c: Comm, sizes: Mapping[str, int], params: Any) -> float:

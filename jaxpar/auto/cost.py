@@ -133,9 +133,9 @@ class Cost:
     invalid: int = 0                         # tensors that use one mesh axis twice
     grad_comm_s: float = 0.0                 # the parameter-gradient collectives' share of comm_s
     temp_parts: tuple[float, float, float] = (0.0, 0.0, 0.0)   # `temp_parts`: the walk's terms
-    comm_count: float = 0.0                  # collectives paying a latency, per step
+    comm_count: int = 0                      # collectives paying a latency, per step
     grad_comm_bytes: int = 0                 # bytes of the combined (gradient) collectives
-    grad_comm_count: float = 0.0             # combined collectives XLA makes of them, per step
+    grad_comm_count: int = 0                 # combined collectives XLA makes of them, per step
 
     @property
     def time_s(self) -> float:
@@ -170,7 +170,7 @@ def local_bytes(graph: Graph, t: int, axes, sizes: Mapping[str, int]) -> float:
 
 def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags"):
     """``(flops, [Comm], activation bytes, invalid)`` of one operator (`jaxpar.auto.comm.Comm`:
-    kind, axes, bytes per step, combined group, runs per step, gradient source)."""
+    kind, axes, bytes per step, combined group, runs per step, the tensor it carries)."""
     ts = [t for t in (*op.ins, *op.outs) if t >= 0]
     per = {}
     invalid = 0
@@ -362,8 +362,9 @@ def evaluate(graph: Graph, axes: Sequence[tuple[str, ...]], sizes: Mapping[str, 
         f, c, a, bad = op_terms(graph, op, axes, sizes, flags)
         flops, act, invalid = flops + f, act + a, invalid + bad
         per_op.append(c)
-    priced = combined_time(comms + levels(graph, per_op), sizes, params)
-    for c in priced.comms:
+    comms += levels(graph, per_op)
+    priced = combined_time(comms, sizes, params)
+    for c in comms:
         key = "+".join(c.axes)
         by_axes[key] = by_axes.get(key, 0) + c.nbytes
     parts = temp_parts(graph, axes, sizes, flags)
