@@ -17,7 +17,7 @@ divisible by ``d``), ``f = 1 − 1/d`` and ``s`` the optimizer states per parame
   micro-batch's gradients, and at ZeRO ≥ 2 their all-reduced sum, are added), sharded
   over ``data`` at ZeRO ≥ 2.
 * time: ``k ×`` (compute + activation collectives of one micro-batch) + the gradient
-  collectives once; ZeRO 3 adds an all-gather of ``P`` per micro-batch for the forward
+  collectives once (combined as XLA combines them: `jaxpar.auto.comm`); ZeRO 3 adds an all-gather of ``P`` per micro-batch for the forward
   and one for the backward.
 
 Recompute needs no formula of its own: the graph marks each ``jax.checkpoint`` region and
@@ -28,8 +28,8 @@ program and each step lasts as long as its slowest stage (a chunk forward ``f``,
 backward ``3f``: the executor recomputes the chunk forward; ``2f`` each for the split
 backward's B and W; the last chunk's F is idle and its B and W add the head), plus two
 ``ppermute`` of one micro-batch's activations per step, the embedding and head on the
-whole batch, and the gradient all-reduces. Memory: the blocks' parameters and optimizer states divided by
-``p``; temp holds the executor's input and gradient buffers (``x_slots + g_slots``
+whole batch, and the gradient all-reduces (combined: one latency per group of mesh axes and
+bucket, `jaxpar.auto.comm`). Memory: the blocks' parameters and optimizer states divided by ``p``; temp holds the executor's input and gradient buffers (``x_slots + g_slots``
 micro-batch activations), the embedding output, its micro-batch view and its gradient for
 the whole batch, one chunk's recomputed activations, the head's activations of one
 micro-batch and the gradients.
