@@ -1,9 +1,11 @@
 """How honest is jaxpar.auto's cost model? Predicted against compiled, per strategy.
 
 For hand strategies of the example GPT on 8 devices, and for ZeRO levels and micro-batch
-counts on data parallel, compares the cost model's collective bytes, argument bytes and
-temp bytes with the compiled step (HLO collectives, ``memory_analysis``). Needs 8 devices
-(on CPU: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, set here if unset).
+counts on data parallel, compares the cost model's collective bytes, collective count (the
+collectives priced with a latency, after XLA's combiner), argument bytes and temp bytes
+with the compiled step (HLO collectives × executions, ``memory_analysis``); then the
+strategy the search picks for a 4096-row batch on data=8. Needs 8 devices (on CPU:
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``, set here if unset).
 
     python benchmarks/cost_model.py        # prints the table, writes results/cost_model_cpu.json|png
 """
@@ -22,7 +24,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar.auto import CostParams, build_graph, hand_plan  # noqa: E402
+from jaxpar.auto import CostParams, build_graph, hand_plan, search  # noqa: E402
 from jaxpar.auto.assign import hand_strategy  # noqa: E402
 from jaxpar.auto.pricing import micro_batch, price  # noqa: E402
 from jaxpar.models.data import ArithmeticData  # noqa: E402
@@ -56,25 +58,28 @@ def compiled(gpt, config, batch):
     trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0)), config, mesh), optax.adamw(1e-3),
                              loss_fn, config, mesh)
     c = trainer.lower(batch).compile()
-    return memory(c), sum(x.bytes * x.executions for x in collectives(c, mesh))
+    cols = collectives(c, mesh)
+    return memory(c), sum(x.bytes * x.executions for x in cols), sum(x.executions for x in cols)
 
 
 def main():
     rows = []
-    print(f"{'model':<26} {'strategy':<30} {'comm pred/HLO':>14} {'args pred/HLO':>14} {'temp pred/HLO':>14} "
-          f"{'total pred/HLO':>15}")
+    print(f"{'model':<26} {'strategy':<30} {'comm pred/HLO':>14} {'count pred/HLO':>15} {'args pred/HLO':>14} "
+          f"{'temp pred/HLO':>14} {'total pred/HLO':>15}")
     for mname, gpt in MODELS.items():
         batch = ArithmeticData(gpt.seq_len).batch(16, 0)
         graph = build_graph(GPT(gpt, rngs=nnx.Rngs(0)), loss_fn, batch)
         for sname, config in STRATEGIES.items():
             plan = hand_plan(None, loss_fn, batch, config, config.mesh, graph=graph)
-            mem, hlo = compiled(gpt, config, batch)
+            mem, hlo, count = compiled(gpt, config, batch)
             row = {"model": mname, "strategy": sname, "comm_pred": plan.cost["comm_bytes"], "comm_hlo": hlo,
+                   "count_pred": plan.cost["comm_count"], "count_hlo": count,
                    "args_pred": plan.cost["argument_bytes"], "args_hlo": mem.argument_bytes,
                    "temp_pred": plan.cost["temp_bytes"], "temp_hlo": mem.temp_bytes,
                    "total_pred": plan.cost["memory_bytes"], "total_hlo": mem.total}
             rows.append(row)
             print(f"{mname:<26} {sname:<30} {row['comm_pred'] / max(hlo, 1):>14.3f} "
+                  f"{row['count_pred']:>8g}/{count:<6} "
                   f"{row['args_pred'] / mem.argument_bytes:>14.3f} {row['temp_pred'] / mem.temp_bytes:>14.3f} "
                   f"{row['total_pred'] / mem.total:>15.3f}", flush=True)
     gpt = MODELS["embed 64"]
@@ -86,16 +91,37 @@ def main():
         graph = build_graph(GPT(gpt, rngs=nnx.Rngs(0)), loss_fn, micro_batch(batch, k) if k > 1 else batch)
         axes = hand_strategy(graph, dataclasses.replace(config, grad_accum=1), {"data": 8})
         _, args, temp = price(graph, axes, {"data": 8}, CostParams(), zero=zero, grad_accum=k, threshold_kb=0)
-        mem, _ = compiled(gpt, config, batch)
+        mem, _, _ = compiled(gpt, config, batch)
         rows.append({"model": "embed 64", "strategy": f"data=8 zero={zero} grad_accum={k}",
                      "args_pred": args, "args_hlo": mem.argument_bytes, "temp_pred": temp, "temp_hlo": mem.temp_bytes,
                      "total_pred": args + temp, "total_hlo": mem.total})
         print(f"  zero={zero} grad_accum={k}: arguments {args:,} / {mem.argument_bytes:,}, temp {temp:,} / "
               f"{mem.temp_bytes:,}, total {(args + temp) / mem.total:.3f}", flush=True)
+    searches = _large_batch_search()
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "cost_model_cpu.json"), "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+        json.dump({"device": jax.devices()[0].device_kind, "rows": rows, "searches": searches}, f, indent=1)
     _plot(rows)
+
+
+def _large_batch_search():
+    """The dynamic-programming search on a 4096-row batch, data=8: does it split the batch?"""
+    gpt = MODELS["embed 32 (tiny)"]
+    batch = ArithmeticData(gpt.seq_len).batch(4096, 0)
+    graph = build_graph(GPT(gpt, rngs=nnx.Rngs(0)), loss_fn, batch)
+    machines = {"GPU-like defaults": CostParams(),
+                "slow test machine": CostParams(flops_per_s=1e9, default_bandwidth=1e9, latency=1e-6)}
+    out = []
+    print("\nsearch, 4096-row batch, tiny GPT, mesh data=8")
+    for mname, params in machines.items():
+        config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="auto", search="dynamic_programming")
+        plan = search(None, loss_fn, batch, config, {"data": 8}, cost_params=params, graph=graph)
+        spec = str(dict(plan.batch)["['inputs']"])
+        out.append({"machine": mname, "batch_spec": spec, "time_s": plan.cost["time_s"],
+                    "comm_s": plan.cost["comm_s"], "comm_count": plan.cost["comm_count"]})
+        print(f"  {mname}: batch {spec}, step {plan.cost['time_s'] * 1e6:.4g} us, "
+              f"{plan.cost['comm_count']:g} collective(s)", flush=True)
+    return out
 
 
 def _plot(rows):

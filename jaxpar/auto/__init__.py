@@ -11,8 +11,9 @@ parameters): nothing compiles except `plan_job`'s optional dry run.
 """
 
 from jaxpar.auto.api import hand_plan, make_plan, mesh_sizes, plan_training, search
-from jaxpar.auto.cost import Cost, CostParams, calibrate, evaluate
+from jaxpar.auto.cost import Cost, CostParams, evaluate
 from jaxpar.auto.graph import Graph, build_graph
+from jaxpar.auto.machine import calibrate
 from jaxpar.auto.plan import Plan
 from jaxpar.auto.planner import JobPlan, plan_job
 

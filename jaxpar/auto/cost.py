@@ -21,6 +21,9 @@ forward program, with ``A(t)`` = the set of mesh axes splitting tensor ``t``:
 * **collective time**: an all-reduce of ``b`` bytes over a group of ``n`` devices takes
   ``latency + 2 (n − 1) / n · b / bandwidth`` (all-gather: ``(n − 1) / n · b / bandwidth``),
   with the slowest of the group's axes' bandwidths (``CostParams.bandwidth``, per axis).
+  Gradient all-reduces (and the loss's own, which the backward pass never reads) are
+  combined as XLA combines them: one latency per group of mesh axes and combiner bucket,
+  and a parameter read twice reduced once (`jaxpar.auto.comm`).
 * **memory** per device: parameters × (1 + ``optimizer_states``) + the batch (the step's
   arguments, exact), and the peak of temp buffers from a liveness walk of the forward and
   backward passes (`temp_peak`: saved values, cotangents, gradients; an estimate of XLA's temp).
@@ -35,7 +38,11 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
+from jaxpar.auto.comm import GRAD, NORM, SERIAL, TAIL, Comm, combined_time, comm_share, derivations, levels
 from jaxpar.auto.graph import Graph, Op
+
+# XLA's GPU all-reduce / reduce-scatter combine threshold (kDefaultAllReduceCombineThreshold)
+XLA_GPU_COMBINE_BYTES = 30 * 1024 * 1024 + 7
 
 _PRODUCTS = ("dot_general", "conv_general_dilated")
 _GATHER_LIKE = ("reshape", "concatenate", "slice", "dynamic_slice", "pad")
@@ -63,6 +70,14 @@ class CostParams:
       temp_activation_factor: a scale on the predicted peak of temp buffers (see `temp_peak`);
         1.0 is the liveness model as is; a backend that packs buffers differently can be fitted by
         comparing `Cost.temp_bytes` with ``jaxpar.report.memory(compiled).temp_bytes``.
+      combine_threshold_bytes: the most bytes XLA's combiner puts in one combined gradient
+        collective (`jaxpar.auto.comm`): XLA:GPU's default 30 MiB; ``math.inf`` for XLA:CPU,
+        which has no byte limit (`calibrate` sets it from the backend).
+      combine_threshold_count: the most collectives in one combined collective (XLA: 256).
+
+    Example:
+      >>> CostParams(flops_per_s=1e9, default_bandwidth=1e9, latency=1e-6).latency_of(("data",))
+      1e-06
     """
 
     flops_per_s: float = 1e14
@@ -73,11 +88,14 @@ class CostParams:
     optimizer_states: int = 2
     optimizer_scalar_bytes: int = 4
     temp_activation_factor: float = 1.0
+    combine_threshold_bytes: float = XLA_GPU_COMBINE_BYTES
+    combine_threshold_count: int = 256
 
     def __post_init__(self):
-        for name in ("flops_per_s", "default_bandwidth"):
+        for name in ("flops_per_s", "default_bandwidth", "combine_threshold_bytes", "combine_threshold_count"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"CostParams.{name}={getattr(self, name)!r} is invalid: use a positive number")
+                raise ValueError(f"CostParams.{name}={getattr(self, name)!r} is invalid: use a positive number "
+                                 "(math.inf for combine_threshold_bytes: no byte limit, as on XLA:CPU)")
         if self.latency < 0 or self.optimizer_states < 0 or self.temp_activation_factor < 0:
             raise ValueError("CostParams: latency, optimizer_states and temp_activation_factor must be >= 0")
         object.__setattr__(self, "bandwidth", dict(self.bandwidth))
@@ -90,9 +108,13 @@ class CostParams:
         if n <= 1:
             return 0.0
         bw = min(self.bandwidth.get(a, self.default_bandwidth) for a in axes)
-        lat = 0.0 if combined else max(self.latency_per_axis.get(a, self.latency) for a in axes)
+        lat = 0.0 if combined else self.latency_of(axes)
         factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
         return lat + factor * nbytes / bw
+
+    def latency_of(self, axes: Sequence[str]) -> float:
+        """Seconds of latency of one collective over ``axes`` (the slowest axis's)."""
+        return max((self.latency_per_axis.get(a, self.latency) for a in axes), default=0.0)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -111,6 +133,9 @@ class Cost:
     invalid: int = 0                         # tensors that use one mesh axis twice
     grad_comm_s: float = 0.0                 # the parameter-gradient collectives' share of comm_s
     temp_parts: tuple[float, float, float] = (0.0, 0.0, 0.0)   # `temp_parts`: the walk's terms
+    comm_count: int = 0                      # collectives paying a latency, per step
+    grad_comm_bytes: int = 0                 # bytes of the combined (gradient) collectives
+    grad_comm_count: int = 0                 # combined collectives XLA makes of them, per step
 
     @property
     def time_s(self) -> float:
@@ -144,7 +169,8 @@ def local_bytes(graph: Graph, t: int, axes, sizes: Mapping[str, int]) -> float:
 
 
 def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags"):
-    """``(flops, [(kind, axes, bytes, combined)], activation bytes, invalid)`` of one operator."""
+    """``(flops, [Comm], activation bytes, invalid)`` of one operator (`jaxpar.auto.comm.Comm`:
+    kind, axes, bytes per step, combined group, runs per step, the tensor it carries)."""
     ts = [t for t in (*op.ins, *op.outs) if t >= 0]
     per = {}
     invalid = 0
@@ -173,21 +199,29 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
         lost = tuple(sorted(ins_axes - per[out], key=list(sizes).index))
         if lost:
             kind = "all-gather" if op.prim in _GATHER_LIKE else "all-reduce"
-            comms.append((kind, lost, local_bytes(graph, out, axes, sizes), False))
+            # the loss's own reduction: nothing in the backward pass waits for it
+            group = TAIL if kind == "all-reduce" and flags.tail and flags.tail[out] else SERIAL
+            comms.append(Comm(kind, lost, local_bytes(graph, out, axes, sizes), group, tensor=out))
     forward = len(comms)          # the forward pass's collective; gradients' come next
+    source = flags.source or tuple(t if p else -1 for t, p in enumerate(flags.param))
+    # a reshape / transpose / cast does not sum its operand's gradient: a split result gives a
+    # split cotangent, gathered (a broadcast sums over its new dims: an all-reduce)
+    kind = "all-gather" if op.prim in _FREE and op.prim != "broadcast_in_dim" else "all-reduce"
     for t in op.ins:
         if t >= 0 and flags.grad[t]:
             missing = tuple(sorted(all_axes - per[t], key=list(sizes).index))
-            if missing:   # a parameter's gradient: XLA combines these into few all-reduces
-                comms.append(("all-reduce", missing, local_bytes(graph, t, axes, sizes), flags.param[t]))
+            if missing:   # the gradient of a parameter (or of a value of parameters alone) waits
+                comms.append(Comm(kind, missing, local_bytes(graph, t, axes, sizes),   # for the others
+                                  GRAD if source[t] >= 0 else SERIAL, 1, t))
     calls = flags.calls or (1,) * len(graph.tensors)
     act = sum(local_bytes(graph, t, axes, sizes) * max(1, calls[t] // max(op.repeat, 1))
               for t in op.outs if flags.saved[t])
     if op.keep == "recompute":    # the backward pass runs the forward again, collectives included
         flops += flops / 3
-        comms += [c for c in comms[:forward] if not c[3]]
+        comms += [c._replace(combined=SERIAL, tensor=-1) for c in comms[:forward]]
     if op.repeat != 1:      # inside a loop: every iteration computes, communicates and saves
-        flops, comms, act = flops * op.repeat, comms * op.repeat, act * op.repeat
+        flops, act = flops * op.repeat, act * op.repeat
+        comms = [c._replace(nbytes=c.nbytes * op.repeat, runs=op.repeat) for c in comms if op.repeat]
     return flops, comms, act, invalid
 
 
@@ -216,6 +250,8 @@ class Flags:
     saved: tuple[bool, ...]
     recomputed: tuple[bool, ...] = ()     # would be saved, but a recompute region redoes it
     calls: tuple[int, ...] = ()           # a region input: saved once per call of its region
+    source: tuple[int, ...] = ()          # `comm.derivations`: the parameter a value comes from
+    tail: tuple[bool, ...] = ()           # `comm.derivations`: the backward pass never reads it
 
 
 def analyse(graph: Graph, loops: bool = True) -> Flags:
@@ -261,7 +297,8 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
     for r in graph.regions:
         for t in r.inputs:
             calls[t] = max(calls[t], r.repeat)
-    return Flags(tuple(grad), tuple(t in params for t in range(n)), saved, recomputed, tuple(calls))
+    source, tail = derivations(graph, grad)
+    return Flags(tuple(grad), tuple(t in params for t in range(n)), saved, recomputed, tuple(calls), source, tail)
 
 
 def _needed(op: Op, grad) -> list[int]:
@@ -296,7 +333,8 @@ def needs_grad(graph: Graph) -> list[bool]:
 # --------------------------------------------------------------------------- a whole strategy
 
 def param_terms(graph: Graph, axes, sizes, params: CostParams, batch_bytes: bool = True):
-    """``(argument bytes, gradient bytes, [(kind, axes, bytes)])`` of the parameters and batch."""
+    """``(argument bytes, gradient bytes, [Comm])`` of the parameters and batch (the comms: the
+    gradient norm's partial sums, one scalar per split parameter)."""
     args, grads = float(params.optimizer_scalar_bytes), 0.0
     comms = []
     for _, t in graph.params:
@@ -305,7 +343,7 @@ def param_terms(graph: Graph, axes, sizes, params: CostParams, batch_bytes: bool
         grads += b
         ta = tensor_axes(graph, t, axes) or ()
         if ta:
-            comms.append(("all-reduce", tuple(sorted(ta, key=list(sizes).index)), 4, True))
+            comms.append(Comm("all-reduce", tuple(sorted(ta, key=list(sizes).index)), 4, NORM))
     for _, t in (*graph.others, *(graph.batch if batch_bytes else ())):
         args += local_bytes(graph, t, axes, sizes)
     return args, grads, comms
@@ -315,26 +353,25 @@ def evaluate(graph: Graph, axes: Sequence[tuple[str, ...]], sizes: Mapping[str, 
              params: CostParams = CostParams(), *, flags: Flags | None = None) -> Cost:
     """The predicted `Cost` of the strategy ``axes`` (one tuple of mesh axes per class)."""
     flags = analyse(graph) if flags is None else flags
-    flops = comm_s = act = 0.0
+    flops = act = 0.0
     by_axes: dict[str, float] = {}
     invalid = 0
     args, grads, comms = param_terms(graph, axes, sizes, params)
+    per_op = []
     for op in graph.ops:
         f, c, a, bad = op_terms(graph, op, axes, sizes, flags)
         flops, act, invalid = flops + f, act + a, invalid + bad
-        comms += c
-    grad_s = 0.0
-    for kind, ax, nbytes, combined in comms:
-        seconds = params.collective_time(kind, ax, nbytes, sizes, combined)
-        comm_s += seconds
-        grad_s += seconds if combined else 0.0
-        key = "+".join(ax)
-        by_axes[key] = by_axes.get(key, 0) + nbytes
+        per_op.append(c)
+    comms += levels(graph, per_op)
+    priced = combined_time(comms, sizes, params)
+    for c in comms:
+        key = "+".join(c.axes)
+        by_axes[key] = by_axes.get(key, 0) + c.nbytes
     parts = temp_parts(graph, axes, sizes, flags)
     temp = _peak(parts, params)
-    return Cost(flops / params.flops_per_s, comm_s, int(round(sum(by_axes.values()))),
-                {k: int(round(v)) for k, v in by_axes.items()}, int(round(args)), int(round(temp)), invalid, grad_s,
-                parts)
+    return Cost(flops / params.flops_per_s, priced.seconds, int(round(sum(by_axes.values()))),
+                {k: int(round(v)) for k, v in by_axes.items()}, int(round(args)), int(round(temp)), invalid,
+                priced.grad_s, parts, priced.count, int(round(priced.grad_bytes)), priced.grad_count)
 
 
 def temp_peak(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, flags: Flags) -> float:
@@ -417,7 +454,7 @@ def op_scalar(graph: Graph, op: Op, axes, sizes, params: CostParams, flags: Flag
     f, comms, act, bad = op_terms(graph, op, axes, sizes, flags)
     if bad:
         return math.inf, math.inf
-    t = f / params.flops_per_s + sum(params.collective_time(k, a, b, sizes, c) for k, a, b, c in comms)
+    t = f / params.flops_per_s + sum(comm_share(c, sizes, params) for c in comms)
     return t, params.temp_activation_factor * act
 
 
@@ -427,43 +464,5 @@ def param_scalar(graph: Graph, t: int, axes, sizes, params: CostParams) -> tuple
     ta = tensor_axes(graph, t, axes)
     if ta is None:
         return math.inf, math.inf
-    time = params.collective_time("all-reduce", ta, 4, sizes, True) if ta else 0.0
+    time = comm_share(Comm("all-reduce", ta, 4, NORM), sizes, params) if ta else 0.0
     return time, b * (2 + params.optimizer_states)
-
-
-def calibrate(mesh, sizes_bytes: Sequence[int] = (1 << 12, 1 << 22), repeats: int = 5) -> CostParams:
-    """Measure ``CostParams`` on ``mesh``: a matmul for FLOP/s, and per mesh axis an
-    all-reduce of two sizes, fitted to ``latency + 2 (n-1)/n · bytes / bandwidth``."""
-    import time
-
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    def best(fn, *args):
-        fn(*args).block_until_ready()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn(*args).block_until_ready()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    n = 512
-    a = jnp.ones((n, n), jnp.float32)
-    flops = 2 * n ** 3 / best(jax.jit(lambda x: x @ x), a)
-    bandwidth, latency = {}, {}
-    for axis, size in dict(mesh.shape).items():
-        if size < 2:
-            continue
-        points = []
-        for nbytes in sizes_bytes:
-            # rows split over the axis, summed: an all-reduce of one row (nbytes) over it
-            x = jax.device_put(jnp.ones((size, max(1, nbytes // 4))), NamedSharding(mesh, PartitionSpec(axis)))
-            f = jax.jit(lambda v: jnp.sum(v, axis=0), out_shardings=NamedSharding(mesh, PartitionSpec()))
-            points.append((nbytes * 2 * (size - 1) / size, best(f, x)))
-        (b0, t0), (b1, t1) = points[0], points[-1]
-        slope = max((t1 - t0) / max(b1 - b0, 1), 1e-15)
-        bandwidth[axis], latency[axis] = 1.0 / slope, max(t0 - slope * b0, 0.0)
-    return CostParams(flops_per_s=flops, bandwidth=bandwidth, latency_per_axis=latency,
-                      latency=max(latency.values(), default=1e-5))

@@ -17,7 +17,7 @@ divisible by ``d``), ``f = 1 − 1/d`` and ``s`` the optimizer states per parame
   micro-batch's gradients, and at ZeRO ≥ 2 their all-reduced sum, are added), sharded
   over ``data`` at ZeRO ≥ 2.
 * time: ``k ×`` (compute + activation collectives of one micro-batch) + the gradient
-  collectives once; ZeRO 3 adds an all-gather of ``P`` per micro-batch for the forward
+  collectives once (combined as XLA combines them: `jaxpar.auto.comm`); ZeRO 3 adds an all-gather of ``P`` per micro-batch for the forward
   and one for the backward.
 
 Recompute needs no formula of its own: the graph marks each ``jax.checkpoint`` region and
@@ -28,8 +28,8 @@ program and each step lasts as long as its slowest stage (a chunk forward ``f``,
 backward ``3f``: the executor recomputes the chunk forward; ``2f`` each for the split
 backward's B and W; the last chunk's F is idle and its B and W add the head), plus two
 ``ppermute`` of one micro-batch's activations per step, the embedding and head on the
-whole batch, and the gradient all-reduces. Memory: the blocks' parameters and optimizer states divided by
-``p``; temp holds the executor's input and gradient buffers (``x_slots + g_slots``
+whole batch, and the gradient all-reduces (combined: one latency per group of mesh axes and
+bucket, `jaxpar.auto.comm`). Memory: the blocks' parameters and optimizer states divided by ``p``; temp holds the executor's input and gradient buffers (``x_slots + g_slots``
 micro-batch activations), the embedding output, its micro-batch view and its gradient for
 the whole batch, one chunk's recomputed activations, the head's activations of one
 micro-batch and the gradients.
@@ -44,6 +44,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpar.auto.comm import GRAD, Comm, combined_time, comm_share
 from jaxpar.auto.cost import Cost, CostParams, analyse, evaluate, local_bytes, op_terms, tensor_axes
 from jaxpar.auto.graph import Graph
 
@@ -152,7 +153,7 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     part = ["embed" if i < lo else "blocks" if i <= hi else "head" for i in range(len(graph.ops))]
     full = {"embed": 0.0, "blocks": 0.0, "head": 0.0}     # forward + backward seconds, one micro-batch
     act = dict(full)
-    grad_s = 0.0
+    grads: list[Comm] = []       # combined once per step, as XLA combines them
     # one chunk's layers run as a loop only if there are several (XLA removes a loop of one)
     chunk_flags = flags if layers // (p * v) > 1 else analyse(graph, loops=False)
     for op, where in zip(graph.ops, part):
@@ -162,9 +163,9 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
         if bad:
             return math.inf, 0, 0
         share = 1 / p if where == "blocks" else 1.0
-        full[where] += flops / params.flops_per_s + sum(params.collective_time(k, ax, b, sizes, c)
-                                                    for k, ax, b, c in comms if not c)
-        grad_s += share * sum(params.collective_time(k, ax, b, sizes, c) for k, ax, b, c in comms if c)
+        full[where] += flops / params.flops_per_s + sum(comm_share(c, sizes, params) for c in comms
+                                                        if not c.combined)
+        grads += [c._replace(nbytes=share * c.nbytes) for c in comms if c.combined]
         act[where] += a
     program = lower(build(schedule, p, m, v))
     f, h = full["blocks"] / (3 * p * v), full["head"] / 3     # one chunk's / the head's forward
@@ -181,7 +182,9 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     scale = {t: 1 / p for t in stacked}
     held = {t: local_bytes(graph, t, axes, sizes) * scale.get(t, 1.0) for _, t in graph.params}
     rest = sum(b for t, b in held.items() if t not in stacked)
-    grad_s += params.collective_time("all-reduce", (axis,), rest, {**sizes, axis: p}, True)
+    # the embedding's and head's gradients: every stage holds them, summed over the pipeline
+    grads.append(Comm("all-reduce", (axis,), rest, GRAD))
+    grad_s = combined_time(grads, {**sizes, axis: p}, params).seconds
     time = pipe_s + program.steps * p2p + m * full["embed"] + grad_s
     d = sizes.get(zero_axis, 1)
     shardable = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, scale) if zero and d > 1 else 0.0

@@ -99,9 +99,12 @@ def _op_key(graph: Graph, op, cs, flags: Flags) -> tuple:
     rel = {c: k for k, c in enumerate(cs)}
     tens = tuple((graph.tensors[t].shape, graph.tensors[t].itemsize,
                   tuple(rel.get(c, -1) for c in graph.tensors[t].classes),
-                  flags.grad[t], flags.param[t], flags.saved[t]) if t >= 0 else None
+                  flags.grad[t], flags.param[t], flags.saved[t],
+                  # combined or not: a value of parameters alone, a tail (`jaxpar.auto.comm`)
+                  bool(flags.source) and flags.source[t] >= 0, bool(flags.tail) and flags.tail[t])
+                 if t >= 0 else None
                  for t in (*op.ins, *op.outs))
-    return (op.prim, op.info, op.repeat, len(op.ins), tens)
+    return (op.prim, op.info, op.repeat, op.keep, len(op.ins), tens)
 
 
 # --------------------------------------------------------------------------- dynamic programming
