@@ -159,3 +159,37 @@ def test_two_processes_save_and_restore(tmp_path):
     assert ckpt.restore(trainer, directory) == results[0]["meta"]
     for path, value in common.sums(trainer).items():
         np.testing.assert_allclose(value, results[0]["saved"][path], rtol=1e-6, err_msg=path)
+
+
+@pytest.mark.slow
+def test_twenty_random_kills_every_restart_loads_the_newest_complete_step(tmp_path):
+    """SIGKILL the writer at 20 random moments in one directory; after each, the newest complete
+    step restores exactly, and the next writer carries on from it."""
+    rows, cols = 512, 512
+    directory = tmp_path / "ckpt"
+    rng = np.random.default_rng(1)
+    trainer = common.big_trainer(rows, cols, {"mesh": {"model": 8}, "rules": {"mlp": "model"}})
+    base = np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32)
+    seen = []
+    for _ in range(20):
+        before = ckpt.latest_step(directory) or 0
+        proc = subprocess.Popen([sys.executable, os.path.join(WORKERS, "kill_worker.py"), str(directory), str(rows),
+                                 str(cols)], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None and not (
+                    (ckpt.latest_step(directory) or 0) > before and _tmp_dirs(directory)):
+                time.sleep(0.002)                     # this writer committed a step and writes the next
+            time.sleep(float(rng.uniform(0.0, 0.08)))  # then kill it at a random moment
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            os.kill(proc.pid, signal.SIGKILL)
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        step = ckpt.latest_step(directory)
+        assert step is not None and step > before
+        assert ckpt.restore(trainer, directory)["step"] == step
+        np.testing.assert_array_equal(np.asarray(trainer.params["w"].get_value()), base + np.float32(step))
+        seen.append(step)
+    assert seen == sorted(seen) and len(set(seen)) == 20

@@ -66,7 +66,8 @@ class CostParams:
       latency: seconds per collective (per axis: ``latency_per_axis`` overrides).
       latency_per_axis: mesh axis name -> seconds per collective.
       optimizer_states: optimizer state tensors per parameter (Adam: 2).
-      optimizer_scalar_bytes: optimizer state that is not per parameter (Adam's int32 count).
+      optimizer_scalar_bytes: step state that is not per parameter (Adam's int32 count and the
+        `TrainState`'s int32 step counter).
       temp_activation_factor: a scale on the predicted peak of temp buffers (see `temp_peak`);
         1.0 is the liveness model as is; a backend that packs buffers differently can be fitted by
         comparing `Cost.temp_bytes` with ``jaxpar.report.memory(compiled).temp_bytes``.
@@ -86,7 +87,7 @@ class CostParams:
     latency: float = 1e-5
     latency_per_axis: Mapping[str, float] = dataclasses.field(default_factory=dict)
     optimizer_states: int = 2
-    optimizer_scalar_bytes: int = 4
+    optimizer_scalar_bytes: int = 8
     temp_activation_factor: float = 1.0
     combine_threshold_bytes: float = XLA_GPU_COMBINE_BYTES
     combine_threshold_count: int = 256

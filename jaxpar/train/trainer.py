@@ -27,6 +27,7 @@ from jaxpar.config import ParallelConfig
 from jaxpar.data import place_batch
 from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
+from jaxpar.pipeline import PipelineLoss
 from jaxpar.plan import TrainPlan, TrainState, check_data, init_state, make_train_plan, state_shardings
 from jaxpar.train.step import Setting, build_eval, build_grads, build_step
 
@@ -471,6 +472,10 @@ def _check_args(model, tx, loss_fn, config, mesh, plan) -> None:
         if axis not in mesh.shape or (size != -1 and mesh.shape[axis] != size):
             raise ValueError(f"Trainer: config.mesh {config.mesh} does not match the mesh {dict(mesh.shape)}; "
                              "build the mesh with jaxpar.make_mesh(config)")
+    if config.pipeline.stages > 1 and not isinstance(loss_fn, PipelineLoss):
+        raise TypeError(
+            f"Trainer: pipeline.stages={config.pipeline.stages} needs loss_fn as a jaxpar.pipeline.PipelineLoss "
+            f"(embed / blocks / head / head_loss), got {type(loss_fn).__name__}; see docs/pipeline.md")
     if plan is not None:
         if not isinstance(plan, TrainPlan):
             raise TypeError(f"Trainer: plan must be a jaxpar.TrainPlan, got {type(plan).__name__}")
