@@ -26,6 +26,7 @@ def annotations(graph: Graph, config, sizes: Mapping[str, int], extra: Mapping[s
     """``{path: PartitionSpec}`` the user fixed: ``config.parameter_plan`` patterns,
     ``config.dataset_strategy`` (every batch leaf) and ``extra`` (path glob -> strategy)."""
     specs: dict[str, PartitionSpec] = {}
+    by: dict[str, str] = {}
     for patterns in (config.parameter_plan, extra or {}):
         for pattern, strategy in patterns.items():
             hits = [(p, t) for p, t in (*graph.params, *graph.batch) if fnmatch.fnmatchcase(p, pattern)]
@@ -33,6 +34,10 @@ def annotations(graph: Graph, config, sizes: Mapping[str, int], extra: Mapping[s
                 raise ValueError(f"annotation {pattern!r} matches no parameter or batch leaf; paths look like "
                                  f"{[p for p, _ in graph.params[:3]]}")
             for p, t in hits:
+                if p in by:     # as in jaxpar.nn.plan.resolve_spec: two patterns on one path are an error
+                    raise ValueError(f"parameter {p!r} matches the annotations {by[p]!r} and {pattern!r}; make "
+                                     "the patterns disjoint")
+                by[p] = pattern
                 specs[p] = to_partition_spec(strategy, sizes, graph.tensors[t].shape, rules=config.rules)
     if config.dataset_strategy is not None:
         for p, t in graph.batch:

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jaxpar import config
 from jaxpar.auto.assign import Axes, domains
 from jaxpar.auto.cost import CostParams, Flags, analyse, evaluate, op_scalar, param_scalar
 from jaxpar.auto.graph import Graph
@@ -319,5 +320,5 @@ def _choose(problem, d, axes, doms, decided, param_of):
     decided[d] = True
 
 
-SEARCHES = {"dynamic_programming": dynamic_programming, "recursive_programming": recursive_programming,
-            "sharding_propagation": sharding_propagation}
+# The algorithms by the names jaxpar.config validates (one table of names).
+SEARCHES = dict(zip(config.SEARCHES, (sharding_propagation, dynamic_programming, recursive_programming)))

@@ -137,9 +137,7 @@ def merge(s: Setting, loss_fn: Callable, batch) -> Callable:
         return per_device(s, loss_fn, batch)
 
     def compute(params, rest, batch):
-        # Fresh Variables for the non-parameter state, so the loss may update it in this trace
-        # (e.g. dropout advancing its RNG count).
-        model = nnx.merge(s.graphdef, params, jax.tree.map(lambda x: x, rest))
+        model = nnx.merge(s.graphdef, params, _fresh(rest))
         loss, aux = split_loss_output(loss_fn(model, batch))
         return loss, (aux, nnx.state(model, nnx.Not(nnx.Param)))
 
@@ -154,7 +152,7 @@ def per_device(s: Setting, loss_fn: Callable, batch) -> Callable:
     batch_specs = s.plan.batch_specs(batch)
 
     def local(params, rest, batch):
-        model = nnx.merge(s.graphdef, params, rest)
+        model = nnx.merge(s.graphdef, params, _fresh(rest))
         loss, aux = split_loss_output(loss_fn(model, batch))
         return _mean(loss, axes), jax.tree.map(lambda x: _mean(x, axes), aux), \
             _agree(nnx.state(model, nnx.Not(nnx.Param)), axes)
@@ -217,7 +215,7 @@ def reduce_per_device(s: Setting, loss_fn: Callable, batch, wrap: Callable) -> C
     batch_specs = plan.batch_specs(batch)
 
     def state_loss(params, rest, batch):
-        model = nnx.merge(s.graphdef, gather_params(params, zero.params, zero.compute), rest)
+        model = nnx.merge(s.graphdef, gather_params(params, zero.params, zero.compute), _fresh(rest))
         loss, aux = split_loss_output(loss_fn(model, batch))
         return loss, (aux, nnx.state(model, nnx.Not(nnx.Param)))
 
@@ -284,6 +282,12 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation) -> Cal
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _fresh(rest):
+    """New Variables for the non-parameter state, created in the current trace, so the loss
+    may update them there (dropout advancing its RNG count)."""
+    return jax.tree.map(lambda x: x, rest)
 
 
 def _mean(x, axes):
