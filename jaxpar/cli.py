@@ -48,6 +48,8 @@ class Parser(argparse.ArgumentParser):
         head, _, rest = message.partition(": ")
         if head.startswith("argument ") and rest.startswith("--"):
             message = rest     # our type= functions name the flag and the value themselves
+        elif rest == "expected one argument":
+            message += f"; a value that starts with '-' is written {head.split()[-1].split('/')[0]}=VALUE"
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
@@ -209,14 +211,18 @@ def _job_config(args, devices):
             raise UserError(f"--config {args.config!r}: {e}") from e
     else:
         base = default_config(len(devices))
-    if args.mode == "data" and args.rules is None:
+    default_rules = not args.config and args.rules is None and args.mode != "data"
+    if args.rules is None and (args.mode == "data" or default_rules):
         base = dataclasses.replace(base, rules={})   # mode "data" replicates every parameter
     overrides = []
     for flag in ("mesh", "rules", "mode", "remat", "optimizer", "pipeline", "grad_accum"):
         value = getattr(args, flag)
         if value is not None:
             overrides += [f"--{flag}", str(value)]
-    return ParallelConfig.from_overrides(overrides, base=base) if overrides else base
+    config = ParallelConfig.from_overrides(overrides, base=base) if overrides else base
+    if default_rules:   # the Megatron rules, for the mesh axes there are (--mesh data=8: batch only)
+        config = dataclasses.replace(config, rules={k: v for k, v in MEGATRON_RULES.items() if v in config.mesh})
+    return config
 
 
 def model_config(args, config):
