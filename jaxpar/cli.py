@@ -25,7 +25,6 @@ from typing import Any
 
 from jaxpar.plan_cli import number
 
-
 DEFAULT_DEVICES = 8       # simulated CPU devices when the machine has no accelerator
 DEFAULT_BATCH = 32
 # What jaxpar's validation of a config, a mesh or a flag raises: while the flags are being
@@ -188,6 +187,9 @@ def _devices(args) -> tuple:
     """All devices, or the first ``--devices`` of them."""
     import jax
 
+    from jaxpar.distributed import initialize
+
+    initialize()   # under `jaxpar launch`, join the job before JAX lists the devices (else a no-op)
     devices = tuple(jax.devices())
     if args.devices is None:
         return devices
