@@ -92,7 +92,7 @@ def check_writable(flag: str, path: str) -> None:
             raise PermissionError(13, "Permission denied", full)
     except OSError as e:
         refuse(f"{flag} {path!r} cannot be written ({e.strerror or e}); choose a path in a folder you can write, "
-               "e.g. --metrics runs/metrics.json")
+               f"e.g. {flag} runs/{os.path.basename(full) or 'out.json'}")
 
 
 def given(args: argparse.Namespace, dest: str) -> bool:
