@@ -125,16 +125,21 @@ def add_job_args(p: argparse.ArgumentParser, *, train: bool) -> None:
     g.add_argument("--devices", type=number("--devices", low=1), help="use the first N devices; without an "
                    f"accelerator, N simulated CPU devices (default: all; {DEFAULT_DEVICES} simulated)")
     m = p.add_argument_group("model and data")
-    m.add_argument("--layers", type=number("--layers", low=1), default=2)
-    m.add_argument("--embed", type=number("--embed", low=1), default=64)
-    m.add_argument("--heads", type=number("--heads", low=1), default=8)
-    m.add_argument("--seq-len", type=number("--seq-len", low=1), default=32)
+    m.add_argument("--layers", type=number("--layers", low=1), default=2, help="blocks (default %(default)s)")
+    m.add_argument("--embed", type=number("--embed", low=1), default=64, help="width (default %(default)s)")
+    m.add_argument("--heads", type=number("--heads", low=1), default=8, help="attention heads (default %(default)s)")
+    m.add_argument("--seq-len", type=number("--seq-len", low=1), default=32,
+                   help="tokens per sequence (default %(default)s)")
     m.add_argument("--scan", action="store_true", help="stack the blocks and run them with lax.scan")
     m.add_argument("--batch", type=number("--batch", low=1), help=f"global batch size (default {DEFAULT_BATCH})")
     if train:
-        m.add_argument("--steps", type=number("--steps", low=1), default=300)
+        m.add_argument("--steps", type=number("--steps", low=1), default=300,
+                       help="optimizer steps (default %(default)s)")
         m.add_argument("--lr", type=number("--lr", float, above=0), default=3e-3, help="peak learning rate")
-        m.add_argument("--seed", type=number("--seed", low=0), default=0)
+        m.add_argument("--seed", type=number("--seed", low=0), default=0,
+                       help="init and data seed (default %(default)s)")
+
+
 MEGATRON_RULES = {"batch": "data", "heads": "model", "mlp": "model", "vocab": "model"}
 
 _DESCRIPTION = """\
