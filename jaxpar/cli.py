@@ -275,7 +275,9 @@ def build_job(job: Job):
     warmup = min(20, job.steps // 5)
     tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, job.lr, warmup, max(job.steps, warmup + 1)))
     loss = pipeline_loss() if config.pipeline.stages > 1 else loss_fn
-    trainer = jaxpar.Trainer(model, tx, loss, config, mesh)
+    # Every process generates the same global batches (ArithmeticData is seeded by step), so under
+    # `jaxpar launch` each one hands jaxpar the whole batch and jaxpar keeps each device's rows.
+    trainer = jaxpar.Trainer(model, tx, loss, config, mesh, global_batch=True)
     return mesh, trainer, ArithmeticData(job.model.seq_len, seed=job.seed)
 
 
@@ -285,6 +287,8 @@ def _print(text: str, file=None) -> None:
 
 
 def cmd_train(args) -> int:
+    import jax
+
     from jaxpar.report import step_report
 
     job = resolve_job(args)
@@ -312,7 +316,7 @@ def cmd_train(args) -> int:
     out = {"config": config.to_dict(), "mesh": dict(mesh.shape), "steps": job.steps, "batch": job.batch,
            "seq_len": job.model.seq_len, "history": history, "eval_loss": eval_loss, "step_time_s": step_time,
            "tokens_per_s": tokens_per_s, "report": report.summary()}
-    if args.metrics:
+    if args.metrics and jax.process_index() == 0:   # one writer under `jaxpar launch`
         with open(args.metrics, "w") as f:
             json.dump(out, f, indent=2, default=str)
         _print(f"metrics written to {args.metrics}")
