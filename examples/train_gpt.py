@@ -2,6 +2,7 @@
 
     python examples/train_gpt.py                  # data=2 x model=4, Megatron rules
     python examples/train_gpt.py --mesh data=8    # pure data parallel
+    jaxpar launch --worker-num 2 --local-worker-num 2 --simulated-devices 4 examples/train_gpt.py
 
 The model (jaxpar/models/gpt.py) knows nothing about devices: its parameters name their
 dimensions ("embed", "mlp", "heads", "vocab"), and the rules below say where each name goes.
@@ -17,38 +18,70 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
+import jaxpar.distributed  # noqa: E402
 from jaxpar.models.data import ArithmeticData  # noqa: E402
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 
+
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer >= 1")
+    return int(text)
+
+
+def axis_sizes(text: str) -> dict[str, int]:
+    try:
+        return {name: int(size) for name, size in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=SIZE,...; e.g. data=2,model=4") from None
+
+
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--mesh", default="data=2,model=4", help="mesh axes, e.g. data=2,model=4")
-parser.add_argument("--steps", type=int, default=300)
-parser.add_argument("--batch", type=int, default=32, help="global batch (sequences per step)")
+parser.add_argument("--mesh", type=axis_sizes, default="data=2,model=4", help="mesh axes, e.g. data=2,model=4")
+parser.add_argument("--steps", type=positive, default=300)
+parser.add_argument("--batch", type=positive, default=32, help="global batch (sequences per step)")
 args = parser.parse_args()
+# Under `jaxpar launch`, join the other processes before JAX starts (one process: nothing to do).
+jaxpar.distributed.initialize()
 
 # -- parallelism: a mesh and one rules table (logical axis -> mesh axis) ---------------------
-mesh_axes = {k: int(v) for k, v in (item.split("=") for item in args.mesh.split(","))}
+mesh_axes = args.mesh
 rules = {"batch": "data", "heads": "model", "mlp": "model", "vocab": "model"}
 rules = {name: axis for name, axis in rules.items() if axis in mesh_axes}
-config = jaxpar.ParallelConfig(mesh=mesh_axes, rules=rules)
-mesh = jaxpar.make_mesh(config)
+try:
+    config = jaxpar.ParallelConfig(mesh=mesh_axes, rules=rules)
+    mesh = jaxpar.make_mesh(config)
+    rows = jaxpar.distributed.process_rows(args.batch)  # this process's rows of each global batch
+except ValueError as err:  # e.g. a mesh that does not match the device count
+    parser.error(str(err))
 print(f"mesh {dict(mesh.shape)} on {mesh.devices.size} {jax.devices()[0].platform} devices, rules {rules}")
 
 # -- model, built directly sharded, and optimizer --------------------------------------------
 gpt = GPTConfig(vocab_size=16, seq_len=32, embed=64, heads=8, mlp=256, layers=2)
 constrain = jaxpar.LogicalConstraint(mesh, rules)  # activations follow the same rules
 model = jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0), constrain=constrain), config, mesh)
-schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=20, decay_steps=args.steps)
+warmup = min(20, args.steps // 5)  # short runs warm up for a fifth of their steps
+schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=warmup,
+                                              decay_steps=max(args.steps, warmup + 1))
 trainer = jaxpar.Trainer(model, optax.adamw(schedule), loss_fn, config, mesh)
 
-# -- training loop: batches hold the *global* batch; jaxpar splits it over the devices --------
+# -- training loop: each process feeds its own rows of the global batch -----------------------
+# One process holds all rows; under `jaxpar launch` process i holds the i-th contiguous block,
+# and jaxpar assembles the global batch from the blocks (feeding every process the whole batch
+# would train on copies of the same rows).
 data = ArithmeticData(seq_len=gpt.seq_len, seed=0)
+
+
+def mine(batch):
+    return {name: value[rows] for name, value in batch.items()}
+
+
 for step in range(args.steps):
-    metrics = trainer.step(data.batch(args.batch, step))
+    metrics = trainer.step(mine(data.batch(args.batch, step)))
     if step % 50 == 0 or step == args.steps - 1:
         print(f"step {step:4d}  loss {float(metrics['loss']):.4f}  grad norm {float(metrics['grad_norm']):.3f}")
 
-held_out = data.batches(args.batch, start=10**6)  # steps never used for training
+held_out = (mine(b) for b in data.batches(args.batch, start=10**6))  # steps never used for training
 print(f"eval loss {trainer.evaluate(held_out, steps=4):.4f}")
 
 # trainer.model is the trained model, still sharded (the model passed in was donated to the step)

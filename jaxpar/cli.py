@@ -1,9 +1,13 @@
-"""The ``jaxpar`` command: ``train``, ``plan``, ``report``, ``launch``, ``k8s``.
+"""The jaxpar command: train, plan, report, launch, k8s, ckpt.
 
-``jaxpar train`` is the main job: the example GPT on every available device (8 simulated CPU
-devices on a machine without accelerators), default mesh data × model with Megatron-style
-rules. Parallel settings come from ``--config FILE.yaml`` and/or overrides such as
-``--mesh data=2,model=4 --rules mlp=model,heads=model``.
+jaxpar train is the main job: the example GPT on every available device (8 simulated CPU
+devices on a machine without accelerators), default mesh data x model with Megatron-style
+rules. Parallel settings come from --config FILE.yaml and/or overrides such as
+--mesh data=2,model=4 --rules mlp=model,heads=model.
+
+Every flag is checked before any work starts: a value out of range, a missing or malformed
+config file, an output path that cannot be written, or a flag that the chosen command would
+ignore ends the command with one paragraph on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -13,17 +17,148 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Sequence
+from typing import Any
+
+from jaxpar.plan_cli import number
+
+DEFAULT_DEVICES = 8       # simulated CPU devices when the machine has no accelerator
+DEFAULT_BATCH = 32
+# What jaxpar's validation of a config, a mesh or a flag raises: while the flags are being
+# resolved into a job, these are the user's mistakes, never a bug.
+JOB_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError)
+
+
+class UserError(Exception):
+    """A mistake in the command line or its files; ``main`` prints it as one paragraph, exit 2."""
+
+
+def refuse(message: str) -> None:
+    raise UserError(message)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one paragraph (no usage block) and exit code 2."""
+
+    def error(self, message: str):
+        head, _, rest = message.partition(": ")
+        if head.startswith("argument ") and rest.startswith("--"):
+            message = rest     # our type= functions name the flag and the value themselves
+        elif rest == "expected one argument":
+            message += f"; a value that starts with '-' is written {head.split()[-1].split('/')[0]}=VALUE"
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def config_file(text: str) -> str:
+    """``--config``: an existing file holding a YAML mapping (its fields are checked later)."""
+    import yaml
+
+    example = "a YAML file of ParallelConfig fields such as 'mesh: {data: 2, model: 4}'"
+    head = f"--config {text!r}:"
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"{head} does not exist; give {example}")
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"{head} a directory, not a file; give {example}")
+    try:
+        with open(text) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{head} cannot be read ({e.strerror}); give {example}") from None
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        raise argparse.ArgumentTypeError(f"{head} not valid YAML{at} ({getattr(e, 'problem', e)}); "
+                                         f"give {example}") from None
+    if data is not None and not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"{head} holds a YAML {type(data).__name__}, not a mapping; give "
+                                         f"{example}")
+    return text
+
+
+def check_writable(flag: str, path: str) -> None:
+    """Refuse an output path that cannot be written, by creating its folder and a probe file."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        refuse(f"{flag} {path!r} is a directory; give a file path such as {os.path.join(path, 'out.json')!r}")
+    folder = os.path.dirname(full)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".jaxpar-probe-"):
+            pass
+        if os.path.exists(full) and not os.access(full, os.W_OK):
+            raise PermissionError(13, "Permission denied", full)
+    except OSError as e:
+        refuse(f"{flag} {path!r} cannot be written ({e.strerror or e}); choose a path in a folder you can write, "
+               f"e.g. {flag} runs/{os.path.basename(full) or 'out.json'}")
+
+
+def given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether a flag whose default is None / False / [] was given."""
+    return getattr(args, dest, None) not in (None, False, [])
+
+
+def jaxpar_raised(error: BaseException) -> bool:
+    """Whether a ``raise`` statement in jaxpar's own code raised ``error`` (a message jaxpar wrote)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return False
+    last = frames[-1]
+    root = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    return os.path.abspath(last.filename).startswith(root) and (last.line or "").lstrip().startswith("raise")
+
+
+def add_job_args(p: argparse.ArgumentParser, *, train: bool) -> None:
+    """The flags of the job that ``train``, ``plan`` and ``report`` build (``--steps``, ``--lr`` and
+    ``--seed`` only for ``train``: nothing else depends on them)."""
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--config", type=config_file, help="YAML file with ParallelConfig fields")
+    g.add_argument("--mesh", help="mesh axes, e.g. data=2,model=4 (one may be -1)")
+    g.add_argument("--rules", help="logical axis rules, e.g. mlp=model,heads=model,batch=data")
+    g.add_argument("--mode", help="data | semi_auto | hybrid")
+    g.add_argument("--remat", help="recompute policy name")
+    g.add_argument("--optimizer", help="optimizer parallel, e.g. level=1,threshold_kb=64")
+    g.add_argument("--pipeline", help="pipeline, e.g. stages=2,microbatches=4,schedule=1f1b (needs a pipe axis)")
+    g.add_argument("--grad-accum", type=number("--grad-accum", low=1), help="micro-steps per optimizer update")
+    g.add_argument("--devices", type=number("--devices", low=1), help="use the first N devices; without an "
+                   f"accelerator, N simulated CPU devices (default: all; {DEFAULT_DEVICES} simulated)")
+    m = p.add_argument_group("model and data")
+    m.add_argument("--layers", type=number("--layers", low=1), default=2, help="blocks (default %(default)s)")
+    m.add_argument("--embed", type=number("--embed", low=1), default=64, help="width (default %(default)s)")
+    m.add_argument("--heads", type=number("--heads", low=1), default=8, help="attention heads (default %(default)s)")
+    m.add_argument("--seq-len", type=number("--seq-len", low=1), default=32,
+                   help="tokens per sequence (default %(default)s)")
+    m.add_argument("--scan", action="store_true", help="stack the blocks and run them with lax.scan")
+    m.add_argument("--batch", type=number("--batch", low=1), help=f"global batch size (default {DEFAULT_BATCH})")
+    if train:
+        m.add_argument("--steps", type=number("--steps", low=1), default=300,
+                       help="optimizer steps (default %(default)s)")
+        m.add_argument("--lr", type=number("--lr", float, above=0), default=3e-3, help="peak learning rate")
+        m.add_argument("--seed", type=number("--seed", low=0), default=0,
+                       help="init and data seed (default %(default)s)")
+
 
 MEGATRON_RULES = {"batch": "data", "heads": "model", "mlp": "model", "vocab": "model"}
 
+_DESCRIPTION = """\
+jaxpar: SPMD parallel training with JAX.
+
+'jaxpar COMMAND --help' lists a command's flags. A mistaken flag or value ends the command
+with exit code 2 and one paragraph naming it; 'jaxpar --debug COMMAND ...' shows the Python
+traceback instead.
+"""
+
 
 def _set_simulated_devices(n: int) -> None:
-    """Ask for ``n`` CPU devices; must run before JAX starts a backend. Harmless on GPU/TPU."""
+    """Ask for ``n`` CPU devices; only possible before JAX starts a backend. Harmless on GPU/TPU."""
     import jax
 
-    jax.config.update("jax_num_cpu_devices", n)
+    try:
+        jax.config.update("jax_num_cpu_devices", n)
+    except RuntimeError:
+        pass  # JAX already runs (an in-process call): `resolve_job` checks --devices against it
 
 
 def default_config(num_devices: int):
@@ -34,32 +169,98 @@ def default_config(num_devices: int):
     return ParallelConfig(mesh={"data": num_devices // model, "model": model}, rules=MEGATRON_RULES)
 
 
-def _job_config(args):
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """What ``train`` / ``plan`` / ``report`` run, resolved from the flags before any work.
+
+    Example:
+        >>> job = resolve_job(make_parser().parse_args(["plan", "--mesh", "data=8"]))  # doctest: +SKIP
+        >>> job.config.mesh  # doctest: +SKIP
+        {'data': 8}
+    """
+
+    config: Any            # ParallelConfig
+    model: Any             # GPTConfig
+    devices: tuple         # the devices the mesh is built on
+    batch: int
+    steps: int
+    lr: float
+    seed: int
+
+
+def _devices(args) -> tuple:
+    """All devices, or the first ``--devices`` of them."""
     import jax
 
+    from jaxpar.distributed import initialize
+
+    initialize()   # under `jaxpar launch`, join the job before JAX lists the devices (else a no-op)
+    devices = tuple(jax.devices())
+    if args.devices is None:
+        return devices
+    if jax.process_count() > 1:
+        refuse(f"--devices {args.devices}: a multi-process job uses every process's devices; leave "
+               "--devices out and choose the mesh with --mesh")
+    if args.devices > len(devices):
+        refuse(f"--devices {args.devices}: only {len(devices)} {devices[0].platform} devices are available "
+               "(JAX was already started in this process, or this machine has no more); use --devices "
+               f"{len(devices)} or fewer")
+    return devices[:args.devices]
+
+
+def _job_config(args, devices):
     from jaxpar.config import ParallelConfig
 
-    base = ParallelConfig.from_yaml(args.config) if args.config else default_config(len(jax.devices()))
-    if args.mode == "data" and args.rules is None:
+    if args.config:
+        try:
+            base = ParallelConfig.from_yaml(args.config)
+        except JOB_ERRORS as e:
+            raise UserError(f"--config {args.config!r}: {e}") from e
+    else:
+        base = default_config(len(devices))
+    default_rules = not args.config and args.rules is None and args.mode != "data"
+    if args.rules is None and (args.mode == "data" or default_rules):
         base = dataclasses.replace(base, rules={})   # mode "data" replicates every parameter
     overrides = []
     for flag in ("mesh", "rules", "mode", "remat", "optimizer", "pipeline", "grad_accum"):
         value = getattr(args, flag)
         if value is not None:
             overrides += [f"--{flag}", str(value)]
-    return ParallelConfig.from_overrides(overrides, base=base) if overrides else base
+    config = ParallelConfig.from_overrides(overrides, base=base) if overrides else base
+    if default_rules:   # the Megatron rules, for the mesh axes there are (--mesh data=8: batch only)
+        config = dataclasses.replace(config, rules={k: v for k, v in MEGATRON_RULES.items() if v in config.mesh})
+    return config
 
 
 def model_config(args, config):
+    """The example GPT's ``GPTConfig`` from the model flags."""
     from jaxpar.models.gpt import GPTConfig
 
+    if args.embed % args.heads:
+        refuse(f"--embed {args.embed} is not divisible by --heads {args.heads}; use an embed that is a multiple "
+               f"of the heads, e.g. --embed {args.heads * max(1, args.embed // args.heads)}")
     # A pipeline cuts the stacked blocks into stages, so it needs scanned layers.
     return GPTConfig(vocab_size=16, seq_len=args.seq_len, embed=args.embed, heads=args.heads,
                      mlp=4 * args.embed, layers=args.layers, scan_layers=args.scan or config.pipeline.stages > 1)
 
 
-def build_job(args):
-    """(config, mesh, trainer, data) for the example GPT."""
+def resolve_job(args) -> Job:
+    """The `Job` the flags describe; a mistake in them raises `UserError` (exit 2)."""
+    import jaxpar
+
+    try:
+        devices = _devices(args)
+        config = _job_config(args, devices)
+        jaxpar.make_mesh(config, devices)      # the mesh must fit the devices
+        model = model_config(args, config)
+    except JOB_ERRORS as e:
+        raise UserError(str(e)) from e
+    return Job(config=config, model=model, devices=devices, batch=args.batch or DEFAULT_BATCH,
+               steps=getattr(args, "steps", 1), lr=getattr(args, "lr", 3e-3), seed=getattr(args, "seed", 0))
+
+
+def build_job(job: Job):
+    """(mesh, trainer, data) for the example GPT."""
     import optax
     from flax import nnx
 
@@ -67,134 +268,158 @@ def build_job(args):
     from jaxpar.models.data import ArithmeticData
     from jaxpar.models.gpt import GPT, loss_fn, pipeline_loss
 
-    config = _job_config(args)
-    mesh = jaxpar.make_mesh(config)
-    gpt = model_config(args, config)
+    config = job.config
+    mesh = jaxpar.make_mesh(config, job.devices)
     constrain = jaxpar.LogicalConstraint(mesh, config.rules)
-    model = jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(args.seed), constrain=constrain), config, mesh)
-    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, max(args.steps, 21)))
+    model = jaxpar.init(lambda: GPT(job.model, rngs=nnx.Rngs(job.seed), constrain=constrain), config, mesh)
+    warmup = min(20, job.steps // 5)
+    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, job.lr, warmup, max(job.steps, warmup + 1)))
     loss = pipeline_loss() if config.pipeline.stages > 1 else loss_fn
-    trainer = jaxpar.Trainer(model, tx, loss, config, mesh)
-    return config, mesh, trainer, ArithmeticData(gpt.seq_len, seed=args.seed)
+    # Every process generates the same global batches (ArithmeticData is seeded by step), so under
+    # `jaxpar launch` each one hands jaxpar the whole batch and jaxpar keeps each device's rows.
+    trainer = jaxpar.Trainer(model, tx, loss, config, mesh, global_batch=True)
+    return mesh, trainer, ArithmeticData(job.model.seq_len, seed=job.seed)
 
 
-def _print(console, text: str) -> None:
+def _print(text: str, file=None) -> None:
     # Tables arrive rendered; print them as they are (rich would re-wrap them in a narrow log).
-    print(text, flush=True)
+    print(text, flush=True, file=file)
 
 
 def cmd_train(args) -> int:
-    from rich.console import Console
+    import jax
 
     from jaxpar.report import step_report
 
-    console = Console()
-    config, mesh, trainer, data = build_job(args)
-    _print(console, f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices, "
-                    f"mode {config.mode}, rules {config.rules}")
-    batches = data.batches(args.batch)
-    report = step_report(trainer, data.batch(args.batch, 0))
-    _print(console, report.format(detail=False))
+    job = resolve_job(args)
+    if args.metrics:
+        check_writable("--metrics", args.metrics)     # before training, not after it
+    mesh, trainer, data = build_job(job)
+    config = job.config
+    _print(f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices, "
+           f"mode {config.mode}, rules {config.rules}")
+    report = step_report(trainer, data.batch(job.batch, 0))
+    _print(report.format(detail=False))
     if config.pipeline.stages > 1:
         from jaxpar.report import format_schedule
 
-        _print(console, format_schedule(config))
+        _print(format_schedule(config))
     t0 = time.perf_counter()
-    history = trainer.fit(batches, args.steps, progress=not args.quiet)
+    history = trainer.fit(data.batches(job.batch), job.steps, progress=not args.quiet)
     wall = time.perf_counter() - t0
     steady = history[1:] or history
     step_time = sum(h["time_s"] for h in steady) / len(steady)
-    tokens_per_s = args.batch * args.seq_len / step_time
-    eval_loss = trainer.evaluate(data.batches(args.batch, start=10**6), steps=4)
-    _print(console, f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} (eval {eval_loss:.4f}); "
-                    f"step {step_time * 1e3:.1f} ms, {tokens_per_s:,.0f} tokens/s, total {wall:.1f}s")
-    out = {"config": config.to_dict(), "mesh": dict(mesh.shape), "steps": args.steps, "batch": args.batch,
-           "seq_len": args.seq_len, "history": history, "eval_loss": eval_loss, "step_time_s": step_time,
+    tokens_per_s = job.batch * job.model.seq_len / step_time
+    eval_loss = trainer.evaluate(data.batches(job.batch, start=10**6), steps=4)
+    _print(f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} (eval {eval_loss:.4f}); "
+           f"step {step_time * 1e3:.1f} ms, {tokens_per_s:,.0f} tokens/s, total {wall:.1f}s")
+    out = {"config": config.to_dict(), "mesh": dict(mesh.shape), "steps": job.steps, "batch": job.batch,
+           "seq_len": job.model.seq_len, "history": history, "eval_loss": eval_loss, "step_time_s": step_time,
            "tokens_per_s": tokens_per_s, "report": report.summary()}
-    if args.metrics:
-        os.makedirs(os.path.dirname(os.path.abspath(args.metrics)), exist_ok=True)
+    if args.metrics and jax.process_index() == 0:   # one writer under `jaxpar launch`
         with open(args.metrics, "w") as f:
             json.dump(out, f, indent=2, default=str)
-        _print(console, f"metrics written to {args.metrics}")
+        _print(f"metrics written to {args.metrics}")
     return 0
+
+
+def check_plan_flags(args) -> None:
+    """Refuse the ``plan`` flags that the chosen form of the command would ignore."""
+    if args.search is None:
+        search_only = [f for f in ("annotate", "memory_budget", "zero_levels", "accum_options", "remat_options",
+                                   "pipeline_options", "microbatch_options", "schedule", "flops", "bandwidth",
+                                   "latency", "plan_out", "batch") if given(args, f)]
+        if search_only:
+            refuse(f"{_flags(search_only)} {_verb(search_only)} to --search only (without it, jaxpar plan prints "
+                   "the configured plan, which does not depend on it); add --search dynamic_programming, or leave "
+                   "it out")
+        return
+    if given(args, "save"):
+        refuse(f"--save {args.save!r} writes the configured plan, which --search replaces; write the searched "
+               f"plan with --plan-out {args.save!r}")
+    if given(args, "mode"):
+        refuse(f"--mode {args.mode} is replaced by mode 'auto' under --search; leave --mode out")
+    if args.memory_budget is None:
+        budget_only = [f for f in ("zero_levels", "accum_options", "remat_options", "pipeline_options",
+                                   "microbatch_options", "schedule") if given(args, f)]
+        if budget_only:
+            refuse(f"{_flags(budget_only)} {_verb(budget_only)} only when the whole job is planned within a memory "
+                   "budget; add --memory-budget BYTES, or leave them out")
+
+
+def _flags(dests: Sequence[str]) -> str:
+    return ", ".join("--" + d.replace("_", "-") for d in dests)
+
+
+def _verb(dests: Sequence[str]) -> str:
+    return "applies" if len(dests) == 1 else "apply"
 
 
 def cmd_plan(args) -> int:
     from jaxpar.nn.plan import format_plan
     from jaxpar.report import param_table
 
+    check_plan_flags(args)
     if args.search:
-        from jaxpar.plan_cli import run_plan_search
+        from jaxpar.plan_cli import run_plan_search, search_settings
 
-        return run_plan_search(args, build_job, model_config)
+        job = resolve_job(args)
+        if args.plan_out:
+            check_writable("--plan-out", args.plan_out)
+        return run_plan_search(search_settings(args, job), job, build_job)
 
-    config, mesh, trainer, _ = build_job(args)
-    print(f"mesh {dict(mesh.shape)}  mode {config.mode}")
+    job = resolve_job(args)
+    if args.save:
+        check_writable("--save", args.save)
+    mesh, trainer, _ = build_job(job)
+    print(f"mesh {dict(mesh.shape)}  mode {job.config.mode}")
     print(format_plan(param_table(trainer)))
     if args.save:
         rows = [{"path": r.path, "shape": r.shape, "spec": [list(e) if isinstance(e, tuple) else e for e in r.spec]}
                 for r in param_table(trainer)]
         with open(args.save, "w") as f:
-            json.dump({"config": config.to_dict(), "mesh": dict(mesh.shape), "params": rows}, f, indent=2)
+            json.dump({"config": job.config.to_dict(), "mesh": dict(mesh.shape), "params": rows}, f, indent=2)
     return 0
 
 
 def cmd_report(args) -> int:
     from jaxpar.report import step_report
 
-    config, mesh, trainer, data = build_job(args)
-    report = step_report(trainer, data.batch(args.batch, 0))
-    print(report.format())
-    if config.pipeline.stages > 1:
+    job = resolve_job(args)
+    mesh, trainer, data = build_job(job)
+    report = step_report(trainer, data.batch(job.batch, 0))
+    # With --json, stdout holds the JSON document alone (so it can be piped); tables go to stderr.
+    tables = sys.stderr if args.json else sys.stdout
+    _print(report.format(), file=tables)
+    if job.config.pipeline.stages > 1:
         from jaxpar.report import format_schedule
 
-        print(format_schedule(config))
+        _print(format_schedule(job.config), file=tables)
     if args.json:
-        print(json.dumps(report.summary(), indent=2, default=str))
+        _print(json.dumps(report.summary(), indent=2, default=str))
     return 0
 
 
-def _add_job_args(p: argparse.ArgumentParser, steps: int = 300) -> None:
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--config", help="YAML file with ParallelConfig fields")
-    g.add_argument("--mesh", help="mesh axes, e.g. data=2,model=4 (one may be -1)")
-    g.add_argument("--rules", help="logical axis rules, e.g. mlp=model,heads=model,batch=data")
-    g.add_argument("--mode", help="data | semi_auto | hybrid")
-    g.add_argument("--remat", help="recompute policy name")
-    g.add_argument("--optimizer", help="optimizer parallel, e.g. level=1,threshold_kb=64")
-    g.add_argument("--pipeline", help="pipeline, e.g. stages=2,microbatches=4,schedule=1f1b (needs a pipe axis)")
-    g.add_argument("--grad-accum", type=int, help="micro-steps per optimizer update")
-    g.add_argument("--devices", type=int, default=8, help="simulated CPU devices when no accelerator (default 8)")
-    m = p.add_argument_group("model and data")
-    m.add_argument("--layers", type=int, default=2)
-    m.add_argument("--embed", type=int, default=64)
-    m.add_argument("--heads", type=int, default=8)
-    m.add_argument("--seq-len", type=int, default=32)
-    m.add_argument("--scan", action="store_true", help="stack the blocks and run them with lax.scan")
-    m.add_argument("--batch", type=int, default=32, help="global batch size")
-    m.add_argument("--steps", type=int, default=steps)
-    m.add_argument("--lr", type=float, default=3e-3)
-    m.add_argument("--seed", type=int, default=0)
-
-
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxpar", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    """The ``jaxpar`` argument parser with every subcommand."""
+    parser = Parser(prog="jaxpar", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("train", help="train the example GPT on all devices")
-    _add_job_args(p)
+    add_job_args(p, train=True)
     p.add_argument("--metrics", default="runs/train_metrics.json", help="JSON file for metrics ('' = none)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
-    p = sub.add_parser("plan", help="print the parameter plan (parameter -> PartitionSpec -> bytes)")
-    _add_job_args(p)
-    p.add_argument("--save", help="write the plan as JSON")
+    p = sub.add_parser("plan", help="print the parameter plan, or search one (--search)")
+    add_job_args(p, train=False)
+    p.add_argument("--save", help="write the configured plan as JSON (without --search)")
     from jaxpar.plan_cli import add_plan_search_arguments
 
     add_plan_search_arguments(p)
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("report", help="compile the GPT step and report memory, collectives, FLOPs")
-    _add_job_args(p)
-    p.add_argument("--json", action="store_true")
+    add_job_args(p, train=False)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (tables on stderr)")
     p.set_defaults(func=cmd_report)
     from jaxpar.launch.cli import add_k8s_parser, add_launch_parser
 
@@ -206,15 +431,49 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown_flags(command: str, unknown: Sequence[str]) -> str:
+    text = f"unrecognized arguments {' '.join(unknown)}"
+    train_only = sorted({u.split("=")[0] for u in unknown} & {"--steps", "--lr", "--seed"})
+    if train_only and command != "train":
+        verb = "is" if len(train_only) == 1 else "are"
+        text += (f"; {', '.join(train_only)} {verb} for 'jaxpar train' only: nothing 'jaxpar {command}' prints "
+                 "depends on them")
+    return f"{text}; 'jaxpar {command} --help' lists its flags"
+
+
+def _fail(args, message: str) -> int:
+    print(f"jaxpar {args.command}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    """Run the ``jaxpar`` command; returns the exit code (2 for a mistake in the input).
+
+    Example:
+        >>> main(["train", "--batch", "0"])  # doctest: +SKIP
+        jaxpar train: error: argument --batch: 0 is not valid: expected an integer >= 1 ...
+        2
+    """
+    try:
+        args, unknown = make_parser().parse_known_args(argv)
+    except SystemExit as e:   # --help (0) or a flag argparse refused (2, the paragraph is printed)
+        return e.code if isinstance(e.code, int) else 2
+    if unknown:
+        return _fail(args, _unknown_flags(args.command, unknown))
     if hasattr(args, "devices"):
-        _set_simulated_devices(args.devices)
+        _set_simulated_devices(args.devices or DEFAULT_DEVICES)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, TypeError, NotImplementedError) as e:
-        print(f"jaxpar {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except UserError as e:
+        if args.debug:
+            raise
+        return _fail(args, str(e))
+    except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:
+        # jaxpar's own checks of a value the user chose (e.g. a batch the mesh cannot split)
+        # get the one paragraph; anything raised elsewhere is a bug and keeps its traceback.
+        if args.debug or not jaxpar_raised(e):
+            raise
+        return _fail(args, str(e))
 
 
 if __name__ == "__main__":  # python -m jaxpar.cli

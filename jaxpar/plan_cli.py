@@ -3,59 +3,156 @@
 Wiring (in ``jaxpar/cli.py``, which imports this module, never the other way)::
 
     add_plan_search_arguments(p)                  # on the "plan" sub-parser
-    # in cmd_plan: if args.search: return run_plan_search(args, build_job, model_config)
+    # in cmd_plan: if args.search: run_plan_search(search_settings(args, job), job, build_job)
+
+Every flag is parsed by an argparse ``type=`` function (`number`, `int_list`, `annotation`), so a
+malformed value ends the command at once with exit code 2 and a line naming the flag.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+from typing import Any
 
-from jaxpar.config import SCHEDULES, SEARCHES
+from jaxpar.config import REMAT_POLICIES, SCHEDULES, SEARCHES
 
-
-def add_plan_search_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("strategy search (jaxpar.auto)")
-    g.add_argument("--search", choices=SEARCHES, help="search a plan with this algorithm instead of printing "
-                   "the configured one")
-    g.add_argument("--annotate", action="append", default=[], metavar="GLOB=SPEC",
-                   help="fix a parameter's split, e.g. 'blocks/*/mlp/up=None,model' (repeatable)")
-    g.add_argument("--memory-budget", type=float, help="per-device bytes the plan must fit (plans the whole job)")
-    g.add_argument("--zero-levels", default="0,1,2,3", help="ZeRO levels the job planner may choose (with "
-                   "--memory-budget), e.g. 0,1")
-    g.add_argument("--accum-options", default="1,2,4", help="micro-batch counts the job planner may choose "
-                   "(with --memory-budget)")
-    g.add_argument("--remat-options", default="none", help="recompute policies of each block the job planner "
-                   "may choose (with --memory-budget), e.g. none,full,dots_saveable")
-    g.add_argument("--pipeline-options", default="1", help="pipeline stage counts the job planner may choose "
-                   "(with --memory-budget), e.g. 1,2,4; above 1 the model's layers are scanned")
-    g.add_argument("--microbatch-options", help="the pipeline's micro-batch counts (default p, 2p, 4p)")
-    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES, help="pipeline schedule the job planner "
-                   "prices")
-    g.add_argument("--flops", type=float, help="device FLOP/s for the cost model")
-    g.add_argument("--bandwidth", type=float, help="collective bandwidth, bytes/s")
-    g.add_argument("--latency", type=float, help="seconds per collective")
-    g.add_argument("--plan-out", help="write the plan (strategy file, JSON)")
+DEFAULT_ZERO_LEVELS = (0, 1, 2, 3)
+DEFAULT_ACCUM = (1, 2, 4)
+DEFAULT_REMAT = ("none",)
+DEFAULT_STAGES = (1,)
+DEFAULT_SCHEDULE = "1f1b"
 
 
-def _ints(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise SystemExit(f"{flag} {text!r}: expected comma-separated integers such as 0,1,2") from None
+def number(flag: str, kind: type = int, *, low: float | None = None, above: float | None = None):
+    """An argparse ``type=`` for ``flag`` that accepts finite ``kind`` values ``>= low`` / ``> above``.
+
+    Example:
+        >>> number("--steps", int, low=1)("4")
+        4
+    """
+    name = "an integer" if kind is int else "a finite number"
+    want = name + (f" >= {low:g}" if low is not None else "") + (f" > {above:g}" if above is not None else "")
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: not {name}; expected {want}") from None
+        if (not math.isfinite(value) or (low is not None and value < low)
+                or (above is not None and value <= above)):
+            raise argparse.ArgumentTypeError(f"{flag} {text}: out of range; expected {want}")
+        return value
+
+    parse.__name__ = want
+    return parse
 
 
-def _parse_annotation(text: str):
-    if "=" not in text:
-        raise SystemExit(f"--annotate {text!r}: expected GLOB=SPEC such as 'blocks/*/mlp/up=None,model'")
-    glob, spec = text.split("=", 1)
+def int_list(flag: str, low: int):
+    """An argparse ``type=`` for comma-separated integers ``>= low`` (``"0,1"`` → ``(0, 1)``)."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            values = ()
+        if not values or min(values) < low:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: not a list of integers >= {low}; expected "
+                                             f"comma-separated integers such as {low},{low + 1}")
+        return values
+
+    return parse
+
+
+def remat_list(text: str) -> tuple[str, ...]:
+    """``--remat-options``: comma-separated recompute policy names."""
+    names = tuple(r.strip() for r in text.split(",") if r.strip())
+    unknown = [n for n in names if n not in REMAT_POLICIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"--remat-options {text!r}: unknown policies {unknown}; choose among "
+                                         f"{', '.join(REMAT_POLICIES)}")
+    return names
+
+
+def annotation(text: str) -> tuple[str, Any]:
+    """``--annotate GLOB=SPEC``: ``"blocks/*/mlp/up=None,model"`` → (glob, PartitionSpec)."""
     from jax.sharding import PartitionSpec
 
+    glob, sep, spec = text.partition("=")
+    if not sep or not glob:
+        raise argparse.ArgumentTypeError(f"--annotate {text!r}: not GLOB=SPEC; expected e.g. "
+                                         "'blocks/*/mlp/up=None,model'")
     entries = [None if e in ("None", "") else tuple(e.split("+")) if "+" in e else e for e in spec.split(",")]
     return glob, PartitionSpec(*entries)
 
 
-def _plan_job(args, config, mesh, batch, costs, model_config):
+def add_plan_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--search`` flags of ``jaxpar plan`` (all default to None: given = used, or refused)."""
+    g = parser.add_argument_group("strategy search (jaxpar.auto)")
+    g.add_argument("--search", choices=SEARCHES, help="search a plan with this algorithm instead of printing "
+                   "the configured one")
+    g.add_argument("--annotate", action="append", type=annotation, default=[], metavar="GLOB=SPEC",
+                   help="fix a parameter's split, e.g. 'blocks/*/mlp/up=None,model' (repeatable)")
+    g.add_argument("--memory-budget", type=number("--memory-budget", float, above=0),
+                   help="per-device bytes the plan must fit (plans the whole job)")
+    g.add_argument("--zero-levels", type=int_list("--zero-levels", 0), help="ZeRO levels the job planner may "
+                   "choose (with --memory-budget; default 0,1,2,3), e.g. 0,1")
+    g.add_argument("--accum-options", type=int_list("--accum-options", 1), help="micro-batch counts the job "
+                   "planner may choose (with --memory-budget; default 1,2,4)")
+    g.add_argument("--remat-options", type=remat_list, help="recompute policies of each block the job planner "
+                   "may choose (with --memory-budget; default none), e.g. none,full,dots_saveable")
+    g.add_argument("--pipeline-options", type=int_list("--pipeline-options", 1), help="pipeline stage counts "
+                   "the job planner may choose (with --memory-budget; default 1), e.g. 1,2,4; above 1 the model's "
+                   "layers are scanned")
+    g.add_argument("--microbatch-options", type=int_list("--microbatch-options", 1),
+                   help="the pipeline's micro-batch counts (with --memory-budget; default p, 2p, 4p)")
+    g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule the job planner prices (with "
+                   f"--memory-budget; default {DEFAULT_SCHEDULE})")
+    g.add_argument("--flops", type=number("--flops", float, above=0), help="device FLOP/s for the cost model")
+    g.add_argument("--bandwidth", type=number("--bandwidth", float, above=0), help="collective bandwidth, bytes/s")
+    g.add_argument("--latency", type=number("--latency", float, low=0), help="seconds per collective")
+    g.add_argument("--plan-out", help="write the plan (strategy file, JSON)")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSettings:
+    """What ``jaxpar plan --search`` does, resolved from its flags.
+
+    Example:
+        >>> SearchSettings(search="dynamic_programming").memory_budget is None
+        True
+    """
+
+    search: str
+    config: Any = None                 # ParallelConfig the search starts from (mode "auto")
+    annotate: tuple = ()               # (glob, PartitionSpec) pairs
+    memory_budget: float | None = None
+    zero_levels: tuple = DEFAULT_ZERO_LEVELS
+    accum: tuple = DEFAULT_ACCUM
+    remat: tuple = DEFAULT_REMAT
+    stages: tuple = DEFAULT_STAGES
+    microbatches: tuple | None = None
+    schedule: str = DEFAULT_SCHEDULE
+    costs: Any = None                  # jaxpar.auto.CostParams
+    plan_out: str | None = None
+
+
+def search_settings(args: argparse.Namespace, job) -> SearchSettings:
+    """The `SearchSettings` of parsed ``plan --search`` flags for the resolved ``job``."""
+    from jaxpar.auto import CostParams
+
+    costs = CostParams(**{k: v for k, v in (("flops_per_s", args.flops), ("default_bandwidth", args.bandwidth),
+                                            ("latency", args.latency)) if v is not None})
+    config = dataclasses.replace(job.config, mode="auto", search=args.search, rules={})
+    return SearchSettings(
+        search=args.search, config=config, annotate=tuple(args.annotate), memory_budget=args.memory_budget,
+        zero_levels=args.zero_levels or DEFAULT_ZERO_LEVELS, accum=args.accum_options or DEFAULT_ACCUM,
+        remat=args.remat_options or DEFAULT_REMAT, stages=args.pipeline_options or DEFAULT_STAGES,
+        microbatches=args.microbatch_options, schedule=args.schedule or DEFAULT_SCHEDULE, costs=costs,
+        plan_out=args.plan_out)
+
+
+def _plan_job(s: SearchSettings, job, batch):
     """`jaxpar.auto.plan_job` for the example GPT, with the CLI's option lists."""
     from flax import nnx
 
@@ -63,60 +160,59 @@ def _plan_job(args, config, mesh, batch, costs, model_config):
     from jaxpar.models.gpt import GPT, loss_fn, pipeline_loss
     from jaxpar.train import compile_step
 
-    stages = _ints(args.pipeline_options, "--pipeline-options")
-    remat = tuple(r.strip() for r in args.remat_options.split(",") if r.strip())
-    gpt = model_config(args, config)
-    if stages and max(stages) > 1 and not gpt.scan_layers:
+    gpt = job.model
+    if max(s.stages) > 1 and not gpt.scan_layers:
         # a pipeline cuts the stacked blocks: every option is planned on scanned layers
         print("note: --pipeline-options above 1 plan the model with scanned layers (--scan); its parameter "
               "paths are those of GPTConfig(scan_layers=True)")
         gpt = dataclasses.replace(gpt, scan_layers=True)
 
     def model_fn(remat="none"):
-        return GPT(dataclasses.replace(gpt, remat=remat), rngs=nnx.Rngs(args.seed))
+        return GPT(dataclasses.replace(gpt, remat=remat), rngs=nnx.Rngs(job.seed))
 
-    job = plan_job(model_fn, loss_fn, batch, pipeline_loss=pipeline_loss(), devices=mesh.devices.size,
-                   memory_budget=args.memory_budget, cost_params=costs, search_name=args.search, base_config=config,
-                   zero_levels=_ints(args.zero_levels, "--zero-levels"),
-                   grad_accum=_ints(args.accum_options, "--accum-options"), remat=remat, pipeline_stages=stages,
-                   microbatches=_ints(args.microbatch_options, "--microbatch-options")
-                   if args.microbatch_options else None, schedule=args.schedule, dry_run=compile_step)
-    print(job.explain())
-    if job.remat != "none":
-        print(f"recompute: build the model with GPTConfig(remat={job.remat!r})")
-    pipe = job.config.pipeline
+    # --annotate reaches the planner through the base config, whose parameter_plan it keeps.
+    base = dataclasses.replace(s.config, parameter_plan={**s.config.parameter_plan, **dict(s.annotate)})
+    plan = plan_job(model_fn, loss_fn, batch, pipeline_loss=pipeline_loss(), devices=len(job.devices),
+                    memory_budget=s.memory_budget, cost_params=s.costs, search_name=s.search, base_config=base,
+                    zero_levels=s.zero_levels, grad_accum=s.accum, remat=s.remat, pipeline_stages=s.stages,
+                    microbatches=s.microbatches, schedule=s.schedule, dry_run=compile_step)
+    print(plan.explain())
+    if plan.remat != "none":
+        print(f"recompute: build the model with GPTConfig(remat={plan.remat!r})")
+    pipe = plan.config.pipeline
     if pipe.stages > 1:
         print(f"pipeline: {pipe.stages} stages, {pipe.microbatches} micro-batches, schedule {pipe.schedule} "
               "(train with pipeline_loss(); the blocks' layers are split over the pipe axis)")
-    return job
+    return plan
 
 
-def run_plan_search(args, build_job, model_config) -> int:
+def _save_job(plan_out: str, plan) -> None:
+    import json
+    import os
+
+    path = os.path.splitext(plan_out)[0] + ".job.json"
+    with open(path, "w") as f:
+        json.dump(plan.to_dict(), f, indent=1, default=str)
+    print(f"job (config, remat, pipeline, candidates) written to {path}")
+
+
+def run_plan_search(s: SearchSettings, job, build_job) -> int:
     """Handler: search (or plan the job within ``--memory-budget``), print the table, save it."""
-    from jaxpar.auto import CostParams, search
+    from jaxpar.auto import search
     from jaxpar.models.gpt import loss_fn
 
-    config, mesh, trainer, data = build_job(args)
-    batch = data.batch(args.batch, 0)
-    costs = CostParams(**{k: v for k, v in (("flops_per_s", args.flops), ("default_bandwidth", args.bandwidth),
-                                            ("latency", args.latency)) if v is not None})
-    config = dataclasses.replace(config, mode="auto", search=args.search, rules={})
-    annotate = dict(_parse_annotation(a) for a in args.annotate)
-    if args.memory_budget:
-        job = _plan_job(args, config, mesh, batch, costs, model_config)
-        plan = job.plan
-        if args.plan_out:
-            import json
-            import os
-
-            path = os.path.splitext(args.plan_out)[0] + ".job.json"
-            with open(path, "w") as f:
-                json.dump(job.to_dict(), f, indent=1, default=str)
-            print(f"job (config, remat, pipeline, candidates) written to {path}")
+    mesh, trainer, data = build_job(job)
+    batch = data.batch(job.batch, 0)
+    if s.memory_budget is not None:
+        planned = _plan_job(s, job, batch)
+        plan = planned.plan
+        if s.plan_out:
+            _save_job(s.plan_out, planned)
     else:
-        plan = search(trainer.model, loss_fn, batch, config, mesh, cost_params=costs, annotate=annotate)
+        plan = search(trainer.model, loss_fn, batch, s.config, mesh, cost_params=s.costs,
+                      annotate=dict(s.annotate))
         print(plan.table())
-    if args.plan_out:
-        plan.to_json(args.plan_out)
-        print(f"plan written to {args.plan_out}")
+    if s.plan_out:
+        plan.to_json(s.plan_out)
+        print(f"plan written to {s.plan_out}")
     return 0

@@ -47,4 +47,4 @@ def test_inspect_transform_merge(tmp_path):
     np.testing.assert_array_equal(plain["params"]["up"], np.asarray(trainer.params["up"].get_value()))
     assert len(plain["params"]["up"].sharding.device_set) == 1
 
-    assert main(["inspect", str(tmp_path / "missing")]) == 1
+    assert main(["inspect", str(tmp_path / "missing")]) == 2     # a user error: exit 2, one line

@@ -10,10 +10,16 @@ Also runnable as ``python -m jaxpar.checkpoint ...``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+# A user's mistake in the paths or files given: one line and exit code 2, no traceback.
+USER_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
+               ValueError)
 
 
 def _set_cpu_devices(n: int) -> None:
@@ -49,19 +55,40 @@ def _load_config(spec: str):
         from jaxpar.checkpoint.offline import load_strategy
 
         return strategy_config(load_strategy(spec))
+    import yaml
+
     with open(spec) as f:
         text = f.read()
-    if spec.endswith(".json"):
-        d = json.loads(text)
-        return strategy_config(d) if "leaves" in d else ParallelConfig.from_dict(d)
-    return ParallelConfig.from_yaml(spec)
+    try:
+        d = json.loads(text) if spec.endswith(".json") else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"--to {spec!r} is not valid {'JSON' if spec.endswith('.json') else 'YAML'} ({e}); give "
+                         "a ParallelConfig file such as 'mesh: {data: 2, model: 4}'") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"--to {spec!r} holds a {type(d).__name__}, not a mapping of ParallelConfig fields such as "
+                         "'mesh: {data: 2, model: 4}'")
+    return strategy_config(d) if "leaves" in d else ParallelConfig.from_dict(d)
+
+
+def _target_devices(count: int | None):
+    """The first ``--devices`` devices (None: let ``transform`` take the first that fit the mesh)."""
+    if count is None:
+        return None
+    import jax
+
+    devices = jax.devices()
+    if count > len(devices):
+        raise ValueError(f"--devices {count}: only {len(devices)} {devices[0].platform} devices are available (JAX "
+                         f"was already started in this process, or this machine has no more); use --devices "
+                         f"{len(devices)} or fewer")
+    return devices[:count]
 
 
 def _transform(args) -> int:
     from jaxpar.checkpoint.offline import transform
 
     config = _load_config(args.to)
-    step = transform(args.dir, args.out, config, step=args.step)
+    step = transform(args.dir, args.out, config, step=args.step, devices=_target_devices(args.ckpt_devices))
     print(f"step {step} of {args.dir} -> {args.out} laid out on mesh {config.mesh}")
     return 0
 
@@ -100,31 +127,74 @@ def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
     q.add_argument("--to", required=True, metavar="CONFIG",
                    help="YAML/JSON ParallelConfig, a strategy JSON, or a checkpoint directory whose layout to copy")
     q.add_argument("out")
-    q.add_argument("--devices", dest="ckpt_devices", type=int, default=None,
-                   help="simulated CPU devices when no accelerator (default: the mesh size of CONFIG)")
+    q.add_argument("--devices", dest="ckpt_devices", type=_count("--devices", 1), default=None,
+                   help="lay the checkpoint out on the first N devices; without an accelerator, N simulated CPU "
+                        "devices (default: the mesh size of CONFIG)")
     q = sub.add_parser("merge", help="one unsharded checkpoint that plain Flax/JAX code loads")
     q.add_argument("dir")
     q.add_argument("out")
     for name in ("inspect", "transform", "merge"):
-        sub.choices[name].add_argument("--step", type=int, default=None, help="default: the newest complete step")
+        sub.choices[name].add_argument("--step", type=_count("--step", 0), default=None,
+                                       help="default: the newest complete step")
     p.set_defaults(func=run_ckpt)
     return p
 
 
+def _count(flag: str, low: int):
+    """An argparse ``type=``: an integer ``>= low``, refused with the value and the range."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: not an integer; expected an integer >= {low}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag} {text}: out of range; expected an integer >= {low}")
+        return value
+
+    return parse
+
+
+@contextlib.contextmanager
+def _quiet_absl() -> Iterator[None]:
+    """Hide absl's INFO/WARNING lines (orbax logs its read-only options on every open) for one command."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def run_ckpt(args) -> int:
-    """Run a parsed ``ckpt`` command; returns the exit code (1 with a message on a user error)."""
+    """Run a parsed ``ckpt`` command; returns the exit code (2 with one line on a user error)."""
     if args.ckpt_command == "transform":
         _set_cpu_devices(_devices_needed(args))
     handler = {"inspect": _inspect, "transform": _transform, "merge": _merge}[args.ckpt_command]
     try:
-        return handler(args)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
-        print(f"jaxpar ckpt {args.ckpt_command}: {e}", file=sys.stderr)
-        return 1
+        with _quiet_absl():
+            return handler(args)
+    except USER_ERRORS as e:
+        print(f"jaxpar ckpt {args.ckpt_command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line (no usage block) with exit code 2, as the ``jaxpar`` command does."""
+
+    def error(self, message: str):
+        head, _, rest = message.partition(": ")
+        if head.startswith("argument ") and rest.startswith("--"):
+            message = rest     # the type= functions name the flag and the value themselves
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxpar")
+    """``python -m jaxpar.checkpoint ARGS``, the same as ``jaxpar ckpt ARGS``; returns the exit code."""
+    parser = _Parser(prog="jaxpar")
     add_ckpt_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["ckpt", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        args = parser.parse_args(["ckpt", *(sys.argv[1:] if argv is None else argv)])
+    except SystemExit as e:   # --help (0) or a flag argparse refused (2, the line is printed)
+        return e.code if isinstance(e.code, int) else 2
     return args.func(args)

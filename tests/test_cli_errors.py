@@ -1,0 +1,356 @@
+"""The jaxpar command answers a mistake with exit code 2 and one paragraph, and no flag is a no-op.
+
+Everything runs `main([...])` in-process on the 8 simulated devices of conftest; the expensive
+parts (building and compiling the GPT, launching processes, reading checkpoints) are replaced
+by recorders, so the file trains nothing.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import jaxpar.checkpoint.offline as offline
+import jaxpar.cli as cli
+import jaxpar.launch.launcher as launcher
+import jaxpar.plan_cli as plan_cli
+import jaxpar.report
+from jaxpar.cli import main
+
+DP = ["--search", "dynamic_programming"]
+# Start JAX's backend with conftest's 8 devices now: main() asks for --devices N CPU devices,
+# which would otherwise take effect in this test process.
+assert len(jax.devices()) == 8
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    """Input files of every kind, in a scratch working directory (outputs land there too)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.yaml").write_text("mesh: [1, 2\n")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    (tmp_path / "typo.yaml").write_text("mesg: {data: 8}\n")
+    (tmp_path / "dp.yaml").write_text("mesh: {data: 8}\nrules: {batch: data}\n")
+    (tmp_path / "tp.yaml").write_text("mesh: {data: 2, model: 4}\nrules: {mlp: model}\n")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    return tmp_path
+
+
+class Stop(Exception):
+    """Raised by the recorders where the real command would start its work."""
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Replace the expensive steps of every command by recorders; returns what they received."""
+    calls = []
+
+    def record(name, stop=False, result=0):
+        def fake(*args, **kwargs):
+            calls.append((name, args, kwargs))
+            if stop:
+                raise Stop(name)
+            return result
+        return fake
+
+    monkeypatch.setattr(cli, "build_job", record("build_job", stop=True))
+    monkeypatch.setattr(plan_cli, "run_plan_search", lambda settings, job, build: record("search")(settings, job))
+    monkeypatch.setattr(launcher, "launch", lambda config, script, script_args, echo: record("launch")(
+        config, script, script_args))
+    monkeypatch.setattr(offline, "inspect", record("inspect", result={"step": 1}))
+    monkeypatch.setattr(offline, "format_inspect", lambda report: "TABLE")
+    monkeypatch.setattr(offline, "transform", record("transform", result=1))
+    monkeypatch.setattr(offline, "merge", record("merge", result=1))
+    return calls
+
+
+# (argv, words the error must contain). Files are relative to the `files` fixture's folder.
+BAD = [
+    (["train", "--batch", "0"], "--batch 0: out of range; expected an integer >= 1"),
+    (["train", "--batch", "2.5"], "--batch '2.5': not an integer"),
+    (["train", "--seq-len", "0"], "--seq-len 0"),
+    (["train", "--embed", "0"], "--embed 0"),
+    (["train", "--heads", "-2"], "--heads -2"),
+    (["train", "--layers", "0"], "--layers 0"),
+    (["train", "--lr", "nan"], "--lr nan: out of range; expected a finite number > 0"),
+    (["train", "--lr", "inf"], "--lr inf"),
+    (["train", "--lr=-1e-3"], "--lr -1e-3"),
+    (["train", "--lr", "-1e-3"], "a value that starts with '-' is written --lr=VALUE"),
+    (["train", "--steps", "0"], "--steps 0"),
+    (["train", "--steps", "-1"], "--steps -1"),
+    (["train", "--seed", "-1"], "--seed -1: out of range; expected an integer >= 0"),
+    (["train", "--grad-accum", "0"], "--grad-accum 0"),
+    (["train", "--devices", "0"], "--devices 0"),
+    (["train", "--devices", "-4"], "--devices -4"),
+    (["train", "--devices", "64"], "--devices 64: only 8 cpu devices are available"),
+    (["train", "--config", "missing.yaml"], "--config 'missing.yaml': does not exist"),
+    (["train", "--config", "adir"], "--config 'adir': a directory, not a file"),
+    (["train", "--config", "bad.yaml"], "--config 'bad.yaml': not valid YAML at line 2"),
+    (["train", "--config", "list.yaml"], "holds a YAML list, not a mapping"),
+    (["train", "--config", "typo.yaml"], "unknown ParallelConfig fields ['mesg']"),
+    (["train", "--metrics", "afile/m.json"], "--metrics 'afile/m.json' cannot be written"),
+    (["train", "--metrics", "adir"], "--metrics 'adir' is a directory"),
+    (["train", "--mesh", "data=3,model=2"], "mesh {'data': 3, 'model': 2} has 6 devices but 8 are available"),
+    (["train", "--mesh", "data=8", "--rules", "mlp=model"], "names mesh axis 'model', but the mesh axes are ['data']"),
+    (["train", "--mode", "sideways"], "mode='sideways'"),
+    (["train", "--rules", "mlp=modle"], "names mesh axis 'modle'"),
+    (["train", "--embed", "60"], "--embed 60 is not divisible by --heads 8"),
+    (["train", "--bogus"], "unrecognized arguments --bogus"),
+    (["plan", "--memory-budget", "1"], "--memory-budget applies to --search only"),
+    (["plan", "--annotate", "blocks/*/mlp/up=None,model"], "--annotate applies to --search only"),
+    (["plan", "--plan-out", "p.json"], "--plan-out applies to --search only"),
+    (["plan", "--batch", "16"], "--batch applies to --search only"),
+    (["plan", "--steps", "5"], "--steps is for 'jaxpar train' only"),
+    (["plan", "--search", "dynamic"], "invalid choice: 'dynamic'"),
+    (["plan", *DP, "--zero-levels", "0,1"], "--zero-levels applies only when the whole job is planned"),
+    (["plan", *DP, "--schedule", "gpipe", "--remat-options", "full"], "--remat-options, --schedule apply only"),
+    (["plan", *DP, "--save", "p.json"], "write the searched plan with --plan-out 'p.json'"),
+    (["plan", *DP, "--mode", "data"], "--mode data is replaced by mode 'auto'"),
+    (["plan", *DP, "--memory-budget", "0"], "--memory-budget 0: out of range"),
+    (["plan", *DP, "--memory-budget", "nan"], "--memory-budget nan"),
+    (["plan", *DP, "--memory-budget", "1e6", "--zero-levels", "x"], "--zero-levels 'x': not a list of integers"),
+    (["plan", *DP, "--memory-budget", "1e6", "--accum-options", "0,1"], "--accum-options '0,1'"),
+    (["plan", *DP, "--memory-budget", "1e6", "--remat-options", "some"], "unknown policies ['some']"),
+    (["plan", *DP, "--flops", "-1"], "--flops -1"),
+    (["plan", *DP, "--latency", "-1"], "--latency -1: out of range; expected a finite number >= 0"),
+    (["plan", *DP, "--annotate", "blocks"], "--annotate 'blocks': not GLOB=SPEC"),
+    (["plan", *DP, "--plan-out", "adir"], "--plan-out 'adir' is a directory"),
+    (["report", "--lr", "0.1"], "--lr is for 'jaxpar train' only"),
+    (["report", "--batch", "0"], "--batch 0"),
+    (["report", "--json", "--config", "missing.yaml"], "--config 'missing.yaml': does not exist"),
+    (["ckpt", "transform", "adir", "--to", "typo.yaml", "out"], "unknown ParallelConfig fields ['mesg']"),
+    (["ckpt", "inspect", "adir", "--step", "-1"], "--step -1: out of range; expected an integer >= 0"),
+    (["ckpt", "merge", "adir", "out", "--step", "x"], "--step 'x': not an integer"),
+    (["ckpt", "transform", "adir", "--to", "missing.yaml", "out"], "missing.yaml"),
+    (["ckpt", "transform", "adir", "--to", "bad.yaml", "out"], "--to 'bad.yaml' is not valid YAML"),
+    (["ckpt", "transform", "adir", "--to", "list.yaml", "out"], "--to 'list.yaml' holds a list"),
+    (["ckpt", "transform", "adir", "--to", "dp.yaml", "out", "--devices", "0"], "--devices 0"),
+    (["ckpt", "frobnicate"], "invalid choice: 'frobnicate'"),
+    (["k8s", "--workers", "0", "--image", "img", "--", "python", "t.py"], "workers=0"),
+    (["k8s", "--workers", "two", "--image", "img"], "invalid int value: 'two'"),
+    (["k8s", "--workers", "2", "--image", "img", "--env", "A", "--", "python", "t.py"], "--env 'A'"),
+    (["launch", "--worker-num", "0", "t.py"], "worker_num=0"),
+    (["launch", "--master-port", "70000", "t.py"], "master_port=70000"),
+    (["launch", "--cluster-time-out", "-1", "t.py"], "cluster_time_out=-1.0"),
+    (["launch", "--exit-time-out", "0", "t.py"], "exit_time_out"),
+    (["sideways"], "invalid choice: 'sideways'"),
+]
+
+
+@pytest.mark.parametrize("argv, words", BAD, ids=[" ".join(a)[:60] for a, _ in BAD])
+def test_bad_input_exits_2_with_one_paragraph(files, recorded, capsys, argv, words):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert "Traceback" not in out + err
+    assert words in err, err
+    assert "\n\n" not in err.strip() and err.startswith("jaxpar"), err   # one paragraph
+    assert not [c for c in recorded if c[0] in ("build_job", "search", "launch", "transform", "merge")], \
+        "the command started its work before refusing"
+
+
+def test_there_are_at_least_40_bad_inputs_over_every_command():
+    assert len(BAD) >= 40
+    assert {a[0] for a, _ in BAD} >= {"train", "plan", "report", "ckpt", "k8s", "launch"}
+
+
+# -- every flag changes the result or is refused ------------------------------------------------
+
+# A non-default value for every flag, per command; files are those of the `files` fixture.
+JOB = {"--config": "dp.yaml", "--mesh": "data=8", "--rules": "mlp=model", "--mode": "data", "--remat": "full",
+       "--optimizer": "level=1", "--pipeline": "stages=2,microbatches=4", "--grad-accum": "2", "--devices": "4",
+       "--layers": "3", "--embed": "32", "--heads": "4", "--seq-len": "16", "--scan": None, "--batch": "16"}
+SEARCH = {"--search": "recursive_programming", "--annotate": "blocks/*/mlp/up=None,model",
+          "--memory-budget": "2e6", "--zero-levels": "0,1", "--accum-options": "1", "--remat-options": "none,full",
+          "--pipeline-options": "1,2", "--microbatch-options": "2", "--schedule": "gpipe", "--flops": "1e9",
+          "--bandwidth": "1e9", "--latency": "1e-6"}
+VALUES = {
+    ("train",): {**JOB, "--steps": "5", "--lr": "0.01", "--seed": "1"},
+    ("plan",): {**JOB, **SEARCH},
+    ("report",): JOB,
+    ("ckpt", "inspect"): {"--json": None, "--step": "3"},
+    ("ckpt", "transform"): {"--to": "tp.yaml", "--step": "3", "--devices": "4"},
+    ("ckpt", "merge"): {"--step": "3"},
+    ("launch",): {"--worker-num": "8", "--local-worker-num": "4", "--master-addr": "127.0.0.2",
+                  "--master-port": "9001", "--bind-address": "127.0.0.1", "--node-rank": "1", "--log-dir": "L",
+                  "--join": None, "--cluster-time-out": "7", "--simulated-devices": "2", "--devices-per-worker": "1",
+                  "--kill-time-out": "3", "--exit-time-out": "4"},
+    ("k8s",): {"--workers": "3", "--image": "other", "--name": "job2", "--jobset": None, "--port": "9001",
+               "--namespace": "ns", "--gpus-per-worker": "1", "--simulated-devices": "2",
+               "--cluster-time-out": "9", "--env": "A=1"},
+}
+# Flags that only choose where or how the result is shown; each has its own test:
+#   train --metrics (test_cli.py::test_train_writes_metrics, unwritable paths in BAD),
+#   train --quiet (the progress bar only), plan --save and --plan-out (test_cli.py),
+#   report --json (test_report_json_prints_only_json below), --debug (test_debug_*).
+EXEMPT = {("train",): {"--metrics", "--quiet"}, ("plan",): {"--save", "--plan-out"}, ("report",): {"--json"}}
+# The argv each flag is added to: the cheapest run of the command. The search flags other
+# than --search join `plan --search`, those of the job planner `plan --search --memory-budget`.
+BASE = {
+    ("train",): ["train"], ("plan",): ["plan"], ("report",): ["report"],
+    ("ckpt", "inspect"): ["ckpt", "inspect", "src"], ("ckpt", "transform"): ["ckpt", "transform", "src", "--to",
+                                                                                "dp.yaml", "out"],
+    ("ckpt", "merge"): ["ckpt", "merge", "src", "out"],
+    ("launch",): ["launch", "--worker-num", "4", "--local-worker-num", "2"],
+    ("k8s",): ["k8s", "--workers", "2", "--image", "img"],
+}
+BUDGET_FLAGS = {"--zero-levels", "--accum-options", "--remat-options", "--pipeline-options", "--microbatch-options",
+                "--schedule"}
+TAIL = {("launch",): ["t.py", "--x"], ("k8s",): ["--", "python", "t.py"]}
+
+
+def _subparsers(parser):
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def _commands():
+    """(command path, its parser) for every command whose flags the table covers."""
+    top = _subparsers(cli.make_parser())
+    for name, parser in top.items():
+        if name == "ckpt":
+            yield from (((name, sub), p) for sub, p in _subparsers(parser).items())
+        else:
+            yield (name,), parser
+
+
+def _flags(parser):
+    return [a.option_strings[0] for a in parser._actions
+            if a.option_strings and not isinstance(a, argparse._HelpAction)]
+
+
+def test_the_table_names_every_flag():
+    for path, parser in _commands():
+        covered = set(VALUES[path]) | EXEMPT.get(path, set())
+        assert set(_flags(parser)) == covered, f"{path}: flags without a value in VALUES or EXEMPT"
+
+
+def _base(path, flag):
+    base = list(BASE[path])
+    if path == ("plan",) and flag in SEARCH and flag != "--search":
+        base += DP + (["--memory-budget", "1e6"] if flag in BUDGET_FLAGS else [])
+    return base
+
+
+def _outcome(argv, recorded, capsys):
+    """("refused", err) when main exits 2, else ("ran", what the command's work received, stdout)."""
+    recorded.clear()
+    try:
+        code = main(argv)
+    except Stop:
+        code = 0
+    out, err = capsys.readouterr()
+    if code == 2:
+        assert "Traceback" not in err and err.startswith("jaxpar"), err
+        return "refused", err
+    assert code == 0, (argv, out, err)
+    return "ran", [(name, args, kwargs) for name, args, kwargs in recorded], out
+
+
+CASES = [(path, flag) for path, parser in _commands() for flag in _flags(parser)
+         if flag not in EXEMPT.get(path, set())]
+
+
+@pytest.mark.parametrize("path, flag", CASES, ids=[" ".join(p) + " " + f for p, f in CASES])
+def test_every_flag_changes_the_result_or_is_refused(files, recorded, capsys, path, flag):
+    base = _base(path, flag)
+    value = VALUES[path][flag]
+    given = base + [flag] + ([] if value is None else [value])
+    without = _outcome(base + TAIL.get(path, []), recorded, capsys)
+    assert without[0] == "ran", without
+    with_flag = _outcome(given + TAIL.get(path, []), recorded, capsys)
+    assert with_flag != without, f"{' '.join(given)} changed nothing"
+
+
+def test_flags_in_the_generic_test_that_are_refused_alone_say_why(files, recorded, capsys):
+    """A few flags need another one; the refusal names what to add (not a silent no-op)."""
+    kind, err = _outcome(["train", "--pipeline", "stages=2,microbatches=4"], recorded, capsys)
+    assert kind == "refused" and "pipe" in err
+
+
+def test_annotations_reach_the_job_planner(files, recorded, capsys, monkeypatch):
+    """--annotate with --memory-budget goes to plan_job through the base config's parameter_plan."""
+    seen = {}
+
+    def plan_job(*args, base_config, **kwargs):
+        seen["plan"] = dict(base_config.parameter_plan)
+        raise Stop("plan_job")
+
+    import jaxpar.auto
+
+    monkeypatch.setattr(jaxpar.auto, "plan_job", plan_job)
+    args = cli.make_parser().parse_args(["plan", *DP, "--memory-budget", "1e6", "--annotate",
+                                         "blocks/*/mlp/up=None,model"])
+    job = cli.resolve_job(args)
+    settings = plan_cli.search_settings(args, job)
+    with pytest.raises(Stop):
+        plan_cli._plan_job(settings, job, batch=None)
+    from jax.sharding import PartitionSpec
+
+    assert seen["plan"] == {"blocks/*/mlp/up": PartitionSpec(None, "model")}
+
+
+# -- output streams, --debug, help --------------------------------------------------------------
+
+class FakeReport:
+    def format(self, detail=True):
+        return "MEMORY TABLE"
+
+    def summary(self):
+        return {"memory": {"argument_bytes": 1}}
+
+
+def test_report_json_prints_only_json(files, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "build_job", lambda job: (None, None, type("D", (), {"batch": lambda s, b, i: {}})()))
+    monkeypatch.setattr(jaxpar.report, "step_report", lambda trainer, batch: FakeReport())
+    assert main(["report", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"memory": {"argument_bytes": 1}}
+    assert "MEMORY TABLE" in err
+    assert main(["report"]) == 0
+    out, err = capsys.readouterr()
+    assert "MEMORY TABLE" in out and not err
+
+
+def test_debug_shows_the_traceback_of_a_user_error(files, recorded):
+    with pytest.raises(cli.UserError, match="--memory-budget applies to --search only"):
+        main(["--debug", "plan", "--memory-budget", "1"])
+
+
+def test_a_bug_keeps_its_traceback(files, monkeypatch):
+    """A ValueError that jaxpar's validation did not raise is a bug: it is not turned into exit 2."""
+    def broken(job):
+        return int("not a number")       # raised by int(), not by a jaxpar check
+
+    monkeypatch.setattr(cli, "build_job", broken)
+    with pytest.raises(ValueError, match="invalid literal"):
+        main(["report"])
+
+
+def test_a_message_jaxpar_wrote_after_resolution_is_one_paragraph(files, monkeypatch, capsys):
+    from jaxpar.distributed import process_rows
+
+    monkeypatch.setattr(cli, "build_job", lambda job: process_rows(3, process_index=0, process_count=2))
+    assert main(["report"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxpar report: error: global_batch_size=3 does not split over 2 processes")
+
+
+def test_top_level_help_is_plain_and_lists_every_command(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "``" not in out
+    for name in ("train", "plan", "report", "launch", "k8s", "ckpt"):
+        assert f"\n    {name} " in out, name
+
+
+def test_ckpt_prints_no_absl_warnings(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([sys.executable, "-m", "jaxpar.checkpoint", "inspect", str(tmp_path / "none")],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"jaxpar ckpt inspect: error: no complete checkpoint in {tmp_path / 'none'}"
