@@ -70,14 +70,12 @@ def test_fit_and_close_finish_pending_saves(tmp_path):
         assert sorted(os.listdir(tmp_path)) == ["1", "2", "3"]      # fit waited for its saves
 
 
-def test_a_nan_step_never_reaches_the_state_or_a_checkpoint(tmp_path):
+def test_a_nan_step_never_reaches_a_checkpoint(tmp_path):
     trainer = _trainer(str(tmp_path), save_every=1, keep=2)
     trainer.step(_batch(0))
     trainer.step(_batch(1))
-    good = np.asarray(trainer.params["w"].get_value())
     with pytest.raises(FloatingPointError, match="step 3 had a non-finite loss"):
         trainer.step(_batch(2, bad=True))             # read before step 3's save: stop, naming the step
-    assert np.array_equal(np.asarray(trainer.params["w"].get_value()), good)   # the update was skipped
     trainer.close()
     assert sorted(os.listdir(tmp_path)) == ["1", "2"]  # rotation kept the finite steps
     fresh = _trainer(str(tmp_path))
@@ -86,8 +84,12 @@ def test_a_nan_step_never_reaches_the_state_or_a_checkpoint(tmp_path):
 
 def test_nonfinite_skip_counts_and_goes_on(tmp_path):
     trainer = _trainer(str(tmp_path), save_every=2, keep=None, nonfinite="skip")
-    history = trainer.fit([_batch(0), _batch(1, bad=True), _batch(2), _batch(3)], steps=4, progress=False)
-    assert trainer.skipped_steps == [2] and np.isnan(history[1]["loss"])
+    trainer.step(_batch(0))
+    good = np.asarray(trainer.params["w"].get_value())
+    trainer.step(_batch(1, bad=True))
+    assert np.array_equal(np.asarray(trainer.params["w"].get_value()), good)   # the update was skipped
+    history = trainer.fit([_batch(2), _batch(3)], steps=2, progress=False)
+    assert trainer.skipped_steps == [2] and np.all(np.isfinite([r["loss"] for r in history]))
     assert np.all(np.isfinite(np.asarray(trainer.params["w"].get_value())))
     with pytest.raises(ValueError, match="nonfinite='maybe'"):
         _trainer(nonfinite="maybe")

@@ -179,7 +179,7 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
 
     ``dry_run``: ``compile_fn(model_fn, loss_fn, batch, config, tx) -> jax.stages.Compiled``
     (``jaxpar.train.compile_step`` compiles the Trainer's step), called on the winner; its
-    ``memory_analysis`` is compared with the budget. ``None``: no dry run.
+    ``memory_analysis`` is compared with the budget. ``None`` or ``False``: no dry run.
 
     Args:
       model_fn: builds the model (called abstractly for the search, for real in the dry run);
@@ -212,6 +212,9 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
 
     if not memory_budget > 0:
         raise ValueError(f"plan_job: memory_budget={memory_budget!r} must be a positive number of bytes per device")
+    if dry_run not in (None, False) and not callable(dry_run):
+        raise TypeError(f"plan_job: dry_run={dry_run!r} must be a compile function such as "
+                        "jaxpar.train.compile_step, or None for no dry run")
     for z in zero_levels:
         if z not in (0, 1, 2, 3):
             raise ValueError(f"plan_job: zero_levels has {z!r}; ZeRO levels are 0, 1, 2, 3")
@@ -289,7 +292,7 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
                                                            rules={}, grad_accum=o.grad_accum, optimizer=zero))
                 build = builders[o.remat]
             report = _dry_run(dry_run, build, pipe_loss if o.pipeline else loss_fn, batch, cfg, tx, memory_budget) \
-                if dry_run is not None else None
+                if dry_run not in (None, False) else None
             if report is None or report["fits"]:
                 chosen, config = o, cfg
                 verdict = "CHOSEN" + (" (dry run confirms)" if report else "")

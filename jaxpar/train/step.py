@@ -103,11 +103,12 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
     return accumulate_grads(s, grads, k, micro)
 
 
-def build_step(s: Setting, loss_fn: Callable, tx: optax.GradientTransformation, batch) -> Callable:
+def build_step(s: Setting, loss_fn: Callable, tx: optax.GradientTransformation, batch, *,
+               skip_nonfinite: bool = False) -> Callable:
     """``(TrainState, batch) -> (TrainState, metrics)``: gradients, then the update."""
     grads = build_grads(s, loss_fn, batch)
     # The update runs on the ZeRO shards of the optimizer state (level >= 1).
-    return update(s, grads, sharded_tx(s.plan, s.mesh, tx, s.params_like))
+    return update(s, grads, sharded_tx(s.plan, s.mesh, tx, s.params_like), skip_nonfinite=skip_nonfinite)
 
 
 def build_eval(s: Setting, loss_fn: Callable, batch) -> Callable:
@@ -253,12 +254,14 @@ def enter(s: Setting, params):
     return params
 
 
-def update(s: Setting, grads: Callable, tx: optax.GradientTransformation) -> Callable:
+def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, skip_nonfinite: bool = False
+           ) -> Callable:
     """One optimizer update after ``grads``; the step counter advances on the device.
 
-    A step whose loss or gradient is not finite keeps the previous parameters and optimizer
-    state (``metrics["finite"]`` is False): a NaN batch never reaches the state, so it never
-    reaches a checkpoint. The Trainer decides whether to stop or go on (``nonfinite=``)."""
+    ``metrics["finite"]`` says whether the loss and the gradient norm were finite (two scalars:
+    free). With ``skip_nonfinite`` a step that was not keeps the previous parameters and
+    optimizer state; the select costs the step temporary memory (old and new state side by
+    side), so it is the Trainer's ``nonfinite="skip"`` only."""
     offload_state = "opt_state" in s.plan.offload
 
     def step(state: TrainState, batch):
@@ -271,8 +274,10 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation) -> Cal
         updates, new_opt_state = tx.update(g, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm)
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
-        params, opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+        if skip_nonfinite:
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
+            new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+        params, opt_state = new_params, new_opt_state
         metrics = {"loss": loss, "grad_norm": norm, "finite": finite}
         if aux is not None:
             metrics["aux"] = aux

@@ -93,10 +93,12 @@ class Trainer:
     steps, keep the newest ``keep``, and resume from the newest complete one at construction.
     ``resume``: ``"newest"`` (a damaged newest step is an error naming it) or
     ``"newest_intact"`` (fall back to the newest step that reads back whole).
-    ``nonfinite``: a step whose loss or gradient is not finite never changes the state (its
-    update is skipped on the device); ``"stop"`` raises ``FloatingPointError`` naming the step
-    when the metrics are next read (logging, saving, every 100 steps), ``"skip"`` counts it in
-    ``trainer.skipped_steps`` and goes on.
+    ``nonfinite``: what a step whose loss or gradient is not finite does. ``"stop"`` (default):
+    ``FloatingPointError`` naming the step when the flags are next read (before every save,
+    at logging, every 100 steps), so such a state never reaches a checkpoint and a restart
+    resumes from the newest finite one. ``"skip"``: the step keeps the previous parameters and
+    optimizer state (a select on the device, which costs temporary memory for the old state)
+    and is counted in ``trainer.skipped_steps``.
     ``pipeline.stages > 1`` needs ``loss_fn`` as a ``jaxpar.pipeline.PipelineLoss``.
     ``preemption`` (with ``checkpoint_dir``): on SIGTERM the Trainer saves at the next step
     boundary — the same step on every process (JAX's preemption sync point) — and raises
@@ -184,7 +186,8 @@ class Trainer:
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
             if kind == "train":
                 fn = jax.jit(
-                    build_step(self._setting(), self.loss_fn, self.tx, batch),
+                    build_step(self._setting(), self.loss_fn, self.tx, batch,
+                               skip_nonfinite=self._nonfinite == "skip"),
                     in_shardings=(shardings, b_sh), out_shardings=(shardings, None),
                     donate_argnums=(0,) if self._donate else (),
                     compiler_options=fusion.compiler_options(self.plan.config.comm_fusion,
@@ -245,9 +248,9 @@ class Trainer:
         if self._nonfinite == "stop":
             raise FloatingPointError(
                 f"Trainer: step {bad[0]} had a non-finite loss or gradient norm"
-                + (f" (and steps {bad[1:]})" if bad[1:] else "") + "; its update was skipped, so the state and "
-                "every checkpoint hold only finite values. Inspect that batch, lower the learning rate, or pass "
-                "Trainer(nonfinite='skip') to count such steps and go on")
+                + (f" (and steps {bad[1:]})" if bad[1:] else "") + "; nothing after it was saved, so every "
+                "checkpoint holds finite values and a restart resumes from the newest one. Inspect that batch, "
+                "lower the learning rate, or pass Trainer(nonfinite='skip') to skip such updates and go on")
 
     def lower(self, batch) -> jax.stages.Lowered:
         """The lowered step for ``batch`` (``.compile()`` gives the program for reports)."""
