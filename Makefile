@@ -1,5 +1,7 @@
 # Two commands on a fresh machine (Python 3.11+): `make demo` and `make test`.
 PYTHON ?= python3
+# pytest-xdist processes for `make test`; each simulates 8 CPU devices (about 1-2 GB of memory)
+TEST_WORKERS ?= 2
 VENV   := .venv
 BIN    := $(VENV)/bin
 
@@ -20,11 +22,11 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 demo: $(VENV)/.installed            ## install and train the example GPT on all devices
 	$(BIN)/jaxpar train
 
-test: $(VENV)/.installed-dev        ## the whole suite on 8 simulated CPU devices
-	$(BIN)/python -m pytest -q
+test: $(VENV)/.installed-dev        ## the whole suite on 8 simulated CPU devices, TEST_WORKERS processes
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 test-fast: $(VENV)/.installed-dev   ## the suite without tests marked slow
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow"
 
 bench: $(VENV)/.installed-dev       ## step benchmark over a list of strategies (CPU figures here)
 	$(BIN)/python benchmarks/step.py

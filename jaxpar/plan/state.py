@@ -11,7 +11,6 @@ the host (pytree metadata, never traced).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any

@@ -8,9 +8,6 @@ batch shape, runs it, and keeps metrics on the device until they are logged.
 
 from __future__ import annotations
 
-import signal
-import sys
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -27,51 +24,9 @@ from jaxpar.config import ParallelConfig
 from jaxpar.data import place_batch
 from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
-from jaxpar.pipeline import PipelineLoss
 from jaxpar.plan import TrainPlan, TrainState, check_data, init_state, make_train_plan, state_shardings
+from jaxpar.train.guards import Preempted, Preemption, check_args, check_batch
 from jaxpar.train.step import Setting, build_eval, build_grads, build_step
-
-
-class Preempted(SystemExit):
-    """Raised by ``Trainer.step`` after a SIGTERM: the state of ``step`` is saved; exit code 0."""
-
-    def __init__(self, step: int, directory: str):
-        super().__init__(0)
-        self.step, self.directory = step, directory
-        print(f"jaxpar: preempted (SIGTERM): saved step {step} to {directory}; restart to resume", file=sys.stderr)
-
-
-class Preemption:
-    """Where a SIGTERM is noticed: a flag set by a signal handler (one process), or JAX's
-    preemption sync point, which makes every process stop at the same step (several)."""
-
-    def __init__(self):
-        self.flag = threading.Event()
-        self.multi = jax.process_count() > 1
-        if not self.multi and threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGTERM)
-            if previous in (signal.SIG_DFL, None):
-                signal.signal(signal.SIGTERM, lambda *_: self.flag.set())
-
-    def reached(self, step: int) -> bool:
-        if self.multi:
-            from jax.experimental import multihost_utils
-
-            return multihost_utils.reached_preemption_sync_point(step)
-        return self.flag.is_set()
-
-
-def check_supported(config: ParallelConfig) -> None:
-    """Combinations refused when the Trainer is built, each naming both features and the alternative."""
-    if config.pipeline.stages > 1 and config.mode == "hybrid":
-        raise ValueError(
-            "ParallelConfig: pipeline.stages > 1 with mode='hybrid' is not supported (the pipeline is "
-            "itself a shard_map over the pipe axis); use mode='semi_auto' or 'data' with the pipeline")
-    if config.pipeline.stages > 1 and config.mode == "auto":
-        raise ValueError(
-            "ParallelConfig: pipeline.stages > 1 with mode='auto' is not supported (the strategy search does "
-            "not place pipeline stages); plan the pipeline with jaxpar.auto.plan_job(pipeline_stages=...) and "
-            "train its config, or use mode='semi_auto' with rules {'layers': 'pipe'}")
 
 
 class Trainer:
@@ -114,11 +69,10 @@ class Trainer:
                  donate: bool = True, offload: str | tuple[str, ...] = (), example_batch: Any = None,
                  checkpoint_dir: str | None = None, save_every: int = 0, keep: int | None = 3,
                  nonfinite: str = "stop", resume: str = "newest", preemption: bool = True):
-        _check_args(model, tx, loss_fn, config, mesh, plan)
+        check_args(model, tx, loss_fn, config, mesh, plan)     # refused combinations included
         if nonfinite not in ("stop", "skip"):
             raise ValueError(f"Trainer: nonfinite={nonfinite!r}; choose 'stop' (raise naming the step) or 'skip' "
                              "(count the skipped updates and go on)")
-        check_supported(config)
         self.mesh, self.tx, self.loss_fn = mesh, tx, loss_fn
         self.global_batch = jax.process_count() == 1 if global_batch is None else global_batch
         self._donate = donate
@@ -204,7 +158,7 @@ class Trainer:
     # ------------------------------------------------------------------ running
     def place(self, batch):
         """Put a host batch on the mesh by ``dataset_strategy``."""
-        _check_batch(batch)
+        check_batch(batch)
         if self._pending is not None:
             self._setup(batch)
         return place_batch(self.plan.config, self.mesh, batch, global_batch=self.global_batch)
@@ -458,51 +412,6 @@ class Trainer:
     def shardings(self) -> dict[str, Any]:
         sh = state_shardings(self.plan, self.mesh, self.state)
         return {"params": sh.params, "rest": sh.rest, "opt_state": sh.opt_state}
-
-
-def _check_args(model, tx, loss_fn, config, mesh, plan) -> None:
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"Trainer: model must be a flax.nnx.Module, got {type(model).__name__}")
-    if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"Trainer: tx must be an optax.GradientTransformation, got {type(tx).__name__}")
-    if not callable(loss_fn):
-        raise TypeError(f"Trainer: loss_fn must be callable, got {type(loss_fn).__name__}")
-    if not isinstance(config, ParallelConfig):
-        raise TypeError(f"Trainer: config must be a ParallelConfig, got {type(config).__name__}")
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"Trainer: mesh must be a jax.sharding.Mesh (see jaxpar.make_mesh), got {type(mesh).__name__}")
-    for axis, size in config.mesh.items():
-        if axis not in mesh.shape or (size != -1 and mesh.shape[axis] != size):
-            raise ValueError(f"Trainer: config.mesh {config.mesh} does not match the mesh {dict(mesh.shape)}; "
-                             "build the mesh with jaxpar.make_mesh(config)")
-    if config.pipeline.stages > 1 and not isinstance(loss_fn, PipelineLoss):
-        raise TypeError(
-            f"Trainer: pipeline.stages={config.pipeline.stages} needs loss_fn as a jaxpar.pipeline.PipelineLoss "
-            f"(embed / blocks / head / head_loss), got {type(loss_fn).__name__}; see docs/pipeline.md")
-    if plan is not None:
-        if not isinstance(plan, TrainPlan):
-            raise TypeError(f"Trainer: plan must be a jaxpar.TrainPlan, got {type(plan).__name__}")
-        if dict(plan.mesh) != {a: int(s) for a, s in mesh.shape.items()}:
-            raise ValueError(f"Trainer: plan is for mesh {dict(plan.mesh)} but the mesh is {dict(mesh.shape)}; "
-                             "build the mesh with jaxpar.make_mesh(plan.config)")
-
-
-def _check_batch(batch) -> None:
-    leaves = jax.tree_util.tree_leaves_with_path(batch)
-    if not leaves:
-        raise ValueError("batch has no arrays; pass a pytree of arrays whose leading dimension is the batch")
-    rows = None
-    for path, x in leaves:
-        shape = np.shape(x)
-        where = f"batch{jax.tree_util.keystr(path)}"
-        if not shape:
-            raise ValueError(f"{where} is a scalar; every batch leaf needs a leading batch dimension "
-                             "(broadcast it to [batch, ...] or close over it in loss_fn)")
-        if rows is None:
-            rows, first = shape[0], where
-        elif shape[0] != rows:
-            raise ValueError(f"{where} has {shape[0]} rows but {first} has {rows}; every batch leaf must have "
-                             "the same leading (batch) dimension")
 
 
 def compile_step(model_fn: Callable[[], nnx.Module], loss_fn: Callable, batch, config: ParallelConfig,

@@ -1,0 +1,109 @@
+"""What the Trainer checks before it builds anything, and how it notices a preemption.
+
+Combinations refused up front (each naming both features and the alternative), the
+arguments and batches it is given, and SIGTERM handling (a flag in one process, JAX's
+preemption sync point across several).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxpar.config import ParallelConfig
+from jaxpar.pipeline import PipelineLoss
+from jaxpar.plan import TrainPlan
+
+
+class Preempted(SystemExit):
+    """Raised by ``Trainer.step`` after a SIGTERM: the state of ``step`` is saved; exit code 0."""
+
+    def __init__(self, step: int, directory: str):
+        super().__init__(0)
+        self.step, self.directory = step, directory
+        print(f"jaxpar: preempted (SIGTERM): saved step {step} to {directory}; restart to resume", file=sys.stderr)
+
+
+class Preemption:
+    """Where a SIGTERM is noticed: a flag set by a signal handler (one process), or JAX's
+    preemption sync point, which makes every process stop at the same step (several)."""
+
+    def __init__(self):
+        self.flag = threading.Event()
+        self.multi = jax.process_count() > 1
+        if not self.multi and threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGTERM)
+            if previous in (signal.SIG_DFL, None):
+                signal.signal(signal.SIGTERM, lambda *_: self.flag.set())
+
+    def reached(self, step: int) -> bool:
+        if self.multi:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.flag.is_set()
+
+
+def check_supported(config: ParallelConfig) -> None:
+    """Combinations refused when the Trainer is built, each naming both features and the alternative."""
+    if config.pipeline.stages > 1 and config.mode == "hybrid":
+        raise ValueError(
+            "ParallelConfig: pipeline.stages > 1 with mode='hybrid' is not supported (the pipeline is "
+            "itself a shard_map over the pipe axis); use mode='semi_auto' or 'data' with the pipeline")
+    if config.pipeline.stages > 1 and config.mode == "auto":
+        raise ValueError(
+            "ParallelConfig: pipeline.stages > 1 with mode='auto' is not supported (the strategy search does "
+            "not place pipeline stages); plan the pipeline with jaxpar.auto.plan_job(pipeline_stages=...) and "
+            "train its config, or use mode='semi_auto' with rules {'layers': 'pipe'}")
+
+
+def check_args(model, tx, loss_fn, config, mesh, plan) -> None:
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"Trainer: model must be a flax.nnx.Module, got {type(model).__name__}")
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"Trainer: tx must be an optax.GradientTransformation, got {type(tx).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"Trainer: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(f"Trainer: config must be a ParallelConfig, got {type(config).__name__}")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"Trainer: mesh must be a jax.sharding.Mesh (see jaxpar.make_mesh), got {type(mesh).__name__}")
+    for axis, size in config.mesh.items():
+        if axis not in mesh.shape or (size != -1 and mesh.shape[axis] != size):
+            raise ValueError(f"Trainer: config.mesh {config.mesh} does not match the mesh {dict(mesh.shape)}; "
+                             "build the mesh with jaxpar.make_mesh(config)")
+    check_supported(config)
+    if config.pipeline.stages > 1 and not isinstance(loss_fn, PipelineLoss):
+        raise TypeError(
+            f"Trainer: pipeline.stages={config.pipeline.stages} needs loss_fn as a jaxpar.pipeline.PipelineLoss "
+            f"(embed / blocks / head / head_loss), got {type(loss_fn).__name__}; see docs/pipeline.md")
+    if plan is not None:
+        if not isinstance(plan, TrainPlan):
+            raise TypeError(f"Trainer: plan must be a jaxpar.TrainPlan, got {type(plan).__name__}")
+        if dict(plan.mesh) != {a: int(s) for a, s in mesh.shape.items()}:
+            raise ValueError(f"Trainer: plan is for mesh {dict(plan.mesh)} but the mesh is {dict(mesh.shape)}; "
+                             "build the mesh with jaxpar.make_mesh(plan.config)")
+
+
+def check_batch(batch) -> None:
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise ValueError("batch has no arrays; pass a pytree of arrays whose leading dimension is the batch")
+    rows = None
+    for path, x in leaves:
+        shape = np.shape(x)
+        where = f"batch{jax.tree_util.keystr(path)}"
+        if not shape:
+            raise ValueError(f"{where} is a scalar; every batch leaf needs a leading batch dimension "
+                             "(broadcast it to [batch, ...] or close over it in loss_fn)")
+        if rows is None:
+            rows, first = shape[0], where
+        elif shape[0] != rows:
+            raise ValueError(f"{where} has {shape[0]} rows but {first} has {rows}; every batch leaf must have "
+                             "the same leading (batch) dimension")
