@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 SERIAL, GRAD, TAIL, NORM = "", "grad", "tail", "norm"
 _GROUP = {GRAD: GRAD, TAIL: GRAD, NORM: NORM}       # tails ride with the gradients
-# operators whose derivative does not read their result (with `cost._LINEAR`)
+# operators whose derivative does not read their result (with `cost.LINEAR`)
 _OUTPUT_FREE = ("dot_general", "conv_general_dilated", "gather", "mul", "div")
 
 
@@ -83,9 +83,9 @@ def derivations(graph: Any, grad: Sequence[bool]) -> tuple[tuple[int, ...], tupl
     Example:
       >>> source, tail = derivations(graph, needs_grad(graph))      # doctest: +SKIP
     """
-    from jaxpar.auto.cost import _LINEAR, _needed
+    from jaxpar.auto.cost import LINEAR, derivative_reads  # cost imports this module: a late import
 
-    output_free = (*_LINEAR, *_OUTPUT_FREE)
+    output_free = (*LINEAR, *_OUTPUT_FREE)
 
     n = len(graph.tensors)
     source = [-1] * n
@@ -109,7 +109,7 @@ def derivations(graph: Any, grad: Sequence[bool]) -> tuple[tuple[int, ...], tupl
             for t in op.outs:
                 tail[t] = False
         later = all(tail[o] for o in op.outs)
-        needed = () if op.prim in _LINEAR else set(_needed(op, grad))
+        needed = () if op.prim in LINEAR else set(derivative_reads(op, grad))
         for t in op.ins:
             if t >= 0 and (not later or t in needed):
                 tail[t] = False

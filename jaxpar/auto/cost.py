@@ -47,11 +47,11 @@ XLA_GPU_COMBINE_BYTES = 30 * 1024 * 1024 + 7
 _PRODUCTS = ("dot_general", "conv_general_dilated")
 _GATHER_LIKE = ("reshape", "concatenate", "slice", "dynamic_slice", "pad")
 # operators whose derivative needs none of their operands (the rest save their inputs in a loop)
-_LINEAR = ("add", "add_any", "sub", "neg", "reduce_sum", "select_n", "concatenate", "pad", "slice",
+LINEAR = ("add", "add_any", "sub", "neg", "reduce_sum", "select_n", "concatenate", "pad", "slice",
            "dynamic_slice", "dynamic_update_slice", "cumsum")
 _FREE = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "convert_element_type",
          "stop_gradient", "iota", "copy", "copy_p", "name")
-_LINEAR += _FREE
+LINEAR += _FREE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -260,7 +260,7 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
 
     Saved for the backward pass: the inputs and outputs of matmuls, gathers and reductions
     (what XLA materialises rather than fuses); in a loop body (``repeat > 1``), also the
-    operands a nonlinear operator's derivative reads (`_needed`: JAX stacks a scan's
+    operands a nonlinear operator's derivative reads (`derivative_reads`: JAX stacks a scan's
     residuals, and XLA cannot fuse them away across iterations; ``loops=False``: a loop of
     one iteration, which XLA removes). Inside a recompute region only what its policy keeps
     on the device is saved, plus the region's inputs and any of its values read after it;
@@ -283,8 +283,8 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
     residual = {t for r in graph.regions for t in r.inputs}
     grad = needs_grad(graph)
     for op in graph.ops:    # XLA does not fuse across a loop's iterations: what the derivative
-        if loops and op.repeat > 1 and op.region < 0 and op.prim not in _LINEAR:   # of a body reads is stacked
-            base.update(_needed(op, grad))
+        if loops and op.repeat > 1 and op.region < 0 and op.prim not in LINEAR:   # of a body reads is stacked
+            base.update(derivative_reads(op, grad))
 
     def real(t):
         return t not in inputs and graph.tensors[t].itemsize >= 4 and len(graph.tensors[t].shape) > 0
@@ -302,7 +302,7 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
     return Flags(tuple(grad), tuple(t in params for t in range(n)), saved, recomputed, tuple(calls), source, tail)
 
 
-def _needed(op: Op, grad) -> list[int]:
+def derivative_reads(op: Op, grad) -> list[int]:
     """The operands a nonlinear operator's derivative reads: ``x · y`` needs ``y`` where ``x``
     has a gradient and ``x`` where ``y`` does; ``x / y`` needs ``y`` (and ``x`` where ``y`` has
     a gradient); any other operator, its operands that have one."""

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from jaxpar import config
+from jaxpar.config import SEARCHES as SEARCH_NAMES
 from jaxpar.auto.assign import Axes, domains
 from jaxpar.auto.cost import CostParams, Flags, analyse, evaluate, op_scalar, param_scalar
 from jaxpar.auto.graph import Graph
@@ -321,4 +321,4 @@ def _choose(problem, d, axes, doms, decided, param_of):
 
 
 # The algorithms by the names jaxpar.config validates (one table of names).
-SEARCHES = dict(zip(config.SEARCHES, (sharding_propagation, dynamic_programming, recursive_programming)))
+SEARCHES = dict(zip(SEARCH_NAMES, (sharding_propagation, dynamic_programming, recursive_programming)))
