@@ -339,6 +339,9 @@ def check_plan_flags(args) -> None:
                f"plan with --plan-out {args.save!r}")
     if given(args, "mode"):
         refuse(f"--mode {args.mode} is replaced by mode 'auto' under --search; leave --mode out")
+    if given(args, "rules"):
+        refuse(f"--rules {args.rules} is replaced by the search under --search (it plans every parameter); pin "
+               "parameters with --annotate PATH=STRATEGY instead, or leave --rules out")
     if args.memory_budget is None:
         budget_only = [f for f in ("zero_levels", "accum_options", "remat_options", "pipeline_options",
                                    "microbatch_options", "schedule") if given(args, f)]
@@ -364,6 +367,9 @@ def cmd_plan(args) -> int:
         from jaxpar.plan_cli import run_plan_search, search_settings
 
         job = resolve_job(args)
+        if args.config and job.config.rules:
+            refuse(f"--config {args.config!r} sets rules {dict(job.config.rules)}, which --search replaces (it "
+                   "plans every parameter); drop them from the file, or pin parameters with --annotate")
         if args.plan_out:
             check_writable("--plan-out", args.plan_out)
         return run_plan_search(search_settings(args, job), job, build_job)
@@ -371,7 +377,9 @@ def cmd_plan(args) -> int:
     job = resolve_job(args)
     if args.save:
         check_writable("--save", args.save)
-    mesh, trainer, _ = build_job(job)
+    mesh, trainer, data = build_job(job)
+    if job.config.rules and not job.config.allow_unused_rules:
+        trainer.lower(data.batch(job.batch, 0))   # tracing the step refuses rules nothing consults
     print(f"mesh {dict(mesh.shape)}  mode {job.config.mode}")
     print(format_plan(param_table(trainer)))
     if args.save:

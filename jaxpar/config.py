@@ -217,6 +217,9 @@ class ParallelConfig:
         batch runs as this many parts one after another, so one part's collectives can
         overlap the next part's compute. 1 = off.
       search: strategy search algorithm for ``mode="auto"``.
+      allow_unused_rules: keep rules that no parameter, activation constraint or batch
+        consults (off: such a rule, e.g. a typo ``"mlpp"``, is an error when the step is
+        traced). Turn on for a shared rule set applied to models that use part of it.
     """
 
     mesh: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"data": -1})
@@ -231,6 +234,7 @@ class ParallelConfig:
     search: str | None = None
     comm_fusion: CommFusionConfig | None = None
     interleave: int = 1
+    allow_unused_rules: bool = False
 
     def __post_init__(self):
         setf = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -258,6 +262,8 @@ class ParallelConfig:
             setf("comm_fusion", _sub(CommFusionConfig, fusion, "comm_fusion"))
         if not isinstance(self.interleave, int) or isinstance(self.interleave, bool) or self.interleave < 1:
             raise _fail("interleave", self.interleave, "use a positive int (1 = off)")
+        if not isinstance(self.allow_unused_rules, bool):
+            raise _fail("allow_unused_rules", self.allow_unused_rules, "use True or False")
         if self.search is not None and self.search not in SEARCHES:
             raise _fail("search", self.search, f"choose one of {SEARCHES} or None")
         if self.mode == "data" and self.rules:

@@ -187,9 +187,9 @@ class LogicalConstraint:
         return PartitionSpec(*entries)
 
     def __call__(self, x, names):
+        spec = self.spec(x.shape, names)   # first: it records which rules the model consults
         if not _is_tracer(x) or _inside_manual_region():
             return x  # outside jit nothing to pin; inside shard_map code is per device
-        spec = self.spec(x.shape, names)
         if all(e is None for e in spec):
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))

@@ -15,7 +15,7 @@ from workers_ckpt import common
 TP = {"mesh": {"data": 2, "model": 4}, "rules": {"mlp": "model"}}
 
 
-def test_inspect_transform_merge(tmp_path):
+def test_inspect_transform_merge(tmp_path, capsys):
     trainer = common.mlp_trainer()
     common.run(trainer, 2)
     ckpt.save(trainer, tmp_path / "src", data_state={"epoch": 1})
@@ -31,6 +31,10 @@ def test_inspect_transform_merge(tmp_path):
                                              "logical": ["vocab", "mlp"], "bytes": 2048, "bytes_per_device": 2048}
 
     (tmp_path / "tp.json").write_text(json.dumps(TP))
+    (tmp_path / "typo.json").write_text(json.dumps({**TP, "rules": {"mlpp": "model"}}))
+    # a rule no stored leaf (and no rule of the training job) names would leave 'up' replicated: refused
+    assert main(["transform", str(tmp_path / "src"), "--to", str(tmp_path / "typo.json"), str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists() and "'mlpp' -> 'model'" in capsys.readouterr().err
     assert main(["transform", str(tmp_path / "src"), "--to", str(tmp_path / "tp.json"), str(tmp_path / "tp")]) == 0
     moved = ckpt.inspect(tmp_path / "tp")
     assert moved["mesh"]["axes"] == {"data": 2, "model": 4}

@@ -191,3 +191,34 @@ def test_sigterm_saves_at_a_step_boundary_and_the_restart_resumes_exactly(tmp_pa
     assert steps[restart:] == list(range(saved + 1, STEPS + 1))
     expected = _uninterrupted()
     np.testing.assert_allclose([x["loss"] for x in lines], [expected[s - 1] for s in steps], rtol=1e-5)
+
+
+# ---------------------------------------------------------------- rules nothing consults
+def _gpt_trainer(rules, *, constrain=True, **config):
+    from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
+
+    cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=rules, **config)
+    mesh = jaxpar.make_mesh(cfg)
+    hook = jaxpar.LogicalConstraint(mesh, cfg.rules) if constrain else (lambda x, names: x)
+    gpt = GPTConfig(layers=1, embed=32, heads=4, seq_len=8)
+    model = jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0), constrain=hook), cfg, mesh)
+    batch = {"inputs": np.zeros((8, 8), np.int32), "targets": np.zeros((8, 8), np.int32)}
+    return jaxpar.Trainer(model, optax.sgd(0.1), loss_fn, cfg, mesh), batch
+
+
+def test_a_rule_no_parameter_or_constraint_uses_is_refused_naming_it():
+    trainer, batch = _gpt_trainer({"mlpp": "model", "heads": "model"})
+    with pytest.raises(ValueError, match=r"'mlpp' -> 'model' \(did you mean 'mlp'\?\).*allow_unused_rules") as e:
+        trainer.step(batch)
+    assert e.value.__traceback__ is not None and trainer.step_count == 0   # refused before anything ran
+    trainer, batch = _gpt_trainer({"mlpp": "model"}, allow_unused_rules=True)
+    assert np.isfinite(float(trainer.step(batch)["loss"]))
+
+
+def test_a_rule_only_an_activation_constraint_consults_is_in_use():
+    # "seq" names no parameter: only the model's constrain(x, ("batch", "seq", "embed")) reads it.
+    trainer, batch = _gpt_trainer({"seq": "model"})
+    assert np.isfinite(float(trainer.step(batch)["loss"]))
+    trainer, batch = _gpt_trainer({"seq": "model"}, constrain=False)
+    with pytest.raises(ValueError, match="'seq' -> 'model'"):
+        trainer.step(batch)

@@ -23,7 +23,7 @@ from jaxpar.checkpoint.manager import complete_step, complete_steps, open_manage
 from jaxpar.checkpoint.strategy import spec_from_json, spec_to_json, strategy_file
 from jaxpar.config import ParallelConfig
 from jaxpar.mesh import make_mesh
-from jaxpar.nn.plan import variable_spec
+from jaxpar.nn.plan import check_rules_used, declared_names, variable_spec
 
 
 def load_strategy(directory, *, step: int | None = None) -> dict[str, Any]:
@@ -118,6 +118,15 @@ def plan_leaves(strategy: dict[str, Any], config: ParallelConfig, mesh) -> dict[
     return specs
 
 
+def _check_rules(config: ParallelConfig, strategy: dict[str, Any], directory) -> None:
+    """Target rules must name a logical axis of a stored leaf, or one the training job's own
+    rules used (activations, the batch): a typo would otherwise leave leaves replicated."""
+    used = {name for e in strategy["leaves"].values() for entry in (e.get("logical") or ())
+            for name in ((entry,) if isinstance(entry, str) else (entry or ()))}
+    used |= set(strategy.get("config", {}).get("rules", {}))
+    check_rules_used(config, used | declared_names(config), f"checkpoint {str(directory)!r}")
+
+
 def _mesh_for(config: ParallelConfig, devices=None):
     sizes = config.mesh.values()
     if devices is None and -1 not in sizes:
@@ -137,6 +146,7 @@ def transform(directory, out, config: ParallelConfig, *, step: int | None = None
         step = complete_step(manager, directory, step)
         strategy = dict(manager.restore(step, args=ocp.args.Composite(strategy=ocp.args.JsonRestore()))["strategy"])
         stored = saved_leaves(manager, step)
+        _check_rules(config, strategy, directory)
         specs = plan_leaves(strategy, config, mesh)
         target = {p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, specs[p]))
                   for p, leaf in stored.items()}

@@ -117,6 +117,54 @@ def check_plan_covers(config: ParallelConfig, *states) -> None:
         )
 
 
+def _strategy_names(strategy: Any) -> set[str]:
+    if isinstance(strategy, str):
+        return {strategy}
+    if isinstance(strategy, (tuple, list)):
+        return set().union(*map(_strategy_names, strategy)) if strategy else set()
+    return set()
+
+
+def declared_names(config: ParallelConfig, *states) -> set[str]:
+    """Logical names that parameters, ``parameter_plan`` / ``dataset_strategy`` entries and the
+    default batch split consult (activation constraints are recorded when the step is traced)."""
+    names: set[str] = set()
+    for state in states:
+        for _, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]:
+            if is_variable(var):
+                for entry in logical_names(var) or ():
+                    names |= _strategy_names(entry)
+    for strategy in (*config.parameter_plan.values(), config.dataset_strategy):
+        names |= _strategy_names(strategy)
+    if config.dataset_strategy is None:
+        names.add("batch")      # the default batch split reads the "batch" rule
+    return names
+
+
+def check_rules_used(config: ParallelConfig, used: set[str], where: str = "the model") -> None:
+    """Raise ``ValueError`` for rules that name a logical axis nothing in ``used`` consults.
+
+    A rule such as ``{"mlpp": "model"}`` (a typo of ``"mlp"``) would otherwise leave the
+    parameters it meant to split replicated, silently. ``allow_unused_rules=True`` keeps them.
+    """
+    if config.allow_unused_rules:
+        return
+    unused = sorted(set(config.rules) - set(used))
+    if not unused:
+        return
+    import difflib
+
+    hints = []
+    for name in unused:
+        close = difflib.get_close_matches(name, sorted(used), n=1)
+        hints.append(f"{name!r} -> {config.rules[name]!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(
+        f"ParallelConfig.rules: {', '.join(hints)} names a logical axis that no parameter, activation "
+        f"constraint or batch of {where} uses, so it would change nothing; the names in use are "
+        f"{sorted(used)}. Fix the name, drop the rule, or set ParallelConfig(allow_unused_rules=True) "
+        "where the rule is deliberate")
+
+
 def to_shardings(specs, mesh) -> Any:
     """``PartitionSpec`` tree → ``NamedSharding`` tree."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))

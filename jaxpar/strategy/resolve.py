@@ -17,9 +17,11 @@ Forms (all mean the same thing when they describe the same split):
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from jax.sharding import Mesh, PartitionSpec
@@ -160,6 +162,30 @@ def _match_factor(factor: int, sizes: dict[str, int], used: set[str]) -> tuple[s
     return None
 
 
+_RECORDING = threading.local()
+
+
+@contextlib.contextmanager
+def recording_rules() -> Iterator[set[str]]:
+    """Collects the rule names that `logical_axes` looks up while the block runs.
+
+    What the Trainer wraps around tracing its step, so that a rule no parameter and no
+    activation constraint consulted (a typo such as ``"mlpp"``) is reported, not ignored.
+
+    >>> with recording_rules() as seen:
+    ...     _ = logical_axes("mlp", {"model": 2}, {"mlp": "model"})
+    >>> seen
+    {'mlp'}
+    """
+    stack = _RECORDING.__dict__.setdefault("stack", [])
+    seen: set[str] = set()
+    stack.append(seen)
+    try:
+        yield seen
+    finally:
+        stack.remove(seen)
+
+
 def logical_axes(entry: Any, sizes: Mapping[str, int], rules: Mapping[str, Any]) -> tuple[str, ...]:
     """The mesh axes one logical dimension name maps to."""
     if entry is None:
@@ -170,6 +196,8 @@ def logical_axes(entry: Any, sizes: Mapping[str, int], rules: Mapping[str, Any])
         if not isinstance(name, str):
             raise TypeError(f"logical axis {name!r} must be a str or None")
         if name in rules:
+            for seen in getattr(_RECORDING, "stack", ()):
+                seen.add(name)
             target = rules[name]
             out.extend(() if target is None else (target,) if isinstance(target, str) else target)
         elif name in sizes:

@@ -24,7 +24,9 @@ from jaxpar.config import ParallelConfig
 from jaxpar.data import place_batch
 from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
+from jaxpar.nn.plan import check_rules_used, declared_names
 from jaxpar.plan import TrainPlan, TrainState, check_data, init_state, make_train_plan, state_shardings
+from jaxpar.strategy import recording_rules
 from jaxpar.train.guards import Preempted, Preemption, check_args, check_batch
 from jaxpar.train.step import Setting, build_eval, build_grads, build_step
 
@@ -110,6 +112,8 @@ class Trainer:
                                                          self.tx, offload=self._offload)
             else:
                 self.plan = make_train_plan(self._config, self.mesh, model, self.tx, offload=self._offload)
+        self._rule_names = declared_names(self.plan.config, nnx.state(model))
+        self._model_name = type(model).__name__
         self.graphdef, state = init_state(self.plan, self.mesh, model, self.tx)
         self._set(state)
         if self.checkpointer is not None:
@@ -140,8 +144,8 @@ class Trainer:
                                 is_leaf=lambda x: isinstance(x, PartitionSpec))
             if kind == "train":
                 fn = jax.jit(
-                    build_step(self._setting(), self.loss_fn, self.tx, batch,
-                               skip_nonfinite=self._nonfinite == "skip"),
+                    self._checking_rules(build_step(self._setting(), self.loss_fn, self.tx, batch,
+                                                    skip_nonfinite=self._nonfinite == "skip")),
                     in_shardings=(shardings, b_sh), out_shardings=(shardings, None),
                     donate_argnums=(0,) if self._donate else (),
                     compiler_options=fusion.compiler_options(self.plan.config.comm_fusion,
@@ -150,6 +154,16 @@ class Trainer:
                 fn = jax.jit(build_eval(self._setting(), self.loss_fn, batch), in_shardings=(shardings, b_sh))
             self._compiled[key] = fn
         return self._compiled[key]
+
+    def _checking_rules(self, step: Callable) -> Callable:
+        """``step`` that, while it is traced, records the rules its activation constraints consult
+        and refuses rules nothing uses (`check_rules_used`) before anything runs."""
+        def traced(*args):
+            with recording_rules() as seen:
+                out = step(*args)
+            check_rules_used(self.plan.config, self._rule_names | seen, self._model_name)
+            return out
+        return traced
 
     def _global_view(self, batch):
         """Shapes of the global batch (for compile keys and shardings)."""
