@@ -1,0 +1,325 @@
+"""``JobConfig``: one training job in one YAML file.
+
+Sections (every one optional; the defaults train the Llama ``tiny`` model)::
+
+    model:      {name: llama, size: tiny, fields: {layers: 4}}      # or factory/loss: "pkg.mod:fn"
+    data:       {path: runs/data/stdlib, seq_len: 128, batch: 16}
+    optimizer:  {lr: 3.0e-3, warmup_steps: 20, schedule: cosine, clip_norm: 1.0, weight_decay: 0.1}
+    parallel:   {mesh: {data: 8}}                                     # ParallelConfig fields
+    train:      {steps: 300, seed: 0}
+    checkpoint: {dir: runs/ckpt, every: 100, keep: 3}
+    logging:    {dir: runs/log, every: 10, tensorboard: true, profile_steps: "10:13"}
+    eval:       {every: 100, steps: 4}
+
+Every field can be overridden on the command line as ``--section.field value`` (the value is
+read as YAML: ``--optimizer.lr 3e-4``, ``--parallel.mesh "{data: 2, model: 4}"``). A key that
+does not exist is refused with the closest known one; a value of the wrong type names the
+field, the value and the type wanted.
+
+>>> job = JobConfig.from_dict({"optimizer": {"lr": 1e-3}}, overrides=["--train.steps", "5"])
+>>> job.optimizer.lr, job.train.steps
+(0.001, 5)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jaxpar.config import ParallelConfig
+
+SCHEDULES = ("cosine", "linear", "constant")
+PACKING = ("packed", "padded")
+
+
+def _fail(where: str, value: Any, fix: str) -> ValueError:
+    return ValueError(f"job config {where}={value!r}: {fix}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    """Which model: a named jaxpar model, or any NNX model through ``factory`` + ``loss``.
+
+    ``name``: ``"llama"`` or ``"gpt"``; ``size``: a named size (``LlamaConfig.named``);
+    ``fields``: config fields to change (``{layers: 4, attention: reference}``);
+    ``factory``: ``"package.module:function"`` called as ``function(rngs)`` returning an
+    ``nnx.Module``, with ``loss``: ``"package.module:function"`` called as ``loss(model, batch)``
+    on batches of ``inputs``, ``targets`` and ``segment_ids`` (token ids, ``[batch, seq]``).
+    """
+
+    name: str = "llama"
+    size: str = "tiny"
+    fields: dict = dataclasses.field(default_factory=dict)
+    factory: str | None = None
+    loss: str | None = None
+
+    def __post_init__(self):
+        if (self.factory is None) != (self.loss is None):
+            raise _fail("model.factory/loss", (self.factory, self.loss),
+                        "give both 'package.module:factory' and 'package.module:loss', or neither")
+        for key in ("factory", "loss"):
+            value = getattr(self, key)
+            if value is not None and (value.count(":") != 1 or not all(value.split(":"))):
+                raise _fail(f"model.{key}", value, "write it as 'package.module:function'")
+        if self.factory is None and self.name not in ("llama", "gpt"):
+            raise _fail("model.name", self.name, "choose 'llama' or 'gpt', or give model.factory and model.loss")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSection:
+    """Token data: a store made by ``jaxpar data prepare`` (``path``; ``eval_path``: a held-out
+    store for evaluation), cut into ``seq_len`` sequences, ``batch`` of them per step (the global
+    batch), ``packed`` with segment ids or ``padded`` (see `jaxpar.data.TokenLoader`)."""
+
+    path: str | None = None
+    eval_path: str | None = None
+    seq_len: int = 128
+    batch: int = 16
+    seed: int = 0
+    packing: str = "packed"
+    prefetch: int = 2
+
+    def __post_init__(self):
+        _positive("data.seq_len", self.seq_len)
+        _positive("data.batch", self.batch)
+        if self.packing not in PACKING:
+            raise _fail("data.packing", self.packing, f"choose one of {PACKING}")
+        if self.prefetch < 0:
+            raise _fail("data.prefetch", self.prefetch, "use 0 (no background thread) or more batches")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerSection:
+    """AdamW with a warmup then a ``cosine`` / ``linear`` decay (to ``lr * min_lr_ratio``) or a
+    ``constant`` rate, global-norm clipping, and weight decay on matrices only (norm scales and
+    biases, the 1-D parameters, are masked out)."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    decay_1d: bool = False
+    clip_norm: float | None = 1.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+
+    def __post_init__(self):
+        for key in ("lr", "b1", "b2", "eps", "min_lr_ratio", "weight_decay"):
+            value = getattr(self, key)
+            if not math.isfinite(value) or value < 0 or (key == "lr" and value == 0):
+                raise _fail(f"optimizer.{key}", value, "use a finite number" + (" > 0" if key == "lr" else " >= 0"))
+        if self.warmup_steps < 0:
+            raise _fail("optimizer.warmup_steps", self.warmup_steps, "use 0 or more steps")
+        if self.schedule not in SCHEDULES:
+            raise _fail("optimizer.schedule", self.schedule, f"choose one of {SCHEDULES}")
+        if self.clip_norm is not None and not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
+            raise _fail("optimizer.clip_norm", self.clip_norm, "use a norm > 0, or null for no clipping")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainSection:
+    steps: int = 300
+    seed: int = 0
+
+    def __post_init__(self):
+        _positive("train.steps", self.steps)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSection:
+    dir: str | None = None
+    every: int = 0
+    keep: int | None = 3
+    resume: str = "newest"
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise _fail("checkpoint.every", self.every, "use 0 (only at the end) or a step count")
+        if self.resume not in ("newest", "newest_intact"):
+            raise _fail("checkpoint.resume", self.resume, "choose 'newest' or 'newest_intact'")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoggingSection:
+    dir: str | None = None
+    every: int = 10
+    tensorboard: bool = True
+    profile_steps: str | None = None
+
+    def __post_init__(self):
+        _positive("logging.every", self.every)
+        if self.profile_steps is not None:
+            parse_steps("logging.profile_steps", self.profile_steps)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalSection:
+    every: int = 0
+    steps: int = 4
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise _fail("eval.every", self.every, "use 0 (only at the end) or a step count")
+        _positive("eval.steps", self.steps)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelSection, "data": DataSection, "optimizer": OptimizerSection, "parallel": ParallelConfig,
+    "train": TrainSection, "checkpoint": CheckpointSection, "logging": LoggingSection, "eval": EvalSection,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """The whole job (see the module docstring for the file layout)."""
+
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    optimizer: OptimizerSection = dataclasses.field(default_factory=OptimizerSection)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)
+    logging: LoggingSection = dataclasses.field(default_factory=LoggingSection)
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> "JobConfig":
+        """Build from a parsed YAML mapping, then apply ``--section.field value`` overrides."""
+        d = {} if d is None else d
+        if not isinstance(d, Mapping):
+            raise TypeError(f"job config: the file holds a {type(d).__name__}, not a mapping of sections "
+                            f"{sorted(SECTIONS)}")
+        merged = {k: dict(v) if isinstance(v, Mapping) else v for k, v in d.items()}
+        _unknown("", merged, SECTIONS)
+        for key, raw in _pairs(overrides):
+            section, _, field = key.partition(".")
+            if not field:
+                raise ValueError(f"override --{key}: write --section.field value, e.g. --optimizer.lr 3e-4")
+            _unknown("", {section: None}, SECTIONS)
+            field, _, sub = field.partition(".")      # --parallel.optimizer.level 3
+            _unknown(f"{section}.", {field: None}, _fields(SECTIONS[section]))
+            target = merged.setdefault(section, {})
+            if not isinstance(target, dict):
+                raise _fail(section, target, "a section is a mapping of fields")
+            if sub:
+                target = target.setdefault(field, {})
+                if not isinstance(target, dict):
+                    raise _fail(f"{section}.{field}", target, f"--{key} sets a field inside it: make it a mapping")
+                field = sub
+            target[field] = _yaml_scalar(raw)
+        return cls(**{name: _section(name, SECTIONS[name], merged.get(name)) for name in SECTIONS})
+
+    @classmethod
+    def load(cls, path: str, overrides: Sequence[str] = ()) -> "JobConfig":
+        """Read a YAML job file (see `from_dict`)."""
+        import yaml
+
+        with open(path) as f:
+            return cls.from_dict(yaml.safe_load(f), overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data that `from_dict` reads back (what is printed and saved with checkpoints)."""
+        out = {}
+        for name in SECTIONS:
+            value = getattr(self, name)
+            out[name] = value.to_dict() if isinstance(value, ParallelConfig) else dataclasses.asdict(value)
+        return out
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def parse_steps(where: str, text: str) -> tuple[int, int]:
+    """``"10:13"`` -> ``(10, 13)``: steps 10, 11 and 12."""
+    try:
+        start, stop = (int(x) for x in str(text).split(":"))
+    except ValueError:
+        raise _fail(where, text, "write START:STOP, e.g. 10:13 (steps 10, 11, 12)") from None
+    if not 0 <= start < stop:
+        raise _fail(where, text, "START must be >= 0 and below STOP, e.g. 10:13")
+    return start, stop
+
+
+def _positive(where: str, value: int) -> None:
+    if value < 1:
+        raise _fail(where, value, "use a positive integer")
+
+
+def _fields(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown(prefix: str, given: Mapping[str, Any], known: Mapping[str, Any]) -> None:
+    for key in given:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
+            raise ValueError(f"job config: unknown key '{prefix}{key}'; {hint}known keys: "
+                             f"{', '.join(prefix + k for k in known)}")
+
+
+def _section(name: str, cls, value: Any):
+    if value is None:
+        return cls()
+    if not isinstance(value, Mapping):
+        raise _fail(name, value, f"a section is a mapping of fields: {sorted(_fields(cls))}")
+    fields = _fields(cls)
+    _unknown(f"{name}.", value, fields)
+    if cls is ParallelConfig:
+        return ParallelConfig.from_dict(value)
+    return cls(**{k: _typed(f"{name}.{k}", v, fields[k]) for k, v in value.items()})
+
+
+def _typed(where: str, value: Any, hint: Any) -> Any:
+    """``value`` checked against a field's annotation (ints accepted where floats are wanted)."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in options:
+        return None
+    for option in options:
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option in (int, str, bool, dict) and isinstance(value, option) and not (
+                option is int and isinstance(value, bool)):
+            return value
+    wanted = " or ".join("null" if o is type(None) else o.__name__ for o in options)
+    raise TypeError(f"job config {where}={value!r} is a {type(value).__name__}; it must be {wanted}")
+
+
+def _yaml_scalar(raw: str) -> Any:
+    import yaml
+
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, str):
+        try:
+            return float(value)        # YAML 1.1 reads "3e-4" (no dot) as a string
+        except ValueError:
+            pass
+    return value
+
+
+def _pairs(overrides: Sequence[str]):
+    it = iter(overrides)
+    for flag in it:
+        if not flag.startswith("--"):
+            raise ValueError(f"override {flag!r}: write --section.field value, e.g. --optimizer.lr 3e-4")
+        key = flag[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+        else:
+            raw = next(it, None)
+            if raw is None:
+                raise ValueError(f"override {flag!r} needs a value")
+        yield key.replace("-", "_"), raw

@@ -1,0 +1,49 @@
+"""The optax optimizer of a job's ``optimizer`` section."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from jaxpar.job.config import OptimizerSection
+
+
+def learning_rate(section: OptimizerSection, steps: int) -> optax.Schedule:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine / linear decay to
+    ``lr * min_lr_ratio`` at ``steps``, or constant.
+
+    >>> sched = learning_rate(OptimizerSection(lr=1.0, warmup_steps=2, schedule="linear", min_lr_ratio=0.0), 4)
+    >>> [round(float(sched(i)), 2) for i in range(5)]
+    [0.0, 0.5, 1.0, 0.5, 0.0]
+    """
+    warmup = min(section.warmup_steps, max(steps - 1, 0))
+    peak, end = section.lr, section.lr * section.min_lr_ratio
+    if section.schedule == "constant":
+        after = optax.constant_schedule(peak)
+    elif section.schedule == "linear":
+        after = optax.linear_schedule(peak, end, max(steps - warmup, 1))
+    else:
+        after = optax.cosine_decay_schedule(peak, max(steps - warmup, 1), alpha=section.min_lr_ratio)
+    if warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def decay_mask(params):
+    """Weight decay on matrices only: norm scales and biases (1-D or scalar leaves) are left out,
+    as GPT-2, Llama and most recipes do."""
+    return jax.tree.map(lambda p: getattr(p, "ndim", 0) >= 2, params)
+
+
+def make_optimizer(section: OptimizerSection, steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """``(tx, schedule)``: clipping (if ``clip_norm``) then AdamW with ``learning_rate``.
+
+    >>> tx, sched = make_optimizer(OptimizerSection(lr=1e-3), steps=100)
+    >>> round(float(sched(20)), 6)
+    0.001
+    """
+    schedule = learning_rate(section, steps)
+    adamw = optax.adamw(schedule, b1=section.b1, b2=section.b2, eps=section.eps,
+                        weight_decay=section.weight_decay, mask=None if section.decay_1d else decay_mask)
+    parts = ([optax.clip_by_global_norm(section.clip_norm)] if section.clip_norm is not None else []) + [adamw]
+    return optax.chain(*parts), schedule

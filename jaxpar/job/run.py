@@ -1,0 +1,179 @@
+"""Build and run a `JobConfig`: model, data, optimizer, Trainer, evaluation, samples.
+
+``run_job(job)`` is what ``jaxpar train --config job.yaml`` calls; it is also the way to run a
+job file from Python::
+
+    job = JobConfig.load("examples/configs/tiny.yaml", ["--train.steps", "20"])
+    summary = run_job(job)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+from jaxpar.job.config import JobConfig
+from jaxpar.job.optim import make_optimizer
+
+
+def _import(spec: str, where: str) -> Callable:
+    module, _, name = spec.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"job config {where}={spec!r}: cannot import it ({e}); check the module is on PYTHONPATH "
+                         "and the name is spelled as defined") from None
+    if not callable(obj):
+        raise TypeError(f"job config {where}={spec!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+def model_config(job: JobConfig, vocab: int | None = None):
+    """The named model's config (``LlamaConfig`` / ``GPTConfig``) with the job's fields; its
+    vocabulary grows to the data's and its ``max_seq_len`` to ``data.seq_len`` when smaller."""
+    m = job.model
+    if m.name == "llama":
+        from jaxpar.models.llama_config import LlamaConfig
+
+        try:
+            cfg = LlamaConfig.named(m.size)
+        except ValueError as e:
+            raise ValueError(f"job config model.size={m.size!r}: {e}") from None
+        grow = {"max_seq_len": max(cfg.max_seq_len, job.data.seq_len)}
+    else:
+        from jaxpar.models.gpt import GPTConfig
+
+        cfg = GPTConfig()
+        grow = {"seq_len": max(cfg.seq_len, job.data.seq_len)}
+    if vocab is not None and "vocab_size" not in m.fields:
+        grow["vocab_size"] = max(getattr(cfg, "vocab_size", getattr(cfg, "vocab", 0)), vocab)
+        if m.name == "gpt":
+            grow["vocab"] = grow.pop("vocab_size")
+    known = {f.name for f in dataclasses.fields(cfg)}
+    unknown = sorted(set(m.fields) - known)
+    if unknown:
+        raise ValueError(f"job config model.fields: {unknown} are not fields of {type(cfg).__name__}; known: "
+                         f"{sorted(known)}")
+    return dataclasses.replace(cfg, **{**grow, **m.fields})
+
+
+def build_model(job: JobConfig, mesh, vocab: int | None = None):
+    """``(model, loss_fn, model_config)`` placed on ``mesh`` by ``job.parallel``."""
+    from flax import nnx
+
+    import jaxpar
+
+    config, m = job.parallel, job.model
+    constrain = jaxpar.LogicalConstraint(mesh, config.rules)
+    rngs = lambda: nnx.Rngs(job.train.seed)  # noqa: E731
+    pipelined = config.pipeline.stages > 1
+    if m.factory is not None:
+        factory, loss = _import(m.factory, "model.factory"), _import(m.loss, "model.loss")
+        return jaxpar.init(lambda: factory(rngs()), config, mesh), loss, None
+    cfg = model_config(job, vocab)
+    if m.name == "llama":
+        from jaxpar.models import llama as module
+
+        make = lambda: module.Llama(cfg, rngs=rngs(), constrain=constrain)  # noqa: E731
+    else:
+        from jaxpar.models import gpt as module
+
+        make = lambda: module.GPT(cfg, rngs=rngs(), constrain=constrain)  # noqa: E731
+    loss = module.pipeline_loss() if pipelined else module.loss_fn
+    return jaxpar.init(make, config, mesh), loss, cfg
+
+
+def _loaders(job: JobConfig, model_cfg):
+    from jaxpar.data import TokenLoader, TokenStore
+
+    d = job.data
+    if d.path is None:
+        raise ValueError("job config data.path is not set: make a token store with 'jaxpar data prepare FILES "
+                         "--out DIR' and give data.path: DIR (or --data.path DIR)")
+    common = dict(seq_len=d.seq_len, global_batch=d.batch, packing=d.packing, model_config=model_cfg)
+    train = TokenLoader(TokenStore(d.path), seed=d.seed, prefetch=d.prefetch, **common)
+    held_out = None
+    if d.eval_path is not None:
+        held_out = lambda: TokenLoader(TokenStore(d.eval_path), seed=0, shuffle=False, prefetch=0, **common)  # noqa: E731
+    return train, held_out
+
+
+def save_resolved(job: JobConfig, *directories: str | None) -> None:
+    """Write the resolved job (defaults and overrides applied) as ``job.yaml`` in each directory."""
+    for directory in directories:
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, "job.yaml"), "w") as f:
+                f.write(job.to_yaml())
+
+
+def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int = 0,
+            print_fn: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train ``job``; returns ``{"history", "eval", "samples", "step"}``.
+
+    Evaluation runs every ``eval.every`` steps and at the end when ``data.eval_path`` is set;
+    ``samples`` greedy continuations of a few prompts are decoded at the end (named models).
+    """
+    import jaxpar
+    from jaxpar.data import TokenStore
+    from jaxpar.metrics import MetricsConfig
+
+    mesh = jaxpar.make_mesh(job.parallel, devices)
+    store = TokenStore(job.data.path) if job.data.path else None
+    model, loss, model_cfg = build_model(job, mesh, vocab=store.vocab_size if store is not None else None)
+    train, held_out = _loaders(job, model_cfg)
+    tx, schedule = make_optimizer(job.optimizer, job.train.steps)
+    log, ck = job.logging, job.checkpoint
+    metrics = None
+    if log.dir is not None:
+        metrics = MetricsConfig(dir=log.dir, every=log.every, tensorboard=log.tensorboard, learning_rate=schedule)
+    save_resolved(job, log.dir, ck.dir)
+    trainer = jaxpar.Trainer(model, tx, loss, job.parallel, mesh, checkpoint_dir=ck.dir,
+                             save_every=ck.every, keep=ck.keep, resume=ck.resume, metrics=metrics,
+                             profile_steps=log.profile_steps)
+    history, evals = [], []
+    with trainer:
+        start = trainer.step_count
+        if start:
+            print_fn(f"resumed at step {start} from {ck.dir}")
+        every = job.eval.every or job.train.steps
+        while trainer.step_count < job.train.steps:
+            chunk = min(every - trainer.step_count % every, job.train.steps - trainer.step_count)
+            history += trainer.fit(train, chunk, log_every=log.every, progress=progress)
+            if held_out is not None:
+                loss_value = trainer.evaluate(held_out(), job.eval.steps)
+                evals.append({"step": trainer.step_count, "eval_loss": loss_value,
+                              "perplexity": math.exp(min(loss_value, 50.0))})
+                print_fn(f"step {trainer.step_count}: train loss {history[-1]['loss']:.4f}  eval loss "
+                         f"{loss_value:.4f}  perplexity {evals[-1]['perplexity']:.2f}")
+        if ck.dir is not None and trainer.step_count not in trainer.checkpointer.manager.all_steps():
+            trainer.save()
+        texts = _samples(trainer, store, samples, job.data.seq_len) if samples and store is not None else []
+    train.close()
+    return {"history": history, "eval": evals, "samples": texts, "step": trainer.step_count}
+
+
+PROMPTS = ("def ", "import ", "class ", "    return ")
+
+
+def _samples(trainer, store, count: int, window: int) -> list[str]:
+    from jaxpar.models.generate import greedy
+
+    tokenizer = store.tokenizer
+    out = []
+    for prompt in PROMPTS[:count]:
+        ids = greedy(trainer.model, tokenizer.encode(prompt), 48, window=window)
+        out.append(tokenizer.decode(ids))
+    return out
+
+
+def summary_json(result: dict[str, Any]) -> str:
+    """The run's last train loss, eval records and samples, as JSON."""
+    last = result["history"][-1] if result["history"] else {}
+    return json.dumps({"step": result["step"], "loss": last.get("loss"), "eval": result["eval"],
+                       "samples": result["samples"]}, indent=1)
