@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -58,12 +59,28 @@ def place(view: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _cast(x: jax.Array, dtype) -> jax.Array:
-    return x.astype(dtype)          # elementwise: keeps x's sharding
+def _convert(x: jax.Array, dtype) -> jax.Array:
+    return jnp.array(x, dtype=dtype, copy=True)     # elementwise: keeps x's sharding; a new buffer
+
+
+def _owned(array: jax.Array, dtype) -> jax.Array:
+    """``array`` in ``dtype``, in buffers of its own.
+
+    On CPU, ``device_put`` of a contiguous numpy slice may keep the slice's memory (and so the
+    whole file tensor) as the device buffer, and the next tensor would be read while this one
+    is still held; a copy on the devices lets the host tensor go. Accelerators copy anyway.
+    """
+    on_cpu = next(iter(array.sharding.device_set)).platform == "cpu"
+    return _convert(array, dtype) if on_cpu or array.dtype != dtype else array
+
+
+def _stack_layers(layers: list[jax.Array]) -> jax.Array:
+    return jnp.stack(layers)
 
 
 def _stack(layers: list[jax.Array], sharding: NamedSharding) -> jax.Array:
-    return jax.jit(lambda xs: jnp.stack(xs), out_shardings=sharding)(layers)
+    # one module-level function, so equal shapes and shardings reuse one compiled program
+    return jax.jit(_stack_layers, out_shardings=sharding)(layers)
 
 
 def _layer_sharding(sharding: NamedSharding) -> NamedSharding:
@@ -100,7 +117,10 @@ def _read_all(reader: files.Reader, cfg: LlamaConfig, shardings: Mapping[str, Na
     for t in sorted(expected, key=lambda t: (t.path, t.layer or 0)):
         sharding = shardings[t.path] if t.layer is None else _layer_sharding(shardings[t.path])
         array = place(t.to_jaxpar(reader.read(t.hf_name, t.hf_shape)), sharding)
-        array = array if array.dtype == dtype else _cast(array, dtype)
+        # wait for the copies: until then the transfer holds the host tensor, and the next read would add to it
+        array = jax.block_until_ready(_owned(array, dtype))
+        # jax's device_put of a numpy view leaves a reference cycle holding the host tensor: free it now
+        gc.collect(1)     # the young generations: cheap, and the cycle was just made
         if t.layer is None:
             out[t.path] = array
             continue

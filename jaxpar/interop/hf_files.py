@@ -45,13 +45,14 @@ def _read_json(path: str, what: str) -> Any:
 
 
 def read_config(directory: str) -> dict:
-    """The ``config.json`` of an HF model directory as a dict."""
-    if not os.path.isdir(directory):
+    """The ``config.json`` of an HF model directory (or that file itself) as a dict."""
+    path = directory if os.path.isfile(directory) else os.path.join(directory, CONFIG)
+    if not os.path.isdir(directory) and path != directory:
         raise FileNotFoundError(f"{directory} is not a directory; give the folder holding config.json and "
                                 "model.safetensors (or model.safetensors.index.json)")
-    config = _read_json(os.path.join(directory, CONFIG), "config.json with the model's shape")
+    config = _read_json(path, "config.json with the model's shape")
     if not isinstance(config, dict):
-        raise ValueError(f"{os.path.join(directory, CONFIG)} holds a {type(config).__name__}, not a JSON object")
+        raise ValueError(f"{path} holds a {type(config).__name__}, not a JSON object")
     return config
 
 
