@@ -241,7 +241,8 @@ def test_bad_input_names_the_tensor_or_file(untied, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' in .*model.safetensors has "
                                          r"shape \(32, 32\), but config.json implies \(16, 32\)"):
         import_hf(write_hf(tmp_path / "reshaped", hf, reshaped))
-    gpt2 = write_hf(tmp_path / "gpt2", {**hf, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, tensors)
+    gpt2 = write_hf(tmp_path / "gpt2", {**hf, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+                    {"transformer.wte.weight": tensors["model.embed_tokens.weight"]})
     with pytest.raises(ValueError, match=r"gpt2.*config.json: architectures=\['GPT2LMHeadModel'\].*not a Llama"):
         import_hf(gpt2)
     with pytest.raises(FileNotFoundError, match="config.json"):

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig
 from jaxpar.interop import hf_files as files
-from jaxpar.interop.hf_layout import IGNORED_SUFFIXES, Tensor, hf_config, llama_config, tensors
+from jaxpar.interop.hf_layout import IGNORED_SUFFIXES, Tensor, check_architecture, hf_config, llama_config, tensors
 from jaxpar.models.llama import Llama, LlamaConfig, no_constraint
 from jaxpar.nn.init import abstract_model
 from jaxpar.nn.plan import is_variable, path_str
@@ -157,7 +157,11 @@ def import_hf(directory: str, out: str | None = None, *, config: ParallelConfig 
     """
     files.safetensors()
     hf = files.read_config(directory)
+    check_architecture(hf, os.path.join(directory, files.CONFIG))    # before looking for Llama tensors
     config = _ONE_DEVICE if config is None else config
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(f"import_hf: config must be a jaxpar.ParallelConfig, got {type(config).__name__}; e.g. "
+                        "ParallelConfig(mesh={'data': 2, 'model': 4}, rules={'heads': 'model', 'mlp': 'model'})")
     if mesh is None:
         from jaxpar.checkpoint.offline import mesh_for
 
