@@ -38,6 +38,9 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "tp.yaml").write_text("mesh: {data: 2, model: 4}\nrules: {mlp: model}\n")
     (tmp_path / "afile").write_text("x")
     (tmp_path / "adir").mkdir()
+    (tmp_path / "llama.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+        "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}))
     return tmp_path
 
 
@@ -66,6 +69,11 @@ def recorded(monkeypatch):
     monkeypatch.setattr(offline, "format_inspect", lambda report: "TABLE")
     monkeypatch.setattr(offline, "transform", record("transform", result=1))
     monkeypatch.setattr(offline, "merge", record("merge", result=1))
+    import jaxpar.interop.hf as hf
+    from jaxpar.models.llama import LlamaConfig
+
+    monkeypatch.setattr(hf, "import_hf", record("import_hf", result=(LlamaConfig(), None)))
+    monkeypatch.setattr(hf, "export_hf", record("export_hf", result=["config.json"]))
     return calls
 
 
@@ -176,6 +184,10 @@ VALUES = {
     ("ckpt", "inspect"): {"--json": None, "--step": "3"},
     ("ckpt", "transform"): {"--to": "tp.yaml", "--step": "3", "--devices": "4"},
     ("ckpt", "merge"): {"--step": "3"},
+    ("ckpt", "import-hf"): {"--out": "ck2", "--to": "tp.yaml", "--devices": "4", "--scan-layers": None,
+                            "--dtype": "bfloat16"},
+    ("ckpt", "export-hf"): {"--out": "hf2", "--step": "3", "--dtype": "bfloat16", "--max-shard-size": "1GB",
+                            "--hf-config": "llama.json"},
     ("launch",): {"--worker-num": "8", "--local-worker-num": "4", "--master-addr": "127.0.0.2",
                   "--master-port": "9001", "--bind-address": "127.0.0.1", "--node-rank": "1", "--log-dir": "L",
                   "--join": None, "--cluster-time-out": "7", "--simulated-devices": "2", "--devices-per-worker": "1",
@@ -196,6 +208,8 @@ BASE = {
     ("ckpt", "inspect"): ["ckpt", "inspect", "src"], ("ckpt", "transform"): ["ckpt", "transform", "src", "--to",
                                                                                 "dp.yaml", "out"],
     ("ckpt", "merge"): ["ckpt", "merge", "src", "out"],
+    ("ckpt", "import-hf"): ["ckpt", "import-hf", "src", "--out", "ck"],
+    ("ckpt", "export-hf"): ["ckpt", "export-hf", "ck", "--out", "hf"],
     ("launch",): ["launch", "--worker-num", "4", "--local-worker-num", "2"],
     ("k8s",): ["k8s", "--workers", "2", "--image", "img"],
 }

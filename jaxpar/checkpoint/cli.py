@@ -3,6 +3,8 @@
     jaxpar ckpt inspect DIR [--step N] [--json]
     jaxpar ckpt transform DIR --to CONFIG.yaml OUT [--step N] [--devices N]
     jaxpar ckpt merge DIR OUT [--step N]
+    jaxpar ckpt import-hf HF_DIR --out DIR [--to CONFIG.yaml] [--devices N] [--dtype D] [--scan-layers]
+    jaxpar ckpt export-hf DIR --out HF_DIR [--step N] [--dtype D] [--max-shard-size 5GB] [--hf-config FILE]
 
 Also runnable as ``python -m jaxpar.checkpoint ...``.
 """
@@ -102,9 +104,38 @@ def _merge(args) -> int:
     return 0
 
 
+def _import_hf(args) -> int:
+    from jaxpar.config import ParallelConfig
+    from jaxpar.interop.hf import import_hf
+
+    config = ParallelConfig(mesh={"data": 1}, mode="data") if args.to is None else _load_config(args.to)
+    cfg, _ = import_hf(args.dir, args.out, config=config, devices=_target_devices(args.ckpt_devices),
+                       dtype=args.dtype, scan_layers=args.scan_layers)
+    print(f"{args.dir} -> {args.out} step 0 ({cfg.layers} layers, {cfg.param_dtype}) laid out on mesh {config.mesh}")
+    return 0
+
+
+def _export_hf(args) -> int:
+    from jaxpar.interop.hf import export_hf
+
+    cfg = base = None
+    if args.hf_config is not None:
+        from jaxpar.interop.hf_files import read_config
+        from jaxpar.interop.hf_layout import llama_config
+
+        base = read_config(args.hf_config)
+        cfg = llama_config(base, where=args.hf_config)
+    written = export_hf(args.dir, cfg, args.out, max_shard_bytes=args.max_shard_size, dtype=args.dtype,
+                        step=args.step, hf_base=base)
+    print(f"{args.dir} -> {args.out}: {', '.join(written)}")
+    return 0
+
+
 def _devices_needed(args) -> int:
     if args.ckpt_devices:
         return args.ckpt_devices
+    if args.to is None:
+        return 1
     try:
         sizes = _load_config(args.to).mesh.values()
     except Exception:  # reported properly when the handler loads it again
@@ -133,11 +164,50 @@ def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
     q = sub.add_parser("merge", help="one unsharded checkpoint that plain Flax/JAX code loads")
     q.add_argument("dir")
     q.add_argument("out")
-    for name in ("inspect", "transform", "merge"):
+    _add_hf_parsers(sub)
+    for name in ("inspect", "transform", "merge", "export-hf"):
         sub.choices[name].add_argument("--step", type=_count("--step", 0), default=None,
                                        help="default: the newest complete step")
     p.set_defaults(func=run_ckpt)
     return p
+
+
+def _add_hf_parsers(sub) -> None:
+    q = sub.add_parser("import-hf", help="a Hugging Face Llama directory (safetensors) into a jaxpar checkpoint")
+    q.add_argument("dir", help="holds config.json and model.safetensors or model.safetensors.index.json")
+    q.add_argument("--out", required=True, help="the checkpoint directory to write (step 0, parameters only)")
+    q.add_argument("--to", metavar="CONFIG", default=None,
+                   help="YAML/JSON ParallelConfig, a strategy JSON, or a checkpoint directory whose layout to use "
+                        "(default: one device)")
+    q.add_argument("--devices", dest="ckpt_devices", type=_count("--devices", 1), default=None,
+                   help="lay the checkpoint out on the first N devices (default: the mesh size of CONFIG)")
+    q.add_argument("--scan-layers", action="store_true", help="stack the blocks on a 'layers' axis")
+    q = sub.add_parser("export-hf", help="a jaxpar checkpoint of a Llama into a Hugging Face directory")
+    q.add_argument("dir")
+    q.add_argument("--out", required=True, help="the directory to write config.json and safetensors into")
+    q.add_argument("--max-shard-size", type=_size, default=5 * 2**30, metavar="SIZE",
+                   help="largest safetensors file, e.g. 5GB, 500MB or bytes (default 5GB); larger models "
+                        "are split with model.safetensors.index.json")
+    q.add_argument("--hf-config", default=None, metavar="FILE",
+                   help="the HF config.json of the model (needed when the checkpoint was not made by import-hf)")
+    for name in ("import-hf", "export-hf"):
+        sub.choices[name].add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                                       help="convert the weights (default: keep the stored dtype)")
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _size(text: str) -> int:
+    """An argparse ``type=``: bytes as an integer or with a unit (5GB, 500MB, 64KiB; powers of 1024)."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
+    value = int(float(match[1]) * _UNITS[match[2]]) if match else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--max-shard-size {text!r}: expected a positive size such as 5GB, "
+                                         "500MB or a number of bytes")
+    return value
 
 
 def _count(flag: str, low: int):
@@ -168,13 +238,14 @@ def _quiet_absl() -> Iterator[None]:
 
 def run_ckpt(args) -> int:
     """Run a parsed ``ckpt`` command; returns the exit code (2 with one line on a user error)."""
-    if args.ckpt_command == "transform":
+    if args.ckpt_command in ("transform", "import-hf"):
         _set_cpu_devices(_devices_needed(args))
-    handler = {"inspect": _inspect, "transform": _transform, "merge": _merge}[args.ckpt_command]
+    handler = {"inspect": _inspect, "transform": _transform, "merge": _merge, "import-hf": _import_hf,
+               "export-hf": _export_hf}[args.ckpt_command]
     try:
         with _quiet_absl():
             return handler(args)
-    except USER_ERRORS as e:
+    except (*USER_ERRORS, ImportError) as e:    # ImportError: the [hf] extra is missing; it says so
         print(f"jaxpar ckpt {args.ckpt_command}: error: {e}", file=sys.stderr)
         return 2
 

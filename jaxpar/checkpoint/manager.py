@@ -52,12 +52,15 @@ def open_manager(directory: str, *, keep: int | None = None, read_only: bool = F
     return ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options, item_handlers=handlers)
 
 
-def _save_args(plan, state, mesh) -> ocp.args.Composite:
+def _save_args(plan, state, mesh, model: dict | None = None) -> ocp.args.Composite:
     meta = {"step": int(state.step), "data_state": state.data, "jaxpar_version": __version__}
+    strategy = build_strategy(plan, state, mesh)
+    if model is not None:
+        strategy["model"] = model          # what the parameters are (e.g. a Llama config): export needs it
     return ocp.args.Composite(
         state=ocp.args.StandardSave(st.nest(st.savable(st.flat_state(state)))),
         meta=ocp.args.JsonSave(meta),
-        strategy=ocp.args.JsonSave(build_strategy(plan, state, mesh)),
+        strategy=ocp.args.JsonSave(strategy),
     )
 
 
@@ -120,11 +123,13 @@ def restore_from(manager: ocp.CheckpointManager, step: int, state, mesh, directo
     return new.replace(step=step_value, data=dict(meta.get("data_state") or {})), meta
 
 
-def save_state(directory, plan, state, mesh, *, keep: int | None = None, force: bool = False) -> int:
+def save_state(directory, plan, state, mesh, *, keep: int | None = None, force: bool = False,
+               model: dict | None = None) -> int:
     """Save ``state`` (laid out by ``plan`` on ``mesh``) as step ``state.step`` of ``directory``
-    and wait; returns the step. ``keep``: delete all but the newest ``keep`` steps."""
+    and wait; returns the step. ``keep``: delete all but the newest ``keep`` steps. ``model``:
+    a JSON-able description of the model, kept in the strategy file under ``"model"``."""
     with Checkpointer(directory, keep=keep, asynchronous=False) as ckpt:
-        return ckpt.save_state(plan, state, mesh, force=force)
+        return ckpt.save_state(plan, state, mesh, force=force, model=model)
 
 
 def restore_state(directory, state, mesh, *, step: int | None = None):
@@ -235,15 +240,16 @@ class Checkpointer:
         """Whether ``maybe_save`` would save at ``step``."""
         return bool(self.save_every) and step % self.save_every == 0
 
-    def save_state(self, plan, state, mesh, *, force: bool = False) -> int:
-        """Start saving ``state`` (laid out by ``plan`` on ``mesh``) as step ``state.step``."""
+    def save_state(self, plan, state, mesh, *, force: bool = False, model: dict | None = None) -> int:
+        """Start saving ``state`` (laid out by ``plan`` on ``mesh``) as step ``state.step``
+        (``model``: see `save_state`)."""
         step = int(state.step)
         if step in self.manager.all_steps():
             if not force:
                 raise FileExistsError(f"{self.directory} already holds step {step}; pass force=True to replace it")
             self.manager.wait_until_finished()
             self.manager.delete(step)
-        self.manager.save(step, args=_save_args(plan, state, mesh), force=True)
+        self.manager.save(step, args=_save_args(plan, state, mesh, model), force=True)
         return step
 
     def save(self, trainer, *, data_state: dict | None = None, force: bool = False) -> int:

@@ -127,7 +127,8 @@ def _check_rules(config: ParallelConfig, strategy: dict[str, Any], directory) ->
     check_rules_used(config, used | declared_names(config), f"checkpoint {str(directory)!r}")
 
 
-def _mesh_for(config: ParallelConfig, devices=None):
+def mesh_for(config: ParallelConfig, devices=None):
+    """The mesh of ``config`` on ``devices`` (default: the first devices that fit it)."""
     sizes = config.mesh.values()
     if devices is None and -1 not in sizes:
         devices = jax.devices()[: math.prod(sizes)]
@@ -141,7 +142,7 @@ def transform(directory, out, config: ParallelConfig, *, step: int | None = None
     ``devices``, default the first devices that fit) and saved again with a new strategy file.
     Returns the step. MindSpore: ``transform_checkpoints`` / ``load_distributed_checkpoint``.
     """
-    mesh = _mesh_for(config, devices)
+    mesh = mesh_for(config, devices)
     with open_manager(directory, read_only=True) as manager:
         step = complete_step(manager, directory, step)
         strategy = dict(manager.restore(step, args=ocp.args.Composite(strategy=ocp.args.JsonRestore()))["strategy"])
@@ -153,10 +154,13 @@ def transform(directory, out, config: ParallelConfig, *, step: int | None = None
         restored = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
     leaves = {p: {**e, "spec": spec_to_json(specs[p])} for p, e in strategy["leaves"].items()}
+    new_strategy = strategy_file(leaves, mesh, config)
+    if "model" in strategy:
+        new_strategy["model"] = strategy["model"]      # the model description travels with the arrays
     with open_manager(out, asynchronous=False) as writer:
         writer.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(restored["state"]), meta=ocp.args.JsonSave(dict(restored["meta"])),
-            strategy=ocp.args.JsonSave(strategy_file(leaves, mesh, config))))
+            strategy=ocp.args.JsonSave(new_strategy)))
     return step
 
 

@@ -1,0 +1,289 @@
+"""Hugging Face Llama checkpoints in and out of jaxpar.
+
+``import_hf(dir)`` reads an HF ``LlamaForCausalLM`` directory (``config.json`` and
+``model.safetensors`` or a sharded ``model.safetensors.index.json``) into a ``LlamaConfig`` and
+jaxpar's parameter state, each tensor placed straight into the shards a ``TrainPlan`` gives it
+on a mesh, and optionally writes a jaxpar checkpoint in that layout. ``export_hf`` writes the
+reverse from a checkpoint directory, a parameter state or a model.
+
+    >>> cfg, params = import_hf("Llama-3.2-1B", "ckpt", config=megatron, mesh=mesh)   # doctest: +SKIP
+    >>> model = llama_model(cfg, params)                                              # doctest: +SKIP
+    >>> export_hf("ckpt", None, "Llama-3.2-1B-tuned", max_shard_bytes=2**30)          # doctest: +SKIP
+
+Tensors stream through host memory one at a time: each is read from its memory-mapped file,
+viewed in jaxpar's layout (transposes and head splits are numpy views, no copy), cut into the
+target shards by ``jax.device_put`` per device, and released before the next is read; a dtype
+change (bf16 file to fp32 parameters) runs on the devices. Scanned models stack the layers on
+the devices, one parameter at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.config import ParallelConfig
+from jaxpar.interop import hf_files as files
+from jaxpar.interop.hf_layout import IGNORED_SUFFIXES, Tensor, check_architecture, hf_config, llama_config, tensors
+from jaxpar.models.llama import Llama, LlamaConfig, no_constraint
+from jaxpar.nn.init import abstract_model
+from jaxpar.nn.plan import is_variable, path_str
+from jaxpar.plan.train_plan import make_train_plan
+
+MODEL_FAMILY = "llama"
+_ONE_DEVICE = ParallelConfig(mesh={"data": 1}, mode="data")
+
+
+# ----------------------------------------------------------------------------- placing
+
+def place(view: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """``view`` as a global array laid out by ``sharding``: one ``device_put`` per local shard.
+
+    Each device receives only its slice; the slices are views of ``view``, so the host holds
+    no copy beyond ``view`` itself.
+    """
+    index_map = sharding.addressable_devices_indices_map(view.shape)
+    shards = [jax.device_put(view[index], device, may_alias=False) for device, index in index_map.items()]
+    return jax.make_array_from_single_device_arrays(view.shape, sharding, shards)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _convert(x: jax.Array, dtype) -> jax.Array:
+    return jnp.array(x, dtype=dtype, copy=True)     # elementwise: keeps x's sharding; a new buffer
+
+
+def _owned(array: jax.Array, dtype) -> jax.Array:
+    """``array`` in ``dtype``, in buffers of its own.
+
+    On CPU, ``device_put`` of a contiguous numpy slice may keep the slice's memory (and so the
+    whole file tensor) as the device buffer, and the next tensor would be read while this one
+    is still held; a copy on the devices lets the host tensor go. Accelerators copy anyway.
+    """
+    on_cpu = next(iter(array.sharding.device_set)).platform == "cpu"
+    return _convert(array, dtype) if on_cpu or array.dtype != dtype else array
+
+
+def _stack_layers(layers: list[jax.Array]) -> jax.Array:
+    return jnp.stack(layers)
+
+
+def _stack(layers: list[jax.Array], sharding: NamedSharding) -> jax.Array:
+    # one module-level function, so equal shapes and shardings reuse one compiled program
+    return jax.jit(_stack_layers, out_shardings=sharding)(layers)
+
+
+def _layer_sharding(sharding: NamedSharding) -> NamedSharding:
+    """The sharding of one layer of a stacked parameter (its spec without the ``layers`` entry)."""
+    return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
+
+
+# ----------------------------------------------------------------------------- import
+
+def _target(cfg: LlamaConfig, config: ParallelConfig, mesh):
+    """``(graphdef, abstract params, abstract rest, plan)`` of ``cfg``'s model under ``config``."""
+    graphdef, params, rest = nnx.split(abstract_model(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+    plan = make_train_plan(config, mesh, (params, rest), optax.identity())
+    return graphdef, params, rest, plan
+
+
+def _check_names(reader: files.Reader, expected: list[Tensor], cfg: LlamaConfig) -> None:
+    known = {t.hf_name for t in expected} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    extra = sorted(n for n in reader.files if n not in known and not n.endswith(IGNORED_SUFFIXES))
+    if extra:
+        raise ValueError(f"{reader.directory} has tensors a {cfg.layers}-layer Llama does not: {extra[:5]}"
+                         f"{' ...' if len(extra) > 5 else ''}; is num_hidden_layers right, or is this another "
+                         "architecture?")
+
+
+def _read_all(reader: files.Reader, cfg: LlamaConfig, shardings: Mapping[str, NamedSharding]) -> dict[str, Any]:
+    """``{path: array}``: every tensor read, viewed in jaxpar's layout, placed, cast on device."""
+    dtype = jnp.dtype(cfg.param_dtype)
+    expected = tensors(cfg)
+    _check_names(reader, expected, cfg)
+    out: dict[str, Any] = {}
+    layers: dict[str, list[jax.Array]] = {}
+    # by path: a scanned parameter's layers are stacked (and released) before the next one starts
+    for t in sorted(expected, key=lambda t: (t.path, t.layer or 0)):
+        sharding = shardings[t.path] if t.layer is None else _layer_sharding(shardings[t.path])
+        array = place(t.to_jaxpar(reader.read(t.hf_name, t.hf_shape)), sharding)
+        # wait for the copies: until then the transfer holds the host tensor, and the next read would add to it
+        array = jax.block_until_ready(_owned(array, dtype))
+        # jax's device_put of a numpy view leaves a reference cycle holding the host tensor: free it now
+        gc.collect(1)     # the young generations: cheap, and the cycle was just made
+        if t.layer is None:
+            out[t.path] = array
+            continue
+        layers.setdefault(t.path, []).append(array)
+        if len(layers[t.path]) == cfg.layers:
+            out[t.path] = _stack(layers.pop(t.path), shardings[t.path])
+    return out
+
+
+def _install(abstract, values: Mapping[str, Any]):
+    """The abstract NNX state with each Variable holding ``values[path]``."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=is_variable)
+    return jax.tree_util.tree_unflatten(treedef, [v.replace(values[path_str(p)]) for p, v in flat])
+
+
+def import_hf(directory: str, out: str | None = None, *, config: ParallelConfig | None = None, mesh=None,
+              devices=None, dtype: str | None = None, scan_layers: bool = False) -> tuple[LlamaConfig, Any]:
+    """Read an HF Llama directory into ``(LlamaConfig, params)``; with ``out``, also save it there
+    as a jaxpar checkpoint (step 0, parameters only) laid out for ``config``.
+
+    Args:
+      directory: holds ``config.json`` and ``model.safetensors`` or ``model.safetensors.index.json``.
+      out: a checkpoint directory to write (``jaxpar ckpt inspect / transform / export-hf`` read it).
+      config: the ``ParallelConfig`` whose ``TrainPlan`` places the parameters (default: one device).
+      mesh: the mesh for ``config`` (default: built on ``devices``, or the first devices that fit).
+      dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); default the file's.
+      scan_layers: stack the blocks on a ``layers`` axis (``LlamaConfig.scan_layers``).
+
+    Returns the config and an ``nnx.State`` of ``nnx.Param`` s; ``llama_model(cfg, params)`` is the model.
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming the tensor or the
+    config field that does not fit a Llama.
+
+    >>> cfg, params = import_hf("tiny-llama", config=jaxpar.ParallelConfig(mesh={"data": 8}, mode="data"))  # doctest: +SKIP
+    """
+    files.safetensors()
+    hf = files.read_config(directory)
+    check_architecture(hf, os.path.join(directory, files.CONFIG))    # before looking for Llama tensors
+    config = _ONE_DEVICE if config is None else config
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(f"import_hf: config must be a jaxpar.ParallelConfig, got {type(config).__name__}; e.g. "
+                        "ParallelConfig(mesh={'data': 2, 'model': 4}, rules={'heads': 'model', 'mlp': 'model'})")
+    if mesh is None:
+        from jaxpar.checkpoint.offline import mesh_for
+
+        mesh = mesh_for(config, devices)
+    with files.Reader(directory) as reader:
+        file_dtype = reader.dtype("model.embed_tokens.weight")
+        cfg = llama_config(hf, where=os.path.join(directory, files.CONFIG), param_dtype=dtype or file_dtype,
+                           scan_layers=scan_layers)
+        graphdef, abstract, rest, plan = _target(cfg, config, mesh)
+        shardings = {path: NamedSharding(mesh, spec) for path, spec in plan.stored.items()}
+        params = _install(abstract, _read_all(reader, cfg, shardings))
+    if out is not None:
+        _save(out, plan, params, rest, mesh, cfg, hf)
+    return cfg, params
+
+
+def _save(out: str, plan, params, rest, mesh, cfg: LlamaConfig, hf: dict) -> None:
+    from jaxpar.checkpoint.manager import save_state
+    from jaxpar.plan.state import TrainState
+
+    step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, PartitionSpec()))
+    model = {"family": MODEL_FAMILY, "config": dataclasses.asdict(cfg), "hf_config": hf}
+    save_state(out, plan, TrainState(params, rest, (), step), mesh, model=model)
+
+
+def llama_model(cfg: LlamaConfig, params, *, constrain=no_constraint) -> Llama:
+    """The ``Llama`` holding ``params`` (as ``import_hf`` returns them), for a ``Trainer`` or inference.
+
+    >>> model = llama_model(*import_hf("tiny-llama"))            # doctest: +SKIP
+    """
+    graphdef, _, rest = nnx.split(abstract_model(lambda: Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain)),
+                                  nnx.Param, ...)
+    return nnx.merge(graphdef, params, rest)
+
+
+# ----------------------------------------------------------------------------- export
+
+def _checkpoint_params(directory: str, step: int | None) -> tuple[dict[str, jax.Array], dict]:
+    """``({path: array on one device}, strategy)``: the parameters of a checkpoint step."""
+    import orbax.checkpoint as ocp
+
+    from jaxpar.checkpoint import state as st
+    from jaxpar.checkpoint.manager import complete_step, open_manager, saved_leaves
+
+    one = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("one",)), PartitionSpec())
+    with open_manager(directory, read_only=True) as manager:
+        step = complete_step(manager, directory, step)
+        strategy = dict(manager.restore(step, args=ocp.args.Composite(strategy=ocp.args.JsonRestore()))["strategy"])
+        target = {p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=one)
+                  for p, leaf in saved_leaves(manager, step).items()}
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(st.nest(target))))
+    flat = st.unnest(restored["state"])
+    return {p.split("/", 1)[1]: x for p, x in flat.items() if p.startswith("params/")}, strategy
+
+
+def _flat_params(source) -> dict[str, Any]:
+    if isinstance(source, nnx.Module):
+        source = nnx.state(source, nnx.Param)
+    flat = jax.tree_util.tree_flatten_with_path(source, is_leaf=is_variable)[0]
+    return {path_str(p): (v.get_value() if is_variable(v) else v) for p, v in flat}
+
+
+def _resolve(source, cfg: LlamaConfig | None, step: int | None):
+    """``(flat params, LlamaConfig, HF config to start from)`` of any export source."""
+    base = None
+    if isinstance(source, (str, os.PathLike)):
+        params, strategy = _checkpoint_params(os.fspath(source), step)
+        model = strategy.get("model") or {}
+        if cfg is None:
+            if model.get("family") != MODEL_FAMILY:
+                raise ValueError(f"checkpoint {source} does not record a Llama config (it was not written by "
+                                 "import_hf); pass cfg=LlamaConfig(...), or --hf-config on the command line")
+            cfg = LlamaConfig(**model["config"])
+        base = model.get("hf_config")
+    else:
+        params = _flat_params(source)
+    if not isinstance(cfg, LlamaConfig):
+        raise TypeError(f"export_hf: cfg must be a LlamaConfig, got {type(cfg).__name__}")
+    return params, dataclasses.replace(cfg, scan_layers="blocks/attn/wq" in params), base
+
+
+def _hf_tensor(t: Tensor, params: Mapping[str, Any], dtype) -> np.ndarray:
+    if t.path not in params:
+        raise ValueError(f"export_hf: the parameters have no {t.path!r} (for HF tensor {t.hf_name!r}); they hold "
+                         f"{sorted(params)[:6]} ...: is cfg the config of this model?")
+    x = params[t.path]
+    x = np.asarray(x if t.layer is None else x[t.layer])        # one tensor (one layer) on the host
+    if x.shape != tuple(t.to_jaxpar(np.empty(t.hf_shape, np.int8)).shape):
+        raise ValueError(f"export_hf: parameter {t.path!r} has shape {x.shape}, but cfg implies HF tensor "
+                         f"{t.hf_name!r} of shape {t.hf_shape}; pass the LlamaConfig this model was built with")
+    return np.ascontiguousarray(t.to_hf(x).astype(dtype or x.dtype, copy=False))
+
+
+def export_hf(source, cfg: LlamaConfig | None, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
+              dtype: str | None = None, step: int | None = None, hf_base: dict | None = None) -> list[str]:
+    """Write an HF Llama directory (``config.json`` + safetensors, sharded with an index when
+    larger than ``max_shard_bytes``) from a checkpoint directory, a parameter state or a model.
+
+    ``cfg``: the model's ``LlamaConfig`` (``None`` for a checkpoint written by ``import_hf``,
+    which records it, and its original ``config.json``: the fields jaxpar does not model are
+    written back unchanged). ``dtype``: convert the tensors (default: as stored). Returns the
+    files written.
+
+    >>> export_hf(model, model.cfg, "out-dir", max_shard_bytes=2**30)       # doctest: +SKIP
+    ['config.json', 'model.safetensors']
+    """
+    files.safetensors()
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"export_hf: max_shard_bytes={max_shard_bytes!r} must be a positive int (e.g. 5 * 2**30)")
+    params, cfg, base = _resolve(source, cfg, step)
+    dtype = None if dtype is None else jnp.dtype(dtype)
+    out_dtype = str(dtype) if dtype is not None else str(jnp.dtype(params["embedding"].dtype))
+    order = tensors(cfg)
+    sizes = [(t.hf_name, files.nbytes(t.hf_shape, out_dtype)) for t in order]
+    groups = files.plan_files(sizes, max_shard_bytes)
+    names = files.file_names(len(groups))
+    os.makedirs(out_dir, exist_ok=True)
+    by_name = {t.hf_name: t for t in order}
+    for group, name in zip(groups, names):
+        files.write_file(os.path.join(out_dir, name), {n: _hf_tensor(by_name[n], params, dtype) for n in group})
+    if len(names) > 1:
+        files.write_index(out_dir, {n: name for group, name in zip(groups, names) for n in group},
+                          sum(size for _, size in sizes))
+    files.write_config(out_dir, hf_config(cfg, hf_base or base, dtype=out_dtype))
+    return [files.CONFIG, *names, *([files.INDEX] if len(names) > 1 else [])]

@@ -1,0 +1,193 @@
+"""The Hugging Face Llama layout next to jaxpar's: configs, tensor names, and array views.
+
+Pure functions of numpy arrays and dicts (no files, no devices), so the mapping is tested on
+its own and read in one place.
+
+HF ``LlamaForCausalLM`` stores ``torch.nn.Linear`` weights as ``[out, in]``; jaxpar's Llama
+keeps ``[in, out]`` with the head axes split out (``wq`` is ``[embed, heads, head_dim]``).
+Every conversion here returns a numpy *view* (a reshape of the contiguous file tensor, then a
+transpose), so converting costs no host memory: the copy happens once, into device buffers.
+
+    >>> cfg = llama_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64,
+    ...     "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    ...     "num_key_value_heads": 2})
+    >>> cfg.heads, cfg.kv_heads, cfg.head_dim
+    (4, 2, 8)
+    >>> [t.hf_name for t in tensors(cfg)][:2]
+    ['model.embed_tokens.weight', 'model.layers.0.self_attn.q_proj.weight']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxpar.models.llama_config import LlamaConfig, RopeScaling
+
+ARCHITECTURES = ("LlamaForCausalLM",)
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+# Rotary embeddings. Meta's original Llama checkpoints rotate *interleaved* pairs (dims 2i,
+# 2i+1) and HF's conversion script permutes the rows of q_proj / k_proj so that HF's
+# ``rotate_half`` (pairs i, i + head_dim/2) computes the same thing. jaxpar's Llama rotates
+# halves too (``jaxpar.models.llama._rotate``), so HF's rows are already in jaxpar's order:
+# no permutation either way. A checkpoint in Meta's layout would need HF's permute first.
+
+
+def _require(hf: dict, key: str, where: str) -> Any:
+    if key not in hf:
+        raise ValueError(f"{where}: config.json has no {key!r}, which a Llama config must give; "
+                         f"found keys {sorted(hf)}")
+    return hf[key]
+
+
+def _rope_scaling(hf: dict, where: str) -> RopeScaling | None:
+    scaling = hf.get("rope_scaling")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported (jaxpar's Llama implements "
+                         f"'llama3' scaling and plain RoPE); convert the model to one of those")
+    return RopeScaling(factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
+                       high_freq_factor=float(scaling["high_freq_factor"]),
+                       original_max_positions=int(scaling["original_max_position_embeddings"]))
+
+
+def check_architecture(hf: dict, where: str = "config.json") -> None:
+    """``ValueError`` naming the file and the field when ``hf`` is not a Llama jaxpar can load."""
+    archs = hf.get("architectures") or []
+    if not any(a in ARCHITECTURES for a in archs) or hf.get("model_type", "llama") != "llama":
+        raise ValueError(f"{where}: architectures={archs} model_type={hf.get('model_type')!r} is not a Llama "
+                         f"model; jaxpar imports {list(ARCHITECTURES)} (model_type 'llama') only")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act={hf['hidden_act']!r}; jaxpar's Llama uses SwiGLU with 'silu'")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ValueError(f"{where}: {flag}=true; jaxpar's Llama has no bias terms, so this model cannot be "
+                             "imported without changing its outputs")
+
+
+def llama_config(hf: dict, *, where: str = "config.json", param_dtype: str | None = None,
+                 scan_layers: bool = False, **overrides: Any) -> LlamaConfig:
+    """The ``LlamaConfig`` of an HF ``config.json`` dict (``ValueError`` naming the field if not Llama).
+
+    ``param_dtype``: default the file's ``torch_dtype``; the compute dtype follows it.
+    """
+    check_architecture(hf, where)
+    embed, heads = int(_require(hf, "hidden_size", where)), int(_require(hf, "num_attention_heads", where))
+    dtype = param_dtype or DTYPES.get(str(hf.get("torch_dtype", hf.get("dtype", "float32"))), "float32")
+    return LlamaConfig(
+        vocab_size=int(_require(hf, "vocab_size", where)), embed=embed, heads=heads,
+        kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=hf.get("head_dim") or embed // heads,
+        mlp=int(_require(hf, "intermediate_size", where)), layers=int(_require(hf, "num_hidden_layers", where)),
+        max_seq_len=int(hf.get("max_position_embeddings", 2048)), rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_scaling=_rope_scaling(hf, where), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), scan_layers=scan_layers,
+        dtype=dtype, param_dtype=dtype, **overrides)
+
+
+def hf_config(cfg: LlamaConfig, base: dict | None = None, *, dtype: str | None = None) -> dict:
+    """An HF ``config.json`` dict for ``cfg``: ``base`` (the imported file, kept field for field)
+    with every field ``cfg`` decides written from ``cfg``."""
+    out = dict(base or {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+                        "attention_bias": False, "mlp_bias": False, "initializer_range": 0.02})
+    scaling = None
+    if cfg.rope_scaling is not None:
+        s = cfg.rope_scaling
+        given = out.get("rope_scaling") or {}
+        kind = "type" if "type" in given and "rope_type" not in given else "rope_type"
+        scaling = {**given, kind: "llama3", "factor": s.factor,
+                   "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
+                   "original_max_position_embeddings": s.original_max_positions}
+    elif out.get("rope_scaling"):
+        scaling = out["rope_scaling"]      # a "default" entry read as no scaling: keep it as written
+    dtype_key = "dtype" if "dtype" in out and "torch_dtype" not in out else "torch_dtype"
+    new = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.embed, "num_attention_heads": cfg.heads,
+           "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "intermediate_size": cfg.mlp,
+           "num_hidden_layers": cfg.layers, "max_position_embeddings": cfg.max_seq_len,
+           "rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rms_norm_eps": cfg.norm_eps,
+           "tie_word_embeddings": cfg.tie_embeddings, dtype_key: dtype or cfg.param_dtype}
+    # what `llama_config` reads when a field is absent: leave those out, so a file round-trips as written
+    absent = {"num_key_value_heads": cfg.heads, "head_dim": cfg.embed // cfg.heads, "rope_scaling": None,
+              "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": False}
+    for key, value in new.items():
+        if key in out:
+            if out[key] != value:      # equal values keep the file's own spelling (500000 vs 500000.0)
+                out[key] = value
+        elif base is None or key not in absent or absent[key] != value:
+            out[key] = value
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One HF tensor and where it lives in jaxpar.
+
+    ``path``: the jaxpar parameter path (``blocks/attn/wq`` when scanned); ``layer``: its index
+    on the stacked ``layers`` axis (``None`` for unstacked); ``hf_shape``: its shape in the file;
+    ``to_jaxpar`` / ``to_hf``: views between the two layouts.
+    """
+
+    hf_name: str
+    path: str
+    layer: int | None
+    hf_shape: tuple[int, ...]
+    to_jaxpar: Callable[[np.ndarray], np.ndarray]
+    to_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _same(x: np.ndarray) -> np.ndarray:
+    return x
+
+
+def _linear(x: np.ndarray) -> np.ndarray:
+    return x.T      # [out, in] <-> [in, out]: its own inverse
+
+
+def _block_tensors(cfg: LlamaConfig, i: int) -> list[Tensor]:
+    e, n, k, d, m = cfg.embed, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.mlp
+    prefix = f"model.layers.{i}."
+    base, layer = ("blocks/", i) if cfg.scan_layers else (f"blocks/{i}/", None)
+
+    def heads_in(h: int):   # q/k/v_proj [h*d, e] <-> w [e, h, d]: split rows into heads, then transpose
+        return (lambda x: x.reshape(h, d, e).transpose(2, 0, 1),
+                lambda w: w.transpose(1, 2, 0).reshape(h * d, e))
+
+    def t(name, path, shape, convert):
+        return Tensor(prefix + name, base + path, layer, shape, *convert)
+
+    return [
+        t("self_attn.q_proj.weight", "attn/wq", (n * d, e), heads_in(n)),
+        t("self_attn.k_proj.weight", "attn/wk", (k * d, e), heads_in(k)),
+        t("self_attn.v_proj.weight", "attn/wv", (k * d, e), heads_in(k)),
+        # o_proj [e, n*d] <-> wo [n, d, e]
+        t("self_attn.o_proj.weight", "attn/wo", (e, n * d),
+          (lambda x: x.reshape(e, n, d).transpose(1, 2, 0), lambda w: w.transpose(2, 0, 1).reshape(e, n * d))),
+        t("mlp.gate_proj.weight", "mlp/gate", (m, e), (_linear, _linear)),
+        t("mlp.up_proj.weight", "mlp/up", (m, e), (_linear, _linear)),
+        t("mlp.down_proj.weight", "mlp/down", (e, m), (_linear, _linear)),
+        t("input_layernorm.weight", "attn_norm/scale", (e,), (_same, _same)),
+        t("post_attention_layernorm.weight", "mlp_norm/scale", (e,), (_same, _same)),
+    ]
+
+
+def tensors(cfg: LlamaConfig) -> list[Tensor]:
+    """Every HF tensor of ``cfg``'s model, in the order HF writes them (no ``lm_head`` when tied)."""
+    out = [Tensor("model.embed_tokens.weight", "embedding", None, (cfg.vocab_size, cfg.embed), _same, _same)]
+    for i in range(cfg.layers):
+        out += _block_tensors(cfg, i)
+    out.append(Tensor("model.norm.weight", "norm/scale", None, (cfg.embed,), _same, _same))
+    if not cfg.tie_embeddings:
+        out.append(Tensor("lm_head.weight", "head", None, (cfg.vocab_size, cfg.embed), _linear, _linear))
+    return out
+
+
+# Tensors HF checkpoints may carry that hold nothing to load (older ones saved the RoPE table).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)

@@ -1,0 +1,253 @@
+"""Hugging Face Llama checkpoints in and out (jaxpar.interop.hf, `jaxpar ckpt import-hf / export-hf`).
+
+The HF directories are written here, in HF's layout ([out, in] weights, q/k rows for
+rotate_half RoPE), and the logits are checked against a numpy forward of that layout written
+here too, independent of jaxpar's model code.
+"""
+
+import gc
+import json
+import os
+import tracemalloc
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+pytest.importorskip("safetensors")
+from safetensors.numpy import load_file, save_file  # noqa: E402
+
+import jaxpar  # noqa: E402
+from jaxpar.checkpoint.cli import main as ckpt_main  # noqa: E402
+from jaxpar.interop.hf import export_hf, import_hf, llama_model  # noqa: E402
+
+HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+      "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64, "hidden_act": "silu",
+      "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32", "tie_word_embeddings": False,
+      # original context 64 puts head_dim 8's four wavelengths (6, 63, 628, 6283) in all three bands
+      "rope_scaling": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64}}
+
+
+def hf_tensors(hf, rng, dtype=np.float32):
+    e, n, k, m, v = (hf[x] for x in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                     "intermediate_size", "vocab_size"))
+    d = e // n
+    shapes = {"model.embed_tokens.weight": (v, e), "model.norm.weight": (e,)}
+    for i in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (n * d, e), p + "self_attn.k_proj.weight": (k * d, e),
+                       p + "self_attn.v_proj.weight": (k * d, e), p + "self_attn.o_proj.weight": (e, n * d),
+                       p + "mlp.gate_proj.weight": (m, e), p + "mlp.up_proj.weight": (m, e),
+                       p + "mlp.down_proj.weight": (e, m), p + "input_layernorm.weight": (e,),
+                       p + "post_attention_layernorm.weight": (e,)})
+    if not hf["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, e)
+    out = {}
+    for name, shape in shapes.items():
+        base = 1.0 if name.endswith("norm.weight") else 0.0
+        out[name] = (base + rng.normal(0, 0.2, shape)).astype(dtype)
+    return out
+
+
+def write_hf(directory, hf, tensors, files=1):
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf, f)
+    if files == 1:
+        save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+        return str(directory)
+    names = list(tensors)
+    weight_map = {}
+    for i, chunk in enumerate(np.array_split(np.arange(len(names)), files)):
+        file = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        save_file({names[j]: tensors[names[j]] for j in chunk}, os.path.join(directory, file), metadata={"format": "pt"})
+        weight_map.update({names[j]: file for j in chunk})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
+    return str(directory)
+
+
+# ----------------------------------------------------------------------------- numpy reference (HF conventions)
+
+def _inv_freq(hf, d):
+    inv = 1.0 / hf["rope_theta"] ** (np.arange(0, d, 2) / d)
+    s = hf.get("rope_scaling")
+    if not s:
+        return inv
+    old, low, high, factor = (s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"],
+                              s["factor"])
+    wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+    return np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def _rotate_half(x):
+    a, b = np.split(x, 2, axis=-1)
+    return np.concatenate([-b, a], axis=-1)
+
+
+def _rms(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * w
+
+
+def hf_logits(hf, t, tokens):
+    """LlamaForCausalLM's forward in float64: x @ W.T, rotate_half RoPE, repeat_kv GQA."""
+    t = {k: v.astype(np.float64) for k, v in t.items()}
+    n, k, eps = hf["num_attention_heads"], hf["num_key_value_heads"], hf["rms_norm_eps"]
+    d = hf["hidden_size"] // n
+    b, s = tokens.shape
+    emb = np.outer(np.arange(s), _inv_freq(hf, d))
+    cos, sin = np.cos(np.concatenate([emb, emb], -1)), np.sin(np.concatenate([emb, emb], -1))
+    x = t["model.embed_tokens.weight"][tokens]
+    causal = np.tril(np.ones((s, s), bool))
+    for i in range(hf["num_hidden_layers"]):
+        w = lambda name: t[f"model.layers.{i}.{name}.weight"]  # noqa: E731
+        h = _rms(x, w("input_layernorm"), eps)
+        q = (h @ w("self_attn.q_proj").T).reshape(b, s, n, d).transpose(0, 2, 1, 3)
+        kk = (h @ w("self_attn.k_proj").T).reshape(b, s, k, d).transpose(0, 2, 1, 3)
+        vv = (h @ w("self_attn.v_proj").T).reshape(b, s, k, d).transpose(0, 2, 1, 3)
+        q, kk = q * cos + _rotate_half(q) * sin, kk * cos + _rotate_half(kk) * sin
+        kk, vv = np.repeat(kk, n // k, axis=1), np.repeat(vv, n // k, axis=1)
+        scores = np.where(causal, q @ kk.transpose(0, 1, 3, 2) / np.sqrt(d), -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        attn = (probs / probs.sum(-1, keepdims=True)) @ vv
+        x = x + attn.transpose(0, 2, 1, 3).reshape(b, s, n * d) @ w("self_attn.o_proj").T
+        h = _rms(x, w("post_attention_layernorm"), eps)
+        gate = h @ w("mlp.gate_proj").T
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ w("mlp.up_proj").T)) @ w("mlp.down_proj").T
+    head = t["model.embed_tokens.weight"] if hf["tie_word_embeddings"] else t["lm_head.weight"]
+    return _rms(x, t["model.norm.weight"], eps) @ head.T
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """fp32, untied head, llama3 RoPE scaling, GQA, one file."""
+    tensors = hf_tensors(HF, np.random.default_rng(0))
+    return write_hf(tmp_path_factory.mktemp("untied"), HF, tensors), HF, tensors
+
+
+@pytest.fixture(scope="module")
+def tied_bf16(tmp_path_factory):
+    """bf16, tied embeddings, plain RoPE, three files with an index."""
+    hf = {k: v for k, v in HF.items() if k != "rope_scaling"}
+    hf.update(tie_word_embeddings=True, torch_dtype="bfloat16", rope_theta=500000.0)
+    tensors = hf_tensors(hf, np.random.default_rng(1), ml_dtypes.bfloat16)
+    return write_hf(tmp_path_factory.mktemp("tied"), hf, tensors, files=3), hf, tensors
+
+
+TOKENS = np.random.default_rng(2).integers(0, 64, (2, 12)).astype(np.int32)
+
+
+@pytest.mark.parametrize("variant", ["untied", "tied_bf16"])
+def test_logits_equal_numpy_hf_forward(variant, request):
+    directory, hf, tensors = request.getfixturevalue(variant)
+    cfg, params = import_hf(directory, dtype="float32")       # bf16 file -> fp32 parameters, exactly
+    assert (cfg.kv_heads, cfg.tie_embeddings, cfg.param_dtype) == (2, hf["tie_word_embeddings"], "float32")
+    logits = np.asarray(jax.jit(lambda m, x: m(x))(llama_model(cfg, params), TOKENS))
+    np.testing.assert_allclose(logits, hf_logits(hf, tensors, TOKENS), rtol=1e-5, atol=1e-5)
+
+
+def _same_files(a, b):
+    """Every tensor of two HF directories bit for bit, and their configs field for field."""
+    def load(d):
+        files = [f for f in os.listdir(d) if f.endswith(".safetensors")]
+        return {k: v for f in files for k, v in load_file(os.path.join(d, f)).items()}
+
+    ta, tb = load(a), load(b)
+    assert sorted(ta) == sorted(tb)
+    for name in ta:
+        assert ta[name].dtype == tb[name].dtype and ta[name].tobytes() == tb[name].tobytes(), name
+    with open(os.path.join(a, "config.json")) as fa, open(os.path.join(b, "config.json")) as fb:
+        assert json.load(fa) == json.load(fb)
+
+
+def test_import_export_bit_exact(untied, tmp_path):
+    """Through a checkpoint (keeping the file's fp32), scanned, sharded into several files."""
+    directory, _, _ = untied
+    import_hf(directory, str(tmp_path / "ckpt"), scan_layers=True)
+    written = export_hf(str(tmp_path / "ckpt"), None, str(tmp_path / "hf"), max_shard_bytes=20_000)
+    assert "model.safetensors.index.json" in written and len(written) > 3
+    _same_files(directory, tmp_path / "hf")
+
+
+def test_cli_round_trip_sharded_bf16(tied_bf16, tmp_path):
+    """`jaxpar ckpt import-hf / export-hf`: a bf16 tied model from an index, one file back, bit-exact."""
+    directory, _, _ = tied_bf16
+    assert ckpt_main(["import-hf", directory, "--out", str(tmp_path / "ckpt")]) == 0
+    assert jaxpar.checkpoint.load_strategy(str(tmp_path / "ckpt"))["leaves"]["params/embedding"]["dtype"] == "bfloat16"
+    assert ckpt_main(["export-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")]) == 0
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    _same_files(directory, tmp_path / "hf")
+
+
+TP = jaxpar.ParallelConfig(mesh={"data": 4, "model": 2},
+                           rules={"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"})
+
+
+def test_import_onto_tensor_parallel_layout(untied, tmp_path):
+    directory, _, tensors = untied
+    cfg, params = import_hf(directory, str(tmp_path / "ckpt"), config=TP, scan_layers=True)
+    wq, head = params["blocks"]["attn"]["wq"].get_value(), params["head"].get_value()
+    assert wq.sharding.spec == P(None, None, "model", None) and head.sharding.spec == P(None, "model")
+    assert params["blocks"]["mlp"]["down"].get_value().sharding.spec == P(None, "model", None)
+    assert len(wq.sharding.device_set) == 8 and wq.addressable_shards[0].data.shape == (2, 32, 2, 8)
+    # layer 1's q_proj [n*d, e] is wq[1] [e, n, d] transposed, whatever the layout
+    q = tensors["model.layers.1.self_attn.q_proj.weight"]
+    np.testing.assert_array_equal(np.asarray(wq[1]), q.reshape(4, 8, 32).transpose(2, 0, 1))
+    strategy = jaxpar.checkpoint.load_strategy(str(tmp_path / "ckpt"))
+    assert strategy["leaves"]["params/blocks/attn/wq"]["spec"] == [None, None, "model", None]
+    assert strategy["mesh"]["axes"] == {"data": 4, "model": 2} and strategy["model"]["family"] == "llama"
+
+
+def test_peak_host_memory_streams_one_tensor(tmp_path, capsys):
+    """Import holds one tensor at a time: peak traced host memory <= 1.2 x the largest + slack."""
+    hf = {**HF, "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4,
+          "rope_scaling": None}
+    tensors = hf_tensors(hf, np.random.default_rng(3))
+    largest, total = max(t.nbytes for t in tensors.values()), sum(t.nbytes for t in tensors.values())
+    directory = write_hf(tmp_path / "big", hf, tensors)
+    del tensors
+    import_hf(directory, config=TP, scan_layers=True)     # compile the placement programs first
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        cfg, params = import_hf(directory, config=TP, scan_layers=True)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    slack = 512 * 1024        # Python objects of the plan, the abstract model and the file handles
+    with capsys.disabled():
+        print(f"\nHF import peak host memory {peak / 2**20:.2f} MiB; largest tensor {largest / 2**20:.2f} MiB, "
+              f"model {total / 2**20:.2f} MiB ({peak / largest:.2f}x the largest)")
+    assert peak <= 1.2 * largest + slack, (peak, largest, total)
+    assert total > 2 * (1.2 * largest + slack)     # holding the whole model would fail the bound
+
+
+def test_bad_input_names_the_tensor_or_file(untied, tmp_path, capsys):
+    directory, hf, tensors = untied
+    missing = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(ValueError, match=r"'model.layers.1.mlp.up_proj.weight' is missing"):
+        import_hf(write_hf(tmp_path / "missing", hf, missing))
+    reshaped = {**tensors, "model.layers.0.self_attn.k_proj.weight": np.zeros((32, 32), np.float32)}
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.k_proj.weight' in .*model.safetensors has "
+                                         r"shape \(32, 32\), but config.json implies \(16, 32\)"):
+        import_hf(write_hf(tmp_path / "reshaped", hf, reshaped))
+    gpt2 = write_hf(tmp_path / "gpt2", {**hf, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+                    {"transformer.wte.weight": tensors["model.embed_tokens.weight"]})
+    with pytest.raises(ValueError, match=r"gpt2.*config.json: architectures=\['GPT2LMHeadModel'\].*not a Llama"):
+        import_hf(gpt2)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        import_hf(str(tmp_path))
+    # the command: one line, exit code 2, no traceback
+    assert ckpt_main(["import-hf", gpt2, "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "not a Llama" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
