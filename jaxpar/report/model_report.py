@@ -214,7 +214,8 @@ def format_model_report(r: ModelReport) -> str:
     if r.throughput is not None:
         tables.append(_speed_table(r))
     text = head + _render(*tables)
-    compiled = format_memory(r.compiled) if r.compiled is not None else f"compiled step: {r.compiled_note}\n"
+    compiled = (f"compiled step, memory_analysis() (arguments = params + optimizer state + batch):\n"
+                f"{format_memory(r.compiled)}" if r.compiled is not None else f"compiled step: {r.compiled_note}\n")
     return text + compiled
 
 
