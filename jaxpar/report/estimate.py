@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec
@@ -123,7 +124,7 @@ def _opt_state_bytes(plan: TrainPlan, tx: optax.GradientTransformation, param_dt
             raise ValueError(f"estimate_memory(): the optimizer's state leaf {path!r} is not in the plan (it plans "
                              f"{list(plan.opt_state)[:3]} ...); pass the optimizer the plan was made with")
         own = np.dtype(leaf.dtype)
-        use = dtype if dtype is not None and np.issubdtype(own, np.floating) else own
+        use = dtype if dtype is not None and jnp.issubdtype(own, jnp.floating) else own
         total += shard_elements(tuple(leaf.shape), plan.opt_state[path], plan.mesh) * _itemsize(use)
     return total
 
