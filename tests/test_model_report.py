@@ -1,5 +1,6 @@
 """The model report: FLOPs per token, peak table and MFU, per-device memory from a plan (the 8B on
 64 devices, planned from sizes), and ``jaxpar report --model llama``."""
+import doctest
 import json
 
 import optax
@@ -118,3 +119,12 @@ def test_bad_input_names_the_value(capsys):
     assert "apply to the Llama report only" in capsys.readouterr().err
     assert main(["report", "--model", "llama", "--size", "llama4"]) == 2
     assert "invalid choice: 'llama4'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["peaks", "throughput", "estimate", "llama", "model_report"])
+def test_docstring_examples_run(module):
+    import importlib
+
+    mod = importlib.import_module(f"jaxpar.report.{module}")
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS, extraglobs={"LlamaConfig": LlamaConfig})
+    assert result.failed == 0 and result.attempted > 0

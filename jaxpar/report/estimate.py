@@ -154,8 +154,8 @@ def estimate_memory(plan: TrainPlan, tx: optax.GradientTransformation, *, param_
       >>> plan = jaxpar.make_train_plan(jaxpar.ParallelConfig(mesh={"data": 8}, optimizer={"level": 1}),
       ...                               {"data": 8}, model, optax.adam(1e-3))
       >>> est = estimate_memory(plan, optax.adam(1e-3))
-      >>> est.params, est.opt_state         # kernel and bias in float32; Adam's mu and nu over 8
-      (4198400, 1049604)
+      >>> est.params, est.opt_state   # fp32 kernel + bias; mu, nu of the kernel / 8, of the bias whole, count
+      (4198400, 1056772)
     """
     if not isinstance(plan, TrainPlan):
         raise TypeError(f"estimate_memory() takes a jaxpar.TrainPlan (make_train_plan(config, mesh, model, tx)), "

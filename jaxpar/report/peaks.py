@@ -6,8 +6,8 @@ numbers are "with sparsity": twice these). The device is found by its
 peak, and MFU is reported as ``"n/a"`` rather than a made-up figure. ``peak_flops=`` overrides
 the table everywhere.
 
-    >>> peak_flops("NVIDIA H100 80GB HBM3", "bfloat16")
-    9.89e+14
+    >>> peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") / 1e12
+    989.0
     >>> peak_flops("cpu", "float32") is None
     True
 """
@@ -61,6 +61,11 @@ def peak_table() -> list[dict[str, object]]:
 
 
 def dtype_name(dtype) -> str:
+    """The table's name of a dtype (every float8 type is ``"float8"``).
+
+    >>> dtype_name("float8_e4m3fn"), dtype_name("bfloat16")
+    ('float8', 'bfloat16')
+    """
     try:
         name = np.dtype(dtype).name
     except TypeError:
@@ -86,8 +91,8 @@ def peak_flops(device_kind: str | None = None, dtype="bfloat16") -> float | None
       dtype: the compute dtype of the matmuls (``"bfloat16"``, ``"float16"``, ``"float32"``,
         a float8 type).
 
-    >>> peak_flops("NVIDIA A100-SXM4-80GB", "float32")     # TF32
-    1.56e+14
+    >>> peak_flops("NVIDIA A100-SXM4-80GB", "float32") / 1e12     # TF32
+    156.0
     """
     if device_kind is None:
         import jax
