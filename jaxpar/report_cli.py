@@ -41,9 +41,18 @@ def add_model_report_arguments(p: argparse.ArgumentParser) -> None:
                    help="backend the attention choice is made for (default: this machine's)")
 
 
+# The example GPT's shape flags and their defaults: the Llama report takes its shape from --size.
+GPT_SHAPE = {"layers": 2, "embed": 64, "heads": 8, "scan": False}
+
+
 def check_model_report_flags(args, refuse) -> None:
-    """Refuse Llama-only flags on the GPT report (they would be ignored)."""
+    """Refuse flags that the chosen model's report would ignore."""
     if args.model == "llama":
+        ignored = [f for f, default in GPT_SHAPE.items() if getattr(args, f) != default]
+        if ignored:
+            flags = ", ".join("--" + f for f in ignored)
+            refuse(f"{flags} shape the example GPT; the Llama report takes its shape from --size "
+                   f"(tiny, 125m, 1b, llama3_8b, llama3_70b); leave {flags} out")
         return
     ignored = [f for f in _LLAMA_ONLY if getattr(args, f, None) is not None]
     if ignored:

@@ -119,6 +119,8 @@ def test_bad_input_names_the_value(capsys):
     assert "apply to the Llama report only" in capsys.readouterr().err
     assert main(["report", "--model", "llama", "--size", "llama4"]) == 2
     assert "invalid choice: 'llama4'" in capsys.readouterr().err
+    assert main(["report", "--model", "llama", "--layers", "3"]) == 2
+    assert "--layers shape the example GPT" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("module", ["peaks", "throughput", "estimate", "llama", "model_report"])
