@@ -22,7 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jaxpar  # noqa: E402
 from jaxpar.models.llama_config import LlamaConfig, param_count  # noqa: E402
-from jaxpar.report import llama_report  # noqa: E402
+from jaxpar.models.llama_report import llama_report  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 MESH = {"data": 8, "model": 8}

@@ -16,8 +16,16 @@ import argparse
 import json
 import math
 import sys
+from typing import TYPE_CHECKING
 
 from jaxpar.plan_cli import number
+
+if TYPE_CHECKING:
+    import optax
+
+    from jaxpar.config import ParallelConfig
+    from jaxpar.models.llama_config import LlamaConfig
+    from jaxpar.report import MemoryReport
 
 MODELS = ("gpt", "llama")
 COMPILE_MAX_PARAMS = 20_000_000     # above this, building the model for a compile costs too much memory
@@ -68,10 +76,34 @@ def _mesh_sizes(config, devices) -> dict[str, int]:
     return dict(config.mesh)
 
 
+def compiled_llama_memory(model: LlamaConfig | str, config: ParallelConfig, *, batch: int,
+                          seq_len: int | None = None, tx: optax.GradientTransformation | None = None) -> MemoryReport:
+    """``memory_analysis()`` of the Llama training step compiled on the first devices.
+
+    Builds the model (sharded), so keep it for models that fit: the report's estimate needs no
+    devices at all.
+
+    >>> compiled_llama_memory("tiny", jaxpar.ParallelConfig(mesh={"data": 2}), batch=4).argument_bytes  # doctest: +SKIP
+    """
+    import numpy as np
+    from flax import nnx
+
+    from jaxpar.models.llama import Llama, loss_fn
+    from jaxpar.models.llama_report import DEFAULT_TX, llama_config
+    from jaxpar.report import memory
+    from jaxpar.train.trainer import compile_step
+
+    cfg = llama_config(model)
+    seq = cfg.max_seq_len if seq_len is None else seq_len
+    tokens = np.zeros((batch, seq), np.int32)
+    compiled = compile_step(lambda: Llama(cfg, rngs=nnx.Rngs(0)), loss_fn, {"inputs": tokens, "targets": tokens},
+                            config, tx or DEFAULT_TX)
+    return memory(compiled)
+
+
 def _compile(cfg, config, sizes, devices, batch, seq_len) -> tuple:
     """(compiled memory or None, why not)."""
     from jaxpar.models.llama_config import param_count
-    from jaxpar.report import compiled_llama_memory
 
     n = math.prod(sizes.values())
     if n > len(devices):
@@ -87,8 +119,7 @@ def run_llama_report(args, devices, config, batch: int, print_text) -> int:
     """Print the Llama report for the flags (``--json``: the JSON document alone on stdout)."""
     import dataclasses
 
-    from jaxpar.report import llama_report
-    from jaxpar.report.model_report import llama_config
+    from jaxpar.models.llama_report import llama_config, llama_report
 
     cfg = llama_config(args.size or "tiny")
     if args.dtype:

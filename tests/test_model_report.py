@@ -9,7 +9,8 @@ import pytest
 import jaxpar
 from jaxpar.cli import main
 from jaxpar.models.llama_config import LlamaConfig, param_count
-from jaxpar.report import estimate_memory, llama_flops_per_token, llama_report, peak_flops, throughput
+from jaxpar.models.llama_report import llama_flops_per_token, llama_report
+from jaxpar.report import estimate_memory, peak_flops, throughput
 
 RULES = {"batch": "data", "heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
 TP, DP = 8, 8
@@ -123,10 +124,10 @@ def test_bad_input_names_the_value(capsys):
     assert "--layers shape the example GPT" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", ["peaks", "throughput", "estimate", "llama", "model_report"])
+@pytest.mark.parametrize("module", ["report.peaks", "report.throughput", "report.estimate", "models.llama_report"])
 def test_docstring_examples_run(module):
     import importlib
 
-    mod = importlib.import_module(f"jaxpar.report.{module}")
+    mod = importlib.import_module(f"jaxpar.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS, extraglobs={"LlamaConfig": LlamaConfig})
     assert result.failed == 0 and result.attempted > 0

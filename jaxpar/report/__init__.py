@@ -9,7 +9,7 @@ i.e. the program after XLA has chosen its collectives and buffers:
 - `flops` / `mfu`: XLA's FLOP count and model FLOPs utilisation;
 - `peak_flops` / `throughput`: peak FLOP/s per device kind and dtype, tokens/s/device and MFU;
 - `estimate_memory`: params / grads / optimizer state bytes per device from a `TrainPlan`;
-- `llama_report`: FLOPs per token, memory per device and MFU of a Llama model, from shapes;
+(`jaxpar.models.llama_report.llama_report` builds a Llama model's whole report from these.)
 - `format_collectives` / `format_memory`: the same as plain-text tables.
 
 Example:
@@ -20,9 +20,7 @@ Example:
 from jaxpar.report.collectives import KINDS, Collective, collective_summary, collectives
 from jaxpar.report.estimate import MemoryEstimate, estimate_memory
 from jaxpar.report.flops import flops, mfu
-from jaxpar.report.llama import FlopsPerToken, ModelReport, llama_activation_bytes, llama_flops_per_token
 from jaxpar.report.memory import MemoryReport, memory
-from jaxpar.report.model_report import compiled_llama_memory, format_model_report, llama_report
 from jaxpar.report.peaks import peak_flops, peak_table
 from jaxpar.report.pipeline import format_schedule, schedule_of
 from jaxpar.report.step import StepReport, param_table, step_report
@@ -48,13 +46,6 @@ __all__ = [
     # analytic, from shapes and a plan
     "MemoryEstimate",
     "estimate_memory",
-    "FlopsPerToken",
-    "ModelReport",
-    "llama_activation_bytes",
-    "llama_flops_per_token",
-    "llama_report",
-    "compiled_llama_memory",
-    "format_model_report",
     # pipeline
     "format_schedule",
     "schedule_of",
