@@ -128,8 +128,8 @@ def add_job_args(p: argparse.ArgumentParser, *, train: bool) -> None:
     m.add_argument("--layers", type=number("--layers", low=1), default=2, help="blocks (default %(default)s)")
     m.add_argument("--embed", type=number("--embed", low=1), default=64, help="width (default %(default)s)")
     m.add_argument("--heads", type=number("--heads", low=1), default=8, help="attention heads (default %(default)s)")
-    m.add_argument("--seq-len", type=number("--seq-len", low=1), default=32,
-                   help="tokens per sequence (default %(default)s)")
+    m.add_argument("--seq-len", type=number("--seq-len", low=1),
+                   help="tokens per sequence (default 32; a Llama report: the model's max_seq_len)")
     m.add_argument("--scan", action="store_true", help="stack the blocks and run them with lax.scan")
     m.add_argument("--batch", type=number("--batch", low=1), help=f"global batch size (default {DEFAULT_BATCH})")
     if train:
@@ -240,7 +240,7 @@ def model_config(args, config):
         refuse(f"--embed {args.embed} is not divisible by --heads {args.heads}; use an embed that is a multiple "
                f"of the heads, e.g. --embed {args.heads * max(1, args.embed // args.heads)}")
     # A pipeline cuts the stacked blocks into stages, so it needs scanned layers.
-    return GPTConfig(vocab_size=16, seq_len=args.seq_len, embed=args.embed, heads=args.heads,
+    return GPTConfig(vocab_size=16, seq_len=args.seq_len or 32, embed=args.embed, heads=args.heads,
                      mlp=4 * args.embed, layers=args.layers, scan_layers=args.scan or config.pipeline.stages > 1)
 
 
@@ -392,7 +392,16 @@ def cmd_plan(args) -> int:
 
 def cmd_report(args) -> int:
     from jaxpar.report import step_report
+    from jaxpar.report_cli import check_model_report_flags, run_llama_report
 
+    check_model_report_flags(args, refuse)
+    if args.model == "llama":   # planned from mesh sizes: the mesh may be larger than this machine
+        try:
+            devices = _devices(args)
+            config = _job_config(args, devices)
+        except JOB_ERRORS as e:
+            raise UserError(str(e)) from e
+        return run_llama_report(args, devices, config, args.batch or DEFAULT_BATCH, _print)
     job = resolve_job(args)
     mesh, trainer, data = build_job(job)
     report = step_report(trainer, data.batch(job.batch, 0))
@@ -425,8 +434,12 @@ def make_parser() -> argparse.ArgumentParser:
 
     add_plan_search_arguments(p)
     p.set_defaults(func=cmd_plan)
-    p = sub.add_parser("report", help="compile the GPT step and report memory, collectives, FLOPs")
+    p = sub.add_parser("report", help="compile the GPT step and report memory, collectives, FLOPs; or a Llama "
+                       "model's FLOPs, memory per device and MFU (--model llama)")
     add_job_args(p, train=False)
+    from jaxpar.report_cli import add_model_report_arguments
+
+    add_model_report_arguments(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (tables on stderr)")
     p.set_defaults(func=cmd_report)
     from jaxpar.launch.cli import add_k8s_parser, add_launch_parser

@@ -26,7 +26,7 @@ RANKS = {
     "auto": 9, "checkpoint": 9,
     "train": 10, "models": 10,
     "": 11,                       # the package face, jaxpar/__init__.py
-    "plan_cli": 12, "cli": 13,
+    "plan_cli": 12, "report_cli": 13, "cli": 14,
 }
 
 

@@ -19,6 +19,7 @@ import jaxpar.cli as cli
 import jaxpar.launch.launcher as launcher
 import jaxpar.plan_cli as plan_cli
 import jaxpar.report
+import jaxpar.report_cli as report_cli
 from jaxpar.cli import main
 
 DP = ["--search", "dynamic_programming"]
@@ -62,6 +63,7 @@ def recorded(monkeypatch):
         return fake
 
     monkeypatch.setattr(cli, "build_job", record("build_job", stop=True))
+    monkeypatch.setattr(report_cli, "run_llama_report", record("llama_report"))
     monkeypatch.setattr(plan_cli, "run_plan_search", lambda settings, job, build: record("search")(settings, job))
     monkeypatch.setattr(launcher, "launch", lambda config, script, script_args, echo: record("launch")(
         config, script, script_args))
@@ -180,7 +182,8 @@ SEARCH = {"--search": "recursive_programming", "--annotate": "blocks/*/mlp/up=No
 VALUES = {
     ("train",): {**JOB, "--steps": "5", "--lr": "0.01", "--seed": "1"},
     ("plan",): {**JOB, **SEARCH},
-    ("report",): JOB,
+    ("report",): {**JOB, "--model": "llama", "--size": "1b", "--step-time": "0.5", "--peak-flops": "1e15",
+                  "--dtype": "bfloat16", "--backend": "gpu"},
     ("ckpt", "inspect"): {"--json": None, "--step": "3"},
     ("ckpt", "transform"): {"--to": "tp.yaml", "--step": "3", "--devices": "4"},
     ("ckpt", "merge"): {"--step": "3"},

@@ -26,8 +26,8 @@ from flax import nnx
 
 from jaxpar.models.llama_config import SIZES, LlamaConfig, RopeScaling, describe, flops_per_token, param_count
 
-__all__ = ["SIZES", "Llama", "LlamaConfig", "RopeScaling", "attention", "describe", "flops_per_token",
-           "loss_fn", "param_count", "pipeline_loss", "rope_frequencies", "segment_positions"]
+__all__ = ["SIZES", "Llama", "LlamaConfig", "RopeScaling", "attention", "attention_implementation", "describe",
+           "flops_per_token", "loss_fn", "param_count", "pipeline_loss", "rope_frequencies", "segment_positions"]
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -97,12 +97,19 @@ def _reference_attention(q, k, v, mask):
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, n, d)
 
 
-def _implementation(kind: str, dtype) -> str:
+def attention_implementation(kind: str, dtype, backend: str | None = None) -> str:
+    """The attention ``kind`` ("auto" | "xla" | "cudnn" | "reference") resolved for a compute
+    ``dtype`` on ``backend`` (default: JAX's default backend): what the model runs.
+
+    >>> attention_implementation("auto", "bfloat16", backend="gpu"), attention_implementation("auto", "float32")
+    ('cudnn', 'xla')
+    """
     if kind != "auto":
         return kind
     # cuDNN's fused kernel takes only half precision; everything else goes to XLA's
     half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    return "cudnn" if half and jax.default_backend() == "gpu" else "xla"
+    return "cudnn" if half and (backend or jax.default_backend()) == "gpu" else "xla"
+
 
 
 def attention(q, k, v, segment_ids=None, *, kind: str = "auto") -> jax.Array:
@@ -123,7 +130,7 @@ def attention(q, k, v, segment_ids=None, *, kind: str = "auto") -> jax.Array:
     if kind == "reference":
         return _reference_attention(q, k, v, mask)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
-                                        implementation=_implementation(kind, q.dtype))
+                                        implementation=attention_implementation(kind, q.dtype))
 
 
 # ----------------------------------------------------------------------------- modules

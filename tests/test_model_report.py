@@ -1,0 +1,133 @@
+"""The model report: FLOPs per token, peak table and MFU, per-device memory from a plan (the 8B on
+64 devices, planned from sizes), and ``jaxpar report --model llama``."""
+import doctest
+import json
+
+import optax
+import pytest
+
+import jaxpar
+from jaxpar.cli import main
+from jaxpar.models.llama_config import LlamaConfig, param_count
+from jaxpar.models.llama_report import llama_flops_per_token, llama_report
+from jaxpar.report import estimate_memory, peak_flops, throughput
+
+RULES = {"batch": "data", "heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
+TP, DP = 8, 8
+
+
+def _config(level: int, dp: int = DP, tp: int = TP) -> jaxpar.ParallelConfig:
+    return jaxpar.ParallelConfig(mesh={"data": dp, "model": tp}, rules=RULES, optimizer={"level": level})
+
+
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
+def test_8b_on_64_devices_matches_the_closed_form_per_zero_level(level):
+    report = llama_report("llama3_8b", _config(level), batch=8, seq_len=4096)
+    p = param_count(LlamaConfig.named("llama3_8b"))
+    shards = {  # fp32 parameters and gradients, Adam's two fp32 moments
+        "params": TP * DP if level == 3 else TP,
+        "grads": TP * DP if level >= 2 else TP,
+        "opt_state": TP * DP if level >= 1 else TP,
+    }
+    formula = {"params": 4 * p / shards["params"], "grads": 4 * p / shards["grads"],
+               "opt_state": 8 * p / shards["opt_state"]}
+    got = report.memory.summary()
+    for part, expected in formula.items():
+        assert abs(got[part] - expected) / expected < 0.05, (part, got[part], expected)
+    assert report.num_devices == 64 and report.zero_level == level
+
+
+def test_dtypes_are_arguments_of_the_estimate():
+    plan = jaxpar.make_train_plan(_config(1, 2, 2), {"data": 2, "model": 2},
+                                  jaxpar.nn.abstract_model(_tiny_model), optax.adam(1e-3))
+    own = estimate_memory(plan, optax.adam(1e-3))
+    half = estimate_memory(plan, optax.adam(1e-3), param_dtype="bfloat16", opt_state_dtype="float32")
+    assert (half.params, half.grads, half.opt_state) == (own.params // 2, own.grads // 2, own.opt_state)
+    assert half.dtypes == {"params": "bfloat16", "grads": "bfloat16", "opt_state": "float32"}
+    with pytest.raises(TypeError, match="param_dtype='floaty'"):
+        estimate_memory(plan, optax.adam(1e-3), param_dtype="floaty")
+
+
+def _tiny_model():
+    from flax import nnx
+
+    from jaxpar.models.llama import Llama
+
+    return Llama(LlamaConfig.named("tiny"), rngs=nnx.Rngs(0))
+
+
+def test_tiny_flops_per_token_equal_a_hand_count():
+    # per layer: wq 32x4x8, wk and wv 32x2x8, wo 4x8x32, gate/up/down 32x64; 2 layers; head 32x64
+    n = 2 * (1024 + 512 + 512 + 1024 + 3 * 2048) + 2048
+    attention = 6 * 2 * 16 * 4 * 8                            # 6 · layers · seq · heads · head_dim
+    f = llama_flops_per_token(LlamaConfig.named("tiny"), 16)
+    assert (f.params, f.dense, f.attention, f.total) == (20480, 6 * n, attention, 6 * n + attention)
+    assert llama_flops_per_token(LlamaConfig.named("tiny"), 16, count="all").dense == 6 * 22688
+
+
+def test_peak_table_and_mfu_with_an_explicit_peak():
+    assert peak_flops("NVIDIA H100 80GB HBM3", "bfloat16") == 989e12
+    assert peak_flops("NVIDIA H200", "float32") == 494e12            # TF32
+    assert peak_flops("NVIDIA H100 PCIe", "bfloat16") == 756e12
+    assert peak_flops("NVIDIA A100-SXM4-40GB", "bfloat16") == 312e12
+    assert peak_flops("TPU v5 lite", "bfloat16") == 197e12 and peak_flops("TPU v5p", "bfloat16") == 459e12
+    t = throughput(flops_per_token=1e9, tokens_per_step=4096, step_time_s=2.0, num_devices=4, peak_flops=1e12)
+    assert t.tokens_per_s_per_device == 512.0
+    assert t.mfu == pytest.approx(1e9 * 4096 / (2.0 * 4 * 1e12)) and t.mfu_text == "51.2 %"
+    tpu = throughput(flops_per_token=1e9, tokens_per_step=4096, step_time_s=2.0, num_devices=4,
+                     device_kind="TPU v4", dtype="float32")
+    assert tpu.mfu is None and tpu.mfu_text == "n/a (no float32 peak for TPU v4)"
+
+
+def test_cpu_has_no_peak_so_mfu_is_not_applicable():
+    t = throughput(flops_per_token=1e9, tokens_per_step=4096, step_time_s=2.0, num_devices=8, dtype="float32")
+    assert t.device_kind == "cpu" and t.peak_flops is None and t.mfu is None
+    assert t.mfu_text == "n/a (no peak for CPU)"
+
+
+@pytest.mark.slow     # one compile of the tiny step: ~12 s of CPU
+def test_cli_json_report_of_tiny_with_the_compiled_step_beside_the_estimate(capsys):
+    code = main(["report", "--model", "llama", "--size", "tiny", "--mesh", "data=2,model=4", "--rules",
+                 "batch=data,heads=model,mlp=model,vocab=model", "--batch", "8", "--step-time", "0.01", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)                                          # stdout holds the JSON alone
+    assert {"model", "mesh", "attention", "flops_per_token", "memory_per_device", "compiled_memory_per_device",
+            "throughput"} <= set(report)
+    assert report["attention"]["implementation"] == "xla" and report["throughput"]["mfu"] is None
+    assert report["throughput"]["tokens_per_s_per_device"] == pytest.approx(8 * 16 / 0.01 / 8)
+    est, compiled = report["memory_per_device"], report["compiled_memory_per_device"]
+    batch_bytes = 2 * 8 * 16 * 4 // 2                                # inputs and targets, split over data
+    extra = compiled["argument_bytes"] - est["params"] - est["opt_state"]
+    assert batch_bytes <= extra <= batch_bytes + 64                   # + the step counter
+    assert "memory per device (estimate)" in err and "MFU" in err
+
+
+def test_bad_input_names_the_value(capsys):
+    with pytest.raises(ValueError, match="no Llama size named 'llama4'"):
+        llama_report("llama4", _config(0), batch=8)
+    with pytest.raises(ValueError, match=r"peak_flops=-1\.0 must be a finite positive"):
+        llama_report("tiny", _config(0, 2, 2), batch=8, step_time_s=1.0, peak_flops=-1.0)
+    with pytest.raises(ValueError, match=r"peak_flops=-5 must be"):
+        throughput(flops_per_token=1.0, tokens_per_step=1, step_time_s=1.0, num_devices=1, peak_flops=-5)
+    with pytest.raises(ValueError, match="count='bogus'"):
+        llama_flops_per_token(LlamaConfig.named("tiny"), count="bogus")
+    with pytest.raises(ValueError, match=r"batch=0 must be a positive int"):
+        llama_report("tiny", _config(0, 2, 2), batch=0)
+    assert main(["report", "--model", "llama", "--peak-flops", "-1"]) == 2
+    assert "--peak-flops -1: out of range" in capsys.readouterr().err
+    assert main(["report", "--step-time", "0.5"]) == 2
+    assert "apply to the Llama report only" in capsys.readouterr().err
+    assert main(["report", "--model", "llama", "--size", "llama4"]) == 2
+    assert "invalid choice: 'llama4'" in capsys.readouterr().err
+    assert main(["report", "--model", "llama", "--layers", "3"]) == 2
+    assert "--layers shape the example GPT" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["report.peaks", "report.throughput", "report.estimate", "models.llama_report"])
+def test_docstring_examples_run(module):
+    import importlib
+
+    mod = importlib.import_module(f"jaxpar.{module}")
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS, extraglobs={"LlamaConfig": LlamaConfig})
+    assert result.failed == 0 and result.attempted > 0
