@@ -38,7 +38,17 @@ class Tokenizer(Protocol):
     def encode_lines(self, lines: Sequence[str]) -> tuple[np.ndarray, np.ndarray]: ...
 
 
-class ByteTokenizer:
+class _Same:
+    """Tokenizers are equal when their identities are (the same ids for the same text)."""
+
+    def __eq__(self, other) -> bool:
+        return callable(getattr(other, "identity", None)) and self.identity() == other.identity()
+
+    def __hash__(self) -> int:
+        return hash(repr(sorted(self.identity().items())))
+
+
+class ByteTokenizer(_Same):
     """UTF-8 bytes as tokens 0..255, and 256 as the end-of-document token (vocabulary 257).
 
     >>> ByteTokenizer().decode([104, 105, 256])
@@ -67,7 +77,7 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
-class HFTokenizer:
+class HFTokenizer(_Same):
     """A Hugging Face ``tokenizer.json`` read from a local file (needs ``pip install jaxpar[data]``).
 
     ``eos``: the end-of-document token; default the first of ``EOS_CANDIDATES`` the vocabulary has.
