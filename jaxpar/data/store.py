@@ -159,12 +159,12 @@ def _inputs(files: Sequence[str]) -> list[dict[str, Any]]:
     return out
 
 
-def _fresh_index(inputs, tokenizer: Tokenizer, docs: str, shard_tokens: int) -> dict[str, Any]:
+def _fresh_index(inputs, tokenizer: Tokenizer, docs: str, shard_tokens: int, chunk_bytes: int) -> dict[str, Any]:
     meta = dict(tokenizer.identity())
     if isinstance(tokenizer, HFTokenizer):
         meta.update(file="tokenizer.json", eos_token=tokenizer.eos)
     return {"format": FORMAT, "version": VERSION, "dtype": token_dtype(tokenizer.vocab_size).name,
-            "tokenizer": meta, "docs": docs, "shard_tokens": shard_tokens, "inputs": inputs,
+            "tokenizer": meta, "docs": docs, "shard_tokens": shard_tokens, "chunk_bytes": chunk_bytes, "inputs": inputs,
             "shards": [], "next": {"input": 0, "offset": 0}, "complete": False}
 
 
@@ -173,7 +173,7 @@ def _resume_index(out: str, fresh: dict[str, Any]) -> dict[str, Any]:
     if not os.path.exists(os.path.join(out, INDEX)):
         return fresh
     old = read_index(out)
-    for key in ("tokenizer", "docs", "shard_tokens", "inputs", "dtype"):
+    for key in ("tokenizer", "docs", "shard_tokens", "chunk_bytes", "inputs", "dtype"):
         if old[key] != fresh[key]:
             raise ValueError(f"--out {out!r} already holds a token store with {key} {old[key]} (this run: "
                              f"{fresh[key]}); choose another --out, or delete {out!r} to rebuild it")
@@ -181,19 +181,22 @@ def _resume_index(out: str, fresh: dict[str, Any]) -> dict[str, Any]:
 
 
 def prepare(inputs: Sequence[str], out: str, tokenizer: Tokenizer | None = None, *, docs: str = "file",
-            shard_tokens: int = SHARD_TOKENS, progress: bool = True) -> TokenStore:
+            shard_tokens: int = SHARD_TOKENS, chunk_bytes: int = CHUNK_BYTES, progress: bool = True) -> TokenStore:
     """Tokenize text files ``inputs`` into a token store at ``out``; resumes an interrupted run.
 
     ``docs``: ``"file"`` (each file is one document) or ``"line"`` (each non-empty line is one).
-    ``tokenizer``: default the built-in `ByteTokenizer`. Returns the finished `TokenStore`.
+    ``tokenizer``: default the built-in `ByteTokenizer`. ``shard_tokens``: a shard is written
+    once this many tokens are buffered; ``chunk_bytes``: text tokenized at once (whole lines).
+    Returns the finished `TokenStore`.
     """
     if docs not in ("file", "line"):
         raise ValueError(f"docs={docs!r}: choose 'file' (a document per file) or 'line' (a document per line)")
-    if not isinstance(shard_tokens, int) or shard_tokens < 1:
-        raise ValueError(f"shard_tokens={shard_tokens!r} must be a positive int (default {SHARD_TOKENS})")
+    for name, value, default in (("shard_tokens", shard_tokens, SHARD_TOKENS), ("chunk_bytes", chunk_bytes, CHUNK_BYTES)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int (default {default})")
     tokenizer = tokenizer or ByteTokenizer()
     os.makedirs(out, exist_ok=True)
-    index = _resume_index(out, _fresh_index(_inputs(inputs), tokenizer, docs, shard_tokens))
+    index = _resume_index(out, _fresh_index(_inputs(inputs), tokenizer, docs, shard_tokens, chunk_bytes))
     if not index["complete"]:
         if isinstance(tokenizer, HFTokenizer) and os.path.abspath(tokenizer.path) != os.path.abspath(
                 os.path.join(out, "tokenizer.json")):
@@ -231,7 +234,7 @@ class _Writer:
         with open(entry["path"], "rb") as f:
             f.seek(offset)
             while offset < entry["bytes"]:
-                lines = f.readlines(CHUNK_BYTES)
+                lines = f.readlines(self.index["chunk_bytes"])
                 if not lines:
                     break
                 size = sum(len(line) for line in lines)
