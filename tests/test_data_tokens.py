@@ -166,6 +166,7 @@ def test_prepare_command_refuses_a_missing_input_in_one_paragraph(tmp_path, caps
     assert err.startswith("jaxpar data: error: input") and "Traceback" not in err
 
 
+@pytest.mark.slow     # ~12 s of CPU; 30 s wall on a busy 2-core machine (compile, two saves)
 def test_fit_resumes_the_loader_from_a_checkpoint(store, tmp_path):
     """Stop at step 10, save, resume: the same losses as 20 uninterrupted steps. The resume
     restores the step-10 checkpoint into the trainer that ran on (one compile, not two)."""
