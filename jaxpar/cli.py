@@ -1,4 +1,4 @@
-"""The jaxpar command: train, plan, report, launch, k8s, ckpt.
+"""The jaxpar command: train, plan, report, launch, k8s, ckpt, data.
 
 jaxpar train is the main job: the example GPT on every available device (8 simulated CPU
 devices on a machine without accelerators), default mesh data x model with Megatron-style
@@ -449,6 +449,9 @@ def make_parser() -> argparse.ArgumentParser:
     from jaxpar.checkpoint.cli import add_ckpt_parser
 
     add_ckpt_parser(sub)
+    from jaxpar.data.cli import add_data_parser
+
+    add_data_parser(sub)
     return parser
 
 

@@ -15,6 +15,7 @@ import jax
 import pytest
 
 import jaxpar.checkpoint.offline as offline
+import jaxpar.data.store as store
 import jaxpar.cli as cli
 import jaxpar.launch.launcher as launcher
 import jaxpar.plan_cli as plan_cli
@@ -76,6 +77,7 @@ def recorded(monkeypatch):
 
     monkeypatch.setattr(hf, "import_hf", record("import_hf", result=(LlamaConfig(), None)))
     monkeypatch.setattr(hf, "export_hf", record("export_hf", result=["config.json"]))
+    monkeypatch.setattr(store, "prepare", record("prepare", stop=True))
     return calls
 
 
@@ -148,6 +150,14 @@ BAD = [
     (["launch", "--master-port", "70000", "t.py"], "master_port=70000"),
     (["launch", "--cluster-time-out", "-1", "t.py"], "cluster_time_out=-1.0"),
     (["launch", "--exit-time-out", "0", "t.py"], "exit_time_out"),
+    (["data", "prepare", "missing.txt", "--out", "store"], "input 'missing.txt' is not a file"),
+    (["data", "prepare", "afile", "--out", "afile"], "--out 'afile' is a file"),
+    (["data", "prepare", "afile", "--out", "store", "--tokenizer", "missing.json"], "tokenizer 'missing.json' does"),
+    (["data", "prepare", "afile", "--out", "store", "--tokenizer", "afile"], "is not a Hugging Face tokenizer.json"),
+    (["data", "prepare", "afile", "--out", "store", "--eos", "</s>"], "eos='</s>' is for a tokenizer.json"),
+    (["data", "prepare", "afile", "--out", "store", "--shard-tokens", "0"], "--shard-tokens '0' is not valid"),
+    (["data", "prepare", "afile", "--out", "store", "--docs", "para"], "invalid choice: 'para'"),
+    (["data", "prepare", "afile"], "the following arguments are required: --out"),
     (["sideways"], "invalid choice: 'sideways'"),
 ]
 
@@ -160,13 +170,13 @@ def test_bad_input_exits_2_with_one_paragraph(files, recorded, capsys, argv, wor
     assert "Traceback" not in out + err
     assert words in err, err
     assert "\n\n" not in err.strip() and err.startswith("jaxpar"), err   # one paragraph
-    assert not [c for c in recorded if c[0] in ("build_job", "search", "launch", "transform", "merge")], \
+    assert not [c for c in recorded if c[0] in ("build_job", "search", "launch", "transform", "merge", "prepare")], \
         "the command started its work before refusing"
 
 
 def test_there_are_at_least_40_bad_inputs_over_every_command():
     assert len(BAD) >= 40
-    assert {a[0] for a, _ in BAD} >= {"train", "plan", "report", "ckpt", "k8s", "launch"}
+    assert {a[0] for a, _ in BAD} >= {"train", "plan", "report", "ckpt", "k8s", "launch", "data"}
 
 
 # -- every flag changes the result or is refused ------------------------------------------------
@@ -191,6 +201,8 @@ VALUES = {
                             "--dtype": "bfloat16"},
     ("ckpt", "export-hf"): {"--out": "hf2", "--step": "3", "--dtype": "bfloat16", "--max-shard-size": "1GB",
                             "--hf-config": "llama.json"},
+    ("data", "prepare"): {"--out": "other", "--tokenizer": "afile", "--train-tokenizer": "300", "--eos": "</s>", "--docs": "line",
+                          "--shard-tokens": "1000", "--quiet": None},
     ("launch",): {"--worker-num": "8", "--local-worker-num": "4", "--master-addr": "127.0.0.2",
                   "--master-port": "9001", "--bind-address": "127.0.0.1", "--node-rank": "1", "--log-dir": "L",
                   "--join": None, "--cluster-time-out": "7", "--simulated-devices": "2", "--devices-per-worker": "1",
@@ -214,6 +226,7 @@ BASE = {
     ("ckpt", "import-hf"): ["ckpt", "import-hf", "src", "--out", "ck"],
     ("ckpt", "export-hf"): ["ckpt", "export-hf", "ck", "--out", "hf"],
     ("launch",): ["launch", "--worker-num", "4", "--local-worker-num", "2"],
+    ("data", "prepare"): ["data", "prepare", "afile", "--out", "store"],
     ("k8s",): ["k8s", "--workers", "2", "--image", "img"],
 }
 BUDGET_FLAGS = {"--zero-levels", "--accum-options", "--remat-options", "--pipeline-options", "--microbatch-options",
@@ -229,7 +242,7 @@ def _commands():
     """(command path, its parser) for every command whose flags the table covers."""
     top = _subparsers(cli.make_parser())
     for name, parser in top.items():
-        if name == "ckpt":
+        if name in ("ckpt", "data"):
             yield from (((name, sub), p) for sub, p in _subparsers(parser).items())
         else:
             yield (name,), parser

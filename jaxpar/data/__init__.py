@@ -156,3 +156,13 @@ def place_batch(config: ParallelConfig, mesh, batch, *, global_batch: bool = Tru
         return make_global_batch(x, NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(put_local, batch)
+
+
+# Token datasets (after the batch helpers above, which jaxpar.plan imports without them).
+from jaxpar.data.loader import TokenLoader  # noqa: E402
+from jaxpar.data.store import TokenStore, prepare  # noqa: E402
+from jaxpar.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_tokenizer  # noqa: E402
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "TokenLoader", "TokenStore", "batch_axes", "batch_shardings",
+           "batch_specs", "leaf_spec", "load_tokenizer", "part_shapes", "place_batch", "prepare", "split_rows",
+           "train_tokenizer"]

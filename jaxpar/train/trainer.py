@@ -8,8 +8,9 @@ batch shape, runs it, and keeps metrics on the device until they are logged.
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -258,7 +259,12 @@ class Trainer:
 
         Metrics stay on the device and are read every ``log_every`` steps (and at the end), so
         the host keeps dispatching steps ahead of the device in between. ``callback(i, record)``
-        is called for every step when the records are read."""
+        is called for every step when the records are read.
+
+        A loader that keeps its position (``state()`` and ``restore(state)``, such as
+        `jaxpar.data.TokenLoader`) continues from the data position of the TrainState (restored
+        from a checkpoint), and its position is stored there before every step, so checkpoints
+        save it."""
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
@@ -267,7 +273,8 @@ class Trainer:
             raise ValueError(f"Trainer.fit: log_every={log_every!r} must be a positive int")
         history: list[dict[str, float]] = []
         pending: list[tuple[int, int, dict, float]] = []
-        it = iter(batches)
+        resumable = _keeps_position(batches)
+        it = self._resume_loader(batches) if resumable else iter(batches)
         columns = (TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn())
         with Progress(*columns, disable=not progress or jax.process_index() != 0) as bar:
@@ -280,6 +287,8 @@ class Trainer:
                     self._flush(pending, history, callback, last)
                     raise ValueError(f"Trainer.fit: the batches ran out after {i} of {steps} steps; the "
                                      f"{len(history)} finished steps are in trainer.history") from None
+                if resumable:    # set before the step, which may save: the position of the next batch
+                    self.data_state = batches.state()
                 pending.append((i, self._steps + 1, self.step(batch), 0.0))
                 if (i + 1) % log_every == 0 or i == 0 or i + 1 == steps:
                     last = self._flush(pending, history, callback, last)
@@ -288,6 +297,18 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.wait()     # the run is over: every save started is committed
         return history
+
+    def _resume_loader(self, batches) -> Iterator:
+        """Iterate a loader that keeps its position from the TrainState's data position (restored
+        with a checkpoint), so a resumed run reads the batches the interrupted one would have."""
+        if self._pending is not None:     # mode "auto": plan (and resume) on the loader's first batch
+            first = next(iter(batches))
+            self.place(first)
+            if not self.data_state:
+                return itertools.chain([first], batches)
+        if self.data_state:
+            batches.restore(self.data_state)
+        return iter(batches)
 
     def close(self) -> None:
         """Finish the saves in flight and close the checkpoint directory."""
@@ -426,6 +447,11 @@ class Trainer:
     def shardings(self) -> dict[str, Any]:
         sh = state_shardings(self.plan, self.mesh, self.state)
         return {"params": sh.params, "rest": sh.rest, "opt_state": sh.opt_state}
+
+
+def _keeps_position(batches) -> bool:
+    """Whether ``batches`` is a loader with ``state()`` / ``restore(state)`` (e.g. `jaxpar.data.TokenLoader`)."""
+    return callable(getattr(batches, "state", None)) and callable(getattr(batches, "restore", None))
 
 
 def compile_step(model_fn: Callable[[], nnx.Module], loss_fn: Callable, batch, config: ParallelConfig,
