@@ -26,7 +26,8 @@ RANKS = {
     "auto": 9, "checkpoint": 9,
     "train": 10, "models": 10,
     "": 11,                       # the package face, jaxpar/__init__.py
-    "plan_cli": 12, "report_cli": 13, "cli": 14,
+    "interop": 12, "job": 12,     # Hugging Face files <-> models; a job file -> models, data, Trainer
+    "plan_cli": 13, "report_cli": 14, "cli": 15,
 }
 
 
