@@ -75,19 +75,17 @@ class MetricsLogger:
 
     def __init__(self, config: MetricsConfig, *, process_index: int | None = None):
         self.config = config
-        writing = (jax.process_index() if process_index is None else process_index) == 0
-        self.writers: list[Any] = []
-        if writing:
-            self.writers.append(JsonlWriter(config.jsonl_path))
-            if config.tensorboard:
-                self.writers.append(TensorBoardWriter(config.dir))
+        self._writing = (jax.process_index() if process_index is None else process_index) == 0
+        self.writers: list[Any] | None = None       # opened at the first start() or write()
         self.tokens_per_step: int | None = None
         self.flops_per_step: float | None = None     # all devices together
         self._num_devices = 1
         self._once: dict[str, float] = {}            # logged with the first record only
 
-    def start(self, compiled: jax.stages.Compiled, batch: Any, *, num_devices: int) -> None:
-        """Read the compiled step's memory and FLOPs, and the tokens of a batch: once per run."""
+    def start(self, compiled: jax.stages.Compiled, batch: Any, *, num_devices: int, resumed: bool = False) -> None:
+        """Read the compiled step's memory and FLOPs, and the tokens of a batch: once per run.
+        Opens the writers: ``metrics.jsonl`` anew, or appended to when the run was ``resumed``."""
+        self._open(append=resumed)
         per_example = self.config.tokens_per_example or tokens_per_example(batch)
         self.tokens_per_step = examples_per_step(batch) * per_example
         self._num_devices = num_devices
@@ -135,8 +133,18 @@ class MetricsLogger:
         self.write(step, {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))})
 
     def write(self, step: int, values: Mapping[str, float | None]) -> None:
+        self._open(append=True)
         for w in self.writers:
             w.write(step, values)
+
+    def _open(self, *, append: bool) -> None:
+        if self.writers is not None:
+            return
+        self.writers = []
+        if self._writing:
+            self.writers.append(JsonlWriter(self.config.jsonl_path, append=append))
+            if self.config.tensorboard:
+                self.writers.append(TensorBoardWriter(self.config.dir))
 
     def learning_rate(self, step: int, opt_state: Any = None) -> float | None:
         """The learning rate the update of ``step`` used: from the configured value or schedule
@@ -157,9 +165,9 @@ class MetricsLogger:
         return self.flops_per_step / (step_time_s * peak * self._num_devices)
 
     def close(self) -> None:
-        for w in self.writers:
+        for w in self.writers or ():
             w.close()
-        self.writers = []
+        self.writers = None
 
 
 def _has_hyperparams(node: Any) -> bool:

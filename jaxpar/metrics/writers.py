@@ -31,18 +31,18 @@ def tensorboard_tag(key: str) -> str:
 
 
 class JsonlWriter:
-    """Appends one JSON object per logged step to ``path`` (appending, so a resumed run goes on
-    in the same file). Values that were not measured are written as ``null``.
+    """Writes one JSON object per logged step to ``path``: a new file, or with ``append=True``
+    the end of the existing one (a resumed run). Unmeasured values are written as ``null``.
 
     Example:
       >>> w = JsonlWriter(os.path.join(tmp, "metrics.jsonl"))          # doctest: +SKIP
       >>> w.write(10, {"loss": 2.5, "mfu": None}); w.close()           # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, append: bool = False):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = os.fspath(path)
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "a" if append else "w", encoding="utf-8")
 
     def write(self, step: int, scalars: Mapping[str, float | None]) -> None:
         record = {"step": int(step), "time": round(time.time(), 3), **{k: _json_value(v) for k, v in scalars.items()}}

@@ -341,7 +341,8 @@ class Trainer:
         FLOPs (read once: the step is already compiled, so this compiles nothing)."""
         if self._metrics is None:
             return examples_per_step(batch) * tokens_per_example(batch)
-        self._metrics.start(self.lower(batch).compile(), batch, num_devices=self.mesh.devices.size)
+        self._metrics.start(self.lower(batch).compile(), batch, num_devices=self.mesh.devices.size,
+                            resumed=self._steps > 1)
         return self._metrics.tokens_per_step
 
     # ------------------------------------------------------------------ checkpoints
