@@ -329,8 +329,7 @@ def cmd_train(args) -> int:
            f"step {step_time * 1e3:.1f} ms, {tokens_per_s:,.0f} tokens/s, "
            f"MFU {'n/a (no --peak-flops)' if mfu is None else f'{mfu:.1%}'}, total {wall:.1f}s")
     if args.log_dir:
-        _print(f"run log in {args.log_dir}" + (" (TensorBoard: tensorboard --logdir " + args.log_dir + ")"
-                                                if args.tensorboard else ""))
+        _print(f"run log in {args.log_dir}" + (f" (tensorboard --logdir {args.log_dir})" if args.tensorboard else ""))
     out = {"config": config.to_dict(), "mesh": dict(mesh.shape), "steps": job.steps, "batch": job.batch,
            "seq_len": job.model.seq_len, "history": history, "eval_loss": eval_loss, "step_time_s": step_time,
            "tokens_per_s": tokens_per_s, "mfu": mfu, "report": report.summary()}

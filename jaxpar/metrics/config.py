@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import numbers
 import os
@@ -65,12 +66,10 @@ class MetricsConfig:
 
 def require_tensorboard(what: str) -> None:
     """Raise a ``ValueError`` naming the fix when the ``tensorboard`` package is missing."""
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("tensorboard") is None:
         raise ValueError(f"{what} needs the tensorboard package, which is not installed; "
                          "pip install 'jaxpar[tb]' (or drop tensorboard=True: metrics.jsonl is always "
-                         "written)") from None
+                         "written)")
 
 
 def check_profile_steps(steps: Any) -> tuple[int, int] | None:
