@@ -259,8 +259,8 @@ def resolve_job(args) -> Job:
                steps=getattr(args, "steps", 1), lr=getattr(args, "lr", 3e-3), seed=getattr(args, "seed", 0))
 
 
-def build_job(job: Job):
-    """(mesh, trainer, data) for the example GPT."""
+def build_job(job: Job, watch=None):
+    """(mesh, trainer, data) for the example GPT; ``watch``: the `jaxpar.metrics.cli` flags."""
     import optax
     from flax import nnx
 
@@ -273,11 +273,17 @@ def build_job(job: Job):
     constrain = jaxpar.LogicalConstraint(mesh, config.rules)
     model = jaxpar.init(lambda: GPT(job.model, rngs=nnx.Rngs(job.seed), constrain=constrain), config, mesh)
     warmup = min(20, job.steps // 5)
-    tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, job.lr, warmup, max(job.steps, warmup + 1)))
+    tx_schedule = optax.warmup_cosine_decay_schedule(0.0, job.lr, warmup, max(job.steps, warmup + 1))
+    tx = optax.adamw(tx_schedule)
     loss = pipeline_loss() if config.pipeline.stages > 1 else loss_fn
     # Every process generates the same global batches (ArithmeticData is seeded by step), so under
     # `jaxpar launch` each one hands jaxpar the whole batch and jaxpar keeps each device's rows.
-    trainer = jaxpar.Trainer(model, tx, loss, config, mesh, global_batch=True)
+    watching = {}
+    if watch is not None:
+        from jaxpar.metrics.cli import metrics_config
+
+        watching = {"metrics": metrics_config(watch, tx_schedule), "profile_steps": watch.profile_steps}
+    trainer = jaxpar.Trainer(model, tx, loss, config, mesh, global_batch=True, **watching)
     return mesh, trainer, ArithmeticData(job.model.seq_len, seed=job.seed)
 
 
@@ -289,12 +295,17 @@ def _print(text: str, file=None) -> None:
 def cmd_train(args) -> int:
     import jax
 
+    from jaxpar.metrics.cli import mistake
+    from jaxpar.report import mfu as jaxpar_mfu
     from jaxpar.report import step_report
 
     job = resolve_job(args)
     if args.metrics:
         check_writable("--metrics", args.metrics)     # before training, not after it
-    mesh, trainer, data = build_job(job)
+    problem = mistake(args, job.steps)       # --log-dir, --tensorboard, --profile-steps together
+    if problem:
+        refuse(problem)
+    mesh, trainer, data = build_job(job, watch=args)
     config = job.config
     _print(f"mesh {dict(mesh.shape)} on {mesh.devices.size} {mesh.devices.flat[0].platform} devices, "
            f"mode {config.mode}, rules {config.rules}")
@@ -305,17 +316,23 @@ def cmd_train(args) -> int:
 
         _print(format_schedule(config))
     t0 = time.perf_counter()
-    history = trainer.fit(data.batches(job.batch), job.steps, progress=not args.quiet)
-    wall = time.perf_counter() - t0
+    with trainer:      # closes the metric writers and a profile trace still running
+        history = trainer.fit(data.batches(job.batch), job.steps, log_every=args.log_every, progress=not args.quiet)
+        wall = time.perf_counter() - t0
+        eval_loss = trainer.evaluate(data.batches(job.batch, start=10**6), steps=4)
     steady = history[1:] or history
     step_time = sum(h["time_s"] for h in steady) / len(steady)
     tokens_per_s = job.batch * job.model.seq_len / step_time
-    eval_loss = trainer.evaluate(data.batches(job.batch, start=10**6), steps=4)
+    n = mesh.devices.size
+    mfu = jaxpar_mfu(report.flops * n, step_time, args.peak_flops, n) if args.peak_flops else None
     _print(f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} (eval {eval_loss:.4f}); "
-           f"step {step_time * 1e3:.1f} ms, {tokens_per_s:,.0f} tokens/s, total {wall:.1f}s")
+           f"step {step_time * 1e3:.1f} ms, {tokens_per_s:,.0f} tokens/s, "
+           f"MFU {'n/a (no --peak-flops)' if mfu is None else f'{mfu:.1%}'}, total {wall:.1f}s")
+    if args.log_dir:
+        _print(f"run log in {args.log_dir}" + (f" (tensorboard --logdir {args.log_dir})" if args.tensorboard else ""))
     out = {"config": config.to_dict(), "mesh": dict(mesh.shape), "steps": job.steps, "batch": job.batch,
            "seq_len": job.model.seq_len, "history": history, "eval_loss": eval_loss, "step_time_s": step_time,
-           "tokens_per_s": tokens_per_s, "report": report.summary()}
+           "tokens_per_s": tokens_per_s, "mfu": mfu, "report": report.summary()}
     if args.metrics and jax.process_index() == 0:   # one writer under `jaxpar launch`
         with open(args.metrics, "w") as f:
             json.dump(out, f, indent=2, default=str)
@@ -426,6 +443,9 @@ def make_parser() -> argparse.ArgumentParser:
     add_job_args(p, train=True)
     p.add_argument("--metrics", default="runs/train_metrics.json", help="JSON file for metrics ('' = none)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    from jaxpar.metrics.cli import add_arguments as add_watch_arguments
+
+    add_watch_arguments(p)
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("plan", help="print the parameter plan, or search one (--search)")
     add_job_args(p, train=False)

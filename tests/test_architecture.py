@@ -23,7 +23,7 @@ RANKS = {
     "pipeline": 6,
     "plan": 7,
     "report": 8,
-    "auto": 9, "checkpoint": 9,
+    "auto": 9, "checkpoint": 9, "metrics": 9,
     "train": 10, "models": 10,
     "": 11,                       # the package face, jaxpar/__init__.py
     "interop": 12, "job": 12,     # Hugging Face files <-> models; a job file -> models, data, Trainer

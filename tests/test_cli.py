@@ -17,14 +17,21 @@ def _run(*args, timeout=240):
 
 @pytest.mark.slow
 def test_train_writes_metrics(tmp_path):
-    out = tmp_path / "m.json"
-    r = _run("train", "--steps", "12", "--batch", "16", "--metrics", str(out), "--quiet")
+    out, log = tmp_path / "m.json", tmp_path / "log"
+    r = _run("train", "--steps", "12", "--batch", "16", "--metrics", str(out), "--log-dir", str(log), "--log-every",
+             "4", "--tensorboard", "--profile-steps", "5:7", "--peak-flops", "1e12")
     assert r.returncode == 0, r.stderr
-    assert "parameter plan" in r.stdout and "tokens/s" in r.stdout
+    assert "parameter plan" in r.stdout and "tokens/s" in r.stdout and "MFU" in r.stdout
+    assert "tok/s" in r.stdout and "step 12/12" in r.stdout       # the progress bar: loss, tokens/s, ETA
     m = json.loads(out.read_text())
     assert m["mesh"] == {"data": 2, "model": 4}
     assert len(m["history"]) == 12 and m["history"][-1]["loss"] < m["history"][0]["loss"]
     assert m["report"]["collectives"]["count"] > 0 and m["report"]["memory"]["argument_bytes"] > 0
+    assert 0 < m["mfu"] < 1
+    lines = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 4, 8, 12, 12] and "eval_loss" in lines[-1]
+    assert lines[1]["lr"] > 0 and lines[1]["tokens_per_s"] > 0 and lines[1]["mfu"] > 0
+    assert list(log.glob("events.out.tfevents.*")) and list(log.glob("profile/plugins/profile/*/*.xplane.pb"))
 
 
 def test_plan_and_bad_input(tmp_path):

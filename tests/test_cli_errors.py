@@ -113,6 +113,13 @@ BAD = [
     (["train", "--rules", "mlp=modle"], "names mesh axis 'modle'"),
     (["train", "--embed", "60"], "--embed 60 is not divisible by --heads 8"),
     (["train", "--bogus"], "unrecognized arguments --bogus"),
+    (["train", "--profile-steps", "5"], "--profile-steps '5' is not START:STOP"),
+    (["train", "--profile-steps", "4:2"], "--profile-steps '4:2' is not START:STOP with 1 <= START < STOP"),
+    (["train", "--steps", "5", "--profile-steps", "10:13"], "traces steps 10 to 12, but the run has --steps 5"),
+    (["train", "--log-dir", "", "--tensorboard"], "--tensorboard writes into the run directory, but --log-dir is ''"),
+    (["train", "--log-dir", "afile"], "--log-dir 'afile' cannot be written"),
+    (["train", "--log-every", "0"], "--log-every '0' is not an integer >= 1"),
+    (["train", "--peak-flops", "-1"], "--peak-flops '-1' is not a number > 0"),
     (["plan", "--memory-budget", "1"], "--memory-budget applies to --search only"),
     (["plan", "--annotate", "blocks/*/mlp/up=None,model"], "--annotate applies to --search only"),
     (["plan", "--plan-out", "p.json"], "--plan-out applies to --search only"),
@@ -190,7 +197,8 @@ SEARCH = {"--search": "recursive_programming", "--annotate": "blocks/*/mlp/up=No
           "--pipeline-options": "1,2", "--microbatch-options": "2", "--schedule": "gpipe", "--flops": "1e9",
           "--bandwidth": "1e9", "--latency": "1e-6"}
 VALUES = {
-    ("train",): {**JOB, "--steps": "5", "--lr": "0.01", "--seed": "1"},
+    ("train",): {**JOB, "--steps": "5", "--lr": "0.01", "--seed": "1", "--log-dir": "L", "--log-every": "5",
+                 "--tensorboard": None, "--profile-steps": "2:4", "--peak-flops": "1e12"},
     ("plan",): {**JOB, **SEARCH},
     ("report",): {**JOB, "--model": "llama", "--size": "1b", "--step-time": "0.5", "--peak-flops": "1e15",
                   "--dtype": "bfloat16", "--backend": "gpu"},

@@ -73,11 +73,12 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DataSection:
     """Token data: a store made by ``jaxpar data prepare`` (``path``; ``eval_path``: a held-out
-    store for evaluation), cut into ``seq_len`` sequences, ``batch`` of them per step (the global
+    store for evaluation; ``tokenizer``: the one the job expects, checked against the store's), cut into ``seq_len`` sequences, ``batch`` of them per step (the global
     batch), ``packed`` with segment ids or ``padded`` (see `jaxpar.data.TokenLoader`)."""
 
     path: str | None = None
     eval_path: str | None = None
+    tokenizer: str | None = None     # "byte" or a tokenizer.json: refused unless it made the store
     seq_len: int = 128
     batch: int = 16
     seed: int = 0

@@ -89,13 +89,15 @@ def build_model(job: JobConfig, mesh, vocab: int | None = None):
 
 
 def _loaders(job: JobConfig, model_cfg):
-    from jaxpar.data import TokenLoader, TokenStore
+    from jaxpar.data import TokenLoader, TokenStore, load_tokenizer
 
     d = job.data
     if d.path is None:
         raise ValueError("job config data.path is not set: make a token store with 'jaxpar data prepare FILES "
                          "--out DIR' and give data.path: DIR (or --data.path DIR)")
-    common = dict(seq_len=d.seq_len, global_batch=d.batch, packing=d.packing, model_config=model_cfg)
+    tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer is not None else None
+    common = dict(seq_len=d.seq_len, global_batch=d.batch, packing=d.packing, model_config=model_cfg,
+                  tokenizer=tokenizer)
     train = TokenLoader(TokenStore(d.path), seed=d.seed, prefetch=d.prefetch, **common)
     held_out = None
     if d.eval_path is not None:
@@ -164,7 +166,11 @@ PROMPTS = ("def ", "import ", "class ", "    return ")
 def _samples(trainer, store, count: int, window: int) -> list[str]:
     from jaxpar.models.generate import greedy
 
-    tokenizer = store.tokenizer
+    from jaxpar.data import load_tokenizer
+
+    identity = store.tokenizer_identity
+    tokenizer = load_tokenizer("byte") if identity.get("kind") == "byte" else load_tokenizer(
+        os.path.join(store.path, identity.get("file", "tokenizer.json")), eos=identity.get("eos_token"))
     out = []
     for prompt in PROMPTS[:count]:
         ids = greedy(trainer.model, tokenizer.encode(prompt), 48, window=window)

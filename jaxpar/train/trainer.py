@@ -23,6 +23,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.checkpoint import Checkpointer, restore_state, save_state
 from jaxpar.config import ParallelConfig
 from jaxpar.data import place_batch
+from jaxpar.metrics import (MetricsConfig, MetricsLogger, ProfileWindow, check_profile_steps, progress_text, read,
+                            tokens_per_example)
+from jaxpar.metrics.logger import examples_per_step
 from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
 from jaxpar.nn.plan import check_rules_used, declared_names
@@ -61,6 +64,11 @@ class Trainer:
     ``preemption`` (with ``checkpoint_dir``): on SIGTERM the Trainer saves at the next step
     boundary — the same step on every process (JAX's preemption sync point) — and raises
     ``Preempted`` (a ``SystemExit`` with code 0), so a restart resumes exactly there.
+    ``metrics``: a `jaxpar.metrics.MetricsConfig`; ``fit`` then writes loss, grad norm, lr,
+    tokens/s, MFU and memory at its logging steps (``metrics.jsonl``, and TensorBoard event
+    files with ``tensorboard=True``) and ``evaluate`` the eval loss and perplexity.
+    ``profile_steps=(10, 13)`` (with ``metrics``): a ``jax.profiler`` trace of steps 10 to 12
+    under ``metrics.dir/profile``.
     Saves still in flight finish at ``close()`` (or leaving ``with trainer:``), at the end of
     ``fit``, and at interpreter exit.
     The Trainer owns the model's arrays from then on (they are donated to the step): read the
@@ -71,8 +79,10 @@ class Trainer:
                  config: ParallelConfig, mesh, *, plan: TrainPlan | None = None, global_batch: bool | None = None,
                  donate: bool = True, offload: str | tuple[str, ...] = (), example_batch: Any = None,
                  checkpoint_dir: str | None = None, save_every: int = 0, keep: int | None = 3,
-                 nonfinite: str = "stop", resume: str = "newest", preemption: bool = True):
+                 nonfinite: str = "stop", resume: str = "newest", preemption: bool = True,
+                 metrics: MetricsConfig | None = None, profile_steps: tuple[int, int] | str | None = None):
         check_args(model, tx, loss_fn, config, mesh, plan)     # refused combinations included
+        self._metrics, self._profile = _watchers(metrics, profile_steps)
         if nonfinite not in ("stop", "skip"):
             raise ValueError(f"Trainer: nonfinite={nonfinite!r}; choose 'stop' (raise naming the step) or 'skip' "
                              "(count the skipped updates and go on)")
@@ -183,7 +193,13 @@ class Trainer:
         device arrays: reading one (``float(m["loss"])``) waits for the step, nothing else does."""
         placed = self.place(batch)
         state, token = self._state.detach()
-        state, metrics = self._jitted(placed)(state, placed)
+        if self._profile is not None:
+            self._profile.before(self._steps + 1)
+            with self._profile.annotate(self._steps + 1):
+                state, metrics = self._jitted(placed)(state, placed)
+            self._profile.after(self._steps + 1, metrics)
+        else:
+            state, metrics = self._jitted(placed)(state, placed)
         self._state = state.attach(token)
         self._steps += 1
         self._finite.append((self._steps, metrics["finite"]))
@@ -208,7 +224,7 @@ class Trainer:
         """Read the finite flags of the steps since the last read (one wait); see ``nonfinite``."""
         if not self._finite:
             return
-        flags = jax.device_get([f for _, f in self._finite])
+        flags = read([f for _, f in self._finite])
         bad = [step for (step, _), ok in zip(self._finite, flags) if not ok]
         self._finite.clear()
         if not bad:
@@ -251,15 +267,19 @@ class Trainer:
             n += 1
         if n == 0:
             raise ValueError("Trainer.evaluate got no batches; pass an iterable with at least one batch")
+        if self._metrics is not None:
+            self._metrics.log_eval(self._steps, total / n)
         return total / n
 
-    def fit(self, batches: Iterable, steps: int, *, log_every: int = 10, progress: bool = True,
+    def fit(self, batches: Iterable, steps: int, *, log_every: int | None = None, progress: bool = True,
             callback: Callable[[int, dict], None] | None = None) -> list[dict[str, float]]:
-        """Run ``steps`` steps with a progress bar; returns one metrics dict per step.
+        """Run ``steps`` steps with a progress bar (loss, tokens/s, ETA); returns one metrics dict
+        per step.
 
-        Metrics stay on the device and are read every ``log_every`` steps (and at the end), so
-        the host keeps dispatching steps ahead of the device in between. ``callback(i, record)``
-        is called for every step when the records are read.
+        Metrics stay on the device and are read every ``log_every`` steps (default: the
+        ``metrics`` config's ``every``, else 10; and the first and last step), so the host keeps
+        dispatching steps ahead of the device in between; the ``metrics`` writers write at those
+        steps. ``callback(i, record)`` is called for every step when the records are read.
 
         A loader that keeps its position (``state()`` and ``restore(state)``, such as
         `jaxpar.data.TokenLoader`) continues from the data position of the TrainState (restored
@@ -267,6 +287,8 @@ class Trainer:
         save it."""
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+        if log_every is None:
+            log_every = self._metrics.config.every if self._metrics is not None else 10
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"Trainer.fit: steps={steps!r} must be a positive int")
         if not isinstance(log_every, int) or isinstance(log_every, bool) or log_every < 1:
@@ -290,9 +312,11 @@ class Trainer:
                 if resumable:    # set before the step, which may save: the position of the next batch
                     self.data_state = batches.state()
                 pending.append((i, self._steps + 1, self.step(batch), 0.0))
+                if i == 0:
+                    tokens = self._start_metrics(batch)
                 if (i + 1) % log_every == 0 or i == 0 or i + 1 == steps:
                     last = self._flush(pending, history, callback, last)
-                    bar.update(task, info=f"loss {history[-1]['loss']:.4f}")
+                    bar.update(task, info=progress_text(history[-1]["loss"], tokens / history[-1]["time_s"]))
                 bar.update(task, advance=1)
         if self.checkpointer is not None:
             self.checkpointer.wait()     # the run is over: every save started is committed
@@ -311,7 +335,12 @@ class Trainer:
         return iter(batches)
 
     def close(self) -> None:
-        """Finish the saves in flight and close the checkpoint directory."""
+        """Finish the saves in flight, close the checkpoint directory and the metric writers, and
+        stop a profile trace still running."""
+        if self._profile is not None:
+            self._profile.close()
+        if self._metrics is not None:
+            self._metrics.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
 
@@ -326,17 +355,30 @@ class Trainer:
         if not pending:
             return since
         self.check_finite()
-        values = jax.device_get([(m["loss"], m["grad_norm"]) for _, _, m, _ in pending])
+        values = read([(m["loss"], m["grad_norm"]) for _, _, m, _ in pending])
         now = time.perf_counter()
         per_step = (now - since) / len(pending)
+        records = []
         for (i, step, _, _), (loss, grad_norm) in zip(pending, values):
             record = {"step": step, "loss": float(loss), "grad_norm": float(grad_norm), "time_s": per_step}
+            records.append(record)
             history.append(record)
             if callback is not None:
                 callback(i, record)
+        if self._metrics is not None:
+            self._metrics.log(records[-1]["step"], records, now - since, self._state.opt_state)
         self.history = history
         pending.clear()
         return now
+
+    def _start_metrics(self, batch) -> int:
+        """Tokens per step of ``batch``; with ``metrics``, also the compiled step's memory and
+        FLOPs (read once: the step is already compiled, so this compiles nothing)."""
+        if self._metrics is None:
+            return examples_per_step(batch) * tokens_per_example(batch)
+        self._metrics.start(self.lower(batch).compile(), batch, num_devices=self.mesh.devices.size,
+                            resumed=self._steps > 1)
+        return self._metrics.tokens_per_step
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str | None = None, *, data_state: dict | None = None) -> int:
@@ -452,6 +494,20 @@ class Trainer:
 def _keeps_position(batches) -> bool:
     """Whether ``batches`` is a loader with ``state()`` / ``restore(state)`` (e.g. `jaxpar.data.TokenLoader`)."""
     return callable(getattr(batches, "state", None)) and callable(getattr(batches, "restore", None))
+
+
+def _watchers(metrics, profile_steps) -> tuple[MetricsLogger | None, ProfileWindow | None]:
+    """The metric writers and the profile window a Trainer was asked for."""
+    if metrics is not None and not isinstance(metrics, MetricsConfig):
+        raise TypeError(f"Trainer: metrics must be a jaxpar.metrics.MetricsConfig, got {type(metrics).__name__}; "
+                        "e.g. metrics=MetricsConfig(dir='runs/exp1')")
+    window = check_profile_steps(profile_steps)
+    if window is not None and metrics is None:
+        raise ValueError(f"Trainer: profile_steps={window} writes its trace under the run directory; pass "
+                         "metrics=MetricsConfig(dir=...) as well")
+    if metrics is None:
+        return None, None
+    return MetricsLogger(metrics), ProfileWindow(metrics.profile_dir, window) if window else None
 
 
 def compile_step(model_fn: Callable[[], nnx.Module], loss_fn: Callable, batch, config: ParallelConfig,

@@ -1,0 +1,174 @@
+"""`MetricsLogger`: turns what ``Trainer.fit`` reads at a logging step into logged scalars.
+
+Every value it logs is either already on the host (times, shapes, the step number), read
+once (memory and FLOPs of the compiled step), or read together with the loss at a logging
+step (the learning rate of an ``inject_hyperparams`` state). Nothing here runs on the steps
+in between, so the host keeps dispatching steps ahead of the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxpar.metrics.config import MetricsConfig
+from jaxpar.metrics.writers import JsonlWriter, TensorBoardWriter
+from jaxpar.report.flops import flops
+from jaxpar.report.memory import memory
+
+
+def read(tree: Any) -> Any:
+    """``jax.device_get(tree)``, marked as a read the caller means: it is allowed even inside
+    ``jax.transfer_guard_device_to_host("disallow_explicit")``, which then catches any other read.
+
+    Example:
+      >>> float(read(jax.numpy.float32(2.5)))
+      2.5
+    """
+    with jax.transfer_guard_device_to_host("allow"):
+        return jax.device_get(tree)
+
+
+def tokens_per_example(batch: Any) -> int:
+    """Tokens in one example of ``batch``: the second dimension of its first integer array with
+    two or more dimensions (token ids shaped ``(batch, seq)``), else 1. Reads shapes only.
+
+    Example:
+      >>> tokens_per_example({"inputs": np.zeros((8, 32), np.int32)})
+      32
+    """
+    for leaf in jax.tree.leaves(batch):
+        if np.ndim(leaf) >= 2 and np.issubdtype(leaf.dtype, np.integer):
+            return int(np.shape(leaf)[1])
+    return 1
+
+
+def examples_per_step(batch: Any) -> int:
+    """The global batch size: the leading dimension of the batch's first array."""
+    leaves = jax.tree.leaves(batch)
+    return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 1
+
+
+def progress_text(loss: float, tokens_per_s: float | None) -> str:
+    """What the progress bar shows beside the bar (the ETA is its own column).
+
+    Example:
+      >>> progress_text(2.3456, 12345.6)
+      'loss 2.3456 | 12,346 tok/s'
+    """
+    speed = f" | {tokens_per_s:,.0f} tok/s" if tokens_per_s else ""
+    return f"loss {loss:.4f}{speed}"
+
+
+class MetricsLogger:
+    """The writers of one run (process 0 writes; every process computes the same values).
+
+    Example:
+      >>> logger = MetricsLogger(MetricsConfig(dir=tmp))                       # doctest: +SKIP
+      >>> logger.start(compiled, batch, num_devices=8)                         # doctest: +SKIP
+      >>> logger.log(10, [{"loss": 2.5, "grad_norm": 1.0}], window_s=0.5)      # doctest: +SKIP
+    """
+
+    def __init__(self, config: MetricsConfig, *, process_index: int | None = None):
+        self.config = config
+        self._writing = (jax.process_index() if process_index is None else process_index) == 0
+        self.writers: list[Any] | None = None       # opened at the first start() or write()
+        self.tokens_per_step: int | None = None
+        self.flops_per_step: float | None = None     # all devices together
+        self._num_devices = 1
+        self._once: dict[str, float] = {}            # logged with the first record only
+
+    def start(self, compiled: jax.stages.Compiled, batch: Any, *, num_devices: int, resumed: bool = False) -> None:
+        """Read the compiled step's memory and FLOPs, and the tokens of a batch: once per run.
+        Opens the writers: ``metrics.jsonl`` anew, or appended to when the run was ``resumed``."""
+        self._open(append=resumed)
+        per_example = self.config.tokens_per_example or tokens_per_example(batch)
+        self.tokens_per_step = examples_per_step(batch) * per_example
+        self._num_devices = num_devices
+        try:
+            self.flops_per_step = flops(compiled) * num_devices
+        except ValueError:          # a backend without a cost analysis: no MFU, not a failure
+            self.flops_per_step = None
+        try:
+            m = memory(compiled)
+        except ValueError:
+            return
+        self._once = {"memory_argument_bytes": m.argument_bytes, "memory_output_bytes": m.output_bytes,
+                      "memory_temp_bytes": m.temp_bytes, "memory_total_bytes": m.total}
+
+    def scalars(self, step: int, records: Sequence[Mapping[str, float]], window_s: float,
+                opt_state: Any = None) -> dict[str, float | None]:
+        """The logged values for ``step``: loss and grad norm averaged over ``records`` (the steps
+        since the last log, which took ``window_s`` seconds together), lr, speed, MFU, memory."""
+        n = len(records)
+        out: dict[str, float | None] = {
+            "loss": float(np.mean([r["loss"] for r in records])),
+            "grad_norm": float(np.mean([r["grad_norm"] for r in records])),
+            "lr": self.learning_rate(step, opt_state),
+            "step_time_s": window_s / n,
+        }
+        out["tokens_per_s"] = self.tokens_per_step * n / window_s if self.tokens_per_step and window_s > 0 else None
+        out["mfu"] = self.mfu(window_s / n)
+        out.update(self._once)
+        self._once = {}
+        stats = jax.local_devices()[0].memory_stats() or {}     # None on CPU
+        if "peak_bytes_in_use" in stats:
+            out["memory_peak_bytes_in_use"] = float(stats["peak_bytes_in_use"])
+        return out
+
+    def log(self, step: int, records: Sequence[Mapping[str, float]], window_s: float,
+            opt_state: Any = None) -> dict[str, float | None]:
+        """Write the scalars of ``step`` to every writer; returns them."""
+        values = self.scalars(step, records, window_s, opt_state)
+        self.write(step, values)
+        return values
+
+    def log_eval(self, step: int, loss: float) -> None:
+        """Write an evaluation: ``eval_loss`` and ``eval_perplexity`` (``exp(loss)``: a perplexity
+        when the loss is a mean cross-entropy in nats)."""
+        self.write(step, {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0))})
+
+    def write(self, step: int, values: Mapping[str, float | None]) -> None:
+        self._open(append=True)
+        for w in self.writers:
+            w.write(step, values)
+
+    def _open(self, *, append: bool) -> None:
+        if self.writers is not None:
+            return
+        self.writers = []
+        if self._writing:
+            self.writers.append(JsonlWriter(self.config.jsonl_path, append=append))
+            if self.config.tensorboard:
+                self.writers.append(TensorBoardWriter(self.config.dir))
+
+    def learning_rate(self, step: int, opt_state: Any = None) -> float | None:
+        """The learning rate the update of ``step`` used: from the configured value or schedule
+        (optax counts updates from 0), else from an ``inject_hyperparams`` state, else None."""
+        lr = self.config.learning_rate
+        if lr is not None:
+            return float(read(lr(step - 1))) if callable(lr) else float(lr)
+        for node in jax.tree.leaves(opt_state, is_leaf=_has_hyperparams):
+            if _has_hyperparams(node) and "learning_rate" in node.hyperparams:
+                return float(read(node.hyperparams["learning_rate"]))
+        return None
+
+    def mfu(self, step_time_s: float) -> float | None:
+        """Model FLOPs utilisation of a step that took ``step_time_s``; None without a peak."""
+        peak = self.config.peak_flops
+        if peak is None or not self.flops_per_step or step_time_s <= 0:
+            return None
+        return self.flops_per_step / (step_time_s * peak * self._num_devices)
+
+    def close(self) -> None:
+        for w in self.writers or ():
+            w.close()
+        self.writers = None
+
+
+def _has_hyperparams(node: Any) -> bool:
+    return isinstance(getattr(node, "hyperparams", None), dict)

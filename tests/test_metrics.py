@@ -1,0 +1,142 @@
+"""Watching a run: JSONL and TensorBoard metrics, the profiled step window, no reads between logs.
+
+One Trainer (one compile) is shared by the file: a fit with metrics, TensorBoard and a profile
+window, then a second fit that checks no step between two logging steps waits for the device.
+"""
+
+import gzip
+import json
+import math
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.metrics import MetricsConfig, MetricsLogger, check_profile_steps, read_jsonl, tensorboard_tag
+from jaxpar.models.gpt import GPT, loss_fn
+from jaxpar.report import flops, memory
+from helpers import MEGATRON, TINY, batches
+
+BATCH = 64            # a step long enough on the device that the host is ahead of it between logs
+PEAK = 1e12
+SCHEDULE = optax.linear_schedule(1e-3, 0.0, 20)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Seven steps logged every 3 (steps 1, 3, 6, 7), TensorBoard on, steps 3 and 4 profiled."""
+    d = tmp_path_factory.mktemp("run")
+    metrics = MetricsConfig(dir=str(d), every=3, tensorboard=True, learning_rate=SCHEDULE, peak_flops=PEAK)
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
+    mesh = jaxpar.make_mesh(config)
+    model = jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh)
+    trainer = jaxpar.Trainer(model, optax.adamw(SCHEDULE), loss_fn, config, mesh, metrics=metrics,
+                             profile_steps=(3, 5))
+    history = trainer.fit(iter(batches(7, batch=BATCH)), steps=7, progress=False)
+    eval_loss = trainer.evaluate(batches(1, batch=BATCH))
+    compiled = trainer.lower(batches(1, batch=BATCH)[0]).compile()
+    yield {"dir": d, "history": history, "eval": eval_loss, "compiled": compiled, "trainer": trainer}
+    trainer.close()
+
+
+def test_jsonl_holds_the_logged_steps(run):
+    records = read_jsonl(run["dir"] / "metrics.jsonl")
+    train, evals = records[:-1], records[-1:]
+    assert [r["step"] for r in train] == [1, 3, 6, 7]
+    h = {r["step"]: r for r in run["history"]}
+    windows = {1: [1], 3: [2, 3], 6: [4, 5, 6], 7: [7]}
+    for r in train:
+        assert r["loss"] == pytest.approx(np.mean([h[s]["loss"] for s in windows[r["step"]]]), rel=1e-6)
+        assert r["grad_norm"] == pytest.approx(np.mean([h[s]["grad_norm"] for s in windows[r["step"]]]), rel=1e-6)
+        assert r["lr"] == pytest.approx(float(SCHEDULE(r["step"] - 1)))      # the lr the step's update used
+        assert r["tokens_per_s"] == pytest.approx(BATCH * TINY.seq_len / r["step_time_s"])
+        step_flops = flops(run["compiled"]) * 8
+        assert r["mfu"] == pytest.approx(step_flops / (r["step_time_s"] * PEAK * 8))
+    m = memory(run["compiled"])
+    assert train[0]["memory_temp_bytes"] == m.temp_bytes and train[0]["memory_total_bytes"] == m.total
+    assert not any(k.startswith("memory_") for r in train[1:] for k in r)         # read once
+    assert evals[0]["step"] == 7 and evals[0]["eval_loss"] == pytest.approx(run["eval"])
+    assert evals[0]["eval_perplexity"] == pytest.approx(math.exp(run["eval"]))
+
+
+def test_tensorboard_reads_the_event_files(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run["dir"]))
+    acc.Reload()
+    records = read_jsonl(run["dir"] / "metrics.jsonl")
+    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu"):
+        events = acc.Scalars(tensorboard_tag(key))
+        assert [e.step for e in events] == [1, 3, 6, 7]
+        assert [e.value for e in events] == pytest.approx([r[key] for r in records[:-1]], rel=1e-6)
+    assert [e.value for e in acc.Scalars("eval/loss")] == pytest.approx([run["eval"]], rel=1e-6)
+    assert [e.step for e in acc.Scalars("memory/temp_bytes")] == [1]
+
+
+def test_profile_trace_holds_the_requested_steps(run):
+    runs = list((run["dir"] / "profile" / "plugins" / "profile").iterdir())
+    assert len(runs) == 1
+    assert list(runs[0].glob("*.xplane.pb"))                                    # TensorBoard / XProf
+    (trace,) = runs[0].glob("*.trace.json.gz")                                  # Perfetto, chrome://tracing
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    steps = {e["args"]["step_num"] for e in events if e.get("name") == "train"}
+    assert steps == {"3", "4"}
+
+
+def test_steps_between_logs_never_wait_for_the_device(run):
+    """When the batch of step j+1 is asked for, step j's outputs are still being computed unless
+    step j logged (then fit read them, so they are ready): the readiness pattern is the log pattern."""
+    trainer = run["trainer"]
+    start = trainer.step_count
+    ready = {}
+
+    def watched():
+        for j, batch in enumerate(batches(9, batch=BATCH)):
+            if j:    # step start + j has run: is its state computed yet? (asks, never waits)
+                ready[start + j] = trainer.state.step.is_ready()
+            yield batch
+
+    # On an accelerator this guard also fails any read between logs (CPU arrays are host memory).
+    with jax.transfer_guard_device_to_host("disallow_explicit"):
+        trainer.fit(watched(), steps=9, log_every=4, progress=False)
+    logged = {start + 1, start + 4, start + 8}
+    assert ready == {s: s in logged for s in range(start + 1, start + 9)}
+
+
+def test_learning_rate_from_inject_hyperparams(tmp_path):
+    tx = optax.inject_hyperparams(optax.adam)(learning_rate=SCHEDULE)
+    params = {"w": jax.numpy.ones(3)}
+    state = tx.init(params)
+    for _ in range(3):
+        _, state = tx.update(params, state, params)
+    logger = MetricsLogger(MetricsConfig(dir=str(tmp_path)))
+    assert logger.learning_rate(3, state) == pytest.approx(float(SCHEDULE(2)))
+    assert logger.learning_rate(3, optax.adam(1e-3).init(params)) is None       # no schedule known: not logged
+
+
+def test_bad_settings_name_the_fix(run, tmp_path):
+    for kw, words in [({"every": 0}, "every=0"), ({"peak_flops": -1.0}, "peak_flops=-1.0"),
+                      ({"tokens_per_example": 2.5}, "tokens_per_example=2.5"), ({"learning_rate": "x"}, "learning_rate")]:
+        with pytest.raises(ValueError, match=words):
+            MetricsConfig(dir=str(tmp_path), **kw)
+    with pytest.raises(TypeError, match="non-empty path"):
+        MetricsConfig(dir="")
+    assert check_profile_steps("10:13") == (10, 13) and check_profile_steps([2, 3]) == (2, 3)
+    for bad in ("13:10", "0:2", "5"):
+        with pytest.raises(ValueError, match="profile_steps"):
+            check_profile_steps(bad)
+    trained = run["trainer"]
+    with pytest.raises(ValueError, match="pass metrics=MetricsConfig"):     # refused before any work
+        jaxpar.Trainer(trained.model, optax.adam(1e-3), loss_fn, trained.config, trained.mesh, profile_steps=(1, 2))
+
+
+def test_jsonl_survives_a_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    assert read_jsonl(path) == [{"step": 1, "loss": 2.0}]
+    path.write_text('{"step": 1, "lo\n{"step": 2, "loss": 2.0}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        read_jsonl(path)
