@@ -466,7 +466,7 @@ def make_parser() -> argparse.ArgumentParser:
 
     add_launch_parser(sub)
     add_k8s_parser(sub)
-    from jaxpar.checkpoint.cli import add_ckpt_parser
+    from jaxpar.ckpt_cli import add_ckpt_parser
 
     add_ckpt_parser(sub)
     from jaxpar.data.cli import add_data_parser

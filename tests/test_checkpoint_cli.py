@@ -9,7 +9,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 import jaxpar.checkpoint as ckpt
-from jaxpar.checkpoint.cli import main
+from jaxpar.ckpt_cli import main
 from workers_ckpt import common
 
 TP = {"mesh": {"data": 2, "model": 4}, "rules": {"mlp": "model"}}
@@ -22,7 +22,7 @@ def test_inspect_transform_merge(tmp_path, capsys):
     expected = common.values(trainer)
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": common.ROOT}
-    out = subprocess.run([sys.executable, "-m", "jaxpar.checkpoint", "inspect", str(tmp_path / "src"), "--json"],
+    out = subprocess.run([sys.executable, "-m", "jaxpar.ckpt_cli", "inspect", str(tmp_path / "src"), "--json"],
                          capture_output=True, text=True, timeout=120, env=env, check=True).stdout
     report = json.loads(out)
     assert report["step"] == 2 and report["meta"]["data_state"] == {"epoch": 1}

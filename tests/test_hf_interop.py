@@ -20,7 +20,7 @@ pytest.importorskip("safetensors")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar.checkpoint.cli import main as ckpt_main  # noqa: E402
+from jaxpar.ckpt_cli import main as ckpt_main  # noqa: E402
 from jaxpar.interop.hf import export_hf, import_hf, llama_model  # noqa: E402
 
 HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 32,

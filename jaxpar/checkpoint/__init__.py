@@ -4,7 +4,7 @@
     >>> jaxpar.checkpoint.restore(other_trainer, "ckpt")      # any mesh / ZeRO level / device count
     >>> load_strategy("ckpt")["mesh"]                         # the layout it was saved under
 
-See ``docs/checkpoint.md``; ``python -m jaxpar.checkpoint {inspect,transform,merge}`` works offline.
+See ``docs/checkpoint.md``; ``jaxpar ckpt {inspect,transform,merge,import-hf,export-hf}`` (``python -m jaxpar.ckpt_cli``) works offline.
 """
 
 from jaxpar.checkpoint.manager import CheckpointDamagedError, Checkpointer, latest_step, restore, restore_state, save, save_state

@@ -6,7 +6,7 @@
     jaxpar ckpt import-hf HF_DIR --out DIR [--to CONFIG.yaml] [--devices N] [--dtype D] [--scan-layers]
     jaxpar ckpt export-hf DIR --out HF_DIR [--step N] [--dtype D] [--max-shard-size 5GB] [--hf-config FILE]
 
-Also runnable as ``python -m jaxpar.checkpoint ...``.
+Also runnable as ``python -m jaxpar.ckpt_cli ...``.
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m jaxpar.checkpoint ARGS``, the same as ``jaxpar ckpt ARGS``; returns the exit code."""
+    """``python -m jaxpar.ckpt_cli ARGS``, the same as ``jaxpar ckpt ARGS``; returns the exit code."""
     parser = _Parser(prog="jaxpar")
     add_ckpt_parser(parser.add_subparsers(dest="command", required=True))
     try:
@@ -269,3 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:   # --help (0) or a flag argparse refused (2, the line is printed)
         return e.code if isinstance(e.code, int) else 2
     return args.func(args)
+
+
+if __name__ == "__main__":  # python -m jaxpar.ckpt_cli ARGS
+    sys.exit(main())
