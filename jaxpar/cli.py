@@ -498,6 +498,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         jaxpar train: error: argument --batch: 0 is not valid: expected an integer >= 1 ...
         2
     """
+    from jaxpar.job.cli import job_file, main as run_job_file
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if job_file(argv):       # train --config JOB.yaml: the job's own flags and --section.field overrides
+        return run_job_file(argv, _set_simulated_devices, DEFAULT_DEVICES)
     try:
         args, unknown = make_parser().parse_known_args(argv)
     except SystemExit as e:   # --help (0) or a flag argparse refused (2, the paragraph is printed)

@@ -1,0 +1,126 @@
+"""``jaxpar train --config job.yaml [--section.field value ...]``: run a job file.
+
+A ``--config`` file with a job section (``model``, ``data``, ``parallel``, ``train``,
+``checkpoint``, ``logging`` or ``eval``) is a job file; one holding ``ParallelConfig`` fields
+alone keeps configuring the built-in example as before. Every field of the job is set with a
+dotted flag; the example's own flags (``--steps``, ``--mesh``...) are refused with the dotted
+flag to use instead, so that no flag is silently ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+JOB_ONLY = ("model", "data", "parallel", "train", "checkpoint", "logging", "eval")
+
+# the example's flags -> the job field that does the same
+INSTEAD = {
+    "--steps": "--train.steps", "--lr": "--optimizer.lr", "--seed": "--train.seed", "--batch": "--data.batch",
+    "--seq-len": "--data.seq_len", "--mesh": "--parallel.mesh", "--rules": "--parallel.rules",
+    "--mode": "--parallel.mode", "--remat": "--parallel.remat", "--optimizer": "--parallel.optimizer",
+    "--pipeline": "--parallel.pipeline", "--grad-accum": "--parallel.grad_accum", "--layers": "--model.fields",
+    "--embed": "--model.fields", "--heads": "--model.fields", "--scan": "--model.fields",
+    "--metrics": "--logging.dir", "--log-dir": "--logging.dir", "--log-every": "--logging.every",
+    "--tensorboard": "--logging.tensorboard", "--profile-steps": "--logging.profile_steps",
+    "--peak-flops": "(MFU needs an accelerator's peak; not in job files yet)",
+}
+
+
+def job_file(argv: Sequence[str]) -> str | None:
+    """The job file of a ``train --config FILE`` command line, or None (not a job file)."""
+    args = [a for a in argv if a != "--debug"]
+    if not args or args[0] != "train":
+        return None
+    path = None
+    for i, a in enumerate(args):
+        if a == "--config" and i + 1 < len(args):
+            path = args[i + 1]
+        elif a.startswith("--config="):
+            path = a.split("=", 1)[1]
+    if path is None or not os.path.isfile(path):
+        return None
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return None          # the example's --config check reports it
+    return path if isinstance(data, dict) and any(k in data for k in JOB_ONLY) else None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxpar train", description=__doc__.splitlines()[0], exit_on_error=False)
+    p.add_argument("--config", required=True, help="the job file")
+    p.add_argument("--samples", type=int, default=0, help="greedy samples decoded at the end (default 0)")
+    p.add_argument("--devices", type=int, help="use the first N devices (simulated CPU devices without one)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
+    return p
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(flags, overrides)``: ``--section.field value`` pairs apart from the other flags."""
+    flags, overrides, it = [], [], iter(argv)
+    for a in it:
+        name = a.split("=", 1)[0]
+        if name.startswith("--") and "." in name:
+            overrides.append(a)
+            if "=" not in a:
+                overrides.append(next(it, ""))
+        else:
+            flags.append(a)
+    return flags, overrides
+
+
+def main(argv: Sequence[str], set_devices: Callable[[int], None] = lambda n: None, default_devices: int = 8) -> int:
+    """Run ``jaxpar train --config JOB ...``; returns the exit code (2 for a mistake in the input).
+
+    ``set_devices(n)``: asks for ``n`` simulated CPU devices before JAX starts (``--devices``,
+    else ``default_devices``)."""
+    argv = [a for a in argv if a != "train"]
+    flags, overrides = split_overrides(argv)
+    debug = "--debug" in flags
+    try:
+        for a in flags:
+            name = a.split("=", 1)[0]
+            if name in INSTEAD:
+                raise ValueError(f"{name} configures the built-in example; in a job file run set "
+                                 f"{INSTEAD[name]} (or the field in the file)")
+        args, unknown = _parser().parse_known_args(flags)
+        if unknown:
+            raise ValueError(f"unrecognized arguments {' '.join(unknown)}; a job file run takes --config, "
+                             "--samples, --devices, --quiet and --section.field value overrides")
+        if args.samples < 0 or (args.devices is not None and args.devices < 1):
+            raise ValueError(f"--samples {args.samples} / --devices {args.devices}: use --samples >= 0 and "
+                             "--devices >= 1")
+        set_devices(args.devices or default_devices)
+        return _run(args, overrides)
+    except (ValueError, TypeError, FileNotFoundError, argparse.ArgumentError) as e:
+        if debug:
+            raise
+        print(f"jaxpar train: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args, overrides: list[str]) -> int:
+    from jaxpar.job.config import JobConfig
+
+    job = JobConfig.load(args.config, overrides)
+    import jax
+
+    from jaxpar.job.run import run_job
+
+    devices = jax.devices()[: args.devices] if args.devices else None
+    print(job.to_yaml(), flush=True)            # the resolved job, as saved beside the checkpoints
+    result = run_job(job, devices=devices, progress=not args.quiet, samples=args.samples)
+    for text in result["samples"]:
+        print("--- sample ---\n" + text, flush=True)
+    last = result["history"][-1]["loss"] if result["history"] else float("nan")
+    first = result["history"][0]["loss"] if result["history"] else float("nan")
+    evals = " ".join(f"{e['eval_loss']:.3f}@{e['step']}" for e in result["eval"])
+    print(f"trained to step {result['step']}: train loss {first:.3f} -> {last:.3f}; eval {evals or 'none'}")
+    return 0
