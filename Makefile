@@ -19,8 +19,10 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-demo: $(VENV)/.installed            ## install and train the example GPT on all devices
-	$(BIN)/jaxpar train
+demo: $(VENV)/.installed            ## install; train Llama tiny on the standard library's source, print samples
+	$(BIN)/python examples/stdlib_corpus.py --out runs/data
+	rm -rf runs/demo
+	$(BIN)/jaxpar train --config examples/configs/tiny.yaml --samples 3
 
 test: $(VENV)/.installed-dev        ## the whole suite on 8 simulated CPU devices, TEST_WORKERS processes
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)

@@ -112,15 +112,25 @@ def _run(args, overrides: list[str]) -> int:
     job = JobConfig.load(args.config, overrides)
     import jax
 
-    from jaxpar.job.run import run_job
+    from jaxpar.distributed import initialize
+    from jaxpar.job.run import run_job, summary_json
 
+    initialize()   # under `jaxpar launch`, join the job before JAX lists the devices (else a no-op)
+    if args.devices and jax.process_count() > 1:
+        raise ValueError(f"--devices {args.devices}: a multi-process job uses every process's devices; leave "
+                         "--devices out and choose the mesh with --parallel.mesh")
     devices = jax.devices()[: args.devices] if args.devices else None
-    print(job.to_yaml(), flush=True)            # the resolved job, as saved beside the checkpoints
-    result = run_job(job, devices=devices, progress=not args.quiet, samples=args.samples)
+    lead = jax.process_index() == 0
+    say = print if lead else (lambda *a, **k: None)
+    say(job.to_yaml(), flush=True)            # the resolved job, as saved beside the checkpoints
+    result = run_job(job, devices=devices, progress=not args.quiet and lead, samples=args.samples, print_fn=say)
     for text in result["samples"]:
-        print("--- sample ---\n" + text, flush=True)
+        say("--- sample ---\n" + text, flush=True)
     last = result["history"][-1]["loss"] if result["history"] else float("nan")
     first = result["history"][0]["loss"] if result["history"] else float("nan")
     evals = " ".join(f"{e['eval_loss']:.3f}@{e['step']}" for e in result["eval"])
-    print(f"trained to step {result['step']}: train loss {first:.3f} -> {last:.3f}; eval {evals or 'none'}")
+    say(f"trained to step {result['step']}: train loss {first:.3f} -> {last:.3f}; eval {evals or 'none'}")
+    if job.logging.dir and lead:
+        with open(os.path.join(job.logging.dir, "summary.json"), "w") as f:
+            f.write(summary_json(result))
     return 0

@@ -121,6 +121,8 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
     Evaluation runs every ``eval.every`` steps and at the end when ``data.eval_path`` is set;
     ``samples`` greedy continuations of a few prompts are decoded at the end (named models).
     """
+    import jax
+
     import jaxpar
     from jaxpar.data import TokenStore
     from jaxpar.metrics import MetricsConfig
@@ -134,7 +136,8 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
     metrics = None
     if log.dir is not None:
         metrics = MetricsConfig(dir=log.dir, every=log.every, tensorboard=log.tensorboard, learning_rate=schedule)
-    save_resolved(job, log.dir, ck.dir)
+    if jax.process_index() == 0:
+        save_resolved(job, log.dir, ck.dir)
     trainer = jaxpar.Trainer(model, tx, loss, job.parallel, mesh, checkpoint_dir=ck.dir,
                              save_every=ck.every, keep=ck.keep, resume=ck.resume, metrics=metrics,
                              profile_steps=log.profile_steps)

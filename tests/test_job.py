@@ -1,0 +1,105 @@
+"""A job in one file: `JobConfig` (sections, overrides, bad keys) and `jaxpar train --config JOB`
+end to end: determinism, resume on the same and on a different process count."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.data import prepare
+from jaxpar.job import JobConfig
+from jaxpar.launch.ports import free_port
+from jaxpar.models.data import arithmetic_text
+from workers.procs import WORKERS, Launch
+
+
+def test_sections_overrides_and_round_trip():
+    job = JobConfig.from_dict({"model": {"size": "tiny", "fields": {"layers": 1}}, "parallel": {"mesh": {"data": 8}}},
+                              ["--optimizer.lr", "3e-4", "--parallel.optimizer.level", "2", "--train.steps=7"])
+    assert (job.optimizer.lr, job.parallel.optimizer.level, job.train.steps) == (3e-4, 2, 7)
+    assert JobConfig.from_dict(job.to_dict()) == job
+
+
+@pytest.mark.parametrize("d, overrides, error, words", [
+    ({"optimzer": {"lr": 1.0}}, [], ValueError, "unknown key 'optimzer'; did you mean 'optimizer'"),
+    ({}, ["--optimizer.lrr", "1"], ValueError, "unknown key 'optimizer.lrr'; did you mean 'optimizer.lr'"),
+    ({"parallel": {"meshh": {"data": 8}}}, [], ValueError, "did you mean 'parallel.mesh'"),
+    ({"train": {"steps": "ten"}}, [], TypeError, "train.steps='ten' is a str; it must be int"),
+    ({"optimizer": {"lr": -1}}, [], ValueError, "optimizer.lr=-1.0"),
+    ({"model": {"factory": "pkg.mod:make"}}, [], ValueError, "give both"),
+    ({"logging": {"profile_steps": "13:10"}}, [], ValueError, "START must be >= 0 and below STOP"),
+    ({"data": "x"}, [], ValueError, "a section is a mapping"),
+])
+def test_bad_job_configs_name_the_key(d, overrides, error, words):
+    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+        JobConfig.from_dict(d, overrides)
+
+
+JOB = """
+model: {{name: llama, size: tiny}}
+data: {{path: {store}, seq_len: 16, batch: 16, seed: 3}}
+optimizer: {{lr: 1.0e-2, warmup_steps: 2, schedule: constant}}   # one schedule for 10 and 20 steps
+parallel: {{mesh: {{data: 8}}}}
+train: {{steps: 20}}
+checkpoint: {{every: 10}}
+logging: {{every: 1, tensorboard: false}}
+"""
+
+
+@pytest.fixture(scope="module")
+def job_file(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("job")
+    (tmp / "corpus.txt").write_text(arithmetic_text(2000, seed=1))
+    prepare([str(tmp / "corpus.txt")], str(tmp / "store"), docs="line", progress=False)
+    (tmp / "job.yaml").write_text(JOB.format(store=tmp / "store"))
+    return tmp / "job.yaml"
+
+
+def _train(job_file, run_dir, *flags):
+    return main(["train", "--config", str(job_file), "--checkpoint.dir", str(run_dir / "ckpt"),
+                 "--logging.dir", str(run_dir / "log"), "--quiet", *flags])
+
+
+def _losses(run_dir):
+    lines = (run_dir / "log" / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r and "eval_loss" not in r}
+
+
+def test_the_example_flags_are_refused_with_the_field_to_use(job_file, tmp_path, capsys):
+    assert _train(job_file, tmp_path, "--steps", "3") == 2
+    assert "--train.steps" in capsys.readouterr().err
+    assert _train(job_file, tmp_path, "--optimizer.lrr", "1") == 2
+    assert "did you mean 'optimizer.lr'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_job_resumes_with_the_same_losses_on_one_or_two_processes(job_file, tmp_path, tag):
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert _train(job_file, whole) == 0
+    expected = _losses(whole)
+    assert sorted(expected) == list(range(1, 21))
+    assert (whole / "ckpt" / "job.yaml").exists()                       # the resolved job beside the steps
+
+    assert _train(job_file, part, "--train.steps", "10") == 0
+    shutil.copytree(part, tmp_path / "two")
+    assert _train(job_file, part) == 0                                  # same process count: resumes at 10
+    assert _losses(part) == expected                                    # bit-identical, steps 1-20
+
+    two = tmp_path / "two"                                              # 2 processes x 4 devices, from 10
+    args = ["--worker-num", 2, "--local-worker-num", 2, "--simulated-devices", 4, "--master-port", free_port(),
+            "--cluster-time-out", 60]
+    run = Launch(tmp_path, tag, args, ["--config", job_file, "--checkpoint.dir", two / "ckpt",
+                                       "--logging.dir", two / "log", "--quiet"],
+                 script=os.path.join(WORKERS, "job_worker.py"), entry=("-m", "jaxpar.cli", "launch"))
+    try:
+        assert run.wait(timeout=240) == 0, run.stderr + run.log(0) + run.log(1)
+    finally:
+        run.close()
+    resumed = _losses(two)
+    assert sorted(resumed) == list(range(1, 21))
+    for step in range(11, 21):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-5), step
