@@ -30,8 +30,11 @@ FEATURES = {
     "precision": ("none", "bf16"),
 }
 STEPS = 5
-# (loss, parameter) relative tolerances against one device, by precision.
-TOLERANCE = {"none": (1e-5, 5e-5), "bf16": (2e-2, 2e-2)}
+# (loss, parameter) relative tolerances against one device, by precision. bf16 runs that sum in
+# another order differ by ~0.3 % in loss and up to ~8 % in the smallest parameters (biases)
+# after STEPS steps; bf16 against fp32 differs by as much, so a bf16 cell catches broken
+# gradients and crashes, not a subtly wrong dtype (tests/test_precision.py checks those).
+TOLERANCE = {"none": (1e-5, 5e-5), "bf16": (1e-2, 1e-1)}
 SAVE_AT = 2
 BATCH = 32
 
@@ -39,6 +42,7 @@ BATCH = 32
 REFUSED = {
     ("mode", "hybrid", "pipeline"): "the pipeline is itself a shard_map over the pipe axis",
     ("mode", "auto", "pipeline"): "the strategy search does not place stages; plan_job(pipeline_stages=...) does",
+    ("precision", "bf16", "pipeline"): "on CPU only: XLA:CPU aborts widening the pipeline's bf16 collectives",
 }
 # Pairs the example model cannot express: per-device (hybrid) code that is written for global arrays.
 NOT_APPLICABLE = {("mode", "hybrid", "layout"), ("mode", "auto", "layout")}
@@ -49,6 +53,8 @@ def _blocked(cell: dict) -> bool:
     `BATCH` rows does not divide into accumulation × interleave × pipeline micro-batches × the
     data axis."""
     if cell["mode"] != "given" and cell["pipeline"] != "none":
+        return True
+    if cell["precision"] != "none" and cell["pipeline"] != "none":
         return True
     if cell["mode"] != "given" and cell["layout"] != "data":
         return True

@@ -72,4 +72,10 @@ def test_refused_pairs_name_both_features(mode):
     with pytest.raises(ValueError, match=rf"pipeline\.stages.*mode='{mode}'|mode='{mode}'.*pipeline"):
         matrix._trainer(matrix.config_for(cell), matrix.gpt_config(cell), 8)
     for (feature, value, other), reason in matrix.REFUSED.items():
-        assert feature == "mode" and other == "pipeline" and reason
+        assert feature in ("mode", "precision") and other == "pipeline" and reason
+
+
+def test_bf16_with_pipeline_refused_on_cpu_naming_both():
+    cell = dict(matrix.BASE, precision="bf16", pipeline="1f1b")
+    with pytest.raises(ValueError, match=r"pipeline\.stages=2 with precision compute='bfloat16'.*CPU"):
+        matrix._trainer(matrix.config_for(cell), matrix.gpt_config(cell), 8)
