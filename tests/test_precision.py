@@ -91,7 +91,6 @@ def _train(precision, steps):
     return np.asarray(jax.device_get(losses)), jax.device_get(trainer.state.params)
 
 
-@pytest.mark.slow
 def test_bf16_converges_like_fp32_and_fp32_preset_is_no_setting():
     plain, plain_params = _train(None, 200)
     fp32, fp32_params = _train("fp32", 200)
@@ -126,7 +125,6 @@ def test_bf16_halves_the_activations_kept_for_the_backward():
         residuals = jax.eval_shape(lambda p: jax.vjp(lambda q: loss(q, rest, batch)[0], p)[1], params)
         kept[precision] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(residuals))
     drop = 1 - kept["bf16"] / kept["fp32"]
-    print(f"kept bytes: fp32 {kept['fp32']:,}, bf16 {kept['bf16']:,} ({drop:.1%} less)")
     assert drop >= 0.4, f"bf16 keeps {kept['bf16']:,} bytes, fp32 {kept['fp32']:,}: {drop:.0%} less (want >= 40%)"
 
 
