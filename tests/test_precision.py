@@ -8,7 +8,6 @@ recompute, checkpoints) is checked by the combination matrix (tests/matrix.py, f
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
