@@ -8,6 +8,7 @@ model sharded (``init``) and train it (``Trainer``). Strategies come in MindSpor
 from jaxpar import ops, report
 from jaxpar.config import OptimizerConfig, ParallelConfig, PipelineConfig
 from jaxpar.mesh import make_mesh
+from jaxpar.precision import Precision
 from jaxpar.nn import init
 from jaxpar.plan import TrainPlan, TrainState, make_train_plan
 from jaxpar.shard import LogicalConstraint, shard
@@ -26,6 +27,7 @@ __all__ = [
     "OptimizerConfig",
     "ParallelConfig",
     "PipelineConfig",
+    "Precision",
     "TrainPlan",
     "TrainState",
     "Trainer",

@@ -19,6 +19,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
+from jaxpar.precision import Precision, as_precision
 from jaxpar.strategy.layout import Layout, LayoutSpec
 
 MODES = ("data", "semi_auto", "auto", "hybrid")
@@ -217,6 +218,9 @@ class ParallelConfig:
         batch runs as this many parts one after another, so one part's collectives can
         overlap the next part's compute. 1 = off.
       search: strategy search algorithm for ``mode="auto"``.
+      precision: mixed precision: ``None`` (every array keeps the dtype the model gave
+        it), a preset ``"fp32"`` / ``"bf16"`` / ``"bf16-pure"``, a dict of dtypes
+        ``{"params", "compute", "reduce", "opt_state"}`` or a ``jaxpar.Precision``.
       allow_unused_rules: keep rules that no parameter, activation constraint or batch
         consults (off: such a rule, e.g. a typo ``"mlpp"``, is an error when the step is
         traced). Turn on for a shared rule set applied to models that use part of it.
@@ -234,6 +238,7 @@ class ParallelConfig:
     search: str | None = None
     comm_fusion: CommFusionConfig | None = None
     interleave: int = 1
+    precision: Precision | None = None
     allow_unused_rules: bool = False
 
     def __post_init__(self):
@@ -262,6 +267,10 @@ class ParallelConfig:
             setf("comm_fusion", _sub(CommFusionConfig, fusion, "comm_fusion"))
         if not isinstance(self.interleave, int) or isinstance(self.interleave, bool) or self.interleave < 1:
             raise _fail("interleave", self.interleave, "use a positive int (1 = off)")
+        try:
+            setf("precision", as_precision(self.precision))
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"ParallelConfig.precision: {e}") from None
         if not isinstance(self.allow_unused_rules, bool):
             raise _fail("allow_unused_rules", self.allow_unused_rules, "use True or False")
         if self.search is not None and self.search not in SEARCHES:
@@ -392,6 +401,9 @@ def _apply_override(d: dict[str, Any], key: str, raw: str) -> None:
         d[top][sub] = _parse_scalar(raw)
     elif key == "comm_fusion" and "=" in raw:
         d[key] = {**(d[key] or {}), **_parse_pairs(key, raw)}
+    elif key == "precision" and "=" in raw:
+        d[key] = {**(dataclasses.asdict(as_precision("fp32")) if d[key] is None else d[key]),
+                  **_parse_pairs(key, raw)}
     elif key in ("optimizer", "pipeline"):
         d[key] = {**d[key], **_parse_pairs(key, raw)}
     else:

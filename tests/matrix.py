@@ -9,7 +9,9 @@ per-device code with tensor parallel is not a thing it can do).
 
 `run_cell` trains one cell for `STEPS` adamw steps on a tiny scanned GPT with dropout modules
 (rate 0: the RNG state is there and threads through every technique, the numbers stay those
-of one device), and returns its losses and parameters.
+of one device), and returns its losses and parameters. A ``precision="bf16"`` cell is compared
+with one device under the same precision, within `TOLERANCE` (bf16 sums in another order
+round differently).
 """
 
 from __future__ import annotations
@@ -25,8 +27,14 @@ FEATURES = {
     "remat": ("none", "full"),
     "mode": ("given", "hybrid", "auto"),
     "ckpt": ("no", "restore"),
+    "precision": ("none", "bf16"),
 }
 STEPS = 5
+# (loss, parameter) relative tolerances against one device, by precision. bf16 runs that sum in
+# another order differ by ~0.3 % in loss and up to ~8 % in the smallest parameters (biases)
+# after STEPS steps; bf16 against fp32 differs by as much, so a bf16 cell catches broken
+# gradients and crashes, not a subtly wrong dtype (tests/test_precision.py checks those).
+TOLERANCE = {"none": (1e-5, 5e-5), "bf16": (1e-2, 1e-1)}
 SAVE_AT = 2
 BATCH = 32
 
@@ -34,6 +42,7 @@ BATCH = 32
 REFUSED = {
     ("mode", "hybrid", "pipeline"): "the pipeline is itself a shard_map over the pipe axis",
     ("mode", "auto", "pipeline"): "the strategy search does not place stages; plan_job(pipeline_stages=...) does",
+    ("precision", "bf16", "pipeline"): "on CPU only: XLA:CPU aborts widening the pipeline's bf16 collectives",
 }
 # Pairs the example model cannot express: per-device (hybrid) code that is written for global arrays.
 NOT_APPLICABLE = {("mode", "hybrid", "layout"), ("mode", "auto", "layout")}
@@ -44,6 +53,8 @@ def _blocked(cell: dict) -> bool:
     `BATCH` rows does not divide into accumulation × interleave × pipeline micro-batches × the
     data axis."""
     if cell["mode"] != "given" and cell["pipeline"] != "none":
+        return True
+    if cell["precision"] != "none" and cell["pipeline"] != "none":
         return True
     if cell["mode"] != "given" and cell["layout"] != "data":
         return True
@@ -85,7 +96,7 @@ def all_pairs() -> set:
 
 
 BASE = {"layout": "data", "pipeline": "none", "zero": 0, "accum": 1, "interleave": 1, "remat": "none",
-        "mode": "given", "ckpt": "no"}
+        "mode": "given", "ckpt": "no", "precision": "none"}
 PRODUCT = [dict(BASE, layout="megatron", pipeline=p, zero=z)
            for p in ("none", "gpipe", "1f1b", "interleaved", "zb-h1") for z in (0, 1)]
 
@@ -134,7 +145,8 @@ def config_for(cell: dict):
         mesh=mesh, mode=mode, rules=rules if mode != "auto" else {},
         optimizer={"level": cell["zero"], "threshold_kb": 0}, grad_accum=cell["accum"],
         interleave=cell["interleave"], remat=cell["remat"], pipeline=pipeline,
-        search="dynamic_programming" if mode == "auto" else None)
+        search="dynamic_programming" if mode == "auto" else None,
+        precision=None if cell["precision"] == "none" else cell["precision"])
 
 
 def gpt_config(cell: dict | None = None):
@@ -188,19 +200,26 @@ def run_cell(cell: dict, tmp_dir: str | None = None):
         return [float(trainer.step(b)["loss"]) for b in batches], _params(trainer)
     losses = [float(trainer.step(b)["loss"]) for b in batches[:SAVE_AT]]
     trainer.save(tmp_dir)
-    plain = _trainer(jaxpar.ParallelConfig(mesh={"data": 8}, rules={"batch": "data"}), gpt, 8)
+    plain = _trainer(jaxpar.ParallelConfig(mesh={"data": 8}, rules={"batch": "data"},
+                                           precision=config_for(cell).precision), gpt, 8)
     plain.restore(tmp_dir)
     losses += [float(plain.step(b)["loss"]) for b in batches[SAVE_AT:]]
     return losses, _params(plain)
 
 
-def reference(fused: bool):
-    """The same training on one device."""
+def reference(fused: bool, precision: str = "none"):
+    """The same training on one device (with the same precision setting)."""
     import jaxpar
 
     cell = dict(BASE, layout="fused" if fused else "data")
-    trainer = _trainer(jaxpar.ParallelConfig(mesh={"data": 1}), gpt_config(cell), 1)
+    config = jaxpar.ParallelConfig(mesh={"data": 1}, precision=None if precision == "none" else precision)
+    trainer = _trainer(config, gpt_config(cell), 1)
     return [float(trainer.step(b)["loss"]) for b in _batches()], _params(trainer)
+
+
+def reference_key(fused: bool, precision: str) -> str:
+    """The name of a one-device reference in the references file."""
+    return f"{int(fused)}-{precision}"
 
 
 def flat_params(params) -> dict:
@@ -224,5 +243,5 @@ def errors(result, expected) -> tuple[float, float]:
     return loss_err, param_err
 
 
-__all__ = ["CELLS", "FEATURES", "REFUSED", "all_pairs", "config_for", "errors", "flat_params", "name", "reference",
+__all__ = ["CELLS", "FEATURES", "REFUSED", "TOLERANCE", "all_pairs", "reference_key", "config_for", "errors", "flat_params", "name", "reference",
            "run_cell"]

@@ -267,7 +267,9 @@ class Llama(nnx.Module):
                                                            ("embed", "vocab"))
 
     def embed(self, tokens):
-        x = self.embedding[...][tokens].astype(jnp.dtype(self.cfg.dtype))
+        x = self.embedding[...][tokens]
+        if self.cfg.dtype is not None:
+            x = x.astype(jnp.dtype(self.cfg.dtype))
         return self.constrain(x, ("batch", "length", "embed"))
 
     def run_blocks(self, x, segment_ids=None):

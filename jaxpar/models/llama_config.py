@@ -78,7 +78,8 @@ class LlamaConfig:
     scan_layers: bool = False     # stack blocks on a "layers" axis and run them with scan
     remat: str = "none"           # jax.checkpoint policy name for each block ("none" = keep all)
     attention: str = "auto"       # "auto" | "xla" | "cudnn" | "reference" (plain einsum softmax)
-    dtype: str = "float32"        # compute dtype of activations
+    dtype: str | None = None      # compute dtype of activations; None = the parameters' dtype as used
+                                  # (param_dtype, or the compute dtype of a jaxpar.Precision)
     param_dtype: str = "float32"  # storage dtype of parameters
 
     def __post_init__(self):
@@ -110,7 +111,7 @@ class LlamaConfig:
         if self.attention not in ATTENTION:
             raise ValueError(f"LlamaConfig.attention={self.attention!r} is not one of {ATTENTION}")
         for name in ("dtype", "param_dtype"):
-            if getattr(self, name) not in DTYPES:
+            if getattr(self, name) not in DTYPES and not (name == "dtype" and self.dtype is None):
                 raise ValueError(f"LlamaConfig.{name}={getattr(self, name)!r} is not one of {DTYPES}")
         if isinstance(self.rope_scaling, dict):   # from YAML / JSON
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))

@@ -39,17 +39,18 @@ def _mean_tree(tree):
 
 
 def accumulate_grads(compute_grads: Callable, k: int, *, constrain_grads: Callable = lambda g: g,
-                     constrain_parts: Callable = lambda b: b) -> Callable:
+                     constrain_parts: Callable = lambda b: b, dtype=None) -> Callable:
     """``compute_grads(params, rest, batch) -> (loss, aux, rest, grads)`` over ``k`` parts.
 
     Returns a function of the same signature whose loss, float aux values and gradients are
-    the means over the parts (integer aux: the last part's)."""
+    the means over the parts (integer aux: the last part's). The running sum is kept in
+    ``dtype`` (``None``: the parameters' dtypes)."""
     if k == 1:
         return compute_grads
 
     def run(params, rest, batch):
         parts = split_batch(batch, k, constrain_parts)
-        zeros = constrain_grads(jax.tree.map(jnp.zeros_like, params))
+        zeros = constrain_grads(jax.tree.map(lambda p: jnp.zeros_like(p, dtype=dtype), params))
 
         def body(carry, part):
             acc, rest = carry

@@ -23,6 +23,7 @@ from flax import nnx
 
 from jaxpar.optim.offload import to_device
 from jaxpar.optim.zero import shard_optimizer
+from jaxpar.precision import cast_floats, with_precision
 
 
 def check_data(data: Any, what: str = "data_state") -> dict[str, Any]:
@@ -126,7 +127,10 @@ def shaped(tree):
 
 
 def sharded_tx(plan, mesh, tx: optax.GradientTransformation, params_like) -> optax.GradientTransformation:
-    """``tx`` whose update runs on the plan's ZeRO shards (``tx`` itself at level 0)."""
+    """``tx`` whose update runs on the plan's ZeRO shards (``tx`` itself at level 0), its state
+    stored in the plan's ``precision.opt_state`` dtype (cast inside the shards: nothing is
+    gathered for it)."""
+    tx = with_precision(tx, plan.precision)
     if not plan.zero_level:
         return tx
     return shard_optimizer(tx, mesh, plan.zero(params_like), shaped(params_like))
@@ -145,6 +149,8 @@ def init_state(plan, mesh, model: nnx.Module | tuple, tx: optax.GradientTransfor
     else:
         graphdef, params, rest = model
     stored = plan.shardings("stored", params, mesh)
+    if plan.precision is not None:      # master weights in the stored dtype (float leaves only)
+        params = cast_floats(params, plan.precision.params)
     params = jax.device_put(params, stored)
     rest = jax.device_put(rest, plan.shardings("rest", rest, mesh))
     tx = sharded_tx(plan, mesh, tx, params)

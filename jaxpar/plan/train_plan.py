@@ -36,6 +36,7 @@ from jaxpar.config import ParallelConfig, to_plain, from_plain
 from jaxpar.data import batch_axes, batch_specs
 from jaxpar.nn.plan import check_plan_covers, is_variable, path_str, plan_state
 from jaxpar.optim.zero import ZeroPlan, opt_state_specs, zero_plan
+from jaxpar.precision import cast_floats
 from jaxpar.strategy import mesh_sizes, spec_axes
 
 SECTIONS = ("params", "stored", "grads", "update", "opt_state", "rest")
@@ -116,6 +117,11 @@ class TrainPlan:
     @property
     def interleave(self) -> int:
         return self.config.interleave
+
+    @property
+    def precision(self):
+        """The ``jaxpar.Precision`` the step applies, or ``None`` (dtypes as the model made them)."""
+        return self.config.precision
 
     @property
     def zero_level(self) -> int:
@@ -203,6 +209,8 @@ class TrainPlan:
                          f"microbatches={c.pipeline.microbatches} virtual={c.pipeline.virtual_stages}")
         if c.comm_fusion is not None:
             parts.append(f"comm_fusion {c.comm_fusion.mode}")
+        if c.precision is not None:
+            parts.append(f"precision {c.precision.label}")
         if self.offload:
             parts.append(f"offload {list(self.offload)}")
         return "; ".join(parts)
@@ -312,6 +320,8 @@ def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.Grad
     rest_specs = plan_state(config, sizes, rest, check_unused=False)
     check_plan_covers(config, params, rest)
     abstract = jax.tree.map(_abstract, params, is_leaf=is_variable)
+    if config.precision is not None:     # the plan's shapes and bytes are those of the stored dtype
+        abstract = cast_floats(abstract, config.precision.params)
     pure_specs = jax.tree.map(lambda v: v.get_value(), param_specs, is_leaf=is_variable)
     zero = zero_plan(config.optimizer, sizes, pure_specs, abstract)
     opt = opt_state_specs(tx, zero.state, abstract)

@@ -63,6 +63,17 @@ def check_supported(config: ParallelConfig) -> None:
             "train its config, or use mode='semi_auto' with rules {'layers': 'pipe'}")
 
 
+def check_platform(config: ParallelConfig, platform: str) -> None:
+    """Combinations one backend cannot compile, refused before it aborts the process."""
+    half = config.precision is not None and config.precision.compute != "float32"
+    if half and config.pipeline.stages > 1 and platform == "cpu":
+        raise ValueError(
+            f"ParallelConfig: pipeline.stages={config.pipeline.stages} with precision compute="
+            f"{config.precision.compute!r} is not supported on CPU (XLA:CPU aborts while widening the "
+            "pipeline's half-precision collectives to fp32); on CPU use precision='fp32' or None with the "
+            "pipeline, or precision without the pipeline")
+
+
 def check_args(model, tx, loss_fn, config, mesh, plan) -> None:
     if not isinstance(model, nnx.Module):
         raise TypeError(f"Trainer: model must be a flax.nnx.Module, got {type(model).__name__}")
@@ -79,6 +90,7 @@ def check_args(model, tx, loss_fn, config, mesh, plan) -> None:
             raise ValueError(f"Trainer: config.mesh {config.mesh} does not match the mesh {dict(mesh.shape)}; "
                              "build the mesh with jaxpar.make_mesh(config)")
     check_supported(config)
+    check_platform(config, mesh.devices.flat[0].platform)
     if config.pipeline.stages > 1 and not isinstance(loss_fn, PipelineLoss):
         raise TypeError(
             f"Trainer: pipeline.stages={config.pipeline.stages} needs loss_fn as a jaxpar.pipeline.PipelineLoss "

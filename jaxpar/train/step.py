@@ -30,6 +30,7 @@ from jaxpar.optim.offload import to_device
 from jaxpar.optim.zero import gather_params, reduce_gradients
 from jaxpar.pipeline.model import pipelined
 from jaxpar.plan.state import TrainState, sharded_tx
+from jaxpar.precision import cast_floats, cast_like
 from jaxpar.remat import checkpoint_policy
 from jaxpar.strategy import spec_axes
 
@@ -44,6 +45,7 @@ class Setting:
         self.params_like, self.rest_like = params_like, rest_like
         self.zero = plan.zero(params_like)
         self.rest_specs = plan.specs("rest", rest_like)
+        self.precision = plan.precision
 
     def shardings(self, specs):
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
@@ -87,7 +89,7 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
     if plan.loss_runs == "per_device" and (plan.config.comm_fusion is not None or plan.zero_level):
         # Per-device gradients reduced by jaxpar: bucketed all-reduces and reduce-scatters
         # to the ZeRO shards, inside the same shard_map as the loss.
-        grads = reduce_per_device(s, loss_fn, micro, lambda f: interleave(recompute(f, plan.remat), n))
+        grads = reduce_per_device(s, loss_fn, micro, lambda f: cast(s, interleave(recompute(f, plan.remat), n)))
     else:
         loss = merge(s, loss_fn, part)
         # ZeRO-3 gathers the stored shards to the compute layout *inside* the loss, so that
@@ -97,10 +99,17 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
         # Multi-copy: the parts run one after another in one program, so one part's
         # collectives can overlap the next part's compute.
         loss = interleave(loss, n, s.batch_constraint(part))
-        grads = differentiate(loss)
+        # Precision casts the stored parameters to the compute dtype here: outside recompute
+        # and the interleaved parts (one cast per micro-batch, the cast copy is what the
+        # backward keeps), before the ZeRO-3 gather (the all-gather moves compute-dtype
+        # shards), and inside differentiate, so gradients come back in the stored dtype and
+        # the update lands on the master weights.
+        loss = cast(s, loss)
+        grads = reduce_in(s, differentiate(loss))
     # Accumulation scans everything above over k micro-batches; the running sum is kept in
-    # the ZeRO gradient layout (sharded from level 2).
-    return accumulate_grads(s, grads, k, micro)
+    # the ZeRO gradient layout (sharded from level 2) and the reduce dtype; the optimizer
+    # then gets the gradients in the stored dtype.
+    return to_stored(s, accumulate_grads(s, grads, k, micro))
 
 
 def build_step(s: Setting, loss_fn: Callable, tx: optax.GradientTransformation, batch, *,
@@ -113,7 +122,7 @@ def build_step(s: Setting, loss_fn: Callable, tx: optax.GradientTransformation, 
 
 def build_eval(s: Setting, loss_fn: Callable, batch) -> Callable:
     """``(TrainState, batch) -> loss``: the forward of the chain, no gradients."""
-    loss = gather(s, merge(s, pipeline(s, loss_fn), batch))
+    loss = cast(s, gather(s, merge(s, pipeline(s, loss_fn), batch)))
 
     def evaluate(state: TrainState, batch):
         return loss(enter(s, state.params), state.rest, batch)[0]
@@ -191,6 +200,45 @@ def interleave(loss: Callable, n: int, constrain: Callable = lambda b: b) -> Cal
     return accumulate.interleave_loss(loss, n, constrain_parts=constrain)
 
 
+def cast(s: Setting, loss: Callable) -> Callable:
+    """``precision``: parameters and float batch leaves cast to the compute dtype where the
+    loss uses them; the loss returned in fp32; non-parameter state back in its own dtypes
+    (statistics stay as stored; keys and counters are never cast)."""
+    if s.precision is None:
+        return loss
+    dtype = s.precision.compute
+
+    def cast_loss(params, rest, batch):
+        value, (aux, new_rest) = loss(cast_floats(params, dtype), rest, cast_floats(batch, dtype))
+        return value.astype(jnp.float32), (aux, cast_like(new_rest, rest))
+
+    return cast_loss
+
+
+def reduce_in(s: Setting, grads: Callable) -> Callable:
+    """``precision``: gradients in the reduce dtype from the backward on (sums, collectives)."""
+    if s.precision is None:
+        return grads
+
+    def compute(params, rest, batch):
+        loss, aux, rest, g = grads(params, rest, batch)
+        return loss, aux, rest, cast_floats(g, s.precision.reduce)
+
+    return compute
+
+
+def to_stored(s: Setting, grads: Callable) -> Callable:
+    """``precision``: gradients handed to the optimizer in the dtype of the stored parameters."""
+    if s.precision is None:
+        return grads
+
+    def compute(params, rest, batch):
+        loss, aux, rest, g = grads(params, rest, batch)
+        return loss, aux, rest, cast_like(g, params)
+
+    return compute
+
+
 def differentiate(loss: Callable) -> Callable:
     """A state loss → a gradient function (gradients with respect to the parameters)."""
 
@@ -229,6 +277,8 @@ def reduce_per_device(s: Setting, loss_fn: Callable, batch, wrap: Callable) -> C
     def local(params, rest, batch):
         grad_fn = jax.value_and_grad(lambda p: state_loss(p, rest, batch), has_aux=True)
         (loss, (aux, rest)), grads = grad_fn(jax.tree.map(varying, params, zero.params, is_leaf=_is_spec))
+        if s.precision is not None:       # the all-reduce / reduce-scatter runs in the reduce dtype
+            grads = cast_floats(grads, s.precision.reduce)
         grads = reduce_gradients(grads, zero.params, target, axes, others) if axes else grads
         return _mean(loss, axes), jax.tree.map(lambda x: _mean(x, axes), aux), _agree(rest, axes), grads
 
@@ -244,7 +294,8 @@ def reduce_per_device(s: Setting, loss_fn: Callable, batch, wrap: Callable) -> C
 def accumulate_grads(s: Setting, grads: Callable, k: int, micro) -> Callable:
     """``grad_accum=k``: a scan over ``k`` micro-batches; the sum kept in the ZeRO gradient layout."""
     return accumulate.accumulate_grads(grads, k, constrain_grads=lambda g: s.constrain(g, s.zero.grads),
-                                       constrain_parts=s.batch_constraint(micro))
+                                       constrain_parts=s.batch_constraint(micro),
+                                       dtype=s.precision.reduce if s.precision is not None else None)
 
 
 def enter(s: Setting, params):

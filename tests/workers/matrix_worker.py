@@ -25,16 +25,17 @@ def main(cells_path, ref_path, out_path, tmp):
         cells = json.load(f)
     refs = {}
     with np.load(ref_path, allow_pickle=False) as z:
-        for fused in ("0", "1"):
-            losses = z[f"{fused}/losses"]
-            keys = sorted(k for k in z.files if k.startswith(f"{fused}/p/"))
-            refs[fused] = (losses, [z[k] for k in keys])
+        for name in {k.split("/")[0] for k in z.files}:
+            keys = sorted(k for k in z.files if k.startswith(f"{name}/p/"))
+            refs[name] = (z[f"{name}/losses"], [z[k] for k in keys])
     for i, cell in enumerate(cells):
         line = {"name": matrix.name(cell)}
         try:
             losses, params = matrix.run_cell(cell, os.path.join(tmp, f"ckpt{i}"))
-            flat = [p for _, p in sorted(matrix.flat_params(params).items())]
-            line["loss_err"], line["param_err"] = matrix.errors((losses, flat), refs["1" if cell["layout"] == "fused" else "0"])
+            flat = [np.asarray(p, np.float32) for _, p in sorted(matrix.flat_params(params).items())]
+            key = matrix.reference_key(cell["layout"] == "fused", cell["precision"])
+            line["loss_err"], line["param_err"] = matrix.errors((losses, flat), refs[key])
+            line["tolerance"] = matrix.TOLERANCE[cell["precision"]]
         except Exception as e:  # reported by the parent with the cell's name
             line["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
         with open(out_path, "a") as f:
