@@ -324,10 +324,13 @@ def cmd_train(args) -> int:
     step_time = sum(h["time_s"] for h in steady) / len(steady)
     tokens_per_s = job.batch * job.model.seq_len / step_time
     n = mesh.devices.size
-    mfu = jaxpar_mfu(report.flops * n, step_time, args.peak_flops, n) if args.peak_flops else None
+    from jaxpar.metrics.cli import device_peak
+
+    peak = args.peak_flops or device_peak()
+    mfu = jaxpar_mfu(report.flops * n, step_time, peak, n) if peak else None
     _print(f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} (eval {eval_loss:.4f}); "
            f"step {step_time * 1e3:.1f} ms, {tokens_per_s:,.0f} tokens/s, "
-           f"MFU {'n/a (no --peak-flops)' if mfu is None else f'{mfu:.1%}'}, total {wall:.1f}s")
+           f"MFU {'n/a (no peak for this device: --peak-flops)' if mfu is None else f'{mfu:.1%}'}, total {wall:.1f}s")
     if args.log_dir:
         _print(f"run log in {args.log_dir}" + (f" (tensorboard --logdir {args.log_dir})" if args.tensorboard else ""))
     out = {"config": config.to_dict(), "mesh": dict(mesh.shape), "steps": job.steps, "batch": job.batch,

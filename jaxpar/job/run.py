@@ -135,7 +135,11 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
     log, ck = job.logging, job.checkpoint
     metrics = None
     if log.dir is not None:
-        metrics = MetricsConfig(dir=log.dir, every=log.every, tensorboard=log.tensorboard, learning_rate=schedule)
+        from jaxpar.metrics.cli import device_peak
+
+        compute = job.parallel.precision.compute if job.parallel.precision is not None else "float32"
+        metrics = MetricsConfig(dir=log.dir, every=log.every, tensorboard=log.tensorboard, learning_rate=schedule,
+                                peak_flops=device_peak(compute))
     if jax.process_index() == 0:
         save_resolved(job, log.dir, ck.dir)
     trainer = jaxpar.Trainer(model, tx, loss, job.parallel, mesh, checkpoint_dir=ck.dir,

@@ -86,10 +86,21 @@ def _unwritable(folder: str) -> str | None:
     return None
 
 
-def metrics_config(args: argparse.Namespace, learning_rate: float | Callable[[Any], Any] | None = None
-                   ) -> MetricsConfig | None:
-    """The `MetricsConfig` of the flags (None with ``--log-dir ''``)."""
+def metrics_config(args: argparse.Namespace, learning_rate: float | Callable[[Any], Any] | None = None,
+                   dtype: str = "float32") -> MetricsConfig | None:
+    """The `MetricsConfig` of the flags (None with ``--log-dir ''``). Without ``--peak-flops``
+    the peak comes from `jaxpar.report.peak_flops` for this device and ``dtype`` (none on CPU)."""
     if not args.log_dir:
         return None
     return MetricsConfig(dir=os.fspath(args.log_dir), every=args.log_every, tensorboard=args.tensorboard,
-                         learning_rate=learning_rate, peak_flops=args.peak_flops)
+                         learning_rate=learning_rate, peak_flops=args.peak_flops or device_peak(dtype))
+
+
+def device_peak(dtype: str = "float32") -> float | None:
+    """The datasheet peak FLOP/s of this process's first device in ``dtype``, or None (a CPU, an
+    unknown device)."""
+    import jax
+
+    from jaxpar.report import peak_flops
+
+    return peak_flops(jax.devices()[0].device_kind, dtype)
