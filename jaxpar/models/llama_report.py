@@ -250,8 +250,10 @@ def llama_report(model: LlamaConfig | str, config: ParallelConfig, *, batch: int
       peak_flops: peak FLOP/s of one device, instead of the table for ``device_kind``.
       device_kind: the device for the peak table (default ``jax.devices()[0].device_kind``).
       backend: ``"gpu"`` / ``"tpu"`` / ``"cpu"`` for the attention choice (default JAX's).
-      param_dtype, grad_dtype, opt_state_dtype: storage dtypes (default: the parameters' own).
-      compute_dtype: activation dtype (default the model's ``dtype``).
+      param_dtype, grad_dtype, opt_state_dtype: storage dtypes (default: ``config.precision``'s
+        params / params / opt_state, else the parameters' own).
+      compute_dtype: activation dtype (default ``config.precision.compute``, else the model's
+        ``dtype``, else its ``param_dtype``).
       compiled, compiled_note: a compiled step's memory, or why there is none.
 
     Raises:
@@ -277,7 +279,11 @@ def llama_report(model: LlamaConfig | str, config: ParallelConfig, *, batch: int
     tx = DEFAULT_TX if tx is None else tx
     plan = _plan(cfg, config, sizes, tx)
     backend = backend or jax.default_backend()
-    dtype = compute_dtype or cfg.dtype
+    p = config.precision          # the job's mixed precision sets the dtypes not given here
+    if p is not None:
+        param_dtype, grad_dtype = param_dtype or p.params, grad_dtype or p.params
+        opt_state_dtype, compute_dtype = opt_state_dtype or p.opt_state, compute_dtype or p.compute
+    dtype = compute_dtype or cfg.dtype or cfg.param_dtype
     attention = attention_implementation(cfg.attention, dtype, backend)
     activations = llama_activation_bytes(cfg, plan, batch=batch, seq_len=seq, compute_dtype=dtype,
                                          attention=attention)
