@@ -103,3 +103,15 @@ def test_a_job_resumes_with_the_same_losses_on_one_or_two_processes(job_file, tm
     assert sorted(resumed) == list(range(1, 21))
     for step in range(11, 21):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+CONFIGS = os.path.join(os.path.dirname(WORKERS), "..", "examples", "configs")
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(CONFIGS)))
+def test_example_job_files_load_and_name_a_model(name):
+    from jaxpar.job.run import model_config
+
+    job = JobConfig.load(os.path.join(CONFIGS, name))
+    cfg = model_config(job, vocab=257)
+    assert cfg.max_seq_len >= job.data.seq_len and cfg.vocab_size >= 257
