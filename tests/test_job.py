@@ -115,3 +115,13 @@ def test_example_job_files_load_and_name_a_model(name):
     job = JobConfig.load(os.path.join(CONFIGS, name))
     cfg = model_config(job, vocab=257)
     assert cfg.max_seq_len >= job.data.seq_len and cfg.vocab_size >= 257
+
+
+def test_plan_of_a_job_file_on_64_planned_devices(capsys):
+    assert main(["plan", "--config", os.path.join(CONFIGS, "llama3_8b.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "mesh {'data': 8, 'model': 8} (64 devices), ZeRO-3" in out and "precision bf16" in out
+    total = next(line for line in out.splitlines() if "│ total" in line)
+    params, per_device = (int(x.replace(",", "")) for x in total.split("│")[-3:-1])
+    assert per_device == pytest.approx(params / 64, rel=0.01)           # ZeRO-3 x TP: every parameter / 64
+    assert main(["plan", "--config", os.path.join(CONFIGS, "llama3_8b.yaml"), "--samples", "2"]) == 2

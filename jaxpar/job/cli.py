@@ -1,4 +1,5 @@
-"""``jaxpar train --config job.yaml [--section.field value ...]``: run a job file.
+"""``jaxpar train --config job.yaml [--section.field value ...]``: run a job file (``jaxpar plan
+--config job.yaml``: its plan and memory per device from shapes alone).
 
 A ``--config`` file with a job section (``model``, ``data``, ``parallel``, ``train``,
 ``checkpoint``, ``logging`` or ``eval``) is a job file; one holding ``ParallelConfig`` fields
@@ -32,7 +33,7 @@ INSTEAD = {
 def job_file(argv: Sequence[str]) -> str | None:
     """The job file of a ``train --config FILE`` command line, or None (not a job file)."""
     args = [a for a in argv if a != "--debug"]
-    if not args or args[0] != "train":
+    if not args or args[0] not in ("train", "plan"):
         return None
     path = None
     for i, a in enumerate(args):
@@ -81,7 +82,8 @@ def main(argv: Sequence[str], set_devices: Callable[[int], None] = lambda n: Non
 
     ``set_devices(n)``: asks for ``n`` simulated CPU devices before JAX starts (``--devices``,
     else ``default_devices``)."""
-    argv = [a for a in argv if a != "train"]
+    command = next(a for a in argv if a in ("train", "plan"))
+    argv = [a for a in argv if a != command]
     flags, overrides = split_overrides(argv)
     debug = "--debug" in flags
     try:
@@ -91,9 +93,14 @@ def main(argv: Sequence[str], set_devices: Callable[[int], None] = lambda n: Non
                 raise ValueError(f"{name} configures the built-in example; in a job file run set "
                                  f"{INSTEAD[name]} (or the field in the file)")
         args, unknown = _parser().parse_known_args(flags)
+        if command == "plan":
+            unknown += [f for f in ("--samples", "--devices", "--quiet") if given(args, f)]
         if unknown:
-            raise ValueError(f"unrecognized arguments {' '.join(unknown)}; a job file run takes --config, "
-                             "--samples, --devices, --quiet and --section.field value overrides")
+            takes = "--config" if command == "plan" else "--config, --samples, --devices, --quiet"
+            raise ValueError(f"unrecognized arguments {' '.join(unknown)}; 'jaxpar {command}' of a job file takes "
+                             f"{takes} and --section.field value overrides")
+        if command == "plan":
+            return _plan(args, overrides)
         if args.samples < 0 or (args.devices is not None and args.devices < 1):
             raise ValueError(f"--samples {args.samples} / --devices {args.devices}: use --samples >= 0 and "
                              "--devices >= 1")
@@ -102,8 +109,47 @@ def main(argv: Sequence[str], set_devices: Callable[[int], None] = lambda n: Non
     except (ValueError, TypeError, FileNotFoundError, argparse.ArgumentError) as e:
         if debug:
             raise
-        print(f"jaxpar train: error: {e}", file=sys.stderr)
+        print(f"jaxpar {command}: error: {e}", file=sys.stderr)
         return 2
+
+
+def given(args, flag: str) -> bool:
+    value = getattr(args, flag[2:])
+    return value not in (None, False, 0)
+
+
+def _plan(args, overrides: list[str]) -> int:
+    """The job's TrainPlan and (Llama) memory per device, from shapes alone: no parameter is
+    allocated and the mesh may be larger than this machine (``llama3_8b`` on 64 devices)."""
+    from flax import nnx
+
+    from jaxpar.job.config import JobConfig
+    from jaxpar.job.optim import make_optimizer
+    from jaxpar.job.run import model_config
+    from jaxpar.nn import abstract_model
+    from jaxpar.plan import make_train_plan
+
+    job = JobConfig.load(args.config, overrides)
+    if job.model.factory is not None:
+        raise ValueError("jaxpar plan --config: a model.factory job is planned when it runs (jaxpar train); "
+                         "plan covers the named models")
+    sizes = dict(job.parallel.mesh)
+    if -1 in sizes.values():
+        raise ValueError(f"jaxpar plan --config: parallel.mesh {sizes} has -1; give every axis its size to plan")
+    cfg = model_config(job)
+    tx, _ = make_optimizer(job.optimizer, job.train.steps)
+    if job.model.name == "llama":
+        from jaxpar.models.llama import Llama as make
+    else:
+        from jaxpar.models.gpt import GPT as make
+    plan = make_train_plan(job.parallel, sizes, abstract_model(lambda: make(cfg, rngs=nnx.Rngs(0))), tx)
+    print(plan)
+    if job.model.name == "llama":
+        from jaxpar.models.llama_report import format_model_report, llama_report
+
+        print(format_model_report(llama_report(cfg, job.parallel, batch=job.data.batch, seq_len=job.data.seq_len,
+                                               tx=tx)))
+    return 0
 
 
 def _run(args, overrides: list[str]) -> int:
