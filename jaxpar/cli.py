@@ -282,7 +282,8 @@ def build_job(job: Job, watch=None):
     if watch is not None:
         from jaxpar.metrics.cli import metrics_config
 
-        watching = {"metrics": metrics_config(watch, tx_schedule), "profile_steps": watch.profile_steps}
+        compute = config.precision.compute if config.precision else "float32"
+        watching = {"metrics": metrics_config(watch, tx_schedule, compute), "profile_steps": watch.profile_steps}
     trainer = jaxpar.Trainer(model, tx, loss, config, mesh, global_batch=True, **watching)
     return mesh, trainer, ArithmeticData(job.model.seq_len, seed=job.seed)
 
@@ -326,7 +327,7 @@ def cmd_train(args) -> int:
     n = mesh.devices.size
     from jaxpar.metrics.cli import device_peak
 
-    peak = args.peak_flops or device_peak()
+    peak = args.peak_flops or device_peak(config.precision.compute if config.precision else "float32")
     mfu = jaxpar_mfu(report.flops * n, step_time, peak, n) if peak else None
     _print(f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} (eval {eval_loss:.4f}); "
            f"step {step_time * 1e3:.1f} ms, {tokens_per_s:,.0f} tokens/s, "

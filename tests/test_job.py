@@ -16,6 +16,9 @@ from workers.procs import WORKERS, Launch
 
 
 def test_sections_overrides_and_round_trip():
+    # YAML 1.1 would read 10:13 as the base-60 integer 613 and 3e-4 as text: the job loader does not
+    job = JobConfig.from_dict({"logging": {"dir": "runs/x"}}, ["--logging.profile_steps", "10:13", "--optimizer.lr", "3e-4"])
+    assert job.logging.profile_steps == "10:13" and job.optimizer.lr == 3e-4
     job = JobConfig.from_dict({"model": {"size": "tiny", "fields": {"layers": 1}}, "parallel": {"mesh": {"data": 8}}},
                               ["--optimizer.lr", "3e-4", "--parallel.optimizer.level", "2", "--train.steps=7"])
     assert (job.optimizer.lr, job.parallel.optimizer.level, job.train.steps) == (3e-4, 2, 7)
@@ -29,7 +32,12 @@ def test_sections_overrides_and_round_trip():
     ({"train": {"steps": "ten"}}, [], TypeError, "train.steps='ten' is a str; it must be int"),
     ({"optimizer": {"lr": -1}}, [], ValueError, "optimizer.lr=-1.0"),
     ({"model": {"factory": "pkg.mod:make"}}, [], ValueError, "give both"),
-    ({"logging": {"profile_steps": "13:10"}}, [], ValueError, "START must be >= 0 and below STOP"),
+    ({"logging": {"dir": "runs/x", "profile_steps": "13:10"}}, [], ValueError, "logging.profile_steps='13:10'"),
+    ({"logging": {"profile_steps": "10:13"}}, [], ValueError, "set logging.dir"),
+    ({"checkpoint": {"every": 10}}, [], ValueError, "saving needs checkpoint.dir"),
+    ({"eval": {"every": 10}}, [], ValueError, "evaluation reads data.eval_path"),
+    ({"parallel": {"mesh": {"data": 2, "pipe": 4}, "pipeline": {"stages": 4}}}, [], ValueError,
+     "parallel.pipeline.stages=4"),
     ({"data": "x"}, [], ValueError, "a section is a mapping"),
 ])
 def test_bad_job_configs_name_the_key(d, overrides, error, words):
@@ -44,7 +52,7 @@ optimizer: {{lr: 1.0e-2, warmup_steps: 2, schedule: constant}}   # one schedule 
 parallel: {{mesh: {{data: 8}}}}
 train: {{steps: 20}}
 checkpoint: {{every: 10}}
-logging: {{every: 1, tensorboard: false}}
+logging: {{every: 1}}
 """
 
 

@@ -34,6 +34,35 @@ from typing import Any
 from jaxpar.config import ParallelConfig
 
 SCHEDULES = ("cosine", "linear", "constant")
+
+
+def _loader():
+    """PyYAML's safe loader, without YAML 1.1's base-60 integers (``10:13`` stays the text a
+    profile window is written in, not 613) and with ``3e-4`` read as a float."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        key: [(tag, regexp) for tag, regexp in resolvers if tag not in (
+            "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+        for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(
+        r"^(?:[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+|[-+]?0o?[0-7_]+)$"), list("-+0123456789"))
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)?|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+    return Loader
+
+
+def load_yaml(text: str):
+    """``text`` parsed as a job file's YAML (see `_loader`)."""
+    import yaml
+
+    return yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader subclass)
 PACKING = ("packed", "padded")
 
 
@@ -145,19 +174,29 @@ class CheckpointSection:
             raise _fail("checkpoint.every", self.every, "use 0 (only at the end) or a step count")
         if self.resume not in ("newest", "newest_intact"):
             raise _fail("checkpoint.resume", self.resume, "choose 'newest' or 'newest_intact'")
+        if self.dir is None and self.every:
+            raise _fail("checkpoint.every", self.every, "saving needs checkpoint.dir; set it, or drop every")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoggingSection:
     dir: str | None = None
     every: int = 10
-    tensorboard: bool = True
+    tensorboard: bool = False
     profile_steps: str | None = None
 
     def __post_init__(self):
         _positive("logging.every", self.every)
         if self.profile_steps is not None:
-            parse_steps("logging.profile_steps", self.profile_steps)
+            from jaxpar.metrics.config import check_profile_steps
+
+            try:
+                check_profile_steps(self.profile_steps)
+            except (TypeError, ValueError) as e:
+                raise _fail("logging.profile_steps", self.profile_steps, str(e)) from None
+        if self.dir is None and (self.tensorboard or self.profile_steps is not None):
+            raise _fail("logging.dir", None, "tensorboard and profile_steps write under the run directory; set "
+                        "logging.dir (or turn them off)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,6 +229,17 @@ class JobConfig:
     logging: LoggingSection = dataclasses.field(default_factory=LoggingSection)
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
 
+    def __post_init__(self):
+        if self.eval.every and self.data.eval_path is None:
+            raise _fail("eval.every", self.eval.every, "evaluation reads data.eval_path; set it (a store made by "
+                        "jaxpar data prepare from held-out text), or drop eval.every")
+        if self.model.name == "gpt" and self.model.size != "tiny":
+            raise _fail("model.size", self.model.size, "sizes name Llama models; the GPT takes model.fields")
+        if self.parallel.pipeline.stages > 1:
+            raise _fail("parallel.pipeline.stages", self.parallel.pipeline.stages,
+                        "a job file trains on packed token data (segment ids), which the pipelined models do "
+                        "not take yet; use tensor parallel or ZeRO here, or the Trainer API with pipeline_loss()")
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> "JobConfig":
         """Build from a parsed YAML mapping, then apply ``--section.field value`` overrides."""
@@ -220,10 +270,8 @@ class JobConfig:
     @classmethod
     def load(cls, path: str, overrides: Sequence[str] = ()) -> "JobConfig":
         """Read a YAML job file (see `from_dict`)."""
-        import yaml
-
         with open(path) as f:
-            return cls.from_dict(yaml.safe_load(f), overrides)
+            return cls.from_dict(load_yaml(f.read()), overrides)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that `from_dict` reads back (what is printed and saved with checkpoints)."""
@@ -237,17 +285,6 @@ class JobConfig:
         import yaml
 
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-def parse_steps(where: str, text: str) -> tuple[int, int]:
-    """``"10:13"`` -> ``(10, 13)``: steps 10, 11 and 12."""
-    try:
-        start, stop = (int(x) for x in str(text).split(":"))
-    except ValueError:
-        raise _fail(where, text, "write START:STOP, e.g. 10:13 (steps 10, 11, 12)") from None
-    if not 0 <= start < stop:
-        raise _fail(where, text, "START must be >= 0 and below STOP, e.g. 10:13")
-    return start, stop
 
 
 def _positive(where: str, value: int) -> None:
@@ -300,15 +337,9 @@ def _yaml_scalar(raw: str) -> Any:
     import yaml
 
     try:
-        value = yaml.safe_load(raw)
+        return load_yaml(raw)
     except yaml.YAMLError:
         return raw
-    if isinstance(value, str):
-        try:
-            return float(value)        # YAML 1.1 reads "3e-4" (no dot) as a string
-        except ValueError:
-            pass
-    return value
 
 
 def _pairs(overrides: Sequence[str]):

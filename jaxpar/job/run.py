@@ -9,6 +9,7 @@ job file from Python::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -51,9 +52,7 @@ def model_config(job: JobConfig, vocab: int | None = None):
         cfg = GPTConfig()
         grow = {"seq_len": max(cfg.seq_len, job.data.seq_len)}
     if vocab is not None and "vocab_size" not in m.fields:
-        grow["vocab_size"] = max(getattr(cfg, "vocab_size", getattr(cfg, "vocab", 0)), vocab)
-        if m.name == "gpt":
-            grow["vocab"] = grow.pop("vocab_size")
+        grow["vocab_size"] = max(cfg.vocab_size, vocab)
     known = {f.name for f in dataclasses.fields(cfg)}
     unknown = sorted(set(m.fields) - known)
     if unknown:
@@ -71,7 +70,6 @@ def build_model(job: JobConfig, mesh, vocab: int | None = None):
     config, m = job.parallel, job.model
     constrain = jaxpar.LogicalConstraint(mesh, config.rules)
     rngs = lambda: nnx.Rngs(job.train.seed)  # noqa: E731
-    pipelined = config.pipeline.stages > 1
     if m.factory is not None:
         factory, loss = _import(m.factory, "model.factory"), _import(m.loss, "model.loss")
         return jaxpar.init(lambda: factory(rngs()), config, mesh), loss, None
@@ -84,24 +82,20 @@ def build_model(job: JobConfig, mesh, vocab: int | None = None):
         from jaxpar.models import gpt as module
 
         make = lambda: module.GPT(cfg, rngs=rngs(), constrain=constrain)  # noqa: E731
-    loss = module.pipeline_loss() if pipelined else module.loss_fn
-    return jaxpar.init(make, config, mesh), loss, cfg
+    return jaxpar.init(make, config, mesh), module.loss_fn, cfg
 
 
-def _loaders(job: JobConfig, model_cfg):
+def _loaders(job: JobConfig, store, model_cfg):
     from jaxpar.data import TokenLoader, TokenStore, load_tokenizer
 
     d = job.data
-    if d.path is None:
-        raise ValueError("job config data.path is not set: make a token store with 'jaxpar data prepare FILES "
-                         "--out DIR' and give data.path: DIR (or --data.path DIR)")
     tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer is not None else None
     common = dict(seq_len=d.seq_len, global_batch=d.batch, packing=d.packing, model_config=model_cfg,
                   tokenizer=tokenizer)
-    train = TokenLoader(TokenStore(d.path), seed=d.seed, prefetch=d.prefetch, **common)
+    train = TokenLoader(store, seed=d.seed, prefetch=d.prefetch, **common)
     held_out = None
-    if d.eval_path is not None:
-        held_out = lambda: TokenLoader(TokenStore(d.eval_path), seed=0, shuffle=False, prefetch=0, **common)  # noqa: E731
+    if d.eval_path is not None:       # built now: a store too small for a batch fails before training
+        held_out = TokenLoader(TokenStore(d.eval_path), seed=0, shuffle=False, prefetch=0, **common)
     return train, held_out
 
 
@@ -127,10 +121,13 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
     from jaxpar.data import TokenStore
     from jaxpar.metrics import MetricsConfig
 
+    if job.data.path is None:
+        raise ValueError("job config data.path is not set: make a token store with 'jaxpar data prepare FILES "
+                         "--out DIR' and give data.path: DIR (or --data.path DIR)")
     mesh = jaxpar.make_mesh(job.parallel, devices)
-    store = TokenStore(job.data.path) if job.data.path else None
-    model, loss, model_cfg = build_model(job, mesh, vocab=store.vocab_size if store is not None else None)
-    train, held_out = _loaders(job, model_cfg)
+    store = TokenStore(job.data.path)
+    model, loss, model_cfg = build_model(job, mesh, vocab=store.vocab_size)
+    train, held_out = _loaders(job, store, model_cfg)
     tx, schedule = make_optimizer(job.optimizer, job.train.steps)
     log, ck = job.logging, job.checkpoint
     metrics = None
@@ -146,7 +143,7 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
                              save_every=ck.every, keep=ck.keep, resume=ck.resume, metrics=metrics,
                              profile_steps=log.profile_steps)
     history, evals = [], []
-    with trainer:
+    with trainer, contextlib.closing(train):
         start = trainer.step_count
         if start:
             print_fn(f"resumed at step {start} from {ck.dir}")
@@ -155,15 +152,15 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
             chunk = min(every - trainer.step_count % every, job.train.steps - trainer.step_count)
             history += trainer.fit(train, chunk, log_every=log.every, progress=progress)
             if held_out is not None:
-                loss_value = trainer.evaluate(held_out(), job.eval.steps)
+                held_out.restore({**held_out.state(), "next_batch": 0})     # the same batches each time
+                loss_value = trainer.evaluate(held_out, job.eval.steps)
                 evals.append({"step": trainer.step_count, "eval_loss": loss_value,
                               "perplexity": math.exp(min(loss_value, 50.0))})
                 print_fn(f"step {trainer.step_count}: train loss {history[-1]['loss']:.4f}  eval loss "
                          f"{loss_value:.4f}  perplexity {evals[-1]['perplexity']:.2f}")
         if ck.dir is not None and trainer.step_count not in trainer.checkpointer.manager.all_steps():
             trainer.save()
-        texts = _samples(trainer, store, samples, job.data.seq_len) if samples and store is not None else []
-    train.close()
+        texts = _samples(trainer, store, samples, job.data.seq_len) if samples else []
     return {"history": history, "eval": evals, "samples": texts, "step": trainer.step_count}
 
 
@@ -173,11 +170,7 @@ PROMPTS = ("def ", "import ", "class ", "    return ")
 def _samples(trainer, store, count: int, window: int) -> list[str]:
     from jaxpar.models.generate import greedy
 
-    from jaxpar.data import load_tokenizer
-
-    identity = store.tokenizer_identity
-    tokenizer = load_tokenizer("byte") if identity.get("kind") == "byte" else load_tokenizer(
-        os.path.join(store.path, identity.get("file", "tokenizer.json")), eos=identity.get("eos_token"))
+    tokenizer = store.tokenizer()
     out = []
     for prompt in PROMPTS[:count]:
         ids = greedy(trainer.model, tokenizer.encode(prompt), 48, window=window)

@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(pip install 'jaxpar[tb]')")
     g.add_argument("--profile-steps", type=_profile_steps, metavar="START:STOP",
                    help="jax.profiler trace of steps START..STOP-1 under LOG_DIR/profile")
-    g.add_argument("--peak-flops", type=_peak, help="peak FLOP/s of one device, for MFU (default: MFU n/a)")
+    g.add_argument("--peak-flops", type=_peak, help="peak FLOP/s of one device, for MFU (default: the datasheet table for this device and the compute dtype; none for CPU: MFU n/a)")
 
 
 def mistake(args: argparse.Namespace, steps: int) -> str | None:

@@ -133,7 +133,7 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
     probs = cfg.heads if attention == "cudnn" else cfg.heads * seq
     layer = (4 * cfg.embed + (2 * cfg.heads * cfg.head_dim + probs) / heads
              + 2 * cfg.kv_heads * cfg.head_dim / kv + 3 * cfg.mlp / mlp)
-    itemsize = np.dtype(compute_dtype or cfg.dtype).itemsize
+    itemsize = np.dtype(compute_dtype or cfg.dtype or cfg.param_dtype).itemsize
     recompute = {plan.remat, cfg.remat} & set(_SAVE_INPUTS)
     kept = cfg.layers * cfg.embed + layer if recompute else cfg.layers * layer
     logits = tokens * cfg.vocab_size / _degree(plan, "vocab") * 4
@@ -252,8 +252,8 @@ def llama_report(model: LlamaConfig | str, config: ParallelConfig, *, batch: int
       backend: ``"gpu"`` / ``"tpu"`` / ``"cpu"`` for the attention choice (default JAX's).
       param_dtype, grad_dtype, opt_state_dtype: storage dtypes (default: ``config.precision``'s
         params / params / opt_state, else the parameters' own).
-      compute_dtype: activation dtype (default ``config.precision.compute``, else the model's
-        ``dtype``, else its ``param_dtype``).
+      compute_dtype: activation dtype (default the model's ``dtype``, else
+        ``config.precision.compute``, else the model's ``param_dtype``).
       compiled, compiled_note: a compiled step's memory, or why there is none.
 
     Raises:
@@ -282,8 +282,8 @@ def llama_report(model: LlamaConfig | str, config: ParallelConfig, *, batch: int
     p = config.precision          # the job's mixed precision sets the dtypes not given here
     if p is not None:
         param_dtype, grad_dtype = param_dtype or p.params, grad_dtype or p.params
-        opt_state_dtype, compute_dtype = opt_state_dtype or p.opt_state, compute_dtype or p.compute
-    dtype = compute_dtype or cfg.dtype or cfg.param_dtype
+        opt_state_dtype = opt_state_dtype or p.opt_state
+    dtype = compute_dtype or cfg.dtype or (p.compute if p is not None else None) or cfg.param_dtype
     attention = attention_implementation(cfg.attention, dtype, backend)
     activations = llama_activation_bytes(cfg, plan, batch=batch, seq_len=seq, compute_dtype=dtype,
                                          attention=attention)

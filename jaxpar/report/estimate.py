@@ -7,7 +7,7 @@ split ``k`` ways holds ``ceil(size / k)`` entries):
 - gradients: the same shapes under ``plan.grads`` (sharded from level 2);
 - optimizer state: ``jax.eval_shape(tx.init, params)`` (so any optax optimizer's real state
   structure: Adam's ``mu`` and ``nu``, step counts, ...) under ``plan.opt_state``;
-- activations: a model-specific estimate passed in (e.g. `jaxpar.report.llama_activation_bytes`).
+- activations: a model-specific estimate passed in (e.g. `jaxpar.models.llama_report.llama_activation_bytes`).
 
 Dtypes are arguments so that a precision setting can be applied: ``param_dtype`` (default:
 each parameter's own dtype), ``grad_dtype`` (default: the parameter dtype) and

@@ -374,9 +374,10 @@ class Trainer:
     def _start_metrics(self, batch) -> int:
         """Tokens per step of ``batch``; with ``metrics``, also the compiled step's memory and
         FLOPs (read once: the step is already compiled, so this compiles nothing)."""
+        placed = self.place(batch)   # global arrays: a process's host batch may hold only its rows
         if self._metrics is None:
-            return examples_per_step(batch) * tokens_per_example(batch)
-        self._metrics.start(self.lower(batch).compile(), batch, num_devices=self.mesh.devices.size,
+            return examples_per_step(placed) * tokens_per_example(placed)
+        self._metrics.start(self.lower(batch).compile(), placed, num_devices=self.mesh.devices.size,
                             resumed=self._steps > 1)
         return self._metrics.tokens_per_step
 
