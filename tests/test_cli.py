@@ -48,7 +48,7 @@ def test_plan_and_bad_input(tmp_path):
 def test_plan_the_job_within_a_memory_budget(tmp_path):
     """`jaxpar plan --memory-budget`: the planner prices meshes x ZeRO x micro-batches, the
     fastest plan (about 4.0 MB per device) does not fit 2.4 MB, the dry run confirms the choice."""
-    r = _run("plan", "--mesh", "data=8", "--rules", "batch=data", "--search", "dynamic_programming",
+    r = _run("plan", "--mesh", "data=8", "--search", "dynamic_programming",
              "--memory-budget", "2.4e6", "--flops", "1e9", "--bandwidth", "1e9", "--latency", "1e-6",
              "--accum-options", "1,2", "--plan-out", str(tmp_path / "plan.json"))
     assert r.returncode == 0, r.stderr
@@ -56,7 +56,7 @@ def test_plan_the_job_within_a_memory_budget(tmp_path):
     assert chosen.startswith("chosen: ") and ("zero=0, grad_accum=1" not in chosen), chosen
     assert "CHOSEN (dry run confirms)" in r.stdout and "-> fits" in r.stdout
     assert json.loads((tmp_path / "plan.json").read_text())["mesh"]
-    r = _run("plan", "--mesh", "data=8", "--search", "dynamic_programming", "--rules", "batch=data",
+    r = _run("plan", "--mesh", "data=8", "--search", "dynamic_programming",
              "--memory-budget", "1e6", "--zero-levels", "x")
     assert r.returncode != 0 and "--zero-levels 'x'" in r.stderr
 
@@ -64,7 +64,7 @@ def test_plan_the_job_within_a_memory_budget(tmp_path):
 def test_plan_chooses_recompute_or_pipeline_stages_within_a_budget(tmp_path):
     """With recompute and pipeline options, 2.2 MB per device fits no unpipelined plan of
     the 4-layer GPT (about 10.7 MB without recompute, 4.8 MB with it): a pipeline wins."""
-    r = _run("plan", "--mesh", "data=8", "--rules", "batch=data", "--search", "dynamic_programming",
+    r = _run("plan", "--mesh", "data=8", "--search", "dynamic_programming",
              "--memory-budget", "2.2e6", "--flops", "1e9", "--bandwidth", "1e9", "--latency", "1e-6",
              "--accum-options", "1", "--zero-levels", "0", "--remat-options", "none, full",
              "--pipeline-options", "1,2,4", "--layers", "4", "--batch", "32", "--plan-out", str(tmp_path / "p.json"))

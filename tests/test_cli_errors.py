@@ -388,7 +388,7 @@ def test_top_level_help_is_plain_and_lists_every_command(capsys):
 
 def test_ckpt_prints_no_absl_warnings(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-m", "jaxpar.checkpoint", "inspect", str(tmp_path / "none")],
+    r = subprocess.run([sys.executable, "-m", "jaxpar.ckpt_cli", "inspect", str(tmp_path / "none")],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2
     assert r.stderr.strip() == f"jaxpar ckpt inspect: error: no complete checkpoint in {tmp_path / 'none'}"
