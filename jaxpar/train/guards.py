@@ -17,6 +17,7 @@ import optax
 from flax import nnx
 
 from jaxpar.config import ParallelConfig
+from jaxpar.metrics import MetricsConfig, MetricsLogger, ProfileWindow, check_profile_steps
 from jaxpar.pipeline import PipelineLoss
 from jaxpar.plan import TrainPlan
 
@@ -119,3 +120,22 @@ def check_batch(batch) -> None:
         elif shape[0] != rows:
             raise ValueError(f"{where} has {shape[0]} rows but {first} has {rows}; every batch leaf must have "
                              "the same leading (batch) dimension")
+
+
+def keeps_position(batches) -> bool:
+    """Whether ``batches`` is a loader with ``state()`` / ``restore(state)`` (e.g. `jaxpar.data.TokenLoader`)."""
+    return callable(getattr(batches, "state", None)) and callable(getattr(batches, "restore", None))
+
+
+def watchers(metrics, profile_steps) -> tuple[MetricsLogger | None, ProfileWindow | None]:
+    """The metric writers and the profile window a Trainer was asked for."""
+    if metrics is not None and not isinstance(metrics, MetricsConfig):
+        raise TypeError(f"Trainer: metrics must be a jaxpar.metrics.MetricsConfig, got {type(metrics).__name__}; "
+                        "e.g. metrics=MetricsConfig(dir='runs/exp1')")
+    window = check_profile_steps(profile_steps)
+    if window is not None and metrics is None:
+        raise ValueError(f"Trainer: profile_steps={window} writes its trace under the run directory; pass "
+                         "metrics=MetricsConfig(dir=...) as well")
+    if metrics is None:
+        return None, None
+    return MetricsLogger(metrics), ProfileWindow(metrics.profile_dir, window) if window else None

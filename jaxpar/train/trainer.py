@@ -23,15 +23,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.checkpoint import Checkpointer, restore_state, save_state
 from jaxpar.config import ParallelConfig
 from jaxpar.data import place_batch
-from jaxpar.metrics import (MetricsConfig, MetricsLogger, ProfileWindow, check_profile_steps, progress_text, read,
-                            tokens_per_example)
+from jaxpar.metrics import MetricsConfig, progress_text, read, tokens_per_example
 from jaxpar.metrics.logger import examples_per_step
 from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
 from jaxpar.nn.plan import check_rules_used, declared_names
 from jaxpar.plan import TrainPlan, TrainState, check_data, init_state, make_train_plan, state_shardings
 from jaxpar.strategy import recording_rules
-from jaxpar.train.guards import Preempted, Preemption, check_args, check_batch
+from jaxpar.train.guards import Preempted, Preemption, check_args, check_batch, keeps_position, watchers
 from jaxpar.train.step import Setting, build_eval, build_grads, build_step
 
 
@@ -82,7 +81,7 @@ class Trainer:
                  nonfinite: str = "stop", resume: str = "newest", preemption: bool = True,
                  metrics: MetricsConfig | None = None, profile_steps: tuple[int, int] | str | None = None):
         check_args(model, tx, loss_fn, config, mesh, plan)     # refused combinations included
-        self._metrics, self._profile = _watchers(metrics, profile_steps)
+        self._metrics, self._profile = watchers(metrics, profile_steps)
         if nonfinite not in ("stop", "skip"):
             raise ValueError(f"Trainer: nonfinite={nonfinite!r}; choose 'stop' (raise naming the step) or 'skip' "
                              "(count the skipped updates and go on)")
@@ -295,7 +294,7 @@ class Trainer:
             raise ValueError(f"Trainer.fit: log_every={log_every!r} must be a positive int")
         history: list[dict[str, float]] = []
         pending: list[tuple[int, int, dict, float]] = []
-        resumable = _keeps_position(batches)
+        resumable = keeps_position(batches)
         it = self._resume_loader(batches) if resumable else iter(batches)
         columns = (TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn())
@@ -490,25 +489,6 @@ class Trainer:
     def shardings(self) -> dict[str, Any]:
         sh = state_shardings(self.plan, self.mesh, self.state)
         return {"params": sh.params, "rest": sh.rest, "opt_state": sh.opt_state}
-
-
-def _keeps_position(batches) -> bool:
-    """Whether ``batches`` is a loader with ``state()`` / ``restore(state)`` (e.g. `jaxpar.data.TokenLoader`)."""
-    return callable(getattr(batches, "state", None)) and callable(getattr(batches, "restore", None))
-
-
-def _watchers(metrics, profile_steps) -> tuple[MetricsLogger | None, ProfileWindow | None]:
-    """The metric writers and the profile window a Trainer was asked for."""
-    if metrics is not None and not isinstance(metrics, MetricsConfig):
-        raise TypeError(f"Trainer: metrics must be a jaxpar.metrics.MetricsConfig, got {type(metrics).__name__}; "
-                        "e.g. metrics=MetricsConfig(dir='runs/exp1')")
-    window = check_profile_steps(profile_steps)
-    if window is not None and metrics is None:
-        raise ValueError(f"Trainer: profile_steps={window} writes its trace under the run directory; pass "
-                         "metrics=MetricsConfig(dir=...) as well")
-    if metrics is None:
-        return None, None
-    return MetricsLogger(metrics), ProfileWindow(metrics.profile_dir, window) if window else None
 
 
 def compile_step(model_fn: Callable[[], nnx.Module], loss_fn: Callable, batch, config: ParallelConfig,
