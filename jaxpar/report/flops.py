@@ -63,9 +63,9 @@ def mfu(flops_per_step: float, step_time_s: float, peak_flops_per_device: float,
       >>> mfu(flops_per_step=4e15, step_time_s=1.0, peak_flops_per_device=1e15, num_devices=8)
       0.5
     """
-    _check_number("flops_per_step", flops_per_step, allow_zero=True)
-    _check_number("step_time_s", step_time_s)
-    _check_number("peak_flops_per_device", peak_flops_per_device)
+    check_number("flops_per_step", flops_per_step, allow_zero=True)
+    check_number("step_time_s", step_time_s)
+    check_number("peak_flops_per_device", peak_flops_per_device)
     if isinstance(num_devices, bool) or not isinstance(num_devices, numbers.Integral):
         raise TypeError(f"mfu(): num_devices must be an int, got "
                         f"{type(num_devices).__name__} {num_devices!r}.")
@@ -76,7 +76,9 @@ def mfu(flops_per_step: float, step_time_s: float, peak_flops_per_device: float,
                                     * int(num_devices))
 
 
-def _check_number(name: str, value, *, allow_zero: bool = False) -> None:
+def check_number(name: str, value, *, allow_zero: bool = False) -> None:
+    """``TypeError`` / ``ValueError`` naming ``name`` unless ``value`` is a finite number > 0
+    (>= 0 with ``allow_zero``); the check the throughput and MFU functions share."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"mfu(): {name} must be a number, got {type(value).__name__} {value!r}.")
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):

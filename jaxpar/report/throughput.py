@@ -6,7 +6,7 @@ import dataclasses
 import numbers
 from typing import Any
 
-from jaxpar.report.flops import _check_number, mfu
+from jaxpar.report.flops import check_number, mfu
 from jaxpar.report.peaks import dtype_name, check_peak, no_peak_reason
 from jaxpar.report.peaks import peak_flops as table_peak
 
@@ -69,8 +69,8 @@ def throughput(*, flops_per_token: float, tokens_per_step: int, step_time_s: flo
     ...            peak_flops=1e14).mfu
     0.12288
     """
-    _check_number("flops_per_token", flops_per_token)
-    _check_number("step_time_s", step_time_s)
+    check_number("flops_per_token", flops_per_token)
+    check_number("step_time_s", step_time_s)
     for name, value in (("tokens_per_step", tokens_per_step), ("num_devices", num_devices)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"throughput(): {name}={value!r} must be a positive int")
