@@ -506,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if job_file(argv):       # train --config JOB.yaml: the job's own flags and --section.field overrides
-        return run_job_file(argv, _set_simulated_devices, DEFAULT_DEVICES)
+        return run_job_file(argv, _set_simulated_devices, DEFAULT_DEVICES, jaxpar_raised)
     try:
         args, unknown = make_parser().parse_known_args(argv)
     except SystemExit as e:   # --help (0) or a flag argparse refused (2, the paragraph is printed)

@@ -77,11 +77,13 @@ def split_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return flags, overrides
 
 
-def main(argv: Sequence[str], set_devices: Callable[[int], None] = lambda n: None, default_devices: int = 8) -> int:
+def main(argv: Sequence[str], set_devices: Callable[[int], None] = lambda n: None, default_devices: int = 8,
+         users_mistake: Callable[[BaseException], bool] = lambda e: True) -> int:
     """Run ``jaxpar train --config JOB ...``; returns the exit code (2 for a mistake in the input).
 
     ``set_devices(n)``: asks for ``n`` simulated CPU devices before JAX starts (``--devices``,
-    else ``default_devices``)."""
+    else ``default_devices``). ``users_mistake(error)``: whether an error is jaxpar's answer to
+    the input (one paragraph, exit 2) rather than a bug (its traceback is kept)."""
     command = next(a for a in argv if a in ("train", "plan"))
     argv = [a for a in argv if a != command]
     flags, overrides = split_overrides(argv)
@@ -107,7 +109,7 @@ def main(argv: Sequence[str], set_devices: Callable[[int], None] = lambda n: Non
         set_devices(args.devices or default_devices)
         return _run(args, overrides)
     except (ValueError, TypeError, FileNotFoundError, argparse.ArgumentError) as e:
-        if debug:
+        if debug or not (isinstance(e, argparse.ArgumentError) or users_mistake(e)):
             raise
         print(f"jaxpar {command}: error: {e}", file=sys.stderr)
         return 2
