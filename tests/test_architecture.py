@@ -27,7 +27,7 @@ RANKS = {
     "train": 10, "models": 10,
     "": 11,                       # the package face, jaxpar/__init__.py
     "interop": 12, "job": 12,     # Hugging Face files <-> models; a job file -> models, data, Trainer
-    "plan_cli": 13, "ckpt_cli": 13, "report_cli": 14, "cli": 15,
+    "plan_cli": 13, "ckpt_cli": 13, "report_cli": 14, "cli_job": 14, "cli": 15,
 }
 
 
