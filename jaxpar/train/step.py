@@ -215,28 +215,27 @@ def cast(s: Setting, loss: Callable) -> Callable:
     return cast_loss
 
 
+def _map_grads(grads: Callable, fn: Callable) -> Callable:
+    """``grads`` with ``fn(g, params)`` applied to the gradients it returns."""
+    def compute(params, rest, batch):
+        loss, aux, rest, g = grads(params, rest, batch)
+        return loss, aux, rest, fn(g, params)
+
+    return compute
+
+
 def reduce_in(s: Setting, grads: Callable) -> Callable:
     """``precision``: gradients in the reduce dtype from the backward on (sums, collectives)."""
     if s.precision is None:
         return grads
-
-    def compute(params, rest, batch):
-        loss, aux, rest, g = grads(params, rest, batch)
-        return loss, aux, rest, cast_floats(g, s.precision.reduce)
-
-    return compute
+    return _map_grads(grads, lambda g, _: cast_floats(g, s.precision.reduce))
 
 
 def to_stored(s: Setting, grads: Callable) -> Callable:
     """``precision``: gradients handed to the optimizer in the dtype of the stored parameters."""
     if s.precision is None:
         return grads
-
-    def compute(params, rest, batch):
-        loss, aux, rest, g = grads(params, rest, batch)
-        return loss, aux, rest, cast_like(g, params)
-
-    return compute
+    return _map_grads(grads, cast_like)
 
 
 def differentiate(loss: Callable) -> Callable:
