@@ -25,6 +25,7 @@ demo: $(VENV)/.installed            ## install; train Llama tiny on the standard
 	$(BIN)/jaxpar train --config examples/configs/tiny.yaml --samples 3
 
 test: $(VENV)/.installed-dev        ## the whole suite on 8 simulated CPU devices, TEST_WORKERS processes
+	rm -rf .cache/jax-tests          # the suite's compilation cache starts empty, as on a fresh machine
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 test-fast: $(VENV)/.installed-dev   ## the suite without tests marked slow

@@ -2,6 +2,15 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the run: this process, the xdist workers and every child
+# process a test starts (they inherit the environment). The suite compiles the same tiny
+# programs many times over (one-device references, restarted workers); a hit loads the
+# executable instead of compiling it again. `make test` empties it first, so a run's time is
+# that of a fresh machine.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax-tests"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
