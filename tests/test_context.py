@@ -26,6 +26,7 @@ from helpers import assert_close, assert_losses_close, batches
 from jaxpar.data import place_batch
 from jaxpar.models.llama import Llama, loss_fn
 from jaxpar.ops import ContextParallel, context_attention, context_order
+from jaxpar.report import collectives
 from test_llama import TRAIN, reference as one_device_training   # the one-device run test_llama checks too
 
 B, S, H, D = 2, 32, 8, 4
@@ -137,6 +138,9 @@ def test_bad_input_names_the_numbers():
         jaxpar.ParallelConfig(mesh={"context": 8}, context={"strategy": "rng"})
     with pytest.raises(ValueError, match=r"context.axis='seq'.*not in the mesh"):
         jaxpar.ParallelConfig(mesh={"context": 8}, context={"axis": "seq"})
+    plain = Llama(TRAIN, rngs=nnx.Rngs(0), constrain=jaxpar.LogicalConstraint(mesh, {}))
+    with pytest.raises(ValueError, match=r"not a jaxpar.ops.ContextParallel.*constrain=jaxpar.ops.ContextParallel"):
+        jaxpar.Trainer(plain, optax.adamw(1e-3), loss_fn, config, mesh)
 
 
 # ----------------------------------------------------------------------------- Llama training
@@ -145,11 +149,13 @@ MEGATRON_CP = {"batch": "data", "heads": "model", "kv_heads": "model", "mlp": "m
                "length": "context"}
 
 
-def trainer_for(config):
+def trainer_for(config, sequence_parallel=False):
     mesh = jaxpar.make_mesh(config, devices=jax.devices()[:math.prod(config.mesh.values())])
     constrain = jaxpar.LogicalConstraint(mesh, config.rules)
     if config.context is not None:
-        constrain = ContextParallel(constrain, mesh, config)
+        # Megatron-style: the residual stream split over the sequence by context and model
+        residual = jaxpar.LogicalConstraint(mesh, {**config.rules, "length": ("context", "model")})
+        constrain = ContextParallel(constrain, mesh, config, residual=residual if sequence_parallel else None)
     model = Llama(TRAIN, rngs=nnx.Rngs(0), constrain=constrain)
     return jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh)
 
@@ -159,7 +165,7 @@ def params_of(trainer):
 
 
 TRAINING = {
-    "data=2 context=2 model=2 ulysses striped": jaxpar.ParallelConfig(
+    "data=2 context=2 model=2 ulysses striped, sequence parallel": jaxpar.ParallelConfig(
         mesh={"data": 2, "context": 2, "model": 2}, rules=MEGATRON_CP,
         context={"strategy": "ulysses", "order": "striped"}),
     "context=8 ring zigzag": jaxpar.ParallelConfig(mesh={"context": 8}, rules={"length": "context"},
@@ -170,13 +176,15 @@ TRAINING = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TRAINING)
 def test_llama_training_matches_one_device(name):
-    trainer = trainer_for(TRAINING[name])
+    trainer = trainer_for(TRAINING[name], sequence_parallel="sequence parallel" in name)
     losses = [float(trainer.step(b)["loss"]) for b in batches(5, seq=TRAIN.max_seq_len)]
     ref_losses, ref_params = one_device_training()
     assert_losses_close(losses, ref_losses, rtol=1e-5)
     assert_close(params_of(trainer), ref_params, rtol=5e-5, what=name)
-    hlo = trainer.lower(batches(1, seq=TRAIN.max_seq_len)[0]).compile().as_text()
-    assert ("collective-permute" if "ring" in name else "all-to-all") in hlo   # the sequence really is split
+    found = {(c.kind, c.mesh_axes) for c in collectives(trainer.lower(batches(1, seq=16)[0]).compile(), trainer.mesh)}
+    assert ("collective-permute" if "ring" in name else "all-to-all", ("context",)) in found   # attention
+    if "sequence parallel" in name:         # the residual stream is gathered over model before the TP blocks
+        assert ("all-gather", ("model",)) in found
 
 
 @pytest.mark.slow

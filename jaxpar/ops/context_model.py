@@ -18,6 +18,8 @@ from jaxpar.ops._common import sizes
 from jaxpar.ops.context import context_attention
 from jaxpar.strategy import logical_axes
 
+RESIDUAL = ("batch", "length", "embed")   # the residual stream between the blocks' TP regions
+
 
 class ContextParallel:
     """``constrain(x, names)`` plus ``attention(q, k, v, segment_ids, positions)`` over the context axes.
@@ -26,6 +28,11 @@ class ContextParallel:
       constrain: the model's activation constraint, e.g. ``jaxpar.LogicalConstraint(mesh, config.rules)``.
       mesh: the training mesh.
       config: a ``ParallelConfig`` with ``context`` set.
+      residual: optional constraint for the residual stream ``("batch", "length", "embed")``
+        only, e.g. one whose rules send ``"length"`` to ``("context", "model")``: Megatron-style
+        sequence parallel, where norms and residuals run on ``S / (cp · tp)`` tokens and the
+        tensor-parallel all-reduces become an all-gather before and a reduce-scatter after
+        each TP block.
 
     Example:
       >>> config = jaxpar.ParallelConfig(mesh={"data": 2, "context": 4}, rules={"batch": "data",
@@ -35,20 +42,24 @@ class ContextParallel:
       >>> model = Llama(LlamaConfig.named("tiny"), rngs=nnx.Rngs(0), constrain=constrain)
     """
 
-    def __init__(self, constrain: Callable, mesh: jax.sharding.Mesh, config: ParallelConfig):
+    def __init__(self, constrain: Callable, mesh: jax.sharding.Mesh, config: ParallelConfig, *,
+                 residual: Callable | None = None):
         if config.context is None:
             raise ValueError("ContextParallel needs ParallelConfig(context=...), e.g. context={'strategy': 'ring'}; "
                              "without it use the constraint alone")
-        self.constrain, self.mesh, self.config = constrain, mesh, config
+        self.constrain, self.mesh, self.config, self.residual = constrain, mesh, config, residual
 
     def __hash__(self):
-        return hash((self.constrain, self.mesh, self.config.context, tuple(sorted(self.config.rules.items()))))
+        return hash((self.constrain, self.residual, self.mesh, self.config.context,
+                     tuple(sorted(self.config.rules.items()))))
 
     def __eq__(self, other):
-        return isinstance(other, ContextParallel) and (self.constrain, self.mesh, self.config) == (
-            other.constrain, other.mesh, other.config)
+        return isinstance(other, ContextParallel) and (self.constrain, self.residual, self.mesh, self.config) == (
+            other.constrain, other.residual, other.mesh, other.config)
 
     def __call__(self, x, names):
+        if self.residual is not None and tuple(names) == RESIDUAL:
+            return self.residual(x, names)
         return self.constrain(x, names)
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
