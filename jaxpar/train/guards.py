@@ -17,8 +17,8 @@ import optax
 from flax import nnx
 
 from jaxpar.config import ParallelConfig
-from jaxpar.ops import ContextParallel
 from jaxpar.metrics import MetricsConfig, MetricsLogger, ProfileWindow, check_profile_steps
+from jaxpar.ops import ContextParallel
 from jaxpar.pipeline import PipelineLoss
 from jaxpar.plan import TrainPlan
 
