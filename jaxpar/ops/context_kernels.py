@@ -96,10 +96,74 @@ def _ring_forward(axis, n, causal, scale, vary, q, k, v, ids_q, ids_k):
     def body(carry, _):
         stats, kv = carry
         nxt = _shift(kv, axis, n)   # issued before this block's compute, so the two can overlap
-        return (update(stats, q, kv[0], kv[1], ids_q, kv[2], causal, scale), nxt), None
+        return (_fold(stats, q, kv[0], kv[1], ids_q, kv[2], causal, scale), nxt), None
 
     (stats, kv), _ = lax.scan(body, (init_stats(q, vary), (k, v, ids_k)), length=n - 1)
-    return finish(update(stats, q, kv[0], kv[1], ids_q, kv[2], causal, scale), q.dtype)
+    return finish(_fold(stats, q, kv[0], kv[1], ids_q, kv[2], causal, scale), q.dtype)
+
+
+# ----------------------------------------------------------------------------- tiles a causal mask skips
+#
+# Each device's shard is cut into TILES tiles of queries and of keys (for a zigzag shard: its
+# two chunks). Under a causal mask a (query tile, key tile) pair whose smallest key position
+# is after its largest query position has nothing to add; `lax.cond` skips its compute. This
+# is where the zigzag / striped orders pay: every device then skips the same number of tiles.
+
+TILES = 2
+
+
+def _tiles(t: int, causal: bool) -> int:
+    return TILES if causal and t % TILES == 0 else 1
+
+
+def _cut(x, i: int, n: int, axis: int):
+    size = x.shape[axis] // n
+    return lax.slice_in_dim(x, i * size, (i + 1) * size, axis=axis)
+
+
+def _cut_ids(ids, i: int, n: int):
+    return jax.tree.map(lambda x: _cut(x, i, n, 1), ids)
+
+
+def _live(ids_q, ids_k):
+    """Some key of the tile is at or before some query of the tile (over every row)."""
+    return ids_k[0].min() <= ids_q[0].max()
+
+
+def _fold(stats, q, k, v, ids_q, ids_k, causal: bool, scale: float):
+    """`update` tile by tile, skipping the tiles the causal mask hides entirely."""
+    n = _tiles(q.shape[1], causal) if q.shape[1] == k.shape[1] else 1
+    if n == 1:
+        return update(stats, q, k, v, ids_q, ids_k, causal, scale)
+    parts = []
+    for a in range(n):
+        st, qa, ida = tuple(_cut(x, a, n, 3) for x in stats), _cut(q, a, n, 1), _cut_ids(ids_q, a, n)
+        for b in range(n):
+            kb, vb, idb = _cut(k, b, n, 1), _cut(v, b, n, 1), _cut_ids(ids_k, b, n)
+            st = lax.cond(_live(ida, idb), lambda st, kb=kb, vb=vb, idb=idb: update(
+                st, qa, kb, vb, ida, idb, causal, scale), lambda st: st, st)
+        parts.append(st)
+    return tuple(jnp.concatenate([p[i] for p in parts], axis=3) for i in range(3))
+
+
+def _grads(q, k, v, do, delta, lse, ids_q, ids_k, causal: bool, scale: float, vary):
+    """`_block_grads` tile by tile, skipping the tiles the causal mask hides entirely."""
+    n = _tiles(q.shape[1], causal) if q.shape[1] == k.shape[1] else 1
+    if n == 1:
+        return _block_grads(q, k, v, do, delta, lse, ids_q, ids_k, causal, scale)
+    dq, dk, dv = [], [zeros_like(_cut(k, 0, n, 1), vary)] * n, [zeros_like(_cut(v, 0, n, 1), vary)] * n
+    for a in range(n):
+        qa, doa, ida = _cut(q, a, n, 1), _cut(do, a, n, 1), _cut_ids(ids_q, a, n)
+        da, la = _cut(delta, a, n, 3), _cut(lse, a, n, 3)
+        dqa = zeros_like(qa, vary)
+        for b in range(n):
+            kb, vb, idb = _cut(k, b, n, 1), _cut(v, b, n, 1), _cut_ids(ids_k, b, n)
+            g = lax.cond(_live(ida, idb),
+                         lambda kb=kb, vb=vb, idb=idb: _block_grads(qa, kb, vb, doa, da, la, ida, idb, causal, scale),
+                         lambda qa=qa, kb=kb, vb=vb: (zeros_like(qa, vary), zeros_like(kb, vary), zeros_like(vb, vary)))
+            dqa, dk[b], dv[b] = dqa + g[0], dk[b] + g[1], dv[b] + g[2]
+        dq.append(dqa)
+    return jnp.concatenate(dq, 1), jnp.concatenate(dk, 1), jnp.concatenate(dv, 1)
 
 
 def _block_grads(q, k, v, do, delta, lse, ids_q, ids_k, causal, scale):
@@ -147,7 +211,7 @@ def _bwd(statics, res, do):
     do = do.astype(q.dtype)
 
     def step(dq, kv, dkv):
-        gq, gk, gv = _block_grads(q, kv[0], kv[1], do, delta, lse, ids_q, kv[2], causal, scale)
+        gq, gk, gv = _grads(q, kv[0], kv[1], do, delta, lse, ids_q, kv[2], causal, scale, vary)
         return dq + gq, (dkv[0] + gk, dkv[1] + gv)
 
     def body(carry, _):
