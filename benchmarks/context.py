@@ -9,6 +9,9 @@ backward of one causal attention — on simulated CPU devices and reads the comp
    linearly with cp).
 2. Communication: bytes of the collectives per device (``jaxpar.report.collectives``, loop
    bodies counted once per iteration) against the formulas of docs/context_parallel.md.
+3. Time (runs): ring forward + backward at cp = 8, full mask against causal with contiguous
+   and zigzag shards: the tiles a causal mask hides are skipped. Simulated CPU devices share
+   the host's cores, so this shows the total work saved, not the balance between devices.
 
     python benchmarks/context.py          # writes benchmarks/results/context_cpu.{json,png}
 """
@@ -108,6 +111,35 @@ def longest(strategy: str, cp: int, budget: int, heads: int, kv_heads: int, dim:
     return unit * lo
 
 
+def ring_times(seq: int, heads: int, dim: int, repeats: int = 3) -> dict[str, float]:
+    """Best of ``repeats`` wall times (s) of ring forward + backward at cp = 8."""
+    import time
+
+    import numpy as np
+    from jaxpar.ops import context_order
+
+    mesh = jaxpar.make_mesh({"context": 8}, devices=jax.devices()[:8])
+    sharding = jax.sharding.NamedSharding(mesh, jax.P(None, "context"))
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(1, seq, heads, dim)), jnp.float32)
+    out = {}
+    for name, causal, order in (("full", False, "contiguous"), ("causal contiguous", True, "contiguous"),
+                                ("causal zigzag", True, "zigzag")):
+        perm = context_order.permutation(order, seq, 8)
+        pos = jax.device_put(jnp.broadcast_to(jnp.asarray(perm), (1, seq)), sharding)
+        x = jax.device_put(q[:, perm], sharding)
+        grad = jax.jit(jax.grad(lambda x: context_attention(  # noqa: B023 (used at once)
+            x, x, x, axis="context", strategy="ring", mesh=mesh, causal=causal, q_positions=pos).sum()))
+        jax.block_until_ready(grad(x))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(grad(x))
+            times.append(time.perf_counter() - start)
+        out[name] = min(times)
+        print(f"ring cp=8 S={seq} forward + backward, {name}: {out[name]:.3f} s", flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=2048)
@@ -115,6 +147,7 @@ def main(argv=None) -> dict:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--budget-seq", type=int, default=1024, help="the budget: one device's temp at this length")
+    p.add_argument("--time-seq", type=int, default=4096, help="sequence of the ring timing")
     p.add_argument("--out", default=str(RESULTS / "context_cpu.json"))
     args = p.parse_args(argv)
     shape = (args.heads, args.kv_heads, args.dim)
@@ -138,8 +171,9 @@ def main(argv=None) -> dict:
     for cp, s in reach.items():
         print(f"ring cp={cp}: longest sequence within {budget / 2**20:.1f} MiB of temporaries: {s} "
               f"({s / reach[1]:.2f}x cp=1)")
+    times = ring_times(args.time_seq, args.heads, args.dim)
     result = dict(config=vars(args), one_device_temp=one_device, rows=rows, budget=budget,
-                  longest_ring={str(k): v for k, v in reach.items()})
+                  longest_ring={str(k): v for k, v in reach.items()}, ring_times_s=times)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
