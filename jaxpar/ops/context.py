@@ -74,7 +74,7 @@ def context_attention(
       >>> q = k = v = jnp.ones((1, 16, 4, 8))
       >>> out = context_attention(q, k, v, axis="context", strategy="ring", mesh=mesh)
       >>> out.shape, out.sharding.spec
-      ((1, 16, 4, 8), PartitionSpec(None, 'context', None, None))
+      ((1, 16, 4, 8), P(None, 'context', None, None))
     """
     mesh = resolve_mesh(mesh, "context_attention")
     ring, uly = _strategy_axes(strategy, axis, mesh)

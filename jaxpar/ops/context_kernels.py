@@ -189,7 +189,8 @@ def ring_attention(axis: str, n: int, causal: bool, scale: float, vary: tuple[st
     their ``shard_map`` specs). Returns ``[B, Tq, K, G, D]``. The backward pass (``custom_vjp``)
     keeps only q, k, v, the output and the log-sum-exp, and passes K/V around the ring again
     together with their gradient accumulators, which arrive home after ``n`` shifts: no
-    block's probabilities are kept.
+    block's probabilities are kept. Under a causal mask, tiles the mask hides entirely are
+    skipped (`_fold`, `_grads`).
     """
     return _ring_vjp((axis, n, causal, scale, vary), q, k, v, ids_q, ids_k)
 
