@@ -440,6 +440,8 @@ def _apply_override(d: dict[str, Any], key: str, raw: str) -> None:
         d[key] = _parse_pairs(key, raw)
     elif "." in key:
         top, sub = key.split(".", 1)
+        if top == "context" and d.get(top) is None:
+            d[top] = {}     # the optional section starts from its defaults
         if not isinstance(d.get(top), dict):
             raise ValueError(f"--{key}: {top!r} is not a config section")
         d[top][sub] = _parse_scalar(raw)

@@ -135,6 +135,9 @@ def test_bad_input_names_the_numbers():
     with pytest.raises(ValueError, match=r"sequence length 12 .* not divisible by 8"):
         context_attention(jnp.ones((1, 12, 8, 2)), jnp.ones((1, 12, 8, 2)), jnp.ones((1, 12, 8, 2)),
                           axis="context", mesh=mesh)
+    loaded = jaxpar.ParallelConfig.from_overrides(["--mesh", "context=8", "--context.strategy", "ulysses"])
+    assert loaded.context == jaxpar.ParallelConfig.from_dict(loaded.to_dict()).context
+    assert (loaded.context.strategy, loaded.context.order) == ("ulysses", "zigzag")
     with pytest.raises(ValueError, match=r"context.strategy='rng'.*'ring'"):
         jaxpar.ParallelConfig(mesh={"context": 8}, context={"strategy": "rng"})
     with pytest.raises(ValueError, match=r"context.axis='seq'.*not in the mesh"):
