@@ -37,6 +37,8 @@ REMAT_POLICIES = (
     "offload_dots",
 )
 FUSION_MODES = ("size", "auto")
+CONTEXT_STRATEGIES = ("all_gather", "ring", "ulysses", "hybrid")
+CONTEXT_ORDERS = ("contiguous", "zigzag", "striped")
 OPTIMIZER_LEVELS = (0, 1, 2, 3)
 
 
@@ -142,6 +144,41 @@ class PipelineConfig:
         _check_axis_name("pipeline.axis", self.axis)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ContextConfig:
+    """Context parallel: the sequence split over a mesh axis (see docs/context_parallel.md).
+
+    Attributes:
+      axis: the context mesh axis; for ``strategy="hybrid"`` a pair ``(ring_axis, ulysses_axis)``.
+      strategy: attention across the axis: ``"all_gather"``, ``"ring"``, ``"ulysses"``, ``"hybrid"``.
+      order: how batches are reordered when placed, for causal load balance:
+        ``"zigzag"``, ``"striped"`` or ``"contiguous"`` (no reorder).
+    """
+
+    axis: str | tuple[str, ...] = "context"
+    strategy: str = "ring"
+    order: str = "zigzag"
+
+    def __post_init__(self):
+        axes = (self.axis,) if isinstance(self.axis, str) else self.axis
+        if not isinstance(axes, tuple) or not axes:
+            raise _fail("context.axis", self.axis, "use a mesh axis name, or (ring_axis, ulysses_axis) for 'hybrid'")
+        for a in axes:
+            _check_axis_name("context.axis", a)
+        if self.strategy not in CONTEXT_STRATEGIES:
+            raise _fail("context.strategy", self.strategy, f"choose one of {CONTEXT_STRATEGIES}")
+        if (self.strategy == "hybrid") != (len(axes) == 2) or len(axes) > 2:
+            raise _fail("context.axis", self.axis, "strategy 'hybrid' takes (ring_axis, ulysses_axis), the others "
+                        "one axis name")
+        if self.order not in CONTEXT_ORDERS:
+            raise _fail("context.order", self.order, f"choose one of {CONTEXT_ORDERS}")
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The context mesh axes as a tuple."""
+        return (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)
+
+
 def normalize_mesh(mesh: Any) -> dict[str, int]:
     if not isinstance(mesh, Mapping) or not mesh:
         raise _fail("mesh", mesh, "give a non-empty mapping of axis name -> size, e.g. {'data': -1}")
@@ -221,6 +258,7 @@ class ParallelConfig:
       precision: mixed precision: ``None`` (every array keeps the dtype the model gave
         it), a preset ``"fp32"`` / ``"bf16"`` / ``"bf16-pure"``, a dict of dtypes
         ``{"params", "compute", "reduce", "opt_state"}`` or a ``jaxpar.Precision``.
+      context: context parallel (a ``ContextConfig`` or dict), or None (off).
       allow_unused_rules: keep rules that no parameter, activation constraint or batch
         consults (off: such a rule, e.g. a typo ``"mlpp"``, is an error when the step is
         traced). Turn on for a shared rule set applied to models that use part of it.
@@ -240,6 +278,7 @@ class ParallelConfig:
     interleave: int = 1
     precision: Precision | None = None
     allow_unused_rules: bool = False
+    context: ContextConfig | None = None
 
     def __post_init__(self):
         setf = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -278,6 +317,11 @@ class ParallelConfig:
         if self.mode == "data" and self.rules:
             raise _fail("rules", dict(self.rules), "mode='data' replicates every parameter; "
                         "drop the rules or use mode='semi_auto'")
+        if self.context is not None:
+            setf("context", _sub(ContextConfig, self.context, "context"))
+            if missing := [a for a in self.context.axes if a not in self.mesh]:
+                raise _fail("context.axis", self.context.axis,
+                            f"mesh axes {missing} are not in the mesh {dict(self.mesh)}; add them to mesh")
         if self.pipeline.stages > 1 and self.pipeline.axis not in self.mesh:
             raise _fail("pipeline.stages", self.pipeline.stages,
                         f"pipeline needs a mesh axis {self.pipeline.axis!r}; mesh has {list(self.mesh)}")
@@ -396,6 +440,8 @@ def _apply_override(d: dict[str, Any], key: str, raw: str) -> None:
         d[key] = _parse_pairs(key, raw)
     elif "." in key:
         top, sub = key.split(".", 1)
+        if top == "context" and d.get(top) is None:
+            d[top] = {}     # the optional section starts from its defaults
         if not isinstance(d.get(top), dict):
             raise ValueError(f"--{key}: {top!r} is not a config section")
         d[top][sub] = _parse_scalar(raw)

@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig
+from jaxpar.data.sequence import context_axes, reorder_batch
 from jaxpar.strategy import check_spec, logical_axes, mesh_sizes, to_partition_spec
 
 
@@ -34,7 +35,8 @@ def batch_axes(config: ParallelConfig, mesh) -> tuple[str, ...]:
     if "batch" in config.rules:
         return logical_axes("batch", sizes, config.rules)
     if config.mode == "data":
-        return tuple(a for a in sizes if a != config.pipeline.axis)
+        skip = (config.pipeline.axis, *context_axes(config, sizes))   # these split stages / the sequence
+        return tuple(a for a in sizes if a not in skip)
     return ("data",) if "data" in sizes else ()
 
 
@@ -59,6 +61,9 @@ def _default_spec(config: ParallelConfig, mesh, shape) -> PartitionSpec:
     axes = batch_axes(config, mesh)
     spec = PartitionSpec(axes if len(axes) > 1 else axes[0] if axes else None)
     sizes = mesh_sizes(mesh)
+    seq = context_axes(config, mesh)
+    if seq and len(shape) >= 2:    # context parallel: [B, S, ...] leaves split over S too
+        spec = PartitionSpec(spec[0], seq if len(seq) > 1 else seq[0])
     n = math.prod(sizes[a] for a in axes)
     if shape[0] % n:
         raise ValueError(
@@ -136,6 +141,7 @@ def place_batch(config: ParallelConfig, mesh, batch, *, global_batch: bool = Tru
     ``global_batch=False`` in a multi-process run: each process holds its contiguous block of
     rows; the global array is assembled with ``make_array_from_process_local_data``.
     """
+    batch = reorder_batch(config, mesh, batch)   # context parallel: causal load-balancing order
     if jax.process_count() == 1 or global_batch:
         def put(x, sharding):
             if isinstance(x, jax.Array) and (not x.is_fully_addressable or x.sharding == sharding):

@@ -177,7 +177,11 @@ class Attention(nnx.Module):
         q = constrain(_rotate(q, positions, freqs), ("batch", "length", "heads", "head_dim"))
         k = constrain(_rotate(k, positions, freqs), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        out = attention(q, k, v, segment_ids, kind=self.cfg.attention)
+        # a constraint that knows how to attend across devices (jaxpar.ops.ContextParallel) does so;
+        # its mask follows positions, so sequences reordered for load balance stay causal
+        attend = getattr(constrain, "attention", None)
+        out = (attention(q, k, v, segment_ids, kind=self.cfg.attention) if attend is None
+               else attend(q, k, v, segment_ids, positions))
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         return jnp.einsum("bshd,hde->bse", out, self.wo[...].astype(dtype))
 
@@ -229,13 +233,13 @@ def _remat(fn, policy: str):
     return nnx.remat(fn, policy=checkpoint_policy(policy))
 
 
-def _check_tokens(tokens, segment_ids) -> None:
+def _check_tokens(tokens, segment_ids, name: str = "segment_ids") -> None:
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise TypeError(f"Llama takes integer token ids [batch, length], got {tokens.dtype} {tuple(tokens.shape)}; "
                         f"pass e.g. batch['inputs'] with dtype int32")
     if segment_ids is not None and tuple(segment_ids.shape) != tuple(tokens.shape):
-        raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)} but tokens {tuple(tokens.shape)}; "
-                         f"give one segment id per token")
+        raise ValueError(f"{name} has shape {tuple(segment_ids.shape)} but tokens {tuple(tokens.shape)}; "
+                         f"give one per token")
 
 
 class Llama(nnx.Module):
@@ -272,9 +276,10 @@ class Llama(nnx.Module):
             x = x.astype(jnp.dtype(self.cfg.dtype))
         return self.constrain(x, ("batch", "length", "embed"))
 
-    def run_blocks(self, x, segment_ids=None):
-        positions = (jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]) if segment_ids is None
-                     else segment_positions(segment_ids))
+    def run_blocks(self, x, segment_ids=None, positions=None):
+        if positions is None:
+            positions = (jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]) if segment_ids is None
+                         else segment_positions(segment_ids))
         block_fn = _remat(lambda block, h: block(h, positions, segment_ids, self.constrain), self.cfg.remat)
         if self.cfg.scan_layers:
             @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
@@ -290,10 +295,12 @@ class Llama(nnx.Module):
         return _logits(self.norm, self.embedding if self.head is None else self.head, x,
                        tied=self.head is None, constrain=self.constrain)
 
-    def __call__(self, tokens, segment_ids=None):
-        """Logits [B, S, vocab] in fp32 for token ids [B, S]."""
+    def __call__(self, tokens, segment_ids=None, positions=None):
+        """Logits [B, S, vocab] in fp32 for token ids [B, S]; ``positions`` [B, S] (default: from
+        the order of the tokens and the segments) when the sequence was reordered."""
         _check_tokens(tokens, segment_ids)
-        return self.logits(self.run_blocks(self.embed(tokens), segment_ids))
+        _check_tokens(tokens, positions, "positions")
+        return self.logits(self.run_blocks(self.embed(tokens), segment_ids, positions))
 
 
 def _logits(norm, table, x, *, tied: bool, constrain=no_constraint):
@@ -315,6 +322,7 @@ def loss_fn(model: Llama, batch: dict) -> jax.Array:
 
     With ``batch["segment_ids"]`` the sequences are packed: attention stays inside a segment,
     positions restart at each segment, and tokens of segment 0 (padding) are left out of the mean.
+    ``batch["positions"]`` (added by context-parallel batch placement) gives the positions.
 
     >>> model = Llama(LlamaConfig.named("tiny"), rngs=nnx.Rngs(0))
     >>> tokens = jnp.zeros((2, 16), jnp.int32)
@@ -324,7 +332,7 @@ def loss_fn(model: Llama, batch: dict) -> jax.Array:
     for key in ("inputs", "targets"):
         if key not in batch:
             raise ValueError(f"Llama loss_fn needs batch[{key!r}] [batch, length]; the batch has {sorted(batch)}")
-    return _xent(model(batch["inputs"], batch.get("segment_ids")), batch)
+    return _xent(model(batch["inputs"], batch.get("segment_ids"), batch.get("positions")), batch)
 
 
 def _pipeline_embed(model: Llama, batch) -> jax.Array:

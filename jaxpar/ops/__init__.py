@@ -10,10 +10,17 @@ Each is a plain function, usable eagerly and inside ``jax.jit``, that takes its 
   (`pad_for_manual_split` / `unpad`).
 * `attention`: heads (and batch) split, no communication.
 * `conv2d`: image split over H/W, halo exchange with collective-permutes.
+* `context_attention`: the sequence split over a context axis (all-gather, ring, Ulysses,
+  ring × Ulysses); `ContextParallel` hands it to a model; `context_order` balances causal
+  work (zigzag / striped).
 
 See docs/operators.md.
 """
 
+from jaxpar.ops import context_order
+from jaxpar.ops.context import context_attention
+from jaxpar.ops.context_model import ContextParallel
+from jaxpar.ops.context_order import describe_balance
 from jaxpar.ops.conv import conv2d
 from jaxpar.ops.head_parallel import attention
 from jaxpar.ops.linear import dense, matmul
@@ -21,8 +28,12 @@ from jaxpar.ops.linear_2d import matmul_2d
 from jaxpar.ops.vocab_parallel import embedding, pad_for_manual_split, unpad
 
 __all__ = [
+    "ContextParallel",
     "attention",
+    "context_attention",
+    "context_order",
     "conv2d",
+    "describe_balance",
     "dense",
     "embedding",
     "matmul",

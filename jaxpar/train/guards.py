@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxpar.config import ParallelConfig
 from jaxpar.metrics import MetricsConfig, MetricsLogger, ProfileWindow, check_profile_steps
+from jaxpar.ops import ContextParallel
 from jaxpar.pipeline import PipelineLoss
 from jaxpar.plan import TrainPlan
 
@@ -96,12 +97,25 @@ def check_args(model, tx, loss_fn, config, mesh, plan) -> None:
         raise TypeError(
             f"Trainer: pipeline.stages={config.pipeline.stages} needs loss_fn as a jaxpar.pipeline.PipelineLoss "
             f"(embed / blocks / head / head_loss), got {type(loss_fn).__name__}; see docs/pipeline.md")
+    check_context(model, config)
     if plan is not None:
         if not isinstance(plan, TrainPlan):
             raise TypeError(f"Trainer: plan must be a jaxpar.TrainPlan, got {type(plan).__name__}")
         if dict(plan.mesh) != {a: int(s) for a, s in mesh.shape.items()}:
             raise ValueError(f"Trainer: plan is for mesh {dict(plan.mesh)} but the mesh is {dict(mesh.shape)}; "
                              "build the mesh with jaxpar.make_mesh(plan.config)")
+
+
+def check_context(model, config) -> None:
+    """A context axis needs attention that masks by position (batches are reordered and split)."""
+    if config.context is not None and not isinstance(getattr(model, "constrain", None), ContextParallel):
+        raise ValueError(
+            f"Trainer: ParallelConfig.context={config.context} reorders and splits the sequence, but the model's "
+            "constrain is not a jaxpar.ops.ContextParallel, so its attention would mask by index; build the model "
+            "with constrain=jaxpar.ops.ContextParallel(jaxpar.LogicalConstraint(mesh, config.rules), mesh, config)")
+    if config.context is not None and config.pipeline.stages > 1:
+        raise ValueError(f"Trainer: context={config.context} with pipeline.stages={config.pipeline.stages} is not "
+                         "supported (stages pass only the hidden state, not positions); drop one of them")
 
 
 def check_batch(batch) -> None:
