@@ -84,8 +84,12 @@ class Attention(nnx.Module):
             return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         return tuple(jnp.einsum("bse,ehd->bshd", x, w[...]) for w in (self.wq, self.wk, self.wv))
 
-    def __call__(self, x):
+    def __call__(self, x, positions, constrain=no_constraint):
         q, k, v = self._qkv(x)
+        # a constraint that attends across devices (jaxpar.ops.ContextParallel: the sequence split
+        # and reordered over a context axis) masks by the tokens' original positions
+        if (attend := getattr(constrain, "attention", None)) is not None:
+            return jnp.einsum("bshd,hde->bse", attend(q, k, v, None, positions), self.wo[...])
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(x.dtype)
         causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
@@ -114,9 +118,11 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs)
         self.drop = nnx.Dropout(cfg.dropout, rngs=rngs) if cfg.dropout is not None else None
 
-    def __call__(self, x, constrain=no_constraint):
+    def __call__(self, x, constrain=no_constraint, positions=None):
+        if positions is None:   # the pipeline calls block(h): tokens in their own order
+            positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
         drop = self.drop if self.drop is not None else (lambda h: h)
-        x = constrain(x + drop(self.attn(self.ln1(x))), ("batch", "seq", "embed"))
+        x = constrain(x + drop(self.attn(self.ln1(x), positions, constrain)), ("batch", "seq", "embed"))
         return constrain(x + drop(self.mlp(self.ln2(x))), ("batch", "seq", "embed"))
 
 
@@ -149,12 +155,12 @@ class GPT(nnx.Module):
         self.ln_f = LayerNorm(cfg.embed, rngs)
         self.head = _param(rngs, init, (cfg.embed, cfg.vocab_size), ("embed", "vocab"))
 
-    def embed(self, tokens):
-        x = self.wte[...][tokens] + self.wpe[...][: tokens.shape[1]]
-        return self.constrain(x, ("batch", "seq", "embed"))
+    def embed(self, tokens, positions=None):
+        pos = self.wpe[...][: tokens.shape[1]] if positions is None else self.wpe[...][positions]
+        return self.constrain(self.wte[...][tokens] + pos, ("batch", "seq", "embed"))
 
-    def run_blocks(self, x):
-        block_fn = _remat(lambda block, h: block(h, self.constrain), self.cfg.remat)
+    def run_blocks(self, x, positions=None):
+        block_fn = _remat(lambda block, h: block(h, self.constrain, positions), self.cfg.remat)
         if self.cfg.scan_layers:
             @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
             def scan_fn(block, h):
@@ -168,13 +174,15 @@ class GPT(nnx.Module):
     def logits(self, x):
         return self.ln_f(x) @ self.head[...]
 
-    def __call__(self, tokens):
-        return self.logits(self.run_blocks(self.embed(tokens)))
+    def __call__(self, tokens, positions=None):
+        """Logits [B, S, vocab]; ``positions`` [B, S] when the tokens were reordered (context parallel)."""
+        return self.logits(self.run_blocks(self.embed(tokens, positions), positions))
 
 
 def loss_fn(model: GPT, batch: dict) -> jax.Array:
-    """Mean next-token cross-entropy; ``batch`` holds ``inputs`` and ``targets`` [B, S]."""
-    logits = model(batch["inputs"])
+    """Mean next-token cross-entropy; ``batch`` holds ``inputs`` and ``targets`` [B, S] (and
+    ``positions`` when context-parallel placement reordered the sequence)."""
+    logits = model(batch["inputs"], batch.get("positions"))
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 

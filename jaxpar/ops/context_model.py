@@ -67,7 +67,8 @@ class ContextParallel:
         """Causal attention on ``[B, S, H, D]`` q and ``[B, S, Hkv, D]`` k, v, masked by ``positions``."""
         ctx = self.config.context
         batch = self._axes("batch", q.shape[0])
-        heads = self._axes("heads", q.shape[2], k.shape[2])
+        # an axis the batch already uses (a 2D layout maps heads to the data axis) leaves the heads whole
+        heads = tuple(a for a in self._axes("heads", q.shape[2], k.shape[2]) if a not in batch)
         return context_attention(q, k, v, axis=ctx.axis, strategy=ctx.strategy, mesh=self.mesh,
                                  segment_ids=segment_ids, q_positions=positions,
                                  batch_axis=batch or None, heads_axis=heads or None)

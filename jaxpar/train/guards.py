@@ -107,15 +107,23 @@ def check_args(model, tx, loss_fn, config, mesh, plan) -> None:
 
 
 def check_context(model, config) -> None:
-    """A context axis needs attention that masks by position (batches are reordered and split)."""
-    if config.context is not None and not isinstance(getattr(model, "constrain", None), ContextParallel):
+    """A context axis needs attention that masks by position (batches are reordered and split),
+    and refuses the techniques it does not compose with, naming both."""
+    if config.context is None:
+        return
+    if config.pipeline.stages > 1:
+        raise ValueError(f"Trainer: context={config.context} with pipeline.stages={config.pipeline.stages} is not "
+                         "supported (stages pass only the hidden state, not positions); drop one of them")
+    if config.mode in ("hybrid", "auto"):
+        why = ("per-device code sees one shard of the sequence and no context attention" if config.mode == "hybrid"
+               else "the strategy search does not place the sequence over a context axis")
+        raise ValueError(f"Trainer: context={config.context} with mode={config.mode!r} is not supported ({why}); "
+                         "use mode='semi_auto' with the context axis, or drop context")
+    if not isinstance(getattr(model, "constrain", None), ContextParallel):
         raise ValueError(
             f"Trainer: ParallelConfig.context={config.context} reorders and splits the sequence, but the model's "
             "constrain is not a jaxpar.ops.ContextParallel, so its attention would mask by index; build the model "
             "with constrain=jaxpar.ops.ContextParallel(jaxpar.LogicalConstraint(mesh, config.rules), mesh, config)")
-    if config.context is not None and config.pipeline.stages > 1:
-        raise ValueError(f"Trainer: context={config.context} with pipeline.stages={config.pipeline.stages} is not "
-                         "supported (stages pass only the hidden state, not positions); drop one of them")
 
 
 def check_batch(batch) -> None:
