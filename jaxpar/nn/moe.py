@@ -159,9 +159,10 @@ class MoE(nnx.Module):
         if cfg.shared_experts:
             h = jax.nn.silu(x @ self.shared_gate[...].astype(dtype)) * (x @ self.shared_up[...].astype(dtype))
             y = y + h @ self.shared_down[...].astype(dtype)
-        self.aux_loss.value = cfg.aux_loss_weight * load_balance + cfg.z_loss_weight * z_loss
-        self.load_balance.value, self.z_loss.value = load_balance, z_loss
-        self.dropped.value = stats["dropped"].astype(jnp.int32)
+        self.aux_loss.set_value(cfg.aux_loss_weight * load_balance + cfg.z_loss_weight * z_loss)
+        self.load_balance.set_value(load_balance)
+        self.z_loss.set_value(z_loss)
+        self.dropped.set_value(stats["dropped"].astype(jnp.int32))
         return y
 
 
