@@ -12,6 +12,8 @@ import pytest
 from flax import nnx
 
 import jaxpar
+from helpers import assert_close, assert_losses_close, batches
+from jaxpar.models.llama import Llama, LlamaConfig, loss_fn, param_count
 from jaxpar.nn import MoE, MoEConfig, moe_aux_loss, moe_metrics, route
 from jaxpar.ops import moe_dispatch, ragged_all_to_all_supported
 
@@ -135,3 +137,68 @@ def test_dropless_under_zipf_with_bounded_padding():
     print(f"padding: {ran} rows exchanged per device vs {ideal} ideal ragged ({ratio:.3f}x); "
           f"vs the mean load {pair.sum() / n:.0f}: {ran * n / pair.sum():.2f}x")
     assert 1.0 <= ratio <= 1.25
+
+
+# ----------------------------------------------------------------------------- Mixtral-style Llama
+
+MOE_LLAMA = LlamaConfig.named("tiny", heads=8, kv_heads=4, scan_layers=True,
+                              moe=MoEConfig(experts=8, top_k=2, bucket_growth=2.0))
+EP = {
+    "one device": jaxpar.ParallelConfig(mesh={"data": 1}),
+    "EP=8": jaxpar.ParallelConfig(mesh={"data": 8}, rules={"batch": "data", "expert": "data"}),
+    "EP=4 x model=2": jaxpar.ParallelConfig(mesh={"data": 4, "model": 2}, rules={
+        "batch": "data", "expert": "data", "mlp": "model", "heads": "model", "kv_heads": "model", "vocab": "model"}),
+}
+
+
+def train_moe(config, steps=5):
+    import optax
+
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:int(np.prod(list(config.mesh.values())))])
+    constrain = jaxpar.LogicalConstraint(mesh, config.rules)
+    model = jaxpar.init(lambda: Llama(MOE_LLAMA, rngs=nnx.Rngs(0), constrain=constrain), config, mesh)
+    trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh)
+    losses = [float(trainer.step(b)["loss"]) for b in batches(steps, seq=16)]
+    return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param))), trainer
+
+
+@pytest.mark.slow
+def test_moe_llama_trains_like_one_device():
+    """5 adamw steps, auxiliary losses in the loss: expert parallel 8 and 4 x tensor parallel 2."""
+    ref_losses, ref_params, ref = train_moe(EP["one device"])
+    assert ref_losses[-1] < ref_losses[0]
+    assert float(moe_aux_loss(ref.model)) > 0
+    for name in ("EP=8", "EP=4 x model=2"):
+        losses, params, trainer = train_moe(EP[name])
+        assert_losses_close(losses, ref_losses, rtol=1e-5)
+        assert_close(params, ref_params, rtol=5e-5, what=name)
+        spec = trainer.model.blocks.mlp.gate.get_value().sharding.spec
+        assert spec[1] == "data" and (name == "EP=8" or spec[3] == "model"), spec    # [layers, expert, embed, mlp]
+
+
+def test_moe_llama_layers_and_parameters():
+    cfg = LlamaConfig.named("tiny", layers=4, moe={"experts": 4, "top_k": 1, "shared_experts": 1}, moe_every=2)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    assert [type(b.mlp).__name__ for b in model.blocks] == ["MLP", "MoE", "MLP", "MoE"]
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert count == param_count(cfg)
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    loss, aux = nnx.jit(lambda m, b: (loss_fn(m, b), moe_aux_loss(m)))(model, {"inputs": tokens, "targets": tokens})
+    assert float(loss) > float(aux) > 0
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_bad_input_names_the_numbers():
+    with pytest.raises(ValueError, match=r"top_k=9 is larger than experts=8.*top_k <= 8"):
+        MoEConfig(experts=8, top_k=9)
+    for cf in (0, -1.0):
+        with pytest.raises(ValueError, match=rf"capacity_factor={cf} must be > 0.*None for dropless"):
+            MoEConfig(experts=8, capacity_factor=cf)
+    with pytest.raises(ValueError, match=r"moe_every=2 with scan_layers=True.*moe_every=1"):
+        LlamaConfig.named("tiny", scan_layers=True, moe={"experts": 4}, moe_every=2)
+    layer = MoE(D, F, MoEConfig(experts=12, top_k=2), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"12 experts are not divisible by 8, the size of expert_axis \('data',\).*"
+                                         r"multiple of 8"):
+        layer(tokens(64), ep_constraint(8))
+    assert not ragged_all_to_all_supported("cpu")      # XLA:CPU: the padded all-to-all is used
