@@ -14,7 +14,7 @@ from flax import nnx
 import jaxpar
 from helpers import assert_close, assert_losses_close, batches
 from jaxpar.models.llama import Llama, LlamaConfig, loss_fn, param_count
-from jaxpar.nn import MoE, MoEConfig, moe_aux_loss, moe_metrics, route
+from jaxpar.nn import MoE, MoEConfig, moe_aux_loss, route
 from jaxpar.ops import moe_dispatch, ragged_all_to_all_supported
 
 D, F = 8, 8
@@ -122,7 +122,7 @@ def test_dropless_under_zipf_with_bounded_padding():
     owner = np.asarray(ids).reshape(n, t // n * k) // (experts // n)   # [source device, assignment] -> peer
     pair = np.stack([np.bincount(row, minlength=n) for row in owner])   # rows source -> peer
     assert pair.sum(0).max() > 2 * pair.sum(0).min()             # skewed: one device receives far more
-    dispatch = jax.jit(lambda *a: moe_dispatch(*a, expert_axis="data", mesh=mesh, bucket_growth=1.1))
+    dispatch = jax.jit(lambda *a: moe_dispatch(*a, expert_axis="data", mesh=mesh))   # bucket_growth 1.25
     args = (x, ids, weights, layer.gate[...], layer.up[...], layer.down[...])
     compiled = dispatch.lower(*args).compile()
     _, stats = compiled(*args)
@@ -142,7 +142,7 @@ def test_dropless_under_zipf_with_bounded_padding():
 # ----------------------------------------------------------------------------- Mixtral-style Llama
 
 MOE_LLAMA = LlamaConfig.named("tiny", heads=8, kv_heads=4, scan_layers=True,
-                              moe=MoEConfig(experts=8, top_k=2, bucket_growth=2.0))
+                              moe=MoEConfig(experts=8, top_k=2, bucket_growth=4.0))   # 2 rungs: less to compile
 EP = {
     "one device": jaxpar.ParallelConfig(mesh={"data": 1}),
     "EP=8": jaxpar.ParallelConfig(mesh={"data": 8}, rules={"batch": "data", "expert": "data"}),
@@ -156,7 +156,7 @@ def train_moe(config, steps=5):
 
     mesh = jaxpar.make_mesh(config, devices=jax.devices()[:int(np.prod(list(config.mesh.values())))])
     constrain = jaxpar.LogicalConstraint(mesh, config.rules)
-    model = jaxpar.init(lambda: Llama(MOE_LLAMA, rngs=nnx.Rngs(0), constrain=constrain), config, mesh)
+    model = Llama(MOE_LLAMA, rngs=nnx.Rngs(0), constrain=constrain)     # built here, placed by the Trainer
     trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh)
     losses = [float(trainer.step(b)["loss"]) for b in batches(steps, seq=16)]
     return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param))), trainer
@@ -177,14 +177,12 @@ def test_moe_llama_trains_like_one_device():
 
 
 def test_moe_llama_layers_and_parameters():
-    cfg = LlamaConfig.named("tiny", layers=4, moe={"experts": 4, "top_k": 1, "shared_experts": 1}, moe_every=2)
-    model = Llama(cfg, rngs=nnx.Rngs(0))
-    assert [type(b.mlp).__name__ for b in model.blocks] == ["MLP", "MoE", "MLP", "MoE"]
+    cfg = LlamaConfig.named("tiny", moe={"experts": 4, "top_k": 1, "shared_experts": 1}, moe_every=2)
+    model = jaxpar.nn.abstract_model(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    assert [type(b.mlp).__name__ for b in model.blocks] == ["MLP", "MoE"]
+    assert model.blocks[1].mlp.shared_gate.shape == (32, 64)
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert count == param_count(cfg)
-    tokens = jnp.zeros((2, 16), jnp.int32)
-    loss, aux = nnx.jit(lambda m, b: (loss_fn(m, b), moe_aux_loss(m)))(model, {"inputs": tokens, "targets": tokens})
-    assert float(loss) > float(aux) > 0
 
 
 # ----------------------------------------------------------------------------- bad input
