@@ -11,7 +11,8 @@ For each: compile seconds, median step time and tokens/s (steps taken in turns, 
 ``benchmarks/step.py``), per-device memory of the compiled step (``jaxpar.report.memory``:
 arguments, temp, total) and the all-to-all count of the compiled step.
 
-    python benchmarks/moe.py              # writes benchmarks/results/moe_cpu.{json,png}
+    python benchmarks/moe.py              # writes benchmarks/results/moe_cpu.{json,png} (~3 min on 2 cores)
+    python benchmarks/moe.py --replot     # redraws the PNG from the JSON
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def model_config(experts: int | None) -> LlamaConfig:
 
 
 def build(experts: int | None, batch: dict):
-    config = jaxpar.ParallelConfig(mesh={"data": 8}, rules={"batch": "data", "expert": "data"})
+    rules = {"batch": "data"} if experts is None else {"batch": "data", "expert": "data"}
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, rules=rules)
     mesh = jaxpar.make_mesh(config)
     constrain = jaxpar.LogicalConstraint(mesh, config.rules)
     cfg = model_config(experts)
@@ -115,6 +117,7 @@ def plot(rows, path) -> None:
     b.plot([r["experts"] for r in moe], [r["argument_bytes"] / 2**20 for r in moe], "s-", label="arguments")
     b.set(xscale="log", xlabel="experts", ylabel="MiB per device", title="per-device memory")
     for ax in (a, b):
+        ax.minorticks_off()
         ax.set_xticks(EXPERTS, [str(e) for e in EXPERTS])
         ax.legend()
     fig.tight_layout()
@@ -123,4 +126,8 @@ def plot(rows, path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--replot" in sys.argv:        # redraw the PNG from the saved JSON
+        name = f"moe_{jax.devices()[0].platform}"
+        plot(json.loads((RESULTS / f"{name}.json").read_text())["rows"], RESULTS / f"{name}.png")
+    else:
+        main()

@@ -185,6 +185,27 @@ def test_moe_llama_layers_and_parameters():
     assert count == param_count(cfg)
 
 
+def test_checkpoint_saved_at_ep4_restores_at_ep2(tmp_path):
+    """Experts (and the rest of the state) saved split 4 ways come back split 2 ways, unchanged."""
+    import optax
+
+    import jaxpar.checkpoint
+
+    def trainer(n):
+        config = jaxpar.ParallelConfig(mesh={"data": n}, rules={"batch": "data", "expert": "data"})
+        mesh = jaxpar.make_mesh(config, devices=jax.devices()[:n])
+        model = Llama(MOE_LLAMA, rngs=nnx.Rngs(n), constrain=jaxpar.LogicalConstraint(mesh, config.rules))
+        return jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh)
+
+    ep4, ep2 = trainer(4), trainer(2)                 # different seeds: the restore must overwrite
+    jaxpar.checkpoint.save(ep4, tmp_path / "ckpt")
+    jaxpar.checkpoint.restore(ep2, tmp_path / "ckpt")
+    saved, restored = (nnx.to_pure_dict(nnx.state(t.model, nnx.Param)) for t in (ep4, ep2))
+    assert_close(jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, saved), rtol=0, what="params")
+    gate = ep2.model.blocks.mlp.gate.get_value()
+    assert gate.sharding.spec[1] == "data" and gate.sharding.shard_shape(gate.shape)[1] == 4   # 8 experts / 2
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def test_bad_input_names_the_numbers():
