@@ -13,7 +13,7 @@ from flax import nnx
 
 import jaxpar
 from helpers import assert_close, assert_losses_close, batches
-from jaxpar.models.llama import Llama, LlamaConfig, loss_fn, param_count
+from jaxpar.models.llama import Llama, LlamaConfig, flops_per_token, loss_fn, param_count
 from jaxpar.nn import MoE, MoEConfig, moe_aux_loss, route
 from jaxpar.ops import moe_dispatch, ragged_all_to_all_supported
 
@@ -183,6 +183,9 @@ def test_moe_llama_layers_and_parameters():
     assert model.blocks[1].mlp.shared_gate.shape == (32, 64)
     count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert count == param_count(cfg)
+    dense = LlamaConfig.named("tiny", moe_every=2)              # top-1 of 4 experts + 1 shared = 2 dense MLPs
+    router = 32 * 4
+    assert flops_per_token(cfg) - flops_per_token(dense) == 6 * (router + 3 * 32 * 64)
 
 
 def test_checkpoint_saved_at_ep4_restores_at_ep2(tmp_path):
@@ -221,3 +224,6 @@ def test_bad_input_names_the_numbers():
                                          r"multiple of 8"):
         layer(tokens(64), ep_constraint(8))
     assert not ragged_all_to_all_supported("cpu")      # XLA:CPU: the padded all-to-all is used
+    with pytest.raises(ValueError, match=r"transport='ragged' but the cpu backend cannot compile"):
+        moe_dispatch(tokens(8), jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1)), *(layer.gate[...], layer.up[...],
+                     layer.down[...]), transport="ragged", expert_axis="data", mesh=ep_constraint(2).mesh)

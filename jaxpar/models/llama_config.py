@@ -200,7 +200,8 @@ def _mlp_params(cfg: LlamaConfig, layer: int) -> int:
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> float:
     """Training FLOPs per token (forward + backward = 3 × forward): 6 per matmul parameter plus
-    the attention scores, 6 · layers · seq · heads · head_dim (causal halves the 12).
+    the attention scores, 6 · layers · seq · heads · head_dim (causal halves the 12). MoE layers
+    count their router, shared experts and ``top_k`` routed experts (the active parameters).
 
     >>> flops_per_token(LlamaConfig.named("tiny")) > 6 * param_count(LlamaConfig.named("tiny")) / 2
     True
@@ -208,6 +209,9 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> float:
     seq = seq_len or cfg.max_seq_len
     # the input table is a lookup, not a matmul (when tied, its one copy is the head's matmul)
     matmul_params = param_count(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed)
+    if cfg.moe is not None:   # a token runs top_k of the routed experts, not all of them
+        idle = 3 * cfg.embed * (cfg.moe.expert_mlp or cfg.mlp) * (cfg.moe.experts - cfg.moe.top_k)
+        matmul_params -= idle * sum(cfg.is_moe(i) for i in range(cfg.layers))
     return 6.0 * matmul_params + 6.0 * cfg.layers * seq * cfg.heads * cfg.head_dim
 
 

@@ -55,8 +55,9 @@ class MoEConfig:
     def __post_init__(self):
         for name in ("experts", "top_k", "shared_experts"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "shared_experts" else 1):
-                raise ValueError(f"MoEConfig.{name}={value!r} must be a {'non-negative' if name == 'shared_experts' else 'positive'} int")
+            least = 0 if name == "shared_experts" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"MoEConfig.{name}={value!r} must be an int >= {least}")
         if self.top_k > self.experts:
             raise ValueError(f"MoEConfig: top_k={self.top_k} is larger than experts={self.experts}; a token "
                              f"picks distinct experts, so use top_k <= {self.experts} or more experts")
