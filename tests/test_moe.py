@@ -139,6 +139,25 @@ def test_dropless_under_zipf_with_bounded_padding():
     assert 1.0 <= ratio <= 1.25
 
 
+def test_dropping_mode_counts_and_skips_what_overflows():
+    """capacity_factor: each (device, expert) keeps its first ceil(cf * tokens * k / E) assignments
+    in token order; the rest add nothing and are counted."""
+    n, experts, k, t, cf = 4, 8, 2, 64, 1.0
+    layer, x, mesh = zipf_layer(experts, k), tokens(t), ep_constraint(n).mesh
+    ids, weights, _, _ = route(x @ layer.router[...], layer.cfg)
+    p = {name: getattr(layer, name)[...] for name in ("gate", "up", "down")}
+    y, stats = jax.jit(lambda *a: moe_dispatch(*a, expert_axis="data", mesh=mesh, capacity_factor=cf))(
+        x, ids, weights, p["gate"], p["up"], p["down"])
+    slots = int(np.ceil(cf * (t // n) * k / experts))
+    flat = np.asarray(ids).reshape(n, -1)                       # per device, assignments in token order
+    keep = np.stack([[np.sum(row[:i] == e) < slots for i, e in enumerate(row)] for row in flat]).reshape(t, k)
+    kept = jnp.asarray(np.asarray(weights) * keep)
+    h = jax.nn.silu(jnp.einsum("td,edf->tef", x, p["gate"])) * jnp.einsum("td,edf->tef", x, p["up"])
+    expected = jnp.einsum("tef,efd,tke,tk->td", h, p["down"], jax.nn.one_hot(ids, experts), kept)
+    assert int(stats["dropped"]) == int((~keep).sum()) > 0
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- Mixtral-style Llama
 
 MOE_LLAMA = LlamaConfig.named("tiny", heads=8, kv_heads=4, scan_layers=True,
