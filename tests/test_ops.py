@@ -292,5 +292,7 @@ def test_conv2d_does_not_split_channels(mesh):
 
 def test_public_names():
     assert sorted(ops.__all__) == sorted(
-        ["attention", "conv2d", "dense", "embedding", "matmul", "matmul_2d", "pad_for_manual_split", "unpad"]
+        ["ContextParallel", "attention", "context_attention", "context_order", "conv2d", "dense", "describe_balance",
+         "embedding", "matmul", "matmul_2d", "moe_dispatch", "pad_for_manual_split", "ragged_all_to_all_supported",
+         "unpad"]
     )

@@ -25,6 +25,7 @@ import optax
 from flax import nnx
 
 from jaxpar.models.llama_config import SIZES, LlamaConfig, RopeScaling, describe, flops_per_token, param_count
+from jaxpar.nn.moe import MoE, moe_aux_loss
 
 __all__ = ["SIZES", "Llama", "LlamaConfig", "RopeScaling", "attention", "attention_implementation", "describe",
            "flops_per_token", "loss_fn", "param_count", "pipeline_loss", "rope_frequencies", "segment_positions"]
@@ -211,11 +212,12 @@ class Block(nnx.Module):
     (1, 4, 32)
     """
 
-    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, rngs: nnx.Rngs, layer: int = 0):
         self.attn_norm = RMSNorm(cfg, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.mlp = (MoE(cfg.embed, cfg.mlp, cfg.moe, rngs=rngs, param_dtype=cfg.param_dtype, init=_INIT)
+                    if cfg.is_moe(layer) else MLP(cfg, rngs))
 
     def __call__(self, x, positions=None, segment_ids=None, constrain=no_constraint):
         if positions is None:   # the pipeline calls block(h): one unpacked sequence per row
@@ -265,7 +267,7 @@ class Llama(nnx.Module):
 
             self.blocks = make_blocks(rngs)
         else:
-            self.blocks = nnx.List([Block(cfg, rngs) for _ in range(cfg.layers)])
+            self.blocks = nnx.List([Block(cfg, rngs, i) for i in range(cfg.layers)])
         self.norm = RMSNorm(cfg, rngs)
         self.head = None if cfg.tie_embeddings else _param(rngs, cfg, _INIT, (cfg.embed, cfg.vocab_size),
                                                            ("embed", "vocab"))
@@ -332,10 +334,15 @@ def loss_fn(model: Llama, batch: dict) -> jax.Array:
     for key in ("inputs", "targets"):
         if key not in batch:
             raise ValueError(f"Llama loss_fn needs batch[{key!r}] [batch, length]; the batch has {sorted(batch)}")
-    return _xent(model(batch["inputs"], batch.get("segment_ids"), batch.get("positions")), batch)
+    loss = _xent(model(batch["inputs"], batch.get("segment_ids"), batch.get("positions")), batch)
+    # MoE layers recorded their load-balancing and z-losses during the forward pass
+    return loss + moe_aux_loss(model) if model.cfg.moe is not None else loss
 
 
 def _pipeline_embed(model: Llama, batch) -> jax.Array:
+    if model.cfg.moe is not None:
+        raise ValueError("the Llama pipeline_loss cannot train LlamaConfig(moe=...): the MoE auxiliary losses "
+                         "of the stages do not reach the head's loss. Train MoE models without pipeline stages")
     if "segment_ids" in batch:
         raise ValueError(
             "the Llama pipeline_loss cannot take batch['segment_ids']: the pipeline hands only the "

@@ -81,6 +81,8 @@ class LlamaConfig:
     dtype: str | None = None      # compute dtype of activations; None = the parameters' dtype as used
                                   # (param_dtype, or the compute dtype of a jaxpar.Precision)
     param_dtype: str = "float32"  # storage dtype of parameters
+    moe: Any = None               # a jaxpar.nn.MoEConfig (or a dict of its fields): mixture-of-experts MLPs
+    moe_every: int = 1            # with moe: layer i is MoE when (i + 1) % moe_every == 0 (1 = Mixtral, 2 = Switch)
 
     def __post_init__(self):
         _check_positive(self, "vocab_size", "embed", "heads", "kv_heads", "mlp", "layers", "max_seq_len")
@@ -118,9 +120,32 @@ class LlamaConfig:
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
             raise TypeError(f"LlamaConfig.rope_scaling must be a RopeScaling, a dict of its fields or None, "
                             f"got {type(self.rope_scaling).__name__}")
+        self._check_moe()
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(f"LlamaConfig: rope_theta={self.rope_theta} and norm_eps={self.norm_eps} "
                              f"must be positive; Llama-3 uses 500000.0 and 1e-5")
+
+    def _check_moe(self) -> None:
+        from jaxpar.nn.moe import MoEConfig   # the layer's own config, validated there
+
+        if isinstance(self.moe, dict):       # from YAML / JSON
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise TypeError(f"LlamaConfig.moe must be a jaxpar.nn.MoEConfig, a dict of its fields or None, "
+                            f"got {type(self.moe).__name__}")
+        _check_positive(self, "moe_every")
+        if self.moe is not None and self.scan_layers and self.moe_every != 1:
+            raise ValueError(f"LlamaConfig: moe_every={self.moe_every} with scan_layers=True; scanned blocks are "
+                             f"one stacked block, so every layer is MoE or none is. Use moe_every=1 or "
+                             f"scan_layers=False")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` (from 0) has a mixture-of-experts MLP.
+
+        >>> [LlamaConfig.named("tiny", layers=4, moe={"experts": 4}, moe_every=2).is_moe(i) for i in range(4)]
+        [False, True, False, True]
+        """
+        return self.moe is not None and (layer + 1) % self.moe_every == 0
 
     @property
     def groups(self) -> int:
@@ -161,14 +186,22 @@ def param_count(cfg: LlamaConfig) -> int:
     """
     e, d = cfg.embed, cfg.head_dim
     attention = e * cfg.heads * d * 2 + e * cfg.kv_heads * d * 2       # wq, wo; wk, wv
-    block = attention + 3 * e * cfg.mlp + 2 * e                          # gate, up, down; two norms
+    mlps = sum(_mlp_params(cfg, i) for i in range(cfg.layers))
     tables = cfg.vocab_size * e * (1 if cfg.tie_embeddings else 2)
-    return cfg.layers * block + tables + e                               # + final norm
+    return cfg.layers * (attention + 2 * e) + mlps + tables + e          # two norms a block; + final norm
+
+
+def _mlp_params(cfg: LlamaConfig, layer: int) -> int:
+    if not cfg.is_moe(layer):
+        return 3 * cfg.embed * cfg.mlp                                   # gate, up, down
+    moe, f = cfg.moe, cfg.moe.expert_mlp or cfg.mlp
+    return cfg.embed * moe.experts + 3 * cfg.embed * f * (moe.experts + moe.shared_experts)   # router, experts
 
 
 def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> float:
     """Training FLOPs per token (forward + backward = 3 × forward): 6 per matmul parameter plus
-    the attention scores, 6 · layers · seq · heads · head_dim (causal halves the 12).
+    the attention scores, 6 · layers · seq · heads · head_dim (causal halves the 12). MoE layers
+    count their router, shared experts and ``top_k`` routed experts (the active parameters).
 
     >>> flops_per_token(LlamaConfig.named("tiny")) > 6 * param_count(LlamaConfig.named("tiny")) / 2
     True
@@ -176,6 +209,9 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> float:
     seq = seq_len or cfg.max_seq_len
     # the input table is a lookup, not a matmul (when tied, its one copy is the head's matmul)
     matmul_params = param_count(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed)
+    if cfg.moe is not None:   # a token runs top_k of the routed experts, not all of them
+        idle = 3 * cfg.embed * (cfg.moe.expert_mlp or cfg.mlp) * (cfg.moe.experts - cfg.moe.top_k)
+        matmul_params -= idle * sum(cfg.is_moe(i) for i in range(cfg.layers))
     return 6.0 * matmul_params + 6.0 * cfg.layers * seq * cfg.heads * cfg.head_dim
 
 

@@ -13,6 +13,7 @@ Each is a plain function, usable eagerly and inside ``jax.jit``, that takes its 
 * `context_attention`: the sequence split over a context axis (all-gather, ring, Ulysses,
   ring × Ulysses); `ContextParallel` hands it to a model; `context_order` balances causal
   work (zigzag / striped).
+* `moe_dispatch`: tokens to their experts over an expert axis (two all-to-alls), dropless.
 
 See docs/operators.md.
 """
@@ -25,6 +26,7 @@ from jaxpar.ops.conv import conv2d
 from jaxpar.ops.head_parallel import attention
 from jaxpar.ops.linear import dense, matmul
 from jaxpar.ops.linear_2d import matmul_2d
+from jaxpar.ops.moe_dispatch import moe_dispatch, ragged_all_to_all_supported
 from jaxpar.ops.vocab_parallel import embedding, pad_for_manual_split, unpad
 
 __all__ = [
@@ -38,6 +40,8 @@ __all__ = [
     "embedding",
     "matmul",
     "matmul_2d",
+    "moe_dispatch",
     "pad_for_manual_split",
+    "ragged_all_to_all_supported",
     "unpad",
 ]

@@ -1,0 +1,248 @@
+"""Mixture of experts: the layer against a dense reference at every expert-parallel size, dropless
+routing under skew, the all-to-alls in the HLO, bad input, and a MoE Llama trained in parallel."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxpar
+from helpers import assert_close, assert_losses_close, batches
+from jaxpar.models.llama import Llama, LlamaConfig, flops_per_token, loss_fn, param_count
+from jaxpar.nn import MoE, MoEConfig, moe_aux_loss, route
+from jaxpar.ops import moe_dispatch, ragged_all_to_all_supported
+
+D, F = 8, 8
+
+
+def zipf_layer(experts: int, top_k: int, seed: int = 0, **kw) -> MoE:
+    """A layer whose router prefers expert e with odds ∝ 1 / (e + 1) (Zipf): input feature 0 is a
+    constant 1 (see ``tokens``) and router row 0 holds -log(e + 1)."""
+    layer = MoE(D, F, MoEConfig(experts=experts, top_k=top_k, **kw), rngs=nnx.Rngs(seed))
+    rng = np.random.default_rng(seed)
+    router = rng.normal(size=(D, experts)) * 0.3
+    router[0] = -np.log(np.arange(1, experts + 1))
+    layer.router.set_value(jnp.asarray(router, jnp.float32))
+    for name in ("gate", "up", "down"):
+        getattr(layer, name).set_value(jnp.asarray(rng.normal(size=getattr(layer, name).shape) / 3, jnp.float32))
+    return layer
+
+
+def tokens(n: int, seed: int = 1) -> jax.Array:
+    x = np.random.default_rng(seed).normal(size=(n, D))
+    x[:, 0] = 1.0
+    return jnp.asarray(x, jnp.float32)
+
+
+def dense_reference(p: dict, x: jax.Array, cfg: MoEConfig) -> jax.Array:
+    """Every token through every expert, kept only for its top-k (no sorting, no exchange)."""
+    logits = x @ p["router"]
+    scores = jax.nn.softmax(logits, -1)
+    top, ids = jax.lax.top_k(scores, cfg.top_k)
+    top = top / top.sum(-1, keepdims=True)
+    combine = jnp.einsum("tk,tke->te", top, jax.nn.one_hot(ids, cfg.experts))
+    h = jax.nn.silu(jnp.einsum("td,edf->tef", x, p["gate"])) * jnp.einsum("td,edf->tef", x, p["up"])
+    return jnp.einsum("tef,efd,te->td", h, p["down"], combine)
+
+
+def ep_constraint(n: int):
+    mesh = jaxpar.make_mesh({"data": n}, devices=jax.devices()[:n])
+    return jaxpar.LogicalConstraint(mesh, {"batch": "data", "expert": "data"})
+
+
+def value_and_grads(layer, x, fn):
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    def loss(params, x):
+        y = fn(nnx.merge(graphdef, params, jax.tree.map(lambda v: v, rest)), x)   # rest: new in this trace
+        return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))), y
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)), params
+
+
+@pytest.mark.parametrize("n, top_k", [(1, 1), (2, 2), (4, 1), (8, 2)])
+def test_output_and_gradients_equal_dense_reference(n, top_k):
+    layer, x = zipf_layer(8, top_k, bucket_growth=2.0), tokens(64)   # a short ladder: fewer branches to compile
+    constrain = ep_constraint(n)
+    step, params = value_and_grads(layer, x, lambda m, x: m(x, constrain))
+    ref_step, _ = value_and_grads(layer, x, lambda m, x: dense_reference(
+        {k: m.__getattribute__(k)[...] for k in ("router", "gate", "up", "down")}, x, m.cfg))
+    compiled = step.lower(params, x).compile()
+    (_, y), grads = compiled(params, x)
+    (_, y_ref), ref_grads = ref_step(params, x)
+    counts = np.bincount(np.asarray(jax.lax.top_k(x @ params["router"][...], top_k)[1]).ravel(), minlength=8)
+    assert counts[0] > 3 * counts[-1]                         # the routing is skewed
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    if n == 8:                                                # one compile, read twice
+        assert_two_all_to_alls_per_pass(compiled.as_text())
+
+
+def computations(hlo: str) -> dict[str, str]:
+    """The HLO text split into its computations, by name."""
+    out, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            name, out[head.group(1)] = head.group(1), ""
+        elif name is not None:
+            out[name] += line + "\n"
+    return out
+
+
+def all_to_alls(text: str) -> int:
+    return len(re.findall(r"= .*? all-to-all\(", text))
+
+
+def assert_two_all_to_alls_per_pass(hlo: str) -> None:
+    """One conditional picks the dropless buffer size in the forward and one in the backward;
+    each of their branches holds exactly two all-to-alls (out to the experts and back), and there
+    is no other all-to-all in the program."""
+    comps = computations(hlo)
+    branches = [re.findall(r"%?([\w.\-]+)", b) for b in re.findall(r"branch_computations=\{([^}]*)\}", hlo)]
+    passes = [b for b in branches if any(all_to_alls(comps[c]) for c in b)]
+    assert len(passes) == 2, f"{len(passes)} conditionals with all-to-alls, want forward + backward"
+    assert all(all_to_alls(comps[c]) == 2 for b in passes for c in b)
+    assert all_to_alls(hlo) == 2 * sum(len(b) for b in passes)
+
+
+def test_dropless_under_zipf_with_bounded_padding():
+    """64 experts, top-8, 8-way expert parallel, Zipf routing: nothing dropped, and the exchange
+    buffer that ran is at most 1.25x the static buffer an ideal ragged exchange would need (the
+    rows the fullest device receives), read from the all-to-all shapes in the compiled HLO."""
+    n, experts, k, t = 8, 64, 8, 1024
+    layer, x, mesh = zipf_layer(experts, k), tokens(t), ep_constraint(n).mesh
+    ids, weights, _, _ = jax.jit(route, static_argnums=1)(x @ layer.router[...], layer.cfg)
+    owner = np.asarray(ids).reshape(n, t // n * k) // (experts // n)   # [source device, assignment] -> peer
+    pair = np.stack([np.bincount(row, minlength=n) for row in owner])   # rows source -> peer
+    assert pair.sum(0).max() > 2 * pair.sum(0).min()             # skewed: one device receives far more
+    dispatch = jax.jit(lambda *a: moe_dispatch(*a, expert_axis="data", mesh=mesh))   # bucket_growth 1.25
+    args = (x, ids, weights, layer.gate[...], layer.up[...], layer.down[...])
+    compiled = dispatch.lower(*args).compile()
+    _, stats = compiled(*args)
+    assert int(stats["dropped"]) == 0 and int(stats["needed"]) == pair.max()
+    hlo = compiled.as_text()
+    sizes = {int(m) for m in re.findall(r"f32\[(\d+),%d\]\{1,0\}\) all-to-all\(" % D, hlo)}
+    sizes |= {n * int(m) for m in re.findall(r"\(f32\[(\d+),%d\]\{1,0\}, [^)]*\) all-to-all\(" % D, hlo)}
+    ran = n * int(stats["capacity"])                              # rows of the buffer that ran
+    assert ran in sizes, (ran, sorted(sizes))
+    ideal = pair.sum(0).max()                                     # fullest device's received rows
+    ratio = ran / ideal
+    print(f"padding: {ran} rows exchanged per device vs {ideal} ideal ragged ({ratio:.3f}x); "
+          f"vs the mean load {pair.sum() / n:.0f}: {ran * n / pair.sum():.2f}x")
+    assert 1.0 <= ratio <= 1.25
+
+
+def test_dropping_mode_counts_and_skips_what_overflows():
+    """capacity_factor: each (device, expert) keeps its first ceil(cf * tokens * k / E) assignments
+    in token order; the rest add nothing and are counted."""
+    n, experts, k, t, cf = 4, 8, 2, 64, 1.0
+    layer, x, mesh = zipf_layer(experts, k), tokens(t), ep_constraint(n).mesh
+    ids, weights, _, _ = route(x @ layer.router[...], layer.cfg)
+    p = {name: getattr(layer, name)[...] for name in ("gate", "up", "down")}
+    y, stats = jax.jit(lambda *a: moe_dispatch(*a, expert_axis="data", mesh=mesh, capacity_factor=cf))(
+        x, ids, weights, p["gate"], p["up"], p["down"])
+    slots = int(np.ceil(cf * (t // n) * k / experts))
+    flat = np.asarray(ids).reshape(n, -1)                       # per device, assignments in token order
+    keep = np.stack([[np.sum(row[:i] == e) < slots for i, e in enumerate(row)] for row in flat]).reshape(t, k)
+    kept = jnp.asarray(np.asarray(weights) * keep)
+    h = jax.nn.silu(jnp.einsum("td,edf->tef", x, p["gate"])) * jnp.einsum("td,edf->tef", x, p["up"])
+    expected = jnp.einsum("tef,efd,tke,tk->td", h, p["down"], jax.nn.one_hot(ids, experts), kept)
+    assert int(stats["dropped"]) == int((~keep).sum()) > 0
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- Mixtral-style Llama
+
+MOE_LLAMA = LlamaConfig.named("tiny", heads=8, kv_heads=4, scan_layers=True,
+                              moe=MoEConfig(experts=8, top_k=2, bucket_growth=4.0))   # 2 rungs: less to compile
+EP = {
+    "one device": jaxpar.ParallelConfig(mesh={"data": 1}),
+    "EP=8": jaxpar.ParallelConfig(mesh={"data": 8}, rules={"batch": "data", "expert": "data"}),
+    "EP=4 x model=2": jaxpar.ParallelConfig(mesh={"data": 4, "model": 2}, rules={
+        "batch": "data", "expert": "data", "mlp": "model", "heads": "model", "kv_heads": "model", "vocab": "model"}),
+}
+
+
+def train_moe(config, steps=5):
+    import optax
+
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:int(np.prod(list(config.mesh.values())))])
+    constrain = jaxpar.LogicalConstraint(mesh, config.rules)
+    model = Llama(MOE_LLAMA, rngs=nnx.Rngs(0), constrain=constrain)     # built here, placed by the Trainer
+    trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh)
+    losses = [float(trainer.step(b)["loss"]) for b in batches(steps, seq=16)]
+    return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param))), trainer
+
+
+@pytest.mark.slow
+def test_moe_llama_trains_like_one_device():
+    """5 adamw steps, auxiliary losses in the loss: expert parallel 8 and 4 x tensor parallel 2."""
+    ref_losses, ref_params, ref = train_moe(EP["one device"])
+    assert ref_losses[-1] < ref_losses[0]
+    assert float(moe_aux_loss(ref.model)) > 0
+    for name in ("EP=8", "EP=4 x model=2"):
+        losses, params, trainer = train_moe(EP[name])
+        assert_losses_close(losses, ref_losses, rtol=1e-5)
+        assert_close(params, ref_params, rtol=5e-5, what=name)
+        spec = trainer.model.blocks.mlp.gate.get_value().sharding.spec
+        assert spec[1] == "data" and (name == "EP=8" or spec[3] == "model"), spec    # [layers, expert, embed, mlp]
+
+
+def test_moe_llama_layers_and_parameters():
+    cfg = LlamaConfig.named("tiny", moe={"experts": 4, "top_k": 1, "shared_experts": 1}, moe_every=2)
+    model = jaxpar.nn.abstract_model(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    assert [type(b.mlp).__name__ for b in model.blocks] == ["MLP", "MoE"]
+    assert model.blocks[1].mlp.shared_gate.shape == (32, 64)
+    count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert count == param_count(cfg)
+    dense = LlamaConfig.named("tiny", moe_every=2)              # top-1 of 4 experts + 1 shared = 2 dense MLPs
+    router = 32 * 4
+    assert flops_per_token(cfg) - flops_per_token(dense) == 6 * (router + 3 * 32 * 64)
+
+
+def test_checkpoint_saved_at_ep4_restores_at_ep2(tmp_path):
+    """Experts (and the rest of the state) saved split 4 ways come back split 2 ways, unchanged."""
+    import optax
+
+    import jaxpar.checkpoint
+
+    def trainer(n):
+        config = jaxpar.ParallelConfig(mesh={"data": n}, rules={"batch": "data", "expert": "data"})
+        mesh = jaxpar.make_mesh(config, devices=jax.devices()[:n])
+        model = Llama(MOE_LLAMA, rngs=nnx.Rngs(n), constrain=jaxpar.LogicalConstraint(mesh, config.rules))
+        return jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh)
+
+    ep4, ep2 = trainer(4), trainer(2)                 # different seeds: the restore must overwrite
+    jaxpar.checkpoint.save(ep4, tmp_path / "ckpt")
+    jaxpar.checkpoint.restore(ep2, tmp_path / "ckpt")
+    saved, restored = (nnx.to_pure_dict(nnx.state(t.model, nnx.Param)) for t in (ep4, ep2))
+    assert_close(jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, saved), rtol=0, what="params")
+    gate = ep2.model.blocks.mlp.gate.get_value()
+    assert gate.sharding.spec[1] == "data" and gate.sharding.shard_shape(gate.shape)[1] == 4   # 8 experts / 2
+
+
+# ----------------------------------------------------------------------------- bad input
+
+def test_bad_input_names_the_numbers():
+    with pytest.raises(ValueError, match=r"top_k=9 is larger than experts=8.*top_k <= 8"):
+        MoEConfig(experts=8, top_k=9)
+    for cf in (0, -1.0):
+        with pytest.raises(ValueError, match=rf"capacity_factor={cf} must be > 0.*None for dropless"):
+            MoEConfig(experts=8, capacity_factor=cf)
+    with pytest.raises(ValueError, match=r"moe_every=2 with scan_layers=True.*moe_every=1"):
+        LlamaConfig.named("tiny", scan_layers=True, moe={"experts": 4}, moe_every=2)
+    layer = MoE(D, F, MoEConfig(experts=12, top_k=2), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"12 experts are not divisible by 8, the size of expert_axis \('data',\).*"
+                                         r"multiple of 8"):
+        nnx.eval_shape(lambda m, x: m(x, ep_constraint(8)), layer, tokens(64))   # refused while tracing
+    assert not ragged_all_to_all_supported("cpu")      # XLA:CPU: the padded all-to-all is used
+    with pytest.raises(ValueError, match=r"transport='ragged' but the cpu backend cannot compile"):
+        moe_dispatch(tokens(8), jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1)), *(layer.gate[...], layer.up[...],
+                     layer.down[...]), transport="ragged", expert_axis="data", mesh=ep_constraint(2).mesh)
