@@ -57,6 +57,11 @@ class ContextParallel:
         return isinstance(other, ContextParallel) and (self.constrain, self.residual, self.mesh, self.config) == (
             other.constrain, other.residual, other.mesh, other.config)
 
+    @property
+    def rules(self):
+        """The wrapped constraint's rules (layers that read their mesh axes from them, e.g. MoE)."""
+        return getattr(self.constrain, "rules", ())
+
     def __call__(self, x, names):
         if self.residual is not None and tuple(names) == RESIDUAL:
             return self.residual(x, names)
