@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxpar.nn.moe import MoE, MoEConfig, moe_aux_loss
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GPTConfig:
@@ -35,6 +37,7 @@ class GPTConfig:
     dtype: str = "float32"
     dropout: float | None = None  # residual dropout rate; None = no Dropout modules (no RNG state)
     fused_qkv: bool = False     # one [embed, 3 * heads * head_dim] projection for q, k and v
+    moe: MoEConfig | None = None  # mixture-of-experts MLPs (jaxpar.nn.MoE) instead of the dense ones
 
     @property
     def head_dim(self) -> int:
@@ -115,7 +118,8 @@ class Block(nnx.Module):
         self.ln1 = LayerNorm(cfg.embed, rngs)
         self.attn = Attention(cfg, rngs)
         self.ln2 = LayerNorm(cfg.embed, rngs)
-        self.mlp = MLP(cfg, rngs)
+        self.moe = cfg.moe is not None
+        self.mlp = MoE(cfg.embed, cfg.mlp, cfg.moe, rngs=rngs) if self.moe else MLP(cfg, rngs)
         self.drop = nnx.Dropout(cfg.dropout, rngs=rngs) if cfg.dropout is not None else None
 
     def __call__(self, x, constrain=no_constraint, positions=None):
@@ -123,7 +127,8 @@ class Block(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
         drop = self.drop if self.drop is not None else (lambda h: h)
         x = constrain(x + drop(self.attn(self.ln1(x), positions, constrain)), ("batch", "seq", "embed"))
-        return constrain(x + drop(self.mlp(self.ln2(x))), ("batch", "seq", "embed"))
+        mlp = self.mlp(self.ln2(x), constrain) if self.moe else self.mlp(self.ln2(x))   # MoE: axes from the rules
+        return constrain(x + drop(mlp), ("batch", "seq", "embed"))
 
 
 def _remat(fn, policy: str):
@@ -183,13 +188,22 @@ def loss_fn(model: GPT, batch: dict) -> jax.Array:
     """Mean next-token cross-entropy; ``batch`` holds ``inputs`` and ``targets`` [B, S] (and
     ``positions`` when context-parallel placement reordered the sequence)."""
     logits = model(batch["inputs"], batch.get("positions"))
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    # MoE layers recorded their load-balancing and z-losses during the forward pass
+    return loss + moe_aux_loss(model) if model.cfg.moe is not None else loss
 
 
 def _head_loss(head, h, batch):
     ln_f, w = head
     logits = ln_f(h) @ w[...]
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def _pipeline_embed(model: GPT, batch) -> jax.Array:
+    if model.cfg.moe is not None:
+        raise ValueError("the GPT pipeline_loss cannot train GPTConfig(moe=...): the MoE auxiliary losses of the "
+                         "stages do not reach the head's loss. Use loss_fn, without pipeline stages")
+    return model.embed(batch["inputs"])
 
 
 def pipeline_loss():
@@ -201,7 +215,7 @@ def pipeline_loss():
     from jaxpar.pipeline.model import PipelineLoss  # the model itself stays parallelism-free
 
     return PipelineLoss(
-        embed=lambda model, batch: model.embed(batch["inputs"]),
+        embed=_pipeline_embed,
         blocks=lambda model: model.blocks,
         head=lambda model: (model.ln_f, model.head),
         head_loss=_head_loss,
