@@ -20,9 +20,14 @@ forms exactly: GPipe and 1F1B ``(p-1)/(m+p-1)``, interleaved ``(p-1)/(v·m+p-1)`
 ZB-H1 ``(p-1)/(3m+p-1)`` (for ``m >= p``; fewer micro-batches than stages is allowed but
 leaves ZB-H1 nothing to fill its bubble with).
 
-Virtual stage ``k = chunk·p + stage``: micro-batch data runs through chunk 0 of stages
-``0..p-1``, then chunk 1 of stages ``0..p-1``, and so on; the last virtual stage
-(chunk ``v-1`` of stage ``p-1``) computes the loss.
+A schedule's ``placement`` says which stage (device) holds which virtual stage ``k``
+(``k = 0`` takes the inputs, ``k = p·v-1`` computes the loss):
+
+- ``"loop"``: ``k = chunk·p + stage``: micro-batch data runs through chunk 0 of stages
+  ``0..p-1``, then chunk 1 of stages ``0..p-1``, and so on (GPipe, 1F1B, interleaved, ZB-H1);
+- ``"v"``: odd chunks run the other way, ``k = chunk·p + (p-1-stage)``: with two chunks stage
+  ``s`` holds ``s`` and ``2p-1-s``, so the turn ``p-1 → p`` stays on stage ``p-1`` and both
+  the first and the last virtual stage live on stage 0 (ZB-V, DualPipeV).
 
 Example:
     >>> s = build("1f1b", 2, 3)
@@ -42,7 +47,7 @@ from typing import Iterable
 from jaxpar.config import SCHEDULES
 
 __all__ = [
-    "Kind", "Op", "Schedule", "SCHEDULES", "build", "gpipe", "one_f_one_b", "interleaved",
+    "Kind", "Op", "Schedule", "SCHEDULES", "PLACEMENTS", "build", "virtual_stage", "location", "gpipe", "one_f_one_b", "interleaved",
     "zb_h1", "bubble_fraction", "peak_activations", "validate", "timeline", "plot_timeline",
 ]
 
@@ -70,13 +75,40 @@ class Op:
 
 
 Table = tuple[tuple["Op | None", ...], ...]
+PLACEMENTS = ("loop", "v")
+
+
+def virtual_stage(placement: str, p: int, stage: int, chunk: int) -> int:
+    """The virtual stage ``k`` that ``chunk`` of ``stage`` runs (see the module docstring).
+
+    Example:
+        >>> [virtual_stage("v", 4, s, 1) for s in range(4)]
+        [7, 6, 5, 4]
+    """
+    if placement == "v" and chunk % 2:
+        return chunk * p + p - 1 - stage
+    return chunk * p + stage
+
+
+def location(placement: str, p: int, k: int) -> tuple[int, int]:
+    """``(stage, chunk)`` holding virtual stage ``k``; the inverse of ``virtual_stage``.
+
+    Example:
+        >>> location("v", 4, 4), location("loop", 4, 4)
+        ((3, 1), (0, 1))
+    """
+    chunk, stage = divmod(k, p)
+    if placement == "v" and chunk % 2:
+        stage = p - 1 - stage
+    return stage, chunk
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Schedule:
     """A pipeline schedule: ``table[tick][stage]`` is the ``Op`` that stage runs, or ``None``.
 
-    An op that costs ``c`` ticks (see ``cost``) fills ``c`` consecutive cells of its stage.
+    An op that costs ``c`` ticks (see ``cost``) fills ``c`` consecutive cells of its stage;
+    ``placement`` (``"loop"`` or ``"v"``) maps a stage's chunks to virtual stages.
     """
 
     name: str
@@ -84,6 +116,7 @@ class Schedule:
     microbatches: int
     virtual_stages: int
     table: Table
+    placement: str = "loop"
 
     @property
     def ticks(self) -> int:
@@ -122,20 +155,21 @@ def _check_sizes(p: int, m: int, v: int = 1) -> None:
 # --------------------------------------------------------------------------- dependencies
 
 
-def _deps(op: Op, stage: int, p: int, v: int) -> list[tuple[int, Op]]:
+def _deps(op: Op, stage: int, p: int, v: int, placement: str = "loop") -> list[tuple[int, Op]]:
     """``(stage, op)`` pairs that must finish before ``op`` may start on ``stage``."""
     i, c = op.microbatch, op.chunk
+    k = virtual_stage(placement, p, stage, c)
     if op.kind is Kind.F:
-        if stage > 0:
-            return [(stage - 1, Op(Kind.F, i, c))]
-        return [(p - 1, Op(Kind.F, i, c - 1))] if c > 0 else []
+        if k == 0:
+            return []
+        s, c_prev = location(placement, p, k - 1)
+        return [(s, Op(Kind.F, i, c_prev))]
     if op.kind is Kind.W:
         return [(stage, Op(Kind.B, i, c))]
     deps = [(stage, Op(Kind.F, i, c))]
-    if stage < p - 1:
-        deps.append((stage + 1, Op(Kind.B, i, c)))
-    elif c < v - 1:
-        deps.append((0, Op(Kind.B, i, c + 1)))
+    if k < p * v - 1:
+        s, c_next = location(placement, p, k + 1)
+        deps.append((s, Op(Kind.B, i, c_next)))
     return deps
 
 
@@ -147,7 +181,8 @@ def _all_ops(m: int, v: int, split: bool) -> list[Op]:
 # --------------------------------------------------------------------------- simulation
 
 
-def _asap(name: str, p: int, m: int, v: int, split: bool, orders: list[list[Op]]) -> Schedule:
+def _asap(name: str, p: int, m: int, v: int, split: bool, orders: list[list[Op]],
+          placement: str = "loop") -> Schedule:
     """Each stage runs its own list of ops in order, each as early as its dependencies allow."""
     cost = {Kind.F: 1, Kind.B: 1 if split else 2, Kind.W: 1}
     end: dict[tuple[int, Op], int] = {}
@@ -159,7 +194,7 @@ def _asap(name: str, p: int, m: int, v: int, split: bool, orders: list[list[Op]]
         for s in range(p):
             while position[s] < len(orders[s]):
                 op = orders[s][position[s]]
-                deps = _deps(op, s, p, v)
+                deps = _deps(op, s, p, v, placement)
                 if any(d not in end for d in deps):
                     break
                 start = max([free[s]] + [end[d] for d in deps])
@@ -173,7 +208,7 @@ def _asap(name: str, p: int, m: int, v: int, split: bool, orders: list[list[Op]]
         for t in range(start, start + cost[op.kind]):
             table[t][s] = op
     return Schedule(name=name, stages=p, microbatches=m, virtual_stages=v,
-                    table=tuple(tuple(row) for row in table))
+                    table=tuple(tuple(row) for row in table), placement=placement)
 
 
 # --------------------------------------------------------------------------- builders
@@ -304,19 +339,21 @@ def zb_h1(p: int, m: int) -> Schedule:
     return _asap("zb-h1", p, m, 1, True, orders)
 
 
-BUILDERS = dict(zip(SCHEDULES, (gpipe, one_f_one_b, interleaved, zb_h1)))   # names from jaxpar.config
+BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
+V_SCHEDULES = ("zb-v", "dualpipe-v")   # built by jaxpar.pipeline.vshape; two chunks per stage
 
 
 def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The schedule called ``name`` (one of ``SCHEDULES``) for ``p`` stages, ``m`` micro-batches.
 
-    ``v`` (virtual stages per stage) is only for ``"interleaved"``; the others need ``v=1``.
+    ``v`` (virtual stages per stage) is only for ``"interleaved"``; the others need ``v=1``
+    (the V schedules ``"zb-v"`` and ``"dualpipe-v"`` always place two chunks per stage).
 
     Example:
         >>> build("gpipe", 4, 8).ticks
         33
     """
-    if name not in BUILDERS:
+    if name not in BUILDERS and name not in V_SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {list(SCHEDULES)}")
     if name == "interleaved":
         return interleaved(p, m, v)
@@ -324,6 +361,10 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
         raise ValueError(
             f"schedule {name!r} has one chunk per stage, got virtual_stages={v}; "
             f"use virtual_stages=1, or schedule='interleaved'")
+    if name in V_SCHEDULES:
+        from jaxpar.pipeline import vshape  # lazy: vshape builds on this module's simulator
+
+        return {"zb-v": vshape.zb_v, "dualpipe-v": vshape.dualpipe_v}[name](p, m)
     return BUILDERS[name](p, m)
 
 
@@ -369,7 +410,7 @@ def peak_activations(schedule: Schedule, *, until: str = "B") -> list[int]:
 def validate(schedule: Schedule) -> None:
     """Raise ``ValueError`` unless ``schedule`` is complete and respects every dependency.
 
-    Rules, with ``end = start + cost`` and virtual stage ``k = chunk·p + stage``:
+    Rules, with ``end = start + cost`` and virtual stage ``k`` from the placement:
     every ``(kind, micro-batch, chunk)`` runs exactly once on every stage, filling ``cost``
     consecutive cells; ``F`` on virtual stage ``k`` starts at or after the ``F`` of the same
     micro-batch ends on ``k-1``; ``B`` on ``k`` starts at or after the ``B`` ends on ``k+1``
@@ -388,7 +429,7 @@ def validate(schedule: Schedule) -> None:
             raise ValueError(f"schedule {schedule.name!r}: stage {s} never runs "
                              f"{sorted(o.label(v) for o in missing)}")
     for (s, op), t in sorted(start.items(), key=lambda item: (item[1], item[0][0])):
-        for dep in _deps(op, s, p, v):
+        for dep in _deps(op, s, p, v, schedule.placement):
             if dep not in end or end[dep] > t:
                 raise ValueError(
                     f"schedule {schedule.name!r}: {op.label(v)} on stage {s} starts at tick {t} "
