@@ -128,8 +128,8 @@ def schedule_cases(p):
 
 
 @requires_devices(4)
-@pytest.mark.parametrize("p", [2, 4])
-@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("name,p", [(n, p) for n in SCHEDULES for p in (2, 4)
+                                    if not (n in ("zb-v", "dualpipe-v") and p == 2)])   # p=2: tests/test_pipeline_v.py
 def test_every_schedule_matches_the_sequential_model(name, p):
     schedule = build(name, p, M, 2 if name == "interleaved" else 1)
     losses, (grads, g_x), params = pipeline_run(schedule, mesh_of((p,), ("pipe",)))

@@ -289,6 +289,8 @@ def _pinned_branch(branch, stage_specs, head_specs, act_spec):
         x, g = _pin((x, g), (act_spec, act_spec))
         y, dx, dp, dh, loss = branch(chunk, head, x, g, t, c)
         y, dx = _pin((y, dx), (act_spec, act_spec))
+        if isinstance(dp, tuple) and not dp:   # forward-only branches return no gradients
+            return y, dx, dp, dh, loss
         return y, dx, _pin(dp, stage_specs, 1), _pin(dh, head_specs), loss
 
     return run

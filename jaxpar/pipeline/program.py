@@ -56,7 +56,7 @@ class Program:
 
 
 def forward_only(schedule: Schedule) -> Schedule:
-    """The forwards of ``schedule`` alone, each stage in the table's order, as early as they can.
+    """The forwards of ``schedule`` alone, each stage taking them in the order their inputs can arrive.
 
     What evaluation and inference run: no backward, no activations kept past the next stage.
 
@@ -65,7 +65,14 @@ def forward_only(schedule: Schedule) -> Schedule:
         >>> forward_only(build("1f1b", 4, 8)).ticks
         11
     """
-    orders = [[op for _, op in schedule.ops(s) if op.kind is Kind.F] for s in range(schedule.stages)]
+    p, where = schedule.stages, schedule.placement
+
+    def ready(op: Op, s: int) -> tuple[int, int]:   # the tick its input could arrive at the earliest
+        k = virtual_stage(where, p, s, op.chunk)
+        return op.microbatch + k, -k
+
+    orders = [sorted((op for _, op in schedule.ops(s) if op.kind is Kind.F), key=lambda op: ready(op, s))
+              for s in range(p)]
     return _asap(f"{schedule.name}-forward", schedule.stages, schedule.microbatches, schedule.virtual_stages,
                  False, orders, schedule.placement)
 

@@ -173,8 +173,8 @@ def _deps(op: Op, stage: int, p: int, v: int, placement: str = "loop") -> list[t
     return deps
 
 
-def _all_ops(m: int, v: int, split: bool) -> list[Op]:
-    kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
+def _all_ops(m: int, v: int, split: bool, forward: bool = False) -> list[Op]:
+    kinds = (Kind.F,) if forward else (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
     return [Op(k, i, c) for k in kinds for i in range(m) for c in range(v)]
 
 
@@ -415,16 +415,17 @@ def validate(schedule: Schedule) -> None:
     consecutive cells; ``F`` on virtual stage ``k`` starts at or after the ``F`` of the same
     micro-batch ends on ``k-1``; ``B`` on ``k`` starts at or after the ``B`` ends on ``k+1``
     and after its own ``F`` ends; ``W`` starts at or after its own ``B`` ends. A schedule has
-    ``W`` ops for every micro-batch or for none.
+    ``W`` ops for every micro-batch or for none; a forward-only table (evaluation) has only ``F``.
     """
     p, m, v, split = (schedule.stages, schedule.microbatches, schedule.virtual_stages,
                       schedule.split_backward)
+    forward = not any(op is not None and op.kind is not Kind.F for row in schedule.table for op in row)
     if any(len(row) != p for row in schedule.table):
         raise ValueError(f"schedule {schedule.name!r}: every tick needs {p} cells")
     start, end = {}, {}
     for s in range(p):
         _check_stage_ops(schedule, s, start, end)
-        missing = set(_all_ops(m, v, split)) - {op for (st, op) in start if st == s}
+        missing = set(_all_ops(m, v, split, forward)) - {op for (st, op) in start if st == s}
         if missing:
             raise ValueError(f"schedule {schedule.name!r}: stage {s} never runs "
                              f"{sorted(o.label(v) for o in missing)}")
