@@ -1,4 +1,5 @@
 """V-shape schedules (ZB-V, DualPipeV) and forward-only evaluation under a pipeline."""
+import inspect
 from fractions import Fraction
 
 import jax
@@ -12,6 +13,7 @@ from conftest import requires_devices
 from helpers import batches
 from jaxpar.models.gpt import GPT, GPTConfig, pipeline_loss
 from jaxpar.pipeline import schedules as S
+from jaxpar.pipeline import vshape
 from jaxpar.pipeline import forward_only, lower
 from jaxpar.pipeline.schedules import Kind
 
@@ -141,3 +143,9 @@ def test_evaluate_under_a_pipeline_runs_no_backward(trained):
     assert 0.25 * forward < _flops(piped.lower_eval(batch).compile()) <= forward
     # the same number the next training step reports for its loss (taken before its update)
     np.testing.assert_allclose(piped.evaluate([batch]), float(piped.step(batch)["loss"]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("builder", [vshape.zb_v, vshape.dualpipe_v], ids=lambda b: b.__name__)
+def test_v_docstrings_draw_their_real_timeline(builder):
+    drawing = [line.strip() for line in inspect.getdoc(builder).split("::", 1)[1].strip().splitlines()]
+    assert drawing == [line.strip() for line in S._grid(builder(2, 4))]
