@@ -28,18 +28,20 @@ from jaxpar.pipeline.schedules import (
     build,
     gpipe,
     interleaved,
+    location,
     one_f_one_b,
     peak_activations,
     plot_timeline,
     timeline,
     validate,
+    virtual_stage,
     zb_h1,
 )
 from jaxpar.pipeline.vshape import dualpipe_v, zb_v
 
 __all__ = [
     "SCHEDULES", "Kind", "Op", "PipelineLoss", "Program", "Schedule", "bubble_fraction", "build",
-    "dualpipe_v", "forward_only", "from_stage_layout", "pipeline_forward", "zb_v", "gpipe", "interleaved", "lower", "one_f_one_b", "peak_activations",
+    "dualpipe_v", "forward_only", "from_stage_layout", "location", "pipeline_forward", "virtual_stage", "zb_v", "gpipe", "interleaved", "lower", "one_f_one_b", "peak_activations",
     "pipeline_loss", "pipeline_value_and_grad", "pipelined", "plot_timeline", "timeline", "to_stage_layout",
     "validate", "zb_h1",
 ]
