@@ -71,7 +71,7 @@ def gpt_pipeline_loss(model: GPT, schedule, mesh):
         def micro(a):
             return a.reshape(m, -1, *a.shape[1:])
 
-        blocks = to_stage_layout(nnx.state(model.blocks), p, v)
+        blocks = to_stage_layout(nnx.state(model.blocks), p, v, schedule.placement)
         head = (nnx.state(model.ln_f), model.head[...])
         return run(blocks, head, micro(model.embed(batch["inputs"])), micro(batch["targets"]))
 

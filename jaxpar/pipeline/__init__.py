@@ -41,7 +41,7 @@ from jaxpar.pipeline.vshape import dualpipe_v, zb_v
 
 __all__ = [
     "SCHEDULES", "Kind", "Op", "PipelineLoss", "Program", "Schedule", "bubble_fraction", "build",
-    "dualpipe_v", "forward_only", "from_stage_layout", "location", "pipeline_forward", "virtual_stage", "zb_v", "gpipe", "interleaved", "lower", "one_f_one_b", "peak_activations",
-    "pipeline_loss", "pipeline_value_and_grad", "pipelined", "plot_timeline", "timeline", "to_stage_layout",
-    "validate", "zb_h1",
+    "dualpipe_v", "forward_only", "from_stage_layout", "gpipe", "interleaved", "location", "lower",
+    "one_f_one_b", "peak_activations", "pipeline_forward", "pipeline_loss", "pipeline_value_and_grad",
+    "pipelined", "plot_timeline", "timeline", "to_stage_layout", "validate", "virtual_stage", "zb_h1", "zb_v",
 ]

@@ -24,7 +24,6 @@ no backward, for evaluation.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable
 

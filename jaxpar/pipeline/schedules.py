@@ -46,8 +46,8 @@ from fractions import Fraction
 from jaxpar.config import SCHEDULES
 
 __all__ = [
-    "Kind", "Op", "Schedule", "SCHEDULES", "PLACEMENTS", "build", "virtual_stage", "location", "gpipe", "one_f_one_b", "interleaved",
-    "zb_h1", "bubble_fraction", "peak_activations", "validate", "timeline", "plot_timeline",
+    "Kind", "Op", "Schedule", "SCHEDULES", "PLACEMENTS", "build", "virtual_stage", "location", "gpipe",
+    "one_f_one_b", "interleaved", "zb_h1", "bubble_fraction", "peak_activations", "validate", "timeline", "plot_timeline",
 ]
 
 
