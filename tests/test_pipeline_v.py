@@ -76,9 +76,9 @@ def test_forward_only_table_keeps_the_forwards():
 
 
 # --------------------------------------------------------------------------- the GPT
-# The executor tests run both V schedules at pipe=2, pipe=4 and pipe × data × model against
-# the sequential model; here the GPT trains through the Trainer with Megatron TP (vocabulary
-# split included) beside the pipeline, and evaluates without a backward.
+# tests/test_pipeline_executor.py runs both V schedules at pipe=4 × data=2 against the
+# sequential model (5 adamw steps); here the GPT trains through the Trainer at pipe=2 beside
+# data=2 and Megatron TP (vocabulary split included), and evaluates without a backward.
 
 GPT4 = GPTConfig(vocab_size=16, seq_len=16, embed=32, heads=4, mlp=64, layers=4, scan_layers=True)
 RULES = {"layers": "pipe", "batch": "data", "heads": "model", "mlp": "model", "vocab": "model"}
