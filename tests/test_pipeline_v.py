@@ -167,3 +167,13 @@ def test_planner_prices_the_v_schedules_and_chooses_one():
     assert set(time) == {"1f1b", "zb-h1", "zb-v", "dualpipe-v"}
     assert time["zb-v"] < time["zb-h1"] < time["1f1b"]
     assert job.config.pipeline.schedule in ("zb-v", "dualpipe-v")
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from jaxpar.pipeline import drawing, executor, program
+
+    for module in (vshape, program, drawing, executor):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0 and result.attempted >= 2, module.__name__

@@ -15,6 +15,7 @@ def timeline(schedule: Schedule, *, wrap: int | None = None) -> str:
     the drawing into blocks of at most that many ticks.
 
     Example:
+        >>> from jaxpar.pipeline import build
         >>> print(timeline(build("gpipe", 2, 2)))
         gpipe  p=2 m=2 v=1  ticks=9  bubble=1/3  peak activations per stage=[2, 2]
         tick    0  1  2  3  4  5  6  7  8
@@ -55,6 +56,7 @@ def plot_timeline(schedule: Schedule | Iterable[Schedule], path: str) -> None:
     (``pip install jaxpar[plot]``).
 
     Example:
+        >>> from jaxpar.pipeline import build
         >>> plot_timeline([build("1f1b", 4, 8), build("zb-h1", 4, 8)], "/tmp/pipe.png")
     """
     from matplotlib.figure import Figure  # lazy: plotting is optional; no pyplot state

@@ -16,6 +16,11 @@ __all__ = ["zb_v", "dualpipe_v"]
 def zb_v(p: int, m: int) -> Schedule:
     """ZB-V (Qi et al. 2024): zero-bubble V schedule at 1F1B's activation memory.
 
+    Example:
+        >>> from jaxpar.pipeline import bubble_fraction
+        >>> bubble_fraction(zb_v(4, 8))       # 1F1B: 3/11, ZB-H1: 1/9
+        Fraction(1, 17)
+
     Stage ``r`` runs the order of PyTorch's ``ScheduleZBVZeroBubble``: ``2(p-r)-1`` forwards
     of chunk ``a``, ``r`` pairs of forwards ``b a``, ``p-r`` times ``F B W`` on chunk ``b``;
     then the steady state ``F B W`` on ``a``, ``F B W`` on ``b`` per micro-batch; the
@@ -72,6 +77,11 @@ def _zb_v_order(rank: int, p: int, m: int) -> list[Op]:
 
 def dualpipe_v(p: int, m: int) -> Schedule:
     """DualPipeV (DeepSeek-V3's DualPipe cut in half): the V placement with its 8-phase order.
+
+    Example:
+        >>> from jaxpar.pipeline import peak_activations
+        >>> peak_activations(dualpipe_v(4, 8), until="W")
+        [9, 9, 9, 9]
 
     Each stage runs the op order of DeepSeek's reference ``dualpipev.py``: warm-up forwards
     of chunk ``a``, then ``a``/``b`` forwards, a zero-bubble section (``B`` then a held-back
