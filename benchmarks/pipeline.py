@@ -42,7 +42,9 @@ from jaxpar.pipeline import (SCHEDULES, bubble_fraction, build, lower, peak_acti
 CLOSED_FORMS = {"gpipe": lambda p, m, v: (p - 1, m + p - 1),
                 "1f1b": lambda p, m, v: (p - 1, m + p - 1),
                 "interleaved": lambda p, m, v: (p - 1, v * m + p - 1),
-                "zb-h1": lambda p, m, v: (p - 1, 3 * m + p - 1)}
+                "zb-h1": lambda p, m, v: (p - 1, 3 * m + p - 1),
+                "zb-v": lambda p, m, v: (p - 1 + max(0, 2 * p - 2 - m), 6 * m + p - 1 + max(0, 2 * p - 2 - m)),
+                "dualpipe-v": lambda p, m, v: (p - 1, 6 * m + p - 1)}
 
 
 # --------------------------------------------------------------------------- the GPT, piped
@@ -71,7 +73,7 @@ def gpt_pipeline_loss(model: GPT, schedule, mesh):
         def micro(a):
             return a.reshape(m, -1, *a.shape[1:])
 
-        blocks = to_stage_layout(nnx.state(model.blocks), p, v)
+        blocks = to_stage_layout(nnx.state(model.blocks), p, v, schedule.placement)
         head = (nnx.state(model.ln_f), model.head[...])
         return run(blocks, head, micro(model.embed(batch["inputs"])), micro(batch["targets"]))
 

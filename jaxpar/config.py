@@ -23,7 +23,7 @@ from jaxpar.precision import Precision, as_precision
 from jaxpar.strategy.layout import Layout, LayoutSpec
 
 MODES = ("data", "semi_auto", "auto", "hybrid")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipe-v")
 SEARCHES = ("sharding_propagation", "dynamic_programming", "recursive_programming")
 REMAT_POLICIES = (
     "none",
@@ -117,7 +117,8 @@ class PipelineConfig:
     Attributes:
       stages: number of pipeline stages (size of the ``axis`` mesh axis); 1 = off.
       microbatches: micro-batches per step.
-      schedule: one of ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``.
+      schedule: one of ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zb-h1"``, ``"zb-v"``,
+        ``"dualpipe-v"`` (the V schedules always run two chunks per stage).
       virtual_stages: model chunks per stage (interleaved schedule).
       axis: the mesh axis the stages live on.
     """

@@ -172,7 +172,7 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
              meshes: Sequence[Mapping[str, int]] | None = None, zero_levels: Sequence[int] = (0, 1, 2, 3),
              grad_accum: Sequence[int] = (1, 2, 4), remat: Sequence[str] = ("none",),
              pipeline_stages: Sequence[int] = (1,), microbatches: Sequence[int] | None = None,
-             schedule: str = "1f1b", pipeline_loss=None, progress: Callable[[str], None] | None = None) -> JobPlan:
+             schedule: str | Sequence[str] = "1f1b", pipeline_loss=None, progress: Callable[[str], None] | None = None) -> JobPlan:
     """Choose mesh shape, strategies, ZeRO level, recompute policy, micro-batches and
     pipeline stages for ``devices`` devices within ``memory_budget`` bytes per device,
     minimising predicted step time; confirm the winner by compiling it (``dry_run``).
@@ -199,8 +199,9 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
         policies to try (`jaxpar.remat` names; the pipeline's executor already recomputes
         each stage's forward, so pipelined options use the model as ``model_fn()`` builds it).
       pipeline_stages: stage counts to try (1: no pipeline); microbatches: the pipeline's
-        micro-batch counts (default ``p, 2p, 4p``); schedule: its schedule (``"gpipe"``,
-        ``"1f1b"``, ``"zb-h1"``, or ``"interleaved"`` with two chunks per stage).
+        micro-batch counts (default ``p, 2p, 4p``); schedule: its schedule, or a tuple of
+        schedules to choose from (``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved"`` with
+        two chunks per stage, ``"zb-v"``, ``"dualpipe-v"``).
 
     The answer's ``config`` is the chosen ``ParallelConfig``; build the model with
     ``model_fn(remat=job.remat)`` (when several policies were tried) and, for a pipelined
@@ -228,8 +229,9 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
         if r == "offload_dots":
             raise ValueError("plan_job: remat has 'offload_dots'; the planner does not price host transfers, "
                              "so an offloading policy would look free. Leave it out of remat and set it by hand")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"plan_job: schedule={schedule!r}; choose one of {SCHEDULES}")
+    schedules = (schedule,) if isinstance(schedule, str) else tuple(schedule)
+    if not schedules or any(s not in SCHEDULES for s in schedules):
+        raise ValueError(f"plan_job: schedule={schedule!r}; choose one or several of {SCHEDULES}")
     for p in pipeline_stages:
         if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1 or devices % p:
             raise ValueError(f"plan_job: pipeline_stages has {p!r}; use positive divisors of devices={devices}")
@@ -271,7 +273,7 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
     if staged:
         plain = model_fn if tuple(remat) == ("none",) else builders.get("none", model_fn)
         blocks = _pipeline_options(options, staged, nnx.eval_shape(plain), pipe_loss, batch, base, devices,
-                                   microbatches, schedule, search_name, params, zero_levels, progress)
+                                   microbatches, schedules, search_name, params, zero_levels, progress)
     if not options:
         raise ValueError(f"plan_job: no option for devices={devices}: the batch's {rows} rows divide by none of "
                          f"grad_accum={tuple(grad_accum)} x data sizes of {shapes}, nor the pipeline's micro-batches")
@@ -323,9 +325,10 @@ def _plans(graph, loss_fn, batch, base, shape, search_name, params, memory_budge
     return list(plans.values())
 
 
-def _pipeline_options(options, stages, abstract, loss_fn, batch, base, devices, microbatches, schedule,
+def _pipeline_options(options, stages, abstract, loss_fn, batch, base, devices, microbatches, schedules,
                       search_name, params, zero_levels, progress) -> set[str]:
-    """Append the pipelined options to ``options``; return the block parameters' paths."""
+    """Append the pipelined options (every schedule of ``schedules``) to ``options``; return the
+    block parameters' paths."""
     from flax import nnx
 
     from jaxpar.pipeline.model import PipelineLoss
@@ -336,19 +339,16 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, devices, 
                         f"(embed / blocks / head / head_loss), got {type(loss_fn).__name__}; see docs/pipeline.md")
     rows = jax.tree.leaves(batch)[0].shape[0]
     layers = jax.tree.leaves(nnx.state(loss_fn.blocks(abstract), nnx.Param))[0].shape[0]
-    v = 2 if schedule == "interleaved" else 1
     paths: set[str] = set()
     for p in stages:
-        if layers % (p * v):
-            raise ValueError(f"plan_job: pipeline_stages has {p}, but the {layers} stacked layers do not divide "
-                             f"into {p} stages x {v} chunks; use stage counts that divide {layers // v}")
+        usable = _usable_schedules(schedules, p, layers)
         for m in (microbatches or (p, 2 * p, 4 * p)):
-            bad = m < 1 or rows % m or (schedule == "interleaved" and m % p)
-            if bad and microbatches:
-                raise ValueError(f"plan_job: microbatches has {m}, which does not divide the batch's {rows} rows"
-                                 + (f" or is not a multiple of pipe={p} (interleaved)" if schedule == "interleaved"
-                                    else "") + "; use divisors of the batch")
-            if bad:
+            fits = [name for name in usable if _fits(name, p, m, rows)]
+            if not fits and microbatches:
+                raise ValueError(f"plan_job: microbatches has {m}, which does not divide the batch's {rows} rows "
+                                 f"or does not suit pipe={p} with schedule {schedules} (interleaved needs a "
+                                 f"multiple of pipe, dualpipe-v at least 2 * pipe); use divisors of the batch")
+            if not fits:
                 continue
             part = micro_batch(batch, m)
             graph = build_graph(abstract, loss_fn, part)
@@ -364,16 +364,35 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, devices, 
                 for z in zero_levels:
                     if z and inner["data"] == 1:
                         continue
-                    t, a, tmp = price_pipeline(graph, axes, inner, params, stages=p, microbatches=m, layers=layers,
-                                               activation_bytes=h.size * h.dtype.itemsize, schedule=schedule,
-                                               virtual_stages=v, zero=z, threshold_kb=base.optimizer.threshold_kb,
-                                               flags=flags)
-                    if math.isfinite(t):
-                        pipe = {"stages": p, "microbatches": m, "schedule": schedule, "virtual_stages": v}
-                        options.append(JobOption({"pipe": p, **inner}, 1, z, plan, t, a, tmp, pipeline=pipe))
+                    for name in fits:
+                        v = 2 if name == "interleaved" else 1       # the config's virtual_stages
+                        t, a, tmp = price_pipeline(graph, axes, inner, params, stages=p, microbatches=m,
+                                                   layers=layers, activation_bytes=h.size * h.dtype.itemsize,
+                                                   schedule=name, virtual_stages=v, zero=z,
+                                                   threshold_kb=base.optimizer.threshold_kb, flags=flags)
+                        if math.isfinite(t):
+                            pipe = {"stages": p, "microbatches": m, "schedule": name, "virtual_stages": v}
+                            options.append(JobOption({"pipe": p, **inner}, 1, z, plan, t, a, tmp, pipeline=pipe))
             if progress:
                 progress(f"priced pipe={p}, microbatches={m}")
     return paths
+
+
+def _usable_schedules(schedules, p: int, layers: int) -> list[str]:
+    """The schedules whose chunks (two per stage for interleaved and the V ones) split ``layers``."""
+    chunks = {name: 2 if name in ("interleaved", "zb-v", "dualpipe-v") else 1 for name in schedules}
+    usable = [name for name in schedules if layers % (p * chunks[name]) == 0]
+    if not usable:
+        raise ValueError(f"plan_job: pipeline_stages has {p}, but the {layers} stacked layers do not divide "
+                         f"into {p} stages x {max(chunks.values())} chunks for schedule {schedules}; use stage "
+                         f"counts that divide {layers // max(chunks.values())}")
+    return usable
+
+
+def _fits(name: str, p: int, m: int, rows: int) -> bool:
+    if m < 1 or rows % m:
+        return False
+    return not ((name == "interleaved" and m % p) or (name == "dualpipe-v" and m < 2 * p))
 
 
 def _dry_run(compile_fn, model_fn, loss_fn, batch, config, tx, budget) -> dict | None:

@@ -26,8 +26,9 @@ the cost model (`jaxpar.auto.cost`) prices what its policy recomputes.
 Pipeline (`price_pipeline`): the schedule is lowered to the executor's lock-step
 program and each step lasts as long as its slowest stage (a chunk forward ``f``, a
 backward ``3f``: the executor recomputes the chunk forward; ``2f`` each for the split
-backward's B and W; the last chunk's F is idle and its B and W add the head), plus two
-``ppermute`` of one micro-batch's activations per step, the embedding and head on the
+backward's B and W; the last chunk's F is idle and its B and W add the head), plus one
+``ppermute`` of one micro-batch's activations per step and channel the placement uses (two
+for a loop, four for the V schedules), the embedding and head on the
 whole batch, and the gradient all-reduces (combined: one latency per group of mesh axes and
 bucket, `jaxpar.auto.comm`). Memory: the blocks' parameters and optimizer states divided by ``p``; temp holds the executor's input and gradient buffers (``x_slots + g_slots``
 micro-batch activations), the embedding output, its micro-batch view and its gradient for
@@ -167,7 +168,9 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
                                                         if not c.combined)
         grads += [c._replace(nbytes=share * c.nbytes) for c in comms if c.combined]
         act[where] += a
-    program = lower(build(schedule, p, m, v))
+    table = build(schedule, p, m, v)
+    program = lower(table)
+    v = table.virtual_stages                                 # the V schedules place two chunks per stage
     f, h = full["blocks"] / (3 * p * v), full["head"] / 3     # one chunk's / the head's forward
     back = 2 if program.split_backward else 3                # the executor recomputes the forward
     cost = np.zeros(7)
@@ -178,7 +181,9 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     split = math.prod(sizes[a] for a in axes[batch_class]) if batch_class >= 0 else 1
     x = activation_bytes / split
     bw = params.bandwidth.get(axis, params.default_bandwidth)
-    p2p = 2 * (params.latency_per_axis.get(axis, params.latency) + x / bw)
+    # one ppermute per step and channel between stages (a V sends both ways; its turn is local)
+    sends = sum(c != "self" for c in program.sends_x + program.sends_g)
+    p2p = sends * (params.latency_per_axis.get(axis, params.latency) + x / bw)
     scale = {t: 1 / p for t in stacked}
     held = {t: local_bytes(graph, t, axes, sizes) * scale.get(t, 1.0) for _, t in graph.params}
     rest = sum(b for t, b in held.items() if t not in stacked)

@@ -10,8 +10,10 @@ Example:
 """
 from jaxpar.pipeline.executor import (
     Program,
+    forward_only,
     from_stage_layout,
     lower,
+    pipeline_forward,
     pipeline_loss,
     pipeline_value_and_grad,
     to_stage_layout,
@@ -26,17 +28,20 @@ from jaxpar.pipeline.schedules import (
     build,
     gpipe,
     interleaved,
+    location,
     one_f_one_b,
     peak_activations,
     plot_timeline,
     timeline,
     validate,
+    virtual_stage,
     zb_h1,
 )
+from jaxpar.pipeline.vshape import dualpipe_v, zb_v
 
 __all__ = [
     "SCHEDULES", "Kind", "Op", "PipelineLoss", "Program", "Schedule", "bubble_fraction", "build",
-    "from_stage_layout", "gpipe", "interleaved", "lower", "one_f_one_b", "peak_activations",
-    "pipeline_loss", "pipeline_value_and_grad", "pipelined", "plot_timeline", "timeline", "to_stage_layout",
-    "validate", "zb_h1",
+    "dualpipe_v", "forward_only", "from_stage_layout", "gpipe", "interleaved", "location", "lower",
+    "one_f_one_b", "peak_activations", "pipeline_forward", "pipeline_loss", "pipeline_value_and_grad",
+    "pipelined", "plot_timeline", "timeline", "to_stage_layout", "validate", "virtual_stage", "zb_h1", "zb_v",
 ]

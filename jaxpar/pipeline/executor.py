@@ -7,20 +7,23 @@
   the compiler, so data and tensor sharding of the stage computation compose with it;
 - ``lax.scan`` runs the table's steps; at each step every stage looks up its own row with
   ``lax.axis_index`` and ``lax.switch`` runs its op: idle, F, B or W;
-- one ``lax.ppermute`` per step and direction moves activations to the next stage and
-  gradients to the previous one (a ring, so interleaved chunks wrap from the last stage
-  to the first);
+- ``lax.ppermute`` moves activations and gradients between neighbouring stages each step,
+  on the channels the schedule's placement uses (``jaxpar.pipeline.program``): a loop
+  placement sends activations to the next stage and gradients to the previous one (a ring,
+  so interleaved chunks wrap from the last stage to the first); a V placement sends both
+  ways and keeps the turn on stage ``p-1`` local;
 - a stage keeps only the *inputs* of the micro-batches it has started and not finished
   (and the output gradients a pending W needs), in buffers sized by the schedule, so 1F1B
   really holds fewer activations than GPipe. B (and W) recompute the stage forward from
   that input under ``jax.vjp``: exact, and the memory of full activation recompute.
 
 The pure part — turning a table into per-step integer instructions and buffer slots —
-is ``lower``; it has no devices in it and is tested on its own.
+is ``lower`` (``jaxpar.pipeline.program``); it has no devices in it and is tested on its own.
+``pipeline_forward`` runs a forward-only table (``forward_only(schedule)``): the loss with
+no backward, for evaluation.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -30,150 +33,53 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpar.pipeline.schedules import Kind, Op, Schedule, validate
+from jaxpar.pipeline.program import (  # noqa: F401  (op codes re-exported for the planner's pricing)
+    B, B_LAST, CHANNELS, DX_MB, F, F_LAST, FROM_INPUT, G_SLOT, IDLE, MB, OP, RECV_G, RECV_X, W, W_LAST,
+    X_SLOT, CHUNK, Program, forward_only, lower)
+from jaxpar.pipeline.schedules import Schedule, virtual_stage
 
-__all__ = ["Program", "lower", "pipeline_value_and_grad", "pipeline_loss", "to_stage_layout",
-           "from_stage_layout"]
-
-# Branch codes of the per-step op; the "last" variants run on the last virtual stage, which
-# applies the loss instead of sending activations on.
-IDLE, F, F_LAST, B, B_LAST, W, W_LAST = range(7)
-# Columns of the instruction table.
-OP, MB, CHUNK, X_SLOT, G_SLOT, RECV_X, RECV_G, FROM_INPUT, DX_MB = range(9)
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """A schedule lowered to lock-step instructions.
-
-    ``code[step, stage]`` holds the columns ``OP, MB, CHUNK, X_SLOT, G_SLOT, RECV_X, RECV_G,
-    FROM_INPUT, DX_MB``. A stage writes the activation that arrived from its predecessor
-    into slot ``RECV_X`` (``x_slots`` = nowhere) and the gradient from its successor into
-    ``RECV_G``, then runs ``OP`` on micro-batch ``MB`` of chunk ``CHUNK`` reading its input
-    from slot ``X_SLOT`` (or from the pipeline inputs when ``FROM_INPUT``) and its output
-    gradient from ``G_SLOT``; an input gradient of virtual stage 0 lands in row ``DX_MB``
-    (``microbatches`` = nowhere).
-    """
-
-    code: np.ndarray
-    x_slots: int
-    g_slots: int
-    split_backward: bool
-
-    @property
-    def steps(self) -> int:
-        return self.code.shape[0]
-
-
-def lower(schedule: Schedule) -> Program:
-    """Turn ``schedule`` into a ``Program``: one step per tick where some stage starts an op.
-
-    A result computed at step ``k`` reaches its neighbour at step ``k+1``; a validated table
-    never uses it sooner. Buffer slots are reused as soon as their item's last reader ran.
-
-    Example:
-        >>> from jaxpar.pipeline.schedules import build
-        >>> prog = lower(build("1f1b", 4, 8))
-        >>> prog.steps, prog.x_slots
-        (30, 4)
-    """
-    validate(schedule)
-    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
-    start = {(s, op): t for s in range(p) for t, op in schedule.ops(s)}
-    ticks = sorted(set(start.values()))
-    step_of = {t: k for k, t in enumerate(ticks)}
-    step = {key: step_of[t] for key, t in start.items()}
-    code = np.zeros((len(ticks), p, 9), np.int32)
-    code[:, :, DX_MB] = m
-    last_kind = Kind.W if schedule.split_backward else Kind.B
-    x_items, g_items = _buffer_items(schedule, step, last_kind)
-    x_slot, x_slots = _allocate(x_items, p)
-    g_slot, g_slots = _allocate(g_items, p)
-    code[:, :, RECV_X], code[:, :, RECV_G] = x_slots, g_slots
-    for (s, i, c), (arrive, _) in x_items.items():
-        code[arrive, s, RECV_X] = x_slot[(s, i, c)]
-    for (s, i, c), (arrive, _) in g_items.items():
-        code[arrive, s, RECV_G] = g_slot[(s, i, c)]
-    for (s, op), k in step.items():
-        _fill(code[k, s], op, s, p, v, x_slot, g_slot)
-    return Program(code, x_slots, g_slots, schedule.split_backward)
-
-
-def _fill(row: np.ndarray, op: Op, s: int, p: int, v: int, x_slot: dict, g_slot: dict) -> None:
-    i, c = op.microbatch, op.chunk
-    first, last = (c == 0 and s == 0), (c == v - 1 and s == p - 1)
-    base = {Kind.F: F, Kind.B: B, Kind.W: W}[op.kind]
-    row[OP] = base + 1 if last else base
-    row[MB], row[CHUNK] = i, c
-    row[FROM_INPUT] = first
-    row[X_SLOT] = x_slot.get((s, i, c), 0)
-    row[G_SLOT] = g_slot.get((s, i, c), 0)
-    if op.kind is Kind.B and first:
-        row[DX_MB] = i
-
-
-def _buffer_items(schedule: Schedule, step: dict, last_kind: Kind) -> tuple[dict, dict]:
-    """``(stage, mb, chunk) -> (arrival step, last use step)`` for inputs and out-grads."""
-    p, v = schedule.stages, schedule.virtual_stages
-    x_items, g_items = {}, {}
-    for (s, op), k in step.items():
-        i, c = op.microbatch, op.chunk
-        if op.kind is Kind.F and not (s == p - 1 and c == v - 1):  # sends to the next one
-            to = (s + 1, i, c) if s < p - 1 else (0, i, c + 1)
-            x_items[to] = (k + 1, step[(to[0], Op(last_kind, i, to[2]))])
-        if op.kind is Kind.B and not (s == 0 and c == 0):  # sends to the previous one
-            to = (s - 1, i, c) if s > 0 else (p - 1, i, c - 1)
-            g_items[to] = (k + 1, step[(to[0], Op(last_kind, i, to[2]))])
-    return x_items, g_items
-
-
-def _allocate(items: dict, p: int) -> tuple[dict, int]:
-    """Give each item a slot of its stage's buffer, free again after its last use."""
-    slot, size = {}, 0
-    for s in range(p):
-        busy_until: list[int] = []  # per slot, the last step it is read
-        for key, (arrive, last) in sorted(
-                ((k, span) for k, span in items.items() if k[0] == s), key=lambda kv: kv[1]):
-            free = [j for j, until in enumerate(busy_until) if until < arrive]
-            j = free[0] if free else len(busy_until)
-            busy_until[j:j + 1] = [last]
-            slot[key] = j
-        size = max(size, len(busy_until))
-    return slot, size
-
+__all__ = ["Program", "lower", "forward_only", "pipeline_value_and_grad", "pipeline_forward", "pipeline_loss",
+           "to_stage_layout", "from_stage_layout"]
 
 # --------------------------------------------------------------------------- layout
 
 
-def to_stage_layout(tree: Any, stages: int, virtual_stages: int = 1) -> Any:
+def _stage_rows(stages: int, virtual_stages: int, placement: str) -> np.ndarray:
+    """Row ``s·v + c`` of the stage layout holds virtual stage ``rows[s·v + c]``."""
+    return np.array([virtual_stage(placement, stages, s, c)
+                     for s in range(stages) for c in range(virtual_stages)])
+
+
+def to_stage_layout(tree: Any, stages: int, virtual_stages: int = 1, placement: str = "loop") -> Any:
     """Stacked layers ``[L, ...]`` → stage layout ``[p·v, L/(p·v), ...]``.
 
-    Row ``s·v + c`` holds model chunk (virtual stage) ``c·p + s``, so sharding the leading
-    axis over the pipe axis gives stage ``s`` exactly its chunks ``s, s+p, ...``.
+    Row ``s·v + c`` holds chunk ``c`` of stage ``s``: virtual stage ``c·p + s`` for the loop
+    placement (``s, s+p, ...``), ``s`` and ``2p-1-s`` for the V placement (see
+    ``jaxpar.pipeline.schedules``), so sharding the leading axis over the pipe axis gives
+    each stage exactly its chunks.
 
     Example:
         >>> to_stage_layout(jnp.arange(8), 2, 2)[:, 0].tolist()  # chunks 0,2 | 1,3
         [0, 4, 2, 6]
+        >>> to_stage_layout(jnp.arange(8), 2, 2, "v")[:, 0].tolist()  # chunks 0,3 | 1,2
+        [0, 6, 2, 4]
     """
     pv = stages * virtual_stages
+    rows = _stage_rows(stages, virtual_stages, placement)
 
     def one(a):
         if a.shape[0] % pv:
             raise ValueError(f"a stacked layer axis of size {a.shape[0]} does not split into "
                              f"stages*virtual_stages={pv} equal chunks; use a multiple of {pv}")
-        a = a.reshape(virtual_stages, stages, a.shape[0] // pv, *a.shape[1:])
-        return jnp.swapaxes(a, 0, 1).reshape(pv, *a.shape[2:])
+        return a.reshape(pv, a.shape[0] // pv, *a.shape[1:])[rows]
 
     return jax.tree.map(one, tree)
 
 
-def from_stage_layout(tree: Any, stages: int, virtual_stages: int = 1) -> Any:
+def from_stage_layout(tree: Any, stages: int, virtual_stages: int = 1, placement: str = "loop") -> Any:
     """Inverse of ``to_stage_layout``: ``[p·v, n, ...]`` → stacked layers ``[p·v·n, ...]``."""
-    def one(a):
-        a = a.reshape(stages, virtual_stages, *a.shape[1:])
-        return jnp.swapaxes(a, 0, 1).reshape(-1, *a.shape[3:])
-
-    return jax.tree.map(one, tree)
+    order = np.argsort(_stage_rows(stages, virtual_stages, placement))
+    return jax.tree.map(lambda a: a[order].reshape(-1, *a.shape[2:]), tree)
 
 
 # --------------------------------------------------------------------------- executor
@@ -232,6 +138,42 @@ def pipeline_value_and_grad(
         >>> loss, (g_blocks, g_head, g_x) = pipeline_value_and_grad(  # doctest: +SKIP
         ...     block_stack, head_loss, build("1f1b", 4, 8), mesh, blocks, head, x, y)
     """
+    loss, stage_grads, head_grads, input_grads = _run(
+        stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs, consts)
+    return loss, (stage_grads, head_grads, input_grads)
+
+
+def pipeline_forward(
+    stage_fn: StageFn,
+    loss_fn: LossFn,
+    schedule: Schedule,
+    mesh: Mesh,
+    stage_params: Any,
+    head_params: Any,
+    inputs: jax.Array,
+    targets: Any = None,
+    *,
+    axis: str = "pipe",
+    specs: tuple[Any, Any, Any] | None = None,
+    consts: Any = None,
+) -> jax.Array:
+    """Mean loss over micro-batches, forwards only: ``schedule``'s F ops, no backward.
+
+    Arguments as for ``pipeline_value_and_grad``; ``schedule`` may be a training schedule
+    (its forwards are kept, see ``forward_only``). What ``evaluate`` and inference run.
+
+    Example:
+        >>> loss = pipeline_forward(  # doctest: +SKIP
+        ...     block_stack, head_loss, build("zb-v", 4, 8), mesh, blocks, head, x, y)
+    """
+    if any(op is not None and op.kind.value != "F" for row in schedule.table for op in row):
+        schedule = forward_only(schedule)
+    return _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs,
+                consts)
+
+
+def _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs, consts):
+    """The shard_map of the executor; its outputs follow the program (forward-only: the loss)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     _check_args(mesh, axis, p, m, v, stage_params, inputs, targets)
     if consts is None:
@@ -240,12 +182,11 @@ def pipeline_value_and_grad(
         fn = stage_fn
     _check_stage_fn(fn, stage_params, consts, inputs)
     program = lower(schedule)
-    body = _make_body(fn, loss_fn, program, axis, m, specs)
+    out_specs = P() if program.forward_only else (P(), P(axis), P(), P())
     run = jax.shard_map(
-        body, mesh=mesh, axis_names={axis},
-        in_specs=(P(axis), P(), P(), P(), P(axis)), out_specs=(P(), P(axis), P(), P()), check_vma=True)
-    loss, stage_grads, head_grads, input_grads = run(stage_params, head_params, inputs, targets, consts)
-    return loss, (stage_grads, head_grads, input_grads)
+        _make_body(fn, loss_fn, program, axis, m, specs), mesh=mesh, axis_names={axis},
+        in_specs=(P(axis), P(), P(), P(), P(axis)), out_specs=out_specs, check_vma=True)
+    return run(stage_params, head_params, inputs, targets, consts)
 
 
 def pipeline_loss(
@@ -258,9 +199,10 @@ def pipeline_loss(
     pipeline's (with ``with_consts``: ``f(stage_params, head_params, inputs, targets, consts)``,
     see ``pipeline_value_and_grad``). Use it inside an ordinary loss function so that ``jax.grad`` (or
     ``nnx.value_and_grad``) also reaches what produced ``inputs`` (an embedding) and
-    ``stage_params`` (a reshape of stacked layers). Calling it runs the whole schedule,
-    backward included, and keeps the gradients for the backward pass (so evaluating it
-    without differentiating costs a training step). ``targets`` get zero cotangents.
+    ``stage_params`` (a reshape of stacked layers). Differentiated, it runs the whole
+    schedule, backward included, and keeps the gradients for the backward pass; called
+    without differentiating (evaluation) it runs the forwards only (``pipeline_forward``).
+    ``targets`` get zero cotangents.
 
     Example:
         >>> f = pipeline_loss(blocks_fn, head_loss, build("1f1b", 4, 8), mesh)  # doctest: +SKIP
@@ -272,7 +214,9 @@ def pipeline_loss(
 
     @jax.custom_vjp
     def loss(stage_params, head_params, inputs, targets, consts):
-        return value_and_grad(stage_params, head_params, inputs, targets, consts)[0]
+        # The primal runs only when nothing differentiates the call: forwards alone suffice.
+        return pipeline_forward(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets,
+                                axis=axis, specs=specs, consts=consts if with_consts else None)
 
     def fwd(stage_params, head_params, inputs, targets, consts):
         value, grads = value_and_grad(stage_params, head_params, inputs, targets, consts)
@@ -344,6 +288,8 @@ def _pinned_branch(branch, stage_specs, head_specs, act_spec):
         x, g = _pin((x, g), (act_spec, act_spec))
         y, dx, dp, dh, loss = branch(chunk, head, x, g, t, c)
         y, dx = _pin((y, dx), (act_spec, act_spec))
+        if isinstance(dp, tuple) and not dp:   # forward-only branches return no gradients
+            return y, dx, dp, dh, loss
         return y, dx, _pin(dp, stage_specs, 1), _pin(dh, head_specs), loss
 
     return run
@@ -351,10 +297,15 @@ def _pinned_branch(branch, stage_specs, head_specs, act_spec):
 
 def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=None):
     code = np.array(program.code)
-    # The last chunk's F does nothing (its B recomputes the forward and the loss anyway), so
-    # it shares the idle branch; without W the W branches are left out of the switch.
-    code[..., OP] = np.array([0, 1, 0, 2, 3, 4, 5])[code[..., OP]]
-    branches = _branches(stage_fn, loss_fn, program.split_backward, m)
+    if program.forward_only:
+        # Forward only: the last chunk's F computes the loss (branch 2); nothing else runs.
+        code[..., OP] = np.array([0, 1, 2, 0, 0, 0, 0])[code[..., OP]]
+        branches = _forward_branches(stage_fn, loss_fn, m)
+    else:
+        # The last chunk's F does nothing (its B recomputes the forward and the loss anyway), so
+        # it shares the idle branch; without W the W branches are left out of the switch.
+        code[..., OP] = np.array([0, 1, 0, 2, 3, 4, 5])[code[..., OP]]
+        branches = _branches(stage_fn, loss_fn, program.split_backward, m)
 
     varying = functools.partial(_varying, axis=axis)
 
@@ -370,12 +321,14 @@ def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=Non
 
         def step(carry, rows):
             r = rows[stage]
-            carry = _tick(carry, r, params, head, inputs, targets, consts, branches, axis)
+            carry = _tick(carry, r, params, head, inputs, targets, consts, branches, axis, program)
             carry["grads"] = _pin(carry["grads"], stage_specs, 2)
             carry["hgrads"] = _pin(carry["hgrads"], head_specs)
             return carry, None
 
         carry, _ = lax.scan(step, carry, jnp.asarray(code))
+        if program.forward_only:
+            return lax.psum(carry["loss"], axis)
         return (lax.psum(carry["loss"], axis), carry["grads"], lax.psum(carry["hgrads"], axis),
                 lax.psum(carry["dinputs"][:m], axis))
 
@@ -397,28 +350,65 @@ def _initial_carry(params, head, inputs, program: Program, m: int) -> dict:
     def buffer(n):  # one more row: the dump that writes of "nothing" go to
         return jnp.zeros((n + 1,) + x.shape, x.dtype)
 
+    # A forward-only program keeps no gradients: zero-size accumulators cost nothing.
+    grads = _zeros(jax.tree.map(lambda a: a[:0], params)) if program.forward_only else _zeros(params)
+    hgrads = _zeros(jax.tree.map(lambda a: a[:0], head)) if program.forward_only else _zeros(head)
     return dict(xbuf=buffer(program.x_slots), gbuf=buffer(program.g_slots),
-                fmsg=buffer(0)[0], bmsg=buffer(0)[0], grads=_zeros(params),
-                hgrads=_zeros(head), loss=jnp.zeros((), jnp.float32), dinputs=buffer(m))
+                fmsg={c: buffer(0)[0] for c in program.sends_x},
+                bmsg={c: buffer(0)[0] for c in program.sends_g}, grads=grads,
+                hgrads=hgrads, loss=jnp.zeros((), jnp.float32), dinputs=buffer(0 if program.forward_only else m))
 
 
-def _tick(carry, r, params, head, inputs, targets, consts, branches, axis: str) -> dict:
+_SHIFT = {"next": 1, "prev": -1}
+
+
+def _send(value, channels, axis: str, p: int) -> dict:
+    """``value`` on each channel a placement uses: to a ring neighbour, or kept (``self``)."""
+    return {c: value if c == "self" else
+            lax.ppermute(value, axis, [(s, (s + _SHIFT[c]) % p) for s in range(p)]) for c in channels}
+
+
+def _tick(carry, r, params, head, inputs, targets, consts, branches, axis: str, program: Program) -> dict:
     p = lax.axis_size(axis)
-    xbuf = carry["xbuf"].at[r[RECV_X]].set(carry["fmsg"])
-    gbuf = carry["gbuf"].at[r[RECV_G]].set(carry["bmsg"])
+    xbuf, gbuf = carry["xbuf"], carry["gbuf"]
+    for c, msg in carry["fmsg"].items():   # what arrived on a channel nobody sent to goes to the dump row
+        xbuf = xbuf.at[r[RECV_X[c]]].set(msg)
+    for c, msg in carry["bmsg"].items():
+        gbuf = gbuf.at[r[RECV_G[c]]].set(msg)
     x = jnp.where(r[FROM_INPUT] == 1, inputs[r[MB]], xbuf[r[X_SLOT]])
     chunk = jax.tree.map(lambda a: a[r[CHUNK]], params)
     target = jax.tree.map(lambda a: a[r[MB]], targets)
     const = jax.tree.map(lambda a: a[r[CHUNK]], consts)
     y, dx, dp, dh, loss = lax.switch(r[OP], branches, chunk, head, x, gbuf[r[G_SLOT]], target, const)
-    return dict(
-        xbuf=xbuf, gbuf=gbuf,
-        fmsg=lax.ppermute(y, axis, [(s, (s + 1) % p) for s in range(p)]),
-        bmsg=lax.ppermute(dx, axis, [(s, (s - 1) % p) for s in range(p)]),
-        grads=jax.tree.map(lambda acc, d: acc.at[r[CHUNK]].add(d), carry["grads"], dp),
-        hgrads=jax.tree.map(jnp.add, carry["hgrads"], dh),
-        loss=carry["loss"] + loss.astype(jnp.float32),
-        dinputs=carry["dinputs"].at[r[DX_MB]].add(dx))
+    if program.forward_only:
+        grads, hgrads, dinputs = carry["grads"], carry["hgrads"], carry["dinputs"]
+    else:
+        grads = jax.tree.map(lambda acc, d: acc.at[r[CHUNK]].add(d), carry["grads"], dp)
+        hgrads = jax.tree.map(jnp.add, carry["hgrads"], dh)
+        dinputs = carry["dinputs"].at[r[DX_MB]].add(dx)
+    return dict(xbuf=xbuf, gbuf=gbuf, fmsg=_send(y, program.sends_x, axis, p),
+                bmsg=_send(dx, program.sends_g, axis, p), grads=grads, hgrads=hgrads,
+                loss=carry["loss"] + loss.astype(jnp.float32), dinputs=dinputs)
+
+
+def _forward_branches(stage_fn, loss_fn, m: int) -> list[Callable]:
+    """Idle, forward, and forward + loss of the last chunk: no backward, no gradients."""
+    scale = 1.0 / m
+
+    def out(x, y=None, loss=None):
+        return (jnp.zeros_like(x) if y is None else y, jnp.zeros_like(x), (), (),
+                jnp.zeros_like(x, jnp.float32, shape=()) if loss is None else loss)
+
+    def idle(chunk, head, x, g, t, k):
+        return out(x)
+
+    def fwd(chunk, head, x, g, t, k):
+        return out(x, y=stage_fn(chunk, x, k))
+
+    def fwd_last(chunk, head, x, g, t, k):
+        return out(x, loss=loss_fn(head, stage_fn(chunk, x, k), t).astype(jnp.float32) * scale)
+
+    return [idle, fwd, fwd_last]
 
 
 def _branches(stage_fn, loss_fn, split: bool, m: int) -> list[Callable]:

@@ -14,8 +14,10 @@ With ``pipeline.stages == 1`` it runs the blocks with ``lax.scan``, so the same 
 the model unpipelined (the one-device reference). With ``stages = p > 1`` the ``Trainer``
 swaps in ``pipelined(loss, config, mesh)``: the embedding runs on every stage (outside the
 pipeline, sharded by the other mesh axes), the stacked blocks (leading ``layers`` axis,
-which the rules should map to the pipe axis) are cut into ``p·v`` chunks, and the schedule
-runs them with the ``shard_map`` executor; the head runs on the last stage. The embedding
+which the rules should map to the pipe axis) are cut into ``p·v`` chunks placed as the
+schedule says (a loop, or a V for ``"zb-v"`` / ``"dualpipe-v"``), and the schedule runs them
+with the ``shard_map`` executor; the head runs on the stage of the last chunk. Called
+without differentiating (``Trainer.evaluate``) it runs the schedule's forwards only. The embedding
 and the head do not share parameters with the blocks (tied embeddings are not supported).
 Micro-batch ``i`` holds rows ``i, i+m, i+2m, ...`` of the global batch, so each data shard
 contributes equally to every micro-batch and nothing moves across the data axes.
@@ -65,18 +67,19 @@ def _run_layers(graphdef, params, rest, h):
     return jax.lax.scan(one, h, (params, rest))
 
 
-def _check(config: ParallelConfig, mesh, n_layers: int, batch_rows: int) -> None:
+def _check(config: ParallelConfig, mesh, n_layers: int, batch_rows: int, virtual_stages: int) -> None:
     pipe = config.pipeline
     if mesh.shape.get(pipe.axis) != pipe.stages:
         raise ValueError(
             f"pipeline.stages={pipe.stages} but mesh axis {pipe.axis!r} has size "
             f"{mesh.shape.get(pipe.axis)} (mesh {dict(mesh.shape)}); make them equal"
         )
-    chunks = pipe.stages * pipe.virtual_stages
+    chunks = pipe.stages * virtual_stages
     if n_layers % chunks:
         raise ValueError(
-            f"the stacked blocks have {n_layers} layers, not divisible by stages × virtual_stages = "
-            f"{pipe.stages} × {pipe.virtual_stages}; use a layer count that is a multiple of {chunks}"
+            f"the stacked blocks have {n_layers} layers, not divisible by stages × chunks per stage = "
+            f"{pipe.stages} × {virtual_stages} (schedule {pipe.schedule!r}); use a layer count that is a "
+            f"multiple of {chunks}"
         )
     if batch_rows % pipe.microbatches:
         raise ValueError(
@@ -112,7 +115,7 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
         blocks_def, params, rest = nnx.split(blocks, nnx.Param, ...)
         layers = jax.tree.leaves(params)[0].shape[0]
         rows = jax.tree.leaves(batch)[0].shape[0]
-        _check(config, mesh, layers, rows)
+        _check(config, mesh, layers, rows, schedule.virtual_stages)
         head_def, head_state = nnx.split(loss.head(model))
 
         def stage_fn(chunk, h, const):
@@ -124,7 +127,8 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
         run = pipeline_loss(stage_fn, head_fn, schedule, mesh, axis=pipe.axis, specs=pins, with_consts=True)
         h = loss.embed(model, batch)
         m = pipe.microbatches
-        layout = lambda tree: to_stage_layout(tree, pipe.stages, pipe.virtual_stages)  # noqa: E731
+        layout = lambda tree: to_stage_layout(tree, pipe.stages, schedule.virtual_stages,  # noqa: E731
+                                              schedule.placement)
         value = run(layout(params), head_state, split_rows(h, m), jax.tree.map(lambda x: split_rows(x, m), batch),
                     layout(rest))
         if jax.tree.leaves(rest):

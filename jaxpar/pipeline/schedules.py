@@ -20,9 +20,14 @@ forms exactly: GPipe and 1F1B ``(p-1)/(m+p-1)``, interleaved ``(p-1)/(v·m+p-1)`
 ZB-H1 ``(p-1)/(3m+p-1)`` (for ``m >= p``; fewer micro-batches than stages is allowed but
 leaves ZB-H1 nothing to fill its bubble with).
 
-Virtual stage ``k = chunk·p + stage``: micro-batch data runs through chunk 0 of stages
-``0..p-1``, then chunk 1 of stages ``0..p-1``, and so on; the last virtual stage
-(chunk ``v-1`` of stage ``p-1``) computes the loss.
+A schedule's ``placement`` says which stage (device) holds which virtual stage ``k``
+(``k = 0`` takes the inputs, ``k = p·v-1`` computes the loss):
+
+- ``"loop"``: ``k = chunk·p + stage``: micro-batch data runs through chunk 0 of stages
+  ``0..p-1``, then chunk 1 of stages ``0..p-1``, and so on (GPipe, 1F1B, interleaved, ZB-H1);
+- ``"v"``: odd chunks run the other way, ``k = chunk·p + (p-1-stage)``: with two chunks stage
+  ``s`` holds ``s`` and ``2p-1-s``, so the turn ``p-1 → p`` stays on stage ``p-1`` and both
+  the first and the last virtual stage live on stage 0 (ZB-V, DualPipeV).
 
 Example:
     >>> s = build("1f1b", 2, 3)
@@ -37,13 +42,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 from fractions import Fraction
-from typing import Iterable
 
 from jaxpar.config import SCHEDULES
 
 __all__ = [
-    "Kind", "Op", "Schedule", "SCHEDULES", "build", "gpipe", "one_f_one_b", "interleaved",
-    "zb_h1", "bubble_fraction", "peak_activations", "validate", "timeline", "plot_timeline",
+    "Kind", "Op", "Schedule", "SCHEDULES", "PLACEMENTS", "build", "virtual_stage", "location", "gpipe",
+    "one_f_one_b", "interleaved", "zb_h1", "bubble_fraction", "peak_activations", "validate", "timeline", "plot_timeline",
 ]
 
 
@@ -70,13 +74,40 @@ class Op:
 
 
 Table = tuple[tuple["Op | None", ...], ...]
+PLACEMENTS = ("loop", "v")
+
+
+def virtual_stage(placement: str, p: int, stage: int, chunk: int) -> int:
+    """The virtual stage ``k`` that ``chunk`` of ``stage`` runs (see the module docstring).
+
+    Example:
+        >>> [virtual_stage("v", 4, s, 1) for s in range(4)]
+        [7, 6, 5, 4]
+    """
+    if placement == "v" and chunk % 2:
+        return chunk * p + p - 1 - stage
+    return chunk * p + stage
+
+
+def location(placement: str, p: int, k: int) -> tuple[int, int]:
+    """``(stage, chunk)`` holding virtual stage ``k``; the inverse of ``virtual_stage``.
+
+    Example:
+        >>> location("v", 4, 4), location("loop", 4, 4)
+        ((3, 1), (0, 1))
+    """
+    chunk, stage = divmod(k, p)
+    if placement == "v" and chunk % 2:
+        stage = p - 1 - stage
+    return stage, chunk
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Schedule:
     """A pipeline schedule: ``table[tick][stage]`` is the ``Op`` that stage runs, or ``None``.
 
-    An op that costs ``c`` ticks (see ``cost``) fills ``c`` consecutive cells of its stage.
+    An op that costs ``c`` ticks (see ``cost``) fills ``c`` consecutive cells of its stage;
+    ``placement`` (``"loop"`` or ``"v"``) maps a stage's chunks to virtual stages.
     """
 
     name: str
@@ -84,6 +115,7 @@ class Schedule:
     microbatches: int
     virtual_stages: int
     table: Table
+    placement: str = "loop"
 
     @property
     def ticks(self) -> int:
@@ -122,32 +154,34 @@ def _check_sizes(p: int, m: int, v: int = 1) -> None:
 # --------------------------------------------------------------------------- dependencies
 
 
-def _deps(op: Op, stage: int, p: int, v: int) -> list[tuple[int, Op]]:
+def _deps(op: Op, stage: int, p: int, v: int, placement: str = "loop") -> list[tuple[int, Op]]:
     """``(stage, op)`` pairs that must finish before ``op`` may start on ``stage``."""
     i, c = op.microbatch, op.chunk
+    k = virtual_stage(placement, p, stage, c)
     if op.kind is Kind.F:
-        if stage > 0:
-            return [(stage - 1, Op(Kind.F, i, c))]
-        return [(p - 1, Op(Kind.F, i, c - 1))] if c > 0 else []
+        if k == 0:
+            return []
+        s, c_prev = location(placement, p, k - 1)
+        return [(s, Op(Kind.F, i, c_prev))]
     if op.kind is Kind.W:
         return [(stage, Op(Kind.B, i, c))]
     deps = [(stage, Op(Kind.F, i, c))]
-    if stage < p - 1:
-        deps.append((stage + 1, Op(Kind.B, i, c)))
-    elif c < v - 1:
-        deps.append((0, Op(Kind.B, i, c + 1)))
+    if k < p * v - 1:
+        s, c_next = location(placement, p, k + 1)
+        deps.append((s, Op(Kind.B, i, c_next)))
     return deps
 
 
-def _all_ops(m: int, v: int, split: bool) -> list[Op]:
-    kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
+def _all_ops(m: int, v: int, split: bool, forward: bool = False) -> list[Op]:
+    kinds = (Kind.F,) if forward else (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
     return [Op(k, i, c) for k in kinds for i in range(m) for c in range(v)]
 
 
 # --------------------------------------------------------------------------- simulation
 
 
-def _asap(name: str, p: int, m: int, v: int, split: bool, orders: list[list[Op]]) -> Schedule:
+def _asap(name: str, p: int, m: int, v: int, split: bool, orders: list[list[Op]],
+          placement: str = "loop") -> Schedule:
     """Each stage runs its own list of ops in order, each as early as its dependencies allow."""
     cost = {Kind.F: 1, Kind.B: 1 if split else 2, Kind.W: 1}
     end: dict[tuple[int, Op], int] = {}
@@ -159,7 +193,7 @@ def _asap(name: str, p: int, m: int, v: int, split: bool, orders: list[list[Op]]
         for s in range(p):
             while position[s] < len(orders[s]):
                 op = orders[s][position[s]]
-                deps = _deps(op, s, p, v)
+                deps = _deps(op, s, p, v, placement)
                 if any(d not in end for d in deps):
                     break
                 start = max([free[s]] + [end[d] for d in deps])
@@ -173,7 +207,7 @@ def _asap(name: str, p: int, m: int, v: int, split: bool, orders: list[list[Op]]
         for t in range(start, start + cost[op.kind]):
             table[t][s] = op
     return Schedule(name=name, stages=p, microbatches=m, virtual_stages=v,
-                    table=tuple(tuple(row) for row in table))
+                    table=tuple(tuple(row) for row in table), placement=placement)
 
 
 # --------------------------------------------------------------------------- builders
@@ -304,19 +338,21 @@ def zb_h1(p: int, m: int) -> Schedule:
     return _asap("zb-h1", p, m, 1, True, orders)
 
 
-BUILDERS = dict(zip(SCHEDULES, (gpipe, one_f_one_b, interleaved, zb_h1)))   # names from jaxpar.config
+BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
+V_SCHEDULES = ("zb-v", "dualpipe-v")   # built by jaxpar.pipeline.vshape; two chunks per stage
 
 
 def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
     """The schedule called ``name`` (one of ``SCHEDULES``) for ``p`` stages, ``m`` micro-batches.
 
-    ``v`` (virtual stages per stage) is only for ``"interleaved"``; the others need ``v=1``.
+    ``v`` (virtual stages per stage) is only for ``"interleaved"``; the others need ``v=1``
+    (the V schedules ``"zb-v"`` and ``"dualpipe-v"`` always place two chunks per stage).
 
     Example:
         >>> build("gpipe", 4, 8).ticks
         33
     """
-    if name not in BUILDERS:
+    if name not in BUILDERS and name not in V_SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {list(SCHEDULES)}")
     if name == "interleaved":
         return interleaved(p, m, v)
@@ -324,6 +360,10 @@ def build(name: str, p: int, m: int, v: int = 1) -> Schedule:
         raise ValueError(
             f"schedule {name!r} has one chunk per stage, got virtual_stages={v}; "
             f"use virtual_stages=1, or schedule='interleaved'")
+    if name in V_SCHEDULES:
+        from jaxpar.pipeline import vshape  # lazy: vshape builds on this module's simulator
+
+        return {"zb-v": vshape.zb_v, "dualpipe-v": vshape.dualpipe_v}[name](p, m)
     return BUILDERS[name](p, m)
 
 
@@ -369,26 +409,27 @@ def peak_activations(schedule: Schedule, *, until: str = "B") -> list[int]:
 def validate(schedule: Schedule) -> None:
     """Raise ``ValueError`` unless ``schedule`` is complete and respects every dependency.
 
-    Rules, with ``end = start + cost`` and virtual stage ``k = chunk·p + stage``:
+    Rules, with ``end = start + cost`` and virtual stage ``k`` from the placement:
     every ``(kind, micro-batch, chunk)`` runs exactly once on every stage, filling ``cost``
     consecutive cells; ``F`` on virtual stage ``k`` starts at or after the ``F`` of the same
     micro-batch ends on ``k-1``; ``B`` on ``k`` starts at or after the ``B`` ends on ``k+1``
     and after its own ``F`` ends; ``W`` starts at or after its own ``B`` ends. A schedule has
-    ``W`` ops for every micro-batch or for none.
+    ``W`` ops for every micro-batch or for none; a forward-only table (evaluation) has only ``F``.
     """
     p, m, v, split = (schedule.stages, schedule.microbatches, schedule.virtual_stages,
                       schedule.split_backward)
+    forward = not any(op is not None and op.kind is not Kind.F for row in schedule.table for op in row)
     if any(len(row) != p for row in schedule.table):
         raise ValueError(f"schedule {schedule.name!r}: every tick needs {p} cells")
     start, end = {}, {}
     for s in range(p):
         _check_stage_ops(schedule, s, start, end)
-        missing = set(_all_ops(m, v, split)) - {op for (st, op) in start if st == s}
+        missing = set(_all_ops(m, v, split, forward)) - {op for (st, op) in start if st == s}
         if missing:
             raise ValueError(f"schedule {schedule.name!r}: stage {s} never runs "
                              f"{sorted(o.label(v) for o in missing)}")
     for (s, op), t in sorted(start.items(), key=lambda item: (item[1], item[0][0])):
-        for dep in _deps(op, s, p, v):
+        for dep in _deps(op, s, p, v, schedule.placement):
             if dep not in end or end[dep] > t:
                 raise ValueError(
                     f"schedule {schedule.name!r}: {op.label(v)} on stage {s} starts at tick {t} "
@@ -409,86 +450,5 @@ def _check_stage_ops(schedule: Schedule, s: int, start: dict, end: dict) -> None
         start[(s, op)], end[(s, op)] = t, t + schedule.cost(op.kind)
 
 
-# --------------------------------------------------------------------------- drawing
-
-
-def timeline(schedule: Schedule, *, wrap: int | None = None) -> str:
-    """The schedule as text: one row per stage, one column per tick, ``.`` for idle.
-
-    The header gives the bubble fraction and the peak activations per stage; ``wrap`` cuts
-    the drawing into blocks of at most that many ticks.
-
-    Example:
-        >>> print(timeline(build("gpipe", 2, 2)))
-        gpipe  p=2 m=2 v=1  ticks=9  bubble=1/3  peak activations per stage=[2, 2]
-        tick    0  1  2  3  4  5  6  7  8
-        stage0 F0 F1  .  .  . B0 B0 B1 B1
-        stage1  . F0 F1 B0 B0 B1 B1  .  .
-    """
-    head = (f"{schedule.name}  p={schedule.stages} m={schedule.microbatches} "
-            f"v={schedule.virtual_stages}  ticks={schedule.ticks}  "
-            f"bubble={bubble_fraction(schedule)}  "
-            f"peak activations per stage={peak_activations(schedule)}")
-    return "\n".join([head] + _grid(schedule, wrap))
-
-
-def _grid(schedule: Schedule, wrap: int | None = None) -> list[str]:
-    v, n = schedule.virtual_stages, schedule.ticks
-    labels = [[op.label(v) if op else "." for op in row] for row in schedule.table]
-    width = max([len(str(n - 1))] + [len(x) for row in labels for x in row])
-    name_w = len(f"stage{schedule.stages - 1}")
-    step = wrap if wrap and wrap > 0 else max(n, 1)
-    lines: list[str] = []
-    for lo in range(0, n, step):
-        ticks = range(lo, min(n, lo + step))
-        lines.append("tick".ljust(name_w) + " " + " ".join(str(t).rjust(width) for t in ticks))
-        for s in range(schedule.stages):
-            cells = " ".join(labels[t][s].rjust(width) for t in ticks)
-            lines.append(f"stage{s}".ljust(name_w) + " " + cells)
-    return lines
-
-
-_COLORS = {Kind.F: "#4c78a8", Kind.B: "#f58518", Kind.W: "#54a24b"}
-
-
-def plot_timeline(schedule: Schedule | Iterable[Schedule], path: str) -> None:
-    """Draw one or more schedules as Gantt charts (time × stages) into ``path`` (PNG, SVG...).
-
-    Time is in units of one full stage's forward (a tick of an interleaved schedule is
-    ``1/v``), so schedules drawn together compare fairly. Needs matplotlib
-    (``pip install jaxpar[plot]``).
-
-    Example:
-        >>> plot_timeline([build("1f1b", 4, 8), build("zb-h1", 4, 8)], "/tmp/pipe.png")
-    """
-    from matplotlib.figure import Figure  # lazy: plotting is optional; no pyplot state
-
-    schedules = [schedule] if isinstance(schedule, Schedule) else list(schedule)
-    fig = Figure(figsize=(max(8, max(s.ticks for s in schedules) * 0.25),
-                          1.2 + sum(0.45 * s.stages + 0.6 for s in schedules)))
-    axes = fig.subplots(len(schedules), 1, squeeze=False)
-    end = max(s.ticks / s.virtual_stages for s in schedules)
-    for ax, s in zip(axes[:, 0], schedules):
-        _draw(ax, s)
-        ax.set_xlim(0, end)  # one time scale for all, so lengths compare
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def _draw(ax, schedule: Schedule) -> None:
-    # x in units of one full stage's forward, so interleaved ticks (1/v each) compare fairly.
-    v = schedule.virtual_stages
-    for s in range(schedule.stages):
-        for t, op in schedule.ops(s):
-            width = schedule.cost(op.kind) / v
-            shade = 1.0 - 0.35 * op.chunk / max(1, v - 1)
-            ax.broken_barh([(t / v, width)], (s - 0.4, 0.8),
-                           facecolors=_COLORS[op.kind], alpha=shade, edgecolor="white")
-            ax.text(t / v + width / 2, s, op.label(v), ha="center", va="center",
-                    fontsize=6 if v == 1 else 4, color="white")
-    ax.set_ylim(schedule.stages - 0.5, -0.5)
-    ax.set_yticks(range(schedule.stages), [f"stage {s}" for s in range(schedule.stages)])
-    ax.set_xlabel("time (one stage's forward = 1)")
-    ax.set_title(f"{schedule.name}: p={schedule.stages} m={schedule.microbatches} v={v}, "
-                 f"bubble {float(bubble_fraction(schedule)):.3f}, "
-                 f"peak activations {peak_activations(schedule)}", fontsize=9)
+# The drawings read the derived values above; re-exported here, their historical home.
+from jaxpar.pipeline.drawing import _grid, plot_timeline, timeline  # noqa: E402,F401

@@ -241,6 +241,11 @@ class Trainer:
         placed = self.place(batch)
         return self._jitted(placed).lower(self._state.detach()[0], placed)
 
+    def lower_eval(self, batch) -> jax.stages.Lowered:
+        """The lowered evaluation for ``batch`` (what ``evaluate`` runs), for reports."""
+        placed = self.place(batch)
+        return self._jitted(placed, "eval").lower(self._state.detach()[0], placed)
+
     def lower_grads(self, batch) -> jax.stages.Lowered:
         """The step up to the update for ``batch``: its outputs are the gradients as the update
         receives them (ZeRO gradient specs), e.g. to measure their bytes per device."""
