@@ -120,6 +120,22 @@ def test_placement_reorders_and_carries_positions():
     np.testing.assert_array_equal(again["inputs"], placed["inputs"])
 
 
+def test_a_query_that_sees_no_key_gives_zeros_not_nan():
+    """Keys placed one step after the queries: query 0 sees nothing. Its output is 0 and every
+    gradient stays finite, for each strategy (0/0 would spread NaN through the backward)."""
+    mesh = jaxpar.make_mesh({"context": 2}, devices=jax.devices()[:2])
+    q, k = (jax.random.normal(jax.random.key(i), (1, 8, 2, 4)) for i in (0, 1))
+    qp = jnp.arange(8)[None]
+    for strategy in ("all_gather", "ring", "ulysses"):
+        def f(q, k, v):
+            return context_attention(q, k, v, axis="context", strategy=strategy, mesh=mesh, q_positions=qp,
+                                     kv_positions=qp + 1)
+        out = jax.jit(f)(q, k, 2 * k)
+        np.testing.assert_array_equal(np.asarray(out[0, 0]), 0.0)
+        grads = jax.jit(jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2)))(q, k, 2 * k)
+        assert all(bool(jnp.isfinite(g).all()) for g in grads), strategy
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def test_bad_input_names_the_numbers():
@@ -142,6 +158,11 @@ def test_bad_input_names_the_numbers():
         jaxpar.ParallelConfig(mesh={"context": 8}, context={"strategy": "rng"})
     with pytest.raises(ValueError, match=r"context.axis='seq'.*not in the mesh"):
         jaxpar.ParallelConfig(mesh={"context": 8}, context={"axis": "seq"})
+    reused = np.array([[1, 1, 2, 2, 1, 1, 2, 2] * 3], np.int32)   # id 1 in three runs: would see later runs
+    with pytest.raises(ValueError, match=r"segment_ids row 0 uses segment id\(s\) \[1, 2\] in more than one run"):
+        place_batch(config, mesh, {"inputs": np.zeros((1, 16), np.int32), "segment_ids": reused[:, :16]})
+    with pytest.raises(ValueError, match=r"context.order='zigzag'.*without 'inputs'"):
+        place_batch(config, mesh, {"tokens": np.zeros((1, 16), np.int32)})
     plain = nnx.Linear(2, 2, rngs=nnx.Rngs(0))         # no ContextParallel to attend with
     with pytest.raises(ValueError, match=r"not a jaxpar.ops.ContextParallel.*constrain=jaxpar.ops.ContextParallel"):
         jaxpar.Trainer(plain, optax.adamw(1e-3), loss_fn, config, mesh)

@@ -23,13 +23,12 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "matrix_worker.py")
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     arrays = {}
-    for fused in (False, True):
-        for precision in matrix.FEATURES["precision"]:
-            key = matrix.reference_key(fused, precision)
-            losses, params = matrix.reference(fused, precision)
-            arrays[f"{key}/losses"] = np.asarray(losses)
-            for i, (_, x) in enumerate(sorted(matrix.flat_params(params).items())):
-                arrays[f"{key}/p/{i:04d}"] = np.asarray(x, np.float32)
+    for key in sorted({matrix.reference_key(cell) for cell in matrix.CELLS}):
+        name = matrix.reference_name(key)
+        losses, params = matrix.reference(key)
+        arrays[f"{name}/losses"] = np.asarray(losses)
+        for i, (_, x) in enumerate(sorted(matrix.flat_params(params).items())):
+            arrays[f"{name}/p/{i:04d}"] = np.asarray(x, np.float32)
     path = tmp_path_factory.mktemp("matrix") / "reference.npz"
     np.savez(path, **arrays)
     return str(path)
@@ -66,13 +65,20 @@ def test_cells_match_one_device(cells, references, tmp_path):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("mode", ["hybrid", "auto"])
-def test_refused_pairs_name_both_features(mode):
-    cell = dict(matrix.BASE, mode=mode, pipeline="1f1b")
-    with pytest.raises(ValueError, match=rf"pipeline\.stages.*mode='{mode}'|mode='{mode}'.*pipeline"):
+# How each feature is named in the Trainer's refusal.
+NAMED = {"mode": "mode='{}'", "pipeline": r"pipeline\.stages( > 1|=2)", "context": "context=", "moe": "mixture-of-experts",
+         "precision": "precision"}
+ON = {"pipeline": "1f1b", "context": "ring", "moe": "ep"}   # the other feature of a refused pair, switched on
+
+
+@pytest.mark.parametrize("pair", [p for p in matrix.REFUSED if p[0] != "precision"], ids="-".join)
+def test_refused_pairs_name_both_features(pair):
+    feature, value, other = pair
+    cell = dict(matrix.BASE, **{feature: value, other: ON[other]})
+    first, second = NAMED[feature].format(value), NAMED[other].format(ON[other])
+    with pytest.raises(ValueError, match=rf"{first}.*{second}|{second}.*{first}"):
         matrix._trainer(matrix.config_for(cell), matrix.gpt_config(cell), 8)
-    for (feature, value, other), reason in matrix.REFUSED.items():
-        assert feature in ("mode", "precision") and other == "pipeline" and reason
+    assert matrix.REFUSED[pair]
 
 
 def test_bf16_with_pipeline_refused_on_cpu_naming_both():

@@ -44,7 +44,8 @@ def dense_reference(p: dict, x: jax.Array, cfg: MoEConfig) -> jax.Array:
     logits = x @ p["router"]
     scores = jax.nn.softmax(logits, -1)
     top, ids = jax.lax.top_k(scores, cfg.top_k)
-    top = top / top.sum(-1, keepdims=True)
+    if cfg.top_k > 1:   # top-1 keeps the router probability (renormalize=None)
+        top = top / top.sum(-1, keepdims=True)
     combine = jnp.einsum("tk,tke->te", top, jax.nn.one_hot(ids, cfg.experts))
     h = jax.nn.silu(jnp.einsum("td,edf->tef", x, p["gate"])) * jnp.einsum("td,edf->tef", x, p["up"])
     return jnp.einsum("tef,efd,te->td", h, p["down"], combine)
@@ -182,6 +183,23 @@ def train_moe(config, steps=5):
 
 
 @pytest.mark.slow
+def test_dropless_rows_past_the_buffer_are_dropped_and_counted():
+    """The dropless ladder is sized for distinct ids per token. A token naming one expert twice
+    (2 experts on 2 devices: 8 rows for one peer, 4 slots) loses the rows that do not fit, counted,
+    instead of writing over another peer's slots; distinct ids match one device."""
+    mesh = ep_constraint(2).mesh
+    layer, x = zipf_layer(2, 2), tokens(8)
+    p = [getattr(layer, name)[...] for name in ("gate", "up", "down")]
+    dispatch = jax.jit(lambda *a: moe_dispatch(*a, expert_axis="data", mesh=mesh))
+    weights = jnp.full((8, 2), 0.5)
+    y, stats = dispatch(x, jnp.tile(jnp.array([[0, 1]], jnp.int32), (8, 1)), weights, *p)
+    local, _ = moe_dispatch(x, jnp.tile(jnp.array([[0, 1]], jnp.int32), (8, 1)), weights, *p)
+    np.testing.assert_allclose(y, local, rtol=1e-5, atol=1e-5)
+    assert int(stats["dropped"]) == 0
+    y, stats = dispatch(x, jnp.zeros((8, 2), jnp.int32), weights, *p)
+    assert (int(stats["capacity"]), int(stats["dropped"])) == (4, 8) and bool(jnp.isfinite(y).all())
+
+
 def test_moe_llama_trains_like_one_device():
     """5 adamw steps, auxiliary losses in the loss: expert parallel 8 and 4 x tensor parallel 2."""
     ref_losses, ref_params, ref = train_moe(EP["one device"])

@@ -45,6 +45,19 @@ def segment_positions(segment_ids: np.ndarray) -> np.ndarray:
     return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
 
 
+def check_segments(segment_ids: np.ndarray) -> None:
+    """Each segment id must be one contiguous run in its row: the mask compares positions, which
+    restart at every run, so a reused id would let a token see a later run's tokens."""
+    starts = np.concatenate([np.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    for row, (ids, first) in enumerate(zip(segment_ids, starts)):
+        runs = ids[first]
+        if len(np.unique(runs)) != len(runs):
+            values, counts = np.unique(runs, return_counts=True)
+            raise ValueError(f"context parallel: segment_ids row {row} uses segment id(s) {values[counts > 1].tolist()} "
+                             f"in more than one run ({runs.tolist()}); give every packed sequence of a row its own id "
+                             "(e.g. 1, 2, 3, ... in order)")
+
+
 def reorder_batch(config: ParallelConfig, mesh, batch: Any) -> Any:
     """``batch`` with ``"positions"`` added and its sequence dimension in ``config.context.order``.
 
@@ -52,8 +65,14 @@ def reorder_batch(config: ParallelConfig, mesh, batch: Any) -> Any:
     dimension 1. Raises ``ValueError`` when ``S`` does not fit the order (zigzag: a multiple
     of ``2·cp``).
     """
-    if config.context is None or not isinstance(batch, Mapping) or "positions" in batch or "inputs" not in batch:
+    if config.context is None or (isinstance(batch, Mapping) and "positions" in batch):
         return batch
+    if not isinstance(batch, Mapping) or "inputs" not in batch:
+        if config.context.order == "contiguous":
+            return batch
+        raise ValueError(f"context.order={config.context.order!r} reorders the sequence of batch['inputs'], but the "
+                         f"batch is a {type(batch).__name__} without 'inputs'; give a dict with 'inputs' [batch, "
+                         "length] (and the other [batch, length] leaves), or use context.order='contiguous'")
     inputs = np.asarray(batch["inputs"])
     if inputs.ndim < 2:
         raise ValueError(f"context parallel needs batch['inputs'] [batch, length], got shape {inputs.shape}")
@@ -61,6 +80,8 @@ def reorder_batch(config: ParallelConfig, mesh, batch: Any) -> Any:
     cp = context_size(config, mesh)
     check_order(config.context.order, s, cp)
     segs = batch.get("segment_ids")
+    if segs is not None:
+        check_segments(np.asarray(segs))
     positions = (np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)) if segs is None
                  else segment_positions(np.asarray(segs)).astype(np.int32))
     perm = permutation(config.context.order, s, cp)

@@ -44,7 +44,8 @@ class MoEConfig:
     top_k: int = 2                        # experts per token
     expert_mlp: int | None = None         # hidden width of one expert; None = the host model's mlp
     score: str = "softmax"                # "softmax" (Mixtral, Switch) or "sigmoid" (DeepSeek-V3) router scores
-    renormalize: bool = True              # scale the top-k weights of a token to sum to 1
+    renormalize: bool | None = None       # top-k weights scaled to sum to 1; None: when top_k > 1 (top-1 keeps
+                                          # the router probability, else the loss never reaches the router)
     shared_experts: int = 0               # experts every token goes through (one SwiGLU this many times wider)
     aux_loss_weight: float = 0.01         # load-balancing loss weight (Switch Transformer)
     z_loss_weight: float = 0.001          # router z-loss weight (ST-MoE)
@@ -99,7 +100,7 @@ def route(logits: jax.Array, cfg: MoEConfig) -> tuple[jax.Array, jax.Array, jax.
     logits = logits.astype(jnp.float32)
     scores = jax.nn.softmax(logits, -1) if cfg.score == "softmax" else jax.nn.sigmoid(logits)
     weights, ids = jax.lax.top_k(scores, cfg.top_k)
-    if cfg.renormalize:
+    if cfg.top_k > 1 if cfg.renormalize is None else cfg.renormalize:
         weights = weights / jnp.sum(weights, -1, keepdims=True)
     probs = scores if cfg.score == "softmax" else scores / jnp.sum(scores, -1, keepdims=True)
     share = jnp.mean(jax.nn.one_hot(ids, cfg.experts, dtype=jnp.float32).sum(1), 0) / cfg.top_k

@@ -75,8 +75,11 @@ def update(stats, q, k, v, ids_q, ids_k, causal: bool, scale: float):
 def finish(stats, dtype):
     """Output ``[B, Tq, K, G, D]`` in ``dtype`` and the log-sum-exp ``[B, K, G, Tq]`` (fp32)."""
     m, l, acc = stats
-    out = acc / l[..., None]
-    return jnp.moveaxis(out, 3, 1).astype(dtype), m + jnp.log(l)
+    # a query that sees no key at all (possible with separate kv_positions) gets 0, not 0/0, and
+    # a log-sum-exp so large that its backward probabilities are 0
+    seen = l > 0
+    out = acc / jnp.where(seen, l, 1.0)[..., None]
+    return jnp.moveaxis(out, 3, 1).astype(dtype), jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -NEG)
 
 
 def local_attention(q, k, v, ids_q, ids_k, causal: bool, scale: float):

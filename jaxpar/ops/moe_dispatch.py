@@ -57,7 +57,9 @@ def moe_dispatch(
 
     Args:
       x: tokens ``[T, D]``.
-      expert_ids, weights: ``[T, k]`` router choices (int) and combine weights.
+      expert_ids, weights: ``[T, k]`` router choices (int; distinct per token, in ``[0, E)``: a row
+        past its buffer or outside that range is dropped and counted in ``stats["dropped"]``) and
+        combine weights.
       gate, up: ``[E, D, F]``; down: ``[E, F, D]``: the stacked expert weights.
       expert_axis: mesh axis (or axes) splitting the experts; None runs every expert here.
       batch_axis: mesh axes already splitting the tokens (the data axes); the tokens are
@@ -214,17 +216,25 @@ def _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_ax
     ladder = capacity_ladder(math.ceil(a / n), worst, growth)
     index = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), needed, side="left")
 
+    in_range = (sorted_e >= 0) & (sorted_e < n * el)
+
     def branch(c):
         def run(rows):
-            send = jnp.zeros((n * c, d), rows.dtype).at[peer * c + rank].set(rows, unique_indices=True)
+            # Rows that do not fit (only when a token names one expert twice, or an id outside
+            # [0, E): the ladder's top size holds any routing of distinct ids) are dropped and
+            # counted, never written over another peer's slots.
+            fits = in_range & (rank < c)
+            slot = jnp.where(fits, peer * c + rank, n * c)
+            send = jnp.zeros((n * c, d), rows.dtype).at[slot].set(rows, mode="drop")
             recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True)
             j = jnp.arange(n * c)
             out = _grouped(recv, j // c, j % c, mine, gate, up, down, mlp_axes)
-            return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)[peer * c + rank]
+            back = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
+            return jnp.take(back, slot, axis=0, mode="fill", fill_value=0), jnp.sum(~fits).astype(jnp.int32)
         return run
 
-    out = jax.lax.switch(index, [branch(c) for c in ladder], rows)
-    return out, {"capacity": jnp.asarray(ladder, jnp.int32)[index], "needed": needed, "dropped": jnp.int32(0)}
+    out, dropped = jax.lax.switch(index, [branch(c) for c in ladder], rows)
+    return out, {"capacity": jnp.asarray(ladder, jnp.int32)[index], "needed": needed, "dropped": dropped}
 
 
 def _ragged(rows, table, me, mine, per_peer, starts, gate, up, down, ep_axes, tok_axes, mlp_axes, n, growth, worst):

@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxpar.config import ParallelConfig
 from jaxpar.metrics import MetricsConfig, MetricsLogger, ProfileWindow, check_profile_steps
+from jaxpar.nn.moe import MoE
 from jaxpar.ops import ContextParallel
 from jaxpar.pipeline import PipelineLoss
 from jaxpar.plan import TrainPlan
@@ -98,6 +99,7 @@ def check_args(model, tx, loss_fn, config, mesh, plan) -> None:
             f"Trainer: pipeline.stages={config.pipeline.stages} needs loss_fn as a jaxpar.pipeline.PipelineLoss "
             f"(embed / blocks / head / head_loss), got {type(loss_fn).__name__}; see docs/pipeline.md")
     check_context(model, config)
+    check_experts(model, config)
     if plan is not None:
         if not isinstance(plan, TrainPlan):
             raise TypeError(f"Trainer: plan must be a jaxpar.TrainPlan, got {type(plan).__name__}")
@@ -124,6 +126,26 @@ def check_context(model, config) -> None:
             f"Trainer: ParallelConfig.context={config.context} reorders and splits the sequence, but the model's "
             "constrain is not a jaxpar.ops.ContextParallel, so its attention would mask by index; build the model "
             "with constrain=jaxpar.ops.ContextParallel(jaxpar.LogicalConstraint(mesh, config.rules), mesh, config)")
+
+
+def check_experts(model, config) -> None:
+    """Pipeline stages hand on only the hidden state: an MoE layer's auxiliary losses, recorded
+    on the layer during the forward, would never reach the last stage's loss."""
+    if config.pipeline.stages <= 1 and config.mode not in ("hybrid", "auto"):
+        return
+    where = next(("/".join(str(p) for p in path) for path, node in nnx.iter_graph(model) if isinstance(node, MoE)),
+                 None)
+    if where is None:
+        return
+    if config.pipeline.stages > 1:
+        raise ValueError(f"Trainer: pipeline.stages={config.pipeline.stages} with a mixture-of-experts model "
+                         f"(jaxpar.nn.MoE at {where!r}) is not supported: the experts' auxiliary losses would "
+                         "not reach the last stage's loss; train MoE models without pipeline stages")
+    why = ("per-device code would run every expert on every device, with no expert parallelism"
+           if config.mode == "hybrid" else "the strategy search does not read the expert dispatch's scatters")
+    raise ValueError(f"Trainer: mode={config.mode!r} with a mixture-of-experts model (jaxpar.nn.MoE at {where!r}) is "
+                     f"not supported ({why}); use mode='semi_auto' with an 'expert' rule, e.g. "
+                     "rules={'batch': 'data', 'expert': 'data'}")
 
 
 def check_batch(batch) -> None:

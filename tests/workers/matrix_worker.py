@@ -33,8 +33,8 @@ def main(cells_path, ref_path, out_path, tmp):
         try:
             losses, params = matrix.run_cell(cell, os.path.join(tmp, f"ckpt{i}"))
             flat = [np.asarray(p, np.float32) for _, p in sorted(matrix.flat_params(params).items())]
-            key = matrix.reference_key(cell["layout"] == "fused", cell["precision"])
-            line["loss_err"], line["param_err"] = matrix.errors((losses, flat), refs[key])
+            name = matrix.reference_name(matrix.reference_key(cell))
+            line["loss_err"], line["param_err"] = matrix.errors((losses, flat), refs[name])
             line["tolerance"] = matrix.TOLERANCE[cell["precision"]]
         except Exception as e:  # reported by the parent with the cell's name
             line["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
