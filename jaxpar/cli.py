@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -280,6 +281,11 @@ def cmd_report(args) -> int:
         from jaxpar.report import format_schedule
 
         _print(format_schedule(job.config), file=tables)
+    if job.config.context is not None:   # the causal work per device of each sequence order
+        from jaxpar.ops import describe_balance
+
+        cp = math.prod(job.config.mesh[a] for a in job.config.context.axes)
+        _print(describe_balance(job.model.seq_len, cp), file=tables)
     if args.json:
         _print(json.dumps(report.summary(), indent=2, default=str))
     return 0

@@ -144,10 +144,11 @@ def build_job(job: Job, watch=None):
     import jaxpar
     from jaxpar.models.data import ArithmeticData
     from jaxpar.models.gpt import GPT, loss_fn, pipeline_loss
+    from jaxpar.nn import model_constraint
 
     config = job.config
     mesh = jaxpar.make_mesh(config, job.devices)
-    constrain = jaxpar.LogicalConstraint(mesh, config.rules)
+    constrain = model_constraint(mesh, config)   # with a context axis: ContextParallel
     model = jaxpar.init(lambda: GPT(job.model, rngs=nnx.Rngs(job.seed), constrain=constrain), config, mesh)
     warmup = min(20, job.steps // 5)
     tx_schedule = optax.warmup_cosine_decay_schedule(0.0, job.lr, warmup, max(job.steps, warmup + 1))

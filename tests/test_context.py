@@ -229,3 +229,33 @@ def test_checkpoint_from_cp4_continues_at_cp1(tmp_path):
     ref_losses, ref_params = one_device_training()
     assert_losses_close(losses, ref_losses, rtol=1e-5)
     assert_close(params_of(second), ref_params, rtol=5e-5, what="cp=4 -> cp=1")
+
+
+def test_report_with_a_context_axis_trains_the_gpt_and_prints_the_balance(tmp_path, capsys):
+    """`jaxpar report --config` with a context section: the example GPT is built with
+    ContextParallel (the Trainer refuses it otherwise) and the report prints the causal balance."""
+    from jaxpar.cli import main
+
+    config = tmp_path / "cp.yaml"
+    config.write_text("mesh: {data: 4, context: 2}\nrules: {batch: data, seq: context}\n"
+                      "context: {strategy: ring, order: zigzag}\n")
+    assert main(["report", "--config", str(config), "--layers", "1", "--embed", "16", "--heads", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "causal balance at seq_len=32, cp=2" in out and "zigzag      1.000" in out
+
+
+def test_fewer_kv_heads_than_the_tensor_axis_repeat_and_match():
+    """4 query heads, 2 K/V heads, heads split 4 ways: K/V heads are repeated up to 4 inside
+    ContextParallel (each device keeps one query head) and attention still equals one device."""
+    from jaxpar.models.llama import attention as one_device
+
+    config = jaxpar.ParallelConfig(mesh={"context": 2, "model": 4}, rules={"heads": "model"},
+                                   context={"strategy": "ring", "order": "contiguous"})
+    mesh = jaxpar.make_mesh(config)
+    cp = ContextParallel(jaxpar.LogicalConstraint(mesh, config.rules), mesh, config)
+    q = jax.random.normal(jax.random.key(0), (1, 16, 4, 8))
+    k, v = (jax.random.normal(jax.random.key(i), (1, 16, 2, 8)) for i in (1, 2))
+    positions = jnp.arange(16)[None]
+    out = jax.jit(lambda q, k, v: cp.attention(q, k, v, None, positions))(q, k, v)
+    np.testing.assert_allclose(out, one_device(q, k, v, kind="reference"), rtol=1e-5, atol=1e-5)
+    assert "model" in str(out.sharding.spec)       # the heads stay split over the tensor axis

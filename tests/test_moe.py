@@ -183,21 +183,20 @@ def train_moe(config, steps=5):
 
 
 @pytest.mark.slow
-def test_dropless_rows_past_the_buffer_are_dropped_and_counted():
-    """The dropless ladder is sized for distinct ids per token. A token naming one expert twice
-    (2 experts on 2 devices: 8 rows for one peer, 4 slots) loses the rows that do not fit, counted,
-    instead of writing over another peer's slots; distinct ids match one device."""
+def test_dropless_stays_exact_when_a_token_names_one_expert_twice():
+    """The ladder's top rung holds every row for one peer, so even ids the layer's top-k never
+    gives (a token naming one expert twice: 2 experts on 2 devices, 8 rows for one peer) are
+    exchanged without a drop and equal the one-device path."""
     mesh = ep_constraint(2).mesh
     layer, x = zipf_layer(2, 2), tokens(8)
     p = [getattr(layer, name)[...] for name in ("gate", "up", "down")]
     dispatch = jax.jit(lambda *a: moe_dispatch(*a, expert_axis="data", mesh=mesh))
     weights = jnp.full((8, 2), 0.5)
-    y, stats = dispatch(x, jnp.tile(jnp.array([[0, 1]], jnp.int32), (8, 1)), weights, *p)
-    local, _ = moe_dispatch(x, jnp.tile(jnp.array([[0, 1]], jnp.int32), (8, 1)), weights, *p)
-    np.testing.assert_allclose(y, local, rtol=1e-5, atol=1e-5)
-    assert int(stats["dropped"]) == 0
-    y, stats = dispatch(x, jnp.zeros((8, 2), jnp.int32), weights, *p)
-    assert (int(stats["capacity"]), int(stats["dropped"])) == (4, 8) and bool(jnp.isfinite(y).all())
+    for ids in (jnp.tile(jnp.array([[0, 1]], jnp.int32), (8, 1)), jnp.zeros((8, 2), jnp.int32)):
+        y, stats = dispatch(x, ids, weights, *p)
+        local, _ = moe_dispatch(x, ids, weights, *p)
+        np.testing.assert_allclose(y, local, rtol=1e-5, atol=1e-5)
+        assert int(stats["dropped"]) == 0 and int(stats["capacity"]) >= int(stats["needed"])
 
 
 def test_moe_llama_trains_like_one_device():

@@ -66,9 +66,10 @@ def build_model(job: JobConfig, mesh, vocab: int | None = None):
     from flax import nnx
 
     import jaxpar
+    from jaxpar.nn import model_constraint
 
     config, m = job.parallel, job.model
-    constrain = jaxpar.LogicalConstraint(mesh, config.rules)
+    constrain = model_constraint(mesh, config)   # with a context axis: ContextParallel
     rngs = lambda: nnx.Rngs(job.train.seed)  # noqa: E731
     if m.factory is not None:
         factory, loss = _import(m.factory, "model.factory"), _import(m.loss, "model.loss")

@@ -1,8 +1,10 @@
-"""Flax NNX integration: the parameter plan, sharded init and the mixture-of-experts layer."""
+"""Flax NNX integration: the parameter plan, sharded init, the model's activation constraint and the
+mixture-of-experts layer."""
 
+from jaxpar.nn.constraint import model_constraint
 from jaxpar.nn.init import abstract_model, init, init_program, place
 from jaxpar.nn.moe import MoE, MoEAuxLoss, MoEConfig, MoEMetric, moe_aux_loss, moe_metrics, route
 from jaxpar.nn.plan import format_plan, plan_rows, plan_state, to_shardings
 
 __all__ = ["MoE", "MoEAuxLoss", "MoEConfig", "MoEMetric", "abstract_model", "format_plan", "init", "init_program",
-           "moe_aux_loss", "moe_metrics", "place", "plan_rows", "plan_state", "route", "to_shardings"]
+           "model_constraint", "moe_aux_loss", "moe_metrics", "place", "plan_rows", "plan_state", "route", "to_shardings"]

@@ -153,7 +153,9 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array, constrain: Callable = _no_constraint) -> jax.Array:
         cfg, shape, dtype = self.cfg, x.shape, x.dtype
         tokens = x.reshape(-1, shape[-1])
-        ids, weights, load_balance, z_loss = route(tokens @ self.router[...].astype(dtype), cfg)
+        # router logits accumulated in fp32 even from bf16 activations: near-ties decide the experts
+        logits = jnp.dot(tokens, self.router[...].astype(dtype), preferred_element_type=jnp.float32)
+        ids, weights, load_balance, z_loss = route(logits, cfg)
         y, stats = moe_dispatch(tokens, ids, weights, self.gate[...], self.up[...], self.down[...],
                                 capacity_factor=cfg.capacity_factor, bucket_growth=cfg.bucket_growth,
                                 transport=cfg.transport, **_axes(constrain))

@@ -9,9 +9,11 @@ the ``"heads"`` rule, and the context axes, strategy and order from ``ParallelCo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from jaxpar.config import ParallelConfig
 from jaxpar.ops._common import sizes
@@ -19,6 +21,12 @@ from jaxpar.ops.context import context_attention
 from jaxpar.strategy import logical_axes
 
 RESIDUAL = ("batch", "length", "embed")   # the residual stream between the blocks' TP regions
+
+
+def _is_residual(names) -> bool:
+    """The residual stream's names: ``("batch", "length" or "seq", "embed")``."""
+    names = tuple(names)
+    return len(names) == 3 and names[0] == RESIDUAL[0] and names[2] == RESIDUAL[2] and names[1] in ("length", "seq")
 
 
 class ContextParallel:
@@ -63,7 +71,7 @@ class ContextParallel:
         return getattr(self.constrain, "rules", ())
 
     def __call__(self, x, names):
-        if self.residual is not None and tuple(names) == RESIDUAL:
+        if self.residual is not None and _is_residual(names):
             return self.residual(x, names)
         return self.constrain(x, names)
 
@@ -73,7 +81,13 @@ class ContextParallel:
         ctx = self.config.context
         batch = self._axes("batch", q.shape[0])
         # an axis the batch already uses (a 2D layout maps heads to the data axis) leaves the heads whole
-        heads = tuple(a for a in self._axes("heads", q.shape[2], k.shape[2]) if a not in batch)
+        heads = tuple(a for a in self._axes("heads", q.shape[2]) if a not in batch)
+        n = math.prod(sizes(self.mesh)[a] for a in heads)
+        if k.shape[2] % n:
+            # fewer K/V heads than the tensor-parallel devices (GQA / MQA): each K/V head repeated
+            # up to lcm(kv_heads, n), so every device keeps its share of the query heads
+            r = math.lcm(k.shape[2], n) // k.shape[2]
+            k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
         return context_attention(q, k, v, axis=ctx.axis, strategy=ctx.strategy, mesh=self.mesh,
                                  segment_ids=segment_ids, q_positions=positions,
                                  batch_axis=batch or None, heads_axis=heads or None)
@@ -91,3 +105,4 @@ class ContextParallel:
         for a in axes:
             n *= mesh_sizes[a]
         return axes if all(d % n == 0 for d in dims) else ()
+

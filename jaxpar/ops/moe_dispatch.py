@@ -15,7 +15,7 @@ the ``E`` experts are split over that mesh axis (``E / n`` per device) and, on e
 Dropless with static shapes: a padded exchange needs one buffer size, known when the program
 is compiled, but the rows a device sends to one peer depend on the routing. The dispatch
 compiles a short ladder of capacities (growing by ``bucket_growth`` from the balanced load to
-the worst case, ``tokens · min(k, E / n)``), reads the routing histogram of every device
+the worst case, all ``tokens · k`` rows for one peer), reads the routing histogram of every device
 (an all-gather of ``E`` integers) and runs the smallest one that fits: no token is ever
 dropped and the buffers exceed the largest per-peer load by at most ``bucket_growth``.
 ``capacity_factor`` instead gives every (device, expert) pair a fixed number of slots,
@@ -57,9 +57,8 @@ def moe_dispatch(
 
     Args:
       x: tokens ``[T, D]``.
-      expert_ids, weights: ``[T, k]`` router choices (int; distinct per token, in ``[0, E)``: a row
-        past its buffer or outside that range is dropped and counted in ``stats["dropped"]``) and
-        combine weights.
+      expert_ids, weights: ``[T, k]`` router choices (ints in ``[0, E)``; a token may name one
+        expert more than once) and combine weights.
       gate, up: ``[E, D, F]``; down: ``[E, F, D]``: the stacked expert weights.
       expert_axis: mesh axis (or axes) splitting the experts; None runs every expert here.
       batch_axis: mesh axes already splitting the tokens (the data axes); the tokens are
@@ -86,6 +85,8 @@ def moe_dispatch(
       >>> y.shape, int(stats["dropped"])
       ((16, 8), 0)
     """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"moe_dispatch: transport={transport!r} is not one of {TRANSPORTS}")
     if mesh is None and expert_axis is batch_axis is mlp_axis is None and jax.sharding.get_abstract_mesh().empty:
         # no mesh at all: every expert here, no shard_map (the one-device path)
         _check(x, expert_ids, weights, gate, up, down, None, (), (), capacity_factor, bucket_growth)
@@ -93,8 +94,6 @@ def moe_dispatch(
                       capacity_factor=capacity_factor, growth=bucket_growth, ragged=False)
     ep_axes, tok_axes, mlp_axes, mesh = _axes(mesh, expert_axis, batch_axis, mlp_axis)
     _check(x, expert_ids, weights, gate, up, down, mesh, ep_axes, tok_axes, capacity_factor, bucket_growth)
-    if transport not in TRANSPORTS:
-        raise ValueError(f"moe_dispatch: transport={transport!r} is not one of {TRANSPORTS}")
     ragged = transport == "ragged" or (transport == "auto" and ragged_all_to_all_supported())
     if transport == "ragged" and not ragged_all_to_all_supported():
         raise ValueError(f"moe_dispatch: transport='ragged' but the {jax.default_backend()} backend cannot "
@@ -201,7 +200,9 @@ def capacity_ladder(balanced: int, worst: int, growth: float) -> tuple[int, ...]
 
 def _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_axes, n, growth, ragged):
     a, d, el = rows.shape[0], rows.shape[1], gate.shape[0]
-    worst = (a // k) * min(k, el)                     # a token sends at most min(k, E / n) rows to one peer
+    # The top rung holds every row for one peer: no routing of ids in [0, E) can overflow it, even
+    # a token naming one expert twice (the layer's top-k never does; the op stays exact if it does).
+    worst = a
     peer = sorted_e // el
     per_peer = hist.reshape(n, el).sum(1)
     starts = jnp.cumsum(per_peer) - per_peer
@@ -216,25 +217,17 @@ def _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_ax
     ladder = capacity_ladder(math.ceil(a / n), worst, growth)
     index = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), needed, side="left")
 
-    in_range = (sorted_e >= 0) & (sorted_e < n * el)
-
     def branch(c):
         def run(rows):
-            # Rows that do not fit (only when a token names one expert twice, or an id outside
-            # [0, E): the ladder's top size holds any routing of distinct ids) are dropped and
-            # counted, never written over another peer's slots.
-            fits = in_range & (rank < c)
-            slot = jnp.where(fits, peer * c + rank, n * c)
-            send = jnp.zeros((n * c, d), rows.dtype).at[slot].set(rows, mode="drop")
+            send = jnp.zeros((n * c, d), rows.dtype).at[peer * c + rank].set(rows, unique_indices=True)
             recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True)
             j = jnp.arange(n * c)
             out = _grouped(recv, j // c, j % c, mine, gate, up, down, mlp_axes)
-            back = jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)
-            return jnp.take(back, slot, axis=0, mode="fill", fill_value=0), jnp.sum(~fits).astype(jnp.int32)
+            return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)[peer * c + rank]
         return run
 
-    out, dropped = jax.lax.switch(index, [branch(c) for c in ladder], rows)
-    return out, {"capacity": jnp.asarray(ladder, jnp.int32)[index], "needed": needed, "dropped": dropped}
+    out = jax.lax.switch(index, [branch(c) for c in ladder], rows)
+    return out, {"capacity": jnp.asarray(ladder, jnp.int32)[index], "needed": needed, "dropped": jnp.int32(0)}
 
 
 def _ragged(rows, table, me, mine, per_peer, starts, gate, up, down, ep_axes, tok_axes, mlp_axes, n, growth, worst):
