@@ -91,7 +91,7 @@ def compiled_llama_memory(model: LlamaConfig | str, config: ParallelConfig, *, b
     from jaxpar.models.llama import Llama, loss_fn
     from jaxpar.models.llama_report import DEFAULT_TX, llama_config
     from jaxpar.report import memory
-    from jaxpar.train.trainer import compile_step
+    from jaxpar.train import compile_step
 
     cfg = llama_config(model)
     seq = cfg.max_seq_len if seq_len is None else seq_len

@@ -161,7 +161,7 @@ def test_builder_docstrings_draw_their_real_timeline(builder):
     args, wrap = BUILDER_DRAWINGS[builder]
     doc = inspect.getdoc(builder)
     drawing = [line.strip() for line in doc.split("::", 1)[1].strip().splitlines()]
-    assert drawing == [line.strip() for line in S._grid(builder(*args), wrap)]
+    assert drawing == [line.strip() for line in S.grid(builder(*args), wrap)]
 
 
 def test_docstring_examples_run():

@@ -148,7 +148,7 @@ def test_evaluate_under_a_pipeline_runs_no_backward(trained):
 @pytest.mark.parametrize("builder", [vshape.zb_v, vshape.dualpipe_v], ids=lambda b: b.__name__)
 def test_v_docstrings_draw_their_real_timeline(builder):
     drawing = [line.strip() for line in inspect.getdoc(builder).split("::", 1)[1].strip().splitlines()]
-    assert drawing == [line.strip() for line in S._grid(builder(2, 4))]
+    assert drawing == [line.strip() for line in S.grid(builder(2, 4))]
 
 
 def test_planner_prices_the_v_schedules_and_chooses_one():

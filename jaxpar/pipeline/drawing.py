@@ -26,10 +26,10 @@ def timeline(schedule: Schedule, *, wrap: int | None = None) -> str:
             f"v={schedule.virtual_stages}  ticks={schedule.ticks}  "
             f"bubble={bubble_fraction(schedule)}  "
             f"peak activations per stage={peak_activations(schedule)}")
-    return "\n".join([head] + _grid(schedule, wrap))
+    return "\n".join([head] + grid(schedule, wrap))
 
 
-def _grid(schedule: Schedule, wrap: int | None = None) -> list[str]:
+def grid(schedule: Schedule, wrap: int | None = None) -> list[str]:
     v, n = schedule.virtual_stages, schedule.ticks
     labels = [[op.label(v) if op else "." for op in row] for row in schedule.table]
     width = max([len(str(n - 1))] + [len(x) for row in labels for x in row])

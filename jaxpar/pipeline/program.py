@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxpar.pipeline.schedules import Kind, Op, Schedule, _asap, location, validate, virtual_stage
+from jaxpar.pipeline.schedules import Kind, Op, Schedule, asap, location, validate, virtual_stage
 
 __all__ = ["Program", "lower", "forward_only", "CHANNELS"]
 
@@ -73,7 +73,7 @@ def forward_only(schedule: Schedule) -> Schedule:
 
     orders = [sorted((op for _, op in schedule.ops(s) if op.kind is Kind.F), key=lambda op: ready(op, s))
               for s in range(p)]
-    return _asap(f"{schedule.name}-forward", schedule.stages, schedule.microbatches, schedule.virtual_stages,
+    return asap(f"{schedule.name}-forward", schedule.stages, schedule.microbatches, schedule.virtual_stages,
                  False, orders, schedule.placement)
 
 

@@ -145,7 +145,7 @@ class Schedule:
 # --------------------------------------------------------------------------- checks
 
 
-def _check_sizes(p: int, m: int, v: int = 1) -> None:
+def check_sizes(p: int, m: int, v: int = 1) -> None:
     for name, value in (("stages", p), ("microbatches", m), ("virtual_stages", v)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"pipeline {name} must be an integer >= 1, got {value!r}")
@@ -180,7 +180,7 @@ def _all_ops(m: int, v: int, split: bool, forward: bool = False) -> list[Op]:
 # --------------------------------------------------------------------------- simulation
 
 
-def _asap(name: str, p: int, m: int, v: int, split: bool, orders: list[list[Op]],
+def asap(name: str, p: int, m: int, v: int, split: bool, orders: list[list[Op]],
           placement: str = "loop") -> Schedule:
     """Each stage runs its own list of ops in order, each as early as its dependencies allow."""
     cost = {Kind.F: 1, Kind.B: 1 if split else 2, Kind.W: 1}
@@ -224,10 +224,10 @@ def gpipe(p: int, m: int) -> Schedule:
         stage2  .  . F0 F1 F2 F3  .  .  . B0 B0 B1 B1 B2 B2 B3 B3  .  .  .  .
         stage3  .  .  . F0 F1 F2 F3 B0 B0 B1 B1 B2 B2 B3 B3  .  .  .  .  .  .
     """
-    _check_sizes(p, m)
+    check_sizes(p, m)
     orders = [[Op(Kind.F, i) for i in range(m)] + [Op(Kind.B, i) for i in range(m)]
               for _ in range(p)]
-    return _asap("gpipe", p, m, 1, False, orders)
+    return asap("gpipe", p, m, 1, False, orders)
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
@@ -243,7 +243,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
         stage2  .  . F0 F1  .  . B0 B0 F2 B1 B1 F3 B2 B2 F4 B3 B3 F5 B4 B4  . B5 B5  .  .  .  .
         stage3  .  .  . F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 F4 B4 B4 F5 B5 B5  .  .  .  .  .  .
     """
-    _check_sizes(p, m)
+    check_sizes(p, m)
     orders = []
     for s in range(p):
         warm = min(p - 1 - s, m)
@@ -252,7 +252,7 @@ def one_f_one_b(p: int, m: int) -> Schedule:
             order += [Op(Kind.F, warm + i), Op(Kind.B, i)]
         order += [Op(Kind.B, i) for i in range(m - warm, m)]
         orders.append(order)
-    return _asap("1f1b", p, m, 1, False, orders)
+    return asap("1f1b", p, m, 1, False, orders)
 
 
 def interleaved(p: int, m: int, v: int) -> Schedule:
@@ -279,7 +279,7 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
         stage2 B5b   . B6b B6b   . B7b B7b B4a B4a B5a B5a B6a B6a B7a B7a   .   .   .   .
         stage3 B6b B6b F7b B7b B7b B4a B4a B5a B5a B6a B6a B7a B7a   .   .   .   .   .   .
     """
-    _check_sizes(p, m, v)
+    check_sizes(p, m, v)
     if m % p:
         lo, hi = (m // p) * p, -(-m // p) * p
         fix = f"{lo} or {hi}" if lo else f"{hi}"
@@ -287,7 +287,7 @@ def interleaved(p: int, m: int, v: int) -> Schedule:
             f"interleaved schedule needs microbatches to be a multiple of stages "
             f"(micro-batches go through each chunk in groups of p={p}), got microbatches={m}; "
             f"use microbatches={fix}, or schedule='1f1b'")
-    return _asap("interleaved", p, m, v, False, _megatron_orders(p, m, v))
+    return asap("interleaved", p, m, v, False, _megatron_orders(p, m, v))
 
 
 def _megatron_orders(p: int, m: int, v: int) -> list[list[Op]]:
@@ -322,7 +322,7 @@ def zb_h1(p: int, m: int) -> Schedule:
         stage2  .  . F0 F1  . B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7
         stage3  .  .  . F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
     """
-    _check_sizes(p, m)
+    check_sizes(p, m)
     orders = []
     for s in range(p):
         warm = min(p - s, m)
@@ -335,7 +335,7 @@ def zb_h1(p: int, m: int) -> Schedule:
             if warm + j < m:
                 order.append(Op(Kind.F, warm + j))
         orders.append(order + [Op(Kind.W, i) for i in range(next_w, m)])
-    return _asap("zb-h1", p, m, 1, True, orders)
+    return asap("zb-h1", p, m, 1, True, orders)
 
 
 BUILDERS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved, "zb-h1": zb_h1}
@@ -451,4 +451,4 @@ def _check_stage_ops(schedule: Schedule, s: int, start: dict, end: dict) -> None
 
 
 # The drawings read the derived values above; re-exported here, their historical home.
-from jaxpar.pipeline.drawing import _grid, plot_timeline, timeline  # noqa: E402,F401
+from jaxpar.pipeline.drawing import grid, plot_timeline, timeline  # noqa: E402,F401

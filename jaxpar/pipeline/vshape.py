@@ -8,7 +8,7 @@ one chunk (half a stage). See ``jaxpar.pipeline.schedules`` for the table conven
 """
 from __future__ import annotations
 
-from jaxpar.pipeline.schedules import Kind, Op, Schedule, _asap, _check_sizes
+from jaxpar.pipeline.schedules import Kind, Op, Schedule, asap, check_sizes
 
 __all__ = ["zb_v", "dualpipe_v"]
 
@@ -35,8 +35,8 @@ def zb_v(p: int, m: int) -> Schedule:
         stage0 F0a F1a F2a F0b B0b W0b F1b B1b W1b F3a B0a W0a F2b B2b W2b B1a W1a F3b B3b W3b B2a W2a B3a W3a   .
         stage1   . F0a F0b F1a F1b B0b W0b F2a B0a W0a F2b B1b W1b F3a B1a W1a F3b B2b W2b B2a B3b B3a W2a W3b W3a
     """
-    _check_sizes(p, m)
-    return _asap("zb-v", p, m, 2, True, [_zb_v_order(r, p, m) for r in range(p)], placement="v")
+    check_sizes(p, m)
+    return asap("zb-v", p, m, 2, True, [_zb_v_order(r, p, m) for r in range(p)], placement="v")
 
 
 def _zb_v_order(rank: int, p: int, m: int) -> list[Op]:
@@ -96,11 +96,11 @@ def dualpipe_v(p: int, m: int) -> Schedule:
         stage0 F0a F1a F2a F0b B0b W0b F1b F3a B1b W1b F2b B0a W0a B2b W2b F3b B1a W1a B3b W3b B2a W2a   . B3a W3a
         stage1   . F0a F0b F1a F1b F2a B0b W0b F2b B0a W0a F3a B1b W1b F3b B1a W1a B2b W2b B2a W2a B3b B3a W3b W3a
     """
-    _check_sizes(p, m)
+    check_sizes(p, m)
     if m < 2 * p:
         raise ValueError(f"dualpipe-v needs microbatches >= 2 * stages = {2 * p}, got microbatches={m}; "
                          f"use microbatches={2 * p} or more, or schedule='zb-v'")
-    return _asap("dualpipe-v", p, m, 2, True, [_dualpipe_order(r, p, m) for r in range(p)], placement="v")
+    return asap("dualpipe-v", p, m, 2, True, [_dualpipe_order(r, p, m) for r in range(p)], placement="v")
 
 
 def _dualpipe_order(rank: int, p: int, m: int) -> list[Op]:

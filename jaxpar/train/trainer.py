@@ -495,20 +495,3 @@ class Trainer:
         sh = state_shardings(self.plan, self.mesh, self.state)
         return {"params": sh.params, "rest": sh.rest, "opt_state": sh.opt_state}
 
-
-def compile_step(model_fn: Callable[[], nnx.Module], loss_fn: Callable, batch, config: ParallelConfig,
-                 tx: optax.GradientTransformation | None = None) -> jax.stages.Compiled:
-    """The compiled training step of ``config`` on the first devices of ``jax.devices()``: the
-    model built sharded (``jaxpar.init``), the Trainer's step lowered for ``batch`` and compiled.
-
-    What the job planner's dry run calls (``plan_job(..., dry_run=compile_step)``).
-    """
-    import math
-
-    from jaxpar.mesh import make_mesh
-    from jaxpar.nn import init
-
-    n = math.prod(config.mesh.values())
-    mesh = make_mesh(config, devices=jax.devices()[:n])
-    trainer = Trainer(init(model_fn, config, mesh), tx or optax.adamw(1e-3), loss_fn, config, mesh)
-    return trainer.lower(batch).compile()

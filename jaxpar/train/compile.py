@@ -1,0 +1,28 @@
+"""The compiled training step of a config, for dry runs (the job planner's, `jaxpar plan`'s)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import optax
+from flax import nnx
+
+from jaxpar.config import ParallelConfig
+from jaxpar.mesh import make_mesh
+from jaxpar.nn import init
+from jaxpar.train.trainer import Trainer
+
+
+def compile_step(model_fn: Callable[[], nnx.Module], loss_fn: Callable, batch, config: ParallelConfig,
+                 tx: optax.GradientTransformation | None = None) -> jax.stages.Compiled:
+    """The compiled training step of ``config`` on the first devices of ``jax.devices()``: the
+    model built sharded (``jaxpar.init``), the Trainer's step lowered for ``batch`` and compiled.
+
+    What the job planner's dry run calls (``plan_job(..., dry_run=compile_step)``).
+    """
+    n = math.prod(config.mesh.values())
+    mesh = make_mesh(config, devices=jax.devices()[:n])
+    trainer = Trainer(init(model_fn, config, mesh), tx or optax.adamw(1e-3), loss_fn, config, mesh)
+    return trainer.lower(batch).compile()
