@@ -34,6 +34,11 @@ def context_size(config: ParallelConfig, mesh) -> int:
     return math.prod(sizes[a] for a in context_axes(config, mesh))
 
 
+def _run_starts(segment_ids: np.ndarray) -> np.ndarray:
+    """True where a run of equal segment ids begins, per row."""
+    return np.concatenate([np.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+
+
 def segment_positions(segment_ids: np.ndarray) -> np.ndarray:
     """Host version of the model's ``segment_positions``: positions restart at each segment.
 
@@ -41,15 +46,14 @@ def segment_positions(segment_ids: np.ndarray) -> np.ndarray:
     [[0, 1, 0, 1, 2]]
     """
     index = np.broadcast_to(np.arange(segment_ids.shape[1]), segment_ids.shape)
-    starts = np.concatenate([np.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+    starts = _run_starts(segment_ids)
     return index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
 
 
 def check_segments(segment_ids: np.ndarray) -> None:
     """Each segment id must be one contiguous run in its row: the mask compares positions, which
     restart at every run, so a reused id would let a token see a later run's tokens."""
-    starts = np.concatenate([np.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
-    for row, (ids, first) in enumerate(zip(segment_ids, starts)):
+    for row, (ids, first) in enumerate(zip(segment_ids, _run_starts(segment_ids))):
         runs = ids[first]
         if len(np.unique(runs)) != len(runs):
             values, counts = np.unique(runs, return_counts=True)
