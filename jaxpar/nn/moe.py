@@ -152,14 +152,15 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array, constrain: Callable = _no_constraint) -> jax.Array:
         cfg, shape, dtype = self.cfg, x.shape, x.dtype
-        tokens = x.reshape(-1, shape[-1])
+        axes = _axes(constrain)
+        tokens, restore = _token_order(x, axes)
         # router logits accumulated in fp32 even from bf16 activations: near-ties decide the experts
         logits = jnp.dot(tokens, self.router[...].astype(dtype), preferred_element_type=jnp.float32)
         ids, weights, load_balance, z_loss = route(logits, cfg)
         y, stats = moe_dispatch(tokens, ids, weights, self.gate[...], self.up[...], self.down[...],
                                 capacity_factor=cfg.capacity_factor, bucket_growth=cfg.bucket_growth,
-                                transport=cfg.transport, **_axes(constrain))
-        y = y.reshape(shape)
+                                transport=cfg.transport, **axes)
+        y = restore(y)
         if cfg.shared_experts:
             h = jax.nn.silu(x @ self.shared_gate[...].astype(dtype)) * (x @ self.shared_up[...].astype(dtype))
             y = y + h @ self.shared_down[...].astype(dtype)
@@ -177,7 +178,44 @@ def _axes(constrain) -> dict:
         return {}   # per-device code (or no mesh): every expert runs where the tokens are
     rules, sizes = dict(getattr(constrain, "rules", ())), dict(zip(mesh.axis_names, mesh.axis_sizes))
     axes = {name: logical_axes(name, sizes, rules) or None for name in ("expert", "batch", "mlp")}
-    return {"mesh": mesh, "expert_axis": axes["expert"], "batch_axis": axes["batch"], "mlp_axis": axes["mlp"]}
+    # a sequence split over a context axis ("length" / "seq" rule) splits the tokens too
+    seq = tuple(a for name in ("length", "seq") if name in rules for a in logical_axes(name, sizes, rules))
+    return {"mesh": mesh, "expert_axis": axes["expert"], "batch_axis": axes["batch"], "mlp_axis": axes["mlp"],
+            "seq_axis": tuple(dict.fromkeys(a for a in seq if a not in (axes["batch"] or ())))}
+
+
+def _token_order(x: jax.Array, axes: dict) -> tuple[jax.Array, Callable]:
+    """Tokens ``[T, D]`` and the inverse map back to ``x``'s shape.
+
+    Under a context axis the ``[B, L, D]`` activations are split over the batch axes (rows) and
+    the sequence axes (columns); plain flattening would interleave the two splits, so the
+    tokens are ordered device-major (``(batch shard, sequence shard, row, column)``) and the
+    dispatch splits them over both: every device routes only the tokens it holds (a local
+    reshape), instead of the whole sequence once per context shard. The layer is token-wise,
+    so the order changes nothing else. ``axes["seq_axis"]`` is consumed here."""
+    seq = axes.pop("seq_axis", ())
+    shape = x.shape
+    if not seq or x.ndim != 3:
+        return x.reshape(-1, shape[-1]), lambda y: y.reshape(shape)
+    sizes = dict(zip(axes["mesh"].axis_names, axes["mesh"].axis_sizes))
+    batch = tuple(axes["batch_axis"] or ())
+    nb, nc = _product(sizes, batch), _product(sizes, seq)
+    (b, length, d) = shape
+    if b % nb or length % nc:
+        raise ValueError(f"MoE: activations {shape} do not split over the batch axes {batch} (size {nb}) and "
+                         f"the sequence axes {seq} (size {nc}); make the batch a multiple of {nb} and the "
+                         f"sequence a multiple of {nc}")
+    split = (nb, b // nb, nc, length // nc, d)
+    tokens = x.reshape(split).transpose(0, 2, 1, 3, 4).reshape(-1, d)
+    axes["batch_axis"] = batch + seq
+    return tokens, lambda y: y.reshape(nb, nc, b // nb, length // nc, d).transpose(0, 2, 1, 3, 4).reshape(shape)
+
+
+def _product(sizes: dict, names: tuple) -> int:
+    out = 1
+    for a in names:
+        out *= sizes[a]
+    return out
 
 
 def _inside_manual_region() -> bool:
