@@ -28,6 +28,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxpar.auto.cost import Cost, CostParams
@@ -68,10 +69,10 @@ def moe_layers(model) -> list[MoELayer]:
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, MoE):
             continue
-        gate = node.gate[...]
+        gate = node.gate.get_value()      # an array or, in an abstract model, its shape
         cfg = node.cfg
         found.append(MoELayer("/".join(str(p) for p in path), cfg.experts, cfg.top_k, gate.shape[-2],
-                              gate.shape[-1], gate.shape[0] if gate.ndim == 4 else 1, gate.dtype.itemsize,
+                              gate.shape[-1], gate.shape[0] if len(gate.shape) == 4 else 1, np.dtype(gate.dtype).itemsize,
                               cfg.bucket_growth, cfg.capacity_factor))
     return found
 
@@ -93,7 +94,7 @@ def buffer_rows(layer: MoELayer, tokens: int, ep: int, imbalance: float = 1.0) -
 
     >>> layer = MoELayer("mlp", 8, 2, 16, 32, 1, 4, 1.25, None)
     >>> buffer_rows(layer, 64, 4), buffer_rows(layer, 64, 4, imbalance=2.0)
-    (32, 78)
+    (32, 77)
     """
     a = tokens * layer.top_k
     if layer.capacity_factor is not None:

@@ -123,8 +123,8 @@ def option_config(option, base, search_name: str, zero):
     cfg = option.plan.to_config(dataclasses.replace(base, mesh=sizes, mode="auto", search=search_name, rules={},
                                                     grad_accum=option.grad_accum, optimizer=zero))
     rules: dict[str, Any] = {}
-    if option.experts:
-        rules.update({"batch": "data"}, **({"expert": "data"} if option.experts["size"] > 1 else {}))
+    if option.experts and option.experts["size"] > 1:
+        rules.update({"batch": "data", "expert": "data"})
     if not option.context:
         return dataclasses.replace(cfg, rules=rules) if rules else cfg
     rules.update({"batch": "data", "length": "context"})
