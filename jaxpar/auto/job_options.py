@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax

@@ -36,11 +36,11 @@ import jax
 import numpy as np
 
 from jaxpar.auto.api import search
-from jaxpar.auto.cost import CostParams, analyse, evaluate
+from jaxpar.auto.cost import CostParams, analyse
 from jaxpar.auto.graph import build_graph
 from jaxpar.auto.job_options import needs_constraint, option_config, plain_options, with_constraint
 from jaxpar.auto.plan import Plan, glob_escape
-from jaxpar.auto.pricing import micro_batch, price, price_pipeline, stacked_params
+from jaxpar.auto.pricing import micro_batch, price_pipeline, stacked_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +136,13 @@ class JobPlan:
             lines.append(f"the table below is the {' x '.join(f'{k}={v}' for k, v in self.plan.mesh.items())} strategy "
                          f"of one micro-batch; the blocks' leading (layers) dimension goes on 'pipe' "
                          f"({c.mesh['pipe']} stages), so each stage holds 1/{c.mesh['pipe']} of their bytes")
+        if c.context:
+            lines.append(f"the table below is the strategy of the folded graph ([B x {c.context['size']}, S / "
+                         f"{c.context['size']}] tokens): its 'data' axis is data x context; {c.context['strategy']} "
+                         f"attention moves {c.context['bytes']:,} B per device and step over 'context'")
+        if c.experts and c.experts["size"] > 1:
+            lines.append(f"experts split over '{c.experts['axis']}' ({c.experts['size']} ways): "
+                         f"{c.experts['bytes']:,} B of all-to-alls per device and step (predicted)")
         return "\n".join(lines) + "\n" + self.plan.table(operators=False)
 
     def to_dict(self) -> dict:
