@@ -49,6 +49,11 @@ _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_c
            "remat2": "jaxpr", "checkpoint": "jaxpr"}
 _CHECKPOINTS = ("checkpoint", "remat", "remat2")     # jax.checkpoint's primitive, by JAX version
 _CONTRACTING = ("dot_general", "gather", "conv_general_dilated")
+# scatters carry their combiner (``x + y``, ``y``, ...) as a sub-program: it is elementwise on one
+# element, so the scatter is priced as one operator without reading it (an MoE layer's
+# one-device path scatters its outputs back into token order and counts tokens per expert)
+_OPAQUE = ("scatter", "scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter-min", "scatter_min",
+           "scatter-max", "scatter_max")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +254,8 @@ class _Builder:
         gradient dependence the cost model reads): an ``xs`` slice as run ``0`` times (XLA
         reads the slice in place, and a stacked parameter's slice is no more an activation
         than the unrolled layer's parameter is), a ``ys`` stack and a branch merge once.
-        Any other primitive holding a sub-program raises ``NotImplementedError``.
+        Scatters are read as one operator (their combiner is elementwise). Any other primitive
+        holding a sub-program raises ``NotImplementedError``.
         """
         def tid(atom):
             if isinstance(atom, _Literal):
@@ -276,7 +282,7 @@ class _Builder:
                 for out, t in zip(eqn.outvars, self._results(inner_jaxpr, sub_env)):
                     env[id(out)] = t if t >= 0 else self.new(out)
                 continue
-            if next(iter(jaxprs_in_params(eqn.params)), None) is not None:
+            if name not in _OPAQUE and next(iter(jaxprs_in_params(eqn.params)), None) is not None:
                 raise NotImplementedError(
                     f"jaxpar.auto: the loss uses the primitive {name!r}, which holds a sub-program the "
                     "strategy search does not read (it reads jit/remat/custom_jvp/custom_vjp calls, "

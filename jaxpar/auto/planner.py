@@ -36,10 +36,11 @@ import jax
 import numpy as np
 
 from jaxpar.auto.api import search
-from jaxpar.auto.cost import CostParams, analyse, evaluate
+from jaxpar.auto.cost import CostParams, analyse
 from jaxpar.auto.graph import build_graph
+from jaxpar.auto.job_options import needs_constraint, option_config, plain_options, with_constraint
 from jaxpar.auto.plan import Plan, glob_escape
-from jaxpar.auto.pricing import micro_batch, price, price_pipeline, stacked_params
+from jaxpar.auto.pricing import micro_batch, price_pipeline, stacked_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,8 @@ class JobOption:
     verdict: str = ""
     remat: str = "none"
     pipeline: Mapping[str, Any] | None = None    # stages, microbatches, schedule, virtual_stages
+    context: Mapping[str, Any] | None = None     # size, strategy, bytes (collective bytes per device and step)
+    experts: Mapping[str, Any] | None = None     # axis, size, bytes (all-to-all bytes per device and step)
 
     @property
     def memory_bytes(self) -> int:
@@ -69,10 +72,20 @@ class JobOption:
             text += f", {self.pipeline['schedule']} m={self.pipeline['microbatches']}"
         else:
             text += f", grad_accum={self.grad_accum}"
+        if self.context:
+            text += f", {self.context['strategy']}"
+        if self.experts:
+            text += f", experts on {self.experts['axis']}" if self.experts["size"] > 1 else ", experts replicated"
         return text + (f", remat={self.remat}" if self.remat != "none" else "")
+
+    def collective_bytes(self) -> int:
+        """Per-device bytes of the context attention's and the experts' collectives per step."""
+        return int(sum(x["bytes"] for x in (self.context, self.experts) if x))
 
     def row(self) -> dict:
         return {"mesh": dict(self.mesh), "zero": self.zero, "grad_accum": self.grad_accum, "remat": self.remat,
+                "context": dict(self.context) if self.context else None,
+                "experts": dict(self.experts) if self.experts else None,
                 "pipeline": dict(self.pipeline) if self.pipeline else None, "time_s": self.time_s, "memory_bytes": self.memory_bytes, "argument_bytes": self.argument_bytes,
                 "temp_bytes": self.temp_bytes, "verdict": self.verdict}
 
@@ -113,13 +126,23 @@ class JobPlan:
         else:
             lines.append("why: the fastest option overall, and it fits")
         lines.append(f"candidates (fastest first, {min(top, len(self.candidates))} of {len(self.candidates)}):")
-        lines.append(f"  {'option':<64} {'step ms':>9} {'memory B':>12}  verdict")
+        extra = any(o.context or o.experts for o in self.candidates)
+        head = f" {'cp/ep coll. B':>13}" if extra else ""
+        lines.append(f"  {'option':<64} {'step ms':>9} {'memory B':>12}{head}  verdict")
         for o in self.candidates[:top]:
-            lines.append(f"  {o.label():<64} {o.time_s * 1e3:>9.4g} {o.memory_bytes:>12,}  {o.verdict}")
+            coll = f" {o.collective_bytes():>13,}" if extra else ""
+            lines.append(f"  {o.label():<64} {o.time_s * 1e3:>9.4g} {o.memory_bytes:>12,}{coll}  {o.verdict}")
         if c.pipeline:
             lines.append(f"the table below is the {' x '.join(f'{k}={v}' for k, v in self.plan.mesh.items())} strategy "
                          f"of one micro-batch; the blocks' leading (layers) dimension goes on 'pipe' "
                          f"({c.mesh['pipe']} stages), so each stage holds 1/{c.mesh['pipe']} of their bytes")
+        if c.context:
+            lines.append(f"the table below is the strategy of the folded graph ([B x {c.context['size']}, S / "
+                         f"{c.context['size']}] tokens): its 'data' axis is data x context; {c.context['strategy']} "
+                         f"attention moves {c.context['bytes']:,} B per device and step over 'context'")
+        if c.experts and c.experts["size"] > 1:
+            lines.append(f"experts split over '{c.experts['axis']}' ({c.experts['size']} ways): "
+                         f"{c.experts['bytes']:,} B of all-to-alls per device and step (predicted)")
         return "\n".join(lines) + "\n" + self.plan.table(operators=False)
 
     def to_dict(self) -> dict:
@@ -172,7 +195,9 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
              meshes: Sequence[Mapping[str, int]] | None = None, zero_levels: Sequence[int] = (0, 1, 2, 3),
              grad_accum: Sequence[int] = (1, 2, 4), remat: Sequence[str] = ("none",),
              pipeline_stages: Sequence[int] = (1,), microbatches: Sequence[int] | None = None,
-             schedule: str | Sequence[str] = "1f1b", pipeline_loss=None, progress: Callable[[str], None] | None = None) -> JobPlan:
+             schedule: str | Sequence[str] = "1f1b", pipeline_loss=None, progress: Callable[[str], None] | None = None,
+             context: Sequence[int] = (1,), context_strategy: str | Sequence[str] = ("ring",),
+             moe_imbalance: float = 1.0) -> JobPlan:
     """Choose mesh shape, strategies, ZeRO level, recompute policy, micro-batches and
     pipeline stages for ``devices`` devices within ``memory_budget`` bytes per device,
     minimising predicted step time; confirm the winner by compiling it (``dry_run``).
@@ -198,6 +223,14 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
         pipeline (those that do not divide the batch are skipped); remat: recompute
         policies to try (`jaxpar.remat` names; the pipeline's executor already recomputes
         each stage's forward, so pipelined options use the model as ``model_fn()`` builds it).
+      context: context-parallel sizes to try (1: none); a size ``cp > 1`` adds meshes
+        ``context=cp × data × model`` whose attention runs with each of ``context_strategy``
+        (``"ring"``, ``"ulysses"``, ``"all_gather"``; zigzag order), priced by
+        `jaxpar.auto.context`. Such an option's model is built with ``model_fn(constrain=...)``.
+      moe_imbalance: for models with `jaxpar.nn.MoE` layers, the routing imbalance the
+        all-to-all buffers are priced for (1: balanced; `jaxpar.auto.experts`). Their experts
+        are priced replicated and split over ``data`` (``"expert": "data"``, whose option's
+        model is built with ``model_fn(constrain=...)``).
       pipeline_stages: stage counts to try (1: no pipeline); microbatches: the pipeline's
         micro-batch counts (default ``p, 2p, 4p``); schedule: its schedule, or a tuple of
         schedules to choose from (``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved"`` with
@@ -235,6 +268,16 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
     for p in pipeline_stages:
         if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1 or devices % p:
             raise ValueError(f"plan_job: pipeline_stages has {p!r}; use positive divisors of devices={devices}")
+    strategies = (context_strategy,) if isinstance(context_strategy, str) else tuple(context_strategy)
+    for cp in context:
+        if isinstance(cp, bool) or not isinstance(cp, (int, np.integer)) or cp < 1 or devices % cp:
+            raise ValueError(f"plan_job: context has {cp!r}; use positive divisors of devices={devices}")
+    if not len(context) or not strategies:
+        raise ValueError(f"plan_job: context={tuple(context)!r} / context_strategy={context_strategy!r} is empty; "
+                         "give at least one size (1: no context axis) and one strategy")
+    if not moe_imbalance >= 1:
+        raise ValueError(f"plan_job: moe_imbalance={moe_imbalance!r} must be >= 1 (the fullest peer's rows over "
+                         "the balanced load)")
     base = base_config or ParallelConfig(mode="auto")
     params = cost_params or CostParams()
     rows = jax.tree.leaves(batch)[0].shape[0]
@@ -245,28 +288,11 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
     options: list[JobOption] = []
     builders = {r: _with_remat(model_fn, r, remat) for r in remat}
     if 1 in pipeline_stages:
-        for policy in remat:
-            abstract = nnx.eval_shape(builders[policy])
-            for k in grad_accum:
-                if k < 1 or rows % k:
-                    continue
-                graph = build_graph(abstract, loss_fn, micro_batch(batch, k) if k > 1 else batch)
-                flags = analyse(graph)
-                for shape in shapes:
-                    if (rows // k) % shape.get("data", 1):
-                        continue
-                    for plan in _plans(graph, loss_fn, batch, base, shape, search_name, params, memory_budget):
-                        axes = [a for _, _, a in plan.classes]
-                        cost = evaluate(graph, axes, shape, params, flags=flags)   # once for every level
-                        for z in zero_levels:
-                            if z and shape.get("data", 1) == 1:
-                                continue
-                            t, a, tmp = price(graph, axes, shape, params, zero=z, grad_accum=k,
-                                              threshold_kb=base.optimizer.threshold_kb, cost=cost)
-                            if math.isfinite(t):
-                                options.append(JobOption(shape, k, z, plan, t, a, tmp, remat=policy))
-                    if progress:
-                        progress(f"priced mesh {shape}, grad_accum={k}, remat={policy}")
+        options += plain_options(JobOption, lambda policy: nnx.eval_shape(builders[policy]), loss_fn, batch, base,
+                                 shapes, devices=devices, context=context, strategies=strategies, remat=remat,
+                                 grad_accum=grad_accum, zero_levels=zero_levels, search_name=search_name,
+                                 params=params, memory_budget=memory_budget, plans=_plans, progress=progress,
+                                 imbalance=moe_imbalance)
     blocks: set[str] = set()
     pipe_loss = loss_fn if pipeline_loss is None else pipeline_loss
     staged = [p for p in pipeline_stages if p > 1]
@@ -290,9 +316,8 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
                 cfg = dataclasses.replace(_pipeline_config(o, base, blocks), optimizer=zero)
                 build = builders.get("none", model_fn) if tuple(remat) != ("none",) else model_fn
             else:
-                cfg = o.plan.to_config(dataclasses.replace(base, mesh=dict(o.mesh), mode="auto", search=search_name,
-                                                           rules={}, grad_accum=o.grad_accum, optimizer=zero))
-                build = builders[o.remat]
+                cfg = option_config(o, base, search_name, zero)
+                build = with_constraint(builders[o.remat], cfg) if needs_constraint(o) else builders[o.remat]
             report = _dry_run(dry_run, build, pipe_loss if o.pipeline else loss_fn, batch, cfg, tx, memory_budget) \
                 if dry_run not in (None, False) else None
             if report is None or report["fits"]:

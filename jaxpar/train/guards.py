@@ -120,7 +120,8 @@ def check_context(model, config) -> None:
         why = ("per-device code sees one shard of the sequence and no context attention" if config.mode == "hybrid"
                else "the strategy search does not place the sequence over a context axis")
         raise ValueError(f"Trainer: context={config.context} with mode={config.mode!r} is not supported ({why}); "
-                         "use mode='semi_auto' with the context axis, or drop context")
+                         "use mode='semi_auto' with the context axis (jaxpar.auto.plan_job(context=(1, 2, 4, 8)) "
+                         "plans one and returns such a config), or drop context")
     if not isinstance(getattr(model, "constrain", None), ContextParallel):
         raise ValueError(
             f"Trainer: ParallelConfig.context={config.context} reorders and splits the sequence, but the model's "
@@ -145,7 +146,8 @@ def check_experts(model, config) -> None:
            if config.mode == "hybrid" else "the strategy search does not read the expert dispatch's scatters")
     raise ValueError(f"Trainer: mode={config.mode!r} with a mixture-of-experts model (jaxpar.nn.MoE at {where!r}) is "
                      f"not supported ({why}); use mode='semi_auto' with an 'expert' rule, e.g. "
-                     "rules={'batch': 'data', 'expert': 'data'}")
+                     "rules={'batch': 'data', 'expert': 'data'} (jaxpar.auto.plan_job prices expert parallel "
+                     "and returns such a config)")
 
 
 def check_batch(batch) -> None:

@@ -1,0 +1,164 @@
+"""The job planner's unpipelined options: ``[context ×] data × model`` meshes, micro-batches,
+ZeRO levels, recompute policies and, for MoE models, the experts' placement.
+
+`plain_options` enumerates and prices them (`jaxpar.auto.pricing.price` on the graph of one
+micro-batch, corrected by `jaxpar.auto.context` for a context axis and by
+`jaxpar.auto.experts` for MoE layers); `option_config` turns the chosen one into the
+``ParallelConfig`` the dry run compiles and the user trains. Without a context axis and
+without MoE layers both do exactly what the planner always did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec
+
+from jaxpar.auto.context import attention_terms, check_sequence, context_cost, fold
+from jaxpar.auto.cost import analyse, evaluate
+from jaxpar.auto.experts import experts_cost, moe_layers, pins, tokens_per_device
+from jaxpar.auto.graph import build_graph
+from jaxpar.auto.pricing import micro_batch, price
+
+
+def plain_options(job, abstract_of: Callable[[str], Any], loss_fn, batch, base, shapes, *, devices: int,
+                  context, strategies, remat, grad_accum, zero_levels, search_name, params, memory_budget,
+                  plans: Callable, progress=None, imbalance: float = 1.0) -> list:
+    """Every priced unpipelined `JobOption` (``job``: the JobOption class)."""
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    out = []
+    for policy in remat:
+        abstract = abstract_of(policy)
+        moe = moe_layers(abstract)
+        for cp in context:
+            seq = max(check_sequence(batch, cp, s) for s in strategies) if cp > 1 else 0
+            for k in grad_accum:
+                if k < 1 or rows % k:
+                    continue
+                part = micro_batch(batch, k) if k > 1 else batch
+                graph = build_graph(abstract, loss_fn, fold(part, cp) if cp > 1 else part)
+                flags = analyse(graph)
+                meshes = shapes if cp == 1 else [{"data": devices // cp // m, "model": m}
+                                                 for m in range(1, devices // cp + 1) if (devices // cp) % m == 0]
+                for shape in meshes:
+                    d = shape.get("data", 1)
+                    if (rows // k) % d:
+                        continue
+                    sizes = dict(shape) if cp == 1 else {**shape, "data": d * cp}   # context folded into data
+                    mesh = dict(shape) if cp == 1 else {"context": cp, **shape}
+                    for ep in _expert_sizes(moe, d):
+                        cfg = base if ep is None else _pinned(base, moe, ep)
+                        for plan in plans(graph, loss_fn, batch, cfg, sizes, search_name, params, memory_budget):
+                            axes = [a for _, _, a in plan.classes]
+                            cost = evaluate(graph, axes, sizes, params, flags=flags)
+                            for cost2, extra in _variants(cost, graph, axes, sizes, flags, cp, seq, strategies, moe,
+                                                          ep, part, d, k, shape, params, imbalance):
+                                for z in zero_levels:
+                                    if z and sizes.get("data", 1) == 1:
+                                        continue
+                                    t, a, tmp = price(graph, axes, sizes, params, zero=z, grad_accum=k,
+                                                      threshold_kb=base.optimizer.threshold_kb, cost=cost2)
+                                    if math.isfinite(t):
+                                        out.append(job(mesh, k, z, plan, t, a, tmp, remat=policy, **extra))
+                    if progress:
+                        progress(f"priced mesh {mesh}, grad_accum={k}, remat={policy}")
+    return out
+
+
+def _expert_sizes(moe, d: int) -> list:
+    """``[None]`` without MoE layers; else 1 (experts replicated) and ``d`` (on data) where it divides them."""
+    if not moe:
+        return [None]
+    return [1] + ([d] if d > 1 and all(layer.experts % d == 0 for layer in moe) else [])
+
+
+def _pinned(base, moe, ep: int):
+    """``base`` whose parameter plan places the expert weights (on ``data`` when ``ep > 1``)."""
+    return dataclasses.replace(base, parameter_plan={**base.parameter_plan, **pins(moe, "data" if ep > 1 else None)})
+
+
+def _variants(cost, graph, axes, sizes, flags, cp, seq, strategies, moe, ep, part, d, k, shape, params, imbalance):
+    """``(cost, JobOption fields)`` for each context strategy (one without a context axis)."""
+    tp = shape.get("model", 1)
+    extra: dict[str, Any] = {}
+    if moe:
+        tokens = tokens_per_device(part, d)
+        cost, nbytes = experts_cost(cost, moe, tokens, ep, params, imbalance=imbalance, tp=1)
+        extra["experts"] = {"axis": "data", "size": ep, "bytes": int(nbytes)}
+    if cp == 1:
+        return [(cost, extra)]
+    att = attention_terms(graph, axes, sizes, flags, seq // cp)
+    if att is None:
+        raise ValueError(f"plan_job: context={cp}, but the model's loss has no attention over a sequence of "
+                         f"{seq // cp} folded tokens (no value with two sequence dimensions); leave context=(1,)")
+    rows = jax.tree.leaves(part)[0].shape[0] / d
+    found = []
+    for s in strategies:
+        c, nbytes = context_cost(cost, att, s, cp, seq, rows, params, tp=tp)
+        found.append((c, {**extra, "context": {"size": cp, "strategy": s, "bytes": int(nbytes)}}))
+    return found
+
+
+def _widen(spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` with ``data`` (the folded data × context axis of the search) as ``("data", "context")``."""
+    def one(entry):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        if "data" not in names:
+            return entry
+        return tuple(a for n in names for a in (("data", "context") if n == "data" else (n,)))
+    return PartitionSpec(*(one(e) for e in spec))
+
+
+def option_config(option, base, search_name: str, zero):
+    """The semi-auto ``ParallelConfig`` of an unpipelined option (``zero``: its OptimizerConfig)."""
+    from jaxpar.config import ContextConfig
+
+    sizes = dict(option.plan.mesh)
+    cfg = option.plan.to_config(dataclasses.replace(base, mesh=sizes, mode="auto", search=search_name, rules={},
+                                                    grad_accum=option.grad_accum, optimizer=zero))
+    rules: dict[str, Any] = {}
+    if option.experts and option.experts["size"] > 1:
+        rules.update({"batch": "data", "expert": "data"})
+    if not option.context:
+        return dataclasses.replace(cfg, rules=rules) if rules else cfg
+    rules.update({"batch": "data", "length": "context"})
+    if option.mesh.get("model", 1) > 1:
+        rules.update({"heads": "model", "kv_heads": "model"})
+    opt = dataclasses.replace(zero, axis=("data", "context")) if zero.level else zero
+    return dataclasses.replace(cfg, mesh=dict(option.mesh), rules=rules, dataset_strategy=None, optimizer=opt,
+                               parameter_plan={p: _widen(s) for p, s in cfg.parameter_plan.items()},
+                               context=ContextConfig(strategy=option.context["strategy"]))
+
+
+def needs_constraint(option) -> bool:
+    """Whether the option's model must be built with the mesh's constraint (context or MoE)."""
+    return bool(option.context or (option.experts and option.experts["size"] > 1))
+
+
+def with_constraint(builder: Callable, config) -> Callable:
+    """``builder`` passed ``constrain=jaxpar.nn.model_constraint(mesh, config)`` for the dry
+    run's mesh (the first devices of ``jax.devices()``, as `jaxpar.train.compile_step` builds it)."""
+    from jaxpar.mesh import make_mesh
+    from jaxpar.nn import model_constraint
+
+    try:
+        accepts = any(p.name == "constrain" or p.kind is inspect.Parameter.VAR_KEYWORD
+                      for p in inspect.signature(builder).parameters.values())
+    except (TypeError, ValueError):
+        accepts = False
+    if not accepts:
+        raise TypeError("plan_job: the chosen option has a context axis or places MoE experts, so model_fn must take "
+                        "a constrain= keyword (the activation constraint, e.g. lambda remat='none', constrain=None: "
+                        "Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain or no_constraint)); or leave context=(1,)")
+    n = math.prod(config.mesh.values())
+    if len(jax.devices()) < n:
+        return builder
+    mesh = make_mesh(config, devices=jax.devices()[:n])
+    return functools.partial(builder, constrain=model_constraint(mesh, config))
+
