@@ -23,6 +23,9 @@ DEFAULT_ACCUM = (1, 2, 4)
 DEFAULT_REMAT = ("none",)
 DEFAULT_STAGES = (1,)
 DEFAULT_SCHEDULE = "1f1b"
+DEFAULT_CONTEXT = (1,)
+DEFAULT_CONTEXT_STRATEGIES = ("ring",)
+PLANNED_CONTEXT_STRATEGIES = ("ring", "ulysses", "all_gather")   # those jaxpar.auto prices
 
 
 def number(flag: str, kind: type = int, *, low: float | None = None, above: float | None = None):
@@ -74,6 +77,16 @@ def remat_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def context_strategy_list(text: str) -> tuple[str, ...]:
+    """``--context-strategies``: comma-separated context-parallel attention strategies."""
+    names = tuple(r.strip() for r in text.split(",") if r.strip())
+    unknown = [n for n in names if n not in PLANNED_CONTEXT_STRATEGIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"--context-strategies {text!r}: unknown strategies {unknown}; choose "
+                                         f"among {', '.join(PLANNED_CONTEXT_STRATEGIES)}")
+    return names
+
+
 def annotation(text: str) -> tuple[str, Any]:
     """``--annotate GLOB=SPEC``: ``"blocks/*/mlp/up=None,model"`` → (glob, PartitionSpec)."""
     from jax.sharding import PartitionSpec
@@ -108,6 +121,11 @@ def add_plan_search_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the pipeline's micro-batch counts (with --memory-budget; default p, 2p, 4p)")
     g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule the job planner prices (with "
                    f"--memory-budget; default {DEFAULT_SCHEDULE})")
+    g.add_argument("--context-options", type=int_list("--context-options", 1), help="context-parallel sizes "
+                   "the job planner may choose (with --memory-budget; default 1), e.g. 1,2,4: the sequence split "
+                   "over a context axis")
+    g.add_argument("--context-strategies", type=context_strategy_list, help="context-parallel attention the job "
+                   "planner prices (with --context-options; default ring), e.g. ring,ulysses")
     g.add_argument("--flops", type=number("--flops", float, above=0), help="device FLOP/s for the cost model")
     g.add_argument("--bandwidth", type=number("--bandwidth", float, above=0), help="collective bandwidth, bytes/s")
     g.add_argument("--latency", type=number("--latency", float, low=0), help="seconds per collective")
@@ -133,6 +151,8 @@ class SearchSettings:
     stages: tuple = DEFAULT_STAGES
     microbatches: tuple | None = None
     schedule: str = DEFAULT_SCHEDULE
+    context: tuple = DEFAULT_CONTEXT
+    context_strategies: tuple = DEFAULT_CONTEXT_STRATEGIES
     costs: Any = None                  # jaxpar.auto.CostParams
     plan_out: str | None = None
 
@@ -143,12 +163,18 @@ def search_settings(args: argparse.Namespace, job) -> SearchSettings:
 
     costs = CostParams(**{k: v for k, v in (("flops_per_s", args.flops), ("default_bandwidth", args.bandwidth),
                                             ("latency", args.latency)) if v is not None})
+    if args.context_strategies and max(args.context_options or DEFAULT_CONTEXT) == 1:
+        raise ValueError(f"--context-strategies {','.join(args.context_strategies)} prices context-parallel "
+                         "attention, but no context size above 1 is offered; add --context-options 1,2,4 "
+                         "(for example)")
     config = dataclasses.replace(job.config, mode="auto", search=args.search, rules={})
     return SearchSettings(
         search=args.search, config=config, annotate=tuple(args.annotate), memory_budget=args.memory_budget,
         zero_levels=args.zero_levels or DEFAULT_ZERO_LEVELS, accum=args.accum_options or DEFAULT_ACCUM,
         remat=args.remat_options or DEFAULT_REMAT, stages=args.pipeline_options or DEFAULT_STAGES,
-        microbatches=args.microbatch_options, schedule=args.schedule or DEFAULT_SCHEDULE, costs=costs,
+        microbatches=args.microbatch_options, schedule=args.schedule or DEFAULT_SCHEDULE,
+        context=args.context_options or DEFAULT_CONTEXT,
+        context_strategies=args.context_strategies or DEFAULT_CONTEXT_STRATEGIES, costs=costs,
         plan_out=args.plan_out)
 
 
@@ -167,18 +193,24 @@ def _plan_job(s: SearchSettings, job, batch):
               "paths are those of GPTConfig(scan_layers=True)")
         gpt = dataclasses.replace(gpt, scan_layers=True)
 
-    def model_fn(remat="none"):
-        return GPT(dataclasses.replace(gpt, remat=remat), rngs=nnx.Rngs(job.seed))
+    def model_fn(remat="none", constrain=None):
+        # a context-parallel option is built with its constraint: attention across the context axis
+        extra = {} if constrain is None else {"constrain": constrain}
+        return GPT(dataclasses.replace(gpt, remat=remat), rngs=nnx.Rngs(job.seed), **extra)
 
     # --annotate reaches the planner through the base config, whose parameter_plan it keeps.
     base = dataclasses.replace(s.config, parameter_plan={**s.config.parameter_plan, **dict(s.annotate)})
     plan = plan_job(model_fn, loss_fn, batch, pipeline_loss=pipeline_loss(), devices=len(job.devices),
                     memory_budget=s.memory_budget, cost_params=s.costs, search_name=s.search, base_config=base,
                     zero_levels=s.zero_levels, grad_accum=s.accum, remat=s.remat, pipeline_stages=s.stages,
-                    microbatches=s.microbatches, schedule=s.schedule, dry_run=compile_step)
+                    microbatches=s.microbatches, schedule=s.schedule, context=s.context,
+                    context_strategy=s.context_strategies, dry_run=compile_step)
     print(plan.explain())
     if plan.remat != "none":
         print(f"recompute: build the model with GPTConfig(remat={plan.remat!r})")
+    if plan.config.context is not None:
+        print(f"context: the sequence split over {plan.config.context.axis!r} "
+              f"({plan.config.context.strategy} attention, {plan.config.context.order} order)")
     pipe = plan.config.pipeline
     if pipe.stages > 1:
         print(f"pipeline: {pipe.stages} stages, {pipe.microbatches} micro-batches, schedule {pipe.schedule} "

@@ -179,7 +179,7 @@ def config_for(cell: dict):
         if piped:   # refused by the Trainer (REFUSED); the mesh is only for building it
             mesh = {"data": 2, "context": 2, "pipe": 2} if cell["layout"] == "data" else {
                 "data": 1, "context": 2, "model": 2, "pipe": 2}
-        rules["seq"] = "context"     # sequence parallel: the residual stream runs on sequence shards
+        rules["length"] = "context"     # sequence parallel: the residual stream runs on sequence shards
         context = {"strategy": cell["context"], "order": "zigzag" if cell["context"] == "ring" else "striped"}
     mode = {"given": "semi_auto", "hybrid": "hybrid", "auto": "auto"}[cell["mode"]]
     if cell["moe"] != "none" and cell["layout"] != "2d":

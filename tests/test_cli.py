@@ -61,6 +61,23 @@ def test_plan_the_job_within_a_memory_budget(tmp_path):
     assert r.returncode != 0 and "--zero-levels 'x'" in r.stderr
 
 
+@pytest.mark.slow
+def test_plan_picks_context_parallel_for_a_long_sequence():
+    """At 128 tokens one device's attention temps (about 3.6 MB predicted) exceed 2.5 MB: with
+    --context-options the planner splits the sequence over a context axis and the dry run fits."""
+    r = _run("plan", "--mesh", "data=8", "--search", "dynamic_programming", "--memory-budget", "2.5e6",
+             "--flops", "1e9", "--bandwidth", "1e9", "--latency", "1e-6", "--accum-options", "1",
+             "--zero-levels", "0", "--context-options", "1,2", "--seq-len", "128", "--batch", "8",
+             "--layers", "1", "--embed", "32")
+    assert r.returncode == 0, r.stderr
+    chosen = r.stdout.splitlines()[0]
+    assert chosen.startswith("chosen: context=2"), chosen
+    assert "-> fits" in r.stdout and "context: the sequence split over 'context' (ring attention" in r.stdout
+    r = _run("plan", "--mesh", "data=8", "--search", "dynamic_programming", "--memory-budget", "2.5e6",
+             "--context-strategies", "ulysses")
+    assert r.returncode == 2 and "add --context-options" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_plan_chooses_recompute_or_pipeline_stages_within_a_budget(tmp_path):
     """With recompute and pipeline options, 2.2 MB per device fits no unpipelined plan of
     the 4-layer GPT (about 10.7 MB without recompute, 4.8 MB with it): a pipeline wins."""

@@ -194,7 +194,8 @@ JOB = {"--config": "dp.yaml", "--mesh": "data=8", "--rules": "mlp=model", "--mod
        "--layers": "3", "--embed": "32", "--heads": "4", "--seq-len": "16", "--scan": None, "--batch": "16"}
 SEARCH = {"--search": "recursive_programming", "--annotate": "blocks/*/mlp/up=None,model",
           "--memory-budget": "2e6", "--zero-levels": "0,1", "--accum-options": "1", "--remat-options": "none,full",
-          "--pipeline-options": "1,2", "--microbatch-options": "2", "--schedule": "gpipe", "--flops": "1e9",
+          "--pipeline-options": "1,2", "--microbatch-options": "2", "--schedule": "gpipe", "--context-options": "1,2",
+          "--context-strategies": "ulysses", "--flops": "1e9",
           "--bandwidth": "1e9", "--latency": "1e-6"}
 VALUES = {
     ("train",): {**JOB, "--steps": "5", "--lr": "0.01", "--seed": "1", "--log-dir": "L", "--log-every": "5",
@@ -238,7 +239,7 @@ BASE = {
     ("k8s",): ["k8s", "--workers", "2", "--image", "img"],
 }
 BUDGET_FLAGS = {"--zero-levels", "--accum-options", "--remat-options", "--pipeline-options", "--microbatch-options",
-                "--schedule"}
+                "--schedule", "--context-options", "--context-strategies"}
 TAIL = {("launch",): ["t.py", "--x"], ("k8s",): ["--", "python", "t.py"]}
 
 

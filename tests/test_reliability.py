@@ -216,9 +216,9 @@ def test_a_rule_no_parameter_or_constraint_uses_is_refused_naming_it():
 
 
 def test_a_rule_only_an_activation_constraint_consults_is_in_use():
-    # "seq" names no parameter: only the model's constrain(x, ("batch", "seq", "embed")) reads it.
-    trainer, batch = _gpt_trainer({"seq": "model"})
+    # "length" names no parameter: only the model's constrain(x, ("batch", "length", "embed")) reads it.
+    trainer, batch = _gpt_trainer({"length": "model"})
     assert np.isfinite(float(trainer.step(batch)["loss"]))
-    trainer, batch = _gpt_trainer({"seq": "model"}, constrain=False)
-    with pytest.raises(ValueError, match="'seq' -> 'model'"):
+    trainer, batch = _gpt_trainer({"length": "model"}, constrain=False)
+    with pytest.raises(ValueError, match="'length' -> 'model'"):
         trainer.step(batch)

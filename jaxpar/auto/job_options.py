@@ -115,8 +115,10 @@ def _widen(spec: PartitionSpec) -> PartitionSpec:
     return PartitionSpec(*(one(e) for e in spec))
 
 
-def option_config(option, base, search_name: str, zero):
-    """The semi-auto ``ParallelConfig`` of an unpipelined option (``zero``: its OptimizerConfig)."""
+def option_config(option, base, search_name: str, zero, model_names: set[str] | None = None):
+    """The semi-auto ``ParallelConfig`` of an unpipelined option (``zero``: its OptimizerConfig;
+    ``model_names``: the logical names the model's parameters use, so that the head rules a
+    context option adds are only those the model reads)."""
     from jaxpar.config import ContextConfig
 
     sizes = dict(option.plan.mesh)
@@ -129,7 +131,7 @@ def option_config(option, base, search_name: str, zero):
         return dataclasses.replace(cfg, rules=rules) if rules else cfg
     rules.update({"batch": "data", "length": "context"})
     if option.mesh.get("model", 1) > 1:
-        rules.update({"heads": "model", "kv_heads": "model"})
+        rules.update({n: "model" for n in ("heads", "kv_heads") if model_names is None or n in model_names})
     opt = dataclasses.replace(zero, axis=("data", "context")) if zero.level else zero
     return dataclasses.replace(cfg, mesh=dict(option.mesh), rules=rules, dataset_strategy=None, optimizer=opt,
                                parameter_plan={p: _widen(s) for p, s in cfg.parameter_plan.items()},

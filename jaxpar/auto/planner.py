@@ -38,6 +38,7 @@ import numpy as np
 from jaxpar.auto.api import search
 from jaxpar.auto.cost import CostParams, analyse
 from jaxpar.auto.graph import build_graph
+from jaxpar.nn.plan import declared_names
 from jaxpar.auto.job_options import needs_constraint, option_config, plain_options, with_constraint
 from jaxpar.auto.plan import Plan, glob_escape
 from jaxpar.auto.pricing import micro_batch, price_pipeline, stacked_params
@@ -120,9 +121,11 @@ class JobPlan:
                          f"{c.memory_bytes / max(d['total'], 1):.3f}) -> {'fits' if d['fits'] else 'does NOT fit'}")
         faster = [o for o in self.candidates if o.time_s < c.time_s]
         if faster:
+            f = faster[0]
+            over = (f"by {f.memory_bytes - self.memory_budget:,.0f} B (predicted)" if f.memory_bytes > self.memory_budget
+                    else f"in its dry run ({f.verdict})")
             lines.append(f"why: {len(faster)} faster option(s) exceed the budget, the fastest "
-                         f"({faster[0].label()}, {faster[0].time_s * 1e3:.4g} ms) by "
-                         f"{faster[0].memory_bytes - self.memory_budget:,.0f} B")
+                         f"({f.label()}, {f.time_s * 1e3:.4g} ms) {over}")
         else:
             lines.append("why: the fastest option overall, and it fits")
         lines.append(f"candidates (fastest first, {min(top, len(self.candidates))} of {len(self.candidates)}):")
@@ -287,6 +290,10 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
             raise ValueError(f"plan_job: mesh {m} has {math.prod(m.values())} devices, not devices={devices}")
     options: list[JobOption] = []
     builders = {r: _with_remat(model_fn, r, remat) for r in remat}
+
+    @functools.cache
+    def model_names(policy: str) -> set[str]:
+        return declared_names(base, nnx.state(nnx.eval_shape(builders[policy]), nnx.Param))
     if 1 in pipeline_stages:
         options += plain_options(JobOption, lambda policy: nnx.eval_shape(builders[policy]), loss_fn, batch, base,
                                  shapes, devices=devices, context=context, strategies=strategies, remat=remat,
@@ -316,7 +323,7 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
                 cfg = dataclasses.replace(_pipeline_config(o, base, blocks), optimizer=zero)
                 build = builders.get("none", model_fn) if tuple(remat) != ("none",) else model_fn
             else:
-                cfg = option_config(o, base, search_name, zero)
+                cfg = option_config(o, base, search_name, zero, model_names(o.remat))
                 build = with_constraint(builders[o.remat], cfg) if needs_constraint(o) else builders[o.remat]
             report = _dry_run(dry_run, build, pipe_loss if o.pipeline else loss_fn, batch, cfg, tx, memory_budget) \
                 if dry_run not in (None, False) else None

@@ -126,9 +126,9 @@ class Block(nnx.Module):
         if positions is None:   # the pipeline calls block(h): tokens in their own order
             positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
         drop = self.drop if self.drop is not None else (lambda h: h)
-        x = constrain(x + drop(self.attn(self.ln1(x), positions, constrain)), ("batch", "seq", "embed"))
+        x = constrain(x + drop(self.attn(self.ln1(x), positions, constrain)), ("batch", "length", "embed"))
         mlp = self.mlp(self.ln2(x), constrain) if self.moe else self.mlp(self.ln2(x))   # MoE: axes from the rules
-        return constrain(x + drop(mlp), ("batch", "seq", "embed"))
+        return constrain(x + drop(mlp), ("batch", "length", "embed"))
 
 
 def _remat(fn, policy: str):
@@ -162,7 +162,7 @@ class GPT(nnx.Module):
 
     def embed(self, tokens, positions=None):
         pos = self.wpe[...][: tokens.shape[1]] if positions is None else self.wpe[...][positions]
-        return self.constrain(self.wte[...][tokens] + pos, ("batch", "seq", "embed"))
+        return self.constrain(self.wte[...][tokens] + pos, ("batch", "length", "embed"))
 
     def run_blocks(self, x, positions=None):
         block_fn = _remat(lambda block, h: block(h, self.constrain, positions), self.cfg.remat)
