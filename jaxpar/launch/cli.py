@@ -72,8 +72,26 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "--exit-time-out", type=float, default=d.exit_time_out,
           help="seconds the other workers may run on after one worker's script ended with "
                "code 0, before the launcher stops the job (default %(default)s)")
+    _add_server_arguments(p, d)
     p.add_argument("script", help="Python script (or executable) each worker runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _add_server_arguments(p: argparse.ArgumentParser, d: launcher.LaunchConfig) -> None:
+    g = p.add_argument_group("parameter servers (started by node 0's launcher)")
+    g.add_argument("--servers", type=int, default=None, metavar="N",
+                   help="start N parameter-server processes before the workers; workers get "
+                        "JAXPAR_PS_ADDRESSES and JAXPAR_PS_TOKEN")
+    g.add_argument("--server-restarts", type=int, default=d.server_restarts, metavar="K",
+                   help="restart a server that dies at most K times (default %(default)s)")
+    g.add_argument("--server-port", type=int, default=None, metavar="P",
+                   help="server i listens on P+i (default: free ports; needed on several nodes)")
+    g.add_argument("--server-time-out", type=float, default=d.server_time_out,
+                   help="seconds to wait for the servers to be ready (default %(default)s)")
+    g.add_argument("--server-checkpoint-dir", default=None, metavar="DIR",
+                   help="where servers checkpoint their shards (default <log-dir>/ps_checkpoints)")
+    g.add_argument("--server-module", default=d.server_module,
+                   help="module each server runs with python -m (default %(default)s)")
 
 
 def add_launch_parser(subparsers) -> argparse.ArgumentParser:
@@ -95,7 +113,10 @@ def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
         log_dir=args.log_dir, join=args.join, cluster_time_out=args.cluster_time_out,
         simulated_devices=args.simulated_devices, devices_per_worker=args.devices_per_worker,
         kill_time_out=args.kill_time_out, exit_time_out=args.exit_time_out,
-        bind_address=args.bind_address,
+        bind_address=args.bind_address, servers=args.servers,
+        server_restarts=args.server_restarts, server_port=args.server_port,
+        server_time_out=args.server_time_out, server_checkpoint_dir=args.server_checkpoint_dir,
+        server_module=args.server_module,
     )
 
 

@@ -1,0 +1,135 @@
+"""`jaxpar launch --servers N`: servers start and serve before the workers, workers learn
+where they are, a dead server is restarted with the same arguments (and fails the job past
+``--server-restarts``), and the servers stop whenever the job ends.
+
+The servers are a test double (tests/workers/fake_ps_server.py, picked with
+``--server-module``) that keeps the server contract without holding rows.
+"""
+
+import glob
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+
+from jaxpar.launch.cli import main
+from jaxpar.launch.ports import free_port
+from workers.procs import WORKERS, Launch
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(90)]
+FAKE_SERVER = "tests.workers.fake_ps_server"
+ENV_WORKER = os.path.join(WORKERS, "ps_env_worker.py")
+
+
+def start(tmp_path, tag, *flags, worker_args=()):
+    # The tag in the checkpoint folder marks the servers' command lines too (the tag fixture
+    # then checks that none outlives the test).
+    ckpt = tmp_path / tag
+    args = ["--worker-num", 2, "--local-worker-num", 2, "--master-port", free_port(),
+            "--servers", 2, "--server-module", FAKE_SERVER, "--server-checkpoint-dir", ckpt,
+            "--kill-time-out", 5, *flags]
+    return Launch(tmp_path, tag, args, worker_args, script=ENV_WORKER), ckpt
+
+
+def wait_for(predicate, what: str, run: Launch, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline or run.process.poll() is not None:
+            raise AssertionError(f"never saw {what}; launcher:\n{run.stderr}")
+        time.sleep(0.05)
+
+
+def server_pid(run: Launch, index: int) -> int:
+    """The pid of server ``index``'s first run."""
+    return int(re.search(rf"started server {index} \(pid (\d+)\)", run.stderr).group(1))
+
+
+def starts(ckpt, index: int) -> list[dict]:
+    return [json.loads(open(p).read()) for p in sorted(glob.glob(str(ckpt / f"start_{index}_*.json")),
+                                                       key=os.path.getmtime)]
+
+
+def test_servers_serve_the_workers_and_restart(tmp_path, tag):
+    run, ckpt = start(tmp_path, tag, "--server-restarts", 1)
+    try:
+        wait_for(lambda: len(run.results()) == 2, "both workers' reports", run)
+        os.kill(server_pid(run, 1), signal.SIGKILL)
+        wait_for(lambda: "server 1 ready again" in run.stderr, "server 1 restarted", run)
+        (tmp_path / "out" / "stop").write_text("")
+        assert run.wait(timeout=30) == 0, run.stderr
+    finally:
+        run.close()
+    first, second = starts(ckpt, 1)
+    assert first["argv"] == second["argv"], "a restart keeps the port and the arguments"
+    assert "restart 1 of 1 with the same arguments" in run.stderr
+    reports = run.results()
+    token = reports[0]["token"]
+    assert len(token) == 32 and all(r["token"] == token for r in reports)
+    addresses = reports[0]["addresses"]
+    assert len(set(addresses)) == 2 and all(a.startswith("127.0.0.1:") for a in addresses)
+    for r in reports:
+        assert r["addresses"] == r["reached"] == addresses  # every server served before any worker
+    for i, address in enumerate(addresses):
+        (record,) = starts(ckpt, 0) if i == 0 else [first]
+        argv = record["argv"]
+        assert argv[argv.index("--bind") + 1] == address and argv[argv.index("--index") + 1] == str(i)
+        assert token not in " ".join(argv), "the token travels in the environment only"
+        assert record["env"]["JAXPAR_PS_TOKEN"] == token and record["env"]["JAX_PLATFORMS"] == "cpu"
+        assert record["env"]["JAXPAR_COORDINATOR_ADDRESS"] is None  # never joins jax.distributed
+        assert (ckpt / f"final_{i}.json").exists(), "SIGTERM gave each server its final checkpoint"
+        assert "jaxpar-ps-server ready" in (run.log_dir / f"server_{i}.log").read_text()
+
+
+@pytest.mark.parametrize("end", ["ctrl_c", "worker_fails", "server_dies"])
+def test_servers_stop_whenever_the_job_ends(tmp_path, tag, end):
+    flags = ["--server-restarts", 0] if end == "server_dies" else []
+    run, ckpt = start(tmp_path, tag, *flags, worker_args=["--fail"] if end == "worker_fails" else [])
+    try:
+        wait_for(lambda: len(run.results()) == 2 or end == "worker_fails" and run.results(),
+                 "the workers' reports", run)
+        if end == "ctrl_c":
+            os.killpg(run.process.pid, signal.SIGINT)
+        elif end == "server_dies":
+            os.kill(server_pid(run, 0), signal.SIGKILL)
+        code = run.wait(timeout=30)
+    finally:
+        run.close()
+    expected = {"ctrl_c": 128 + signal.SIGINT, "worker_fails": 3, "server_dies": 1}[end]
+    assert code == expected, run.stderr
+    assert "stopped the servers" in run.stderr
+    stopped = [i for i in range(2) if (ckpt / f"final_{i}.json").exists()]
+    assert stopped == ([1] if end == "server_dies" else [0, 1])
+    if end == "server_dies":
+        assert "server 0 (pid" in run.stderr and "was killed by signal 9" in run.stderr
+        assert "the most --server-restarts allows (0)" in run.stderr
+        assert str(run.log_dir / "server_0.log") in run.stderr
+
+
+def test_a_server_that_never_says_ready_stops_the_start(tmp_path, tag, monkeypatch):
+    monkeypatch.setenv("FAKE_PS_SILENT", "1")
+    run, _ = start(tmp_path, tag, "--server-time-out", 1)
+    try:
+        assert run.wait(timeout=30) == 1
+    finally:
+        run.close()
+    err = run.stderr
+    assert "server 1 (pid" in err and "within 1 s (--server-time-out)" in err, err
+    assert str(run.log_dir / "server_1.log") in err
+    assert "started rank" not in err, "no worker starts before every server serves"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--servers", "0"], "servers=0 must be a positive int (--servers)"),
+    (["--servers", "-2"], "servers=-2 must be a positive int (--servers)"),
+    (["--servers", "2", "--server-restarts", "-1"], "server_restarts=-1 must be a whole number >= 0"),
+    (["--servers", "2", "--worker-num", "4", "--local-worker-num", "2"], "needs --server-port P"),
+    (["--servers", "2", "--server-port", "8117"], "include --master-port 8118"),
+])
+def test_bad_server_flags_exit_2_with_one_line(capsys, argv, words):
+    code = main(["launch", *argv, "train.py"])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err, err
+    assert err.startswith("jaxpar launch: error: ") and len(err.strip().splitlines()) == 1
