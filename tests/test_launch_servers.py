@@ -14,6 +14,7 @@ import signal
 import time
 
 import pytest
+import yaml
 
 from jaxpar.launch.cli import main
 from jaxpar.launch.ports import free_port
@@ -133,3 +134,44 @@ def test_bad_server_flags_exit_2_with_one_line(capsys, argv, words):
     err = capsys.readouterr().err
     assert code == 2 and words in err, err
     assert err.startswith("jaxpar launch: error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_k8s_server_and_worker_roles(capsys):
+    code = main(["k8s", "--workers", "2", "--image", "img", "--name", "ctr", "--servers", "2",
+                 "--server-storage", "5Gi", "--", "python", "train.py"])
+    assert code == 0
+    svc, sts, _, job = yaml.safe_load_all(capsys.readouterr().out)
+    assert svc["kind"] == "Service" and svc["spec"]["clusterIP"] == "None"
+    assert sts["kind"] == "StatefulSet" and sts["spec"]["replicas"] == 2
+    assert sts["spec"]["serviceName"] == svc["metadata"]["name"] == "ctr-ps"
+    assert sts["spec"]["template"]["metadata"]["labels"] == svc["spec"]["selector"]
+    server = sts["spec"]["template"]["spec"]["containers"][0]
+    command = server["command"]
+    assert command[:3] == ["python", "-m", "jaxpar.ps.server"]
+    assert command[command.index("--count") + 1] == "2"
+    assert command[command.index("--bind") + 1] == "0.0.0.0:8500"
+    server_env = {e["name"]: e for e in server["env"]}
+    index_var = command[command.index("--index") + 1]
+    assert index_var == "$(JAXPAR_PS_INDEX)"
+    assert "pod-index" in server_env["JAXPAR_PS_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"]
+    claim = sts["spec"]["volumeClaimTemplates"][0]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "5Gi"
+    assert server["volumeMounts"][0]["name"] == claim["metadata"]["name"]
+    worker = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    # StatefulSet pod i is <set>-<i>, resolvable as <pod>.<serviceName>.
+    assert worker["JAXPAR_PS_ADDRESSES"]["value"] == "ctr-ps-0.ctr-ps:8500,ctr-ps-1.ctr-ps:8500"
+    for env in (worker, server_env):
+        token = env["JAXPAR_PS_TOKEN"]
+        assert "value" not in token  # the token never appears in the manifest
+        assert token["valueFrom"]["secretKeyRef"] == {"name": "ctr-ps-token", "key": "token"}
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--servers", "0"], "servers=0 must be a positive int (--servers)"),
+    (["--servers", "1", "--server-port", "8476"], "differ from the coordinator port 8476"),
+    (["--servers", "1", "--env", "JAXPAR_PS_TOKEN=abc"], "jaxpar k8s sets JAXPAR_PS_TOKEN itself"),
+])
+def test_k8s_bad_server_flags(capsys, argv, words):
+    code = main(["k8s", "--workers", "2", "--image", "img", *argv, "--", "python", "t.py"])
+    err = capsys.readouterr().err
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err

@@ -154,6 +154,14 @@ def add_k8s_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds pods wait for each other")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra variable (repeatable)")
+    p.add_argument("--servers", type=int, default=None, metavar="N",
+                   help="add N parameter-server pods (StatefulSet <name>-ps)")
+    p.add_argument("--server-port", type=int, default=8500, help="servers' port (default %(default)s)")
+    p.add_argument("--server-storage", default=None, metavar="SIZE",
+                   help="a volume claim of SIZE (e.g. 20Gi) per server for its checkpoints "
+                        "(default: emptyDir)")
+    p.add_argument("--ps-token-secret", default=None, metavar="SECRET",
+                   help="Secret whose key 'token' holds the job token (default <name>-ps-token)")
     # dest differs from "command": the jaxpar command keeps the subcommand's name there.
     p.add_argument("pod_command", nargs=argparse.REMAINDER, metavar="command",
                    help="-- then the command each pod runs")
@@ -182,7 +190,8 @@ def run_k8s(args: argparse.Namespace) -> int:
             name=args.name, kind="jobset" if args.jobset else "job", port=args.port,
             namespace=args.namespace, gpus_per_worker=args.gpus_per_worker,
             simulated_devices=args.simulated_devices, cluster_time_out=args.cluster_time_out,
-            env=_env_pairs(args.env),
+            env=_env_pairs(args.env), servers=args.servers, server_port=args.server_port,
+            server_storage=args.server_storage, ps_token_secret=args.ps_token_secret,
         )
     except ValueError as err:
         sys.stderr.write(f"jaxpar k8s: error: {err}\n")
