@@ -1,0 +1,78 @@
+"""Host-side embedding tables: training the table row by row on the host equals training it as
+an ordinary device parameter, for either storage, and bad ids are refused by name."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxpar.data.clicks import ClickData
+from jaxpar.models.dlrm import DLRM, DLRMConfig, loss_fn
+from jaxpar.nn.host_embedding import HostEmbedding, RowOptimizer
+from jaxpar.nn.host_step import HostEmbeddingStep
+
+CONFIG = DLRMConfig(field_rows=(60, 30, 10), embed=8, bottom=(16,), top=(16,))
+DATA = ClickData(field_rows=CONFIG.field_rows)
+STEPS, BATCH, LR = 6, 32, 0.05
+ROWS = {"sgd": (RowOptimizer(kind="sgd", learning_rate=LR), optax.sgd(LR)),
+        "adagrad": (RowOptimizer(kind="adagrad", learning_rate=LR), optax.adagrad(LR))}
+
+
+def reference(row_kind: str):
+    """The table as an ordinary parameter: losses, final table and dense parameters."""
+    model = DLRM(CONFIG, rngs=nnx.Rngs(0))
+    labels = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: "table" if "table" in jax.tree_util.keystr(path) else "dense", params)
+    tx = optax.multi_transform({"table": ROWS[row_kind][1], "dense": optax.adam(LR)}, labels)
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, batch):
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+        opt.update(model, grads)
+        return loss
+
+    losses = [float(step(model, opt, DATA.batch(s, BATCH))) for s in range(STEPS)]
+    table = np.asarray(model.table[...])
+    model.table = None
+    return losses, table, nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+@pytest.mark.parametrize("storage, row_kind", [("callback", "sgd"), ("callback", "adagrad"), ("pinned_host", "adagrad")])
+def test_host_table_equals_device_parameter(storage, row_kind):
+    initial = np.asarray(DLRM(CONFIG, rngs=nnx.Rngs(0)).table[...])
+    table = HostEmbedding("clicks", CONFIG.rows, CONFIG.embed, ROWS[row_kind][0], init=initial,
+                          storage=storage)
+    assert table.storage == storage
+    step = HostEmbeddingStep(DLRM(CONFIG, rngs=nnx.Rngs(0), table=False), optax.adam(LR),
+                             loss_fn, table)
+    losses = []
+    for s in range(STEPS):
+        batch = DATA.batch(s, BATCH)
+        losses.append(float(step(batch, CONFIG.table_ids(batch["ids"]))))
+    ref_losses, ref_table, ref_dense = reference(row_kind)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    assert not np.allclose(table.numpy(), initial), "the table trained"
+    np.testing.assert_allclose(table.numpy(), ref_table, rtol=1e-6, atol=1e-7)
+    dense = nnx.to_pure_dict(nnx.state(step.model, nnx.Param))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), dense, ref_dense)
+
+
+@pytest.mark.parametrize("ids, error, words", [
+    (np.array([[0, 100]]), ValueError, "table 'clicks' has rows 0..99, but the ids (shape (1, 2)) hold 100"),
+    (np.array([-1, 3]), ValueError, "hold -1"),
+    (np.array([1.0, 2.0]), TypeError, "table 'clicks': ids must be integers, got dtype float64"),
+])
+def test_bad_ids_are_refused_naming_the_table(ids, error, words):
+    table = HostEmbedding("clicks", 100, 4, RowOptimizer(), storage="callback")
+    with pytest.raises(error) as err:
+        table.prepare(ids)
+    assert words in str(err.value)
+
+
+def test_cpu_backend_has_pinned_host():
+    """What `storage="auto"` finds here: the CPU backend lists a pinned_host memory."""
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    assert "pinned_host" in kinds
+    assert HostEmbedding("t", 4, 2, RowOptimizer()).storage == "pinned_host"
