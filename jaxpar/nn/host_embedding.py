@@ -9,8 +9,9 @@ step touches only the rows its batch uses.
 2. the rows reach the step: with ``storage="pinned_host"`` the table is a ``jax.Array`` in the
    ``pinned_host`` memory kind and a compiled gather copies the unique rows to the device
    (``pull``); with ``storage="callback"`` the table is a numpy array and the step fetches them
-   itself with ``jax.pure_callback`` (``gather``); ``storage="mmap"`` is the callback path on a
-   file-backed array, whose untouched rows never become resident;
+   itself with ``jax.pure_callback`` (``gather``); ``storage="file"`` is the callback path on
+   a `RowFile`: rows read and written one by one in a file, initialized when first read,
+   so neither resident memory nor address space grows with the table;
 3. the step differentiates with respect to the pulled rows (``rows[inverse]`` is the
    embedding of each id), so the gradient of a row used twice is already summed;
 4. ``apply(prepared, row_grads)`` (after the step) updates those rows, and their optimizer
@@ -32,7 +33,9 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
-STORAGES = ("auto", "pinned_host", "callback", "mmap")
+from jaxpar.nn.row_file import RowFile
+
+STORAGES = ("auto", "pinned_host", "callback", "file")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -149,14 +152,15 @@ class HostEmbedding:
                              "positive whole numbers.")
         if storage not in STORAGES:
             raise ValueError(f"table {name!r}: storage={storage!r} must be one of {STORAGES}.")
-        if (storage == "mmap") != (path is not None):
-            raise ValueError(f"table {name!r}: storage='mmap' takes a file path (path=...), "
+        if (storage == "file") != (path is not None):
+            raise ValueError(f"table {name!r}: storage='file' takes a file path (path=...), "
                              f"and only it does; got storage={storage!r}, path={path!r}.")
         self.name, self.num_rows, self.dim, self.optimizer = name, num_rows, dim, optimizer
         self.device = device or jax.devices()[0]
         self.storage = _pick_storage(storage, self.device)
         table = self._initial(init, init_scale, seed, path)
-        self._slot = optimizer.init_slot(table.shape, table.dtype)
+        self._slot = (self._file_slot(path) if path is not None
+                      else optimizer.init_slot(table.shape, table.dtype))
         if self.storage == "pinned_host":
             self._host = SingleDeviceSharding(self.device, memory_kind="pinned_host")
             self._table = jax.device_put(table, self._host)
@@ -171,17 +175,21 @@ class HostEmbedding:
             raise ValueError(f"table {self.name!r}: init has shape {np.shape(init)}, the table "
                              f"is {shape}.")
         if path is not None:
-            # Filled a block at a time, so the whole table is never resident at once.
-            table = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
-            rng = np.random.default_rng(seed)
-            for start in range(0, self.num_rows, 1 << 16):
-                stop = min(start + (1 << 16), self.num_rows)
-                table[start:stop] = (init[start:stop] if init is not None else
-                                     rng.normal(0, scale, (stop - start, self.dim)))
-            return table
+            if init is not None:
+                raise ValueError(f"table {self.name!r}: storage='file' draws each row's initial "
+                                 "value when it is first read; leave init out.")
+            return RowFile(path, self.num_rows, self.dim, functools.partial(
+                _row_normal, seed=seed, scale=scale, dim=self.dim))
         if init is not None:
             return np.array(init, np.float32)
         return np.random.default_rng(seed).normal(0, scale, shape).astype(np.float32)
+
+    def _file_slot(self, path: str) -> RowFile | None:
+        value = self.optimizer.init_slot((1, self.dim), np.float32)
+        if value is None:
+            return None
+        return RowFile(path + ".slot", self.num_rows, self.dim,
+                       lambda ids: np.broadcast_to(value, (ids.size, self.dim)))
 
     def prepare(self, ids) -> PreparedIds:
         """Checks ``ids`` (integers in ``0..num_rows-1``) and deduplicates them."""
@@ -220,6 +228,11 @@ class HostEmbedding:
     def numpy(self) -> np.ndarray:
         """A numpy copy of the whole table (small tables: tests, export)."""
         return np.array(self._table)
+
+
+def _row_normal(ids: np.ndarray, *, seed: int, scale: float, dim: int) -> np.ndarray:
+    """Initial rows of a file table: normal values fixed by (seed, row), drawn on demand."""
+    return np.stack([np.random.default_rng((seed, int(i))).normal(0, scale, dim) for i in ids])
 
 
 def _device_of(host: SingleDeviceSharding) -> SingleDeviceSharding:
