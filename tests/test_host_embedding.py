@@ -1,6 +1,11 @@
 """Host-side embedding tables: training the table row by row on the host equals training it as
 an ordinary device parameter, for either storage, and bad ids are refused by name."""
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import optax
@@ -12,6 +17,7 @@ from jaxpar.models.dlrm import DLRM, DLRMConfig, loss_fn
 from jaxpar.nn.host_embedding import HostEmbedding, RowOptimizer
 from jaxpar.nn.host_step import HostEmbeddingStep
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = DLRMConfig(field_rows=(60, 30, 10), embed=8, bottom=(16,), top=(16,))
 DATA = ClickData(field_rows=CONFIG.field_rows)
 STEPS, BATCH, LR = 6, 32, 0.05
@@ -83,3 +89,27 @@ def test_cpu_backend_has_pinned_host():
     kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
     assert "pinned_host" in kinds
     assert HostEmbedding("t", 4, 2, RowOptimizer()).storage == "pinned_host"
+
+
+EXAMPLE = os.path.join(ROOT, "examples", "train_clicks.py")
+
+
+@pytest.mark.timeout(180)
+def test_table_larger_than_the_address_space_limit(tmp_path):
+    """A 4.8 GiB table (plus as much Adagrad state) trains in a process limited to 3 GiB of
+    address space with storage="file"; the same table in process memory cannot even start."""
+    common = [sys.executable, EXAMPLE, "--rows", "40000000", "--dim", "32", "--batch", "256",
+              "--rlimit-as-gib", "3"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    summary = tmp_path / "summary.json"
+    run = subprocess.run([*common, "--steps", "40", "--storage", "file", "--table-path",
+                          str(tmp_path / "clicks.rows"), "--json", str(summary)],
+                         env=env, capture_output=True, text=True, timeout=150)
+    assert run.returncode == 0, run.stderr[-3000:]
+    s = json.loads(summary.read_text())
+    assert s["table_gib"] > 4.5 > 3 > s["peak_address_space_gib"] > s["peak_resident_gib"]
+    assert s["peak_resident_gib"] < 1.0
+    assert s["eval_loss_end"] < s["eval_loss_start"] - 0.1
+    in_memory = subprocess.run([*common, "--steps", "1", "--storage", "callback"], env=env,
+                               capture_output=True, text=True, timeout=150)
+    assert in_memory.returncode != 0 and "MemoryError" in in_memory.stderr, in_memory.stderr[-2000:]
