@@ -175,3 +175,63 @@ def test_k8s_bad_server_flags(capsys, argv, words):
     code = main(["k8s", "--workers", "2", "--image", "img", *argv, "--", "python", "t.py"])
     err = capsys.readouterr().err
     assert code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_other_nodes_wait_until_they_reach_the_servers():
+    """Node 1 starts its workers only once node 0's servers accept connections."""
+    import socket
+
+    from jaxpar.launch.servers import ServerError, wait_reachable
+
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        up = f"127.0.0.1:{listening.getsockname()[1]}"
+        assert wait_reachable([up], 2, lambda: False)
+    down = up  # closed now: nothing listens there
+    began = time.monotonic()
+    with pytest.raises(ServerError, match=rf"parameter server {down} did not accept a connection "
+                                          r"within 0.3 s \(--server-time-out\)"):
+        wait_reachable([down], 0.3, lambda: False)
+    assert time.monotonic() - began < 3
+    assert wait_reachable([down], 30, lambda: True) is False  # a signal cuts the wait short
+
+
+def consecutive_free_ports(n: int) -> int:
+    import socket
+
+    for _ in range(50):
+        first = free_port()
+        try:
+            held = [socket.create_server(("127.0.0.1", first + i)) for i in range(n)]
+        except OSError:
+            continue
+        for sock in held:
+            sock.close()
+        return first
+    raise AssertionError(f"no {n} consecutive free ports")
+
+
+def test_two_nodes_share_the_servers_of_node_0(tmp_path, tag, monkeypatch):
+    monkeypatch.setenv("JAXPAR_PS_TOKEN", "job-token-from-the-user")
+    port, master = consecutive_free_ports(2), free_port()
+    runs = []
+    try:
+        for node in (1, 0):  # node 1 first: its workers must wait for node 0's servers
+            (tmp_path / f"node{node}").mkdir()
+            args = ["--worker-num", 4, "--local-worker-num", 2, "--node-rank", node,
+                    "--master-port", master, "--servers", 2, "--server-port", port,
+                    "--server-module", FAKE_SERVER, "--server-checkpoint-dir", tmp_path / tag]
+            runs.append(Launch(tmp_path / f"node{node}", tag, args, script=ENV_WORKER))
+        for run in runs:
+            wait_for(lambda: len(run.results()) == 2, "the node's two workers", run)
+            (run.out_dir / "stop").write_text("")
+        assert [run.wait(timeout=30) for run in runs] == [0, 0]
+    finally:
+        for run in runs:
+            run.close()
+    node1, node0 = runs
+    assert "started server" not in node1.stderr and "started server 1" in node0.stderr
+    expected = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+    for run in runs:
+        for r in run.results():
+            assert r["addresses"] == r["reached"] == expected
+            assert r["token"] == "job-token-from-the-user"

@@ -285,11 +285,9 @@ def _run(config, command, run_dir, log, signals, echo, lock) -> int:
     workers: list[Worker] = []
     pool, server_env = servers.pool_for(config, os.environ, log)
     try:
-        if pool is not None:
-            pool.start()
-            if not pool.wait_ready(config.server_time_out, lambda: signals.received is not None):
-                log(f"received {signal_name(signals.received)} before the servers were ready")
-                return 128 + signals.received
+        if not _servers_up(config, pool, server_env, signals):
+            log(f"received {signal_name(signals.received)} before the servers were ready")
+            return 128 + signals.received
         _start(config, command, run_dir, log, workers, server_env)
         # Copy output only once every worker has forked: no thread runs during a fork.
         for w in workers:
@@ -301,6 +299,19 @@ def _run(config, command, run_dir, log, signals, echo, lock) -> int:
             w.close()
         if pool is not None:  # after the workers: their last pushes reach the final checkpoint
             pool.stop(config.kill_time_out, hurry=lambda: signals.count > 1)
+
+
+def _servers_up(config, pool, server_env: dict, signals) -> bool:
+    """Node 0 starts the servers and waits for their ready lines; another node waits until it
+    reaches each of them. False when a signal came first."""
+    interrupted = lambda: signals.received is not None  # noqa: E731
+    if pool is not None:
+        pool.start()
+        return pool.wait_ready(config.server_time_out, interrupted)
+    if servers.ADDRESSES in server_env:
+        return servers.wait_reachable(server_env[servers.ADDRESSES].split(","),
+                                      config.server_time_out, interrupted)
+    return True
 
 
 def _marked(run_dir: str, stage: str) -> set[int]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 import sys
 import threading
 import time
@@ -204,6 +205,35 @@ class ServerPool:
         self._log(f"stopped the servers in {took:.2f} s: {codes}")
         for p in running:
             p.close()
+
+
+def wait_reachable(addresses: list[str], timeout: float, interrupted: Callable[[], bool]) -> bool:
+    """Waits until a TCP connection to every ``host:port`` succeeds (a node other than 0: its
+    workers start once node 0's servers serve). False when ``interrupted()`` turns True first;
+    ServerError naming the address after ``timeout`` s.
+
+    Example:
+        >>> wait_reachable([], 1.0, lambda: False)
+        True
+    """
+    deadline = time.monotonic() + timeout
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        while True:
+            if interrupted():
+                return False
+            try:
+                with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                    break
+            except OSError as err:
+                if time.monotonic() > deadline:
+                    raise ServerError(
+                        f"parameter server {address} did not accept a connection within "
+                        f"{timeout:g} s (--server-time-out): {err}. Node 0's launcher starts the "
+                        "servers: check that it runs with the same --servers and --server-port, "
+                        "and that this node reaches --master-addr.") from None
+            time.sleep(0.1)
+    return True
 
 
 def _tail(process: Worker, lines: int = 10) -> str:
