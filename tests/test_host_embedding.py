@@ -113,3 +113,16 @@ def test_table_larger_than_the_address_space_limit(tmp_path):
     in_memory = subprocess.run([*common, "--steps", "1", "--storage", "callback"], env=env,
                                capture_output=True, text=True, timeout=150)
     assert in_memory.returncode != 0 and "MemoryError" in in_memory.stderr, in_memory.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"num_rows": 0}, "table 'clicks': num_rows=0 must be a positive whole number"),
+    ({"dim": 2.5}, "dim=2.5 must be a positive whole number"),
+    ({"storage": "disk"}, "storage='disk' must be one of"),
+    ({"storage": "file"}, "storage='file' takes a file path"),
+])
+def test_bad_tables_are_refused(kwargs, words):
+    args = {"name": "clicks", "num_rows": 10, "dim": 4, "optimizer": RowOptimizer(), **kwargs}
+    with pytest.raises(ValueError) as err:
+        HostEmbedding(**args)
+    assert words in str(err.value)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +125,16 @@ def dedup(ids: np.ndarray) -> PreparedIds:
     return PreparedIds(padded, inverse.reshape(ids.shape).astype(np.int32), int(unique.size))
 
 
+def _whole(table: str, name: str, value) -> int:
+    try:
+        number = operator.index(value)  # ints and numpy integers, not floats or bools
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or number < 1:
+        raise ValueError(f"table {table!r}: {name}={value!r} must be a positive whole number.")
+    return number
+
+
 def _pick_storage(storage: str, device) -> str:
     kinds = {m.kind for m in device.addressable_memories()}
     if storage == "auto":
@@ -147,9 +158,7 @@ class HostEmbedding:
     def __init__(self, name: str, num_rows: int, dim: int, optimizer: RowOptimizer, *,
                  init: np.ndarray | None = None, init_scale: float = 0.01, seed: int = 0,
                  storage: str = "auto", path: str | None = None, device=None):
-        if not isinstance(num_rows, int) or not isinstance(dim, int) or num_rows < 1 or dim < 1:
-            raise ValueError(f"table {name!r}: num_rows={num_rows!r} and dim={dim!r} must be "
-                             "positive whole numbers.")
+        num_rows, dim = _whole(name, "num_rows", num_rows), _whole(name, "dim", dim)
         if storage not in STORAGES:
             raise ValueError(f"table {name!r}: storage={storage!r} must be one of {STORAGES}.")
         if (storage == "file") != (path is not None):
