@@ -3,15 +3,17 @@ model (its loss falls well below log 2 on it; pulled rows give the same logits a
 
 import math
 
+import jax
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
+import jaxpar
 from jaxpar.data.clicks import ClickData
 from jaxpar.models.dlrm import DLRM, DLRMConfig, loss_fn
 
-DATA = ClickData(field_rows=(200, 100, 50))
+DATA = ClickData(field_rows=(200, 100, 52))   # 352 rows: the table splits over 4 or 8 devices
 CONFIG = DLRMConfig(field_rows=DATA.field_rows, embed=8, bottom=(16,), top=(16,))
 
 
@@ -52,7 +54,7 @@ def test_model_loss_falls_well_below_log2():
 
     held_out = DATA.eval_batch(2048)
     start = float(loss_fn(model, held_out))
-    for s in range(60):
+    for s in range(40):
         step(model, opt, DATA.batch(s, 256))
     end = float(loss_fn(model, held_out))
     assert start > 0.6 and end < 0.6 * math.log(2), (start, end)
@@ -66,3 +68,21 @@ def test_pulled_rows_give_the_table_logits():
     rows = np.asarray(model.table[...])[unique]
     np.testing.assert_allclose(model(batch["dense"], rows=rows, inverse=inverse.reshape(ids.shape)),
                                model(batch["dense"], batch["ids"]), rtol=1e-6)
+
+
+def test_table_splits_over_a_mesh_axis_like_one_device():
+    """The in-model table names its dimensions ("rows", "embed"): a rule shards its rows, the
+    batch goes over "data", and jaxpar's Trainer gives the one-device losses."""
+    def losses(config):
+        n = math.prod(config.mesh.values())
+        mesh = jaxpar.make_mesh(config, devices=jax.devices()[:n])
+        model = jaxpar.init(lambda: DLRM(CONFIG, rngs=nnx.Rngs(0)), config, mesh)
+        trainer = jaxpar.Trainer(model, optax.adam(0.02), loss_fn, config, mesh)
+        out = [float(trainer.step(DATA.batch(s, 64))["loss"]) for s in range(4)]
+        return out, trainer.model.table[...].sharding.spec
+
+    one, _ = losses(jaxpar.ParallelConfig(mesh={"data": 1}))
+    split, spec = losses(jaxpar.ParallelConfig(mesh={"data": 2, "model": 4},
+                                               rules={"batch": "data", "rows": "model"}))
+    assert spec[0] == "model"
+    np.testing.assert_allclose(split, one, rtol=1e-5)
