@@ -227,12 +227,19 @@ class HostEmbedding:
                 self._table, self._slot, jnp.asarray(prepared.unique), np.int32(n), row_grads)
             return
         rows = prepared.unique[:n]
-        grads = np.asarray(row_grads[:n], np.float32)
+        # Slice on the host: slicing the jax array would compile a program per distinct count.
+        grads = np.asarray(row_grads, np.float32)[:n]
         slot = None if self._slot is None else self._slot[rows]
         new_rows, new_slot = self.optimizer.update(self._table[rows], slot, grads)
         self._table[rows] = new_rows
         if new_slot is not None:
             self._slot[rows] = new_slot
+
+    def block_until_ready(self) -> HostEmbedding:
+        """Waits for the last ``apply`` (a pinned_host update runs asynchronously)."""
+        if self.storage == "pinned_host":
+            jax.block_until_ready((self._table, self._slot))
+        return self
 
     def numpy(self) -> np.ndarray:
         """A numpy copy of the whole table (small tables: tests, export)."""
@@ -240,8 +247,18 @@ class HostEmbedding:
 
 
 def _row_normal(ids: np.ndarray, *, seed: int, scale: float, dim: int) -> np.ndarray:
-    """Initial rows of a file table: normal values fixed by (seed, row), drawn on demand."""
-    return np.stack([np.random.default_rng((seed, int(i))).normal(0, scale, dim) for i in ids])
+    """Initial rows of a file table: normal values fixed by (seed, row, column), drawn on
+    demand with a counter-based hash (splitmix64 → Box-Muller), all rows at once."""
+    counters = (ids.astype(np.uint64)[:, None] * np.uint64(2 * dim)
+                + np.arange(2 * dim, dtype=np.uint64)[None, :])
+    with np.errstate(over="ignore"):
+        x = counters + np.uint64(seed) * np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    u = ((x >> np.uint64(11)).astype(np.float64) + 0.5) / float(1 << 53)
+    u1, u2 = u[:, :dim], u[:, dim:]
+    return (scale * np.sqrt(-2 * np.log(u1)) * np.cos(2 * np.pi * u2)).astype(np.float32)
 
 
 def _device_of(host: SingleDeviceSharding) -> SingleDeviceSharding:
