@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import os
 import secrets
+import signal
 import socket
+import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping
 
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from jaxpar.launch import sources
 from jaxpar.launch.ports import free_port
-from jaxpar.launch.worker import Worker, stop_all
+from jaxpar.launch.worker import Worker, _die_with_parent, stop_all
 
 if TYPE_CHECKING:  # launcher imports this module
     from jaxpar.launch.launcher import LaunchConfig
@@ -83,6 +84,21 @@ def job_token(env: Mapping[str, str], several_nodes: bool) -> str:
     return secrets.token_hex(16)
 
 
+class _ServerProcess(Worker):
+    """A server process whose output goes straight into its log file: no pipe and no copying
+    thread (the launcher forks workers, and restarted servers, while it runs), and the ready
+    line is read back from the file. Stopped, polled and reported like a worker."""
+
+    def __init__(self, *, index: int, command: list[str], env: Mapping[str, str], log_path: str):
+        self.rank, self.log_path, self.ended_at = index, log_path, None
+        self._log = open(log_path, "ab", buffering=0)
+        self.process = subprocess.Popen(
+            command, env=dict(env), stdin=subprocess.DEVNULL, stdout=self._log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()))  # no server outlives the launcher
+        self._pump = self._reaper = None
+
+
 class _Server:
     """One server: its arguments (kept for restarts), its current process and restarts so far."""
 
@@ -90,17 +106,16 @@ class _Server:
         self.index, self.command, self.env = index, command, env
         self.log_path, self.address = log_path, address
         self.restarts = 0
-        self.process: Worker | None = None
+        self.process: _ServerProcess | None = None
         self.ready = False
         self._offset = 0
 
-    def start(self, lock: threading.Lock) -> None:
+    def start(self) -> None:
         # The ready line of *this* run: read the log from where it ends now.
         self._offset = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         self.ready = False
-        self.process = Worker(rank=self.index, command=self.command, env=self.env,
-                              log_path=self.log_path)
-        self.process.start_copying(None, lock)
+        self.process = _ServerProcess(index=self.index, command=self.command, env=self.env,
+                                      log_path=self.log_path)
 
     def said_ready(self) -> bool:
         if not self.ready:
@@ -130,7 +145,6 @@ class ServerPool:
         ports = ports if ports is not None else [free_port() for _ in range(count)]
         self.addresses = server_addresses(host, ports)
         self.token, self.restarts, self._log = token, restarts, log
-        self._lock = threading.Lock()
         env = {**base_env, TOKEN: token, "PYTHONUNBUFFERED": "1"}
         self.servers = [
             _Server(i, [sys.executable, "-u", "-m", module, "--index", str(i), "--count",
@@ -145,7 +159,7 @@ class ServerPool:
     def start(self) -> None:
         """Starts every server (none waits for another)."""
         for s in self.servers:
-            s.start(self._lock)
+            s.start()
             self._log(f"started server {s.index} (pid {s.process.pid}) at {s.address}, "
                       f"log {s.log_path}")
 
@@ -187,8 +201,9 @@ class ServerPool:
                     f"({self.restarts}); its log: {s.log_path}{_tail(s.process)}")
             s.restarts += 1
             old = s.process.pid
+            s.process.signal_group(signal.SIGKILL)  # anything the dead server had started
             s.process.close()
-            s.start(self._lock)
+            s.start()
             self._log(f"server {s.index} (pid {old}) {how}: restart {s.restarts} of "
                       f"{self.restarts} with the same arguments, pid {s.process.pid}, log "
                       f"{s.log_path}")
