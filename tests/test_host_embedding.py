@@ -12,6 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
+import jaxpar
 from jaxpar.data.clicks import ClickData
 from jaxpar.models.dlrm import DLRM, DLRMConfig, loss_fn
 from jaxpar.nn.host_embedding import HostEmbedding, RowOptimizer
@@ -126,3 +127,31 @@ def test_bad_tables_are_refused(kwargs, words):
     with pytest.raises(ValueError) as err:
         HostEmbedding(**args)
     assert words in str(err.value)
+
+
+def test_step_over_a_mesh_equals_one_device():
+    """The dense towers split over a 2 x 4 mesh (batch over "data", hidden widths over
+    "model"), the pulled rows replicated: the same losses and table as on one device."""
+    initial = np.asarray(DLRM(CONFIG, rngs=nnx.Rngs(0)).table[...])
+
+    def train(config=None):
+        table = HostEmbedding("clicks", CONFIG.rows, CONFIG.embed, ROWS["adagrad"][0],
+                              init=initial, storage="pinned_host")
+        mesh = None if config is None else jaxpar.make_mesh(config)
+        make = lambda: DLRM(CONFIG, rngs=nnx.Rngs(0), table=False)  # noqa: E731
+        model = make() if config is None else jaxpar.init(make, config, mesh)
+        step = HostEmbeddingStep(model, optax.adam(LR), loss_fn, table, config=config, mesh=mesh)
+        losses = []
+        for s in range(4):
+            batch = DATA.batch(s, BATCH)
+            losses.append(float(step(batch, CONFIG.table_ids(batch["ids"]))))
+        return losses, table.numpy(), step
+
+    one, one_table, _ = train()
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4},
+                                   rules={"batch": "data", "mlp": "model"})
+    split, split_table, step = train(config)
+    hidden = step.params["bottom"]["weights"][0][...]
+    assert hidden.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    np.testing.assert_allclose(split, one, rtol=1e-5)
+    np.testing.assert_allclose(split_table, one_table, rtol=1e-5, atol=1e-7)

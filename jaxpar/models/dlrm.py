@@ -66,12 +66,15 @@ def _param(rngs: nnx.Rngs, shape, names, scale: float) -> nnx.Param:
 
 
 class MLP(nnx.Module):
-    """ReLU layers of the given widths; the last one stays linear."""
+    """ReLU layers of the given widths; the last one stays linear. Its input dimension is
+    named ``names[0]``, its output ``names[1]``, every hidden one ``"mlp"``."""
 
     def __init__(self, widths: tuple[int, ...], names: tuple[str, str], *, rngs: nnx.Rngs):
-        pairs = list(zip(widths[:-1], widths[1:]))
-        self.weights = nnx.List([_param(rngs, (a, b), names, a ** -0.5) for a, b in pairs])
-        self.biases = nnx.List([nnx.Param(jnp.zeros((b,))) for _, b in pairs])
+        dims = [names[0], *["mlp"] * (len(widths) - 2), names[1]]
+        layers = list(zip(widths[:-1], widths[1:], dims[:-1], dims[1:]))
+        self.weights = nnx.List([_param(rngs, (a, b), (na, nb), a ** -0.5)
+                                 for a, b, na, nb in layers])
+        self.biases = nnx.List([_param(rngs, (b,), (nb,), 0.0) for _, b, _, nb in layers])
 
     def __call__(self, x):
         for i, (w, b) in enumerate(zip(self.weights, self.biases)):
@@ -92,9 +95,9 @@ class DLRM(nnx.Module):
     def __init__(self, config: DLRMConfig, *, rngs: nnx.Rngs, table: bool = True):
         self.config = config
         e, fields = config.embed, len(config.field_rows)
-        self.bottom = MLP((config.dense, *config.bottom, e), ("dense", "mlp"), rngs=rngs)
+        self.bottom = MLP((config.dense, *config.bottom, e), ("dense", "embed"), rngs=rngs)
         pairs = (fields + 1) * fields // 2
-        self.top = MLP((e + pairs, *config.top, 1), ("mlp_in", "mlp"), rngs=rngs)
+        self.top = MLP((e + pairs, *config.top, 1), ("interaction", "logit"), rngs=rngs)
         self.table = _param(rngs, (config.rows, e), ("rows", "embed"), 0.1) if table else None
 
     def __call__(self, dense, ids=None, *, rows=None, inverse=None):

@@ -204,11 +204,15 @@ class HostEmbedding:
         """Checks ``ids`` (integers in ``0..num_rows-1``) and deduplicates them."""
         return dedup(check_ids(ids, self.num_rows, self.name))
 
-    def pull(self, prepared: PreparedIds) -> jax.Array:
-        """The rows ``prepared.unique`` on the device, ``float32[ids.size, dim]``."""
+    def pull(self, prepared: PreparedIds, sharding: jax.sharding.Sharding | None = None
+             ) -> jax.Array:
+        """The rows ``prepared.unique`` on the device, ``float32[ids.size, dim]`` (placed
+        with ``sharding`` if given, e.g. replicated over a mesh)."""
         if self.storage == "pinned_host":
-            return _pinned_gather(self._host)(self._table, jnp.asarray(prepared.unique))
-        return jax.device_put(np.asarray(self._table[prepared.unique]), self.device)
+            rows = _pinned_gather(self._host)(self._table, jnp.asarray(prepared.unique))
+        else:
+            rows = np.asarray(self._table[prepared.unique])
+        return jax.device_put(rows, sharding or self.device)
 
     def gather(self, unique: jax.Array) -> jax.Array:
         """Inside a jitted step: the rows ``unique`` fetched from the host with
@@ -223,8 +227,10 @@ class HostEmbedding:
         """Updates the rows of ``prepared`` (and their optimizer slots) from their gradient."""
         n = prepared.count
         if self.storage == "pinned_host":
+            # Gradients of a step over a mesh come replicated: the update takes one copy.
+            grads = jax.device_put(row_grads, self.device)
             self._table, self._slot = _pinned_update(self._host, self.optimizer)(
-                self._table, self._slot, jnp.asarray(prepared.unique), np.int32(n), row_grads)
+                self._table, self._slot, jnp.asarray(prepared.unique), np.int32(n), grads)
             return
         rows = prepared.unique[:n]
         # Slice on the host: slicing the jax array would compile a program per distinct count.

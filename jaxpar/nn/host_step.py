@@ -4,6 +4,12 @@ The dense part (every ``nnx.Param`` of the model) is trained by an optax optimiz
 jitted step; the table's rows enter the step as an input (pulled, or fetched by a host
 callback), their gradient leaves it, and the table's row optimizer applies it on the host.
 ``loss_fn(model, batch, rows, inverse)`` looks the embeddings up as ``rows[inverse]``.
+
+With ``config`` and ``mesh`` the dense part is an SPMD step over the mesh: the model comes
+from ``jaxpar.init`` (its parameters placed by their logical names), the batch and the
+inverse indices are split like any jaxpar batch, and the pulled rows are replicated (a step
+uses a few thousand rows; every device needs any of them). Without them it runs on the
+table's device.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar.config import ParallelConfig
+from jaxpar.data import leaf_spec, place_batch
 from jaxpar.nn.host_embedding import HostEmbedding
 
 
@@ -34,10 +44,16 @@ class HostEmbeddingStep:
     """
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation,
-                 loss_fn: Callable, table: HostEmbedding):
+                 loss_fn: Callable, table: HostEmbedding, *,
+                 config: ParallelConfig | None = None, mesh: jax.sharding.Mesh | None = None):
+        if (config is None) != (mesh is None):
+            raise ValueError(f"HostEmbeddingStep takes config and mesh together (got config="
+                             f"{config!r}, mesh={mesh!r}); pass both for a step over a mesh, "
+                             "neither for one device.")
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
-        self.tx, self.table = tx, table
-        self.opt_state = tx.init(self.params)
+        self.tx, self.table, self.config, self.mesh = tx, table, config, mesh
+        # Under jit the optimizer state takes the parameters' placement.
+        self.opt_state = jax.jit(tx.init)(self.params)
         self._step = jax.jit(self._make(loss_fn))
 
     def _make(self, loss_fn):
@@ -58,10 +74,18 @@ class HostEmbeddingStep:
     def __call__(self, batch, ids) -> jax.Array:
         """One step on ``batch`` whose categorical ids are ``ids``; returns the loss."""
         prepared = self.table.prepare(ids)
-        pulled = self.table.pull(prepared) if self.table.storage == "pinned_host" else None
+        inverse = prepared.inverse
+        if self.mesh is not None:  # rows pulled and replicated, batch split over the mesh
+            pulled = self.table.pull(prepared, NamedSharding(self.mesh, PartitionSpec()))
+            spec = leaf_spec(self.config, self.mesh, inverse.shape)
+            inverse = jax.device_put(inverse, NamedSharding(self.mesh, spec))
+            batch = place_batch(self.config, self.mesh, batch)
+        elif self.table.storage == "pinned_host":
+            pulled = self.table.pull(prepared)
+        else:
+            pulled = None  # fetched inside the step by the host callback
         loss, self.params, self.opt_state, row_grads = self._step(
-            self.params, self.rest, self.opt_state, prepared.unique, prepared.inverse, pulled,
-            batch)
+            self.params, self.rest, self.opt_state, prepared.unique, inverse, pulled, batch)
         self.table.apply(prepared, row_grads)
         return loss
 
