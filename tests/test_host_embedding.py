@@ -155,3 +155,13 @@ def test_step_over_a_mesh_equals_one_device():
     assert hidden.sharding.spec == jax.sharding.PartitionSpec(None, "model")
     np.testing.assert_allclose(split, one, rtol=1e-5)
     np.testing.assert_allclose(split_table, one_table, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("module", ["jaxpar.nn.host_embedding", "jaxpar.nn.host_step",
+                                    "jaxpar.nn.row_file", "jaxpar.models.dlrm",
+                                    "jaxpar.data.clicks"])
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    assert doctest.testmod(importlib.import_module(module)).failed == 0

@@ -235,3 +235,11 @@ def test_two_nodes_share_the_servers_of_node_0(tmp_path, tag, monkeypatch):
         for r in run.results():
             assert r["addresses"] == r["reached"] == expected
             assert r["token"] == "job-token-from-the-user"
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from jaxpar.launch import servers
+
+    assert doctest.testmod(servers).failed == 0

@@ -182,7 +182,7 @@ class HostEmbedding:
         shape = (self.num_rows, self.dim)
         if init is not None and np.shape(init) != shape:
             raise ValueError(f"table {self.name!r}: init has shape {np.shape(init)}, the table "
-                             f"is {shape}.")
+                             f"is {shape} (num_rows, dim); pass an init of that shape.")
         if path is not None:
             if init is not None:
                 raise ValueError(f"table {self.name!r}: storage='file' draws each row's initial "
@@ -216,7 +216,7 @@ class HostEmbedding:
 
     def gather(self, unique: jax.Array) -> jax.Array:
         """Inside a jitted step: the rows ``unique`` fetched from the host with
-        ``jax.pure_callback`` (``storage="callback"`` / ``"mmap"``)."""
+        ``jax.pure_callback`` (``storage="callback"`` / ``"file"``)."""
         if self.storage == "pinned_host":
             raise TypeError(f"table {self.name!r} is a pinned_host array: pass its rows into "
                             "the step with table.pull(prepared) instead of gather().")

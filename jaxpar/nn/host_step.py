@@ -20,7 +20,6 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig
