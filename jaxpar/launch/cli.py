@@ -29,6 +29,8 @@ examples:
       --master-port 8118 --node-rank 0 --log-dir logs train.py
   (rank 0's coordinator listens on 10.0.0.1 only; it has no authentication, so keep the
   port behind a firewall)
+  # 2 parameter servers, then 2 workers told where they are (JAXPAR_PS_ADDRESSES/_TOKEN)
+  jaxpar launch --worker-num 2 --local-worker-num 2 --servers 2 --log-dir logs train.py
 Option names also accept msrun's spelling (--worker_num, --master_addr, ...).
 """
 
