@@ -84,16 +84,16 @@ def _add_server_arguments(p: argparse.ArgumentParser, d: launcher.LaunchConfig) 
     g.add_argument("--servers", type=int, default=None, metavar="N",
                    help="start N parameter-server processes before the workers; workers get "
                         "JAXPAR_PS_ADDRESSES and JAXPAR_PS_TOKEN")
-    g.add_argument("--server-restarts", type=int, default=d.server_restarts, metavar="K",
-                   help="restart a server that dies at most K times (default %(default)s)")
-    g.add_argument("--server-port", type=int, default=None, metavar="P",
-                   help="server i listens on P+i (default: free ports; needed on several nodes)")
-    g.add_argument("--server-time-out", type=float, default=d.server_time_out,
-                   help="seconds to wait for the servers to be ready (default %(default)s)")
-    g.add_argument("--server-checkpoint-dir", default=None, metavar="DIR",
-                   help="where servers checkpoint their shards (default <log-dir>/ps_checkpoints)")
-    g.add_argument("--server-module", default=d.server_module,
-                   help="module each server runs with python -m (default %(default)s)")
+    _flag(g, "--server-restarts", type=int, default=d.server_restarts, metavar="K",
+          help="restart a server that dies at most K times (default %(default)s)")
+    _flag(g, "--server-port", type=int, default=None, metavar="P",
+          help="server i listens on P+i (default: free ports; needed on several nodes)")
+    _flag(g, "--server-time-out", type=float, default=d.server_time_out,
+          help="seconds to wait for the servers to be ready (default %(default)s)")
+    _flag(g, "--server-checkpoint-dir", default=None, metavar="DIR",
+          help="where servers checkpoint their shards (default <log-dir>/ps_checkpoints)")
+    _flag(g, "--server-module", default=d.server_module,
+          help="module each server runs with python -m (default %(default)s)")
 
 
 def add_launch_parser(subparsers) -> argparse.ArgumentParser:
