@@ -243,3 +243,13 @@ def test_docstring_examples_run():
     from jaxpar.launch import servers
 
     assert doctest.testmod(servers).failed == 0
+
+
+@pytest.mark.parametrize("command, flag", [("launch", "--server-port"), ("k8s", "--server-storage")])
+def test_server_flags_without_servers_are_refused(capsys, command, flag):
+    base = (["launch", "--worker-num", "2", "--local-worker-num", "2", flag, "9100", "t.py"]
+            if command == "launch" else
+            ["k8s", "--workers", "2", "--image", "img", flag, "5Gi", "--", "python", "t.py"])
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert f"({flag}) has no effect without servers; add --servers N, or drop it." in err, err

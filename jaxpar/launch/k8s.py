@@ -28,6 +28,8 @@ import yaml
 from jaxpar.launch import k8s_servers, sources
 
 _INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+_SERVER_FIELDS = {"server_port": "--server-port", "server_storage": "--server-storage",
+                  "ps_token_secret": "--ps-token-secret"}
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -91,7 +93,13 @@ class K8sJob:
             raise ValueError(f"gpus_per_worker={self.gpus_per_worker!r} must be a whole number "
                              ">= 0 (--gpus-per-worker).")
         _positive_or_none("servers", self.servers, "--servers", int)
-        if not 0 < self.server_port < 65536 or self.server_port == self.port:
+        if self.servers is None:
+            for field in dataclasses.fields(self):
+                given = getattr(self, field.name)
+                if field.name in _SERVER_FIELDS and given != field.default:
+                    raise ValueError(f"{field.name}={given!r} ({_SERVER_FIELDS[field.name]}) has no "
+                                     "effect without servers; add --servers N, or drop it.")
+        if self.servers and (not 0 < self.server_port < 65536 or self.server_port == self.port):
             raise ValueError(f"server_port={self.server_port!r} must be in 1..65535 and differ "
                              f"from the coordinator port {self.port} (--server-port).")
         if self.ps_token_secret is not None and not _NAME.match(self.ps_token_secret):

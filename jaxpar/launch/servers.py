@@ -23,6 +23,7 @@ comma-separated) and ``JAXPAR_PS_TOKEN``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import signal
@@ -259,6 +260,7 @@ def _tail(process: Worker, lines: int = 10) -> str:
 def check_config(config: LaunchConfig) -> None:
     """ValueError for bad server settings of a LaunchConfig (called by its ``__post_init__``)."""
     if config.servers is None:
+        _unused_without_servers(config)
         return
     _positive_number("servers", config.servers, "--servers")
     _positive_number("server_time_out", config.server_time_out, "--server-time-out", number=float)
@@ -282,6 +284,15 @@ def check_config(config: LaunchConfig) -> None:
     if port <= config.master_port < port + n:
         raise ValueError(f"server ports {port}..{port + n - 1} include --master-port "
                          f"{config.master_port}; pick --server-port outside it.")
+
+
+def _unused_without_servers(config: LaunchConfig) -> None:
+    """A server setting without servers would do nothing: say so rather than ignore it."""
+    for field in dataclasses.fields(config):
+        if field.name.startswith("server_") and getattr(config, field.name) != field.default:
+            flag = "--" + field.name.replace("_", "-")
+            raise ValueError(f"{field.name}={getattr(config, field.name)!r} ({flag}) has no "
+                             "effect without servers; add --servers N, or drop it.")
 
 
 def _positive_number(name: str, value, flag: str, number=int) -> None:
