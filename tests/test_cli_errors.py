@@ -215,10 +215,13 @@ VALUES = {
     ("launch",): {"--worker-num": "8", "--local-worker-num": "4", "--master-addr": "127.0.0.2",
                   "--master-port": "9001", "--bind-address": "127.0.0.1", "--node-rank": "1", "--log-dir": "L",
                   "--join": None, "--cluster-time-out": "7", "--simulated-devices": "2", "--devices-per-worker": "1",
-                  "--kill-time-out": "3", "--exit-time-out": "4"},
+                  "--kill-time-out": "3", "--exit-time-out": "4", "--servers": "2",
+                  "--server-restarts": "1", "--server-port": "9100", "--server-time-out": "5",
+                  "--server-checkpoint-dir": "C", "--server-module": "m.server"},
     ("k8s",): {"--workers": "3", "--image": "other", "--name": "job2", "--jobset": None, "--port": "9001",
                "--namespace": "ns", "--gpus-per-worker": "1", "--simulated-devices": "2",
-               "--cluster-time-out": "9", "--env": "A=1"},
+               "--cluster-time-out": "9", "--env": "A=1", "--servers": "2", "--server-port": "8600",
+               "--server-storage": "5Gi", "--ps-token-secret": "sec"},
 }
 # Flags that only choose where or how the result is shown; each has its own test:
 #   train --metrics (test_cli.py::test_train_writes_metrics, unwritable paths in BAD),

@@ -1,7 +1,8 @@
 """Starting a job on many processes and hosts, on JAX's own runtime (``jax.distributed``).
 
 * ``jaxpar launch`` (:func:`launch`, :class:`LaunchConfig`): msrun-like supervisor for one
-  node's workers.
+  node's workers; with ``--servers N`` also the job's parameter-server processes
+  (``jaxpar.launch.servers``).
 * :func:`detect_cluster` → :class:`ClusterSpec`: the job as the environment describes it
   (``JAXPAR_*`` variables, a rank table, OpenMPI, SLURM, Kubernetes).
 * ``jaxpar k8s`` (:func:`k8s_manifest`, :class:`K8sJob`): a Kubernetes manifest for a job.

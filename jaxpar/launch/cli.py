@@ -29,6 +29,8 @@ examples:
       --master-port 8118 --node-rank 0 --log-dir logs train.py
   (rank 0's coordinator listens on 10.0.0.1 only; it has no authentication, so keep the
   port behind a firewall)
+  # 2 parameter servers, then 2 workers told where they are (JAXPAR_PS_ADDRESSES/_TOKEN)
+  jaxpar launch --worker-num 2 --local-worker-num 2 --servers 2 --log-dir logs train.py
 Option names also accept msrun's spelling (--worker_num, --master_addr, ...).
 """
 
@@ -72,8 +74,26 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "--exit-time-out", type=float, default=d.exit_time_out,
           help="seconds the other workers may run on after one worker's script ended with "
                "code 0, before the launcher stops the job (default %(default)s)")
+    _add_server_arguments(p, d)
     p.add_argument("script", help="Python script (or executable) each worker runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _add_server_arguments(p: argparse.ArgumentParser, d: launcher.LaunchConfig) -> None:
+    g = p.add_argument_group("parameter servers (started by node 0's launcher)")
+    g.add_argument("--servers", type=int, default=None, metavar="N",
+                   help="start N parameter-server processes before the workers; workers get "
+                        "JAXPAR_PS_ADDRESSES and JAXPAR_PS_TOKEN")
+    _flag(g, "--server-restarts", type=int, default=d.server_restarts, metavar="K",
+          help="restart a server that dies at most K times (default %(default)s)")
+    _flag(g, "--server-port", type=int, default=None, metavar="P",
+          help="server i listens on P+i (default: free ports; needed on several nodes)")
+    _flag(g, "--server-time-out", type=float, default=d.server_time_out,
+          help="seconds to wait for the servers to be ready (default %(default)s)")
+    _flag(g, "--server-checkpoint-dir", default=None, metavar="DIR",
+          help="where servers checkpoint their shards (default <log-dir>/ps_checkpoints)")
+    _flag(g, "--server-module", default=d.server_module,
+          help="module each server runs with python -m (default %(default)s)")
 
 
 def add_launch_parser(subparsers) -> argparse.ArgumentParser:
@@ -95,7 +115,10 @@ def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
         log_dir=args.log_dir, join=args.join, cluster_time_out=args.cluster_time_out,
         simulated_devices=args.simulated_devices, devices_per_worker=args.devices_per_worker,
         kill_time_out=args.kill_time_out, exit_time_out=args.exit_time_out,
-        bind_address=args.bind_address,
+        bind_address=args.bind_address, servers=args.servers,
+        server_restarts=args.server_restarts, server_port=args.server_port,
+        server_time_out=args.server_time_out, server_checkpoint_dir=args.server_checkpoint_dir,
+        server_module=args.server_module,
     )
 
 
@@ -133,6 +156,14 @@ def add_k8s_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds pods wait for each other")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="extra variable (repeatable)")
+    p.add_argument("--servers", type=int, default=None, metavar="N",
+                   help="add N parameter-server pods (StatefulSet <name>-ps)")
+    p.add_argument("--server-port", type=int, default=8500, help="servers' port (default %(default)s)")
+    p.add_argument("--server-storage", default=None, metavar="SIZE",
+                   help="a volume claim of SIZE (e.g. 20Gi) per server for its checkpoints "
+                        "(default: emptyDir)")
+    p.add_argument("--ps-token-secret", default=None, metavar="SECRET",
+                   help="Secret whose key 'token' holds the job token (default <name>-ps-token)")
     # dest differs from "command": the jaxpar command keeps the subcommand's name there.
     p.add_argument("pod_command", nargs=argparse.REMAINDER, metavar="command",
                    help="-- then the command each pod runs")
@@ -161,7 +192,8 @@ def run_k8s(args: argparse.Namespace) -> int:
             name=args.name, kind="jobset" if args.jobset else "job", port=args.port,
             namespace=args.namespace, gpus_per_worker=args.gpus_per_worker,
             simulated_devices=args.simulated_devices, cluster_time_out=args.cluster_time_out,
-            env=_env_pairs(args.env),
+            env=_env_pairs(args.env), servers=args.servers, server_port=args.server_port,
+            server_storage=args.server_storage, ps_token_secret=args.ps_token_secret,
         )
     except ValueError as err:
         sys.stderr.write(f"jaxpar k8s: error: {err}\n")

@@ -11,6 +11,10 @@ Two shapes, both one pod per process:
 Each pod gets ``JAXPAR_COORDINATOR_ADDRESS``, ``JAXPAR_NUM_PROCESSES`` and ``JAXPAR_PROCESS_ID``
 (from the pod's ``batch.kubernetes.io/job-completion-index`` annotation). Any failed pod fails
 the Job (``backoffLimit: 0``), and Kubernetes deletes the other pods.
+
+``servers=N`` adds the parameter-server role (``jaxpar.launch.k8s_servers``): a StatefulSet of
+N server pods behind their own headless Service; the workers get their DNS names in
+``JAXPAR_PS_ADDRESSES`` and the job token from a Secret.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from collections.abc import Mapping, Sequence
 
 import yaml
 
-from jaxpar.launch import sources
+from jaxpar.launch import k8s_servers, sources
 
 _INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+_SERVER_FIELDS = {"server_port": "--server-port", "server_storage": "--server-storage",
+                  "ps_token_secret": "--ps-token-secret"}
 _NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
 
@@ -58,6 +64,14 @@ class K8sJob:
     """Seconds each pod waits for the others (``JAXPAR_CLUSTER_TIMEOUT``)."""
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """More environment variables for every pod."""
+    servers: int | None = None
+    """Parameter-server pods (a StatefulSet ``<name>-ps``); ``None``: none."""
+    server_port: int = 8500
+    """Port every server listens on."""
+    server_storage: str | None = None
+    """Size of a volume claim per server for its checkpoints (``"20Gi"``); ``None``: emptyDir."""
+    ps_token_secret: str | None = None
+    """Secret (key ``token``) holding the job token; default ``<name>-ps-token``."""
 
     def __post_init__(self):
         if not isinstance(self.workers, int) or self.workers < 1:
@@ -78,6 +92,19 @@ class K8sJob:
         if not isinstance(self.gpus_per_worker, int) or self.gpus_per_worker < 0:
             raise ValueError(f"gpus_per_worker={self.gpus_per_worker!r} must be a whole number "
                              ">= 0 (--gpus-per-worker).")
+        _positive_or_none("servers", self.servers, "--servers", int)
+        if self.servers is None:
+            for field in dataclasses.fields(self):
+                given = getattr(self, field.name)
+                if field.name in _SERVER_FIELDS and given != field.default:
+                    raise ValueError(f"{field.name}={given!r} ({_SERVER_FIELDS[field.name]}) has no "
+                                     "effect without servers; add --servers N, or drop it.")
+        if self.servers and (not 0 < self.server_port < 65536 or self.server_port == self.port):
+            raise ValueError(f"server_port={self.server_port!r} must be in 1..65535 and differ "
+                             f"from the coordinator port {self.port} (--server-port).")
+        if self.ps_token_secret is not None and not _NAME.match(self.ps_token_secret):
+            raise ValueError(f"ps_token_secret={self.ps_token_secret!r} must be a lowercase DNS "
+                             "name, such as 'train-ps-token' (--ps-token-secret).")
         _positive_or_none("simulated_devices", self.simulated_devices, "--simulated-devices", int)
         _positive_or_none("cluster_time_out", self.cluster_time_out, "--cluster-time-out", float)
         taken = sorted(set(self.env) & set(_fixed_names(self)))
@@ -121,6 +148,7 @@ def _env(job: K8sJob, extra: bool = True) -> list[dict]:
                 {"name": "JAX_PLATFORMS", "value": "cpu"}]
     if job.cluster_time_out is not None:
         env.append({"name": "JAXPAR_CLUSTER_TIMEOUT", "value": f"{job.cluster_time_out:g}"})
+    env += k8s_servers.worker_env(job)
     return env + ([{"name": k, "value": str(v)} for k, v in job.env.items()] if extra else [])
 
 
@@ -191,11 +219,12 @@ def _jobset(job: K8sJob) -> dict:
 
 def manifest_objects(job: K8sJob) -> list[dict]:
     """The Kubernetes objects for ``job``, as plain dicts."""
+    roles = k8s_servers.server_objects(job)
     if job.kind == "jobset":
-        return [_jobset(job)]
+        return roles + [_jobset(job)]
     batch_job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(job),
                  "spec": _job_spec(job, True)}
-    return [_service(job), batch_job]
+    return roles + [_service(job), batch_job]
 
 
 def manifest(job: K8sJob) -> str:

@@ -19,6 +19,9 @@ Supervision, in one loop:
   ``jax.experimental.multihost_utils.reached_preemption_sync_point`` can save a checkpoint),
   SIGKILL after ``kill_time_out`` seconds or at a second signal; exit ``128 + signal``;
 * the launcher itself killed with SIGKILL → the kernel kills the workers (``PR_SET_PDEATHSIG``).
+
+With ``--servers N`` the launcher of node 0 first starts N parameter-server processes and waits
+for them to serve; see ``jaxpar.launch.servers`` (restarts, stopping, the contract).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from jaxpar.launch import cluster, deaths, sources
+from jaxpar.launch import cluster, deaths, servers, sources
 from jaxpar.launch.ports import BIND_ADDRESS, check_bind_address, port_problem
 from jaxpar.launch.worker import Worker, signal_name, stop_all
 
@@ -87,6 +90,19 @@ class LaunchConfig:
     bind_address: str | None = None
     """Where rank 0's coordinator listens (``host`` or ``host:port``). Default: the
     ``master_addr`` interface (loopback for ``127.0.0.1``); ``0.0.0.0`` listens on all."""
+    servers: int | None = None
+    """Parameter-server processes of the job (``--servers``), all started by node 0's
+    launcher on the ``master_addr`` host; ``None``: none."""
+    server_restarts: int = 3
+    """How many times each server is restarted after it dies before the job fails."""
+    server_port: int | None = None
+    """Server ``i`` listens on ``server_port + i``; ``None``: free ports (one node only)."""
+    server_time_out: float = 60.0
+    """Seconds to wait for every server's ready line before the workers start."""
+    server_checkpoint_dir: str | None = None
+    """Where the servers checkpoint their shards; default ``<log_dir>/ps_checkpoints``."""
+    server_module: str = "jaxpar.ps.server"
+    """The module each server runs as ``python -m <module>``."""
 
     def __post_init__(self):
         _positive("worker_num", self.worker_num, "--worker-num")
@@ -101,6 +117,7 @@ class LaunchConfig:
                 _positive(name, getattr(self, name), "--" + name.replace("_", "-"))
         if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
             raise ValueError(f"master_port={self.master_port!r} must be in 1..65535 (--master-port).")
+        servers.check_config(self)
         if not isinstance(self.node_rank, int) or self.node_rank < 0:
             raise ValueError(f"node_rank={self.node_rank!r} must be a whole number >= 0 (--node-rank).")
         first = self.node_rank * self.local_worker_num
@@ -237,6 +254,9 @@ def launch(config: LaunchConfig, script: str, args: Sequence[str] = (), *,
         with _Signals() as signals:
             return _run(config, worker_command(script, args), run_dir, log, signals,
                         echo if config.join else None, lock)
+    except servers.ServerError as err:
+        log(f"error: {err}")
+        return 1
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
         log.close()
@@ -250,11 +270,11 @@ def _port_free(config: LaunchConfig, log: _Log) -> bool:
     return not problem
 
 
-def _start(config, command, run_dir, log, workers: list[Worker]) -> None:
+def _start(config, command, run_dir, log, workers: list[Worker], extra_env: dict) -> None:
     """Starts the workers, appending each as it starts (so a failure leaves none unwatched)."""
     for rank in config.ranks:
         path = os.path.join(config.log_dir, f"worker_{rank}.log")
-        env = worker_env(config, rank, run_dir, os.environ)
+        env = worker_env(config, rank, run_dir, {**os.environ, **extra_env})
         workers.append(Worker(rank=rank, command=command, env=env, log_path=path))
         log(f"started rank {rank} (pid {workers[-1].pid}), log {path}")
 
@@ -263,16 +283,35 @@ def _run(config, command, run_dir, log, signals, echo, lock) -> int:
     log(f"node {config.node_rank}: ranks {config.ranks.start}..{config.ranks.stop - 1} of "
         f"{config.worker_num}, coordinator {config.coordinator_address}: {' '.join(command)}")
     workers: list[Worker] = []
+    pool, server_env = servers.pool_for(config, os.environ, log)
     try:
-        _start(config, command, run_dir, log, workers)
+        if not _servers_up(config, pool, server_env, signals):
+            log(f"received {signal_name(signals.received)} before the servers were ready")
+            return 128 + signals.received
+        _start(config, command, run_dir, log, workers, server_env)
         # Copy output only once every worker has forked: no thread runs during a fork.
         for w in workers:
             w.start_copying(echo, lock)
-        return _watch(config, workers, run_dir, log, signals)
+        return _watch(config, workers, run_dir, log, signals, pool)
     finally:
         stop_all(workers, 0.0)  # normally all have ended: this reaps them and their children
         for w in workers:
             w.close()
+        if pool is not None:  # after the workers: their last pushes reach the final checkpoint
+            pool.stop(config.kill_time_out, hurry=lambda: signals.count > 1)
+
+
+def _servers_up(config, pool, server_env: dict, signals) -> bool:
+    """Node 0 starts the servers and waits for their ready lines; another node waits until it
+    reaches each of them. False when a signal came first."""
+    interrupted = lambda: signals.received is not None  # noqa: E731
+    if pool is not None:
+        pool.start()
+        return pool.wait_ready(config.server_time_out, interrupted)
+    if servers.ADDRESSES in server_env:
+        return servers.wait_reachable(server_env[servers.ADDRESSES].split(","),
+                                      config.server_time_out, interrupted)
+    return True
 
 
 def _marked(run_dir: str, stage: str) -> set[int]:
@@ -281,10 +320,18 @@ def _marked(run_dir: str, stage: str) -> set[int]:
     return {int(n.split(".", 1)[1]) for n in names if n.startswith(stage + ".")}
 
 
-def _watch(config, workers, run_dir, log, signals) -> int:
+def _watch(config, workers, run_dir, log, signals, pool) -> int:
     while True:
         if signals.received is not None:
             return _interrupted(config, workers, signals, log)
+        if pool is not None:
+            try:
+                pool.check()
+            except servers.ServerError as err:
+                took = stop_all(workers, 0.0)
+                log(f"error: {err}\nkilled the {len(workers)} worker(s) in {took:.2f} s: the "
+                    "job cannot go on without that server's rows.")
+                return 1
         codes = [w.poll() for w in workers]
         if any(code not in (None, 0) for code in codes):
             return _failed(config, workers, run_dir, log)

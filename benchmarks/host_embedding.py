@@ -1,0 +1,102 @@
+"""Host-side embedding: time of one training step of the click model for each table storage,
+and where that time goes (host dedup, moving rows, the device step, the row update).
+
+    .venv/bin/python benchmarks/host_embedding.py                   # about 30 s on 2 CPU cores
+    .venv/bin/python benchmarks/host_embedding.py --rows 10000000 --batch 4096 --out r.json
+
+Each storage trains the same model on the same batches; the storages take turns step by step,
+so a change in the machine's load hits all of them alike. Reported per storage: median step
+ms, ids looked up per second (batch × fields / step time), unique rows moved and updated per
+second, and the median ms of each phase (measured in a second pass that blocks after each).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxpar.data.clicks import ClickData
+from jaxpar.models.dlrm import DLRM, DLRMConfig, loss_fn
+from jaxpar.nn.host_embedding import HostEmbedding, RowOptimizer
+from jaxpar.nn.host_step import HostEmbeddingStep
+
+
+def build(storage: str, config: DLRMConfig, folder: str) -> HostEmbeddingStep:
+    path = os.path.join(folder, "table.rows") if storage == "file" else None
+    table = HostEmbedding("clicks", config.rows, config.embed,
+                          RowOptimizer(kind="adagrad", learning_rate=0.05), storage=storage, path=path)
+    return HostEmbeddingStep(DLRM(config, rngs=nnx.Rngs(0), table=False), optax.adam(0.01),
+                             loss_fn, table)
+
+
+def phases(step: HostEmbeddingStep, batch, ids) -> dict[str, float]:
+    """One step, cut into its phases, blocking after each (slower than a real step)."""
+    table, times = step.table, {}
+    t0 = time.perf_counter()
+    prepared = table.prepare(ids)
+    t1 = time.perf_counter()
+    pulled = table.pull(prepared) if table.storage == "pinned_host" else None
+    jax.block_until_ready(pulled)
+    t2 = time.perf_counter()
+    loss, step.params, step.opt_state, grads = step._step(
+        step.params, step.rest, step.opt_state, prepared.unique, prepared.inverse, pulled, batch)
+    jax.block_until_ready(grads)
+    t3 = time.perf_counter()
+    table.apply(prepared, grads)
+    table.block_until_ready()
+    t4 = time.perf_counter()
+    times.update(dedup=t1 - t0, pull=t2 - t1, device_step=t3 - t2, apply=t4 - t3)
+    return {k: v * 1e3 for k, v in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, default=1_000_000)
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--storages", nargs="+", default=["pinned_host", "callback", "file"])
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    fields = (args.rows // 2, args.rows // 4, args.rows - args.rows // 2 - args.rows // 4)
+    data, config = ClickData(field_rows=fields), DLRMConfig(field_rows=fields, embed=args.dim)
+    folder = tempfile.mkdtemp()
+    steps = {s: build(s, config, folder) for s in args.storages}
+    batches = [data.batch(i, args.batch) for i in range(args.steps + 2)]
+    unique = statistics.median(np.unique(config.table_ids(b["ids"])).size for b in batches)
+    times = {s: [] for s in steps}
+    for i, b in enumerate(batches):
+        order = list(steps) if i % 2 == 0 else list(reversed(steps))
+        for s in order:
+            t = time.perf_counter()
+            jax.block_until_ready(steps[s](b, config.table_ids(b["ids"])))
+            steps[s].table.block_until_ready()  # the row update too, before the next storage
+            if i >= 2:  # the first two compile
+                times[s].append(time.perf_counter() - t)
+    results = {}
+    for s, step in steps.items():
+        ms = statistics.median(times[s]) * 1e3
+        cut = [phases(step, b, config.table_ids(b["ids"])) for b in batches[:10]]
+        results[s] = {"step_ms": ms, "ids_per_s": args.batch * len(fields) / ms * 1e3,
+                      "rows_per_s": unique / ms * 1e3,
+                      **{f"{k}_ms": statistics.median(c[k] for c in cut) for k in cut[0]}}
+    print(f"table {config.rows:,} x {args.dim}, batch {args.batch} x {len(fields)} ids "
+          f"(median {unique:.0f} unique rows), {jax.devices()[0].platform}")
+    print(f"{'storage':12} {'step ms':>8} {'ids/s':>10} {'rows/s':>10}  dedup / pull / device / apply ms")
+    for s, r in results.items():
+        print(f"{s:12} {r['step_ms']:8.2f} {r['ids_per_s']:10.0f} {r['rows_per_s']:10.0f}  "
+              f"{r['dedup_ms']:.2f} / {r['pull_ms']:.2f} / {r['device_step_ms']:.2f} / {r['apply_ms']:.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "unique_rows": unique, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
