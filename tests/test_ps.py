@@ -4,83 +4,18 @@ Servers run as subprocesses on loopback (``tests/workers/ps_servers.py``), under
 of the client calls and of pytest.
 """
 
+import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 from jaxpar import ps
+from workers.ps_model import DIM, FIELDS, ITEMS, TOKEN, USERS, Tower, loss_fn, make_batches, reference
 from workers.ps_servers import Servers, free_port
-
-DIM = 8
-USERS = ps.TableSpec("users", 2000, DIM, ps.SGD(0.5), partition="range", seed=1)
-ITEMS = ps.TableSpec("items", 3000, DIM, ps.Adagrad(0.1), partition="hash", seed=2)
-# Two fields read one shared table: a user's current and previous item.
-FIELDS = {"user": "users", "item": "items", "prev": "items"}
-TOKEN = "test-token-1234"
-
-
-class Tower(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.l1 = nnx.Linear(3 * DIM, 16, rngs=rngs)
-        self.l2 = nnx.Linear(16, 1, rngs=rngs)
-
-    def __call__(self, x):
-        return self.l2(jax.nn.relu(self.l1(x)))[..., 0]
-
-
-def loss_fn(model, emb, batch):
-    x = jnp.concatenate([emb["user"], emb["item"], emb["prev"]], axis=-1)
-    return optax.sigmoid_binary_cross_entropy(model(x), batch["label"]).mean()
-
-
-def make_batches(n, size=32, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        # Few distinct ids: duplicates inside a field and across the two item fields.
-        user = rng.integers(0, 300, size)
-        item = rng.integers(0, 200, size)
-        prev = rng.integers(0, 200, size)
-        label = ((user + item) % 3 == 0).astype(np.float32)
-        out.append({"user": user, "item": item, "prev": prev, "label": label})
-    return out
-
-
-def reference(batches):
-    """The same model with both tables as nnx.Params on one device, trained by optax."""
-    tower = Tower(nnx.Rngs(0))
-    graphdef, params = nnx.split(tower)
-    tables = {"users": jnp.asarray(ps.init_rows(USERS, np.arange(USERS.rows))),
-              "items": jnp.asarray(ps.init_rows(ITEMS, np.arange(ITEMS.rows)))}
-    txs = {"tower": optax.sgd(0.05), "users": optax.sgd(0.5),
-           "items": optax.adagrad(0.1, initial_accumulator_value=0.1, eps=1e-10)}
-    state = {"tower": params, **tables}
-    opt = {k: tx.init(state[k]) for k, tx in txs.items()}
-
-    @jax.jit
-    def step(state, opt, batch):
-        def loss(state):
-            emb = {f: state[t][batch[f]] for f, t in FIELDS.items()}
-            return loss_fn(nnx.merge(graphdef, state["tower"]), emb, batch)
-
-        value, grads = jax.value_and_grad(loss)(state)
-        new_state, new_opt = {}, {}
-        for k, tx in txs.items():
-            updates, new_opt[k] = tx.update(grads[k], opt[k], state[k])
-            new_state[k] = optax.apply_updates(state[k], updates)
-        return new_state, new_opt, value
-
-    losses = []
-    for batch in batches:
-        state, opt, value = step(state, opt, batch)
-        losses.append(float(value))
-    return losses, state
-
 
 @pytest.fixture
 def servers(tmp_path, tag):
@@ -91,7 +26,7 @@ def servers(tmp_path, tag):
 
 def test_sync_two_servers_equals_in_process_table(servers):
     batches = make_batches(20)
-    want_losses, want = reference(batches)
+    want_losses, want = reference(20)
     client = ps.connect([USERS, ITEMS], addresses=servers.addresses, token=TOKEN, timeout=30,
                         worker=0, workers=1)
     trainer = ps.SparseTrainer(client, Tower(nnx.Rngs(0)), optax.sgd(0.05), loss_fn, FIELDS, prefetch=True)
@@ -136,3 +71,35 @@ def test_bad_input_fails_fast_with_names(servers):
         ps.connect([other], addresses=servers.addresses, token=TOKEN, timeout=5, worker=0, workers=1)
     with pytest.raises(ValueError, match="staleness=2 with mode='sync'"):
         ps.connect([USERS], addresses=servers.addresses, token=TOKEN, staleness=2)
+
+
+def test_async_staleness_bound_is_enforced(servers):
+    """τ = 1, two workers: a pull waits for the slow worker; a push from rows too old is refused."""
+    kw = dict(mode="async", staleness=1, addresses=servers.addresses, token=TOKEN, timeout=20, workers=2)
+    fast, slow = ps.connect([USERS], worker=0, **kw), ps.connect([USERS], worker=1, **kw)
+    ids, grads = np.array([3, 4, 1000]), np.ones((3, DIM), np.float32)
+    for step in (0, 1):  # the fast worker runs ahead by τ + 1 steps
+        fast.pull("users", ids, step)
+        fast.push("users", ids, grads, step)
+    got = {}
+    blocked = threading.Thread(target=lambda: got.update(rows=fast.pull("users", ids, 2)))
+    blocked.start()
+    blocked.join(1.0)
+    assert blocked.is_alive(), "a pull at step 2 must wait for the updates of step 0 from every worker"
+    before = slow.pull("users", ids, 0)
+    slow.push("users", ids, grads, 0)  # the clock reaches 1: the fast worker's pull is served
+    blocked.join(10)
+    assert not blocked.is_alive() and "rows" in got
+    slow.push("users", ids, grads, 1, pulled_at=0)  # rows 1 step old: allowed
+    after_ok = slow.pull("users", ids, 2)
+    slow.push("users", ids, grads, 2, pulled_at=0)  # rows 2 steps old: rejected, not applied
+    assert np.array_equal(slow.pull("users", ids, 3), after_ok)
+    assert not np.array_equal(before, after_ok)
+    stats = slow.stats()
+    assert stats["worker"]["rejected"] == 1
+    assert stats["worker"]["staleness"] == {0: 1, 1: 1, 2: 1}  # one count per push of this worker
+    table = stats["tables"]["users"]
+    # ids 3, 4 live on server 0 and id 1000 on server 1 (range partition): a push counts on both;
+    # the fast worker read its step-1 rows at clock 0, so its step-1 push was 1 step stale too.
+    assert table["rejected"] == 2 and table["staleness_histogram"] == {0: 4, 1: 4, 2: 2}
+    fast.close(), slow.close()

@@ -42,9 +42,13 @@ class Client:
         self._stats = {"pulls": 0, "rows_pulled": 0, "pushes": 0, "rows_pushed": 0,
                        "rejected": 0, "staleness": {}, "pull_wait_s": 0.0}
         self._lock = threading.Lock()
-        self._call([(s, {"op": "hello", "mode": mode, "staleness": staleness, "workers": workers,
-                         "tables": [t.to_json() for t in tables]}, ())
-                    for s in range(len(addresses))], table="*")
+        try:
+            self._call([(s, {"op": "hello", "mode": mode, "staleness": staleness, "workers": workers,
+                             "tables": [t.to_json() for t in tables]}, ())
+                        for s in range(len(addresses))], table="*")
+        except BaseException:
+            self.close()  # a context left to the garbage collector can block in its finaliser
+            raise
 
     # -- public calls -------------------------------------------------------------------------
 
@@ -75,23 +79,36 @@ class Client:
         for k, (header, arrays) in enumerate(replies):
             name, s, where = plan[k]
             out[name][where] = arrays[0]
-            self._read_clock[(name, step, s)] = int(header["clock"])
+            with self._lock:
+                self._read_clock[(name, step, s)] = int(header["clock"])
         with self._lock:
             self._stats["pulls"] += 1
             self._stats["rows_pulled"] += sum(len(i) for i in ids.values())
             self._stats["pull_wait_s"] += time.perf_counter() - start
         return out
 
-    def push(self, table: str, ids: np.ndarray, grads: np.ndarray, step: int) -> None:
+    def push(self, table: str, ids: np.ndarray, grads: np.ndarray, step: int,
+             pulled_at: int | None = None) -> None:
         """Sends the gradients of ``table``'s rows ``ids`` computed at worker step ``step``.
 
-        Every server gets a push for every step (an empty one when it owns none of ``ids``):
-        in sync mode it is how a server knows this worker is done with the step.
-        """
-        self.push_many({table: (ids, grads)}, step)
+        ``pulled_at`` is the step whose pull gave the rows (default ``step``): a worker that
+        reuses rows pulled earlier says so, and in async mode the push is rejected (and counted)
+        when those rows are more than ``staleness`` steps old. Every server gets a push for every
+        step (an empty one when it owns none of ``ids``): in sync mode it is how a server knows
+        this worker is done with the step.
 
-    def push_many(self, grads: dict[str, tuple[np.ndarray, np.ndarray]], step: int) -> None:
+        Example:
+            >>> client.push("users", ids, grads, step=0)  # doctest: +SKIP
+        """
+        self.push_many({table: (ids, grads)}, step, pulled_at)
+
+    def push_many(self, grads: dict[str, tuple[np.ndarray, np.ndarray]], step: int,
+                  pulled_at: int | None = None) -> None:
         """:meth:`push` for several tables at once."""
+        pulled_at = step if pulled_at is None else pulled_at
+        with self._lock:  # the prefetching thread adds clocks while this one pushes
+            for key in [k for k in list(self._read_clock) if k[1] < pulled_at - 64]:
+                del self._read_clock[key]  # keep the clocks of recent pulls only
         requests = []
         for name, (ids, g) in grads.items():
             spec, ids = self._spec(name), self._check_ids(name, ids)
@@ -100,17 +117,20 @@ class Client:
                 raise ValueError(f"table {name!r}: gradients of shape {list(g.shape)} for {len(ids)} ids; "
                                  f"expected [{len(ids)}, {spec.dim}]")
             owner = spec.owner(ids, len(self.addresses))
+            stale = []
             for s in range(len(self.addresses)):
                 where = owner == s
-                read = self._read_clock.pop((name, step, s), step)
+                read = self._read_clock.get((name, pulled_at, s), step)
                 requests.append((s, {"op": "push", "table": name, "step": step, "worker": self.worker,
                                      "read_clock": read}, (ids[where], g[where])))
-                self._record_staleness(step - read, int(where.sum()))
+                stale += [step - read] if where.any() else []
+            if stale:  # one count per push and table: its oldest rows
+                self._record_staleness(max(stale))
         replies = self._call(requests, table=",".join(grads))
         with self._lock:
             self._stats["pushes"] += 1
             self._stats["rows_pushed"] += sum(len(i) for i, _ in grads.values())
-            self._stats["rejected"] += sum(h.get("status") == "rejected" for h, _ in replies)
+            self._stats["rejected"] += any(h.get("status") == "rejected" for h, _ in replies)
 
     def save(self, step: int) -> None:
         """Makes every server snapshot its shards at clock ``step`` (call it where the workers'
@@ -144,7 +164,8 @@ class Client:
 
     def close(self) -> None:
         """Closes the sockets (any thread's) and the context."""
-        self._ctx.destroy(linger=0)
+        if not self._ctx.closed:
+            self._ctx.destroy(linger=0)
 
     def __enter__(self) -> "Client":
         return self
@@ -172,11 +193,10 @@ class Client:
                              f"{int(ids[bad][0])} (ids seen span [{int(ids.min())}, {int(ids.max())}])")
         return ids
 
-    def _record_staleness(self, stale: int, rows: int) -> None:
-        if rows:
-            with self._lock:
-                h = self._stats["staleness"]
-                h[stale] = h.get(stale, 0) + 1
+    def _record_staleness(self, stale: int) -> None:
+        with self._lock:
+            h = self._stats["staleness"]
+            h[stale] = h.get(stale, 0) + 1
 
     # -- transport ----------------------------------------------------------------------------
 

@@ -157,6 +157,27 @@ class SparseTrainer:
         self.client.push_many(grads, self.step_count)
         return float(loss)
 
+    def save(self) -> dict[str, Any]:
+        """Makes the servers snapshot the tables at this step; returns the worker's state (dense
+        parameters, optimizer state, step) for the worker's own orbax checkpoint of this step.
+
+        Example:
+            >>> orbax_checkpointer.save(path, trainer.save())  # doctest: +SKIP
+        """
+        self.client.save(self.step_count)
+        return {"params": self.params, "opt_state": self.opt_state, "step": self.step_count}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Takes back a state :meth:`save` returned (e.g. read from orbax) and brings the
+        servers back to their snapshot of the same step.
+
+        Example:
+            >>> trainer.restore(orbax_checkpointer.restore(path))  # doctest: +SKIP
+        """
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.step_count = int(state["step"])
+        self.client.restore(self.step_count)
+
     def step(self, batch: Mapping[str, Any]) -> dict[str, float]:
         """One training step on ``batch`` (no prefetch); returns ``{"loss": ...}``."""
         start = time.perf_counter()
