@@ -229,8 +229,8 @@ class Client:
                 k, s, _ = next(iter(frames.values()))
                 op = requests[k][1]["op"]
                 raise TimeoutError(f"parameter server {self.addresses[s]} did not answer {op!r} on table "
-                                   f"{requests[k][1].get('table', table)!r} within timeout={self.timeout} s; "
-                                   "is it running, and is the address right?")
+                                   f"{requests[k][1].get('table', table)!r} within timeout={self.timeout} s; is it running, "
+                                   "is the address right, and (sync) did every worker push the previous step?")
         return replies
 
     def _collect(self, socks, frames, replies, until: float) -> None:
