@@ -80,6 +80,8 @@ class TableShard:
         if step < self.clock or worker in self.pending.get(step, {}):
             return "duplicate"
         self.pending.setdefault(step, {})[worker] = (local, grads)
+        if len(local):  # sync pulls wait for the clock: every push is fresh
+            self.histogram[0] = self.histogram.get(0, 0) + 1
         status = "pending"
         while len(self.pending.get(self.clock, {})) == self.workers:
             parts = self.pending.pop(self.clock)
