@@ -1,16 +1,25 @@
-"""Parameter-server faults: a SIGKILLed server restarts from its shard checkpoint and write-ahead
-log and sync training goes on equal to the run without the kill; a worker group restored from
-its orbax checkpoint of step s brings the servers back to s."""
+"""Parameter servers across processes: a SIGKILLed server restarts from its shard checkpoint and
+write-ahead log and sync training goes on equal to the run without the kill; a worker group
+restored from its orbax checkpoint of step s brings the servers back to s; two worker processes
+of one jax.distributed job train equal to one device."""
+
+import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import pytest
 from flax import nnx
 
 from jaxpar import ps
 from workers.ps_model import FIELDS, ITEMS, TOKEN, USERS, Tower, loss_fn, make_batches, reference
-from workers.ps_servers import Servers
+from workers.ps_servers import ROOT, Servers, free_port
+
+WORKER = os.path.join(ROOT, "tests", "workers", "ps_worker.py")
 
 
 def _trainer(servers, seed=0):
@@ -53,3 +62,27 @@ def test_server_sigkill_and_worker_restore_keep_sync_training_exact(tmp_path, ta
     finally:
         codes = servers.stop()
     assert codes == [0, 0]
+
+
+@pytest.mark.multiprocess
+def test_two_worker_processes_sync_equal_in_process(tmp_path, tag):
+    """A 2-process jax.distributed job (2 CPU devices each): dense parameters data parallel over
+    the 4 devices, each process pulling and pushing the rows of its half of the batch."""
+    servers = Servers(tmp_path, tag, count=2, token=TOKEN)
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "JAXPAR_PS_TOKEN": TOKEN, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    procs = [subprocess.Popen([sys.executable, WORKER, "--process", str(i), "--coordinator", coordinator,
+                               "--addresses", ",".join(servers.addresses), "--out", str(tmp_path / f"w{i}.json"),
+                               "--tag", tag], env=env, start_new_session=True) for i in range(2)]
+    try:
+        codes = [p.wait(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        stopped = servers.stop()
+    assert codes == [0, 0] and stopped == [0, 0]
+    want_losses, _ = reference(20)
+    for i in range(2):
+        got = json.loads((tmp_path / f"w{i}.json").read_text())["losses"]
+        np.testing.assert_allclose(got, want_losses, rtol=0, atol=1e-6)

@@ -106,7 +106,14 @@ class SparseTrainer:
         self.client, self.tx, self.fields = client, tx, dict(fields)
         self.mesh, self.batch_axis = mesh, batch_axis or (mesh.axis_names[0] if mesh else None)
         self.prefetch, self.buckets = prefetch, buckets
+        self.processes = jax.process_count()
+        if self.processes > 1 and mesh is None:
+            raise ValueError(f"SparseTrainer: a job of {self.processes} processes needs mesh= (a mesh over "
+                             "every process's devices): the dense step is data parallel across them")
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
+        if mesh is not None:  # dense parameters replicated over the mesh (every process's devices)
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            self.params, self.rest = jax.device_put((self.params, self.rest), replicated)
         self.opt_state = tx.init(self.params)
         self.step_count = 0
         self.timings = {"pull_wait_s": 0.0, "step_s": 0.0}
@@ -137,25 +144,62 @@ class SparseTrainer:
         return lk, self.client.pull_many(lk.unique, step)
 
     def _place(self, x: np.ndarray) -> Any:
-        if self.mesh is None or x.ndim == 0 or x.shape[0] % self.mesh.shape[self.batch_axis]:
+        """This process's part of a batch-split array: a global array over the mesh."""
+        if self.mesh is None:
             return x
-        spec = jax.sharding.PartitionSpec(self.batch_axis)
-        return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, spec))
+        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.batch_axis))
+        if self.processes > 1:
+            return jax.make_array_from_process_local_data(sharding, x)
+        return x if x.shape[0] % self.mesh.shape[self.batch_axis] else jax.device_put(x, sharding)
+
+    def _bucket(self, table: str, unique: int, batch: Mapping[str, Any]) -> int:
+        if self.processes == 1:
+            return bucket_size(unique, self.buckets)
+        # Every process must pad to the same size without asking the others: the ids of its
+        # part of the batch bound its unique count, and the parts have equal shapes.
+        bound = sum(np.size(batch[f]) for f, t in self.fields.items() if t == table)
+        size = bucket_size(bound, self.buckets)
+        per_process = self.mesh.shape[self.batch_axis] // self.processes
+        if size % per_process:
+            raise ValueError(f"SparseTrainer: bucket {size} of table {table!r} does not split over the "
+                             f"{per_process} devices each process has on mesh axis {self.batch_axis!r}")
+        return size
+
+    def _local_rows(self, g: jax.Array, size: int) -> np.ndarray:
+        """This process's block ``[p * size, (p + 1) * size)`` of a global row-gradient array,
+        from whichever of its shards cover it (the compiler picks the output's sharding)."""
+        if self.processes == 1:
+            return np.asarray(g)
+        lo = jax.process_index() * size
+        out = np.zeros((size, g.shape[1]), np.float32)
+        for shard in g.addressable_shards:
+            start, stop, _ = shard.index[0].indices(g.shape[0])
+            a, b = max(start, lo), min(stop, lo + size)
+            if a < b:
+                out[a - lo:b - lo] = np.asarray(shard.data)[a - start:b - start]
+        return out
 
     def _dense_step(self, batch: Mapping[str, Any], lk: Lookup, rows: dict[str, np.ndarray]) -> float:
         sizes = {t: len(u) for t, u in lk.unique.items()}
-        padded = {t: np.zeros((bucket_size(n, self.buckets), r.shape[1]), np.float32)
-                  for (t, r), n in zip(rows.items(), sizes.values())}
+        padded = {t: np.zeros((self._bucket(t, sizes[t], batch), r.shape[1]), np.float32)
+                  for t, r in rows.items()}
         for t, r in rows.items():
             padded[t][:len(r)] = r
+        # Several processes: each one's rows are its block of one global rows array, and its
+        # indices point into that block.
+        offset = {t: jax.process_index() * len(p) for t, p in padded.items()}
         dense = {k: self._place(np.asarray(v)) for k, v in batch.items() if k not in self.fields}
-        index = {f: self._place(i) for f, i in lk.index.items()}
+        index = {f: self._place(i + np.int32(offset[self.fields[f]])) for f, i in lk.index.items()}
+        rows_in = {t: self._place(p) if self.processes > 1 else p for t, p in padded.items()}
         self.params, self.opt_state, loss, g_rows = self._train(
-            self.params, self.rest, self.opt_state, padded, index, dense)
-        scale = np.float32(1.0 / self.client.workers)
-        grads = {t: (lk.unique[t], np.asarray(g_rows[t])[:sizes[t]] * scale) for t in sizes}
+            self.params, self.rest, self.opt_state, rows_in, index, dense)
+        # One process: its loss is its part's mean, and the servers sum the workers' pushes.
+        # Several in one jax job: the loss is already the global batch's mean.
+        scale = np.float32(1.0 / self.client.workers if self.processes == 1 else 1.0)
+        grads = {t: (lk.unique[t], self._local_rows(g_rows[t], len(padded[t]))[:sizes[t]] * scale)
+                 for t in sizes}
         self.client.push_many(grads, self.step_count)
-        return float(loss)
+        return float(loss.addressable_data(0)) if self.processes > 1 else float(loss)
 
     def save(self) -> dict[str, Any]:
         """Makes the servers snapshot the tables at this step; returns the worker's state (dense
