@@ -103,3 +103,32 @@ def test_async_staleness_bound_is_enforced(servers):
     # the fast worker read its step-1 rows at clock 0, so its step-1 push was 1 step stale too.
     assert table["rejected"] == 2 and table["staleness_histogram"] == {0: 4, 1: 4, 2: 2}
     fast.close(), slow.close()
+
+
+def test_server_logs_only_valid_pushes_and_replays_a_log_cut_by_a_kill(tmp_path):
+    """In-process server state: bad pushes refused before the log; a torn last record ignored."""
+    from jaxpar.ps.server import Server
+
+    spec = ps.TableSpec("t", 10, 2, ps.SGD(1.0))
+    server = Server(0, 2, str(tmp_path), every=100)
+    server.handle({"op": "hello", "mode": "sync", "staleness": 0, "workers": 1, "tables": [spec.to_json()]}, [])
+
+    def push(ids, step=0):
+        ids = np.array(ids)
+        return server.handle({"op": "push", "table": "t", "step": step, "worker": 0},
+                             [ids, np.ones((len(ids), 2), np.float32)])
+
+    with pytest.raises(ValueError, match="table 't': id 1 belongs to another server than 0 of 2"):
+        push([1])  # hash partition: odd ids live on server 1
+    with pytest.raises(ValueError, match=r"table 't': id 12 outside \[0, 10\)"):
+        push([12])
+    assert push([0, 2, 2]) == ({"status": "applied"}, ())
+    assert push([0, 2, 2]) == ({"status": "duplicate"}, ())  # a resent push is not applied twice
+    server.wal.file.write(b"\x02\x00\x00\x00\x10\x00")  # a record the kill cut short
+    server.wal.file.flush()
+    again = Server(0, 2, str(tmp_path), every=100)  # "restarted with the same arguments"
+    assert again.restarts == 1 and again.tables["t"].clock == 1
+    want = ps.init_rows(spec, np.array([0, 2])) - np.array([[1, 1], [2, 2]], np.float32)
+    np.testing.assert_array_equal(again.tables["t"].weights[:2], want)
+    assert again.handle({"op": "pull", "table": "t", "step": 2, "worker": 0}, [np.array([0])]) is None
+    assert again.handle({"op": "pull", "table": "t", "step": 1, "worker": 0}, [np.array([0])])[0] == {"clock": 1}

@@ -122,7 +122,9 @@ class Server:
         return {"clock": shard.clock}, (shard.pull(arrays[0]),)
 
     def _push_logged(self, header, arrays):
-        self._table(header)
+        if len(arrays) != 2:
+            raise ValueError(f"a push carries ids and gradients; this one carries {len(arrays)} arrays")
+        self._table(header).check_push(int(header["worker"]), *arrays)  # nothing bad reaches the log
         self.wal.append(encode({k: v for k, v in header.items() if k != "token"}, tuple(arrays)))
         status = self._push(header, arrays)
         if self._clock() >= self.last_checkpoint + self.every:

@@ -62,16 +62,20 @@ class TableShard:
     def pull(self, ids: np.ndarray) -> np.ndarray:
         return self.weights[self.check_ids(ids)]
 
+    def check_push(self, worker: int, ids: np.ndarray, grads: np.ndarray) -> np.ndarray:
+        """The local rows of a push; a malformed push raises ``ValueError`` before it is logged."""
+        if not 0 <= worker < self.workers:
+            raise ValueError(f"table {self.spec.name!r}: worker {worker} outside [0, {self.workers})")
+        if ids.ndim != 1 or grads.shape != (len(ids), self.spec.dim):
+            raise ValueError(f"table {self.spec.name!r}: gradients of shape {list(grads.shape)} for "
+                             f"ids of shape {list(ids.shape)}; expected [{len(ids)}, {self.spec.dim}]")
+        return self.check_ids(ids)
+
     def push(self, step: int, worker: int, read_clock: int, ids: np.ndarray, grads: np.ndarray) -> str:
         """Takes worker ``worker``'s row gradients of step ``step``; returns what happened to them:
         ``"applied"``, ``"pending"`` (sync, waiting for the other workers), ``"rejected"`` (async,
         too stale) or ``"duplicate"`` (a resent push already taken)."""
-        if not 0 <= worker < self.workers:
-            raise ValueError(f"table {self.spec.name!r}: worker {worker} outside [0, {self.workers})")
-        if grads.shape != (len(ids), self.spec.dim):
-            raise ValueError(f"table {self.spec.name!r}: gradients of shape {list(grads.shape)} for "
-                             f"{len(ids)} ids; expected [{len(ids)}, {self.spec.dim}]")
-        local = self.check_ids(ids)
+        local = self.check_push(worker, ids, grads)
         if self.mode == "sync":
             return self._push_sync(step, worker, local, grads.astype(np.float32))
         return self._push_async(step, worker, read_clock, local, grads.astype(np.float32))
