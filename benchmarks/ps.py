@@ -10,9 +10,12 @@ push. After ``--warmup`` steps (compiles), it times ``--steps`` steps and report
 * **lookups/s**: ids looked up (batch x fields, duplicates included) per second, both workers;
 * **rows pulled/s**, **rows pushed/s**: unique rows moved per second, both workers;
 * **pull wait**: the share of step time a worker blocks waiting for its rows (the pull itself
-  without prefetch; what is left of it once prefetch overlaps it with the previous step).
+  without prefetch; what is left of it once prefetch overlaps it with the previous step). In
+  sync mode it includes waiting for the other worker's push of the previous step.
 
-    python benchmarks/ps.py                     # ~1 minute on 2 CPU cores
+Each configuration runs ``--repeats`` times (taking turns); the run of median step time is shown.
+
+    python benchmarks/ps.py                     # ~2.5 minutes on 2 CPU cores (3 runs of each)
     python benchmarks/ps.py --steps 100 --out /tmp/ps.json
 """
 
@@ -134,6 +137,13 @@ def run_config(mode: str, staleness: int, prefetch: bool, args, tmp: str) -> dic
             "workers": results}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run of median step time, with every run's step time and pull-wait share beside it."""
+    chosen = sorted(runs, key=lambda r: r["step_ms"])[len(runs) // 2]
+    return {**chosen, "step_ms_runs": [r["step_ms"] for r in runs],
+            "pull_wait_share_runs": [r["pull_wait_share"] for r in runs]}
+
+
 def plot(result: dict, path: pathlib.Path) -> None:
     try:
         import matplotlib
@@ -165,12 +175,17 @@ def main() -> None:
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each configuration; the median is shown")
     p.add_argument("--out", default=str(HERE / "results" / "ps_cpu.json"))
     args = p.parse_args()
     if args.role == "worker":
         return run_worker(args)
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run_config(m, s, pf, args, tmp) for m, s, pf in CONFIGS]
+        runs = {c: [] for c in CONFIGS}
+        for r in range(args.repeats):  # configurations take turns, so a load change hits all alike
+            for c in (CONFIGS if r % 2 == 0 else CONFIGS[::-1]):
+                runs[c].append(run_config(*c, args, tmp))
+    rows = [median_run(runs[c]) for c in CONFIGS]
     print(f"{'mode':<10}{'prefetch':>9}{'step ms':>9}{'lookups/s':>11}{'pulled/s':>10}{'pushed/s':>10}"
           f"{'pull wait':>10}  staleness seen (worker 0)")
     for r in rows:
@@ -180,7 +195,7 @@ def main() -> None:
               f"  {r['staleness_seen']}")
     result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
               "servers": 2, "workers": 2, "global_batch": BATCH, "fields": len(FIELDS),
-              "steps": args.steps, "warmup": args.warmup, "rows": rows}
+              "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "rows": rows}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
