@@ -13,6 +13,11 @@ push. After ``--warmup`` steps (compiles), it times ``--steps`` steps and report
   without prefetch; what is left of it once prefetch overlaps it with the previous step). In
   sync mode it includes waiting for the other worker's push of the previous step.
 
+The two worker processes are separate one-process jobs here (each with its own dense tower;
+only the tables are shared), so that async mode can let them drift apart: the benchmark
+measures the table traffic. In a ``jax.distributed`` job the dense step is one SPMD program
+over both workers (see docs/parameter_server.md).
+
 Each configuration runs ``--repeats`` times (taking turns); the run of median step time is shown.
 
     python benchmarks/ps.py                     # ~2.5 minutes on 2 CPU cores (3 runs of each)

@@ -4,6 +4,7 @@ Servers run as subprocesses on loopback (``tests/workers/ps_servers.py``), under
 of the client calls and of pytest.
 """
 
+import json
 import threading
 import time
 
@@ -66,6 +67,22 @@ def test_bad_input_fails_fast_with_names(servers):
     with pytest.raises(TimeoutError, match=rf"parameter server {dead} did not answer 'hello' .*timeout=1.0 s"):
         ps.connect([USERS], addresses=[dead], token=TOKEN, timeout=1.0, worker=0, workers=1)
     assert time.monotonic() - start < 5
+    # Raw messages that break the wire format get an error reply; nothing is unpickled.
+    import pickle
+    import zmq
+
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{servers.addresses[0]}")
+    bad_dtype = b'{"op": "pull", "token": "%s", "arrays": [{"dtype": "object", "shape": [1]}]}' % TOKEN.encode()
+    for frames in ([pickle.dumps({"op": "pull"})], [bad_dtype, pickle.dumps([1])],
+                   [b'{"op": "pull", "arrays": [{"dtype": "int64", "shape": [2]}]}', b"123"]):
+        raw.send_multipart(frames)
+        assert raw.poll(5000), "the server must answer a malformed message"
+        header = json.loads(raw.recv_multipart()[0])
+        assert header["ok"] is False and "malformed message" in header["error"]
+    ctx.destroy(linger=0)
     other = ps.TableSpec("users", 999, DIM, ps.SGD(0.5))
     with pytest.raises(ValueError, match="table 'users' exists here as"):
         ps.connect([other], addresses=servers.addresses, token=TOKEN, timeout=5, worker=0, workers=1)

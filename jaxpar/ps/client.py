@@ -25,7 +25,15 @@ from jaxpar.ps.wire import ADDRESSES_ENV, TOKEN_ENV, decode, encode
 
 class Client:
     """Pulls and pushes the rows of ``tables`` on the servers at ``addresses``; made by
-    :func:`connect`."""
+    :func:`connect`.
+
+    Example:
+        >>> client = jaxpar.ps.connect([spec], addresses=["127.0.0.1:5555"], token="t")  # doctest: +SKIP
+        >>> rows = client.pull("users", np.array([1, 5]), step=0)  # doctest: +SKIP
+        >>> client.push("users", np.array([1, 5]), grads, step=0)  # doctest: +SKIP
+        >>> client.stats()["tables"]["users"]["clock"]  # doctest: +SKIP
+        1
+    """
 
     def __init__(self, tables: Sequence[TableSpec], *, mode: str, staleness: int,
                  addresses: list[str], token: str, timeout: float, worker: int, workers: int,

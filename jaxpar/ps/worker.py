@@ -48,7 +48,13 @@ def bucket_size(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
 
 @dataclasses.dataclass
 class Lookup:
-    """A batch's deduplicated ids: ``unique[table]`` and each field's ``index`` into them."""
+    """A batch's deduplicated ids: ``unique[table]`` and each field's ``index`` into them, so
+    that ``unique[fields[f]][index[f]] == batch[f]``.
+
+    Example:
+        >>> jaxpar.ps.lookup({"a": np.array([7, 7])}, {"a": "t"}).unique["t"].tolist()
+        [7]
+    """
 
     unique: dict[str, np.ndarray]
     index: dict[str, np.ndarray]
