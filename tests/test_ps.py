@@ -119,7 +119,23 @@ def test_async_staleness_bound_is_enforced(servers):
     # ids 3, 4 live on server 0 and id 1000 on server 1 (range partition): a push counts on both;
     # the fast worker read its step-1 rows at clock 0, so its step-1 push was 1 step stale too.
     assert table["rejected"] == 2 and table["staleness_histogram"] == {0: 4, 1: 4, 2: 2}
-    fast.close(), slow.close()
+    # The slow worker is killed in its step 3 (nothing of it pushed) and restarted: it rejoins at
+    # step 3, and the fast worker, held back by the bound, goes on once it does.
+    slow.close()
+    assert fast.next_step() == 2
+    fast.push("users", ids, grads, 2, pulled_at=2)
+    fast.push("users", ids, grads, 3, pulled_at=2)
+    blocked = threading.Thread(target=lambda: got.update(rows=fast.pull("users", ids, 5)))
+    blocked.start()
+    blocked.join(0.5)
+    assert blocked.is_alive()  # step 5 needs every worker's step 3 (clock >= 4)
+    rejoined = ps.connect([USERS], worker=1, **kw)
+    assert rejoined.next_step() == 3 and rejoined.stats()["tables"]["users"]["clock"] == 3
+    rejoined.pull("users", ids, 3)
+    rejoined.push("users", ids, grads, 3)
+    blocked.join(10)
+    assert not blocked.is_alive()
+    fast.close(), rejoined.close()
 
 
 def test_server_logs_only_valid_pushes_and_replays_a_log_cut_by_a_kill(tmp_path):

@@ -150,6 +150,16 @@ class Client:
         their orbax checkpoint of ``step``); a server already at ``step`` keeps its state."""
         self._call([(s, {"op": "restore", "step": step}, ()) for s in range(len(self.addresses))], table="*")
 
+    def next_step(self) -> int:
+        """The step the servers expect this worker to push next: where a killed and restarted
+        worker rejoins (the step it was killed in had not been pushed, so it is done again).
+
+        Example:
+            >>> step = client.next_step()  # doctest: +SKIP
+        """
+        replies = self._call([(s, {"op": "stats"}, ()) for s in range(len(self.addresses))], table="*")
+        return min((st["done"][self.worker] for h, _ in replies for st in h["tables"].values()), default=0)
+
     def stats(self) -> dict[str, Any]:
         """This worker's counters and, per table, the servers' summed counters: the staleness
         histogram (pushes per staleness, one count per server a push reached), rejected pushes,

@@ -121,7 +121,8 @@ class SparseTrainer:
             replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             self.params, self.rest = jax.device_put((self.params, self.rest), replicated)
         self.opt_state = tx.init(self.params)
-        self.step_count = 0
+        # A worker restarted into a running job rejoins at the step the servers expect from it.
+        self.step_count = client.next_step()
         self.timings = {"pull_wait_s": 0.0, "step_s": 0.0}
         self._train = jax.jit(self._make_train(loss_fn))
 
