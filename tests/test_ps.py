@@ -165,3 +165,30 @@ def test_server_logs_only_valid_pushes_and_replays_a_log_cut_by_a_kill(tmp_path)
     np.testing.assert_array_equal(again.tables["t"].weights[:2], want)
     assert again.handle({"op": "pull", "table": "t", "step": 2, "worker": 0}, [np.array([0])]) is None
     assert again.handle({"op": "pull", "table": "t", "step": 1, "worker": 0}, [np.array([0])])[0] == {"clock": 1}
+
+
+def test_lazy_adam_rows_and_partition_independent_init():
+    """Lazy Adam equals optax.adam on rows that get a gradient at every step, and leaves the
+    others alone; a table's shards over any server count and partition join to one table."""
+    from jaxpar.ps.shard import TableShard
+
+    spec = ps.TableSpec("t", 6, 3, ps.Adam(0.01), seed=5)
+    shard = TableShard(spec, 0, 1, "sync", 0, 1)
+    full = jax.numpy.asarray(ps.init_rows(spec, np.arange(6)))
+    tx = optax.adam(0.01, b1=0.9, b2=0.999, eps=1e-8)
+    opt = tx.init(full[:4])
+    rng = np.random.default_rng(0)
+    for step in range(5):
+        g = rng.normal(size=(4, 3)).astype(np.float32)
+        shard.push(step, 0, step, np.arange(4), g)  # rows 4 and 5 never get a gradient
+        updates, opt = tx.update(jax.numpy.asarray(g), opt, full[:4])
+        full = full.at[:4].set(optax.apply_updates(full[:4], updates))
+    np.testing.assert_allclose(shard.weights, full, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(shard.weights[4:], ps.init_rows(spec, np.array([4, 5])))
+    for partition in ("hash", "range"):
+        for count in (1, 3, 4):
+            s = ps.TableSpec("t", 10, 4, ps.SGD(1.0), partition=partition, seed=7)
+            table = np.zeros((10, 4), np.float32)
+            for i in range(count):
+                table[s.shard_ids(i, count)] = TableShard(s, i, count, "sync", 0, 1).weights
+            np.testing.assert_array_equal(table, ps.init_rows(s, np.arange(10)))
