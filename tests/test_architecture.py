@@ -24,7 +24,7 @@ RANKS = {
     "plan": 7,
     "report": 8,
     "auto": 9, "checkpoint": 9, "metrics": 9,
-    "train": 10, "models": 10,
+    "train": 10, "models": 10, "ps": 10,  # ps: parameter servers and their training glue
     "": 11,                       # the package face, jaxpar/__init__.py
     "interop": 12, "job": 12,     # Hugging Face files <-> models; a job file -> models, data, Trainer
     "plan_cli": 13, "ckpt_cli": 13, "report_cli": 14, "cli_job": 14, "cli": 15,

@@ -1,0 +1,242 @@
+"""A parameter server process: a ZeroMQ ROUTER that owns one shard of every table.
+
+    JAXPAR_PS_TOKEN=... python -m jaxpar.ps.server --index 0 --count 2 \\
+        --bind 127.0.0.1:5555 --checkpoint-dir /tmp/ps
+
+prints ``jaxpar-ps-server ready 127.0.0.1:5555`` once it serves, exits 0 on SIGTERM after a
+final checkpoint, and, started again with the same arguments, restores ``state.npz`` and
+replays ``wal.bin`` before serving. One thread: requests are handled in arrival order, and a
+pull (or a save) that may not be answered yet waits in a list re-examined after every push.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from typing import Any
+
+import numpy as np
+import zmq
+
+from jaxpar.ps.shard import TableShard
+from jaxpar.ps.store import WriteAheadLog, read_state, server_dir, write_state
+from jaxpar.ps.tables import TableSpec
+from jaxpar.ps.wire import READY, TOKEN_ENV, WireError, decode, encode, token_ok
+
+
+class Server:
+    """The state and request handlers of one server (no sockets: testable in-process)."""
+
+    def __init__(self, index: int, count: int, checkpoint_dir: str, every: int = 10):
+        self.index, self.count, self.every = index, count, every
+        self.dir = server_dir(checkpoint_dir, index, count)
+        self.tables: dict[str, TableShard] = {}
+        self.job: dict[str, Any] | None = None
+        self.last_checkpoint = 0
+        self.restarts = 0
+        self._recover()
+        self.wal = WriteAheadLog(self.dir / "wal.bin")
+
+    # -- durable state ------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        state = self.dir / "state.npz"
+        if state.exists():
+            self._load(state)
+            self.restarts = self.job.get("restarts", 0) + 1
+        for header, arrays in WriteAheadLog(self.dir / "wal.bin").replay():
+            self._push(header, arrays)
+
+    def _load(self, path) -> None:
+        arrays, meta = read_state(path)
+        self.job = meta["job"]
+        self.tables = {}
+        for name, tmeta in meta["tables"].items():
+            shard = self._new_shard(TableSpec.from_json(tmeta["spec"]))
+            shard.load(name, arrays, tmeta)
+            self.tables[name] = shard
+        self.last_checkpoint = self._clock()
+
+    def _new_shard(self, spec: TableSpec) -> TableShard:
+        return TableShard(spec, self.index, self.count, self.job["mode"], self.job["staleness"],
+                          self.job["workers"])
+
+    def _clock(self) -> int:
+        return min((t.clock for t in self.tables.values()), default=0)
+
+    def checkpoint(self, path=None) -> None:
+        """Writes every table (atomically) and starts a new write-ahead log."""
+        arrays: dict[str, np.ndarray] = {}
+        for name, shard in self.tables.items():
+            arrays.update(shard.arrays(name))
+        meta = {"job": {**(self.job or {}), "restarts": self.restarts},
+                "tables": {n: s.meta() for n, s in self.tables.items()}}
+        write_state(path or self.dir / "state.npz", arrays, meta)
+        if path is None:
+            self.wal.truncate()
+            self.last_checkpoint = self._clock()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def handle(self, header: dict[str, Any], arrays: list[np.ndarray]) -> tuple[dict, tuple] | None:
+        """The reply to one request, or ``None`` when it must wait (a pull or save ahead of the
+        clock). Bad requests raise ``ValueError``."""
+        op = header.get("op")
+        handler = {"hello": self._hello, "pull": self._pull, "push": self._push_logged,
+                   "save": self._save, "restore": self._restore, "stats": self._stats,
+                   "ping": lambda h, a: ({}, ())}.get(op)
+        if handler is None:
+            raise ValueError(f"unknown operation {op!r}")
+        return handler(header, arrays)
+
+    def _hello(self, header, arrays):
+        job = {k: header[k] for k in ("mode", "staleness", "workers")}
+        if self.job is not None and {k: self.job[k] for k in job} != job:
+            raise ValueError(f"this server serves a job with {self.job}; the client asks for {job}")
+        fresh = self.job is None
+        self.job = {**job, "restarts": self.restarts}
+        for d in header["tables"]:
+            spec = TableSpec.from_json(d)
+            if spec.name in self.tables and self.tables[spec.name].spec != spec:
+                raise ValueError(f"table {spec.name!r} exists here as {self.tables[spec.name].spec}; "
+                                 f"the client asks for {spec}")
+            if spec.name not in self.tables:
+                self.tables[spec.name] = self._new_shard(spec)
+                fresh = True
+        if fresh:  # a restart must find the tables even before the first push
+            self.checkpoint()
+        return {"clock": self._clock(), "restarts": self.restarts}, ()
+
+    def _table(self, header) -> TableShard:
+        name = header.get("table")
+        if name not in self.tables:
+            raise ValueError(f"unknown table {name!r}; this server holds {sorted(self.tables)}")
+        return self.tables[name]
+
+    def _pull(self, header, arrays):
+        shard = self._table(header)
+        if not shard.can_serve(int(header["step"])):
+            return None
+        return {"clock": shard.clock}, (shard.pull(arrays[0]),)
+
+    def _push_logged(self, header, arrays):
+        if len(arrays) != 2:
+            raise ValueError(f"a push carries ids and gradients; this one carries {len(arrays)} arrays")
+        self._table(header).check_push(int(header["worker"]), *arrays)  # nothing bad reaches the log
+        self.wal.append(encode({k: v for k, v in header.items() if k != "token"}, tuple(arrays)))
+        status = self._push(header, arrays)
+        if self._clock() >= self.last_checkpoint + self.every:
+            self.checkpoint()
+        return {"status": status}, ()
+
+    def _push(self, header, arrays) -> str:
+        ids, grads = arrays
+        return self._table(header).push(int(header["step"]), int(header["worker"]),
+                                        int(header.get("read_clock", header["step"])), ids, grads)
+
+    def _save(self, header, arrays):
+        step = int(header["step"])
+        if self._clock() < step:
+            return None
+        path = self.dir / f"step-{step}.npz"
+        if not path.exists():
+            self.checkpoint(path)
+        return {"clock": self._clock()}, ()
+
+    def _restore(self, header, arrays):
+        step = int(header["step"])
+        if self.tables and all(t.clock == step for t in self.tables.values()):
+            return {"clock": step, "restored": False}, ()  # already there (another worker asked)
+        path = self.dir / f"step-{step}.npz"
+        if not path.exists():
+            have = sorted(int(p.stem[5:]) for p in self.dir.glob("step-*.npz"))
+            raise ValueError(f"server {self.index}: no shard snapshot of step {step} in {self.dir}; "
+                             f"snapshots: {have}")
+        self._load(path)
+        self.checkpoint()
+        return {"clock": self._clock(), "restored": True}, ()
+
+    def _stats(self, header, arrays):
+        return {"tables": {n: s.stats() for n, s in self.tables.items()},
+                "restarts": self.restarts}, ()
+
+
+def _error_reply(header: dict, message: str) -> list[bytes]:
+    return encode({"rid": header.get("rid"), "ok": False, "error": message})
+
+
+def serve(server: Server, bind: str, token: str) -> None:
+    """Answers requests on ``tcp://bind`` until SIGTERM, then checkpoints and returns."""
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    host, _, port = bind.rpartition(":")
+    sock.bind(f"tcp://{host}:{'*' if port == '0' else port}")  # port 0: any free port
+    bind = sock.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
+    print(f"{READY} {bind}", flush=True)
+    waiting: list[tuple[bytes, dict, list]] = []
+    while not stop:
+        if not sock.poll(100):
+            continue
+        identity, *frames = sock.recv_multipart()
+        try:
+            header, arrays = decode(frames)
+        except WireError as e:
+            sock.send_multipart([identity, *_error_reply({}, f"malformed message: {e}")])
+            continue
+        if not token_ok(header, token):
+            sock.send_multipart([identity, *_error_reply(
+                header, f"wrong job token: server {bind} refused the request ({TOKEN_ENV} differs)")])
+            continue
+        waiting = [w for w in waiting if not (w[0] == identity and w[1].get("rid") == header.get("rid"))]
+        waiting.append((identity, header, arrays))
+        waiting = _answer(server, sock, waiting)
+    server.checkpoint()
+    sock.close()
+    ctx.term()
+
+
+def _answer(server: Server, sock, waiting: list) -> list:
+    """Answers every request that can be answered (a push may unblock pulls); returns the rest."""
+    progress = True
+    while progress:
+        progress, left = False, []
+        for identity, header, arrays in waiting:
+            try:
+                reply = server.handle(header, arrays)
+            except (ValueError, TypeError, KeyError, IndexError) as e:
+                sock.send_multipart([identity, *_error_reply(header, str(e))])
+                continue
+            if reply is None:
+                left.append((identity, header, arrays))
+                continue
+            fields, out = reply
+            sock.send_multipart([identity, *encode({"rid": header.get("rid"), "ok": True, **fields}, out)])
+            progress = progress or header.get("op") == "push"
+        waiting = left
+    return waiting
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jaxpar.ps.server", description=__doc__.split("\n")[0])
+    parser.add_argument("--index", type=int, required=True, help="this server's index, 0 .. count-1")
+    parser.add_argument("--count", type=int, required=True, help="number of servers of the job")
+    parser.add_argument("--bind", default="127.0.0.1:0", help="HOST:PORT to listen on (loopback by default)")
+    parser.add_argument("--checkpoint-dir", required=True, help="where shard checkpoints and the log live")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between shard checkpoints")
+    args = parser.parse_args(argv)
+    if not 0 <= args.index < args.count:
+        parser.error(f"--index {args.index} must be in [0, --count {args.count})")
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        parser.error(f"set the job token in the environment variable {TOKEN_ENV} (never on the command line)")
+    serve(Server(args.index, args.count, args.checkpoint_dir, args.checkpoint_every), args.bind, token)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

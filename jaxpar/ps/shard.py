@@ -1,0 +1,163 @@
+"""One server's shard of one table: rows, optimizer slots, and the step clock of sync / async.
+
+The clock of a shard is the number of worker steps whose updates it has applied from every
+worker: ``min(done)``, where ``done[w]`` counts the steps worker ``w`` has pushed. A pull for
+worker step ``t`` is served once ``clock >= t - staleness`` (sync is ``staleness = 0``), and
+carries the clock it was read at; the push computed from it carries that clock back, and its
+staleness is ``t - read_clock``.
+
+* sync: the pushes of step ``t`` wait in ``pending[t]`` until every worker's is there; they
+  are summed per row and applied together, and the clock moves to ``t + 1``.
+* async: a push is applied on arrival (or rejected and counted when its staleness exceeds the
+  bound); ``done[w]`` moves either way, so a rejected push never stalls the other workers.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from jaxpar.ps.tables import TableSpec, init_rows
+
+
+class TableShard:
+    """The rows of ``spec`` that server ``index`` of ``count`` owns, and their update state."""
+
+    def __init__(self, spec: TableSpec, index: int, count: int, mode: str, staleness: int,
+                 workers: int):
+        self.spec, self.index, self.count = spec, index, count
+        self.mode, self.staleness, self.workers = mode, staleness, workers
+        self.global_ids = spec.shard_ids(index, count)
+        self.weights = init_rows(spec, self.global_ids)
+        self.slots = spec.optimizer.slots(len(self.global_ids), spec.dim)
+        self.done = [0] * workers
+        self.pending: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+        self.histogram: dict[int, int] = {}
+        self.rejected = 0
+        self.rows_pushed = 0
+
+    @property
+    def clock(self) -> int:
+        return min(self.done)
+
+    def can_serve(self, step: int) -> bool:
+        """Whether a pull for worker step ``step`` may be answered now."""
+        return self.clock >= step - self.staleness
+
+    def check_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Local row indices of ``ids``; ids this server does not own raise ``ValueError``."""
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"table {self.spec.name!r}: ids of dtype {ids.dtype}; ids must be integers")
+        bad = (ids < 0) | (ids >= self.spec.rows)
+        if ids.size and bad.any():
+            raise ValueError(f"table {self.spec.name!r}: id {int(ids[bad][0])} outside [0, {self.spec.rows})")
+        mine = self.spec.owner(ids, self.count) == self.index
+        if ids.size and not mine.all():
+            raise ValueError(f"table {self.spec.name!r}: id {int(ids[~mine][0])} belongs to another server "
+                             f"than {self.index} of {self.count}")
+        return self.spec.local(ids, self.count)
+
+    def pull(self, ids: np.ndarray) -> np.ndarray:
+        return self.weights[self.check_ids(ids)]
+
+    def check_push(self, worker: int, ids: np.ndarray, grads: np.ndarray) -> np.ndarray:
+        """The local rows of a push; a malformed push raises ``ValueError`` before it is logged."""
+        if not 0 <= worker < self.workers:
+            raise ValueError(f"table {self.spec.name!r}: worker {worker} outside [0, {self.workers})")
+        if ids.ndim != 1 or grads.shape != (len(ids), self.spec.dim):
+            raise ValueError(f"table {self.spec.name!r}: gradients of shape {list(grads.shape)} for "
+                             f"ids of shape {list(ids.shape)}; expected [{len(ids)}, {self.spec.dim}]")
+        return self.check_ids(ids)
+
+    def push(self, step: int, worker: int, read_clock: int, ids: np.ndarray, grads: np.ndarray) -> str:
+        """Takes worker ``worker``'s row gradients of step ``step``; returns what happened to them:
+        ``"applied"``, ``"pending"`` (sync, waiting for the other workers), ``"rejected"`` (async,
+        too stale) or ``"duplicate"`` (a resent push already taken)."""
+        local = self.check_push(worker, ids, grads)
+        if self.mode == "sync":
+            return self._push_sync(step, worker, local, grads.astype(np.float32))
+        return self._push_async(step, worker, read_clock, local, grads.astype(np.float32))
+
+    def _push_sync(self, step: int, worker: int, local: np.ndarray, grads: np.ndarray) -> str:
+        if step < self.clock or worker in self.pending.get(step, {}):
+            return "duplicate"
+        self.pending.setdefault(step, {})[worker] = (local, grads)
+        if len(local):  # sync pulls wait for the clock: every push is fresh
+            self.histogram[0] = self.histogram.get(0, 0) + 1
+        status = "pending"
+        while len(self.pending.get(self.clock, {})) == self.workers:
+            parts = self.pending.pop(self.clock)
+            # Summed in worker order: the same sum whichever worker's push came first.
+            self._apply(np.concatenate([parts[w][0] for w in range(self.workers)]),
+                        np.concatenate([parts[w][1] for w in range(self.workers)]))
+            self.done = [self.clock + 1] * self.workers
+            status = "applied"
+        return status
+
+    def _push_async(self, step: int, worker: int, read_clock: int, local: np.ndarray,
+                    grads: np.ndarray) -> str:
+        if step < self.done[worker]:
+            return "duplicate"
+        self.done[worker] = step + 1
+        if len(local) == 0:
+            return "applied"
+        stale = max(0, step - read_clock)
+        self.histogram[stale] = self.histogram.get(stale, 0) + 1
+        if stale > self.staleness:
+            self.rejected += 1
+            return "rejected"
+        self._apply(local, grads)
+        return "applied"
+
+    def _apply(self, local: np.ndarray, grads: np.ndarray) -> None:
+        if len(local) == 0:
+            return
+        rows, inverse = np.unique(local, return_inverse=True)
+        summed = np.zeros((len(rows), self.spec.dim), np.float32)
+        np.add.at(summed, inverse, grads)
+        slots = {k: v[rows] for k, v in self.slots.items()}
+        self.weights[rows] = self.spec.optimizer.apply(self.weights[rows], slots, summed)
+        for k, v in slots.items():
+            self.slots[k][rows] = v
+        self.rows_pushed += len(rows)
+
+    def stats(self) -> dict[str, Any]:
+        return {"clock": self.clock, "done": list(self.done), "rejected": self.rejected,
+                "staleness_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
+                "rows_pushed": self.rows_pushed}
+
+    # -- checkpoint state: arrays and a JSON-able summary -------------------------------------
+
+    def arrays(self, prefix: str) -> dict[str, np.ndarray]:
+        out = {f"{prefix}/weights": self.weights}
+        out.update({f"{prefix}/slot/{k}": v for k, v in self.slots.items()})
+        for step, parts in self.pending.items():
+            for w, (ids, grads) in parts.items():
+                out[f"{prefix}/pending/{step}/{w}/ids"] = ids
+                out[f"{prefix}/pending/{step}/{w}/grads"] = grads
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        return {"spec": self.spec.to_json(), "done": self.done, "rejected": self.rejected,
+                "histogram": {str(k): v for k, v in self.histogram.items()},
+                "rows_pushed": self.rows_pushed}
+
+    def load(self, prefix: str, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
+        if TableSpec.from_json(meta["spec"]) != self.spec:
+            raise ValueError(f"table {self.spec.name!r}: the checkpoint holds {json.dumps(meta['spec'])}, "
+                             f"the job asks for {json.dumps(self.spec.to_json())}")
+        self.weights = arrays[f"{prefix}/weights"].copy()
+        self.slots = {k: arrays[f"{prefix}/slot/{k}"].copy() for k in self.slots}
+        self.done = list(meta["done"])
+        self.rejected = meta["rejected"]
+        self.histogram = {int(k): v for k, v in meta["histogram"].items()}
+        self.rows_pushed = meta["rows_pushed"]
+        self.pending = {}
+        for key in arrays:
+            parts = key[len(prefix) + 1:].split("/")
+            if parts[0] == "pending" and parts[3] == "ids":
+                step, w = int(parts[1]), int(parts[2])
+                grads = arrays[f"{prefix}/pending/{step}/{w}/grads"]
+                self.pending.setdefault(step, {})[w] = (arrays[key].copy(), grads.copy())

@@ -1,0 +1,194 @@
+"""Parameter servers: sync training equals the in-process table; bad input fails fast.
+
+Servers run as subprocesses on loopback (``tests/workers/ps_servers.py``), under the timeouts
+of the client calls and of pytest.
+"""
+
+import json
+import threading
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxpar import ps
+from workers.ps_model import DIM, FIELDS, ITEMS, TOKEN, USERS, Tower, loss_fn, make_batches, reference
+from workers.ps_servers import Servers, free_port
+
+@pytest.fixture
+def servers(tmp_path, tag):
+    s = Servers(tmp_path, tag, count=2, token=TOKEN)
+    yield s
+    s.stop()
+
+
+def test_sync_two_servers_equals_in_process_table(servers):
+    batches = make_batches(20)
+    want_losses, want = reference(20)
+    client = ps.connect([USERS, ITEMS], addresses=servers.addresses, token=TOKEN, timeout=30,
+                        worker=0, workers=1)
+    trainer = ps.SparseTrainer(client, Tower(nnx.Rngs(0)), optax.sgd(0.05), loss_fn, FIELDS, prefetch=True)
+    got_losses = [h["loss"] for h in trainer.fit(batches)]
+    np.testing.assert_allclose(got_losses, want_losses, rtol=0, atol=1e-6)
+    rows = client.pull_many({"users": np.arange(USERS.rows), "items": np.arange(ITEMS.rows)}, step=20)
+    np.testing.assert_allclose(rows["users"], want["users"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(rows["items"], want["items"], rtol=0, atol=1e-6)
+    assert np.abs(rows["items"] - ps.init_rows(ITEMS, np.arange(ITEMS.rows))).max() > 1e-3  # it trained
+    got_tower = jax.tree.leaves(nnx.state(trainer.model))
+    for g, w in zip(got_tower, jax.tree.leaves(want["tower"])):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-6)
+    stats = client.stats()
+    assert stats["tables"]["items"]["clock"] == 20 and stats["tables"]["items"]["rejected"] == 0
+    client.close()
+    assert servers.stop() == [0, 0]  # SIGTERM: a final checkpoint, then exit 0
+
+
+def test_bad_input_fails_fast_with_names(servers):
+    client = ps.connect([USERS], addresses=servers.addresses, token=TOKEN, timeout=5, worker=0, workers=1)
+    with pytest.raises(ValueError, match=r"table 'users': 1 ids outside \[0, 2000\), e.g. 2000"):
+        client.pull("users", np.array([1, 2000]), step=0)
+    with pytest.raises(ValueError, match=r"table 'users': 1 ids outside \[0, 2000\), e.g. -1"):
+        client.pull("users", np.array([-1]), step=0)
+    with pytest.raises(TypeError, match=r"table 'users': ids of dtype float32"):
+        client.pull("users", np.array([1.0], np.float32), step=0)
+    with pytest.raises(ValueError, match=r"unknown table 'usres'; this client's tables are \['users'\]"):
+        client.pull("usres", np.array([1]), step=0)
+    with pytest.raises(ValueError, match=r"table 'users': gradients of shape \[1, 3\] for 1 ids; expected \[1, 8\]"):
+        client.push("users", np.array([1]), np.zeros((1, 3)), step=0)
+    client.close()
+    start = time.monotonic()
+    with pytest.raises(PermissionError, match="wrong job token") as e:
+        ps.connect([USERS], addresses=servers.addresses, token="not-the-token", timeout=5, worker=0, workers=1)
+    assert TOKEN not in str(e.value) and "not-the-token" not in str(e.value)
+    dead = f"127.0.0.1:{free_port()}"
+    with pytest.raises(TimeoutError, match=rf"parameter server {dead} did not answer 'hello' .*timeout=1.0 s"):
+        ps.connect([USERS], addresses=[dead], token=TOKEN, timeout=1.0, worker=0, workers=1)
+    assert time.monotonic() - start < 5
+    # Raw messages that break the wire format get an error reply; nothing is unpickled.
+    import pickle
+    import zmq
+
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{servers.addresses[0]}")
+    bad_dtype = b'{"op": "pull", "token": "%s", "arrays": [{"dtype": "object", "shape": [1]}]}' % TOKEN.encode()
+    for frames in ([pickle.dumps({"op": "pull"})], [bad_dtype, pickle.dumps([1])],
+                   [b'{"op": "pull", "arrays": [{"dtype": "int64", "shape": [2]}]}', b"123"]):
+        raw.send_multipart(frames)
+        assert raw.poll(5000), "the server must answer a malformed message"
+        header = json.loads(raw.recv_multipart()[0])
+        assert header["ok"] is False and "malformed message" in header["error"]
+    ctx.destroy(linger=0)
+    other = ps.TableSpec("users", 999, DIM, ps.SGD(0.5))
+    with pytest.raises(ValueError, match="table 'users' exists here as"):
+        ps.connect([other], addresses=servers.addresses, token=TOKEN, timeout=5, worker=0, workers=1)
+    with pytest.raises(ValueError, match="staleness=2 with mode='sync'"):
+        ps.connect([USERS], addresses=servers.addresses, token=TOKEN, staleness=2)
+
+
+def test_async_staleness_bound_is_enforced(servers):
+    """τ = 1, two workers: a pull waits for the slow worker; a push from rows too old is refused."""
+    kw = dict(mode="async", staleness=1, addresses=servers.addresses, token=TOKEN, timeout=20, workers=2)
+    fast, slow = ps.connect([USERS], worker=0, **kw), ps.connect([USERS], worker=1, **kw)
+    ids, grads = np.array([3, 4, 1000]), np.ones((3, DIM), np.float32)
+    for step in (0, 1):  # the fast worker runs ahead by τ + 1 steps
+        fast.pull("users", ids, step)
+        fast.push("users", ids, grads, step)
+    got = {}
+    blocked = threading.Thread(target=lambda: got.update(rows=fast.pull("users", ids, 2)))
+    blocked.start()
+    blocked.join(1.0)
+    assert blocked.is_alive(), "a pull at step 2 must wait for the updates of step 0 from every worker"
+    before = slow.pull("users", ids, 0)
+    slow.push("users", ids, grads, 0)  # the clock reaches 1: the fast worker's pull is served
+    blocked.join(10)
+    assert not blocked.is_alive() and "rows" in got
+    slow.push("users", ids, grads, 1, pulled_at=0)  # rows 1 step old: allowed
+    after_ok = slow.pull("users", ids, 2)
+    slow.push("users", ids, grads, 2, pulled_at=0)  # rows 2 steps old: rejected, not applied
+    assert np.array_equal(slow.pull("users", ids, 3), after_ok)
+    assert not np.array_equal(before, after_ok)
+    stats = slow.stats()
+    assert stats["worker"]["rejected"] == 1
+    assert stats["worker"]["staleness"] == {0: 1, 1: 1, 2: 1}  # one count per push of this worker
+    table = stats["tables"]["users"]
+    # ids 3, 4 live on server 0 and id 1000 on server 1 (range partition): a push counts on both;
+    # the fast worker read its step-1 rows at clock 0, so its step-1 push was 1 step stale too.
+    assert table["rejected"] == 2 and table["staleness_histogram"] == {0: 4, 1: 4, 2: 2}
+    # The slow worker is killed in its step 3 (nothing of it pushed) and restarted: it rejoins at
+    # step 3, and the fast worker, held back by the bound, goes on once it does.
+    slow.close()
+    assert fast.next_step() == 2
+    fast.push("users", ids, grads, 2, pulled_at=2)
+    fast.push("users", ids, grads, 3, pulled_at=2)
+    blocked = threading.Thread(target=lambda: got.update(rows=fast.pull("users", ids, 5)))
+    blocked.start()
+    blocked.join(0.5)
+    assert blocked.is_alive()  # step 5 needs every worker's step 3 (clock >= 4)
+    rejoined = ps.connect([USERS], worker=1, **kw)
+    assert rejoined.next_step() == 3 and rejoined.stats()["tables"]["users"]["clock"] == 3
+    rejoined.pull("users", ids, 3)
+    rejoined.push("users", ids, grads, 3)
+    blocked.join(10)
+    assert not blocked.is_alive()
+    fast.close(), rejoined.close()
+
+
+def test_server_logs_only_valid_pushes_and_replays_a_log_cut_by_a_kill(tmp_path):
+    """In-process server state: bad pushes refused before the log; a torn last record ignored."""
+    from jaxpar.ps.server import Server
+
+    spec = ps.TableSpec("t", 10, 2, ps.SGD(1.0))
+    server = Server(0, 2, str(tmp_path), every=100)
+    server.handle({"op": "hello", "mode": "sync", "staleness": 0, "workers": 1, "tables": [spec.to_json()]}, [])
+
+    def push(ids, step=0):
+        ids = np.array(ids)
+        return server.handle({"op": "push", "table": "t", "step": step, "worker": 0},
+                             [ids, np.ones((len(ids), 2), np.float32)])
+
+    with pytest.raises(ValueError, match="table 't': id 1 belongs to another server than 0 of 2"):
+        push([1])  # hash partition: odd ids live on server 1
+    with pytest.raises(ValueError, match=r"table 't': id 12 outside \[0, 10\)"):
+        push([12])
+    assert push([0, 2, 2]) == ({"status": "applied"}, ())
+    assert push([0, 2, 2]) == ({"status": "duplicate"}, ())  # a resent push is not applied twice
+    server.wal.file.write(b"\x02\x00\x00\x00\x10\x00")  # a record the kill cut short
+    server.wal.file.flush()
+    again = Server(0, 2, str(tmp_path), every=100)  # "restarted with the same arguments"
+    assert again.restarts == 1 and again.tables["t"].clock == 1
+    want = ps.init_rows(spec, np.array([0, 2])) - np.array([[1, 1], [2, 2]], np.float32)
+    np.testing.assert_array_equal(again.tables["t"].weights[:2], want)
+    assert again.handle({"op": "pull", "table": "t", "step": 2, "worker": 0}, [np.array([0])]) is None
+    assert again.handle({"op": "pull", "table": "t", "step": 1, "worker": 0}, [np.array([0])])[0] == {"clock": 1}
+
+
+def test_lazy_adam_rows_and_partition_independent_init():
+    """Lazy Adam equals optax.adam on rows that get a gradient at every step, and leaves the
+    others alone; a table's shards over any server count and partition join to one table."""
+    from jaxpar.ps.shard import TableShard
+
+    spec = ps.TableSpec("t", 6, 3, ps.Adam(0.01), seed=5)
+    shard = TableShard(spec, 0, 1, "sync", 0, 1)
+    full = jax.numpy.asarray(ps.init_rows(spec, np.arange(6)))
+    tx = optax.adam(0.01, b1=0.9, b2=0.999, eps=1e-8)
+    opt = tx.init(full[:4])
+    rng = np.random.default_rng(0)
+    for step in range(5):
+        g = rng.normal(size=(4, 3)).astype(np.float32)
+        shard.push(step, 0, step, np.arange(4), g)  # rows 4 and 5 never get a gradient
+        updates, opt = tx.update(jax.numpy.asarray(g), opt, full[:4])
+        full = full.at[:4].set(optax.apply_updates(full[:4], updates))
+    np.testing.assert_allclose(shard.weights, full, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(shard.weights[4:], ps.init_rows(spec, np.array([4, 5])))
+    for partition in ("hash", "range"):
+        for count in (1, 3, 4):
+            s = ps.TableSpec("t", 10, 4, ps.SGD(1.0), partition=partition, seed=7)
+            table = np.zeros((10, 4), np.float32)
+            for i in range(count):
+                table[s.shard_ids(i, count)] = TableShard(s, i, count, "sync", 0, 1).weights
+            np.testing.assert_array_equal(table, ps.init_rows(s, np.arange(10)))
