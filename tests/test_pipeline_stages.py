@@ -1,0 +1,129 @@
+"""The embedding on the first virtual stage, the head on the last, and a tied table across both."""
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from conftest import requires_devices
+from helpers import batches
+from jaxpar.models import llama
+from jaxpar.models.gpt import GPT, GPTConfig, pipeline_loss
+from jaxpar.models.llama import Llama, LlamaConfig
+from jaxpar.pipeline import pipelined
+
+GPT4 = GPTConfig(vocab_size=16, seq_len=16, embed=32, heads=4, mlp=64, layers=4, scan_layers=True)
+# Megatron TP with the vocabulary split over the tensor axis *and* the pipe axis: each stage
+# stores 1/pipe of the embedding and the head (and of their optimizer state)
+MEGATRON_PIPE = {"layers": "pipe", "batch": "data", "heads": "model", "mlp": "model", "vocab": ("model", "pipe")}
+
+
+def _train(model_fn, loss, config, steps=5):
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:int(np.prod(list(config.mesh.values())))])
+    trainer = jaxpar.Trainer(jaxpar.init(model_fn, config, mesh), optax.adamw(1e-3), loss, config, mesh)
+    losses = [float(trainer.step(b)["loss"]) for b in batches(steps)]
+    return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param))), trainer
+
+
+def _pipe(schedule, rules, mesh=None, **pipeline):
+    mesh = mesh or {"pipe": 2, "data": 2, "model": 2}
+    return jaxpar.ParallelConfig(mesh=mesh, rules={k: r for k, r in rules.items() if r},
+                                 pipeline={"stages": mesh["pipe"], "microbatches": 4, "schedule": schedule,
+                                           **pipeline})
+
+
+def _assert_trained_alike(actual, expected, rtol=2e-5):
+    np.testing.assert_allclose(actual[0], expected[0], rtol=1e-5)
+    for a, e in zip(jax.tree.leaves(actual[1]), jax.tree.leaves(expected[1]), strict=True):
+        # 2e-5: the vocabulary-split loss sums its parts in another order than one device
+        assert np.linalg.norm(a - e) / np.linalg.norm(e) <= rtol
+
+
+@pytest.fixture(scope="module")
+def gpt_reference():
+    return _train(lambda: GPT(GPT4, rngs=nnx.Rngs(0)), pipeline_loss(), jaxpar.ParallelConfig(mesh={"data": 1}))
+
+
+@requires_devices(8)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_embedding_on_the_first_stage_trains_like_one_device(gpt_reference, schedule):
+    """pipe=2 × data=2 × Megatron TP, the vocabulary split over the tensor and the pipe axes."""
+    trained = _train(lambda: GPT(GPT4, rngs=nnx.Rngs(0)), pipeline_loss(), _pipe(schedule, MEGATRON_PIPE))
+    _assert_trained_alike(trained, gpt_reference)
+    wte = trained[2].params["wte"].get_value()
+    assert wte.addressable_shards[0].data.shape == (GPT4.vocab_size // 4, GPT4.embed)   # 1/(model·pipe)
+
+
+def _shard_map_inputs(config, mesh_devices=4):
+    """The avals entering the pipeline's ``shard_map`` in the traced GPT loss."""
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:mesh_devices])
+    model = GPT(GPT4, rngs=nnx.Rngs(0))
+    loss = pipelined(pipeline_loss(), config, mesh)
+    jaxpr = jax.make_jaxpr(lambda b: loss(model, b))(batches(1)[0]).jaxpr
+    (eqn,) = _find(jaxpr, "shard_map")
+    return [v.aval for v in eqn.invars]
+
+
+def _find(jaxpr, name):
+    """Equations named ``name`` in ``jaxpr`` and the jaxprs inside its equations (a custom_vjp)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            found.append(eqn)
+            continue
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                found += _find(inner, name)
+    return found
+
+
+@requires_devices(4)
+def test_only_token_ids_enter_the_pipeline_and_stages_store_a_share_of_the_table():
+    """Boundary: with the embedding inside, the pipeline takes the micro-batches' token ids
+    (int) and no ``[m, micro_batch, seq, embed]`` activations replicated on every stage.
+    Storage: the per-device argument bytes of the compiled step (``memory_analysis``; under
+    SPMD every device's are equal) drop by ``(1 - 1/pipe)`` of the embedding + head bytes
+    times three (parameters, adam's mu and nu) when "vocab" maps to the pipe axis."""
+    shape = (4, 4, GPT4.seq_len, GPT4.embed)   # m, rows per micro-batch, seq, embed
+    rules = {"layers": "pipe", "batch": "data"}
+    outside = _shard_map_inputs(_pipe("1f1b", rules, {"pipe": 2, "data": 2}, embedding="outside"))
+    first = _shard_map_inputs(_pipe("1f1b", rules, {"pipe": 2, "data": 2}))
+    assert shape in [a.shape for a in outside]
+    assert shape not in [a.shape for a in first]
+    assert not [a for a in first if a.shape[:1] == (4,) and jax.numpy.issubdtype(a.dtype, jax.numpy.floating)]
+
+    def argument_bytes(vocab):
+        config = _pipe("zb-v", {**rules, "vocab": vocab}, {"pipe": 2, "data": 2})
+        trainer = _train(lambda: GPT(GPT4, rngs=nnx.Rngs(0)), pipeline_loss(), config, steps=0)[2]
+        return trainer.lower(batches(1)[0]).compile().memory_analysis().argument_size_in_bytes
+
+    table_and_head = 2 * GPT4.vocab_size * GPT4.embed * 4
+    assert argument_bytes(None) - argument_bytes("pipe") == 3 * table_and_head // 2
+
+
+@pytest.fixture(scope="module")
+def tied_reference():
+    cfg = LlamaConfig.named("tiny", layers=4, tie_embeddings=True, scan_layers=True)
+    return cfg, _train(lambda: Llama(cfg, rngs=nnx.Rngs(0)), llama.loss_fn, jaxpar.ParallelConfig(mesh={"data": 1}))
+
+
+@requires_devices(8)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_tied_embeddings_train_like_one_device(tied_reference, schedule):
+    """One table read by the first stage (embedding) and the last (head): under 1F1B they are
+    different devices (stages 0 and 1), under ZB-V both are device 0. The table is replicated
+    over the pipe axis and its two gradients meet in the executor's psum over it."""
+    cfg, reference = tied_reference
+    rules = {"layers": "pipe", "batch": "data", "heads": "model", "mlp": "model", "vocab": "model"}
+    trained = _train(lambda: Llama(cfg, rngs=nnx.Rngs(0)), llama.pipeline_loss(), _pipe(schedule, rules))
+    assert "head" not in trained[1]
+    _assert_trained_alike(trained, reference)
+
+
+def test_pipeline_embedding_is_validated():
+    with pytest.raises(ValueError, match="pipeline.embedding='last' is invalid: choose 'first' or 'outside'"):
+        jaxpar.ParallelConfig(pipeline={"embedding": "last"})
+    with pytest.raises(TypeError, match="embedding and embed_inputs together"):
+        jaxpar.pipeline.PipelineLoss(embed=None, blocks=None, head=None, head_loss=None, embedding=len)
