@@ -119,10 +119,15 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
     the micro-batches of one step share its keys, and the streams advance once per step, as
     in the unpipelined model (by running the blocks on an empty batch, which costs nothing).
     """
+    from jaxpar.pipeline.stages import StagedLoss, staged   # stages.py builds on this module
+
+    if isinstance(loss, StagedLoss):
+        return staged(loss, config, mesh, specs=specs)
     if not isinstance(loss, PipelineLoss):
         raise TypeError(
             f"pipeline.stages={config.pipeline.stages} needs the loss as a jaxpar.pipeline.PipelineLoss "
-            f"(embed / blocks / head / head_loss), got {type(loss).__name__}; see docs/pipeline.md"
+            f"(embed / blocks / head / head_loss) or a jaxpar.pipeline.StagedLoss (modules by path), got "
+            f"{type(loss).__name__}; see docs/pipeline.md"
         )
     pipe = config.pipeline
     schedule = build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages)
