@@ -121,10 +121,10 @@ class PipelineConfig:
         ``"dualpipe-v"`` (the V schedules always run two chunks per stage).
       virtual_stages: model chunks per stage (interleaved schedule).
       axis: the mesh axis the stages live on.
-      embedding: where a ``PipelineLoss``'s embedding runs: ``"first"`` (the first virtual
-        stage only, inside the schedule: one micro-batch's activation crosses a stage
-        boundary per step; tied embeddings work) or ``"outside"`` (before the pipeline, on
-        every stage, all micro-batches at once).
+      embedding: where a ``PipelineLoss``'s embedding runs: ``"outside"`` (before the
+        pipeline, on every stage, all micro-batches at once: the default) or ``"first"`` (on
+        the first virtual stage only, inside the schedule: only token ids enter the
+        pipeline and one micro-batch's activation crosses a stage boundary per step).
     """
 
     stages: int = 1
@@ -132,7 +132,7 @@ class PipelineConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     axis: str = "pipe"
-    embedding: str = "first"
+    embedding: str = "outside"
 
     def __post_init__(self):
         for name in ("stages", "microbatches", "virtual_stages"):

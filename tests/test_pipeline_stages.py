@@ -26,11 +26,11 @@ def _train(model_fn, loss, config, steps=5):
     return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param))), trainer
 
 
-def _pipe(schedule, rules, mesh=None, **pipeline):
+def _pipe(schedule, rules, mesh=None, embedding="first"):
     mesh = mesh or {"pipe": 2, "data": 2, "model": 2}
     return jaxpar.ParallelConfig(mesh=mesh, rules={k: r for k, r in rules.items() if r},
                                  pipeline={"stages": mesh["pipe"], "microbatches": 4, "schedule": schedule,
-                                           **pipeline})
+                                           "embedding": embedding})
 
 
 def _assert_trained_alike(actual, expected, rtol=2e-5):

@@ -13,12 +13,15 @@ A ``PipelineLoss`` names the three parts; it is an ordinary ``loss_fn(model, bat
 With ``pipeline.stages == 1`` it runs the blocks with ``lax.scan``, so the same loss trains
 the model unpipelined (the one-device reference). With ``stages = p > 1`` the ``Trainer``
 swaps in ``pipelined(loss, config, mesh)``: the embedding runs on every stage (outside the
-pipeline, sharded by the other mesh axes), the stacked blocks (leading ``layers`` axis,
+pipeline, sharded by the other mesh axes), or, with ``pipeline.embedding="first"`` and the
+loss's ``embedding`` / ``embed_inputs`` parts, inside the first virtual stage's ops only
+(token ids enter the pipeline; the embedding's gradient comes out of it); the stacked blocks (leading ``layers`` axis,
 which the rules should map to the pipe axis) are cut into ``p·v`` chunks placed as the
 schedule says (a loop, or a V for ``"zb-v"`` / ``"dualpipe-v"``), and the schedule runs them
 with the ``shard_map`` executor; the head runs on the stage of the last chunk. Called
 without differentiating (``Trainer.evaluate``) it runs the schedule's forwards only. The embedding
-and the head do not share parameters with the blocks (tied embeddings are not supported).
+and the head may share a table (tied embeddings: its gradient is the sum of both uses), not
+parameters with the blocks.
 Micro-batch ``i`` holds rows ``i, i+m, i+2m, ...`` of the global batch, so each data shard
 contributes equally to every micro-batch and nothing moves across the data axes.
 """
@@ -46,8 +49,8 @@ class PipelineLoss:
     ``head(model) -> head object`` and ``head_loss(head_object, h, batch) -> scalar``.
 
     ``embedding(model) -> embedding object`` and ``embed_inputs(embedding_object, batch) -> h``
-    (both or neither) give the embedding as a part of its own, so that the pipeline runs it on
-    its first virtual stage only (``pipeline.embedding="first"``, the default). ``embed``
+    (both or neither) give the embedding as a part of its own, so that the pipeline can run it
+    on its first virtual stage only (``pipeline.embedding="first"``). ``embed``
     must equal ``embed_inputs(embedding(model), batch)``; it is what the planner prices and
     what ``pipeline.embedding="outside"`` runs. The head object and the embedding object may
     share a parameter (tied embeddings): its gradient is the sum over both uses.
