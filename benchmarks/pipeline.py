@@ -161,7 +161,6 @@ def print_table(rows: list[dict], title: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=4, help="pipeline stages p (default 4)")
     ap.add_argument("--microbatches", type=int, default=8, help="micro-batches m (default 8)")

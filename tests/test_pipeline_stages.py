@@ -228,3 +228,12 @@ def test_staged_loss_errors():
         jaxpar.pipeline.stages.assign(["a", "b", "c"], {"a|b": 1, "c": 0}, 2)
     with pytest.raises(ValueError, match="no module at 'blocks'"):
         jaxpar.pipeline.module_paths(model, ("blocks",))
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from jaxpar.pipeline import stages
+
+    result = doctest.testmod(stages)
+    assert result.failed == 0 and result.attempted >= 5
