@@ -228,6 +228,9 @@ def test_staged_loss_errors():
         jaxpar.pipeline.stages.assign(["a", "b", "c"], {"a|b": 1, "c": 0}, 2)
     with pytest.raises(ValueError, match="no module at 'blocks'"):
         jaxpar.pipeline.module_paths(model, ("blocks",))
+    from jaxpar.auto import balance_stages
+    with pytest.raises(ValueError, match="stages=9 must be an int from 1 to the 8 modules"):
+        balance_stages(model, _staged({".*": 0}), batches(1)[0], 9)
 
 
 def test_docstring_examples_run():

@@ -65,5 +65,9 @@ def balance_stages(model: nnx.Module, loss: StagedLoss, batch: Any, stages: int,
     if not isinstance(loss, StagedLoss):
         raise TypeError(f"balance_stages needs a jaxpar.pipeline.StagedLoss, got {type(loss).__name__}")
     paths, costs, first, last = module_costs(model, loss, batch, microbatches, cost_params)
+    if not isinstance(stages, int) or isinstance(stages, bool) or not 1 <= stages <= len(paths):
+        raise ValueError(f"balance_stages: stages={stages!r} must be an int from 1 to the {len(paths)} modules "
+                         f"of StagedLoss.order {list(loss.order)} (each virtual stage holds at least one); "
+                         f"pass pipeline stages × chunks per stage")
     where = best_split(costs, stages, first, last)
     return {re.escape(path): k for path, k in zip(paths, where)}
