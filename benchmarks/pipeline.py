@@ -11,6 +11,12 @@ the batch split over the pipe devices) gives the baseline. The timelines are dra
 
     python benchmarks/pipeline.py                       # CPU: 8 simulated devices, pipe=4
     python benchmarks/pipeline.py --stages 2 --microbatches 8 --out /tmp/pipe.json
+    python benchmarks/pipeline.py --embedding            # where the embedding and head live
+
+``--embedding`` compares instead, through the ``Trainer`` (adamw), the embedding run before
+the pipeline on every stage with the embedding run on the first virtual stage, the
+vocabulary (embedding table and head) replicated over the pipe axis or split over it:
+per-device argument and temp bytes of the compiled step and the bytes entering the pipeline.
 
 On a CPU the step times only compare schedules with each other on this machine (the
 simulated devices share its cores, so a bubble costs nothing there); memory and bubble are
@@ -39,6 +45,8 @@ from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
 from jaxpar.pipeline import (SCHEDULES, bubble_fraction, build, lower, peak_activations,
                              pipeline_loss, plot_timeline, timeline, to_stage_layout)
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(HERE, "results", "pipeline_cpu.json")
 CLOSED_FORMS = {"gpipe": lambda p, m, v: (p - 1, m + p - 1),
                 "1f1b": lambda p, m, v: (p - 1, m + p - 1),
                 "interleaved": lambda p, m, v: (p - 1, v * m + p - 1),
@@ -153,7 +161,6 @@ def print_table(rows: list[dict], title: str) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    here = os.path.dirname(os.path.abspath(__file__))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", type=int, default=4, help="pipeline stages p (default 4)")
     ap.add_argument("--microbatches", type=int, default=8, help="micro-batches m (default 8)")
@@ -165,7 +172,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=32, help="global batch (split in micro-batches)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps (median reported)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", default=os.path.join(here, "results", "pipeline_cpu.json"))
+    ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--embedding", action="store_true",
+                    help="compare where the embedding and head live instead of the schedules")
+    ap.add_argument("--vocab", type=int, default=512, help="vocabulary for --embedding")
     ap.add_argument("--plot", default=None, help="timelines PNG (default: --out with .png)")
     args = ap.parse_args(argv)
     unknown = set(args.schedules) - set(SCHEDULES)
@@ -176,8 +186,50 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def embedding_rows(args) -> list[dict]:
+    """Per-device bytes of the compiled training step for each embedding placement."""
+    import jaxpar
+    from jaxpar.models.gpt import pipeline_loss as gpt_pipeline
+
+    p, m = args.stages, args.microbatches
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, embed=args.embed, heads=4,
+                    mlp=4 * args.embed, layers=2 * p, scan_layers=True)
+    rows_ = jax.random.randint(jax.random.key(1), (args.batch, args.seq_len + 1), 0, args.vocab)
+    batch = {"inputs": rows_[:, :-1], "targets": rows_[:, 1:]}
+    table = 2 * args.vocab * args.embed * 4        # embedding table + head, fp32
+    rows = []
+    for schedule in ("1f1b", "zb-v"):
+        for embedding, vocab in (("outside", None), ("first", None), ("first", "pipe")):
+            config = jaxpar.ParallelConfig(
+                mesh={"pipe": p}, rules={"layers": "pipe", "vocab": vocab} if vocab else {"layers": "pipe"},
+                pipeline={"stages": p, "microbatches": m, "schedule": schedule, "embedding": embedding})
+            mesh = jaxpar.make_mesh(config, devices=jax.devices()[:p])
+            model = jaxpar.init(lambda: GPT(cfg, rngs=nnx.Rngs(0)), config, mesh)
+            trainer = jaxpar.Trainer(model, optax.adamw(1e-3), gpt_pipeline(), config, mesh)
+            mem = trainer.lower(batch).compile().memory_analysis()
+            boundary = (args.batch * args.seq_len * args.embed * 4 if embedding == "outside"
+                        else 2 * args.batch * args.seq_len * 4)   # activations, or token ids + targets
+            rows.append({"schedule": schedule, "embedding": embedding, "vocab over pipe": bool(vocab),
+                         "argument_bytes": mem.argument_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,
+                         "pipeline_input_bytes": boundary, "embedding_and_head_bytes": table})
+            print(f"  {schedule} embedding={embedding} vocab={vocab}: compiled", file=sys.stderr)
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.embedding:
+        rows = embedding_rows(args)
+        keys = list(rows[0])
+        print(" | ".join(keys))
+        for r in rows:
+            print(" | ".join(str(r[k]) for k in keys))
+        out = args.out if args.out != DEFAULT_OUT else os.path.join(HERE, "results", "pipeline_embedding_cpu.json")
+        with open(out, "w") as f:
+            json.dump({"meta": {"jax": jax.__version__, "platform": jax.devices()[0].platform,
+                                "date": time.strftime("%Y-%m-%d")}, "results": rows}, f, indent=2)
+        print(f"results written to {out}", file=sys.stderr)
+        return 0
     p, m = args.stages, args.microbatches
     schedules = [build(n, p, m, args.virtual_stages if n == "interleaved" else 1)
                  for n in args.schedules]

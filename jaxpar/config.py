@@ -121,6 +121,10 @@ class PipelineConfig:
         ``"dualpipe-v"`` (the V schedules always run two chunks per stage).
       virtual_stages: model chunks per stage (interleaved schedule).
       axis: the mesh axis the stages live on.
+      embedding: where a ``PipelineLoss``'s embedding runs: ``"outside"`` (before the
+        pipeline, on every stage, all micro-batches at once: the default) or ``"first"`` (on
+        the first virtual stage only, inside the schedule: only token ids enter the
+        pipeline and one micro-batch's activation crosses a stage boundary per step).
     """
 
     stages: int = 1
@@ -128,6 +132,7 @@ class PipelineConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     axis: str = "pipe"
+    embedding: str = "outside"
 
     def __post_init__(self):
         for name in ("stages", "microbatches", "virtual_stages"):
@@ -136,6 +141,8 @@ class PipelineConfig:
                 raise _fail(f"pipeline.{name}", v, "use a positive int")
         if self.schedule not in SCHEDULES:
             raise _fail("pipeline.schedule", self.schedule, f"choose one of {SCHEDULES}")
+        if self.embedding not in ("first", "outside"):
+            raise _fail("pipeline.embedding", self.embedding, "choose 'first' or 'outside'")
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise _fail(
                 "pipeline.virtual_stages",

@@ -10,6 +10,7 @@ Everything here is a pure function of (config, mesh sizes, abstract model, batch
 parameters): nothing compiles except `plan_job`'s optional dry run.
 """
 
+from jaxpar.auto.balance import balance_stages, module_costs
 from jaxpar.auto.api import hand_plan, make_plan, mesh_sizes, plan_training, search
 from jaxpar.auto.cost import Cost, CostParams, evaluate
 from jaxpar.auto.graph import Graph, build_graph
@@ -18,6 +19,7 @@ from jaxpar.auto.plan import Plan
 from jaxpar.auto.planner import JobPlan, plan_job
 
 __all__ = [
+    "balance_stages", "module_costs",
     "Cost",
     "CostParams",
     "Graph",

@@ -199,11 +199,26 @@ def _head_loss(head, h, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
-def _pipeline_embed(model: GPT, batch) -> jax.Array:
+def _check_pipelined(model: GPT) -> None:
     if model.cfg.moe is not None:
         raise ValueError("the GPT pipeline_loss cannot train GPTConfig(moe=...): the MoE auxiliary losses of the "
                          "stages do not reach the head's loss. Use loss_fn, without pipeline stages")
+
+
+def _pipeline_embed(model: GPT, batch) -> jax.Array:
+    _check_pipelined(model)
     return model.embed(batch["inputs"])
+
+
+def _pipeline_embedding(model: GPT):
+    _check_pipelined(model)
+    return model.wte, model.wpe
+
+
+def _embed_inputs(embedding, batch) -> jax.Array:
+    wte, wpe = embedding
+    tokens = batch["inputs"]
+    return wte[...][tokens] + wpe[...][: tokens.shape[1]]
 
 
 def pipeline_loss():
@@ -219,4 +234,6 @@ def pipeline_loss():
         blocks=lambda model: model.blocks,
         head=lambda model: (model.ln_f, model.head),
         head_loss=_head_loss,
+        embedding=_pipeline_embedding,
+        embed_inputs=_embed_inputs,
     )

@@ -340,38 +340,58 @@ def loss_fn(model: Llama, batch: dict) -> jax.Array:
 
 
 def _pipeline_embed(model: Llama, batch) -> jax.Array:
+    _check_pipelined(model, batch)
+    return model.embed(batch["inputs"])
+
+
+def _check_pipelined(model: Llama, batch) -> None:
     if model.cfg.moe is not None:
         raise ValueError("the Llama pipeline_loss cannot train LlamaConfig(moe=...): the MoE auxiliary losses "
                          "of the stages do not reach the head's loss. Train MoE models without pipeline stages")
+    _check_pipelined_batch(batch)
+
+
+def _check_pipelined_batch(batch) -> None:
     if "segment_ids" in batch:
         raise ValueError(
             "the Llama pipeline_loss cannot take batch['segment_ids']: the pipeline hands only the "
             "hidden state from stage to stage, so packed sequences would attend across segments. "
             "Train packed batches without pipeline stages, or pass unpacked rows")
-    return model.embed(batch["inputs"])
 
 
-def _pipeline_head(model: Llama):
-    if model.head is None:
-        raise ValueError(
-            "the Llama pipeline_loss needs LlamaConfig(tie_embeddings=False): the head runs on the last "
-            "stage and the embedding outside the pipeline, so they cannot share one table")
-    return model.norm, model.head
+class _Table(nnx.Module):
+    """The token table and what reading it needs, for the pipeline's first and last stages."""
+
+    def __init__(self, model: Llama, norm=None):
+        self.table = model.embedding if norm is None or model.head is None else model.head
+        self.norm, self.tied, self.dtype = norm, norm is not None and model.head is None, model.cfg.dtype
 
 
-def _head_loss(head, h, batch):
-    norm, table = head
-    return _xent(_logits(norm, table, h, tied=False), batch)
+def _pipeline_embedding(model: Llama) -> _Table:
+    _check_pipelined(model, {})
+    return _Table(model)
+
+
+def _embed_inputs(part: _Table, batch) -> jax.Array:
+    _check_pipelined_batch(batch)
+    x = part.table[...][batch["inputs"]]
+    return x if part.dtype is None else x.astype(jnp.dtype(part.dtype))
+
+
+def _head_loss(head: _Table, h, batch):
+    return _xent(_logits(head.norm, head.table, h, tied=head.tied), batch)
 
 
 def pipeline_loss():
     """``loss_fn`` in the three parts a pipeline needs (embedding, stacked blocks, head).
 
-    Equal to ``loss_fn`` for a model built with ``scan_layers=True`` and untied embeddings;
-    pass it to the ``Trainer`` when ``ParallelConfig.pipeline.stages > 1``. Packed batches
-    (``segment_ids``) are refused.
+    Equal to ``loss_fn`` for a model built with ``scan_layers=True``; pass it to the
+    ``Trainer`` when ``ParallelConfig.pipeline.stages > 1``. With tied embeddings the table
+    is read by the first stage and by the last, and its gradient is the sum of both uses.
+    Packed batches (``segment_ids``) are refused.
     """
     from jaxpar.pipeline.model import PipelineLoss  # the model itself stays parallelism-free
 
     return PipelineLoss(embed=_pipeline_embed, blocks=lambda model: model.blocks,
-                        head=_pipeline_head, head_loss=_head_loss)
+                        head=lambda model: _Table(model, model.norm), head_loss=_head_loss,
+                        embedding=_pipeline_embedding, embed_inputs=_embed_inputs)

@@ -37,10 +37,12 @@ from jaxpar.pipeline.schedules import (
     virtual_stage,
     zb_h1,
 )
+from jaxpar.pipeline.stages import StagedLoss, best_split, module_paths
 from jaxpar.pipeline.vshape import dualpipe_v, zb_v
 
 __all__ = [
-    "SCHEDULES", "Kind", "Op", "PipelineLoss", "Program", "Schedule", "bubble_fraction", "build",
+    "SCHEDULES", "Kind", "Op", "PipelineLoss", "Program", "Schedule", "StagedLoss", "best_split",
+    "bubble_fraction", "build", "module_paths",
     "dualpipe_v", "forward_only", "from_stage_layout", "gpipe", "interleaved", "location", "lower",
     "one_f_one_b", "peak_activations", "pipeline_forward", "pipeline_loss", "pipeline_value_and_grad",
     "pipelined", "plot_timeline", "timeline", "to_stage_layout", "validate", "virtual_stage", "zb_h1", "zb_v",

@@ -36,6 +36,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpar.pipeline.program import (  # noqa: F401  (op codes re-exported for the planner's pricing)
     B, B_LAST, CHANNELS, DX_MB, F, F_LAST, FROM_INPUT, G_SLOT, IDLE, MB, OP, RECV_G, RECV_X, W, W_LAST,
     X_SLOT, CHUNK, Program, forward_only, lower)
+from jaxpar.pipeline.branches import make_branches
 from jaxpar.pipeline.schedules import Schedule, virtual_stage
 
 __all__ = ["Program", "lower", "forward_only", "pipeline_value_and_grad", "pipeline_forward", "pipeline_loss",
@@ -86,6 +87,7 @@ def from_stage_layout(tree: Any, stages: int, virtual_stages: int = 1, placement
 
 StageFn = Callable[[Any, jax.Array], jax.Array]
 LossFn = Callable[[Any, jax.Array, Any], jax.Array]
+EmbedFn = Callable[[Any, Any], jax.Array]
 
 
 def pipeline_value_and_grad(
@@ -99,9 +101,11 @@ def pipeline_value_and_grad(
     targets: Any = None,
     *,
     axis: str = "pipe",
-    specs: tuple[Any, Any, Any] | None = None,
+    specs: tuple[Any, ...] | None = None,
     consts: Any = None,
-) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
+    embed_fn: EmbedFn | None = None,
+    embed_params: Any = None,
+) -> tuple[jax.Array, tuple[Any, Any, Any]]:
     """Mean loss over micro-batches and its gradients, run as the pipeline ``schedule``.
 
     The model is ``loss_fn(head, stage_fn(θ[k-1], ... stage_fn(θ[0], x)), target)``
@@ -129,18 +133,25 @@ def pipeline_value_and_grad(
       consts: a pytree in stage layout like ``stage_params`` that is not differentiated
         (e.g. the blocks' RNG state); ``stage_fn`` is then called as
         ``stage_fn(chunk, x, const_chunk)``.
+      embed_fn: ``embed_fn(embed_params, micro_batch_inputs) -> x``, run by the first
+        virtual stage only: ``inputs`` is then a pytree of ``[m, ...]`` raw inputs (token
+        ids), and only one micro-batch's activation crosses a stage boundary per step.
+      embed_params: what ``embed_fn`` reads (replicated over ``axis``; may share arrays
+        with ``head_params``: a tied table gets a gradient for each use).
 
     Returns:
-      ``(loss, (stage_grads, head_grads, input_grads))``; ``input_grads`` has the shape of
-      ``inputs``, for back-propagating into whatever produced them (an embedding).
+      ``(loss, (stage_grads, head_grads, last))``: ``last`` is the embedding's gradient
+      with ``embed_fn``, else the gradient of ``inputs`` (same shape), for back-propagating
+      into whatever produced them.
 
     Example:
         >>> loss, (g_blocks, g_head, g_x) = pipeline_value_and_grad(  # doctest: +SKIP
         ...     block_stack, head_loss, build("1f1b", 4, 8), mesh, blocks, head, x, y)
     """
-    loss, stage_grads, head_grads, input_grads = _run(
-        stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs, consts)
-    return loss, (stage_grads, head_grads, input_grads)
+    loss, stage_grads, head_grads, last = _run(
+        stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs, consts,
+        embed_fn, embed_params)
+    return loss, (stage_grads, head_grads, last)
 
 
 def pipeline_forward(
@@ -154,8 +165,10 @@ def pipeline_forward(
     targets: Any = None,
     *,
     axis: str = "pipe",
-    specs: tuple[Any, Any, Any] | None = None,
+    specs: tuple[Any, ...] | None = None,
     consts: Any = None,
+    embed_fn: EmbedFn | None = None,
+    embed_params: Any = None,
 ) -> jax.Array:
     """Mean loss over micro-batches, forwards only: ``schedule``'s F ops, no backward.
 
@@ -169,71 +182,85 @@ def pipeline_forward(
     if any(op is not None and op.kind.value != "F" for row in schedule.table for op in row):
         schedule = forward_only(schedule)
     return _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs,
-                consts)
+                consts, embed_fn, embed_params)
 
 
-def _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs, consts):
+def _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs, consts,
+         embed_fn=None, embed_params=None):
     """The shard_map of the executor; its outputs follow the program (forward-only: the loss)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
-    _check_args(mesh, axis, p, m, v, stage_params, inputs, targets)
+    _check_args(mesh, axis, p, m, v, stage_params, inputs, targets, embed_fn is not None)
     if consts is None:
         fn, consts = (lambda chunk, x, const: stage_fn(chunk, x)), ()
     else:
         fn = stage_fn
-    _check_stage_fn(fn, stage_params, consts, inputs)
+    embed_params = () if embed_fn is None or embed_params is None else embed_params
+    _check_stage_fn(fn, stage_params, consts, _activation(embed_fn, embed_params, inputs))
     program = lower(schedule)
     out_specs = P() if program.forward_only else (P(), P(axis), P(), P())
     run = jax.shard_map(
-        _make_body(fn, loss_fn, program, axis, m, specs), mesh=mesh, axis_names={axis},
-        in_specs=(P(axis), P(), P(), P(), P(axis)), out_specs=out_specs, check_vma=True)
-    return run(stage_params, head_params, inputs, targets, consts)
+        _make_body(fn, loss_fn, program, axis, m, specs, embed_fn), mesh=mesh, axis_names={axis},
+        in_specs=(P(axis), P(), P(), P(), P(axis), P()), out_specs=out_specs, check_vma=True)
+    return run(stage_params, head_params, inputs, targets, consts, embed_params)
 
 
 def pipeline_loss(
     stage_fn: StageFn, loss_fn: LossFn, schedule: Schedule, mesh: Mesh, *, axis: str = "pipe",
-    specs: tuple[Any, Any, Any] | None = None, with_consts: bool = False,
+    specs: tuple[Any, ...] | None = None, with_consts: bool = False, embed_fn: EmbedFn | None = None,
 ) -> Callable[..., jax.Array]:
     """``pipeline_value_and_grad`` as a differentiable loss function (a ``jax.custom_vjp``).
 
     Returns ``f(stage_params, head_params, inputs, targets) -> loss`` whose gradient is the
     pipeline's (with ``with_consts``: ``f(stage_params, head_params, inputs, targets, consts)``,
-    see ``pipeline_value_and_grad``). Use it inside an ordinary loss function so that ``jax.grad`` (or
-    ``nnx.value_and_grad``) also reaches what produced ``inputs`` (an embedding) and
-    ``stage_params`` (a reshape of stacked layers). Differentiated, it runs the whole
-    schedule, backward included, and keeps the gradients for the backward pass; called
-    without differentiating (evaluation) it runs the forwards only (``pipeline_forward``).
-    ``targets`` get zero cotangents.
+    see ``pipeline_value_and_grad``; with ``embed_fn``, ``embed_params`` follows as the last
+    argument and ``inputs`` are the raw inputs the first stage embeds). Use it inside an
+    ordinary loss function so that ``jax.grad`` (or ``nnx.value_and_grad``) also reaches what
+    produced ``inputs`` (an embedding outside) and ``stage_params`` (a reshape of stacked
+    layers); a weight passed as both ``head_params`` and ``embed_params`` (tied) gets the sum
+    of both gradients. Differentiated, it runs the whole schedule, backward included, and keeps
+    the gradients for the backward pass; called without differentiating (evaluation) it runs
+    the forwards only (``pipeline_forward``). ``targets`` get zero cotangents.
 
     Example:
         >>> f = pipeline_loss(blocks_fn, head_loss, build("1f1b", 4, 8), mesh)  # doctest: +SKIP
         >>> g = jax.grad(lambda e: f(blocks, head, embed(e, tokens), labels))(e)  # doctest: +SKIP
     """
-    def value_and_grad(stage_params, head_params, inputs, targets, consts):
-        return pipeline_value_and_grad(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs,
-                                       targets, axis=axis, specs=specs, consts=consts if with_consts else None)
+    kw = dict(axis=axis, specs=specs, embed_fn=embed_fn)
 
     @jax.custom_vjp
-    def loss(stage_params, head_params, inputs, targets, consts):
+    def loss(stage_params, head_params, inputs, targets, consts, emb):
         # The primal runs only when nothing differentiates the call: forwards alone suffice.
         return pipeline_forward(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets,
-                                axis=axis, specs=specs, consts=consts if with_consts else None)
+                                consts=consts if with_consts else None, embed_params=emb, **kw)
 
-    def fwd(stage_params, head_params, inputs, targets, consts):
-        value, grads = value_and_grad(stage_params, head_params, inputs, targets, consts)
-        return value, (grads, targets, consts)
+    def fwd(stage_params, head_params, inputs, targets, consts, emb):
+        value, grads = pipeline_value_and_grad(stage_fn, loss_fn, schedule, mesh, stage_params, head_params,
+                                               inputs, targets, consts=consts if with_consts else None,
+                                               embed_params=emb, **kw)
+        return value, (grads, inputs, targets, consts, emb)
 
     def bwd(res, cotangent):
-        (stage_grads, head_grads, input_grads), targets, consts = res
+        (stage_grads, head_grads, last), inputs, targets, consts, emb = res
+
         def scale(tree):
             return jax.tree.map(lambda g: g * cotangent.astype(g.dtype), tree)
 
-        return (scale(stage_grads), scale(head_grads), scale(input_grads),
-                jax.tree.map(_zero_cotangent, targets), jax.tree.map(_zero_cotangent, consts))
+        zero = lambda tree: jax.tree.map(_zero_cotangent, tree)  # noqa: E731
+        if embed_fn is None:
+            return scale(stage_grads), scale(head_grads), scale(last), zero(targets), zero(consts), zero(emb)
+        return scale(stage_grads), scale(head_grads), zero(inputs), zero(targets), zero(consts), scale(last)
 
     loss.defvjp(fwd, bwd)
+    if embed_fn is not None:
+        if with_consts:
+            return loss
+        return lambda stage_params, head_params, inputs, targets, emb: loss(
+            stage_params, head_params, inputs, targets, (), emb)
     if with_consts:
-        return loss
-    return lambda stage_params, head_params, inputs, targets: loss(stage_params, head_params, inputs, targets, ())
+        return lambda stage_params, head_params, inputs, targets, consts: loss(
+            stage_params, head_params, inputs, targets, consts, ())
+    return lambda stage_params, head_params, inputs, targets: loss(stage_params, head_params, inputs, targets,
+                                                                   (), ())
 
 
 def _zero_cotangent(a):
@@ -242,7 +269,7 @@ def _zero_cotangent(a):
     return np.zeros(a.shape, jax.dtypes.float0)
 
 
-def _check_args(mesh, axis, p, m, v, stage_params, inputs, targets) -> None:
+def _check_args(mesh, axis, p, m, v, stage_params, inputs, targets, embedding: bool = False) -> None:
     if axis not in mesh.shape:
         raise ValueError(f"pipeline axis {axis!r} is not in the mesh axes {list(mesh.shape)}; "
                          f"add it to the mesh or pass axis=<one of them>")
@@ -254,7 +281,11 @@ def _check_args(mesh, axis, p, m, v, stage_params, inputs, targets) -> None:
             raise ValueError(
                 f"stage_params{jax.tree_util.keystr(path)} has shape {leaf.shape}; its leading "
                 f"axis must be stages*virtual_stages={p * v} (see to_stage_layout)")
-    leaves = [("inputs", inputs)] + [
+    leaves = [(f"inputs{jax.tree_util.keystr(k)}", a) for k, a in jax.tree_util.tree_leaves_with_path(inputs)]
+    if not embedding and not isinstance(inputs, jax.Array):
+        raise TypeError(f"inputs must be one array of activations [m, micro_batch, ...] without embed_fn, got "
+                        f"{type(inputs).__name__}; pass embed_fn to feed raw inputs (a pytree)")
+    leaves += [
         (f"targets{jax.tree_util.keystr(k)}", a)
         for k, a in jax.tree_util.tree_leaves_with_path(targets)]
     for name, leaf in leaves:
@@ -263,10 +294,9 @@ def _check_args(mesh, axis, p, m, v, stage_params, inputs, targets) -> None:
                              f"micro-batches of the schedule (reshape to [{m}, batch/{m}, ...])")
 
 
-def _check_stage_fn(stage_fn, stage_params, consts, inputs) -> None:
+def _check_stage_fn(stage_fn, stage_params, consts, x: jax.ShapeDtypeStruct) -> None:
     chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stage_params)
     const = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), consts)
-    x = jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype)
     y = jax.eval_shape(stage_fn, chunk, x, const)
     if (getattr(y, "shape", None), getattr(y, "dtype", None)) != (x.shape, x.dtype):
         raise ValueError(f"stage_fn must map activations to the same shape and dtype: "
@@ -282,57 +312,86 @@ def _pin(tree, specs, lead: int = 0):
                         is_leaf=lambda x: isinstance(x, P))
 
 
-def _pinned_branch(branch, stage_specs, head_specs, act_spec):
-    def run(chunk, head, x, g, t, c):
-        chunk, head = _pin(chunk, stage_specs, 1), _pin(head, head_specs)
+def _pinned_branch(branch, stage_specs, head_specs, act_spec, embed_specs):
+    def run(chunk, head, emb, x, g, t, inp, c):
+        chunk, head, emb = _pin(chunk, stage_specs, 1), _pin(head, head_specs), _pin(emb, embed_specs)
         x, g = _pin((x, g), (act_spec, act_spec))
-        y, dx, dp, dh, loss = branch(chunk, head, x, g, t, c)
+        y, dx, dp, dh, de, loss = branch(chunk, head, emb, x, g, t, inp, c)
         y, dx = _pin((y, dx), (act_spec, act_spec))
         if isinstance(dp, tuple) and not dp:   # forward-only branches return no gradients
-            return y, dx, dp, dh, loss
-        return y, dx, _pin(dp, stage_specs, 1), _pin(dh, head_specs), loss
+            return y, dx, dp, dh, de, loss
+        return y, dx, _pin(dp, stage_specs, 1), _pin(dh, head_specs), _pin(de, embed_specs), loss
 
     return run
 
 
-def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=None):
+_KIND = {IDLE: "I", F: "F", F_LAST: "F", B: "B", B_LAST: "B", W: "W", W_LAST: "W"}
+
+
+def _branch_keys(program: Program, embedding: bool) -> tuple[np.ndarray, list]:
+    """The instruction table with its ops renumbered to the branches that run them.
+
+    An op's branch depends on its kind and on whether it runs the first virtual stage (with
+    the embedding, when the executor runs it) or the last (with the loss). The last F of a
+    training program does nothing (its B recomputes the forward), so it shares the idle branch.
+    """
     code = np.array(program.code)
-    if program.forward_only:
-        # Forward only: the last chunk's F computes the loss (branch 2); nothing else runs.
-        code[..., OP] = np.array([0, 1, 2, 0, 0, 0, 0])[code[..., OP]]
-        branches = _forward_branches(stage_fn, loss_fn, m)
-    else:
-        # The last chunk's F does nothing (its B recomputes the forward and the loss anyway), so
-        # it shares the idle branch; without W the W branches are left out of the switch.
-        code[..., OP] = np.array([0, 1, 0, 2, 3, 4, 5])[code[..., OP]]
-        branches = _branches(stage_fn, loss_fn, program.split_backward, m)
+    keys: list = []
+    index = np.zeros(code.shape[:2], np.int32)
+    for step, stage in np.ndindex(*code.shape[:2]):
+        op = int(code[step, stage, OP])
+        last = op in (F_LAST, B_LAST, W_LAST)
+        key = (_KIND[op], embedding and bool(code[step, stage, FROM_INPUT]), last)
+        if op == IDLE or (op == F_LAST and not program.forward_only):
+            key = ("I", False, False)
+        if key not in keys:
+            keys.append(key)
+        index[step, stage] = keys.index(key)
+    code[..., OP] = index
+    return code, keys
 
+
+def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=None, embed_fn=None):
+    code, keys = _branch_keys(program, embed_fn is not None)
+    branches = make_branches(keys, stage_fn, loss_fn, embed_fn, program.split_backward, m, program.forward_only)
     varying = functools.partial(_varying, axis=axis)
-
-    stage_specs, head_specs, act_spec = specs if specs is not None else (None, None, None)
+    stage_specs, head_specs, act_spec, embed_specs = (tuple(specs) + (None,))[:4] if specs else (None,) * 4
     if specs is not None:
-        branches = [_pinned_branch(b, stage_specs, head_specs, act_spec) for b in branches]
+        branches = [_pinned_branch(b, stage_specs, head_specs, act_spec, embed_specs) for b in branches]
 
-    def body(params, head, inputs, targets, consts):
-        params, head = _pin(params, stage_specs, 2), _pin(head, head_specs)
-        head, inputs, targets = varying((head, inputs, targets))
+    def body(params, head, inputs, targets, consts, emb):
+        params, head, emb = _pin(params, stage_specs, 2), _pin(head, head_specs), _pin(emb, embed_specs)
+        head, emb, inputs, targets = varying((head, emb, inputs, targets))
         stage = lax.axis_index(axis)
-        carry = varying(_initial_carry(params, head, inputs, program, m))
+        x_like = _activation(embed_fn, emb, inputs)
+        carry = varying(_initial_carry(params, head, emb, x_like, program, m, embed_fn is not None))
 
         def step(carry, rows):
             r = rows[stage]
-            carry = _tick(carry, r, params, head, inputs, targets, consts, branches, axis, program)
+            carry = _tick(carry, r, params, head, emb, inputs, targets, consts, branches, axis, program,
+                          embed_fn is not None)
             carry["grads"] = _pin(carry["grads"], stage_specs, 2)
             carry["hgrads"] = _pin(carry["hgrads"], head_specs)
+            carry["egrads"] = _pin(carry["egrads"], embed_specs)
             return carry, None
 
         carry, _ = lax.scan(step, carry, jnp.asarray(code))
         if program.forward_only:
             return lax.psum(carry["loss"], axis)
-        return (lax.psum(carry["loss"], axis), carry["grads"], lax.psum(carry["hgrads"], axis),
-                lax.psum(carry["dinputs"][:m], axis))
+        # the head's and the embedding's gradients live on the stages that ran them: the psum
+        # over the pipe axis brings them (and a tied weight's two parts) to every stage
+        last = lax.psum(carry["egrads"] if embed_fn is not None else carry["dinputs"][:m], axis)
+        return lax.psum(carry["loss"], axis), carry["grads"], lax.psum(carry["hgrads"], axis), last
 
     return body
+
+
+def _activation(embed_fn, emb, inputs) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of one micro-batch's activation between stages."""
+    if embed_fn is None:
+        return jax.ShapeDtypeStruct(inputs.shape[1:], inputs.dtype)
+    y = jax.eval_shape(embed_fn, emb, jax.tree.map(lambda a: a[0], inputs))
+    return jax.ShapeDtypeStruct(y.shape, y.dtype)
 
 
 def _varying(tree, axis: str):
@@ -340,23 +399,23 @@ def _varying(tree, axis: str):
     return jax.tree.map(lambda a: lax.pcast(a, axis, to="varying"), tree)
 
 
-def _zeros(tree):
-    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+def _zeros(tree, keep: bool = True):
+    """Zero accumulators like ``tree``; zero-size ones (no cost) when nothing accumulates."""
+    return jax.tree.map(lambda a: jnp.zeros(a.shape if keep else (0,) + a.shape[1:], a.dtype), tree)
 
 
-def _initial_carry(params, head, inputs, program: Program, m: int) -> dict:
-    x = inputs[0]
-
+def _initial_carry(params, head, emb, x, program: Program, m: int, embedding: bool) -> dict:
     def buffer(n):  # one more row: the dump that writes of "nothing" go to
         return jnp.zeros((n + 1,) + x.shape, x.dtype)
 
-    # A forward-only program keeps no gradients: zero-size accumulators cost nothing.
-    grads = _zeros(jax.tree.map(lambda a: a[:0], params)) if program.forward_only else _zeros(params)
-    hgrads = _zeros(jax.tree.map(lambda a: a[:0], head)) if program.forward_only else _zeros(head)
+    train = not program.forward_only
+    # with the embedding inside, no input gradient leaves the pipeline: a one-row dump
+    dinputs = buffer(m if train and not embedding else 0)
     return dict(xbuf=buffer(program.x_slots), gbuf=buffer(program.g_slots),
                 fmsg={c: buffer(0)[0] for c in program.sends_x},
-                bmsg={c: buffer(0)[0] for c in program.sends_g}, grads=grads,
-                hgrads=hgrads, loss=jnp.zeros((), jnp.float32), dinputs=buffer(0 if program.forward_only else m))
+                bmsg={c: buffer(0)[0] for c in program.sends_g}, grads=_zeros(params, train),
+                hgrads=_zeros(head, train), egrads=_zeros(emb, train), loss=jnp.zeros((), jnp.float32),
+                dinputs=dinputs)
 
 
 _SHIFT = {"next": 1, "prev": -1}
@@ -368,92 +427,26 @@ def _send(value, channels, axis: str, p: int) -> dict:
             lax.ppermute(value, axis, [(s, (s + _SHIFT[c]) % p) for s in range(p)]) for c in channels}
 
 
-def _tick(carry, r, params, head, inputs, targets, consts, branches, axis: str, program: Program) -> dict:
+def _tick(carry, r, params, head, emb, inputs, targets, consts, branches, axis: str, program: Program,
+          embedding: bool) -> dict:
     p = lax.axis_size(axis)
     xbuf, gbuf = carry["xbuf"], carry["gbuf"]
     for c, msg in carry["fmsg"].items():   # what arrived on a channel nobody sent to goes to the dump row
         xbuf = xbuf.at[r[RECV_X[c]]].set(msg)
     for c, msg in carry["bmsg"].items():
         gbuf = gbuf.at[r[RECV_G[c]]].set(msg)
-    x = jnp.where(r[FROM_INPUT] == 1, inputs[r[MB]], xbuf[r[X_SLOT]])
+    inp = jax.tree.map(lambda a: a[r[MB]], inputs)
+    x = xbuf[r[X_SLOT]] if embedding else jnp.where(r[FROM_INPUT] == 1, inp, xbuf[r[X_SLOT]])
     chunk = jax.tree.map(lambda a: a[r[CHUNK]], params)
     target = jax.tree.map(lambda a: a[r[MB]], targets)
     const = jax.tree.map(lambda a: a[r[CHUNK]], consts)
-    y, dx, dp, dh, loss = lax.switch(r[OP], branches, chunk, head, x, gbuf[r[G_SLOT]], target, const)
-    if program.forward_only:
-        grads, hgrads, dinputs = carry["grads"], carry["hgrads"], carry["dinputs"]
-    else:
-        grads = jax.tree.map(lambda acc, d: acc.at[r[CHUNK]].add(d), carry["grads"], dp)
-        hgrads = jax.tree.map(jnp.add, carry["hgrads"], dh)
-        dinputs = carry["dinputs"].at[r[DX_MB]].add(dx)
-    return dict(xbuf=xbuf, gbuf=gbuf, fmsg=_send(y, program.sends_x, axis, p),
-                bmsg=_send(dx, program.sends_g, axis, p), grads=grads, hgrads=hgrads,
-                loss=carry["loss"] + loss.astype(jnp.float32), dinputs=dinputs)
-
-
-def _forward_branches(stage_fn, loss_fn, m: int) -> list[Callable]:
-    """Idle, forward, and forward + loss of the last chunk: no backward, no gradients."""
-    scale = 1.0 / m
-
-    def out(x, y=None, loss=None):
-        return (jnp.zeros_like(x) if y is None else y, jnp.zeros_like(x), (), (),
-                jnp.zeros_like(x, jnp.float32, shape=()) if loss is None else loss)
-
-    def idle(chunk, head, x, g, t, k):
-        return out(x)
-
-    def fwd(chunk, head, x, g, t, k):
-        return out(x, y=stage_fn(chunk, x, k))
-
-    def fwd_last(chunk, head, x, g, t, k):
-        return out(x, loss=loss_fn(head, stage_fn(chunk, x, k), t).astype(jnp.float32) * scale)
-
-    return [idle, fwd, fwd_last]
-
-
-def _branches(stage_fn, loss_fn, split: bool, m: int) -> list[Callable]:
-    """One function per op code: ``(chunk, head, x, g, target, const) -> (y, dx, dθ, dhead, loss)``."""
-    scale = 1.0 / m  # the loss is the mean over micro-batches
-
-    def out(x, chunk, head, y=None, dx=None, dp=None, dh=None, loss=None):
-        def zero(like, value):  # zeros_like keeps the type "varying over the pipe axis"
-            return jax.tree.map(jnp.zeros_like, like) if value is None else value
-
-        return (zero(x, y), zero(x, dx), zero(chunk, dp), zero(head, dh),
-                jnp.zeros_like(x, jnp.float32, shape=()) if loss is None else loss)
-
-    def last(chunk, head, x, target, k):
-        return loss_fn(head, stage_fn(chunk, x, k), target).astype(jnp.float32) * scale
-
-    def idle(chunk, head, x, g, t, k):
-        return out(x, chunk, head)
-
-    def fwd(chunk, head, x, g, t, k):
-        return out(x, chunk, head, y=stage_fn(chunk, x, k))
-
-    def bwd(chunk, head, x, g, t, k):
-        if split:
-            _, vjp = jax.vjp(lambda x_: stage_fn(chunk, x_, k), x)
-            return out(x, chunk, head, dx=vjp(g)[0])
-        _, vjp = jax.vjp(lambda c, x_: stage_fn(c, x_, k), chunk, x)
-        dp, dx = vjp(g)
-        return out(x, chunk, head, dx=dx, dp=dp)
-
-    def bwd_last(chunk, head, x, g, t, k):
-        if split:
-            loss, vjp = jax.vjp(lambda x_: last(chunk, head, x_, t, k), x)
-            return out(x, chunk, head, dx=vjp(jnp.ones_like(loss))[0], loss=loss)
-        loss, vjp = jax.vjp(lambda c, h, x_: last(c, h, x_, t, k), chunk, head, x)
-        dp, dh, dx = vjp(jnp.ones_like(loss))
-        return out(x, chunk, head, dx=dx, dp=dp, dh=dh, loss=loss)
-
-    def wgt(chunk, head, x, g, t, k):
-        _, vjp = jax.vjp(lambda c: stage_fn(c, x, k), chunk)
-        return out(x, chunk, head, dp=vjp(g)[0])
-
-    def wgt_last(chunk, head, x, g, t, k):
-        loss, vjp = jax.vjp(lambda c, h: last(c, h, x, t, k), chunk, head)
-        dp, dh = vjp(jnp.ones_like(loss))
-        return out(x, chunk, head, dp=dp, dh=dh)
-
-    return [idle, fwd, bwd, bwd_last] + ([wgt, wgt_last] if split else [])
+    y, dx, dp, dh, de, loss = lax.switch(r[OP], branches, chunk, head, emb, x, gbuf[r[G_SLOT]], target, inp,
+                                         const)
+    out = dict(carry, xbuf=xbuf, gbuf=gbuf, fmsg=_send(y, program.sends_x, axis, p),
+               bmsg=_send(dx, program.sends_g, axis, p), loss=carry["loss"] + loss.astype(jnp.float32))
+    if not program.forward_only:
+        out["grads"] = jax.tree.map(lambda acc, d: acc.at[r[CHUNK]].add(d), carry["grads"], dp)
+        out["hgrads"] = jax.tree.map(jnp.add, carry["hgrads"], dh)
+        out["egrads"] = jax.tree.map(jnp.add, carry["egrads"], de)
+        out["dinputs"] = carry["dinputs"].at[jnp.minimum(r[DX_MB], carry["dinputs"].shape[0] - 1)].add(dx)
+    return out

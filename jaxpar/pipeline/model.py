@@ -13,12 +13,15 @@ A ``PipelineLoss`` names the three parts; it is an ordinary ``loss_fn(model, bat
 With ``pipeline.stages == 1`` it runs the blocks with ``lax.scan``, so the same loss trains
 the model unpipelined (the one-device reference). With ``stages = p > 1`` the ``Trainer``
 swaps in ``pipelined(loss, config, mesh)``: the embedding runs on every stage (outside the
-pipeline, sharded by the other mesh axes), the stacked blocks (leading ``layers`` axis,
+pipeline, sharded by the other mesh axes), or, with ``pipeline.embedding="first"`` and the
+loss's ``embedding`` / ``embed_inputs`` parts, inside the first virtual stage's ops only
+(token ids enter the pipeline; the embedding's gradient comes out of it); the stacked blocks (leading ``layers`` axis,
 which the rules should map to the pipe axis) are cut into ``p·v`` chunks placed as the
 schedule says (a loop, or a V for ``"zb-v"`` / ``"dualpipe-v"``), and the schedule runs them
 with the ``shard_map`` executor; the head runs on the stage of the last chunk. Called
 without differentiating (``Trainer.evaluate``) it runs the schedule's forwards only. The embedding
-and the head do not share parameters with the blocks (tied embeddings are not supported).
+and the head may share a table (tied embeddings: its gradient is the sum of both uses), not
+parameters with the blocks.
 Micro-batch ``i`` holds rows ``i, i+m, i+2m, ...`` of the global batch, so each data shard
 contributes equally to every micro-batch and nothing moves across the data axes.
 """
@@ -30,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -39,15 +43,32 @@ from jaxpar.pipeline.executor import pipeline_loss, to_stage_layout
 from jaxpar.pipeline.schedules import build
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PipelineLoss:
     """A loss in three parts: ``embed(model, batch) -> h``, ``blocks(model) -> stacked module``,
-    ``head(model) -> head object`` and ``head_loss(head_object, h, batch) -> scalar``."""
+    ``head(model) -> head object`` and ``head_loss(head_object, h, batch) -> scalar``.
+
+    ``embedding(model) -> embedding object`` and ``embed_inputs(embedding_object, batch) -> h``
+    (both or neither) give the embedding as a part of its own, so that the pipeline can run it
+    on its first virtual stage only (``pipeline.embedding="first"``). ``embed``
+    must equal ``embed_inputs(embedding(model), batch)``; it is what the planner prices and
+    what ``pipeline.embedding="outside"`` runs. The head object and the embedding object may
+    share a parameter (tied embeddings): its gradient is the sum over both uses.
+    """
 
     embed: Callable[[nnx.Module, Any], jax.Array]
     blocks: Callable[[nnx.Module], nnx.Module]
     head: Callable[[nnx.Module], Any]
     head_loss: Callable[[Any, jax.Array, Any], jax.Array]
+    embedding: Callable[[nnx.Module], Any] | None = None
+    embed_inputs: Callable[[Any, Any], jax.Array] | None = None
+
+    def __post_init__(self):
+        if (self.embedding is None) != (self.embed_inputs is None):
+            raise TypeError(
+                f"PipelineLoss needs embedding and embed_inputs together (got embedding={self.embedding!r}, "
+                f"embed_inputs={self.embed_inputs!r}); give both to run the embedding on the first stage, "
+                f"or neither")
 
     def __call__(self, model: nnx.Module, batch: Any) -> jax.Array:
         h = self.embed(model, batch)
@@ -101,14 +122,26 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
     the micro-batches of one step share its keys, and the streams advance once per step, as
     in the unpipelined model (by running the blocks on an empty batch, which costs nothing).
     """
+    from jaxpar.pipeline.stages import StagedLoss, staged   # stages.py builds on this module
+
+    if isinstance(loss, StagedLoss):
+        return staged(loss, config, mesh, specs=specs)
     if not isinstance(loss, PipelineLoss):
         raise TypeError(
             f"pipeline.stages={config.pipeline.stages} needs the loss as a jaxpar.pipeline.PipelineLoss "
-            f"(embed / blocks / head / head_loss), got {type(loss).__name__}; see docs/pipeline.md"
+            f"(embed / blocks / head / head_loss) or a jaxpar.pipeline.StagedLoss (modules by path), got "
+            f"{type(loss).__name__}; see docs/pipeline.md"
         )
     pipe = config.pipeline
     schedule = build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages)
     pins = None if specs is None else _pins(loss, specs, config, mesh)
+
+    embed_first = pipe.embedding == "first"
+    if embed_first and loss.embedding is None:
+        raise TypeError(
+            "pipeline.embedding='first' runs the embedding on the first pipeline stage, which needs the "
+            "PipelineLoss's embedding= and embed_inputs= parts; give them, or set pipeline.embedding='outside' "
+            "(the embedding then runs before the pipeline, on every stage)")
 
     def pipelined_loss(model: nnx.Module, batch: Any) -> jax.Array:
         blocks = loss.blocks(model)
@@ -124,15 +157,25 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
         def head_fn(head_state, h, micro_batch):
             return loss.head_loss(nnx.merge(head_def, head_state), h, micro_batch)
 
-        run = pipeline_loss(stage_fn, head_fn, schedule, mesh, axis=pipe.axis, specs=pins, with_consts=True)
-        h = loss.embed(model, batch)
         m = pipe.microbatches
         layout = lambda tree: to_stage_layout(tree, pipe.stages, schedule.virtual_stages,  # noqa: E731
                                               schedule.placement)
-        value = run(layout(params), head_state, split_rows(h, m), jax.tree.map(lambda x: split_rows(x, m), batch),
-                    layout(rest))
+        micro = jax.tree.map(lambda x: split_rows(x, m), batch)
+        if embed_first:
+            embed_def, embed_state = nnx.split(loss.embedding(model))
+            embed_fn = lambda state, mb: loss.embed_inputs(nnx.merge(embed_def, state), mb)  # noqa: E731
+            run = pipeline_loss(stage_fn, head_fn, schedule, mesh, axis=pipe.axis, specs=pins, with_consts=True,
+                                embed_fn=embed_fn)
+            value = run(layout(params), head_state, micro, micro, layout(rest), embed_state)
+            h0 = jax.eval_shape(embed_fn, embed_state, jax.tree.map(lambda a: a[0, :0], micro))
+            h0 = jnp.zeros(h0.shape, h0.dtype)
+        else:
+            run = pipeline_loss(stage_fn, head_fn, schedule, mesh, axis=pipe.axis, specs=pins, with_consts=True)
+            h = loss.embed(model, batch)
+            value = run(layout(params), head_state, split_rows(h, m), micro, layout(rest))
+            h0 = jax.lax.stop_gradient(h[:0])
         if jax.tree.leaves(rest):
-            nnx.update(blocks, _run_layers(blocks_def, params, rest, jax.lax.stop_gradient(h[:0]))[1])
+            nnx.update(blocks, _run_layers(blocks_def, params, rest, h0)[1])
         return value
 
     return pipelined_loss
@@ -146,4 +189,8 @@ def _pins(loss: PipelineLoss, specs: nnx.Module, config: ParallelConfig, mesh):
     head = jax.tree.map(lambda s: P(), nnx.split(loss.head(specs))[1], is_leaf=is_spec)
     axes = tuple(a for a in batch_axes(config, mesh) if a != config.pipeline.axis)
     act = P(axes if len(axes) > 1 else axes[0] if axes else None)
-    return chunk, head, act
+    if loss.embedding is None or config.pipeline.embedding != "first":
+        return chunk, head, act
+    # whole over the tensor axes, as the head: only the first stage's branch looks rows up
+    embed = jax.tree.map(lambda s: P(), nnx.split(loss.embedding(specs))[1], is_leaf=is_spec)
+    return chunk, head, act, embed

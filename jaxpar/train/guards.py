@@ -20,7 +20,7 @@ from jaxpar.config import ParallelConfig
 from jaxpar.metrics import MetricsConfig, MetricsLogger, ProfileWindow, check_profile_steps
 from jaxpar.nn.moe import MoE
 from jaxpar.ops import ContextParallel
-from jaxpar.pipeline import PipelineLoss
+from jaxpar.pipeline import PipelineLoss, StagedLoss
 from jaxpar.plan import TrainPlan
 
 
@@ -94,10 +94,11 @@ def check_args(model, tx, loss_fn, config, mesh, plan) -> None:
                              "build the mesh with jaxpar.make_mesh(config)")
     check_supported(config)
     check_platform(config, mesh.devices.flat[0].platform)
-    if config.pipeline.stages > 1 and not isinstance(loss_fn, PipelineLoss):
+    if config.pipeline.stages > 1 and not isinstance(loss_fn, (PipelineLoss, StagedLoss)):
         raise TypeError(
             f"Trainer: pipeline.stages={config.pipeline.stages} needs loss_fn as a jaxpar.pipeline.PipelineLoss "
-            f"(embed / blocks / head / head_loss), got {type(loss_fn).__name__}; see docs/pipeline.md")
+            f"(embed / blocks / head / head_loss) or StagedLoss (modules by path), got {type(loss_fn).__name__}; "
+            "see docs/pipeline.md")
     check_context(model, config)
     check_experts(model, config)
     if plan is not None:

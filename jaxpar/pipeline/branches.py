@@ -1,0 +1,87 @@
+"""The per-step ops of the executor: one function per (op, first virtual stage, last virtual stage).
+
+Each branch maps ``(chunk, head, emb, x, g, target, inp, const)`` to
+``(y, dx, dθ, dhead, demb, loss)``: ``x`` is the activation read from the stage's buffer,
+``g`` the gradient of its output, ``inp`` the micro-batch's raw inputs and ``emb`` the
+embedding's parameters. When the executor runs the embedding (``embed_fn``), the first
+virtual stage computes its input as ``embed_fn(emb, inp)`` instead of reading ``x``, so its
+backward yields the embedding's gradient and no input gradient; the last virtual stage
+applies ``loss_fn`` to its output. Every other stage touches neither.
+
+B and W recompute the stage forward from its input under ``jax.vjp`` (the executor keeps
+inputs only). In a split backward (ZB schedules) B differentiates the input alone and W the
+weights (and the head and the embedding, which are weights too).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["BranchKey", "make_branches"]
+
+BranchKey = tuple[str, bool, bool]   # (op "I" / "F" / "B" / "W", first virtual stage, last virtual stage)
+
+
+def make_branches(keys: list[BranchKey], stage_fn: Callable, loss_fn: Callable, embed_fn: Callable | None,
+                  split: bool, m: int, forward_only: bool) -> list[Callable]:
+    """One branch per key, in the order of ``keys`` (the index ``lax.switch`` is given)."""
+    return [_branch(kind, first and embed_fn is not None, last, stage_fn, loss_fn, embed_fn, split, m,
+                    forward_only) for kind, first, last in keys]
+
+
+def _wrt(kind: str, first: bool, last: bool, split: bool) -> tuple[str, ...]:
+    """What the op differentiates."""
+    weights = ("chunk",) + (("head",) if last else ()) + (("emb",) if first else ())
+    inputs = () if first else ("x",)
+    if kind == "B":
+        return inputs if split else weights + inputs
+    return weights if kind == "W" else ()
+
+
+def _branch(kind: str, first: bool, last: bool, stage_fn, loss_fn, embed_fn, split: bool, m: int,
+            forward_only: bool) -> Callable:
+    scale = 1.0 / m   # the loss is the mean over micro-batches
+
+    def run(chunk, head, emb, x, g, t, inp, k):
+        args = dict(chunk=chunk, head=head, emb=emb, x=x)
+
+        def forward(**given):
+            a = {**args, **given}
+            h = embed_fn(a["emb"], inp) if first else a["x"]
+            y = stage_fn(a["chunk"], h, k)
+            return loss_fn(a["head"], y, t).astype(jnp.float32) * scale if last else y
+
+        out = _Out(args, forward_only)
+        if kind == "I" or (kind == "F" and last and not forward_only):
+            return out()   # the last F of training: its B recomputes the forward and the loss anyway
+        if kind == "F":
+            value = forward()
+            return out(loss=value) if last else out(y=value)
+        wrt = _wrt(kind, first, last, split)
+        if not wrt:   # B of the first stage in a split backward: no input gradient to send
+            return out()
+        value, vjp = jax.vjp(lambda *vals: forward(**dict(zip(wrt, vals))), *(args[n] for n in wrt))
+        grads = dict(zip(wrt, vjp(jnp.ones_like(value) if last else g)))
+        loss = value if last and kind == "B" else None
+        return out(dx=grads.get("x"), chunk=grads.get("chunk"), head=grads.get("head"), emb=grads.get("emb"),
+                   loss=loss)
+
+    return run
+
+
+class _Out:
+    """Fills what an op did not compute with zeros of the right type (varying over the pipe axis)."""
+
+    def __init__(self, args: dict[str, Any], forward_only: bool):
+        self.args, self.forward_only = args, forward_only
+
+    def __call__(self, y=None, dx=None, chunk=None, head=None, emb=None, loss=None):
+        a = self.args
+        zero = lambda like, value: jax.tree.map(jnp.zeros_like, like) if value is None else value  # noqa: E731
+        scalar = jnp.zeros_like(a["x"], jnp.float32, shape=()) if loss is None else loss
+        if self.forward_only:   # forward-only programs keep no gradients
+            return zero(a["x"], y), zero(a["x"], dx), (), (), (), scalar
+        return (zero(a["x"], y), zero(a["x"], dx), zero(a["chunk"], chunk), zero(a["head"], head),
+                zero(a["emb"], emb), scalar)
