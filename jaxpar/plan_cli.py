@@ -67,24 +67,21 @@ def int_list(flag: str, low: int):
     return parse
 
 
-def remat_list(text: str) -> tuple[str, ...]:
-    """``--remat-options``: comma-separated recompute policy names."""
-    names = tuple(r.strip() for r in text.split(",") if r.strip())
-    unknown = [n for n in names if n not in REMAT_POLICIES]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"--remat-options {text!r}: unknown policies {unknown}; choose among "
-                                         f"{', '.join(REMAT_POLICIES)}")
-    return names
+def name_list(flag: str, choices: tuple[str, ...], what: str):
+    """An argparse ``type=`` for comma-separated names among ``choices``."""
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(r.strip() for r in text.split(",") if r.strip())
+        unknown = [n for n in names if n not in choices]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: unknown {what} {unknown}; choose among "
+                                             f"{', '.join(choices)}")
+        return names
+
+    return parse
 
 
-def context_strategy_list(text: str) -> tuple[str, ...]:
-    """``--context-strategies``: comma-separated context-parallel attention strategies."""
-    names = tuple(r.strip() for r in text.split(",") if r.strip())
-    unknown = [n for n in names if n not in PLANNED_CONTEXT_STRATEGIES]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"--context-strategies {text!r}: unknown strategies {unknown}; choose "
-                                         f"among {', '.join(PLANNED_CONTEXT_STRATEGIES)}")
-    return names
+remat_list = name_list("--remat-options", REMAT_POLICIES, "policies")
+context_strategy_list = name_list("--context-strategies", PLANNED_CONTEXT_STRATEGIES, "strategies")
 
 
 def annotation(text: str) -> tuple[str, Any]:

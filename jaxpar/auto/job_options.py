@@ -143,18 +143,22 @@ def needs_constraint(option) -> bool:
     return bool(option.context or (option.experts and option.experts["size"] > 1))
 
 
+def takes_keyword(fn: Callable, name: str) -> bool:
+    """Whether ``fn`` accepts the keyword ``name`` (by name or through ``**kwargs``)."""
+    try:
+        return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD
+                   for p in inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return False
+
+
 def with_constraint(builder: Callable, config) -> Callable:
     """``builder`` passed ``constrain=jaxpar.nn.model_constraint(mesh, config)`` for the dry
     run's mesh (the first devices of ``jax.devices()``, as `jaxpar.train.compile_step` builds it)."""
     from jaxpar.mesh import make_mesh
     from jaxpar.nn import model_constraint
 
-    try:
-        accepts = any(p.name == "constrain" or p.kind is inspect.Parameter.VAR_KEYWORD
-                      for p in inspect.signature(builder).parameters.values())
-    except (TypeError, ValueError):
-        accepts = False
-    if not accepts:
+    if not takes_keyword(builder, "constrain"):
         raise TypeError("plan_job: the chosen option has a context axis or places MoE experts, so model_fn must take "
                         "a constrain= keyword (the activation constraint, e.g. lambda remat='none', constrain=None: "
                         "Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain or no_constraint)); or leave context=(1,)")

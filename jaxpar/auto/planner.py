@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -38,10 +37,10 @@ import numpy as np
 from jaxpar.auto.api import search
 from jaxpar.auto.cost import CostParams, analyse
 from jaxpar.auto.graph import build_graph
-from jaxpar.nn.plan import declared_names
-from jaxpar.auto.job_options import needs_constraint, option_config, plain_options, with_constraint
+from jaxpar.auto.job_options import needs_constraint, option_config, plain_options, takes_keyword, with_constraint
 from jaxpar.auto.plan import Plan, glob_escape
 from jaxpar.auto.pricing import micro_batch, price_pipeline, stacked_params
+from jaxpar.nn.plan import declared_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,12 +162,7 @@ def _with_remat(model_fn: Callable, policy: str, policies: Sequence[str]) -> Cal
     """``model_fn`` building the model with recompute ``policy`` (``model_fn(remat=policy)``)."""
     if tuple(policies) == ("none",):
         return model_fn
-    try:
-        accepts = any(p.name == "remat" or p.kind is inspect.Parameter.VAR_KEYWORD
-                      for p in inspect.signature(model_fn).parameters.values())
-    except (TypeError, ValueError):
-        accepts = False
-    if not accepts:
+    if not takes_keyword(model_fn, "remat"):
         raise TypeError(f"plan_job: remat={tuple(policies)} needs model_fn to take a remat= keyword (the policy for "
                         "its repeated blocks, e.g. lambda remat='none': GPT(dataclasses.replace(cfg, remat=remat), "
                         "rngs=nnx.Rngs(0))); or pass remat=('none',)")
