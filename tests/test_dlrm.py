@@ -86,3 +86,36 @@ def test_table_splits_over_a_mesh_axis_like_one_device():
                                                rules={"batch": "data", "rows": "model"}))
     assert spec[0] == "model"
     np.testing.assert_allclose(split, one, rtol=1e-5)
+
+
+@pytest.mark.parametrize("make, error", [
+    (lambda: DATA.batch(0, 8, process_count=0), "process_count=0 must be a whole number >= 1"),
+    (lambda: DATA.batch(-1, 8), "step=-1 must be a whole number >= 0"),
+    (lambda: ClickData(field_rows=(5,), dense=0), "dense=0 must be a whole number from 1 to 400"),
+    (lambda: ClickData(field_rows=(5,), seed=-1), "seed=-1 must be a whole number from 0"),
+    # field 100 would draw its ids from dense feature 0's stream, field 500 from the labels'
+    (lambda: ClickData(field_rows=(5,) * 101), "field_rows has 101 fields; at most 100"),
+    (lambda: DLRMConfig(field_rows=[10, 5]), r"field_rows=\[10, 5\] must be a tuple"),
+    (lambda: DLRMConfig(field_rows=(10,), embed=0), "embed=0 must be a positive whole number"),
+    (lambda: DLRMConfig(field_rows=(10,), bottom=(0,)), r"bottom=\(0,\) must be a tuple of positive"),
+])
+def test_bad_data_and_config_values_are_named(make, error):
+    with pytest.raises(ValueError, match=error):
+        make()
+
+
+def test_bad_ids_and_inputs_are_named_before_the_lookup():
+    """An id past its field's rows would read the next field's row (or a clamped one) silently."""
+    model, dense = DLRM(CONFIG, rngs=nnx.Rngs(0)), np.zeros((2, CONFIG.dense), np.float32)
+    with pytest.raises(ValueError, match=r"field 0 has rows 0..199, but the ids \(shape \(2, 3\)\) hold 200"):
+        model(dense, np.array([[200, 0, 0], [0, 0, 0]]))
+    with pytest.raises(ValueError, match="field 2 has rows 0..51, but the ids .* hold -1"):
+        CONFIG.table_ids(np.array([[0, 0, -1]]))
+    with pytest.raises(ValueError, match=r"ids of shape \(2, 2\) must be \[batch, 3\]"):
+        model(dense, np.zeros((2, 2), np.int32))
+    with pytest.raises(ValueError, match=r"dense of shape \(2, 3\) must be \[batch, 4\]"):
+        model(np.zeros((2, 3), np.float32), np.zeros((2, 3), np.int32))
+    with pytest.raises(ValueError, match="built with table=False"):
+        DLRM(CONFIG, rngs=nnx.Rngs(0), table=False)(dense, np.zeros((2, 3), np.int32))
+    with pytest.raises(ValueError, match=r"rows= needs inverse= of shape \[batch, fields\] = \(2, 3\)"):
+        model(dense, rows=np.zeros((4, CONFIG.embed), np.float32))

@@ -19,7 +19,14 @@ import dataclasses
 
 import numpy as np
 
-_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+# Random streams: field f draws its ids from stream f, dense feature k from 100 + k (and
+# 10100 + k), the labels from 500: more fields or dense features would share a stream, and
+# a field sharing the labels' stream would leak them through its ids.
+_MAX_FIELDS, _MAX_DENSE = 100, 400
+
+
+def _whole(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -58,10 +65,19 @@ class ClickData:
     seed: int = 0
 
     def __post_init__(self):
-        if not self.field_rows or any(not isinstance(r, int) or r < 1 for r in self.field_rows):
-            raise ValueError(f"field_rows={self.field_rows!r} must be positive row counts.")
+        if (not isinstance(self.field_rows, tuple) or not self.field_rows
+                or any(not _whole(r) or r < 1 for r in self.field_rows)):
+            raise ValueError(f"field_rows={self.field_rows!r} must be a tuple of positive row counts, one per "
+                             "categorical field, e.g. (1000, 500).")
+        if len(self.field_rows) > _MAX_FIELDS:
+            raise ValueError(f"field_rows has {len(self.field_rows)} fields; at most {_MAX_FIELDS} have random "
+                             "streams of their own (more would share them with the dense features).")
+        if not _whole(self.dense) or not 1 <= self.dense <= _MAX_DENSE:
+            raise ValueError(f"dense={self.dense!r} must be a whole number from 1 to {_MAX_DENSE}, e.g. 4.")
         if not self.zipf > 0:
             raise ValueError(f"zipf={self.zipf!r} must be > 0 (1.0 .. 1.5 is typical).")
+        if not _whole(self.seed) or not 0 <= self.seed < 2 ** 64:
+            raise ValueError(f"seed={self.seed!r} must be a whole number from 0 to 2**64 - 1, e.g. 0.")
 
     def zipf_ids(self, field: int, u: np.ndarray) -> np.ndarray:
         """Uniform ``u`` in (0, 1) → ids of ``field``, popular ids first (inverse CDF)."""
@@ -91,6 +107,9 @@ class ClickData:
     def batch(self, step: int, batch_size: int, *, process_index: int = 0,
               process_count: int = 1) -> dict[str, np.ndarray]:
         """This process's rows of global batch ``step`` (``batch_size`` rows in all)."""
+        for name, value, low in (("step", step, 0), ("batch_size", batch_size, 1), ("process_count", process_count, 1)):
+            if not _whole(value) or value < low:
+                raise ValueError(f"{name}={value!r} must be a whole number >= {low}.")
         if batch_size % process_count or not 0 <= process_index < process_count:
             raise ValueError(f"batch_size={batch_size} must split evenly over process_count="
                              f"{process_count}, and process_index={process_index} lie in "

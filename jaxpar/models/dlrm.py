@@ -42,9 +42,17 @@ class DLRMConfig:
     """Hidden widths of the top MLP."""
 
     def __post_init__(self):
-        if not self.field_rows or any(not isinstance(r, int) or r < 1 for r in self.field_rows):
-            raise ValueError(f"field_rows={self.field_rows!r} must be positive row counts, one "
+        if not isinstance(self.field_rows, tuple) or not self.field_rows or not all(map(_positive, self.field_rows)):
+            raise ValueError(f"field_rows={self.field_rows!r} must be a tuple of positive row counts, one "
                              "per categorical field, e.g. (1000, 500).")
+        for name in ("dense", "embed"):
+            if not _positive(getattr(self, name)):
+                raise ValueError(f"DLRMConfig: {name}={getattr(self, name)!r} must be a positive whole number, e.g. 16.")
+        for name in ("bottom", "top"):
+            widths = getattr(self, name)
+            if not isinstance(widths, tuple) or not all(map(_positive, widths)):
+                raise ValueError(f"DLRMConfig: {name}={widths!r} must be a tuple of positive hidden widths "
+                                 "(() for none), e.g. (32,).")
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -56,8 +64,37 @@ class DLRMConfig:
         return int(sum(self.field_rows))
 
     def table_ids(self, ids):
-        """Per-field local ids ``[B, F]`` → rows of the shared table."""
+        """Per-field local ids ``[B, F]`` → rows of the shared table.
+
+        Concrete ids are checked: an id past its field's rows would read another field's row.
+
+        >>> DLRMConfig(field_rows=(10, 20)).table_ids(np.array([[9, 0]])).tolist()
+        [[9, 10]]
+        """
+        self.check_ids(ids)
         return ids + np.asarray(self.offsets, np.int32)
+
+    def check_ids(self, ids) -> None:
+        """A ``ValueError`` unless ``ids`` is ``[..., F]`` with field ``f``'s ids in ``0..field_rows[f] - 1``
+        (traced ids, inside ``jit``, are only checked for their shape)."""
+        fields = len(self.field_rows)
+        if not np.ndim(ids) or np.shape(ids)[-1] != fields:
+            raise ValueError(f"DLRM: ids of shape {np.shape(ids)} must be [batch, {fields}] (one local id per "
+                             f"field of field_rows={self.field_rows}); pass ClickData(...).batch(...)['ids']")
+        try:
+            values = np.asarray(ids)
+        except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+            return
+        bad = (values < 0) | (values >= np.asarray(self.field_rows))
+        if bad.any():
+            f = int(np.argwhere(bad)[0][-1])
+            raise ValueError(f"DLRM: field {f} has rows 0..{self.field_rows[f] - 1}, but the ids (shape "
+                             f"{values.shape}) hold {int(values[bad.nonzero()][0])} there; give each field's "
+                             f"local ids (the shared table's rows come from table_ids)")
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) and x >= 1
 
 
 def _param(rngs: nnx.Rngs, shape, names, scale: float) -> nnx.Param:
@@ -101,9 +138,20 @@ class DLRM(nnx.Module):
         self.table = _param(rngs, (config.rows, e), ("rows", "embed"), 0.1) if table else None
 
     def __call__(self, dense, ids=None, *, rows=None, inverse=None):
+        if np.ndim(dense) != 2 or np.shape(dense)[1] != self.config.dense:
+            raise ValueError(f"DLRM: dense of shape {np.shape(dense)} must be [batch, {self.config.dense}] "
+                             f"(DLRMConfig.dense={self.config.dense}); match the data's dense features")
         if rows is None:
+            if ids is None or self.table is None:
+                raise ValueError("DLRM: give ids (a model built with table=True looks them up) or rows= and "
+                                 f"inverse= (rows pulled from outside); got ids={'None' if ids is None else 'given'}"
+                                 f", rows=None, and this model was built with table={self.table is not None}")
             emb = self.table[...][self.config.table_ids(ids)]  # [B, F, E]
         else:
+            if inverse is None or np.shape(inverse) != (np.shape(dense)[0], len(self.config.field_rows)):
+                raise ValueError(f"DLRM: rows= needs inverse= of shape [batch, fields] = "
+                                 f"{(np.shape(dense)[0], len(self.config.field_rows))} (the row of each id), got "
+                                 f"{None if inverse is None else np.shape(inverse)}")
             emb = rows[inverse]
         x = self.bottom(dense)                                      # [B, E]
         z = jnp.concatenate([x[:, None], emb], axis=1)              # [B, F + 1, E]
