@@ -98,3 +98,49 @@ def test_experts_that_do_not_fit_go_on_the_data_axis_with_the_predicted_all_to_a
     rungs = len(auto_experts.capacity_ladder(4, 32, 2.0))        # 16 tokens x top-2 per device, EP = 8
     assert len(sizes) == 4 * layers * rungs                      # two forward, two backward per layer and rung
     assert 4 * layers * min(sizes) == job.chosen.experts["bytes"] == 4 * layers * 8 * 4 * 64 * 4
+
+
+def test_attention_is_found_by_its_sequence_dimensions_not_their_length():
+    """A folded sequence as long as the head width (32 / 4 = 8 = head_dim) or the heads
+    (16 / 4 = 4) used to make every [B, S, H, D] activation count as attention scores: twice
+    the layers, 16x the heads. Found by the batch's sequence class, the terms are the same
+    at every length and the saved scores grow as S²."""
+    from flax import nnx
+
+    from jaxpar.auto.cost import analyse
+    from jaxpar.auto.graph import build_graph
+
+    cfg = LlamaConfig.named("tiny")
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    found = {}
+    for seq in (16, 32, 64):
+        graph = build_graph(model, loss_fn, auto_context.fold(tokens(2, seq), 4))
+        axes = [()] * graph.num_classes
+        found[seq // 4] = auto_context.attention_terms(graph, axes, {}, analyse(graph), seq // 4)
+    assert {(a.layers, a.heads, a.kv_heads, a.head_dim) for a in found.values()} == \
+        {(cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim)}
+    assert found[16].saved_bytes == 4 * found[8].saved_bytes == 16 * found[4].saved_bytes
+
+
+def test_experts_of_one_scanned_layer_keep_their_layer_dimension():
+    """A scanned block of one layer still stacks its expert weights [1, E, embed, mlp]: the
+    expert pin must leave dimension 0 whole (it used to put the experts' axis there)."""
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+
+    cfg = LlamaConfig.named("tiny", layers=1, scan_layers=True, moe={"experts": 8, "top_k": 2})
+    layers = auto_experts.moe_layers(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))))
+    assert [(m.layers, m.stacked) for m in layers] == [(1, True)]
+    assert set(auto_experts.pins(layers, "data").values()) == {P(None, "data", None, None)}
+
+
+def test_experts_beside_a_context_axis_are_priced_replicated_on_their_tokens():
+    """With context=2 a device holds B·S / (d·2) tokens. Experts split over data inside a
+    context mesh would be placed over data × context but dispatched over data: not offered."""
+    cfg = LlamaConfig.named("tiny", moe={"experts": 8, "top_k": 2, "bucket_growth": 2.0})
+    job = plan_job(llama_fn(cfg), loss_fn, tokens(8, 32), memory_budget=1e9, dry_run=False, context=(1, 2),
+                   meshes=[{"data": 8}], **COMMON)
+    with_context = [o for o in job.candidates if o.context]
+    assert with_context and all(o.experts["size"] == 1 for o in with_context)
+    assert any(o.experts["size"] == 8 for o in job.candidates if not o.context)
+    assert auto_experts.tokens_per_device(tokens(8, 32), 4, context=2) == 32

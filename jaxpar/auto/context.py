@@ -91,11 +91,16 @@ def check_sequence(batch: Any, cp: int, strategy: str) -> int:
 def attention_terms(graph: Graph, axes, sizes: Mapping[str, int], flags, seq: int) -> Attention | None:
     """The attention operators of a graph whose sequence length is ``seq`` (``None``: none).
 
-    An attention operator touches a value with two dimensions of length ``seq`` (the scores);
+    An attention operator touches a value with two sequence dimensions (the scores);
     the score products are the ``dot_general`` s producing one, their K input gives the K/V
-    heads and head width."""
+    heads and head width. A sequence dimension is one of the batch's sequence class (dimension
+    1 of its first ``[B, seq]`` leaf), not any dimension of length ``seq``: a folded sequence
+    as long as the heads or the head width would otherwise make every ``[B, S, H, D]``
+    activation look like scores."""
+    seq_class = _sequence_class(graph, seq)
+
     def two_seq(t):
-        return t >= 0 and list(graph.tensors[t].shape).count(seq) >= 2
+        return t >= 0 and graph.tensors[t].classes.count(seq_class) >= 2
 
     params = {t for _, t in graph.params}
     flops = saved = 0.0
@@ -117,6 +122,15 @@ def attention_terms(graph: Graph, axes, sizes: Mapping[str, int], flags, seq: in
     heads = max(1, math.prod(q.shape) // (rows_tokens * d))
     kv = max(1, math.prod(k.shape) // (rows_tokens * d))
     return Attention(layers, heads, kv, d, q.itemsize, flops, saved)
+
+
+def _sequence_class(graph: Graph, seq: int) -> int | None:
+    """The dimension class of the batch's sequence: dimension 1 of its first ``[B, seq, ...]`` leaf."""
+    for _, t in graph.batch:
+        tensor = graph.tensors[t]
+        if len(tensor.shape) >= 2 and tensor.shape[1] == seq:
+            return tensor.classes[1]
+    return None
 
 
 def collective_bytes(att: Attention, strategy: str, cp: int, seq: int, rows: float, tp: int = 1) -> float:

@@ -19,6 +19,9 @@ shards only what is not split already). `experts_cost` adds what the graph does 
   that holds ``imbalance · a / ep`` rows (``imbalance = 1``: balanced routing, the first
   rung); with ``capacity_factor`` the fixed ``ceil(cf · t · k / E)`` slots per expert. On
   the wire an all-to-all moves ``(ep - 1) / ep`` of its buffer.
+
+Beside a context axis the planner prices the experts replicated only (``ep = 1``), with the
+tokens per device ``B · S / (d · cp)``: see `jaxpar.auto.job_options`.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ EXPERT_WEIGHTS = ("gate", "up", "down")
 
 @dataclasses.dataclass(frozen=True)
 class MoELayer:
-    """One `jaxpar.nn.MoE` of a model: its parameter path, routing config, widths and how many
-    layers it stands for (a scanned block stacks them)."""
+    """One `jaxpar.nn.MoE` of a model: its parameter path, routing config, widths, how many
+    layers it stands for and whether its weights carry a leading layer dimension (a scanned
+    block stacks them, also when it holds a single layer)."""
 
     path: str
     experts: int
@@ -52,6 +56,7 @@ class MoELayer:
     itemsize: int
     bucket_growth: float
     capacity_factor: float | None
+    stacked: bool = False
 
 
 def moe_layers(model) -> list[MoELayer]:
@@ -71,9 +76,10 @@ def moe_layers(model) -> list[MoELayer]:
             continue
         gate = node.gate.get_value()      # an array or, in an abstract model, its shape
         cfg = node.cfg
+        stacked = len(gate.shape) == 4
         found.append(MoELayer("/".join(str(p) for p in path), cfg.experts, cfg.top_k, gate.shape[-2],
-                              gate.shape[-1], gate.shape[0] if len(gate.shape) == 4 else 1, np.dtype(gate.dtype).itemsize,
-                              cfg.bucket_growth, cfg.capacity_factor))
+                              gate.shape[-1], gate.shape[0] if stacked else 1, np.dtype(gate.dtype).itemsize,
+                              cfg.bucket_growth, cfg.capacity_factor, stacked))
     return found
 
 
@@ -82,7 +88,7 @@ def pins(layers: list[MoELayer], ep_axis: str | None) -> dict[str, PartitionSpec
     (``None``: replicated, so the search cannot split experts without pricing the exchange)."""
     out = {}
     for layer in layers:
-        lead = (None,) if layer.layers > 1 else ()
+        lead = (None,) if layer.stacked or layer.layers > 1 else ()
         spec = PartitionSpec(*lead, ep_axis, None, None) if ep_axis else PartitionSpec()
         for name in EXPERT_WEIGHTS:
             out[glob_escape(f"{layer.path}/{name}")] = spec
@@ -130,10 +136,14 @@ def experts_cost(cost: Cost, layers: list[MoELayer], tokens: int, ep: int, param
                                comm_bytes=cost.comm_bytes + int(nbytes)), nbytes
 
 
-def tokens_per_device(batch: Any, data: int, grad_accum: int = 1) -> int:
-    """Tokens of one micro-batch on one device: the batch's ``[B, S]`` leaf over ``data × k``."""
+def tokens_per_device(batch: Any, data: int, grad_accum: int = 1, context: int = 1) -> int:
+    """Tokens of one micro-batch on one device: the batch's ``[B, S]`` leaf over
+    ``data × k × context`` (a context axis splits each row's tokens).
+
+    >>> tokens_per_device({"inputs": np.zeros((8, 32))}, 4, context=2)
+    32
+    """
     import jax
-    import numpy as np
 
     shape = tuple(np.shape(jax.tree.leaves(batch)[0]))
-    return math.prod(shape[:2]) // (data * grad_accum)
+    return math.prod(shape[:2]) // (data * grad_accum * context)

@@ -52,7 +52,7 @@ def plain_options(job, abstract_of: Callable[[str], Any], loss_fn, batch, base, 
                         continue
                     sizes = dict(shape) if cp == 1 else {**shape, "data": d * cp}   # context folded into data
                     mesh = dict(shape) if cp == 1 else {"context": cp, **shape}
-                    for ep in _expert_sizes(moe, d):
+                    for ep in _expert_sizes(moe, d, cp):
                         cfg = base if ep is None else _pinned(base, moe, ep)
                         for plan in plans(graph, loss_fn, batch, cfg, sizes, search_name, params, memory_budget):
                             axes = [a for _, _, a in plan.classes]
@@ -71,10 +71,17 @@ def plain_options(job, abstract_of: Callable[[str], Any], loss_fn, batch, base, 
     return out
 
 
-def _expert_sizes(moe, d: int) -> list:
-    """``[None]`` without MoE layers; else 1 (experts replicated) and ``d`` (on data) where it divides them."""
+def _expert_sizes(moe, d: int, cp: int = 1) -> list:
+    """``[None]`` without MoE layers; else 1 (experts replicated) and ``d`` (on data) where it divides them.
+
+    Beside a context axis only 1: the search sees data × context folded into one axis, so its
+    ``"data"`` pins (widened to ``("data", "context")`` by `option_config`) would split the
+    experts ``d · cp`` ways while the ``"expert": "data"`` rule dispatches over ``d``, an
+    exchange priced for ``d`` plus weight gathers priced nowhere."""
     if not moe:
         return [None]
+    if cp > 1:
+        return [1]
     return [1] + ([d] if d > 1 and all(layer.experts % d == 0 for layer in moe) else [])
 
 
@@ -88,7 +95,7 @@ def _variants(cost, graph, axes, sizes, flags, cp, seq, strategies, moe, ep, par
     tp = shape.get("model", 1)
     extra: dict[str, Any] = {}
     if moe:
-        tokens = tokens_per_device(part, d)
+        tokens = tokens_per_device(part, d, context=cp)
         cost, nbytes = experts_cost(cost, moe, tokens, ep, params, imbalance=imbalance, tp=1)
         extra["experts"] = {"axis": "data", "size": ep, "bytes": int(nbytes)}
     if cp == 1:
