@@ -33,6 +33,7 @@ def module_costs(model: nnx.Module, loss: StagedLoss, batch: Any, microbatches: 
     Example:
         >>> paths, costs, first, last = module_costs(model, loss, batch)   # doctest: +SKIP
     """
+    _check_microbatches(batch, microbatches)
     params = cost_params or CostParams()
     micro = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // microbatches,) + a.shape[1:], a.dtype),
                          batch)
@@ -51,6 +52,15 @@ def module_costs(model: nnx.Module, loss: StagedLoss, batch: Any, microbatches: 
     return [path for path, _ in modules], costs, first, last
 
 
+def _check_microbatches(batch: Any, microbatches: int) -> None:
+    """A ``ValueError`` unless ``microbatches`` is a positive int dividing every leaf's rows."""
+    rows = sorted({int(a.shape[0]) for a in jax.tree.leaves(batch)})
+    if (not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1
+            or any(r % microbatches for r in rows)):
+        raise ValueError(f"module_costs: microbatches={microbatches!r} must be a positive int dividing the batch's "
+                         f"leading dimension (rows {rows}); use a divisor of {rows[0] if rows else 'the batch'}")
+
+
 def balance_stages(model: nnx.Module, loss: StagedLoss, batch: Any, stages: int,
                    cost_params: CostParams | None = None, *, microbatches: int = 1) -> dict[str, int]:
     """``StagedLoss.stages`` for ``stages`` virtual stages, the largest stage cost least.
@@ -64,10 +74,11 @@ def balance_stages(model: nnx.Module, loss: StagedLoss, batch: Any, stages: int,
     """
     if not isinstance(loss, StagedLoss):
         raise TypeError(f"balance_stages needs a jaxpar.pipeline.StagedLoss, got {type(loss).__name__}")
-    paths, costs, first, last = module_costs(model, loss, batch, microbatches, cost_params)
-    if not isinstance(stages, int) or isinstance(stages, bool) or not 1 <= stages <= len(paths):
-        raise ValueError(f"balance_stages: stages={stages!r} must be an int from 1 to the {len(paths)} modules "
+    count = len(named_modules(model, loss.order))     # checked before compiling every module
+    if not isinstance(stages, int) or isinstance(stages, bool) or not 1 <= stages <= count:
+        raise ValueError(f"balance_stages: stages={stages!r} must be an int from 1 to the {count} modules "
                          f"of StagedLoss.order {list(loss.order)} (each virtual stage holds at least one); "
                          f"pass pipeline stages × chunks per stage")
+    paths, costs, first, last = module_costs(model, loss, batch, microbatches, cost_params)
     where = best_split(costs, stages, first, last)
     return {re.escape(path): k for path, k in zip(paths, where)}
