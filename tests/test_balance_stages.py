@@ -1,6 +1,4 @@
-"""Bad micro-batch counts for the stage balancer: refused with the numbers, before any module
-is compiled (a count above the rows used to price empty micro-batches at zero seconds, one
-that does not divide them a smaller micro-batch than the pipeline runs)."""
+"""`jaxpar.auto.balance_stages` refuses bad stage and micro-batch counts before compiling anything."""
 
 import pytest
 
