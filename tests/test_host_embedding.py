@@ -121,12 +121,23 @@ def test_table_larger_than_the_address_space_limit(tmp_path):
     ({"dim": 2.5}, "dim=2.5 must be a positive whole number"),
     ({"storage": "disk"}, "storage='disk' must be one of"),
     ({"storage": "file"}, "storage='file' takes a file path"),
+    ({"num_rows": 2 ** 31}, "num_rows=2,147,483,648 is over the 2**31 - 1 rows"),
 ])
 def test_bad_tables_are_refused(kwargs, words):
     args = {"name": "clicks", "num_rows": 10, "dim": 4, "optimizer": RowOptimizer(), **kwargs}
     with pytest.raises(ValueError) as err:
         HostEmbedding(**args)
     assert words in str(err.value)
+
+
+def test_a_row_file_is_one_tables_and_closes(tmp_path):
+    """A second table on the same file would empty the first's rows: refused while it is open."""
+    path = str(tmp_path / "t.rows")
+    first = HostEmbedding("a", 10, 2, RowOptimizer(), storage="file", path=path)
+    with pytest.raises(ValueError, match="already open as another table's rows"):
+        HostEmbedding("b", 10, 2, RowOptimizer(), storage="file", path=path)
+    first.close()
+    HostEmbedding("b", 10, 2, RowOptimizer(), storage="file", path=path).close()
 
 
 def test_step_over_a_mesh_equals_one_device():

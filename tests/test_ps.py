@@ -77,11 +77,18 @@ def test_bad_input_fails_fast_with_names(servers):
     raw.connect(f"tcp://{servers.addresses[0]}")
     bad_dtype = b'{"op": "pull", "token": "%s", "arrays": [{"dtype": "object", "shape": [1]}]}' % TOKEN.encode()
     for frames in ([pickle.dumps({"op": "pull"})], [bad_dtype, pickle.dumps([1])],
-                   [b'{"op": "pull", "arrays": [{"dtype": "int64", "shape": [2]}]}', b"123"]):
+                   [b'{"op": "pull", "arrays": [{"dtype": "int64", "shape": [2]}]}', b"123"],
+                   [b"[" * 50_000],                                    # nesting that would recurse
+                   [b"[" * 70_000],                                    # a header over the limit
+                   [b'{"arrays": [{"dtype": "float32", "shape": [4294967296, 4294967296, 4294967296]}]}', b""]):
         raw.send_multipart(frames)
         assert raw.poll(5000), "the server must answer a malformed message"
         header = json.loads(raw.recv_multipart()[0])
         assert header["ok"] is False and "malformed message" in header["error"]
+    # a well-formed request with a value no handler expects gets an error reply, and the server lives on
+    raw.send_multipart([b'{"op": "pull", "table": "users", "step": 1e999, "worker": 0, "token": "%s", '
+                        b'"arrays": [{"dtype": "int64", "shape": [1]}]}' % TOKEN.encode(), np.zeros(1, np.int64).tobytes()])
+    assert raw.poll(5000) and json.loads(raw.recv_multipart()[0])["ok"] is False
     ctx.destroy(linger=0)
     other = ps.TableSpec("users", 999, DIM, ps.SGD(0.5))
     with pytest.raises(ValueError, match="table 'users' exists here as"):
@@ -165,6 +172,10 @@ def test_server_logs_only_valid_pushes_and_replays_a_log_cut_by_a_kill(tmp_path)
     np.testing.assert_array_equal(again.tables["t"].weights[:2], want)
     assert again.handle({"op": "pull", "table": "t", "step": 2, "worker": 0}, [np.array([0])]) is None
     assert again.handle({"op": "pull", "table": "t", "step": 1, "worker": 0}, [np.array([0])])[0] == {"clock": 1}
+    # the torn bytes were cut off the log: a push acknowledged after the restart survives the next one
+    assert again.handle({"op": "push", "table": "t", "step": 1, "worker": 0},
+                        [np.array([4]), np.ones((1, 2), np.float32)]) == ({"status": "applied"}, ())
+    assert Server(0, 2, str(tmp_path), every=100).tables["t"].clock == 2
 
 
 def test_lazy_adam_rows_and_partition_independent_init():

@@ -159,6 +159,9 @@ class HostEmbedding:
                  init: np.ndarray | None = None, init_scale: float = 0.01, seed: int = 0,
                  storage: str = "auto", path: str | None = None, device=None):
         num_rows, dim = _whole(name, "num_rows", num_rows), _whole(name, "dim", dim)
+        if num_rows >= 2 ** 31:   # row ids reach the device as int32
+            raise ValueError(f"table {name!r}: num_rows={num_rows:,} is over the 2**31 - 1 rows whose ids fit the "
+                             "int32 row indices of the step; split the table into several (hash ids into each)")
         if storage not in STORAGES:
             raise ValueError(f"table {name!r}: storage={storage!r} must be one of {STORAGES}.")
         if (storage == "file") != (path is not None):
@@ -199,6 +202,12 @@ class HostEmbedding:
             return None
         return RowFile(path + ".slot", self.num_rows, self.dim,
                        lambda ids: np.broadcast_to(value, (ids.size, self.dim)))
+
+    def close(self) -> None:
+        """Closes a file table's row files (``storage="file"``; other storages hold no file)."""
+        for part in (self._table, self._slot):
+            if isinstance(part, RowFile):
+                part.close()
 
     def prepare(self, ids) -> PreparedIds:
         """Checks ``ids`` (integers in ``0..num_rows-1``) and deduplicates them."""

@@ -11,9 +11,17 @@ not in the process's address space, so neither the process's resident memory nor
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 
 import numpy as np
+
+_OPEN: set[str] = set()   # files some RowFile of this process has open (each is emptied on open)
+
+
+def _release(fd: int, real: str) -> None:
+    os.close(fd)
+    _OPEN.discard(real)
 
 
 class RowFile:
@@ -34,8 +42,19 @@ class RowFile:
         self._row_bytes = dim * 4
         self._initial = initial
         self._written = np.zeros(num_rows, bool)  # one byte a row: 10M rows = 10 MB
+        real = os.path.realpath(path)
+        if real in _OPEN:
+            raise ValueError(f"row file {path!r} is already open as another table's rows in this process; "
+                             "opening it empties it. Give each table (and its optimizer slot) its own path")
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        _OPEN.add(real)
+        # the descriptor closes with close() or when the table is collected
+        self._close = weakref.finalize(self, _release, self._fd, real)
         os.ftruncate(self._fd, num_rows * self._row_bytes)
+
+    def close(self) -> None:
+        """Closes the file (the rows written stay in it); idempotent."""
+        self._close()
 
     @property
     def dtype(self):
@@ -63,6 +82,3 @@ class RowFile:
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         whole = self[np.arange(self.shape[0])]
         return whole if dtype is None else whole.astype(dtype)
-
-    def close(self) -> None:
-        os.close(self._fd)

@@ -23,7 +23,7 @@ import zmq
 from jaxpar.ps.shard import TableShard
 from jaxpar.ps.store import WriteAheadLog, read_state, server_dir, write_state
 from jaxpar.ps.tables import TableSpec
-from jaxpar.ps.wire import READY, TOKEN_ENV, WireError, decode, encode, token_ok
+from jaxpar.ps.wire import MAX_FRAME_BYTES, READY, TOKEN_ENV, WireError, decode, encode, token_ok
 
 
 class Server:
@@ -46,8 +46,12 @@ class Server:
         if state.exists():
             self._load(state)
             self.restarts = self.job.get("restarts", 0) + 1
-        for header, arrays in WriteAheadLog(self.dir / "wal.bin").replay():
-            self._push(header, arrays)
+        log = WriteAheadLog(self.dir / "wal.bin")
+        try:
+            for header, arrays in log.replay():   # (cuts a torn last record off the file)
+                self._push(header, arrays)
+        finally:
+            log.close()
 
     def _load(self, path) -> None:
         arrays, meta = read_state(path)
@@ -174,6 +178,8 @@ def serve(server: Server, bind: str, token: str) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
+    # a peer (token or not) cannot make the server buffer more than this per frame
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     host, _, port = bind.rpartition(":")
     sock.bind(f"tcp://{host}:{'*' if port == '0' else port}")  # port 0: any free port
     bind = sock.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
@@ -210,6 +216,10 @@ def _answer(server: Server, sock, waiting: list) -> list:
                 reply = server.handle(header, arrays)
             except (ValueError, TypeError, KeyError, IndexError) as e:
                 sock.send_multipart([identity, *_error_reply(header, str(e))])
+                continue
+            except Exception as e:   # noqa: BLE001 - one bad request (a step of 1e999, a huge table) never kills the server
+                print(f"request {header.get('op')!r} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                sock.send_multipart([identity, *_error_reply(header, f"{type(e).__name__}: {e}")])
                 continue
             if reply is None:
                 left.append((identity, header, arrays))

@@ -76,20 +76,33 @@ class WriteAheadLog:
         self.file.close()
 
     def replay(self) -> Iterator[tuple[dict[str, Any], list[np.ndarray]]]:
-        """The logged messages in order; a record cut short by a kill ends the replay."""
+        """The logged messages in order. A record cut short by a kill ends the replay, and the
+        file is cut back to the last whole record first, so what is appended after this restart
+        follows it (not the torn bytes, which would end the next replay before it)."""
         data = self.path.read_bytes() if self.path.exists() else b""
-        pos = 0
-        while pos + 4 <= len(data):
-            (n,) = struct.unpack_from("<I", data, pos)
-            pos += 4
-            frames = []
-            for _ in range(n):
-                if pos + 8 > len(data):
-                    return
-                (size,) = struct.unpack_from("<Q", data, pos)
-                pos += 8
-                if pos + size > len(data):
-                    return
-                frames.append(data[pos:pos + size])
-                pos += size
+        records, end = _records(data)
+        if end < len(data):
+            self.file.flush()
+            os.truncate(self.path, end)
+        for frames in records:
             yield decode(frames)
+
+
+def _records(data: bytes) -> tuple[list[list[bytes]], int]:
+    """The whole records at the start of ``data`` and the offset where they end."""
+    records, pos = [], 0
+    while pos + 4 <= len(data):
+        (n,) = struct.unpack_from("<I", data, pos)
+        at, frames = pos + 4, []
+        for _ in range(n):
+            if at + 8 > len(data):
+                return records, pos
+            (size,) = struct.unpack_from("<Q", data, at)
+            at += 8
+            if at + size > len(data):
+                return records, pos
+            frames.append(data[at:at + size])
+            at += size
+        records.append(frames)
+        pos = at
+    return records, pos

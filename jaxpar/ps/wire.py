@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,12 @@ DTYPES = ("float32", "float64", "int32", "int64", "uint32", "uint64")
 TOKEN_ENV = "JAXPAR_PS_TOKEN"
 ADDRESSES_ENV = "JAXPAR_PS_ADDRESSES"
 READY = "jaxpar-ps-server ready"
+# A header holds an operation, a few fields and one small dict per array: 64 KiB is plenty, and
+# bounding it bounds what json.loads may be asked to parse (nesting depth included).
+MAX_HEADER_BYTES = 64 * 1024
+# The largest frame a server accepts (ZeroMQ drops the peer past it): a push or pull of 8M rows of
+# 32 float32s; raise it for wider rows.
+MAX_FRAME_BYTES = 1 << 30
 
 
 class WireError(ValueError):
@@ -40,10 +47,12 @@ def decode(frames: list[bytes]) -> tuple[dict[str, Any], list[np.ndarray]]:
     """The header and the arrays of a received message; a malformed one raises ``WireError``."""
     if not frames:
         raise WireError("empty message")
+    if len(frames[0]) > MAX_HEADER_BYTES:
+        raise WireError(f"header of {len(frames[0])} bytes is over the {MAX_HEADER_BYTES} allowed")
     try:
         header = json.loads(bytes(frames[0]).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WireError(f"header is not UTF-8 JSON: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:   # JSONDecodeError is a ValueError
+        raise WireError(f"header is not UTF-8 JSON: {type(e).__name__}") from None
     if not isinstance(header, dict):
         raise WireError("header is not a JSON object")
     metas = header.get("arrays", [])
@@ -56,12 +65,13 @@ def _array(meta: Any, frame: bytes) -> np.ndarray:
     if not isinstance(meta, dict) or meta.get("dtype") not in DTYPES:
         raise WireError(f"array dtype {meta!r} not allowed; allowed: {DTYPES}")
     shape = meta.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise WireError(f"array shape {shape!r} is not a list of sizes")
+    if not isinstance(shape, list) or len(shape) > 8 or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        raise WireError(f"array shape {shape!r} is not a list of at most 8 sizes")
     dtype = np.dtype(meta["dtype"])
-    if int(np.prod(shape)) * dtype.itemsize != len(frame):
-        raise WireError(f"array {dtype}{shape} needs {int(np.prod(shape)) * dtype.itemsize} bytes, "
-                        f"frame has {len(frame)}")
+    need = math.prod(shape) * dtype.itemsize      # Python ints: no overflow to a size that matches
+    if need != len(frame):
+        raise WireError(f"array {dtype}{shape} needs {need} bytes, frame has {len(frame)}")
     # A copy: the frame's buffer belongs to ZeroMQ, and servers write into received rows.
     return np.frombuffer(frame, dtype=dtype).reshape(shape).copy()
 
