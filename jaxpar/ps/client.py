@@ -225,6 +225,8 @@ class Client:
             for address in self.addresses:
                 sock = self._ctx.socket(zmq.DEALER)
                 sock.setsockopt(zmq.LINGER, 0)
+                if address.startswith("["):       # "[::1]:PORT": IPv6
+                    sock.setsockopt(zmq.IPV6, 1)
                 sock.connect(f"tcp://{address}")
                 socks.append(sock)
             self._local.socks = socks

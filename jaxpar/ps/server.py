@@ -181,6 +181,8 @@ def serve(server: Server, bind: str, token: str) -> None:
     # a peer (token or not) cannot make the server buffer more than this per frame
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     host, _, port = bind.rpartition(":")
+    if host.startswith("["):                     # an IPv6 address, "[::1]:PORT"
+        sock.setsockopt(zmq.IPV6, 1)
     sock.bind(f"tcp://{host}:{'*' if port == '0' else port}")  # port 0: any free port
     bind = sock.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
     print(f"{READY} {bind}", flush=True)
