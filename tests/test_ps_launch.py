@@ -111,6 +111,9 @@ def test_example_survives_a_killed_server_and_a_killed_worker(tmp_path, tag):
             run.finish(timeout=0)
     assert code == 0, run.stderr
     assert re.search(r"server 1 \(pid \d+\) was killed by signal 9 \(SIGKILL\): restart 1", run.stderr)
+    # The restarted server bound the same port again (its listener reuses the address).
+    ready = re.findall(r"jaxpar-ps-server ready (\S+)", (run.logs / "server_1.log").read_text())
+    assert len(ready) == 2 and ready[0] == ready[1], ready
     assert "restarting the worker group (1 of 1" in run.stderr
     log = run.worker_log(0)
     assert "resumed from the checkpoint of step 20" in log
