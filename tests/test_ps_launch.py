@@ -139,3 +139,22 @@ def test_worker_restarts_validated():
         LaunchConfig(worker_num=4, local_worker_num=2, worker_restarts=1)
     with pytest.raises(ValueError, match="server_checkpoint_every=0"):
         LaunchConfig(servers=2, server_checkpoint_every=0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("restarts, code", [(2, 0), (1, 3)])
+def test_worker_group_restarts(tmp_path, tag, restarts, code):
+    """Rank 1 fails in the group's first two runs: with 2 restarts the third run ends the job
+    with status 0; with 1 the second failure ends it with rank 1's status."""
+    from jaxpar.launch.launcher import launch
+
+    out = tmp_path / "out"
+    out.mkdir()
+    config = LaunchConfig(worker_num=2, local_worker_num=2, worker_restarts=restarts,
+                          master_port=free_port(), log_dir=str(tmp_path / "logs"), kill_time_out=5)
+    script = os.path.join(ROOT, "tests", "workers", "restart_worker.py")
+    assert launch(config, script, ["--out", str(out), "--fail", "2", "--tag", tag]) == code
+    runs = min(restarts, 2) + 1
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{r}.{k}" for r in (0, 1) for k in range(runs))
+    log = (tmp_path / "logs" / "launcher_0.log").read_text()
+    assert [int(k) for k in re.findall(r"restarting the worker group \((\d) of", log)] == list(range(1, runs))
