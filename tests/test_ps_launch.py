@@ -158,3 +158,32 @@ def test_worker_group_restarts(tmp_path, tag, restarts, code):
     assert sorted(p.name for p in out.iterdir()) == sorted(f"{r}.{k}" for r in (0, 1) for k in range(runs))
     log = (tmp_path / "logs" / "launcher_0.log").read_text()
     assert [int(k) for k in re.findall(r"restarting the worker group \((\d) of", log)] == list(range(1, runs))
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_step_does_not_wait_for_its_prefetched_pull(tmp_path, tag):
+    """Step 0 fails (its batch has no labels) before its push, so the prefetched pull of step 1
+    can never be answered in sync mode: fit raises the step's error at once, not after the
+    client's timeout."""
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    from jaxpar import ps
+    from workers.ps_model import FIELDS, ITEMS, TOKEN, USERS, Tower, loss_fn, make_batches
+    from workers.ps_servers import Servers
+
+    servers = Servers(tmp_path, tag, count=2, token=TOKEN)
+    try:
+        client = ps.connect([USERS, ITEMS], addresses=servers.addresses, token=TOKEN, timeout=15,
+                            worker=0, workers=1)
+        trainer = ps.SparseTrainer(client, Tower(nnx.Rngs(0)), optax.sgd(0.05), loss_fn, FIELDS)
+        batches = make_batches(2)
+        del batches[0]["label"]
+        start = time.monotonic()
+        with pytest.raises(KeyError, match="label"):
+            trainer.fit(batches)
+        assert time.monotonic() - start < 10
+        assert np.isfinite(trainer.step(make_batches(1)[0])["loss"])  # the client still serves
+    finally:
+        assert servers.stop() == [0, 0]
