@@ -110,6 +110,12 @@ def restore_latest(trainer: ps.SparseTrainer, manager: ocp.CheckpointManager) ->
     print(f"resumed from the checkpoint of step {trainer.step_count}", flush=True)
 
 
+def save(trainer: ps.SparseTrainer, manager: ocp.CheckpointManager) -> None:
+    """The workers' orbax checkpoint of this step; the servers snapshot their shards with it."""
+    manager.save(trainer.step_count, args=ocp.args.StandardSave(trainer.save()))
+    manager.wait_until_finished()
+
+
 def main() -> dict:
     client = ps.connect([spec], mode=args.mode, staleness=args.staleness, timeout=120)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
@@ -118,6 +124,8 @@ def main() -> dict:
     manager = ocp.CheckpointManager(args.checkpoint_dir) if args.checkpoint_dir else None
     if manager is not None:
         restore_latest(trainer, manager)
+        if manager.latest_step() is None:  # a group killed before its first save restarts at 0
+            save(trainer, manager)
     held_out = split_fields(data.eval_batch(args.eval_size))
     print(f"worker {rank} of {workers}: table {config.rows:,} x {args.dim} "
           f"({config.rows * args.dim * 4 / 2**30:.2f} GiB) on {len(client.addresses)} servers, "
@@ -132,8 +140,7 @@ def main() -> dict:
                 print(f"step {start + k:5d}  loss {h['loss']:.6f}  "
                       f"resident {status_kib('VmRSS') / 2**20:.2f} GiB", flush=True)
         if manager is not None:
-            manager.save(trainer.step_count, args=ocp.args.StandardSave(trainer.save()))
-            manager.wait_until_finished()
+            save(trainer, manager)
     stats = client.stats()
     table = stats["tables"]["clicks"]
     summary = {

@@ -46,6 +46,21 @@ def bucket_size(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
     return -(-n // buckets[-1]) * buckets[-1]
 
 
+def _replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Every array of ``tree`` replicated over ``mesh``, whose devices may span processes.
+
+    Built from host values on each process: ``jax.device_put`` onto devices of other processes
+    gives arrays that jit accepts but whose shards orbax cannot read before a first step.
+    """
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def put(x):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
+
+    return jax.tree.map(put, tree)
+
+
 @dataclasses.dataclass
 class Lookup:
     """A batch's deduplicated ids: ``unique[table]`` and each field's ``index`` into them, so
@@ -121,9 +136,7 @@ class SparseTrainer:
         if mesh is not None:  # dense state replicated over the mesh (every process's devices)
             # The optimizer state too: a counter left on one device would come back from a
             # checkpoint committed to that device, which the jitted step then refuses.
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            self.params, self.rest, self.opt_state = jax.device_put(
-                (self.params, self.rest, self.opt_state), replicated)
+            self.params, self.rest, self.opt_state = _replicate((self.params, self.rest, self.opt_state), mesh)
         # A worker restarted into a running job rejoins at the step the servers expect from it.
         self.step_count = client.next_step()
         self.timings = {"pull_wait_s": 0.0, "step_s": 0.0}
