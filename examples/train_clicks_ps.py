@@ -1,7 +1,12 @@
 """Train the DLRM-style click model with its embedding table on parameter servers.
 
     jaxpar launch --servers 2 --worker-num 2 --local-worker-num 2 --simulated-devices 2 \\
-        examples/train_clicks_ps.py --rows 10000000 --dim 32 --rlimit-as-gib 1.1
+        examples/train_clicks_ps.py                                  # 300k rows, 200 steps
+
+    ulimit -s 1024; export MALLOC_ARENA_MAX=2   # JAX's threads and arenas reserve less
+    jaxpar launch --servers 2 --worker-num 2 --local-worker-num 2 --simulated-devices 2 \\
+        --server-checkpoint-every 1000 examples/train_clicks_ps.py \\
+        --rows 10000000 --dim 32 --steps 600 --rlimit-as-gib 1.1     # a 1.19 GiB table
 
 The launcher starts 2 servers (each owns half of the table's rows and applies Adagrad to them)
 and 2 workers, one jax.distributed job: the dense towers train data parallel over every
