@@ -184,6 +184,10 @@ def test_a_failed_step_does_not_wait_for_its_prefetched_pull(tmp_path, tag):
         with pytest.raises(KeyError, match="label"):
             trainer.fit(batches)
         assert time.monotonic() - start < 10
-        assert np.isfinite(trainer.step(make_batches(1)[0])["loss"])  # the client still serves
+        # The client still serves, and step 0's push answers the pull left waiting.
+        assert np.isfinite(trainer.step(make_batches(1)[0])["loss"])
+        while client.stats()["worker"]["pulls"] < 3:  # fit's 2, step's 1: the thread is done
+            time.sleep(0.01)
+        client.close()  # an open context would block the interpreter's exit
     finally:
         assert servers.stop() == [0, 0]
