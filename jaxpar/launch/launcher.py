@@ -313,9 +313,8 @@ def _run(config, command, run_dir, log, signals, echo, lock) -> int:
         if not _servers_up(config, pool, server_env, signals):
             log(f"received {signal_name(signals.received)} before the servers were ready")
             return 128 + signals.received
-        for restart in range(config.worker_restarts + 1):
-            if restart:
-                _clear_group(workers, run_dir)
+        restart = 0
+        while True:
             _start(config, command, run_dir, log, workers, {**server_env, WORKER_RESTART: str(restart)})
             # Copy output only once every worker has forked: no thread runs during a fork.
             for w in workers:
@@ -323,9 +322,10 @@ def _run(config, command, run_dir, log, signals, echo, lock) -> int:
             code, worker_failed = _watch(config, workers, run_dir, log, signals, pool)
             if not worker_failed or restart == config.worker_restarts:
                 return code
-            log(f"restarting the worker group ({restart + 1} of {config.worker_restarts}, "
+            restart += 1
+            log(f"restarting the worker group ({restart} of {config.worker_restarts}, "
                 "--worker-restarts); the servers keep running")
-        return code
+            _clear_group(workers, run_dir)
     finally:
         stop_all(workers, 0.0)  # normally all have ended: this reaps them and their children
         for w in workers:
