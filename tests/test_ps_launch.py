@@ -146,18 +146,20 @@ def test_worker_restarts_validated():
 def test_worker_group_restarts(tmp_path, tag, restarts, code):
     """Rank 1 fails in the group's first two runs: with 2 restarts the third run ends the job
     with status 0; with 1 the second failure ends it with rank 1's status."""
-    from jaxpar.launch.launcher import launch
-
     out = tmp_path / "out"
     out.mkdir()
-    config = LaunchConfig(worker_num=2, local_worker_num=2, worker_restarts=restarts,
-                          master_port=free_port(), log_dir=str(tmp_path / "logs"), kill_time_out=5)
     script = os.path.join(ROOT, "tests", "workers", "restart_worker.py")
-    assert launch(config, script, ["--out", str(out), "--fail", "2", "--tag", tag]) == code
+    # The launcher in a process of its own: it forks workers, and this one runs JAX's threads.
+    launched = subprocess.run(
+        [sys.executable, "-m", "jaxpar.launch", "--worker-num", "2", "--local-worker-num", "2",
+         "--worker-restarts", str(restarts), "--master-port", str(free_port()), "--log-dir",
+         str(tmp_path / "logs"), "--kill-time-out", "5", script, "--out", str(out), "--fail", "2",
+         "--tag", tag], env=env(), cwd=str(tmp_path), capture_output=True, text=True, timeout=50)
+    assert launched.returncode == code, launched.stderr
     runs = min(restarts, 2) + 1
     assert sorted(p.name for p in out.iterdir()) == sorted(f"{r}.{k}" for r in (0, 1) for k in range(runs))
-    log = (tmp_path / "logs" / "launcher_0.log").read_text()
-    assert [int(k) for k in re.findall(r"restarting the worker group \((\d) of", log)] == list(range(1, runs))
+    restarted = re.findall(r"restarting the worker group \((\d) of", launched.stderr)
+    assert [int(k) for k in restarted] == list(range(1, runs))
 
 
 @pytest.mark.timeout(60)

@@ -144,7 +144,7 @@ class ServerPool:
     def __init__(self, *, count: int, module: str, host: str, ports: list[int] | None,
                  checkpoint_dir: str, log_dir: str, restarts: int, token: str,
                  base_env: Mapping[str, str], log: Callable[[str], None],
-                 extra_args: list[str] = ()):
+                 extra_args: tuple[str, ...] = ()):
         ports = ports if ports is not None else [free_port() for _ in range(count)]
         self.addresses = server_addresses(host, ports)
         self.token, self.restarts, self._log = token, restarts, log
@@ -329,6 +329,6 @@ def pool_for(config: LaunchConfig, environ: Mapping[str, str], log: Callable[[st
         count=config.servers, module=config.server_module, host=config.master_addr, ports=ports,
         checkpoint_dir=config.server_checkpoint_dir or os.path.join(config.log_dir, "ps_checkpoints"),
         log_dir=config.log_dir, restarts=config.server_restarts, token=token, base_env=base, log=log,
-        extra_args=([] if config.server_checkpoint_every is None
-                    else ["--checkpoint-every", str(config.server_checkpoint_every)]))
+        extra_args=(() if config.server_checkpoint_every is None
+                    else ("--checkpoint-every", str(config.server_checkpoint_every))))
     return pool, pool.worker_env()

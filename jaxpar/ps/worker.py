@@ -55,6 +55,8 @@ def _replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def put(x):
+        if jax.process_count() == 1 or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.device_put(x, replicated)  # (random keys have no plain host value)
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
 
