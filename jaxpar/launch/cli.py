@@ -74,6 +74,10 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "--exit-time-out", type=float, default=d.exit_time_out,
           help="seconds the other workers may run on after one worker's script ended with "
                "code 0, before the launcher stops the job (default %(default)s)")
+    _flag(p, "--worker-restarts", type=int, default=d.worker_restarts, metavar="K",
+          help="when a worker fails, stop the others and start the worker group again, at most "
+               "K times (one node; servers keep running; the script resumes from its own "
+               "checkpoint) (default %(default)s)")
     _add_server_arguments(p, d)
     p.add_argument("script", help="Python script (or executable) each worker runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -92,6 +96,8 @@ def _add_server_arguments(p: argparse.ArgumentParser, d: launcher.LaunchConfig) 
           help="seconds to wait for the servers to be ready (default %(default)s)")
     _flag(g, "--server-checkpoint-dir", default=None, metavar="DIR",
           help="where servers checkpoint their shards (default <log-dir>/ps_checkpoints)")
+    _flag(g, "--server-checkpoint-every", type=int, default=None, metavar="S",
+          help="steps between a server's full shard checkpoints (default: the server's own)")
     _flag(g, "--server-module", default=d.server_module,
           help="module each server runs with python -m (default %(default)s)")
 
@@ -118,7 +124,8 @@ def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
         bind_address=args.bind_address, servers=args.servers,
         server_restarts=args.server_restarts, server_port=args.server_port,
         server_time_out=args.server_time_out, server_checkpoint_dir=args.server_checkpoint_dir,
-        server_module=args.server_module,
+        server_module=args.server_module, server_checkpoint_every=args.server_checkpoint_every,
+        worker_restarts=args.worker_restarts,
     )
 
 

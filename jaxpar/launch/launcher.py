@@ -13,6 +13,9 @@ Supervision, in one loop:
   see ``jaxpar.launch.deaths``);
 * a worker's script ends with status 0 while others run on for ``exit_time_out`` seconds → the
   same, exit 1 (a rank that leaves early leaves its peers waiting in a collective);
+* with ``--worker-restarts K``, a worker that fails (not a join time-out) instead has the others
+  killed and the whole group started again, up to K times, the servers left running: the
+  script resumes from its own checkpoint (``JAXPAR_WORKER_RESTART`` counts the restarts);
 * a worker gives up waiting for the cluster (status 124 from ``initialize``) → the same, with
   the ranks that never joined;
 * SIGINT / SIGTERM / SIGHUP to the launcher → SIGTERM to the workers (a loop that watches
@@ -45,6 +48,8 @@ from jaxpar.launch.worker import Worker, signal_name, stop_all
 SIMULATED_DEVICES = "JAXPAR_SIMULATED_DEVICES"
 CLUSTER_TIMEOUT = "JAXPAR_CLUSTER_TIMEOUT"
 LAUNCH_RUN_DIR = "JAXPAR_LAUNCH_RUN_DIR"
+WORKER_RESTART = "JAXPAR_WORKER_RESTART"
+"""How many times the launcher has restarted the worker group before this run (0 at first)."""
 NODE_RANK = "JAXPAR_NODE_RANK"
 JOIN_TIMEOUT_EXIT_CODE = 124
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "runner.py")
@@ -103,6 +108,12 @@ class LaunchConfig:
     """Where the servers checkpoint their shards; default ``<log_dir>/ps_checkpoints``."""
     server_module: str = "jaxpar.ps.server"
     """The module each server runs as ``python -m <module>``."""
+    server_checkpoint_every: int | None = None
+    """Steps between a server's full shard checkpoints (``--checkpoint-every``; its write-ahead
+    log covers the steps between); ``None``: the server's default."""
+    worker_restarts: int = 0
+    """When a worker fails, stop the others and start the whole worker group again, at most
+    this many times (servers keep running); the script resumes from its own checkpoint."""
 
     def __post_init__(self):
         _positive("worker_num", self.worker_num, "--worker-num")
@@ -118,6 +129,7 @@ class LaunchConfig:
         if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
             raise ValueError(f"master_port={self.master_port!r} must be in 1..65535 (--master-port).")
         servers.check_config(self)
+        _check_worker_restarts(self)
         if not isinstance(self.node_rank, int) or self.node_rank < 0:
             raise ValueError(f"node_rank={self.node_rank!r} must be a whole number >= 0 (--node-rank).")
         first = self.node_rank * self.local_worker_num
@@ -145,6 +157,19 @@ def _positive(name: str, value, flag: str, number=int) -> None:
     ok = isinstance(value, (int, float) if number is float else int) and not isinstance(value, bool)
     if not ok or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive {number.__name__} ({flag}).")
+
+
+def _check_worker_restarts(config: "LaunchConfig") -> None:
+    k = config.worker_restarts
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"worker_restarts={k!r} must be a whole number >= 0 (--worker-restarts); "
+                         "0 ends the job at the first worker failure.")
+    if k and config.worker_num > config.local_worker_num:
+        raise ValueError(
+            f"worker_restarts={k} on a job of several nodes (worker_num={config.worker_num}, "
+            f"local_worker_num={config.local_worker_num}): a node's launcher restarts only its own "
+            "workers, and the other nodes' would keep waiting for the dead ones. Use "
+            "--worker-restarts on a one-node job, or restart the job from its checkpoint.")
 
 
 def worker_command(script: str, args: Sequence[str]) -> list[str]:
@@ -288,17 +313,36 @@ def _run(config, command, run_dir, log, signals, echo, lock) -> int:
         if not _servers_up(config, pool, server_env, signals):
             log(f"received {signal_name(signals.received)} before the servers were ready")
             return 128 + signals.received
-        _start(config, command, run_dir, log, workers, server_env)
-        # Copy output only once every worker has forked: no thread runs during a fork.
-        for w in workers:
-            w.start_copying(echo, lock)
-        return _watch(config, workers, run_dir, log, signals, pool)
+        restart = 0
+        while True:
+            _start(config, command, run_dir, log, workers, {**server_env, WORKER_RESTART: str(restart)})
+            # Copy output only once every worker has forked: no thread runs during a fork.
+            for w in workers:
+                w.start_copying(echo, lock)
+            code, worker_failed = _watch(config, workers, run_dir, log, signals, pool)
+            if not worker_failed or restart == config.worker_restarts:
+                return code
+            restart += 1
+            log(f"restarting the worker group ({restart} of {config.worker_restarts}, "
+                "--worker-restarts); the servers keep running")
+            _clear_group(workers, run_dir)
     finally:
         stop_all(workers, 0.0)  # normally all have ended: this reaps them and their children
         for w in workers:
             w.close()
         if pool is not None:  # after the workers: their last pushes reach the final checkpoint
             pool.stop(config.kill_time_out, hurry=lambda: signals.count > 1)
+
+
+def _clear_group(workers: list[Worker], run_dir: str) -> None:
+    """Forgets the ended worker group: its processes (already stopped) and its records, so the
+    next group's deaths and joins are read afresh."""
+    stop_all(workers, 0.0)
+    for w in workers:
+        w.close()
+    workers.clear()
+    for name in os.listdir(run_dir):
+        os.remove(os.path.join(run_dir, name))
 
 
 def _servers_up(config, pool, server_env: dict, signals) -> bool:
@@ -320,10 +364,12 @@ def _marked(run_dir: str, stage: str) -> set[int]:
     return {int(n.split(".", 1)[1]) for n in names if n.startswith(stage + ".")}
 
 
-def _watch(config, workers, run_dir, log, signals, pool) -> int:
+def _watch(config, workers, run_dir, log, signals, pool) -> tuple[int, bool]:
+    """Supervises one worker group until it ends: (exit status, whether a worker failed in a
+    way a restarted group may get past)."""
     while True:
         if signals.received is not None:
-            return _interrupted(config, workers, signals, log)
+            return _interrupted(config, workers, signals, log), False
         if pool is not None:
             try:
                 pool.check()
@@ -331,16 +377,17 @@ def _watch(config, workers, run_dir, log, signals, pool) -> int:
                 took = stop_all(workers, 0.0)
                 log(f"error: {err}\nkilled the {len(workers)} worker(s) in {took:.2f} s: the "
                     "job cannot go on without that server's rows.")
-                return 1
+                return 1, False
         codes = [w.poll() for w in workers]
         if any(code not in (None, 0) for code in codes):
-            return _failed(config, workers, run_dir, log)
+            code = _failed(config, workers, run_dir, log)
+            return code, code != JOIN_TIMEOUT_EXIT_CODE  # a cluster that never formed stays so
         if all(code == 0 for code in codes):
             log(f"all {len(workers)} workers of node {config.node_rank} exited with code 0")
-            return 0
+            return 0, False
         first = _first_finish(workers, run_dir)
         if first is not None and time.time() - first[1] > config.exit_time_out:
-            return _left_early(config, workers, first, log)
+            return _left_early(config, workers, first, log), False
         time.sleep(0.05)
 
 

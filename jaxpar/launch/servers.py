@@ -9,7 +9,8 @@ coordinator address nor a process id, so jaxpar's SPMD collectives stay among th
 The contract with a server (``python -m jaxpar.ps.server``):
 
 * it is started as ``python -m <module> --index I --count N --bind HOST:PORT
-  --checkpoint-dir DIR`` with the job token in ``JAXPAR_PS_TOKEN`` (never on the command
+  --checkpoint-dir DIR`` (and ``--checkpoint-every S`` when ``--server-checkpoint-every``
+  is given) with the job token in ``JAXPAR_PS_TOKEN`` (never on the command
   line, where ``ps`` shows it to every user of the host);
 * it prints ``jaxpar-ps-server ready HOST:PORT`` once it serves; the workers start only when
   every server has said so;
@@ -142,14 +143,16 @@ class ServerPool:
 
     def __init__(self, *, count: int, module: str, host: str, ports: list[int] | None,
                  checkpoint_dir: str, log_dir: str, restarts: int, token: str,
-                 base_env: Mapping[str, str], log: Callable[[str], None]):
+                 base_env: Mapping[str, str], log: Callable[[str], None],
+                 extra_args: tuple[str, ...] = ()):
         ports = ports if ports is not None else [free_port() for _ in range(count)]
         self.addresses = server_addresses(host, ports)
         self.token, self.restarts, self._log = token, restarts, log
         env = {**base_env, TOKEN: token, "PYTHONUNBUFFERED": "1"}
         self.servers = [
             _Server(i, [sys.executable, "-u", "-m", module, "--index", str(i), "--count",
-                        str(count), "--bind", address, "--checkpoint-dir", checkpoint_dir],
+                        str(count), "--bind", address, "--checkpoint-dir", checkpoint_dir,
+                        *extra_args],
                     env, os.path.join(log_dir, f"server_{i}.log"), address)
             for i, address in enumerate(self.addresses)]
 
@@ -268,6 +271,9 @@ def check_config(config: LaunchConfig) -> None:
     if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
         raise ValueError(f"server_restarts={restarts!r} must be a whole number >= 0 "
                          "(--server-restarts); 0 fails the job at the first server death.")
+    every = config.server_checkpoint_every
+    if every is not None:
+        _positive_number("server_checkpoint_every", every, "--server-checkpoint-every")
     if not config.server_module:
         raise ValueError("server_module='' is empty; leave it out for 'jaxpar.ps.server'.")
     port, n = config.server_port, config.servers
@@ -322,5 +328,7 @@ def pool_for(config: LaunchConfig, environ: Mapping[str, str], log: Callable[[st
     pool = ServerPool(
         count=config.servers, module=config.server_module, host=config.master_addr, ports=ports,
         checkpoint_dir=config.server_checkpoint_dir or os.path.join(config.log_dir, "ps_checkpoints"),
-        log_dir=config.log_dir, restarts=config.server_restarts, token=token, base_env=base, log=log)
+        log_dir=config.log_dir, restarts=config.server_restarts, token=token, base_env=base, log=log,
+        extra_args=(() if config.server_checkpoint_every is None
+                    else ("--checkpoint-every", str(config.server_checkpoint_every))))
     return pool, pool.worker_env()

@@ -22,6 +22,18 @@ import numpy as np
 from jaxpar.ps.tables import TableSpec, init_rows
 
 
+_INIT_CHUNK = 1 << 20
+
+
+def _init_weights(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
+    """``init_rows`` a million rows at a time: its 64-bit temporaries are 2-3 times the rows'
+    size, which for a shard of millions of rows would triple the server's peak memory."""
+    out = np.empty((len(ids), spec.dim), np.float32)
+    for lo in range(0, len(ids), _INIT_CHUNK):
+        out[lo:lo + _INIT_CHUNK] = init_rows(spec, ids[lo:lo + _INIT_CHUNK])
+    return out
+
+
 class TableShard:
     """The rows of ``spec`` that server ``index`` of ``count`` owns, and their update state."""
 
@@ -30,7 +42,7 @@ class TableShard:
         self.spec, self.index, self.count = spec, index, count
         self.mode, self.staleness, self.workers = mode, staleness, workers
         self.global_ids = spec.shard_ids(index, count)
-        self.weights = init_rows(spec, self.global_ids)
+        self.weights = _init_weights(spec, self.global_ids)
         self.slots = spec.optimizer.slots(len(self.global_ids), spec.dim)
         self.done = [0] * workers
         self.pending: dict[int, dict[int, tuple[np.ndarray, np.ndarray]]] = {}

@@ -46,6 +46,23 @@ def bucket_size(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
     return -(-n // buckets[-1]) * buckets[-1]
 
 
+def _replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Every array of ``tree`` replicated over ``mesh``, whose devices may span processes.
+
+    Built from host values on each process: ``jax.device_put`` onto devices of other processes
+    gives arrays that jit accepts but whose shards orbax cannot read before a first step.
+    """
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def put(x):
+        if jax.process_count() == 1 or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.device_put(x, replicated)  # (random keys have no plain host value)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
+
+    return jax.tree.map(put, tree)
+
+
 @dataclasses.dataclass
 class Lookup:
     """A batch's deduplicated ids: ``unique[table]`` and each field's ``index`` into them, so
@@ -117,10 +134,11 @@ class SparseTrainer:
             raise ValueError(f"SparseTrainer: a job of {self.processes} processes needs mesh= (a mesh over "
                              "every process's devices): the dense step is data parallel across them")
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
-        if mesh is not None:  # dense parameters replicated over the mesh (every process's devices)
-            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            self.params, self.rest = jax.device_put((self.params, self.rest), replicated)
         self.opt_state = tx.init(self.params)
+        if mesh is not None:  # dense state replicated over the mesh (every process's devices)
+            # The optimizer state too: a counter left on one device would come back from a
+            # checkpoint committed to that device, which the jitted step then refuses.
+            self.params, self.rest, self.opt_state = _replicate((self.params, self.rest, self.opt_state), mesh)
         # A worker restarted into a running job rejoins at the step the servers expect from it.
         self.step_count = client.next_step()
         self.timings = {"pull_wait_s": 0.0, "step_s": 0.0}
@@ -249,18 +267,28 @@ class SparseTrainer:
                     break
                 history.append(self.step(batch))
             return history
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            batch = next(batches, None)
-            future = pool.submit(self._pull, batch, self.step_count) if batch is not None else None
-            while future is not None and (steps is None or len(history) < steps):
-                start = time.perf_counter()
-                lk, rows = future.result()
-                self.timings["pull_wait_s"] += time.perf_counter() - start
-                nxt = next(batches, None) if steps is None or len(history) + 1 < steps else None
-                # Sent now: a sync server answers it as soon as this step's push is applied.
-                future = pool.submit(self._pull, nxt, self.step_count + 1) if nxt is not None else None
-                history.append({"loss": self._dense_step(batch, lk, rows)})
-                self.step_count += 1
-                self.timings["step_s"] += time.perf_counter() - start
-                batch = nxt
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            self._fit_prefetching(pool, batches, steps, history)
+        except BaseException:
+            # A prefetched pull of a step that will never be pushed waits for its reply until
+            # the client's timeout: do not wait for it to raise this step's error.
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
         return history
+
+    def _fit_prefetching(self, pool, batches, steps, history) -> None:
+        batch = next(batches, None)
+        future = pool.submit(self._pull, batch, self.step_count) if batch is not None else None
+        while future is not None and (steps is None or len(history) < steps):
+            start = time.perf_counter()
+            lk, rows = future.result()
+            self.timings["pull_wait_s"] += time.perf_counter() - start
+            nxt = next(batches, None) if steps is None or len(history) + 1 < steps else None
+            # Sent now: a sync server answers it as soon as this step's push is applied.
+            future = pool.submit(self._pull, nxt, self.step_count + 1) if nxt is not None else None
+            history.append({"loss": self._dense_step(batch, lk, rows)})
+            self.step_count += 1
+            self.timings["step_s"] += time.perf_counter() - start
+            batch = nxt
