@@ -175,7 +175,11 @@ class SparseTrainer:
         sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.batch_axis))
         if self.processes > 1:
             return jax.make_array_from_process_local_data(sharding, x)
-        return x if x.shape[0] % self.mesh.shape[self.batch_axis] else jax.device_put(x, sharding)
+        split = self.mesh.shape[self.batch_axis]
+        if x.shape[0] % split:
+            raise ValueError(f"SparseTrainer: a batch leaf of shape {x.shape} does not split over mesh axis "
+                             f"{self.batch_axis!r} of size {split}; make the batch's rows a multiple of {split}")
+        return jax.device_put(x, sharding)
 
     def _bucket(self, table: str, unique: int, batch: Mapping[str, Any]) -> int:
         if self.processes == 1:
