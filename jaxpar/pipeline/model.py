@@ -22,6 +22,9 @@ with the ``shard_map`` executor; the head runs on the stage of the last chunk. C
 without differentiating (``Trainer.evaluate``) it runs the schedule's forwards only. The embedding
 and the head may share a table (tied embeddings: its gradient is the sum of both uses), not
 parameters with the blocks.
+With ``block_call`` each block also gets its micro-batch (positions of a context-parallel
+reorder) and ``aux_loss`` adds what the blocks record (MoE auxiliary losses) to the loss per
+micro-batch; see docs/pipeline.md.
 Micro-batch ``i`` holds rows ``i, i+m, i+2m, ...`` of the global batch, so each data shard
 contributes equally to every micro-batch and nothing moves across the data axes.
 """

@@ -114,11 +114,11 @@ def check_context(model, config, loss_fn=None) -> None:
     and refuses the techniques it does not compose with, naming both."""
     if config.context is None:
         return
-    if config.pipeline.stages > 1 and isinstance(loss_fn, StagedLoss):
-        raise ValueError(f"Trainer: context={config.context} with pipeline.stages={config.pipeline.stages} and a "
-                         "StagedLoss is not supported (its stages pass only the hidden state, not the positions "
-                         "context attention masks by); use a PipelineLoss (e.g. the GPT / Llama pipeline_loss()), "
-                         "whose blocks get each micro-batch's positions, or drop one of them")
+    if config.pipeline.stages > 1 and not (isinstance(loss_fn, PipelineLoss) and loss_fn.block_call is not None):
+        raise ValueError(f"Trainer: context={config.context} with pipeline.stages={config.pipeline.stages} needs a "
+                         f"PipelineLoss with block_call= (got {type(loss_fn).__name__}): without it the stages pass "
+                         "only the hidden state, not the positions context attention masks by; use the GPT / Llama "
+                         "pipeline_loss(), give block_call=lambda model: lambda block, h, batch: ..., or drop one")
     if config.mode in ("hybrid", "auto"):
         why = ("per-device code sees one shard of the sequence and no context attention" if config.mode == "hybrid"
                else "the strategy search does not place the sequence over a context axis")
