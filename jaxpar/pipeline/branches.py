@@ -10,7 +10,7 @@ applies ``loss_fn`` to its output. Every other stage touches neither.
 
 The stage function returns ``(y, aux_loss, stats)`` (see ``executor._canonical``): the
 auxiliary loss joins the loss (scaled by ``1/m``, as the loss is) and is differentiated with
-it; it and the stats are recorded once per micro-batch and chunk, by the op that runs the
+it; it and the stats (floats averaged, integers summed) are recorded once per micro-batch and chunk, by the op that runs the
 forward for the last time that counts: F on every virtual stage but the last, whose training
 F does nothing and whose B computes the forward, the loss and the aux loss together.
 
@@ -25,7 +25,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BranchKey", "make_branches"]
+__all__ = ["BranchKey", "make_branches", "stats_dtype"]
 
 BranchKey = tuple[str, bool, bool]   # (op "I" / "F" / "B" / "W", first virtual stage, last virtual stage)
 
@@ -59,9 +59,7 @@ def _branch(kind: str, first: bool, last: bool, stage_fn, loss_fn, embed_fn, spl
             a = {**args, **given}
             h = embed_fn(a["emb"], inp) if first else a["x"]
             y, aux, st = stage_fn(a["chunk"], h, k, t)
-            # + a zero varying over the pipe axis: every branch of the switch must return the same types
-            vary = lambda s: s.astype(jnp.float32) * scale + jnp.zeros_like(y, jnp.float32, shape=s.shape)  # noqa: E731
-            aux, st = vary(aux), jax.tree.map(vary, st)
+            aux, st = _recorded(aux, y, scale), jax.tree.map(lambda s: _recorded(s, y, scale), st)
             return (loss_fn(a["head"], y, t).astype(jnp.float32) * scale + aux if last else (y, aux)), st
 
         out = _Out(args, forward_only, stats)
@@ -83,6 +81,20 @@ def _branch(kind: str, first: bool, last: bool, stage_fn, loss_fn, embed_fn, spl
     return run
 
 
+def _recorded(value, like, scale: float):
+    """What an op records of a value: floats as their share of the mean over micro-batches (in
+    float32), integers (counts) whole, to be summed. Plus a zero varying over the pipe axis
+    like ``like``: every branch of the switch must return the same types."""
+    if jnp.issubdtype(value.dtype, jnp.integer):
+        return value + jnp.zeros_like(like, value.dtype, shape=value.shape)
+    return value.astype(jnp.float32) * scale + jnp.zeros_like(like, jnp.float32, shape=value.shape)
+
+
+def stats_dtype(dtype) -> Any:
+    """The dtype a stat is accumulated in (see ``_recorded``)."""
+    return dtype if jnp.issubdtype(dtype, jnp.integer) else jnp.float32
+
+
 class _Out:
     """Fills what an op did not compute with zeros of the right type (varying over the pipe axis)."""
 
@@ -93,8 +105,8 @@ class _Out:
         a = self.args
         zero = lambda like, value: jax.tree.map(jnp.zeros_like, like) if value is None else value  # noqa: E731
         scalar = jnp.zeros_like(a["x"], jnp.float32, shape=()) if loss is None else loss
-        if stats is None:   # zeros varying like x (over the pipe axis), in float32 as recorded
-            stats = jax.tree.map(lambda s: jnp.zeros_like(a["x"], jnp.float32, shape=s.shape), self.stats)
+        if stats is None:   # zeros varying like x (over the pipe axis), in the dtype recorded
+            stats = jax.tree.map(lambda s: jnp.zeros_like(a["x"], stats_dtype(s.dtype), shape=s.shape), self.stats)
         if self.forward_only:   # forward-only programs keep no gradients
             return zero(a["x"], y), zero(a["x"], dx), (), (), (), scalar, stats
         return (zero(a["x"], y), zero(a["x"], dx), zero(a["chunk"], chunk), zero(a["head"], head),

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpar.pipeline.program import (  # noqa: F401  (op codes re-exported for the planner's pricing)
     B, B_LAST, CHANNELS, DX_MB, F, F_LAST, FROM_INPUT, G_SLOT, IDLE, MB, OP, RECV_G, RECV_X, W, W_LAST,
     X_SLOT, CHUNK, Program, forward_only, lower)
-from jaxpar.pipeline.branches import make_branches
+from jaxpar.pipeline.branches import make_branches, stats_dtype
 from jaxpar.pipeline.schedules import Schedule, virtual_stage
 
 __all__ = ["Program", "lower", "forward_only", "pipeline_value_and_grad", "pipeline_forward", "pipeline_loss",
@@ -145,7 +145,8 @@ def pipeline_value_and_grad(
       stage_aux: ``stage_fn`` returns ``(y, aux_loss, stats)``: the scalar ``aux_loss`` (e.g.
         the MoE layers' load-balancing loss) is added to the loss, averaged over the
         micro-batches like it, and differentiated; ``stats`` (a pytree of arrays, e.g. routing
-        metrics) is averaged over the micro-batches per chunk and returned in stage layout.
+        metrics) is averaged over the micro-batches per chunk (integers: summed) and returned in
+        stage layout.
 
     Returns:
       ``(loss, (stage_grads, head_grads, last))``: ``last`` is the embedding's gradient
@@ -462,9 +463,9 @@ def _initial_carry(params, head, emb, x, program: Program, m: int, embedding: bo
 
 
 def _chunk_stats(params, stats):
-    """One float32 accumulator of the stage function's stats per chunk this stage holds."""
+    """One accumulator of the stage function's stats per chunk this stage holds."""
     chunks = jax.tree.leaves(params)[0].shape[0]
-    return jax.tree.map(lambda s: jnp.zeros((chunks,) + tuple(s.shape), jnp.float32), stats)
+    return jax.tree.map(lambda s: jnp.zeros((chunks,) + tuple(s.shape), stats_dtype(s.dtype)), stats)
 
 
 _SHIFT = {"next": 1, "prev": -1}

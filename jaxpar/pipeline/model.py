@@ -156,7 +156,8 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
 
     The blocks' non-parameter state (dropout RNG streams) enters every chunk as a constant:
     the micro-batches of one step share its keys, and the streams advance once per step, as
-    in the unpipelined model (by running the blocks on an empty batch, which costs nothing).
+    in the unpipelined model (the stages return the advanced counts). What the blocks record
+    (MoE metrics) comes back from the stages too.
     """
     from jaxpar.pipeline.stages import StagedLoss, staged   # stages.py builds on this module
 
@@ -192,7 +193,7 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
             h, new = _run_layers(blocks_def, chunk, const, h, call, micro_batch, unrolled=True)
             ran = nnx.merge(blocks_def, chunk, new)
             aux = jnp.zeros((), jnp.float32) if loss.aux_loss is None else loss.aux_loss(ran)
-            return h, aux, nnx.state(ran, _RECORDED)
+            return h, aux, (nnx.state(ran, _RECORDED), nnx.state(ran, nnx.RngCount))
 
         def head_fn(head_state, h, micro_batch):
             return loss.head_loss(nnx.merge(head_def, head_state), h, micro_batch)
@@ -207,32 +208,25 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
             embed_fn = lambda state, mb: loss.embed_inputs(nnx.merge(embed_def, state), mb)  # noqa: E731
             run = pipeline_loss(stage_fn, head_fn, schedule, mesh, embed_fn=embed_fn, **kw)
             value, stats = run(layout(params), head_state, micro, micro, layout(rest), embed_state)
-            h0 = jax.eval_shape(embed_fn, embed_state, jax.tree.map(lambda a: a[0, :0], micro))
-            h0 = jnp.zeros(h0.shape, h0.dtype)
         else:
             run = pipeline_loss(stage_fn, head_fn, schedule, mesh, **kw)
             h = loss.embed(model, batch)
             value, stats = run(layout(params), head_state, split_rows(h, m), micro, layout(rest))
-            h0 = jax.lax.stop_gradient(h[:0])
-        if jax.tree.leaves(nnx.state(blocks, nnx.RngState)):
-            # the RNG streams advance once per step, as unpipelined: the blocks run on no rows
-            nnx.update(blocks, _run_layers(blocks_def, params, rest, h0)[1])
         _record(blocks, from_stage_layout(stats, pipe.stages, schedule.virtual_stages, schedule.placement), m)
         return value
 
     return pipelined_loss
 
 
-def _record(blocks: nnx.Module, stats: nnx.State, m: int) -> None:
-    """The blocks' recorded values from the pipeline's per-micro-batch means: floats stay the
-    mean, integers (counts) become the sum over the micro-batches."""
-    def back(mean, old):
-        old = jnp.asarray(old)
-        if jnp.issubdtype(old.dtype, jnp.integer):
-            return jnp.round(mean * m).astype(old.dtype)
-        return mean.astype(old.dtype)
-
-    nnx.update(blocks, jax.tree.map(back, stats, nnx.state(blocks, _RECORDED)))
+def _record(blocks: nnx.Module, stats: tuple[nnx.State, nnx.State], m: int) -> None:
+    """The blocks' state after the step, from what the stages returned (summed over the ``m``
+    micro-batches for integers, averaged for floats): recorded floats stay the mean, recorded
+    counts the sum; the RNG counts, which every micro-batch advanced alike from the same
+    state, advance once, as unpipelined."""
+    recorded, counts = stats
+    like = nnx.state(blocks, _RECORDED)
+    nnx.update(blocks, jax.tree.map(lambda new, old: new.astype(jnp.asarray(old).dtype), recorded, like))
+    nnx.update(blocks, jax.tree.map(lambda total: total // m, counts))
 
 
 def _pins(loss: PipelineLoss, specs: nnx.Module, config: ParallelConfig, mesh):
