@@ -10,8 +10,8 @@ applies ``loss_fn`` to its output. Every other stage touches neither.
 
 The stage function returns ``(y, aux_loss, stats)`` (see ``executor._canonical``): the
 auxiliary loss joins the loss (scaled by ``1/m``, as the loss is) and is differentiated with
-it; it and the stats (floats averaged, integers summed) are recorded once per micro-batch and chunk, by the op that runs the
-forward for the last time that counts: F on every virtual stage but the last, whose training
+it; it and the stats (floats averaged, integers summed) are recorded once per micro-batch and
+chunk, by the op whose forward counts: F on every virtual stage but the last, whose training
 F does nothing and whose B computes the forward, the loss and the aux loss together.
 
 B and W recompute the stage forward from its input under ``jax.vjp`` (the executor keeps
