@@ -7,7 +7,9 @@
   five steps equal one device accumulating gradients over the same 4 micro-batches (the
   load-balancing loss is per micro-batch, as in gradient accumulation); the routing metrics
   come out of the pipeline, and the compiled step exchanges tokens over data and K/V over
-  context.
+  context;
+* a PipelineLoss that cannot hand the blocks their positions (no block_call) or carry their
+  auxiliary losses (no aux_loss) is refused, naming both features.
 """
 
 from __future__ import annotations
@@ -101,3 +103,20 @@ def test_moe_gpt_pipeline_with_ring_context_and_expert_parallel_matches_one_devi
     found = {(c.kind, c.mesh_axes) for c in collectives(trainer.lower(batches(1)[0]).compile(), trainer.mesh)}
     assert ("all-to-all", ("data",)) in found         # tokens to their experts and back
     assert ("all-to-all", ("context",)) in found      # the ring's K/V shifts inside a stage
+
+
+def test_a_pipeline_loss_that_cannot_carry_positions_or_aux_losses_is_refused_naming_both():
+    config = jaxpar.ParallelConfig(
+        mesh=PIPE_CP, rules={"layers": "pipe", "batch": "data", "length": "context", "expert": "data"},
+        context={"strategy": "ulysses", "order": "striped"}, pipeline=_pipe("1f1b"))
+    mesh = jaxpar.make_mesh(config)
+    constrain = ContextParallel(jaxpar.LogicalConstraint(mesh, config.rules), mesh, config)
+    model = gpt.GPT(MOE_GPT, rngs=nnx.Rngs(0), constrain=constrain)
+    tx = optax.adamw(1e-3)
+    no_positions = dataclasses.replace(gpt.pipeline_loss(), block_call=None)
+    with pytest.raises(ValueError, match=r"context=.*pipeline\.stages=2.*block_call="):
+        jaxpar.Trainer(model, tx, no_positions, config, mesh)
+    plain = dataclasses.replace(config, context=None)
+    no_aux = dataclasses.replace(gpt.pipeline_loss(), aux_loss=None)
+    with pytest.raises(ValueError, match=r"pipeline\.stages=2 with a mixture-of-experts model.*aux_loss="):
+        jaxpar.Trainer(gpt.GPT(MOE_GPT, rngs=nnx.Rngs(0)), tx, no_aux, plain, mesh)
