@@ -237,7 +237,7 @@ def test_report_with_a_context_axis_trains_the_gpt_and_prints_the_balance(tmp_pa
     from jaxpar.cli import main
 
     config = tmp_path / "cp.yaml"
-    config.write_text("mesh: {data: 4, context: 2}\nrules: {batch: data, seq: context}\n"
+    config.write_text("mesh: {data: 4, context: 2}\nrules: {batch: data, length: context}\n"
                       "context: {strategy: ring, order: zigzag}\n")
     assert main(["report", "--config", str(config), "--layers", "1", "--embed", "16", "--heads", "2"]) == 0
     out = capsys.readouterr().out
