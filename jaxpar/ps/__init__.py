@@ -9,9 +9,14 @@ Example:
     >>> client = jaxpar.ps.connect([spec], addresses=["127.0.0.1:5555"], token="t")  # doctest: +SKIP
 """
 
-from jaxpar.ps.client import Client, connect
-from jaxpar.ps.tables import SGD, Adagrad, Adam, TableSpec, init_rows
-from jaxpar.ps.worker import BUCKETS, Lookup, SparseTrainer, bucket_size, lookup
+try:
+    import zmq  # noqa: F401  - the transport; an optional dependency
+except ImportError as e:
+    raise ImportError("jaxpar.ps (parameter servers) needs pyzmq, the extra 'ps': pip install 'jaxpar[ps]'") from e
+
+from jaxpar.ps.client import Client, connect  # noqa: E402
+from jaxpar.ps.tables import SGD, Adagrad, Adam, TableSpec, init_rows  # noqa: E402
+from jaxpar.ps.worker import BUCKETS, Lookup, SparseTrainer, bucket_size, lookup  # noqa: E402
 
 __all__ = ["Adagrad", "Adam", "BUCKETS", "Client", "Lookup", "SGD", "SparseTrainer", "TableSpec",
            "bucket_size", "connect", "init_rows", "lookup"]
