@@ -344,20 +344,10 @@ def _pipeline_embed(model: Llama, batch) -> jax.Array:
     return model.embed(batch["inputs"])
 
 
-def _block_call(model: Llama):
-    """A block with the model's ``constrain`` (context attention) and the batch's positions."""
-    constrain = model.constrain
-
-    def call(block, h, batch):
-        positions = batch.get("positions")
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(h.shape[1]), h.shape[:2])
-        return block(h, positions, None, constrain)
-
-    return call
-
-
 def _check_pipelined(model: Llama, batch) -> None:
+    if model.cfg.moe is not None:
+        raise ValueError("the Llama pipeline_loss cannot train LlamaConfig(moe=...): the MoE auxiliary losses "
+                         "of the stages do not reach the head's loss. Train MoE models without pipeline stages")
     _check_pipelined_batch(batch)
 
 
@@ -398,13 +388,10 @@ def pipeline_loss():
     Equal to ``loss_fn`` for a model built with ``scan_layers=True``; pass it to the
     ``Trainer`` when ``ParallelConfig.pipeline.stages > 1``. With tied embeddings the table
     is read by the first stage and by the last, and its gradient is the sum of both uses.
-    Each stage's blocks get the micro-batch's positions (a context-parallel reorder) and the
-    model's ``constrain``; MoE blocks' auxiliary losses join the loss per micro-batch.
     Packed batches (``segment_ids``) are refused.
     """
     from jaxpar.pipeline.model import PipelineLoss  # the model itself stays parallelism-free
 
     return PipelineLoss(embed=_pipeline_embed, blocks=lambda model: model.blocks,
                         head=lambda model: _Table(model, model.norm), head_loss=_head_loss,
-                        embedding=_pipeline_embedding, embed_inputs=_embed_inputs, block_call=_block_call,
-                        aux_loss=moe_aux_loss)
+                        embedding=_pipeline_embedding, embed_inputs=_embed_inputs)

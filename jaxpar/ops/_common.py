@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -34,65 +33,6 @@ def resolve_mesh(mesh: AnyMesh | None, op: str) -> AnyMesh:
         return jax.sharding.get_mesh()  # outside jit: concrete, so arrays can be placed
     except ValueError:
         return abstract  # inside jit only the abstract mesh is known, which is all we need
-
-
-def inner_shard_map(fn, mesh: AnyMesh, op: str, *, in_specs, out_specs, diff: tuple[int, ...] = (),
-                    diff_out: int | None = None):
-    """``jax.shard_map(fn, mesh=mesh, ...)`` that also works inside another shard_map.
-
-    Inside one (the pipeline's, manual over ``pipe``) JAX requires the context's abstract
-    mesh, whose axes must be ``mesh``'s, and the new shard_map is manual over the axes that
-    are still automatic. Differentiating a nested shard_map would hand residuals across its
-    boundary with the outer manual axis in their sharding, which XLA's verifier rejects
-    ("manual axes come before free axes"); so there the result is a ``custom_vjp`` whose
-    backward is a second shard_map running ``jax.vjp`` per device: only the inputs are kept.
-    ``diff``: the positions of the arguments to differentiate (the others get no cotangent);
-    ``diff_out``: the output to differentiate when ``fn`` returns a tuple (others: none).
-    """
-    outer = manual_axes()
-    if not outer:
-        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    abstract = jax.sharding.get_abstract_mesh()
-    if sizes(abstract) != sizes(mesh):
-        raise ValueError(f"{op}: called inside a shard_map over mesh {sizes(abstract)} with mesh={sizes(mesh)}; "
-                         "pass the mesh the enclosing shard_map runs on")
-    names = frozenset(a for a in abstract.axis_names if a not in outer)
-    smap = functools.partial(jax.shard_map, mesh=abstract, axis_names=names)
-    forward = smap(fn, in_specs=in_specs, out_specs=out_specs)
-    if not diff:
-        return forward
-
-    def picked(args, values):   # fn's differentiated output as a function of the arguments in diff
-        full = list(args)
-        for i, x in zip(diff, values):
-            full[i] = x
-        out = fn(*full)
-        return out if diff_out is None else out[diff_out]
-
-    def per_device_vjp(args, cotangent):
-        return jax.vjp(lambda *values: picked(args, values), *(args[i] for i in diff))[1](cotangent)
-
-    backward = smap(per_device_vjp, in_specs=(tuple(in_specs), out_specs if diff_out is None else out_specs[diff_out]),
-                    out_specs=tuple(in_specs[i] for i in diff))
-
-    @jax.custom_vjp
-    def run(*args):
-        return forward(*args)
-
-    def bwd(args, cotangent):
-        grads = dict(zip(diff, backward(args, cotangent if diff_out is None else cotangent[diff_out])))
-        return tuple(grads.get(i) for i in range(len(args)))
-
-    run.defvjp(lambda *args: (forward(*args), args), bwd)
-    return run
-
-
-def manual_axes() -> tuple[str, ...]:
-    """The mesh axes the code being traced runs per device (inside a ``shard_map``)."""
-    abstract = jax.sharding.get_abstract_mesh()
-    if abstract.empty:
-        return ()
-    return tuple(a for a, t in zip(abstract.axis_names, abstract.axis_types) if t == jax.sharding.AxisType.Manual)
 
 
 def sizes(mesh: AnyMesh) -> dict[str, int]:

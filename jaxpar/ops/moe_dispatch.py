@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar.ops._common import AnyMesh, axes_of, axes_size, entry, inner_shard_map, resolve_mesh, sizes
+from jaxpar.ops._common import AnyMesh, axes_of, axes_size, entry, resolve_mesh, sizes
 
 TRANSPORTS = ("auto", "all_to_all", "ragged")
 
@@ -104,9 +104,8 @@ def moe_dispatch(
     tok = PartitionSpec(entry(tok_axes), None)
     w_in, w_out = PartitionSpec(entry(ep_axes), None, entry(mlp_axes)), PartitionSpec(entry(ep_axes), entry(mlp_axes))
     stat = {"dropped": PartitionSpec(), "capacity": PartitionSpec(), "needed": PartitionSpec()}
-    return inner_shard_map(local, mesh, "moe_dispatch", in_specs=(tok, tok, tok, w_in, w_in, w_out),
-                           out_specs=(tok, stat), diff=(0, 2, 3, 4, 5), diff_out=0)(
-        x, expert_ids, weights, gate, up, down)
+    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out),
+                         out_specs=(tok, stat))(x, expert_ids, weights, gate, up, down)
 
 
 def _axes(mesh, expert_axis, batch_axis, mlp_axis):

@@ -36,7 +36,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpar.pipeline.program import (  # noqa: F401  (op codes re-exported for the planner's pricing)
     B, B_LAST, CHANNELS, DX_MB, F, F_LAST, FROM_INPUT, G_SLOT, IDLE, MB, OP, RECV_G, RECV_X, W, W_LAST,
     X_SLOT, CHUNK, Program, forward_only, lower)
-from jaxpar.pipeline.branches import make_branches, stats_dtype
+from jaxpar.pipeline.branches import make_branches
 from jaxpar.pipeline.schedules import Schedule, virtual_stage
 
 __all__ = ["Program", "lower", "forward_only", "pipeline_value_and_grad", "pipeline_forward", "pipeline_loss",
@@ -105,9 +105,7 @@ def pipeline_value_and_grad(
     consts: Any = None,
     embed_fn: EmbedFn | None = None,
     embed_params: Any = None,
-    stage_batch: bool = False,
-    stage_aux: bool = False,
-) -> tuple[Any, tuple[Any, Any, Any]]:
+) -> tuple[jax.Array, tuple[Any, Any, Any]]:
     """Mean loss over micro-batches and its gradients, run as the pipeline ``schedule``.
 
     The model is ``loss_fn(head, stage_fn(θ[k-1], ... stage_fn(θ[0], x)), target)``
@@ -140,27 +138,20 @@ def pipeline_value_and_grad(
         ids), and only one micro-batch's activation crosses a stage boundary per step.
       embed_params: what ``embed_fn`` reads (replicated over ``axis``; may share arrays
         with ``head_params``: a tied table gets a gradient for each use).
-      stage_batch: ``stage_fn`` also takes the micro-batch's ``targets`` as its last
-        argument (what a stage needs beside the activation: positions, segment ids).
-      stage_aux: ``stage_fn`` returns ``(y, aux_loss, stats)``: the scalar ``aux_loss`` (e.g.
-        the MoE layers' load-balancing loss) is added to the loss, averaged over the
-        micro-batches like it, and differentiated; ``stats`` (a pytree of arrays, e.g. routing
-        metrics) is averaged over the micro-batches per chunk (integers: summed) and returned in
-        stage layout.
 
     Returns:
       ``(loss, (stage_grads, head_grads, last))``: ``last`` is the embedding's gradient
       with ``embed_fn``, else the gradient of ``inputs`` (same shape), for back-propagating
-      into whatever produced them. With ``stage_aux``, ``loss`` is ``(loss, stats)``.
+      into whatever produced them.
 
     Example:
         >>> loss, (g_blocks, g_head, g_x) = pipeline_value_and_grad(  # doctest: +SKIP
         ...     block_stack, head_loss, build("1f1b", 4, 8), mesh, blocks, head, x, y)
     """
-    loss, stats, stage_grads, head_grads, last = _run(
+    loss, stage_grads, head_grads, last = _run(
         stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs, consts,
-        embed_fn, embed_params, stage_batch, stage_aux)
-    return ((loss, stats) if stage_aux else loss), (stage_grads, head_grads, last)
+        embed_fn, embed_params)
+    return loss, (stage_grads, head_grads, last)
 
 
 def pipeline_forward(
@@ -178,14 +169,11 @@ def pipeline_forward(
     consts: Any = None,
     embed_fn: EmbedFn | None = None,
     embed_params: Any = None,
-    stage_batch: bool = False,
-    stage_aux: bool = False,
-) -> Any:
+) -> jax.Array:
     """Mean loss over micro-batches, forwards only: ``schedule``'s F ops, no backward.
 
     Arguments as for ``pipeline_value_and_grad``; ``schedule`` may be a training schedule
     (its forwards are kept, see ``forward_only``). What ``evaluate`` and inference run.
-    Returns the loss, or ``(loss, stats)`` with ``stage_aux``.
 
     Example:
         >>> loss = pipeline_forward(  # doctest: +SKIP
@@ -193,42 +181,25 @@ def pipeline_forward(
     """
     if any(op is not None and op.kind.value != "F" for row in schedule.table for op in row):
         schedule = forward_only(schedule)
-    loss, stats = _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs,
-                       consts, embed_fn, embed_params, stage_batch, stage_aux)[:2]
-    return (loss, stats) if stage_aux else loss
-
-
-def _canonical(stage_fn: Callable, with_consts: bool, stage_batch: bool, stage_aux: bool) -> Callable:
-    """``stage_fn`` as the branches call it: ``fn(chunk, x, const, batch) -> (y, aux_loss, stats)``."""
-    def fn(chunk, x, const, batch):
-        args = (chunk, x) + ((const,) if with_consts else ()) + ((batch,) if stage_batch else ())
-        out = stage_fn(*args)
-        if not stage_aux:
-            return out, jnp.zeros((), jnp.float32), ()
-        if not (isinstance(out, tuple) and len(out) == 3):
-            raise TypeError(f"stage_aux=True: stage_fn must return (y, aux_loss, stats), got {type(out).__name__}"
-                            f"{'' if not isinstance(out, tuple) else f' of {len(out)} items'}; return stats=() "
-                            "when there is nothing to report")
-        y, aux, stats = out
-        return y, jnp.asarray(aux, jnp.float32), stats
-
-    return fn
+    return _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs,
+                consts, embed_fn, embed_params)
 
 
 def _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs, consts,
-         embed_fn=None, embed_params=None, stage_batch=False, stage_aux=False):
-    """The shard_map of the executor: ``(loss, stats, stage_grads, head_grads, last)`` (forward-only:
-    the first two)."""
+         embed_fn=None, embed_params=None):
+    """The shard_map of the executor; its outputs follow the program (forward-only: the loss)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     _check_args(mesh, axis, p, m, v, stage_params, inputs, targets, embed_fn is not None)
-    fn = _canonical(stage_fn, consts is not None, stage_batch, stage_aux)
-    consts = () if consts is None else consts
+    if consts is None:
+        fn, consts = (lambda chunk, x, const: stage_fn(chunk, x)), ()
+    else:
+        fn = stage_fn
     embed_params = () if embed_fn is None or embed_params is None else embed_params
-    stats = _check_stage_fn(fn, stage_params, consts, _activation(embed_fn, embed_params, inputs), targets)
+    _check_stage_fn(fn, stage_params, consts, _activation(embed_fn, embed_params, inputs))
     program = lower(schedule)
-    out_specs = (P(), P(axis)) + (() if program.forward_only else (P(axis), P(), P()))
+    out_specs = P() if program.forward_only else (P(), P(axis), P(), P())
     run = jax.shard_map(
-        _make_body(fn, loss_fn, program, axis, m, specs, embed_fn, stats), mesh=mesh, axis_names={axis},
+        _make_body(fn, loss_fn, program, axis, m, specs, embed_fn), mesh=mesh, axis_names={axis},
         in_specs=(P(axis), P(), P(), P(), P(axis), P()), out_specs=out_specs, check_vma=True)
     return run(stage_params, head_params, inputs, targets, consts, embed_params)
 
@@ -236,8 +207,7 @@ def _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, t
 def pipeline_loss(
     stage_fn: StageFn, loss_fn: LossFn, schedule: Schedule, mesh: Mesh, *, axis: str = "pipe",
     specs: tuple[Any, ...] | None = None, with_consts: bool = False, embed_fn: EmbedFn | None = None,
-    stage_batch: bool = False, stage_aux: bool = False,
-) -> Callable[..., Any]:
+) -> Callable[..., jax.Array]:
     """``pipeline_value_and_grad`` as a differentiable loss function (a ``jax.custom_vjp``).
 
     Returns ``f(stage_params, head_params, inputs, targets) -> loss`` whose gradient is the
@@ -249,34 +219,28 @@ def pipeline_loss(
     layers); a weight passed as both ``head_params`` and ``embed_params`` (tied) gets the sum
     of both gradients. Differentiated, it runs the whole schedule, backward included, and keeps
     the gradients for the backward pass; called without differentiating (evaluation) it runs
-    the forwards only (``pipeline_forward``). ``targets`` get zero cotangents. ``stage_batch``
-    and ``stage_aux`` as for ``pipeline_value_and_grad``; with ``stage_aux`` ``f`` returns
-    ``(loss, stats)`` (differentiate it with ``has_aux=True``; ``stats`` carries no gradient).
+    the forwards only (``pipeline_forward``). ``targets`` get zero cotangents.
 
     Example:
         >>> f = pipeline_loss(blocks_fn, head_loss, build("1f1b", 4, 8), mesh)  # doctest: +SKIP
         >>> g = jax.grad(lambda e: f(blocks, head, embed(e, tokens), labels))(e)  # doctest: +SKIP
     """
-    kw = dict(axis=axis, specs=specs, embed_fn=embed_fn, stage_batch=stage_batch, stage_aux=stage_aux)
-
-    def pair(value):   # one output structure, (loss, stats), for the custom_vjp
-        return value if stage_aux else (value, ())
+    kw = dict(axis=axis, specs=specs, embed_fn=embed_fn)
 
     @jax.custom_vjp
     def loss(stage_params, head_params, inputs, targets, consts, emb):
         # The primal runs only when nothing differentiates the call: forwards alone suffice.
-        return pair(pipeline_forward(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs,
-                                     targets, consts=consts if with_consts else None, embed_params=emb, **kw))
+        return pipeline_forward(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets,
+                                consts=consts if with_consts else None, embed_params=emb, **kw)
 
     def fwd(stage_params, head_params, inputs, targets, consts, emb):
         value, grads = pipeline_value_and_grad(stage_fn, loss_fn, schedule, mesh, stage_params, head_params,
                                                inputs, targets, consts=consts if with_consts else None,
                                                embed_params=emb, **kw)
-        return pair(value), (grads, inputs, targets, consts, emb)
+        return value, (grads, inputs, targets, consts, emb)
 
     def bwd(res, cotangent):
         (stage_grads, head_grads, last), inputs, targets, consts, emb = res
-        cotangent = cotangent[0]   # the stats carry no gradient
 
         def scale(tree):
             return jax.tree.map(lambda g: g * cotangent.astype(g.dtype), tree)
@@ -287,9 +251,6 @@ def pipeline_loss(
         return scale(stage_grads), scale(head_grads), zero(inputs), zero(targets), zero(consts), scale(last)
 
     loss.defvjp(fwd, bwd)
-    if not stage_aux:   # a plain stage function: its (empty) stats are not returned
-        fn = loss
-        loss = lambda *args: fn(*args)[0]  # noqa: E731
     if embed_fn is not None:
         if with_consts:
             return loss
@@ -333,17 +294,14 @@ def _check_args(mesh, axis, p, m, v, stage_params, inputs, targets, embedding: b
                              f"micro-batches of the schedule (reshape to [{m}, batch/{m}, ...])")
 
 
-def _check_stage_fn(stage_fn, stage_params, consts, x: jax.ShapeDtypeStruct, targets) -> Any:
-    """Checks the stage function's output; returns the shapes of its ``stats``."""
-    first = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)  # noqa: E731
-    y, aux, stats = jax.eval_shape(stage_fn, first(stage_params), x, first(consts), first(targets))
+def _check_stage_fn(stage_fn, stage_params, consts, x: jax.ShapeDtypeStruct) -> None:
+    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stage_params)
+    const = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), consts)
+    y = jax.eval_shape(stage_fn, chunk, x, const)
     if (getattr(y, "shape", None), getattr(y, "dtype", None)) != (x.shape, x.dtype):
         raise ValueError(f"stage_fn must map activations to the same shape and dtype: "
                          f"x {x.shape} {x.dtype} gave {y}; move shape changes into the "
                          f"function producing the inputs or into loss_fn")
-    if aux.shape != ():
-        raise ValueError(f"stage_fn's aux_loss must be a scalar, got shape {aux.shape}; sum it over its layers")
-    return stats
 
 
 def _pin(tree, specs, lead: int = 0):
@@ -358,11 +316,11 @@ def _pinned_branch(branch, stage_specs, head_specs, act_spec, embed_specs):
     def run(chunk, head, emb, x, g, t, inp, c):
         chunk, head, emb = _pin(chunk, stage_specs, 1), _pin(head, head_specs), _pin(emb, embed_specs)
         x, g = _pin((x, g), (act_spec, act_spec))
-        y, dx, dp, dh, de, loss, stats = branch(chunk, head, emb, x, g, t, inp, c)
+        y, dx, dp, dh, de, loss = branch(chunk, head, emb, x, g, t, inp, c)
         y, dx = _pin((y, dx), (act_spec, act_spec))
         if isinstance(dp, tuple) and not dp:   # forward-only branches return no gradients
-            return y, dx, dp, dh, de, loss, stats
-        return y, dx, _pin(dp, stage_specs, 1), _pin(dh, head_specs), _pin(de, embed_specs), loss, stats
+            return y, dx, dp, dh, de, loss
+        return y, dx, _pin(dp, stage_specs, 1), _pin(dh, head_specs), _pin(de, embed_specs), loss
 
     return run
 
@@ -393,10 +351,9 @@ def _branch_keys(program: Program, embedding: bool) -> tuple[np.ndarray, list]:
     return code, keys
 
 
-def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=None, embed_fn=None, stats=()):
+def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=None, embed_fn=None):
     code, keys = _branch_keys(program, embed_fn is not None)
-    branches = make_branches(keys, stage_fn, loss_fn, embed_fn, program.split_backward, m, program.forward_only,
-                             stats)
+    branches = make_branches(keys, stage_fn, loss_fn, embed_fn, program.split_backward, m, program.forward_only)
     varying = functools.partial(_varying, axis=axis)
     stage_specs, head_specs, act_spec, embed_specs = (tuple(specs) + (None,))[:4] if specs else (None,) * 4
     if specs is not None:
@@ -407,7 +364,7 @@ def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=Non
         head, emb, inputs, targets = varying((head, emb, inputs, targets))
         stage = lax.axis_index(axis)
         x_like = _activation(embed_fn, emb, inputs)
-        carry = varying(_initial_carry(params, head, emb, x_like, program, m, embed_fn is not None, stats))
+        carry = varying(_initial_carry(params, head, emb, x_like, program, m, embed_fn is not None))
 
         def step(carry, rows):
             r = rows[stage]
@@ -419,13 +376,12 @@ def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=Non
             return carry, None
 
         carry, _ = lax.scan(step, carry, jnp.asarray(code))
-        loss = lax.psum(carry["loss"], axis)
         if program.forward_only:
-            return loss, carry["stats"]
+            return lax.psum(carry["loss"], axis)
         # the head's and the embedding's gradients live on the stages that ran them: the psum
         # over the pipe axis brings them (and a tied weight's two parts) to every stage
         last = lax.psum(carry["egrads"] if embed_fn is not None else carry["dinputs"][:m], axis)
-        return loss, carry["stats"], carry["grads"], lax.psum(carry["hgrads"], axis), last
+        return lax.psum(carry["loss"], axis), carry["grads"], lax.psum(carry["hgrads"], axis), last
 
     return body
 
@@ -448,7 +404,7 @@ def _zeros(tree, keep: bool = True):
     return jax.tree.map(lambda a: jnp.zeros(a.shape if keep else (0,) + a.shape[1:], a.dtype), tree)
 
 
-def _initial_carry(params, head, emb, x, program: Program, m: int, embedding: bool, stats=()) -> dict:
+def _initial_carry(params, head, emb, x, program: Program, m: int, embedding: bool) -> dict:
     def buffer(n):  # one more row: the dump that writes of "nothing" go to
         return jnp.zeros((n + 1,) + x.shape, x.dtype)
 
@@ -459,13 +415,7 @@ def _initial_carry(params, head, emb, x, program: Program, m: int, embedding: bo
                 fmsg={c: buffer(0)[0] for c in program.sends_x},
                 bmsg={c: buffer(0)[0] for c in program.sends_g}, grads=_zeros(params, train),
                 hgrads=_zeros(head, train), egrads=_zeros(emb, train), loss=jnp.zeros((), jnp.float32),
-                dinputs=dinputs, stats=_chunk_stats(params, stats))
-
-
-def _chunk_stats(params, stats):
-    """One accumulator of the stage function's stats per chunk this stage holds."""
-    chunks = jax.tree.leaves(params)[0].shape[0]
-    return jax.tree.map(lambda s: jnp.zeros((chunks,) + tuple(s.shape), stats_dtype(s.dtype)), stats)
+                dinputs=dinputs)
 
 
 _SHIFT = {"next": 1, "prev": -1}
@@ -490,11 +440,10 @@ def _tick(carry, r, params, head, emb, inputs, targets, consts, branches, axis: 
     chunk = jax.tree.map(lambda a: a[r[CHUNK]], params)
     target = jax.tree.map(lambda a: a[r[MB]], targets)
     const = jax.tree.map(lambda a: a[r[CHUNK]], consts)
-    y, dx, dp, dh, de, loss, stats = lax.switch(r[OP], branches, chunk, head, emb, x, gbuf[r[G_SLOT]], target,
-                                                inp, const)
+    y, dx, dp, dh, de, loss = lax.switch(r[OP], branches, chunk, head, emb, x, gbuf[r[G_SLOT]], target, inp,
+                                         const)
     out = dict(carry, xbuf=xbuf, gbuf=gbuf, fmsg=_send(y, program.sends_x, axis, p),
-               bmsg=_send(dx, program.sends_g, axis, p), loss=carry["loss"] + loss.astype(jnp.float32),
-               stats=jax.tree.map(lambda acc, d: acc.at[r[CHUNK]].add(d), carry["stats"], stats))
+               bmsg=_send(dx, program.sends_g, axis, p), loss=carry["loss"] + loss.astype(jnp.float32))
     if not program.forward_only:
         out["grads"] = jax.tree.map(lambda acc, d: acc.at[r[CHUNK]].add(d), carry["grads"], dp)
         out["hgrads"] = jax.tree.map(jnp.add, carry["hgrads"], dh)
