@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from jaxpar.launch import sources
 from jaxpar.launch.ports import free_port
-from jaxpar.launch.worker import Worker, _die_with_parent, stop_all
+from jaxpar.launch.worker import Worker, die_with_parent, stop_all
 
 if TYPE_CHECKING:  # launcher imports this module
     from jaxpar.launch.launcher import LaunchConfig
@@ -97,7 +97,7 @@ class _ServerProcess(Worker):
         self.process = subprocess.Popen(
             command, env=dict(env), stdin=subprocess.DEVNULL, stdout=self._log,
             stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()))  # no server outlives the launcher
+            preexec_fn=die_with_parent(os.getpid()))  # no server outlives the launcher
         self._pump = self._reaper = None
 
 

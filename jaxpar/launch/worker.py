@@ -33,7 +33,7 @@ def _load_prctl():
 _prctl = _load_prctl()
 
 
-def _die_with_parent(parent_pid: int):
+def die_with_parent(parent_pid: int):
     def preexec() -> None:
         if _prctl is not None:
             _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -67,7 +67,7 @@ class Worker:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),
+            preexec_fn=die_with_parent(os.getpid()),
         )
         self._pump: threading.Thread | None = None
         self._reaper: threading.Thread | None = None
