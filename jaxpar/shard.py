@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.strategy import to_partition_spec
+from jaxpar.strategy import manual_axes, to_partition_spec
 
 
 def _current_mesh(mesh):
@@ -188,14 +188,19 @@ class LogicalConstraint:
 
     def __call__(self, x, names):
         spec = self.spec(x.shape, names)   # first: it records which rules the model consults
-        if not _is_tracer(x) or _inside_manual_region():
-            return x  # outside jit nothing to pin; inside shard_map code is per device
+        if not _is_tracer(x):
+            return x  # outside jit nothing to pin
+        manual = manual_axes()
+        if manual:   # inside a shard_map: pin over the axes still automatic (a pipeline stage's), if any
+            spec = PartitionSpec(*(_without(e, manual) for e in spec))
         if all(e is None for e in spec):
             return x
+        if manual:
+            return jax.lax.with_sharding_constraint(x, spec)   # on the context's (abstract) mesh
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
-def _inside_manual_region() -> bool:
-    abstract = jax.sharding.get_abstract_mesh()
-    types = getattr(abstract, "axis_types", ()) or ()
-    return any(t == jax.sharding.AxisType.Manual for t in types)
+def _without(entry, axes):
+    """A spec entry without the mesh ``axes``."""
+    kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry or ()) if a not in axes)
+    return None if not kept else kept[0] if len(kept) == 1 else kept

@@ -33,3 +33,10 @@ def tag():
     left = wait_gone(mark, timeout=10)
     kill_tagged(mark)
     assert not left, f"processes left behind: {left}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Long tests first (a stable sort on the ``slow`` mark): the xdist workers hand out tests in
+    this order, so the short ones fill the end of the run instead of one worker finishing a
+    minutes-long test while the other idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -22,8 +22,10 @@ def _with(config, **kw):
 def test_grad_accum_equals_one_step_on_the_whole_batch():
     """grad_accum=4 on a batch of 64 = one plain step on the same 64 rows (5 adamw steps).
 
-    Parameters within 2e-5: the sums run in a different order and Adam's normalisation
-    magnifies the fp32 rounding of near-zero gradient entries (max seen: 1.1e-5)."""
+    Parameters within 5e-5 (the matrix's bound): the sums run in a different order and Adam's
+    normalisation magnifies the fp32 rounding of near-zero gradient entries (seen: 1.1e-5 on
+    one machine, 2.4e-5 on another with the same packages: XLA:CPU's vectorisation follows
+    the host CPU)."""
     big = [b for b in batches(5, batch=64)]
     cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
 
@@ -37,7 +39,7 @@ def test_grad_accum_equals_one_step_on_the_whole_batch():
     ref_losses, ref_params, _ = run(cfg)
     losses, params, trainer = run(_with(cfg, grad_accum=4))
     assert_losses_close(losses, ref_losses)
-    assert_close(params, ref_params, rtol=2e-5, what="grad_accum=4")
+    assert_close(params, ref_params, rtol=5e-5, what="grad_accum=4")
     hlo = trainer.lower(big[0]).compile().as_text()
     assert " while(" in hlo or "while" in hlo            # the micro-batches are a lax.scan
 

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+import jaxpar
 from jaxpar.cli import main
 from jaxpar.data import prepare
 from jaxpar.job import JobConfig
@@ -36,8 +37,6 @@ def test_sections_overrides_and_round_trip():
     ({"logging": {"profile_steps": "10:13"}}, [], ValueError, "set logging.dir"),
     ({"checkpoint": {"every": 10}}, [], ValueError, "saving needs checkpoint.dir"),
     ({"eval": {"every": 10}}, [], ValueError, "evaluation reads data.eval_path"),
-    ({"parallel": {"mesh": {"data": 2, "pipe": 4}, "pipeline": {"stages": 4}}}, [], ValueError,
-     "parallel.pipeline.stages=4"),
     ({"data": "x"}, [], ValueError, "a section is a mapping"),
 ])
 def test_bad_job_configs_name_the_key(d, overrides, error, words):
@@ -111,6 +110,38 @@ def test_a_job_resumes_with_the_same_losses_on_one_or_two_processes(job_file, tm
     assert sorted(resumed) == list(range(1, 21))
     for step in range(11, 21):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-5), step
+
+
+PIPE = ["--parallel.mesh", "{pipe: 2, data: 4}", "--parallel.rules", "{layers: pipe, batch: data}",
+        "--parallel.pipeline", "{stages: 2, microbatches: 4, schedule: zb-h1}"]
+
+
+@pytest.mark.slow
+def test_a_pipelined_job_trains_packed_data_as_accumulation_does(job_file, tmp_path):
+    # the job's Llama is stacked and trained with its pipeline_loss: every stage gets the packed
+    # data's segment ids, and the loss per micro-batch is the one accumulation computes
+    steps = ["--train.steps", "3"]
+    assert _train(job_file, tmp_path / "pipe", *steps, *PIPE) == 0
+    stacked = ["--model.fields", "{scan_layers: true}"]   # the same initial parameters as the pipeline's
+    assert _train(job_file, tmp_path / "accum", *steps, *stacked, "--parallel.mesh", "{data: 4, model: 2}",
+                  "--parallel.grad_accum", "4") == 0
+    piped, accumulated = _losses(tmp_path / "pipe"), _losses(tmp_path / "accum")
+    assert sorted(piped) == [1, 2, 3]
+    for step in piped:
+        assert piped[step] == pytest.approx(accumulated[step], rel=1e-5), step
+
+
+def test_a_pipelined_job_refuses_unstacked_blocks_and_a_plain_loss():
+    from jaxpar.job.run import build_model, model_config
+
+    job = JobConfig.from_dict({"model": {"fields": {"scan_layers": False}}}, PIPE)
+    with pytest.raises(ValueError, match=r"scan_layers=False with parallel\.pipeline\.stages=2"):
+        model_config(job)
+    job = JobConfig.from_dict({"model": {"factory": "jaxpar.models.llama:Llama", "loss": "jaxpar.models.llama:loss_fn"}},
+                              PIPE)
+    with pytest.raises(TypeError, match=r"model\.loss='jaxpar\.models\.llama:loss_fn' is a function; with "
+                                        r"parallel\.pipeline\.stages=2 it must name a jaxpar\.pipeline\.PipelineLoss"):
+        build_model(job, jaxpar.make_mesh(job.parallel))
 
 
 CONFIGS = os.path.join(os.path.dirname(WORKERS), "..", "examples", "configs")

@@ -318,15 +318,48 @@ def test_bad_model_input():
         Llama({"embed": 32}, rngs=nnx.Rngs(0))
 
 
-def test_pipeline_loss_refuses_what_it_cannot_pipeline():
-    tokens = jnp.zeros((2, 16), jnp.int32)
-    packed = {"inputs": tokens, "targets": tokens, "segment_ids": tokens + 1}
-    with pytest.raises(ValueError, match="cannot take batch\\['segment_ids'\\]"):
-        nnx.eval_shape(pipeline_loss(), Llama(TRAIN, rngs=nnx.Rngs(0)), packed)
+def packed_batches(steps: int, seq: int):
+    """The training batches packed: each row is two segments of random lengths and a padding
+    tail (segment 0), so the micro-batches keep different numbers of tokens."""
+    rng = np.random.default_rng(0)
+    out = []
+    for batch in batches(steps, seq=seq):
+        rows = []
+        for _ in range(batch["inputs"].shape[0]):
+            a, b = sorted(rng.choice(np.arange(2, seq - 1), 2, replace=False))
+            rows.append([1] * a + [2] * (b - a) + [0] * (seq - b))
+        out.append(dict(batch, segment_ids=np.asarray(rows, np.int32)))
+    return out
+
+
+def test_packed_batches_through_pipeline_stages_equal_one_device_accumulating():
+    # every stage's blocks get the micro-batch's segment ids (attention inside a segment,
+    # positions restarting); the loss is each micro-batch's mean over its kept tokens, averaged
+    # over the micro-batches, as gradient accumulation over the same 4 micro-batches computes it
+    def run(config):
+        mesh = jaxpar.make_mesh(config, devices=jax.devices()[:math.prod(config.mesh.values())])
+        model = Llama(TRAIN, rngs=nnx.Rngs(0), constrain=jaxpar.LogicalConstraint(mesh, config.rules))
+        loss = pipeline_loss() if config.pipeline.stages > 1 else loss_fn
+        trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss, config, mesh)
+        losses = [float(trainer.step(b)["loss"]) for b in packed_batches(3, TRAIN.max_seq_len)]
+        return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param)))
+
+    losses, params = run(PARALLEL["pipeline 1f1b pipe=2,data=4"])
+    ref_losses, ref_params = run(jaxpar.ParallelConfig(mesh={"data": 1}, grad_accum=4))
+    assert_losses_close(losses, ref_losses)
+    assert_close(params, ref_params)
+
+
+def test_pipeline_loss_equals_the_loss_for_a_tied_table():
     # a tied table is read by the first stage and the last (tests/test_pipeline_stages.py trains it)
+    tokens = jnp.zeros((2, 16), jnp.int32)
     tied = Llama(LlamaConfig.named("tiny", scan_layers=True, tie_embeddings=True), rngs=nnx.Rngs(0))
     batch = {"inputs": tokens + 3, "targets": tokens + 5}
     np.testing.assert_allclose(pipeline_loss()(tied, batch), loss_fn(tied, batch), rtol=1e-6)
+    # and a packed batch: the same segment ids reach the stacked blocks
+    packed = packed_batches(1, TRAIN.max_seq_len)[0]
+    model = Llama(TRAIN, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(pipeline_loss()(model, packed), loss_fn(model, packed), rtol=1e-5)
 
 
 def test_padding_segment_is_left_out_of_the_loss():

@@ -328,7 +328,8 @@ def test_docstring_examples_run():
     import doctest
 
     import jaxpar.pipeline
+    import jaxpar.pipeline.stage_layout
 
-    for module in (E, jaxpar.pipeline):
+    for module in (jaxpar.pipeline.stage_layout, jaxpar.pipeline):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0

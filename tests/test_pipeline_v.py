@@ -172,8 +172,8 @@ def test_planner_prices_the_v_schedules_and_chooses_one():
 def test_docstring_examples_run():
     import doctest
 
-    from jaxpar.pipeline import drawing, executor, program
+    from jaxpar.pipeline import drawing, program, stage_layout
 
-    for module in (vshape, program, drawing, executor):
+    for module in (vshape, program, drawing, stage_layout):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0 and result.attempted >= 2, module.__name__

@@ -235,10 +235,6 @@ class JobConfig:
                         "jaxpar data prepare from held-out text), or drop eval.every")
         if self.model.name == "gpt" and self.model.size != "tiny":
             raise _fail("model.size", self.model.size, "sizes name Llama models; the GPT takes model.fields")
-        if self.parallel.pipeline.stages > 1:
-            raise _fail("parallel.pipeline.stages", self.parallel.pipeline.stages,
-                        "a job file trains on packed token data (segment ids), which the pipelined models do "
-                        "not take yet; use tensor parallel or ZeRO here, or the Trainer API with pipeline_loss()")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> "JobConfig":

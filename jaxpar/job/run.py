@@ -36,7 +36,8 @@ def _import(spec: str, where: str) -> Callable:
 
 def model_config(job: JobConfig, vocab: int | None = None):
     """The named model's config (``LlamaConfig`` / ``GPTConfig``) with the job's fields; its
-    vocabulary grows to the data's and its ``max_seq_len`` to ``data.seq_len`` when smaller."""
+    vocabulary grows to the data's and its ``max_seq_len`` to ``data.seq_len`` when smaller.
+    With pipeline stages the blocks are stacked (``scan_layers=True``), which the stages split."""
     m = job.model
     if m.name == "llama":
         from jaxpar.models.llama_config import LlamaConfig
@@ -58,6 +59,13 @@ def model_config(job: JobConfig, vocab: int | None = None):
     if unknown:
         raise ValueError(f"job config model.fields: {unknown} are not fields of {type(cfg).__name__}; known: "
                          f"{sorted(known)}")
+    stages = job.parallel.pipeline.stages
+    if stages > 1:
+        if m.fields.get("scan_layers", True) is not True:
+            raise ValueError(f"job config model.fields.scan_layers={m.fields['scan_layers']!r} with "
+                             f"parallel.pipeline.stages={stages}: the stages split the stacked blocks; drop "
+                             "scan_layers from model.fields (pipelined jobs stack them) or the pipeline")
+        grow["scan_layers"] = True
     return dataclasses.replace(cfg, **{**grow, **m.fields})
 
 
@@ -73,6 +81,14 @@ def build_model(job: JobConfig, mesh, vocab: int | None = None):
     rngs = lambda: nnx.Rngs(job.train.seed)  # noqa: E731
     if m.factory is not None:
         factory, loss = _import(m.factory, "model.factory"), _import(m.loss, "model.loss")
+        if config.pipeline.stages > 1:
+            from jaxpar.pipeline import PipelineLoss, StagedLoss
+
+            if not isinstance(loss, (PipelineLoss, StagedLoss)):
+                raise TypeError(f"job config model.loss={m.loss!r} is a {type(loss).__name__}; with "
+                                f"parallel.pipeline.stages={config.pipeline.stages} it must name a "
+                                "jaxpar.pipeline.PipelineLoss (or StagedLoss) defined in that module, e.g. "
+                                "'loss = PipelineLoss(embed=..., blocks=..., head=..., head_loss=...)'")
         return jaxpar.init(lambda: factory(rngs()), config, mesh), loss, None
     cfg = model_config(job, vocab)
     if m.name == "llama":
@@ -83,7 +99,9 @@ def build_model(job: JobConfig, mesh, vocab: int | None = None):
         from jaxpar.models import gpt as module
 
         make = lambda: module.GPT(cfg, rngs=rngs(), constrain=constrain)  # noqa: E731
-    return jaxpar.init(make, config, mesh), module.loss_fn, cfg
+    # pipelined: the loss in the parts the stages run (segment ids reach every stage's blocks)
+    loss = module.pipeline_loss() if config.pipeline.stages > 1 else module.loss_fn
+    return jaxpar.init(make, config, mesh), loss, cfg
 
 
 def _loaders(job: JobConfig, store, model_cfg):

@@ -123,7 +123,7 @@ class Block(nnx.Module):
         self.drop = nnx.Dropout(cfg.dropout, rngs=rngs) if cfg.dropout is not None else None
 
     def __call__(self, x, constrain=no_constraint, positions=None):
-        if positions is None:   # the pipeline calls block(h): tokens in their own order
+        if positions is None:   # called as block(h) (a PipelineLoss without block_call): tokens in their own order
             positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
         drop = self.drop if self.drop is not None else (lambda h: h)
         x = constrain(x + drop(self.attn(self.ln1(x), positions, constrain)), ("batch", "length", "embed"))
@@ -199,33 +199,33 @@ def _head_loss(head, h, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
-def _check_pipelined(model: GPT) -> None:
-    if model.cfg.moe is not None:
-        raise ValueError("the GPT pipeline_loss cannot train GPTConfig(moe=...): the MoE auxiliary losses of the "
-                         "stages do not reach the head's loss. Use loss_fn, without pipeline stages")
-
-
 def _pipeline_embed(model: GPT, batch) -> jax.Array:
-    _check_pipelined(model)
-    return model.embed(batch["inputs"])
+    return model.embed(batch["inputs"], batch.get("positions"))
 
 
 def _pipeline_embedding(model: GPT):
-    _check_pipelined(model)
     return model.wte, model.wpe
 
 
 def _embed_inputs(embedding, batch) -> jax.Array:
     wte, wpe = embedding
-    tokens = batch["inputs"]
-    return wte[...][tokens] + wpe[...][: tokens.shape[1]]
+    tokens, positions = batch["inputs"], batch.get("positions")
+    return wte[...][tokens] + (wpe[...][: tokens.shape[1]] if positions is None else wpe[...][positions])
+
+
+def _block_call(model: GPT):
+    """A block with the model's ``constrain`` (context attention) and the batch's positions."""
+    constrain = model.constrain
+    return lambda block, h, batch: block(h, constrain, batch.get("positions"))
 
 
 def pipeline_loss():
     """``loss_fn`` in the three parts a pipeline needs (embedding, stacked blocks, head).
 
     Equal to ``loss_fn`` for a model built with ``scan_layers=True``; pass it to the
-    ``Trainer`` when ``ParallelConfig.pipeline.stages > 1``.
+    ``Trainer`` when ``ParallelConfig.pipeline.stages > 1``. Each stage's blocks get the
+    micro-batch's positions (a context-parallel reorder) and the model's ``constrain``; MoE
+    blocks' auxiliary losses join the loss per micro-batch.
     """
     from jaxpar.pipeline.model import PipelineLoss  # the model itself stays parallelism-free
 
@@ -236,4 +236,6 @@ def pipeline_loss():
         head_loss=_head_loss,
         embedding=_pipeline_embedding,
         embed_inputs=_embed_inputs,
+        block_call=_block_call,
+        aux_loss=moe_aux_loss,
     )

@@ -220,7 +220,7 @@ class Block(nnx.Module):
                     if cfg.is_moe(layer) else MLP(cfg, rngs))
 
     def __call__(self, x, positions=None, segment_ids=None, constrain=no_constraint):
-        if positions is None:   # the pipeline calls block(h): one unpacked sequence per row
+        if positions is None:   # called as block(h) (a PipelineLoss without block_call): one unpacked sequence per row
             positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
         x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids, constrain),
                       ("batch", "length", "embed"))
@@ -340,23 +340,22 @@ def loss_fn(model: Llama, batch: dict) -> jax.Array:
 
 
 def _pipeline_embed(model: Llama, batch) -> jax.Array:
-    _check_pipelined(model, batch)
     return model.embed(batch["inputs"])
 
 
-def _check_pipelined(model: Llama, batch) -> None:
-    if model.cfg.moe is not None:
-        raise ValueError("the Llama pipeline_loss cannot train LlamaConfig(moe=...): the MoE auxiliary losses "
-                         "of the stages do not reach the head's loss. Train MoE models without pipeline stages")
-    _check_pipelined_batch(batch)
+def _block_call(model: Llama):
+    """A block with the model's ``constrain`` (context attention), the micro-batch's positions
+    and its segment ids (packed sequences: attention stays inside a segment, positions restart)."""
+    constrain = model.constrain
 
+    def call(block, h, batch):
+        segment_ids, positions = batch.get("segment_ids"), batch.get("positions")
+        if positions is None:
+            positions = (jnp.broadcast_to(jnp.arange(h.shape[1]), h.shape[:2]) if segment_ids is None
+                         else segment_positions(segment_ids))
+        return block(h, positions, segment_ids, constrain)
 
-def _check_pipelined_batch(batch) -> None:
-    if "segment_ids" in batch:
-        raise ValueError(
-            "the Llama pipeline_loss cannot take batch['segment_ids']: the pipeline hands only the "
-            "hidden state from stage to stage, so packed sequences would attend across segments. "
-            "Train packed batches without pipeline stages, or pass unpacked rows")
+    return call
 
 
 class _Table(nnx.Module):
@@ -368,12 +367,10 @@ class _Table(nnx.Module):
 
 
 def _pipeline_embedding(model: Llama) -> _Table:
-    _check_pipelined(model, {})
     return _Table(model)
 
 
 def _embed_inputs(part: _Table, batch) -> jax.Array:
-    _check_pipelined_batch(batch)
     x = part.table[...][batch["inputs"]]
     return x if part.dtype is None else x.astype(jnp.dtype(part.dtype))
 
@@ -388,10 +385,15 @@ def pipeline_loss():
     Equal to ``loss_fn`` for a model built with ``scan_layers=True``; pass it to the
     ``Trainer`` when ``ParallelConfig.pipeline.stages > 1``. With tied embeddings the table
     is read by the first stage and by the last, and its gradient is the sum of both uses.
-    Packed batches (``segment_ids``) are refused.
+    Each stage's blocks get the micro-batch's positions (a context-parallel reorder), its
+    segment ids (packed batches) and the model's ``constrain``; MoE blocks' auxiliary losses
+    join the loss per micro-batch. The loss is the mean over micro-batches of each one's
+    mean over its kept (non-padding) tokens, as with ``grad_accum=m``: equal to ``loss_fn``
+    when every micro-batch keeps as many tokens (no padding).
     """
     from jaxpar.pipeline.model import PipelineLoss  # the model itself stays parallelism-free
 
     return PipelineLoss(embed=_pipeline_embed, blocks=lambda model: model.blocks,
                         head=lambda model: _Table(model, model.norm), head_loss=_head_loss,
-                        embedding=_pipeline_embedding, embed_inputs=_embed_inputs)
+                        embedding=_pipeline_embedding, embed_inputs=_embed_inputs, block_call=_block_call,
+                        aux_loss=moe_aux_loss)

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.ops._common import manual_axes
 from jaxpar.ops.moe_dispatch import TRANSPORTS, moe_dispatch
 from jaxpar.strategy import logical_axes
 
@@ -174,12 +175,22 @@ class MoE(nnx.Module):
 def _axes(constrain) -> dict:
     """The dispatch's mesh axes, from the rules a ``LogicalConstraint`` carries (none without one)."""
     mesh = getattr(constrain, "mesh", None)
-    if mesh is None or _inside_manual_region():
-        return {}   # per-device code (or no mesh): every expert runs where the tokens are
+    if mesh is None:
+        return {}   # no mesh: every expert runs where the tokens are
     rules, sizes = dict(getattr(constrain, "rules", ())), dict(zip(mesh.axis_names, mesh.axis_sizes))
     axes = {name: logical_axes(name, sizes, rules) or None for name in ("expert", "batch", "mlp")}
     # a sequence split over a context axis ("length" / "seq" rule) splits the tokens too
     seq = tuple(a for name in ("length", "seq") if name in rules for a in logical_axes(name, sizes, rules))
+    used = {a for v in axes.values() for a in (v or ())} | set(seq)
+    manual = set(manual_axes())
+    if manual and used & manual and used - manual:
+        raise ValueError(f"MoE: the dispatch's mesh axes {sorted(used)} (from the rules {rules}) are partly manual "
+                         f"here: {sorted(used & manual)} belong to an enclosing shard_map (mesh {sizes}), so the "
+                         "experts could not be exchanged over them; map 'expert', 'batch' and 'mlp' to axes the "
+                         "enclosing shard_map leaves automatic (a pipeline's is manual over its pipe axis only)")
+    if manual and (not used or used <= manual):
+        return {}   # per-device code over the dispatch's axes: every expert runs where the tokens are
+    # inside a shard_map manual over other axes only (the pipeline's, over "pipe") the dispatch runs as usual
     return {"mesh": mesh, "expert_axis": axes["expert"], "batch_axis": axes["batch"], "mlp_axis": axes["mlp"],
             "seq_axis": tuple(dict.fromkeys(a for a in seq if a not in (axes["batch"] or ())))}
 
@@ -216,11 +227,6 @@ def _product(sizes: dict, names: tuple) -> int:
     for a in names:
         out *= sizes[a]
     return out
-
-
-def _inside_manual_region() -> bool:
-    types = getattr(jax.sharding.get_abstract_mesh(), "axis_types", ()) or ()
-    return any(t == jax.sharding.AxisType.Manual for t in types)
 
 
 def moe_aux_loss(model: nnx.Module) -> jax.Array:

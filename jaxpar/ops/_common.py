@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.strategy import spec_axes
+from jaxpar.strategy import manual_axes, spec_axes  # noqa: F401  (manual_axes: used by the operators)
 
 AnyMesh = Mesh | AbstractMesh
 
@@ -33,6 +37,111 @@ def resolve_mesh(mesh: AnyMesh | None, op: str) -> AnyMesh:
         return jax.sharding.get_mesh()  # outside jit: concrete, so arrays can be placed
     except ValueError:
         return abstract  # inside jit only the abstract mesh is known, which is all we need
+
+
+def inner_shard_map(fn, mesh: AnyMesh, op: str, *, in_specs, out_specs, diff: tuple[int, ...] = (),
+                    diff_out: int | None = None):
+    """``jax.shard_map(fn, mesh=mesh, ...)`` that also works inside another shard_map.
+
+    Inside one (the pipeline's, manual over ``pipe``) JAX requires the context's abstract
+    mesh, whose axes must be ``mesh``'s, and the new shard_map is manual over the axes that
+    are still automatic. Differentiating a nested shard_map would hand residuals across its
+    boundary with the outer manual axis in their sharding, which XLA's verifier rejects
+    ("manual axes come before free axes"); so there the result is a ``custom_vjp`` whose
+    backward is a second shard_map running ``jax.vjp`` per device: only the inputs are kept.
+    Nested, ``fn`` reads its device's position with `axis_position`, which takes it from an
+    ``arange`` split over each axis: an ``axis_index`` (XLA's partition id) that JAX's partial
+    evaluation hoists out of the enclosing shard_map (under recomputation and loops) is one
+    XLA cannot partition.
+    ``diff``: the positions of the arguments to differentiate (the others get no cotangent);
+    ``diff_out``: the output to differentiate when ``fn`` returns a tuple (others: none).
+    """
+    outer = manual_axes()
+    if not outer:
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    abstract = jax.sharding.get_abstract_mesh()
+    if sizes(abstract) != sizes(mesh):
+        raise ValueError(f"{op}: called inside a shard_map over mesh {sizes(abstract)} with mesh={sizes(mesh)}; "
+                         "pass the mesh the enclosing shard_map runs on")
+    names = tuple(a for a in abstract.axis_names if a not in outer)
+    if not names:
+        raise ValueError(f"{op}: called inside a shard_map that is already manual over every mesh axis "
+                         f"{tuple(outer)} (mesh {sizes(abstract)}), where it has no axis left to run over; call it "
+                         "outside that shard_map, or make the enclosing one manual over fewer axes (axis_names=)")
+    n_args = len(in_specs)
+
+    @contextlib.contextmanager
+    def positions_of(args):   # this device's positions (the trailing arguments) readable by axis_position
+        stack = _stack()
+        stack.append({a: (p[0], sizes(abstract)[a]) for a, p in zip(names, args[n_args:])})
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    def placed(*args):
+        with positions_of(args):
+            return fn(*args[:n_args])
+
+    smap = functools.partial(jax.shard_map, mesh=abstract, axis_names=frozenset(names))
+    specs = tuple(in_specs) + tuple(PartitionSpec(a) for a in names)
+    forward = smap(placed, in_specs=specs, out_specs=out_specs)
+    positions = lambda: tuple(jnp.arange(sizes(abstract)[a], dtype=jnp.int32) for a in names)  # noqa: E731
+    if not diff:
+        return lambda *args: forward(*args, *positions())
+
+    def picked(args, values):   # fn's differentiated output as a function of the arguments in diff
+        full = list(args)
+        for i, x in zip(diff, values):
+            full[i] = x
+        out = placed(*full)
+        return out if diff_out is None else out[diff_out]
+
+    def per_device_vjp(args, cotangent):
+        # the positions stay readable while the cotangent is applied: a custom_vjp inside fn
+        # (ring attention's) traces its backward only then
+        with positions_of(args):
+            return jax.vjp(lambda *values: picked(args, values), *(args[i] for i in diff))[1](cotangent)
+
+    backward = smap(per_device_vjp, in_specs=(specs, out_specs if diff_out is None else out_specs[diff_out]),
+                    out_specs=tuple(in_specs[i] for i in diff))
+
+    @jax.custom_vjp
+    def run(*args):
+        return forward(*args)
+
+    def bwd(args, cotangent):
+        grads = dict(zip(diff, backward(args, cotangent if diff_out is None else cotangent[diff_out])))
+        return tuple(grads.get(i) for i in range(len(args)))
+
+    run.defvjp(lambda *args: (forward(*args), args), bwd)
+    return lambda *args: run(*args, *positions())
+
+
+# The positions `inner_shard_map` hands the per-device code it is tracing, {axis: (index, size)},
+# a stack per thread (tracing is per thread).
+_POSITIONS = threading.local()
+
+
+def _stack() -> list[dict[str, tuple[jax.Array, int]]]:
+    if not hasattr(_POSITIONS, "stack"):
+        _POSITIONS.stack = []
+    return _POSITIONS.stack
+
+
+def axis_position(axes: str | Sequence[str]) -> jax.Array:
+    """``lax.axis_index(axes)`` (row-major over several axes) for per-device operator code:
+    read from data inside a nested `inner_shard_map` (see there), else the axis index."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    stack = _stack()
+    given = stack[-1] if stack else {}
+    if not all(a in given for a in axes):
+        return jax.lax.axis_index(axes)
+    index = jnp.zeros((), jnp.int32)
+    for a in axes:
+        position, size = given[a]
+        index = index * size + position
+    return index
 
 
 def sizes(mesh: AnyMesh) -> dict[str, int]:

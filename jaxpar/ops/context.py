@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.config import CONTEXT_STRATEGIES
 from jaxpar.ops import context_kernels as kernels
-from jaxpar.ops._common import AnyMesh, axes_of, axes_size, entry, resolve_mesh, sizes
+from jaxpar.ops._common import AnyMesh, axes_of, axes_size, entry, inner_shard_map, manual_axes, resolve_mesh, sizes
 
 STRATEGIES = CONTEXT_STRATEGIES
 
@@ -95,13 +95,23 @@ def context_attention(
     def local(q, k, v, qpos, kpos, *seg):
         seg = seg[0] if seg else None
         return _attend(q, k, v, (qpos, seg), (kpos, seg), ring=ring, uly=uly, mesh=mesh,
-                       strategy=strategy, causal=causal, scale=scale, vary=batch + seq + heads)
+                       strategy=strategy, causal=causal, scale=scale, vary=batch + seq + heads + outer,
+                       nested=bool(outer))
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(big, big, big, ids, ids) + (ids,) * len(segs), out_specs=big)
+    # the scan carries vary as the inputs do: over these axes, and over the manual axes of an
+    # enclosing shard_map (the pipeline's "pipe"), over which the stage's values differ
+    outer = manual_axes()
+    busy = set(outer) & set(seq + batch + heads)
+    if busy:
+        raise ValueError(f"context_attention: the mesh axes {sorted(busy)} are already per-device here (inside a "
+                         f"shard_map manual over {list(manual_axes())}); call it where they are automatic, e.g. "
+                         "under the pipeline's shard_map, which is manual over the pipe axis only")
+    fn = inner_shard_map(local, mesh, "context_attention",
+                         in_specs=(big, big, big, ids, ids) + (ids,) * len(segs), out_specs=big, diff=(0, 1, 2))
     return fn(q, k, v, q_positions, kv_positions, *segs)
 
 
-def _attend(q, k, v, ids_q, ids_k, *, ring, uly, mesh, strategy, causal, scale, vary):
+def _attend(q, k, v, ids_q, ids_k, *, ring, uly, mesh, strategy, causal, scale, vary, nested=False):
     """Per device: Ulysses (if any) around the ring or all-gather core."""
     n_uly = axes_size(mesh, uly)
     if uly:
@@ -116,7 +126,7 @@ def _attend(q, k, v, ids_q, ids_k, *, ring, uly, mesh, strategy, causal, scale, 
         k, v = (lax.all_gather(x, ring, axis=1, tiled=True) for x in (k, v))
         ids_k = jax.tree.map(lambda x: lax.all_gather(x, ring, axis=1, tiled=True), ids_k)
     if ring and strategy != "all_gather" and n_ring > 1:
-        out = kernels.ring_attention(ring[0], n_ring, causal, scale, vary, qg, k, v, ids_q, ids_k)
+        out = kernels.ring_attention(ring[0], n_ring, causal, scale, vary, qg, k, v, ids_q, ids_k, nested=nested)
     else:
         out = kernels.local_attention(qg, k, v, ids_q, ids_k, causal, scale)
     out = out.reshape(b, t, h, d)

@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+
+from jaxpar.ops._common import axis_position
+
 # A finite "minus infinity": exp(NEG - NEG) stays finite, and masked scores are zeroed anyway.
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -89,16 +92,32 @@ def local_attention(q, k, v, ids_q, ids_k, causal: bool, scale: float):
 
 # ----------------------------------------------------------------------------- ring
 
-def _shift(tree, axis: str, n: int):
-    """Pass every leaf to the next device of ``axis`` (device i sends to i + 1)."""
-    perm = [(i, (i + 1) % n) for i in range(n)]
-    return jax.tree.map(lambda x: lax.ppermute(x, axis, perm), tree)
+def _shift(tree, axis: str, n: int, nested: bool = False):
+    """Pass every leaf to the next device of ``axis`` (device i sends to i + 1).
+
+    ``nested``: inside another shard_map's per-device branches (a pipeline stage's op), where
+    the devices of other stages run other ops. A collective-permute's participants are every
+    device of the program (XLA:CPU waits for all of them: a deadlock there), an all-to-all's
+    only the devices of ``axis`` in this stage; so the shift is an all-to-all whose one real
+    chunk goes to the next device: the same bytes at ``n = 2``, ``n - 1`` times more above.
+    """
+    if not nested:
+        perm = [(i, (i + 1) % n) for i in range(n)]
+        return jax.tree.map(lambda x: lax.ppermute(x, axis, perm), tree)
+    me = axis_position(axis)
+
+    def one(x):
+        chunks = jnp.zeros((n,) + x.shape, x.dtype).at[(me + 1) % n].set(x)
+        got = lax.all_to_all(chunks, axis, 0, 0, tiled=True)   # got[j]: what device j sent here
+        return got[(me - 1) % n]
+
+    return jax.tree.map(one, tree)
 
 
-def _ring_forward(axis, n, causal, scale, vary, q, k, v, ids_q, ids_k):
+def _ring_forward(axis, n, causal, scale, vary, nested, q, k, v, ids_q, ids_k):
     def body(carry, _):
         stats, kv = carry
-        nxt = _shift(kv, axis, n)   # issued before this block's compute, so the two can overlap
+        nxt = _shift(kv, axis, n, nested)   # issued before this block's compute, so the two can overlap
         return (_fold(stats, q, kv[0], kv[1], ids_q, kv[2], causal, scale), nxt), None
 
     (stats, kv), _ = lax.scan(body, (init_stats(q, vary), (k, v, ids_k)), length=n - 1)
@@ -183,7 +202,8 @@ def _block_grads(q, k, v, do, delta, lse, ids_q, ids_k, causal, scale):
     return dq, dk, dv
 
 
-def ring_attention(axis: str, n: int, causal: bool, scale: float, vary: tuple[str, ...], q, k, v, ids_q, ids_k):
+def ring_attention(axis: str, n: int, causal: bool, scale: float, vary: tuple[str, ...], q, k, v, ids_q, ids_k,
+                   nested: bool = False):
     """Ring attention over mesh axis ``axis`` of size ``n`` (inside ``shard_map``).
 
     Each device keeps its queries and passes its key/value block (with its positions and
@@ -193,9 +213,9 @@ def ring_attention(axis: str, n: int, causal: bool, scale: float, vary: tuple[st
     keeps only q, k, v, the output and the log-sum-exp, and passes K/V around the ring again
     together with their gradient accumulators, which arrive home after ``n`` shifts: no
     block's probabilities are kept. Under a causal mask, tiles the mask hides entirely are
-    skipped (`_fold`, `_grads`).
+    skipped (`_fold`, `_grads`). ``nested``: inside a pipeline stage's op (see ``_shift``).
     """
-    return _ring_vjp((axis, n, causal, scale, vary), q, k, v, ids_q, ids_k)
+    return _ring_vjp((axis, n, causal, scale, vary, nested), q, k, v, ids_q, ids_k)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -210,7 +230,7 @@ def _fwd(statics, q, k, v, ids_q, ids_k):
 
 def _bwd(statics, res, do):
     q, k, v, ids_q, ids_k, out, lse = res
-    axis, n, causal, scale, vary = statics
+    axis, n, causal, scale, vary, nested = statics
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", do.astype(jnp.float32), out.astype(jnp.float32))
     do = do.astype(q.dtype)
 
@@ -220,14 +240,14 @@ def _bwd(statics, res, do):
 
     def body(carry, _):
         dq, kv, dkv = carry
-        nxt = _shift(kv, axis, n)
+        nxt = _shift(kv, axis, n, nested)
         dq, dkv = step(dq, kv, dkv)
-        return (dq, nxt, _shift(dkv, axis, n)), None
+        return (dq, nxt, _shift(dkv, axis, n, nested)), None
 
     carry = (zeros_like(q, vary), (k, v, ids_k), (zeros_like(k, vary), zeros_like(v, vary)))
     (dq, kv, dkv), _ = lax.scan(body, carry, length=n - 1)
     dq, dkv = step(dq, kv, dkv)
-    dk, dv = _shift(dkv, axis, n)        # the n-th shift brings each block's gradient home
+    dk, dv = _shift(dkv, axis, n, nested)        # the n-th shift brings each block's gradient home
     none = jax.tree.map(lambda _: None, (ids_q, ids_k))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *none
 

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar.ops._common import AnyMesh, axes_of, axes_size, entry, resolve_mesh, sizes
+from jaxpar.ops._common import AnyMesh, axes_of, axes_size, axis_position, entry, inner_shard_map, resolve_mesh, sizes
 
 TRANSPORTS = ("auto", "all_to_all", "ragged")
 
@@ -104,8 +104,9 @@ def moe_dispatch(
     tok = PartitionSpec(entry(tok_axes), None)
     w_in, w_out = PartitionSpec(entry(ep_axes), None, entry(mlp_axes)), PartitionSpec(entry(ep_axes), entry(mlp_axes))
     stat = {"dropped": PartitionSpec(), "capacity": PartitionSpec(), "needed": PartitionSpec()}
-    return jax.shard_map(local, mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out),
-                         out_specs=(tok, stat))(x, expert_ids, weights, gate, up, down)
+    return inner_shard_map(local, mesh, "moe_dispatch", in_specs=(tok, tok, tok, w_in, w_in, w_out),
+                           out_specs=(tok, stat), diff=(0, 2, 3, 4, 5), diff_out=0)(
+        x, expert_ids, weights, gate, up, down)
 
 
 def _axes(mesh, expert_axis, batch_axis, mlp_axis):
@@ -207,7 +208,7 @@ def _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_ax
     per_peer = hist.reshape(n, el).sum(1)
     starts = jnp.cumsum(per_peer) - per_peer
     table = jax.lax.all_gather(hist, ep_axes).reshape(n, n, el)   # [source, peer, local expert]
-    me = jax.lax.axis_index(ep_axes)
+    me = axis_position(ep_axes)
     mine = table[:, me]                                # [source, local expert]: the rows I receive
     if ragged:
         return _ragged(rows, table, me, mine, per_peer, starts, gate, up, down, ep_axes, tok_axes, mlp_axes,

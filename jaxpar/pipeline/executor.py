@@ -5,8 +5,10 @@
 
 - ``jax.shard_map`` is manual over the pipe axis only; every other mesh axis stays under
   the compiler, so data and tensor sharding of the stage computation compose with it;
-- ``lax.scan`` runs the table's steps; at each step every stage looks up its own row with
-  ``lax.axis_index`` and ``lax.switch`` runs its op: idle, F, B or W;
+- ``lax.scan`` runs the table's steps; at each step every stage looks up its own row by
+  its index (an ``arange`` split over the pipe axis: ``lax.axis_index`` is XLA's partition
+  id, which JAX may hoist out of the shard_map under recomputation, where XLA cannot
+  partition it) and ``lax.switch`` runs its op: idle, F, B or W;
 - ``lax.ppermute`` moves activations and gradients between neighbouring stages each step,
   on the channels the schedule's placement uses (``jaxpar.pipeline.program``): a loop
   placement sends activations to the next stage and gradients to the previous one (a ring,
@@ -36,56 +38,17 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpar.pipeline.program import (  # noqa: F401  (op codes re-exported for the planner's pricing)
     B, B_LAST, CHANNELS, DX_MB, F, F_LAST, FROM_INPUT, G_SLOT, IDLE, MB, OP, RECV_G, RECV_X, W, W_LAST,
     X_SLOT, CHUNK, Program, forward_only, lower)
-from jaxpar.pipeline.branches import make_branches
-from jaxpar.pipeline.schedules import Schedule, virtual_stage
+from jaxpar.pipeline.branches import make_branches, stats_dtype
+from jaxpar.pipeline.schedules import Schedule
+from jaxpar.pipeline.stage_layout import from_stage_layout, to_stage_layout
 
 __all__ = ["Program", "lower", "forward_only", "pipeline_value_and_grad", "pipeline_forward", "pipeline_loss",
            "to_stage_layout", "from_stage_layout"]
 
-# --------------------------------------------------------------------------- layout
-
-
-def _stage_rows(stages: int, virtual_stages: int, placement: str) -> np.ndarray:
-    """Row ``s·v + c`` of the stage layout holds virtual stage ``rows[s·v + c]``."""
-    return np.array([virtual_stage(placement, stages, s, c)
-                     for s in range(stages) for c in range(virtual_stages)])
-
-
-def to_stage_layout(tree: Any, stages: int, virtual_stages: int = 1, placement: str = "loop") -> Any:
-    """Stacked layers ``[L, ...]`` → stage layout ``[p·v, L/(p·v), ...]``.
-
-    Row ``s·v + c`` holds chunk ``c`` of stage ``s``: virtual stage ``c·p + s`` for the loop
-    placement (``s, s+p, ...``), ``s`` and ``2p-1-s`` for the V placement (see
-    ``jaxpar.pipeline.schedules``), so sharding the leading axis over the pipe axis gives
-    each stage exactly its chunks.
-
-    Example:
-        >>> to_stage_layout(jnp.arange(8), 2, 2)[:, 0].tolist()  # chunks 0,2 | 1,3
-        [0, 4, 2, 6]
-        >>> to_stage_layout(jnp.arange(8), 2, 2, "v")[:, 0].tolist()  # chunks 0,3 | 1,2
-        [0, 6, 2, 4]
-    """
-    pv = stages * virtual_stages
-    rows = _stage_rows(stages, virtual_stages, placement)
-
-    def one(a):
-        if a.shape[0] % pv:
-            raise ValueError(f"a stacked layer axis of size {a.shape[0]} does not split into "
-                             f"stages*virtual_stages={pv} equal chunks; use a multiple of {pv}")
-        return a.reshape(pv, a.shape[0] // pv, *a.shape[1:])[rows]
-
-    return jax.tree.map(one, tree)
-
-
-def from_stage_layout(tree: Any, stages: int, virtual_stages: int = 1, placement: str = "loop") -> Any:
-    """Inverse of ``to_stage_layout``: ``[p·v, n, ...]`` → stacked layers ``[p·v·n, ...]``."""
-    order = np.argsort(_stage_rows(stages, virtual_stages, placement))
-    return jax.tree.map(lambda a: a[order].reshape(-1, *a.shape[2:]), tree)
-
-
 # --------------------------------------------------------------------------- executor
 
-StageFn = Callable[[Any, jax.Array], jax.Array]
+# stage_fn(chunk_params, h[, consts][, micro_batch]) -> h, or (h, aux_loss, stats) with stage_aux
+StageFn = Callable[..., Any]
 LossFn = Callable[[Any, jax.Array, Any], jax.Array]
 EmbedFn = Callable[[Any, Any], jax.Array]
 
@@ -105,7 +68,9 @@ def pipeline_value_and_grad(
     consts: Any = None,
     embed_fn: EmbedFn | None = None,
     embed_params: Any = None,
-) -> tuple[jax.Array, tuple[Any, Any, Any]]:
+    stage_batch: bool = False,
+    stage_aux: bool = False,
+) -> tuple[Any, tuple[Any, Any, Any]]:
     """Mean loss over micro-batches and its gradients, run as the pipeline ``schedule``.
 
     The model is ``loss_fn(head, stage_fn(θ[k-1], ... stage_fn(θ[0], x)), target)``
@@ -138,20 +103,27 @@ def pipeline_value_and_grad(
         ids), and only one micro-batch's activation crosses a stage boundary per step.
       embed_params: what ``embed_fn`` reads (replicated over ``axis``; may share arrays
         with ``head_params``: a tied table gets a gradient for each use).
+      stage_batch: ``stage_fn`` also takes the micro-batch's ``targets`` as its last
+        argument (what a stage needs beside the activation: positions, segment ids).
+      stage_aux: ``stage_fn`` returns ``(y, aux_loss, stats)``: the scalar ``aux_loss`` (e.g.
+        the MoE layers' load-balancing loss) is added to the loss, averaged over the
+        micro-batches like it, and differentiated; ``stats`` (a pytree of arrays, e.g. routing
+        metrics) is averaged over the micro-batches per chunk (integers: summed) and returned in
+        stage layout.
 
     Returns:
       ``(loss, (stage_grads, head_grads, last))``: ``last`` is the embedding's gradient
       with ``embed_fn``, else the gradient of ``inputs`` (same shape), for back-propagating
-      into whatever produced them.
+      into whatever produced them. With ``stage_aux``, ``loss`` is ``(loss, stats)``.
 
     Example:
         >>> loss, (g_blocks, g_head, g_x) = pipeline_value_and_grad(  # doctest: +SKIP
         ...     block_stack, head_loss, build("1f1b", 4, 8), mesh, blocks, head, x, y)
     """
-    loss, stage_grads, head_grads, last = _run(
+    loss, stats, stage_grads, head_grads, last = _run(
         stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs, consts,
-        embed_fn, embed_params)
-    return loss, (stage_grads, head_grads, last)
+        embed_fn, embed_params, stage_batch, stage_aux)
+    return ((loss, stats) if stage_aux else loss), (stage_grads, head_grads, last)
 
 
 def pipeline_forward(
@@ -169,11 +141,14 @@ def pipeline_forward(
     consts: Any = None,
     embed_fn: EmbedFn | None = None,
     embed_params: Any = None,
-) -> jax.Array:
+    stage_batch: bool = False,
+    stage_aux: bool = False,
+) -> Any:
     """Mean loss over micro-batches, forwards only: ``schedule``'s F ops, no backward.
 
     Arguments as for ``pipeline_value_and_grad``; ``schedule`` may be a training schedule
     (its forwards are kept, see ``forward_only``). What ``evaluate`` and inference run.
+    Returns the loss, or ``(loss, stats)`` with ``stage_aux``.
 
     Example:
         >>> loss = pipeline_forward(  # doctest: +SKIP
@@ -181,33 +156,51 @@ def pipeline_forward(
     """
     if any(op is not None and op.kind.value != "F" for row in schedule.table for op in row):
         schedule = forward_only(schedule)
-    return _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs,
-                consts, embed_fn, embed_params)
+    loss, stats = _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs,
+                       consts, embed_fn, embed_params, stage_batch, stage_aux)[:2]
+    return (loss, stats) if stage_aux else loss
+
+
+def _canonical(stage_fn: Callable, with_consts: bool, stage_batch: bool, stage_aux: bool) -> Callable:
+    """``stage_fn`` as the branches call it: ``fn(chunk, x, const, batch) -> (y, aux_loss, stats)``."""
+    def fn(chunk, x, const, batch):
+        args = (chunk, x) + ((const,) if with_consts else ()) + ((batch,) if stage_batch else ())
+        out = stage_fn(*args)
+        if not stage_aux:
+            return out, jnp.zeros((), jnp.float32), ()
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise TypeError(f"stage_aux=True: stage_fn must return (y, aux_loss, stats), got {type(out).__name__}"
+                            f"{'' if not isinstance(out, tuple) else f' of {len(out)} items'}; return stats=() "
+                            "when there is nothing to report")
+        y, aux, stats = out
+        return y, jnp.asarray(aux, jnp.float32), stats
+
+    return fn
 
 
 def _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs, consts,
-         embed_fn=None, embed_params=None):
-    """The shard_map of the executor; its outputs follow the program (forward-only: the loss)."""
+         embed_fn=None, embed_params=None, stage_batch=False, stage_aux=False):
+    """The shard_map of the executor: ``(loss, stats, stage_grads, head_grads, last)`` (forward-only:
+    the first two)."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     _check_args(mesh, axis, p, m, v, stage_params, inputs, targets, embed_fn is not None)
-    if consts is None:
-        fn, consts = (lambda chunk, x, const: stage_fn(chunk, x)), ()
-    else:
-        fn = stage_fn
+    fn = _canonical(stage_fn, consts is not None, stage_batch, stage_aux)
+    consts = () if consts is None else consts
     embed_params = () if embed_fn is None or embed_params is None else embed_params
-    _check_stage_fn(fn, stage_params, consts, _activation(embed_fn, embed_params, inputs))
+    stats = _check_stage_fn(fn, stage_params, consts, _activation(embed_fn, embed_params, inputs), targets)
     program = lower(schedule)
-    out_specs = P() if program.forward_only else (P(), P(axis), P(), P())
+    out_specs = (P(), P(axis)) + (() if program.forward_only else (P(axis), P(), P()))
     run = jax.shard_map(
-        _make_body(fn, loss_fn, program, axis, m, specs, embed_fn), mesh=mesh, axis_names={axis},
-        in_specs=(P(axis), P(), P(), P(), P(axis), P()), out_specs=out_specs, check_vma=True)
-    return run(stage_params, head_params, inputs, targets, consts, embed_params)
+        _make_body(fn, loss_fn, program, axis, m, specs, embed_fn, stats), mesh=mesh, axis_names={axis},
+        in_specs=(P(axis), P(), P(), P(), P(axis), P(), P(axis)), out_specs=out_specs, check_vma=True)
+    return run(stage_params, head_params, inputs, targets, consts, embed_params, jnp.arange(p, dtype=jnp.int32))
 
 
 def pipeline_loss(
     stage_fn: StageFn, loss_fn: LossFn, schedule: Schedule, mesh: Mesh, *, axis: str = "pipe",
     specs: tuple[Any, ...] | None = None, with_consts: bool = False, embed_fn: EmbedFn | None = None,
-) -> Callable[..., jax.Array]:
+    stage_batch: bool = False, stage_aux: bool = False,
+) -> Callable[..., Any]:
     """``pipeline_value_and_grad`` as a differentiable loss function (a ``jax.custom_vjp``).
 
     Returns ``f(stage_params, head_params, inputs, targets) -> loss`` whose gradient is the
@@ -219,28 +212,34 @@ def pipeline_loss(
     layers); a weight passed as both ``head_params`` and ``embed_params`` (tied) gets the sum
     of both gradients. Differentiated, it runs the whole schedule, backward included, and keeps
     the gradients for the backward pass; called without differentiating (evaluation) it runs
-    the forwards only (``pipeline_forward``). ``targets`` get zero cotangents.
+    the forwards only (``pipeline_forward``). ``targets`` get zero cotangents. ``stage_batch``
+    and ``stage_aux`` as for ``pipeline_value_and_grad``; with ``stage_aux`` ``f`` returns
+    ``(loss, stats)`` (differentiate it with ``has_aux=True``; ``stats`` carries no gradient).
 
     Example:
         >>> f = pipeline_loss(blocks_fn, head_loss, build("1f1b", 4, 8), mesh)  # doctest: +SKIP
         >>> g = jax.grad(lambda e: f(blocks, head, embed(e, tokens), labels))(e)  # doctest: +SKIP
     """
-    kw = dict(axis=axis, specs=specs, embed_fn=embed_fn)
+    kw = dict(axis=axis, specs=specs, embed_fn=embed_fn, stage_batch=stage_batch, stage_aux=stage_aux)
+
+    def pair(value):   # one output structure, (loss, stats), for the custom_vjp
+        return value if stage_aux else (value, ())
 
     @jax.custom_vjp
     def loss(stage_params, head_params, inputs, targets, consts, emb):
         # The primal runs only when nothing differentiates the call: forwards alone suffice.
-        return pipeline_forward(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets,
-                                consts=consts if with_consts else None, embed_params=emb, **kw)
+        return pair(pipeline_forward(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs,
+                                     targets, consts=consts if with_consts else None, embed_params=emb, **kw))
 
     def fwd(stage_params, head_params, inputs, targets, consts, emb):
         value, grads = pipeline_value_and_grad(stage_fn, loss_fn, schedule, mesh, stage_params, head_params,
                                                inputs, targets, consts=consts if with_consts else None,
                                                embed_params=emb, **kw)
-        return value, (grads, inputs, targets, consts, emb)
+        return pair(value), (grads, inputs, targets, consts, emb)
 
     def bwd(res, cotangent):
         (stage_grads, head_grads, last), inputs, targets, consts, emb = res
+        cotangent = cotangent[0]   # the stats carry no gradient
 
         def scale(tree):
             return jax.tree.map(lambda g: g * cotangent.astype(g.dtype), tree)
@@ -251,6 +250,9 @@ def pipeline_loss(
         return scale(stage_grads), scale(head_grads), zero(inputs), zero(targets), zero(consts), scale(last)
 
     loss.defvjp(fwd, bwd)
+    if not stage_aux:   # a plain stage function: its (empty) stats are not returned
+        fn = loss
+        loss = lambda *args: fn(*args)[0]  # noqa: E731
     if embed_fn is not None:
         if with_consts:
             return loss
@@ -294,14 +296,17 @@ def _check_args(mesh, axis, p, m, v, stage_params, inputs, targets, embedding: b
                              f"micro-batches of the schedule (reshape to [{m}, batch/{m}, ...])")
 
 
-def _check_stage_fn(stage_fn, stage_params, consts, x: jax.ShapeDtypeStruct) -> None:
-    chunk = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stage_params)
-    const = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), consts)
-    y = jax.eval_shape(stage_fn, chunk, x, const)
+def _check_stage_fn(stage_fn, stage_params, consts, x: jax.ShapeDtypeStruct, targets) -> Any:
+    """Checks the stage function's output; returns the shapes of its ``stats``."""
+    first = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)  # noqa: E731
+    y, aux, stats = jax.eval_shape(stage_fn, first(stage_params), x, first(consts), first(targets))
     if (getattr(y, "shape", None), getattr(y, "dtype", None)) != (x.shape, x.dtype):
         raise ValueError(f"stage_fn must map activations to the same shape and dtype: "
                          f"x {x.shape} {x.dtype} gave {y}; move shape changes into the "
                          f"function producing the inputs or into loss_fn")
+    if aux.shape != ():
+        raise ValueError(f"stage_fn's aux_loss must be a scalar, got shape {aux.shape}; sum it over its layers")
+    return stats
 
 
 def _pin(tree, specs, lead: int = 0):
@@ -316,11 +321,11 @@ def _pinned_branch(branch, stage_specs, head_specs, act_spec, embed_specs):
     def run(chunk, head, emb, x, g, t, inp, c):
         chunk, head, emb = _pin(chunk, stage_specs, 1), _pin(head, head_specs), _pin(emb, embed_specs)
         x, g = _pin((x, g), (act_spec, act_spec))
-        y, dx, dp, dh, de, loss = branch(chunk, head, emb, x, g, t, inp, c)
+        y, dx, dp, dh, de, loss, stats = branch(chunk, head, emb, x, g, t, inp, c)
         y, dx = _pin((y, dx), (act_spec, act_spec))
         if isinstance(dp, tuple) and not dp:   # forward-only branches return no gradients
-            return y, dx, dp, dh, de, loss
-        return y, dx, _pin(dp, stage_specs, 1), _pin(dh, head_specs), _pin(de, embed_specs), loss
+            return y, dx, dp, dh, de, loss, stats
+        return y, dx, _pin(dp, stage_specs, 1), _pin(dh, head_specs), _pin(de, embed_specs), loss, stats
 
     return run
 
@@ -351,20 +356,21 @@ def _branch_keys(program: Program, embedding: bool) -> tuple[np.ndarray, list]:
     return code, keys
 
 
-def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=None, embed_fn=None):
+def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=None, embed_fn=None, stats=()):
     code, keys = _branch_keys(program, embed_fn is not None)
-    branches = make_branches(keys, stage_fn, loss_fn, embed_fn, program.split_backward, m, program.forward_only)
+    branches = make_branches(keys, stage_fn, loss_fn, embed_fn, program.split_backward, m, program.forward_only,
+                             stats)
     varying = functools.partial(_varying, axis=axis)
     stage_specs, head_specs, act_spec, embed_specs = (tuple(specs) + (None,))[:4] if specs else (None,) * 4
     if specs is not None:
         branches = [_pinned_branch(b, stage_specs, head_specs, act_spec, embed_specs) for b in branches]
 
-    def body(params, head, inputs, targets, consts, emb):
+    def body(params, head, inputs, targets, consts, emb, index):
         params, head, emb = _pin(params, stage_specs, 2), _pin(head, head_specs), _pin(emb, embed_specs)
         head, emb, inputs, targets = varying((head, emb, inputs, targets))
-        stage = lax.axis_index(axis)
+        stage = index[0]   # this stage's position on the pipe axis
         x_like = _activation(embed_fn, emb, inputs)
-        carry = varying(_initial_carry(params, head, emb, x_like, program, m, embed_fn is not None))
+        carry = varying(_initial_carry(params, head, emb, x_like, program, m, embed_fn is not None, stats))
 
         def step(carry, rows):
             r = rows[stage]
@@ -376,12 +382,13 @@ def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=Non
             return carry, None
 
         carry, _ = lax.scan(step, carry, jnp.asarray(code))
+        loss = lax.psum(carry["loss"], axis)
         if program.forward_only:
-            return lax.psum(carry["loss"], axis)
+            return loss, carry["stats"]
         # the head's and the embedding's gradients live on the stages that ran them: the psum
         # over the pipe axis brings them (and a tied weight's two parts) to every stage
         last = lax.psum(carry["egrads"] if embed_fn is not None else carry["dinputs"][:m], axis)
-        return lax.psum(carry["loss"], axis), carry["grads"], lax.psum(carry["hgrads"], axis), last
+        return loss, carry["stats"], carry["grads"], lax.psum(carry["hgrads"], axis), last
 
     return body
 
@@ -404,7 +411,7 @@ def _zeros(tree, keep: bool = True):
     return jax.tree.map(lambda a: jnp.zeros(a.shape if keep else (0,) + a.shape[1:], a.dtype), tree)
 
 
-def _initial_carry(params, head, emb, x, program: Program, m: int, embedding: bool) -> dict:
+def _initial_carry(params, head, emb, x, program: Program, m: int, embedding: bool, stats=()) -> dict:
     def buffer(n):  # one more row: the dump that writes of "nothing" go to
         return jnp.zeros((n + 1,) + x.shape, x.dtype)
 
@@ -415,7 +422,13 @@ def _initial_carry(params, head, emb, x, program: Program, m: int, embedding: bo
                 fmsg={c: buffer(0)[0] for c in program.sends_x},
                 bmsg={c: buffer(0)[0] for c in program.sends_g}, grads=_zeros(params, train),
                 hgrads=_zeros(head, train), egrads=_zeros(emb, train), loss=jnp.zeros((), jnp.float32),
-                dinputs=dinputs)
+                dinputs=dinputs, stats=_chunk_stats(params, stats))
+
+
+def _chunk_stats(params, stats):
+    """One accumulator of the stage function's stats per chunk this stage holds."""
+    chunks = jax.tree.leaves(params)[0].shape[0]
+    return jax.tree.map(lambda s: jnp.zeros((chunks,) + tuple(s.shape), stats_dtype(s.dtype)), stats)
 
 
 _SHIFT = {"next": 1, "prev": -1}
@@ -440,10 +453,11 @@ def _tick(carry, r, params, head, emb, inputs, targets, consts, branches, axis: 
     chunk = jax.tree.map(lambda a: a[r[CHUNK]], params)
     target = jax.tree.map(lambda a: a[r[MB]], targets)
     const = jax.tree.map(lambda a: a[r[CHUNK]], consts)
-    y, dx, dp, dh, de, loss = lax.switch(r[OP], branches, chunk, head, emb, x, gbuf[r[G_SLOT]], target, inp,
-                                         const)
+    y, dx, dp, dh, de, loss, stats = lax.switch(r[OP], branches, chunk, head, emb, x, gbuf[r[G_SLOT]], target,
+                                                inp, const)
     out = dict(carry, xbuf=xbuf, gbuf=gbuf, fmsg=_send(y, program.sends_x, axis, p),
-               bmsg=_send(dx, program.sends_g, axis, p), loss=carry["loss"] + loss.astype(jnp.float32))
+               bmsg=_send(dx, program.sends_g, axis, p), loss=carry["loss"] + loss.astype(jnp.float32),
+               stats=jax.tree.map(lambda acc, d: acc.at[r[CHUNK]].add(d), carry["stats"], stats))
     if not program.forward_only:
         out["grads"] = jax.tree.map(lambda acc, d: acc.at[r[CHUNK]].add(d), carry["grads"], dp)
         out["hgrads"] = jax.tree.map(jnp.add, carry["hgrads"], dh)

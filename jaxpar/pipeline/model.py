@@ -22,6 +22,9 @@ with the ``shard_map`` executor; the head runs on the stage of the last chunk. C
 without differentiating (``Trainer.evaluate``) it runs the schedule's forwards only. The embedding
 and the head may share a table (tied embeddings: its gradient is the sum of both uses), not
 parameters with the blocks.
+With ``block_call`` each block also gets its micro-batch (positions of a context-parallel
+reorder) and ``aux_loss`` adds what the blocks record (MoE auxiliary losses) to the loss per
+micro-batch; see docs/pipeline.md.
 Micro-batch ``i`` holds rows ``i, i+m, i+2m, ...`` of the global batch, so each data shard
 contributes equally to every micro-batch and nothing moves across the data axes.
 """
@@ -39,7 +42,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ParallelConfig
 from jaxpar.data import batch_axes, split_rows
-from jaxpar.pipeline.executor import pipeline_loss, to_stage_layout
+from jaxpar.data.sequence import context_axes
+from jaxpar.ops._common import entry
+from jaxpar.pipeline.executor import from_stage_layout, pipeline_loss, to_stage_layout
 from jaxpar.pipeline.schedules import build
 
 
@@ -54,6 +59,15 @@ class PipelineLoss:
     must equal ``embed_inputs(embedding(model), batch)``; it is what the planner prices and
     what ``pipeline.embedding="outside"`` runs. The head object and the embedding object may
     share a parameter (tied embeddings): its gradient is the sum over both uses.
+
+    ``block_call(model) -> call`` says how one block runs: ``call(block, h, batch) -> h`` with
+    the (micro-)batch at hand, for what a block needs beside ``h`` (token positions after a
+    context-parallel reorder, the model's ``constrain`` with its context attention); default
+    ``block(h)``. ``aux_loss(blocks) -> scalar`` reads what the blocks recorded during their
+    forward that joins the loss (``jaxpar.nn.moe_aux_loss``); pipelined, it is added per
+    micro-batch, as gradient accumulation would. What else the blocks record besides
+    parameters and RNG streams (``jaxpar.nn.MoEMetric``) comes out of the pipeline averaged
+    over the micro-batches (integers summed), one value per layer.
     """
 
     embed: Callable[[nnx.Module, Any], jax.Array]
@@ -62,8 +76,14 @@ class PipelineLoss:
     head_loss: Callable[[Any, jax.Array, Any], jax.Array]
     embedding: Callable[[nnx.Module], Any] | None = None
     embed_inputs: Callable[[Any, Any], jax.Array] | None = None
+    block_call: Callable[[nnx.Module], Callable[[nnx.Module, jax.Array, Any], jax.Array]] | None = None
+    aux_loss: Callable[[nnx.Module], jax.Array] | None = None
 
     def __post_init__(self):
+        for name in ("head", "head_loss", "embedding", "embed_inputs", "block_call", "aux_loss"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"PipelineLoss({name}=...) must be callable, got {type(value).__name__}: {value!r}")
         if (self.embedding is None) != (self.embed_inputs is None):
             raise TypeError(
                 f"PipelineLoss needs embedding and embed_inputs together (got embedding={self.embedding!r}, "
@@ -74,18 +94,38 @@ class PipelineLoss:
         h = self.embed(model, batch)
         blocks = self.blocks(model)
         graphdef, params, rest = nnx.split(blocks, nnx.Param, ...)
-        h, rest = _run_layers(graphdef, params, rest, h)
+        call = None if self.block_call is None else self.block_call(model)
+        h, rest = _run_layers(graphdef, params, rest, h, call, batch)
         nnx.update(blocks, rest)   # the blocks' RNG counts and statistics advance, as unrolled
-        return self.head_loss(self.head(model), h, batch)
+        value = self.head_loss(self.head(model), h, batch)
+        return value if self.aux_loss is None else value + self.aux_loss(blocks)
 
 
-def _run_layers(graphdef, params, rest, h):
-    """The stacked layers one after another (``lax.scan``); returns ``(h, new rest)``."""
+def _run_layers(graphdef, params, rest, h, call=None, batch=None, unrolled: bool = False):
+    """The stacked layers one after another; returns ``(h, new rest)``.
+
+    With ``call``, each block runs as ``call(block, h, batch)``. ``lax.scan`` runs them, or,
+    ``unrolled``, a Python loop (a pipeline chunk's few layers): differentiating a scan hoists
+    what depends on its constants alone out of the loop, and that cuts an operator's inner
+    shard_map in two (context attention's masks come from the positions, a constant), with
+    residuals XLA's verifier rejects inside the pipeline's shard_map.
+    """
     def one(h, layer):
         block = nnx.merge(graphdef, *layer)
-        return block(h), nnx.state(block, nnx.Not(nnx.Param))
+        h = block(h) if call is None else call(block, h, batch)
+        return h, nnx.state(block, nnx.Not(nnx.Param))
 
-    return jax.lax.scan(one, h, (params, rest))
+    if not unrolled:
+        return jax.lax.scan(one, h, (params, rest))
+    states = []
+    for i in range(jax.tree.leaves(params)[0].shape[0]):
+        h, state = one(h, jax.tree.map(lambda a: a[i], (params, rest)))
+        states.append(state)
+    return h, jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+
+# what the blocks record during a forward besides parameters and RNG streams (MoE routing metrics)
+_RECORDED = nnx.All(nnx.Not(nnx.Param), nnx.Not(nnx.RngState))
 
 
 def _check(config: ParallelConfig, mesh, n_layers: int, batch_rows: int, virtual_stages: int) -> None:
@@ -120,7 +160,8 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
 
     The blocks' non-parameter state (dropout RNG streams) enters every chunk as a constant:
     the micro-batches of one step share its keys, and the streams advance once per step, as
-    in the unpipelined model (by running the blocks on an empty batch, which costs nothing).
+    in the unpipelined model (the stages return the advanced counts). What the blocks record
+    (MoE metrics) comes back from the stages too.
     """
     from jaxpar.pipeline.stages import StagedLoss, staged   # stages.py builds on this module
 
@@ -150,9 +191,21 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
         rows = jax.tree.leaves(batch)[0].shape[0]
         _check(config, mesh, layers, rows, schedule.virtual_stages)
         head_def, head_state = nnx.split(loss.head(model))
+        call = None if loss.block_call is None else loss.block_call(model)
+        if call is not None and not callable(call):
+            raise TypeError(f"PipelineLoss(block_call=...) is a factory, model -> call(block, h, batch); called with "
+                            f"the model it returned {type(call).__name__}, not a function (e.g. block_call=lambda "
+                            "model: lambda block, h, batch: block(h, positions=batch['positions']))")
+        # a chunk's few layers run unrolled where operators nest their own shard_map in the stage
+        # (context attention; the expert dispatch, whose layers record metrics: see _run_layers),
+        # scanned otherwise
+        unrolled = config.context is not None or bool(jax.tree.leaves(nnx.state(blocks, _RECORDED)))
 
-        def stage_fn(chunk, h, const):
-            return _run_layers(blocks_def, chunk, const, h)[0]
+        def stage_fn(chunk, h, const, micro_batch):
+            h, new = _run_layers(blocks_def, chunk, const, h, call, micro_batch, unrolled=unrolled)
+            ran = nnx.merge(blocks_def, chunk, new)
+            aux = jnp.zeros((), jnp.float32) if loss.aux_loss is None else loss.aux_loss(ran)
+            return h, aux, (nnx.state(ran, _RECORDED), nnx.state(ran, nnx.RngCount))
 
         def head_fn(head_state, h, micro_batch):
             return loss.head_loss(nnx.merge(head_def, head_state), h, micro_batch)
@@ -161,24 +214,31 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
         layout = lambda tree: to_stage_layout(tree, pipe.stages, schedule.virtual_stages,  # noqa: E731
                                               schedule.placement)
         micro = jax.tree.map(lambda x: split_rows(x, m), batch)
+        kw = dict(axis=pipe.axis, specs=pins, with_consts=True, stage_batch=True, stage_aux=True)
         if embed_first:
             embed_def, embed_state = nnx.split(loss.embedding(model))
             embed_fn = lambda state, mb: loss.embed_inputs(nnx.merge(embed_def, state), mb)  # noqa: E731
-            run = pipeline_loss(stage_fn, head_fn, schedule, mesh, axis=pipe.axis, specs=pins, with_consts=True,
-                                embed_fn=embed_fn)
-            value = run(layout(params), head_state, micro, micro, layout(rest), embed_state)
-            h0 = jax.eval_shape(embed_fn, embed_state, jax.tree.map(lambda a: a[0, :0], micro))
-            h0 = jnp.zeros(h0.shape, h0.dtype)
+            run = pipeline_loss(stage_fn, head_fn, schedule, mesh, embed_fn=embed_fn, **kw)
+            value, stats = run(layout(params), head_state, micro, micro, layout(rest), embed_state)
         else:
-            run = pipeline_loss(stage_fn, head_fn, schedule, mesh, axis=pipe.axis, specs=pins, with_consts=True)
+            run = pipeline_loss(stage_fn, head_fn, schedule, mesh, **kw)
             h = loss.embed(model, batch)
-            value = run(layout(params), head_state, split_rows(h, m), micro, layout(rest))
-            h0 = jax.lax.stop_gradient(h[:0])
-        if jax.tree.leaves(rest):
-            nnx.update(blocks, _run_layers(blocks_def, params, rest, h0)[1])
+            value, stats = run(layout(params), head_state, split_rows(h, m), micro, layout(rest))
+        _record(blocks, from_stage_layout(stats, pipe.stages, schedule.virtual_stages, schedule.placement), m)
         return value
 
     return pipelined_loss
+
+
+def _record(blocks: nnx.Module, stats: tuple[nnx.State, nnx.State], m: int) -> None:
+    """The blocks' state after the step, from what the stages returned (summed over the ``m``
+    micro-batches for integers, averaged for floats): recorded floats stay the mean, recorded
+    counts the sum; the RNG counts, which every micro-batch advanced alike from the same
+    state, advance once, as unpipelined."""
+    recorded, counts = stats
+    like = nnx.state(blocks, _RECORDED)
+    nnx.update(blocks, jax.tree.map(lambda new, old: new.astype(jnp.asarray(old).dtype), recorded, like))
+    nnx.update(blocks, jax.tree.map(lambda total: total // m, counts))
 
 
 def _pins(loss: PipelineLoss, specs: nnx.Module, config: ParallelConfig, mesh):
@@ -188,7 +248,9 @@ def _pins(loss: PipelineLoss, specs: nnx.Module, config: ParallelConfig, mesh):
     chunk = jax.tree.map(lambda s: P(*tuple(s)[1:]), block_specs, is_leaf=is_spec)
     head = jax.tree.map(lambda s: P(), nnx.split(loss.head(specs))[1], is_leaf=is_spec)
     axes = tuple(a for a in batch_axes(config, mesh) if a != config.pipeline.axis)
-    act = P(axes if len(axes) > 1 else axes[0] if axes else None)
+    seq = tuple(a for a in context_axes(config, mesh) if a not in axes)
+    # with a context axis the activations between stages keep their sequence split
+    act = P(entry(axes), *((entry(seq),) if seq else ()))
     if loss.embedding is None or config.pipeline.embedding != "first":
         return chunk, head, act
     # whole over the tensor axes, as the head: only the first stage's branch looks rows up

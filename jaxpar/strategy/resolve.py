@@ -24,6 +24,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxpar.strategy.layout import Layout, LayoutSpec
@@ -49,6 +50,15 @@ def mesh_sizes(mesh: Any) -> dict[str, int]:
 
 
 _sizes = mesh_sizes
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The mesh axes the code being traced runs per device (inside a ``shard_map``): the
+    context's abstract mesh's manual axes; none outside one."""
+    abstract = jax.sharding.get_abstract_mesh()
+    if abstract.empty:
+        return ()
+    return tuple(a for a, t in zip(abstract.axis_names, abstract.axis_types) if t == jax.sharding.AxisType.Manual)
 
 
 def _where(shape, strategy) -> str:

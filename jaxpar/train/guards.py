@@ -99,8 +99,8 @@ def check_args(model, tx, loss_fn, config, mesh, plan) -> None:
             f"Trainer: pipeline.stages={config.pipeline.stages} needs loss_fn as a jaxpar.pipeline.PipelineLoss "
             f"(embed / blocks / head / head_loss) or StagedLoss (modules by path), got {type(loss_fn).__name__}; "
             "see docs/pipeline.md")
-    check_context(model, config)
-    check_experts(model, config)
+    check_context(model, config, loss_fn)
+    check_experts(model, config, loss_fn)
     if plan is not None:
         if not isinstance(plan, TrainPlan):
             raise TypeError(f"Trainer: plan must be a jaxpar.TrainPlan, got {type(plan).__name__}")
@@ -109,14 +109,16 @@ def check_args(model, tx, loss_fn, config, mesh, plan) -> None:
                              "build the mesh with jaxpar.make_mesh(plan.config)")
 
 
-def check_context(model, config) -> None:
+def check_context(model, config, loss_fn=None) -> None:
     """A context axis needs attention that masks by position (batches are reordered and split),
     and refuses the techniques it does not compose with, naming both."""
     if config.context is None:
         return
-    if config.pipeline.stages > 1:
-        raise ValueError(f"Trainer: context={config.context} with pipeline.stages={config.pipeline.stages} is not "
-                         "supported (stages pass only the hidden state, not positions); drop one of them")
+    if config.pipeline.stages > 1 and not (isinstance(loss_fn, PipelineLoss) and loss_fn.block_call is not None):
+        raise ValueError(f"Trainer: context={config.context} with pipeline.stages={config.pipeline.stages} needs a "
+                         f"PipelineLoss with block_call= (got {type(loss_fn).__name__}): without it the stages pass "
+                         "only the hidden state, not the positions context attention masks by; use the GPT / Llama "
+                         "pipeline_loss(), give block_call=lambda model: lambda block, h, batch: ..., or drop one")
     if config.mode in ("hybrid", "auto"):
         why = ("per-device code sees one shard of the sequence and no context attention" if config.mode == "hybrid"
                else "the strategy search does not place the sequence over a context axis")
@@ -130,19 +132,31 @@ def check_context(model, config) -> None:
             "with constrain=jaxpar.ops.ContextParallel(jaxpar.LogicalConstraint(mesh, config.rules), mesh, config)")
 
 
-def check_experts(model, config) -> None:
-    """Pipeline stages hand on only the hidden state: an MoE layer's auxiliary losses, recorded
-    on the layer during the forward, would never reach the last stage's loss."""
-    if config.pipeline.stages <= 1 and config.mode not in ("hybrid", "auto"):
+def check_experts(model, config, loss_fn=None) -> None:
+    """A ``PipelineLoss`` carries an MoE layer's auxiliary loss (``aux_loss``) out of each stage;
+    a ``StagedLoss`` hands on only the hidden state, so the loss recorded on the layer during
+    the forward would never reach the last stage's loss."""
+    staged = config.pipeline.stages > 1 and not (isinstance(loss_fn, PipelineLoss) and loss_fn.aux_loss is not None)
+    if not staged and config.mode not in ("hybrid", "auto") and config.pipeline.stages == 1:
         return
     where = next(("/".join(str(p) for p in path) for path, node in nnx.iter_graph(model) if isinstance(node, MoE)),
                  None)
     if where is None:
         return
-    if config.pipeline.stages > 1:
+    if (not staged and config.pipeline.stages > 1 and loss_fn.block_call is None
+            and "expert" in dict(config.rules or {})):
         raise ValueError(f"Trainer: pipeline.stages={config.pipeline.stages} with a mixture-of-experts model "
-                         f"(jaxpar.nn.MoE at {where!r}) is not supported: the experts' auxiliary losses would "
-                         "not reach the last stage's loss; train MoE models without pipeline stages")
+                         f"(jaxpar.nn.MoE at {where!r}) and rules['expert']={dict(config.rules)['expert']!r} needs a "
+                         "PipelineLoss with block_call= (the GPT / Llama pipeline_loss() set it): without it the "
+                         "stages run block(h), whose experts do not see the model's constraint and would all run "
+                         "where the tokens are, with no expert parallelism")
+    if staged:
+        raise ValueError(f"Trainer: pipeline.stages={config.pipeline.stages} with a mixture-of-experts model "
+                         f"(jaxpar.nn.MoE at {where!r}) needs a PipelineLoss with aux_loss= (e.g. the GPT / Llama "
+                         f"pipeline_loss(), or aux_loss=jaxpar.nn.moe_aux_loss), got {type(loss_fn).__name__}: the "
+                         "experts' auxiliary losses would not reach the last stage's loss")
+    if config.mode not in ("hybrid", "auto"):
+        return
     why = ("per-device code would run every expert on every device, with no expert parallelism"
            if config.mode == "hybrid" else "the strategy search does not read the expert dispatch's scatters")
     raise ValueError(f"Trainer: mode={config.mode!r} with a mixture-of-experts model (jaxpar.nn.MoE at {where!r}) is "
