@@ -103,7 +103,10 @@ def test_steps_between_logs_never_wait_for_the_device(run):
     with jax.transfer_guard_device_to_host("disallow_explicit"):
         trainer.fit(watched(), steps=9, log_every=4, progress=False)
     logged = {start + 1, start + 4, start + 8}
-    assert ready == {s: s in logged for s in range(start + 1, start + 9)}
+    assert all(ready[s] for s in logged)   # fit read their metrics, so they are computed
+    # the others are dispatched ahead: on 2 busy cores the device may still finish one before
+    # its next batch is asked for, but not all of them
+    assert not all(ready[s] for s in range(start + 1, start + 9) if s not in logged), ready
 
 
 def test_learning_rate_from_inject_hyperparams(tmp_path):
