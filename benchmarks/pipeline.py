@@ -44,6 +44,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
 from jaxpar.pipeline import (SCHEDULES, bubble_fraction, build, lower, peak_activations,
                              pipeline_loss, plot_timeline, timeline, to_stage_layout)
+from jaxpar.pipeline.vshape import zb_v_ticks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results", "pipeline_cpu.json")
@@ -51,7 +52,7 @@ CLOSED_FORMS = {"gpipe": lambda p, m, v: (p - 1, m + p - 1),
                 "1f1b": lambda p, m, v: (p - 1, m + p - 1),
                 "interleaved": lambda p, m, v: (p - 1, v * m + p - 1),
                 "zb-h1": lambda p, m, v: (p - 1, 3 * m + p - 1),
-                "zb-v": lambda p, m, v: (p - 1 + max(0, 2 * p - 2 - m), 6 * m + p - 1 + max(0, 2 * p - 2 - m)),
+                "zb-v": lambda p, m, v: (zb_v_ticks(p, m) - 6 * m, zb_v_ticks(p, m)),
                 "dualpipe-v": lambda p, m, v: (p - 1, 6 * m + p - 1)}
 
 

@@ -329,7 +329,8 @@ def test_docstring_examples_run():
 
     import jaxpar.pipeline
     import jaxpar.pipeline.stage_layout
+    import jaxpar.pipeline.vshape
 
-    for module in (jaxpar.pipeline.stage_layout, jaxpar.pipeline):
+    for module in (jaxpar.pipeline.stage_layout, jaxpar.pipeline.vshape, jaxpar.pipeline):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0

@@ -17,14 +17,22 @@ from jaxpar.pipeline import vshape
 from jaxpar.pipeline import forward_only, lower
 from jaxpar.pipeline.schedules import Kind
 
-SIZES = [(p, m) for p in (2, 4, 8) for m in range(p, 4 * p + 1)]
+SIZES = [(p, m) for p in (2, 4, 8) for m in range(1, 4 * p + 1)]
 
 
 # --------------------------------------------------------------------------- tables
 
 
 def _zb_v_ticks(p, m):
-    return 6 * m + p - 1 + max(0, 2 * p - 2 - m)
+    return 6 * m + p - 1 + max(0, 2 * p - 2 - m, 3 * (p - m))
+
+
+def test_zb_v_length_with_fewer_microbatches_than_stages():
+    # Read off the tables: with m < p one micro-batch's chain (4p + 2 ticks) sets the length.
+    seen = {(2, 1): 10, (4, 1): 18, (4, 2): 21, (8, 1): 34, (8, 2): 37, (8, 3): 40, (8, 4): 43}
+    assert {pm: S.build("zb-v", *pm).ticks for pm in seen} == seen
+    assert {pm: vshape.zb_v_ticks(*pm) for pm in seen} == seen
+    assert all(vshape.zb_v_ticks(p, m) == vshape.zb_v(p, m).ticks for p in (3, 5, 6, 16) for m in range(1, 2 * p + 2))
 
 
 @pytest.mark.parametrize("p,m", SIZES)

@@ -10,7 +10,18 @@ from __future__ import annotations
 
 from jaxpar.pipeline.schedules import Kind, Op, Schedule, asap, check_sizes
 
-__all__ = ["zb_v", "dualpipe_v"]
+__all__ = ["zb_v", "zb_v_ticks", "dualpipe_v"]
+
+
+def zb_v_ticks(p: int, m: int) -> int:
+    """Length in ticks of ``zb_v(p, m)``, in closed form (derivation in ``zb_v``).
+
+    Example:
+        >>> [zb_v_ticks(2, 1), zb_v_ticks(4, 2), zb_v_ticks(4, 8)]
+        [10, 21, 51]
+    """
+    check_sizes(p, m)
+    return 6 * m + p - 1 + max(0, 2 * p - 2 - m, 3 * (p - m))
 
 
 def zb_v(p: int, m: int) -> Schedule:
@@ -26,9 +37,14 @@ def zb_v(p: int, m: int) -> Schedule:
     then the steady state ``F B W`` on ``a``, ``F B W`` on ``b`` per micro-batch; the
     cool-down runs the last input gradients first and the weight gradients after them, in the
     ticks where the pipeline would otherwise idle. Counts are clamped to ``m``, so any
-    ``m >= 1`` works. Ticks ``6m + p - 1 + max(0, 2p - 2 - m)``: bubble ``(p-1)/(6m+p-1)``
-    for ``m >= 2p - 2`` (only the warm-up of the last stage is left); every stage holds at
-    most ``2p`` chunk activations until their W (``p`` stages' worth, 1F1B's first stage).
+    ``m >= 1`` works. Ticks ``T = 6m + p - 1 + max(0, 2p - 2 - m, 3(p - m))`` (``zb_v_ticks``):
+    ``6m + p - 1`` for ``m >= 2p - 2``, bubble ``(p-1)/(6m+p-1)`` (only the warm-up of the
+    last stage is left); ``5m + 3p - 3`` in between (the cool-down is not filled); and
+    ``3m + 4p - 1`` for ``m <= (p+2)/2``, where one micro-batch's chain sets the length
+    (``2p`` forwards, ``2p`` input gradients, the ``W`` stage ``p-1`` runs between its two
+    ``B`` and the last ``W``: ``4p + 2`` ticks) and each further micro-batch adds 3. Every
+    stage holds at most ``2p`` chunk activations until their W (``p`` stages' worth, 1F1B's
+    first stage).
     ``p=2, m=4`` (chunk 0 = ``a``, chunk 1 = ``b``), bubble ``1/25``::
 
         tick     0   1   2   3   4   5   6   7   8   9  10  11  12  13  14  15  16  17  18  19  20  21  22  23  24
