@@ -3,6 +3,7 @@ end to end: determinism, resume on the same and on a different process count."""
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -38,10 +39,45 @@ def test_sections_overrides_and_round_trip():
     ({"checkpoint": {"every": 10}}, [], ValueError, "saving needs checkpoint.dir"),
     ({"eval": {"every": 10}}, [], ValueError, "evaluation reads data.eval_path"),
     ({"data": "x"}, [], ValueError, "a section is a mapping"),
+    # every optimizer field in its own range, named with the value and the range
+    ({"optimizer": {"b2": 2.0}}, [], ValueError, "optimizer.b2=2.0: Adam's second-moment decay must be a number in [0, 1)"),
+    ({}, ["--optimizer.b1", "1"], ValueError, "optimizer.b1=1.0: Adam's first-moment decay must be a number in [0, 1)"),
+    ({"optimizer": {"eps": 0}}, [], ValueError, "optimizer.eps=0.0: Adam's denominator epsilon must be a number in (0, inf)"),
+    ({"optimizer": {"lr": float("inf")}}, [], ValueError, "optimizer.lr=inf: the peak learning rate must be a number in (0, inf)"),
+    ({"optimizer": {"min_lr_ratio": 1.5}}, [], ValueError, "optimizer.min_lr_ratio=1.5: the fraction of lr the decay ends at must be a number in [0, 1]"),
+    ({"optimizer": {"weight_decay": -0.1}}, [], ValueError, "optimizer.weight_decay=-0.1: AdamW's weight decay must be a number in [0, inf)"),
+    ({"optimizer": {"warmup_steps": -1}}, [], ValueError, "optimizer.warmup_steps=-1: the warmup's length in steps must be an integer >= 0"),
+    ({"optimizer": {"clip_norm": 0}}, [], ValueError, "optimizer.clip_norm=0.0: the global-norm clipping threshold must be a number in (0, inf)"),
+    ({"optimizer": {"warmup_steps": 2.5}}, [], TypeError, "optimizer.warmup_steps=2.5 is a float; it must be int"),
 ])
 def test_bad_job_configs_name_the_key(d, overrides, error, words):
-    with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(error, match=re.escape(words)):
         JobConfig.from_dict(d, overrides)
+
+
+def test_the_edges_of_the_optimizer_ranges_are_accepted():
+    from jaxpar.job.config import OptimizerSection
+
+    section = OptimizerSection(b1=0.0, b2=0.0, min_lr_ratio=1.0, weight_decay=0.0, warmup_steps=0, clip_norm=None)
+    assert (section.b1, section.b2, section.min_lr_ratio) == (0.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match=r"optimizer\.b2=True: .* \[0, 1\)"):
+        OptimizerSection(b2=True)
+
+
+def test_model_fields_are_applied_as_llama_config_named_does():
+    # head_dim follows the job's embed / heads (embed // heads), as LlamaConfig.named(size, **fields)
+    from jaxpar.job.run import model_config
+    from jaxpar.models.llama_config import LlamaConfig
+
+    job = JobConfig.from_dict({"model": {"size": "tiny", "fields": {"embed": 128, "heads": 4}}})
+    assert model_config(job).head_dim == LlamaConfig.named("tiny", embed=128, heads=4).head_dim == 32
+    job = JobConfig.from_dict({"model": {"fields": {"embed": 128, "heads": 4, "head_dim": 16}}})
+    assert model_config(job).head_dim == 16                             # an explicit head_dim wins
+    demo = model_config(JobConfig.load(os.path.join(CONFIGS, "tiny.yaml")), vocab=257)
+    assert demo.head_dim == demo.embed // demo.heads == 32
+    with pytest.raises(ValueError, match=r"model\.fields=\{'embed': 130\} \(llama size 'tiny'\): LlamaConfig: "
+                                         r"embed=130 is not divisible by heads=4"):
+        model_config(JobConfig.from_dict({"model": {"fields": {"embed": 130}}}))
 
 
 JOB = """

@@ -141,16 +141,33 @@ class OptimizerSection:
     eps: float = 1e-8
 
     def __post_init__(self):
-        for key in ("lr", "b1", "b2", "eps", "min_lr_ratio", "weight_decay"):
+        for key, (what, interval, ok, example) in OPTIMIZER_RANGES.items():
             value = getattr(self, key)
-            if not math.isfinite(value) or value < 0 or (key == "lr" and value == 0):
-                raise _fail(f"optimizer.{key}", value, "use a finite number" + (" > 0" if key == "lr" else " >= 0"))
-        if self.warmup_steps < 0:
-            raise _fail("optimizer.warmup_steps", self.warmup_steps, "use 0 or more steps")
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                    and ok(value)):
+                raise _fail(f"optimizer.{key}", value, f"{what} must be a number in {interval}, e.g. {example}")
+        if not isinstance(self.warmup_steps, int) or isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
+            raise _fail("optimizer.warmup_steps", self.warmup_steps, "the warmup's length in steps must be an "
+                        "integer >= 0 (0: no warmup), e.g. 20")
         if self.schedule not in SCHEDULES:
             raise _fail("optimizer.schedule", self.schedule, f"choose one of {SCHEDULES}")
-        if self.clip_norm is not None and not (math.isfinite(self.clip_norm) and self.clip_norm > 0):
-            raise _fail("optimizer.clip_norm", self.clip_norm, "use a norm > 0, or null for no clipping")
+        if not isinstance(self.decay_1d, bool):
+            raise _fail("optimizer.decay_1d", self.decay_1d, "use true or false")
+        if self.clip_norm is not None and not (isinstance(self.clip_norm, (int, float)) and not isinstance(
+                self.clip_norm, bool) and math.isfinite(self.clip_norm) and self.clip_norm > 0):
+            raise _fail("optimizer.clip_norm", self.clip_norm, "the global-norm clipping threshold must be a "
+                        "number in (0, inf), e.g. 1.0, or null for no clipping")
+
+
+# optimizer field -> (what it is, its range, the check of that range, a usual value)
+OPTIMIZER_RANGES = {
+    "lr": ("the peak learning rate", "(0, inf)", lambda v: v > 0, 3e-3),
+    "min_lr_ratio": ("the fraction of lr the decay ends at", "[0, 1]", lambda v: 0 <= v <= 1, 0.1),
+    "weight_decay": ("AdamW's weight decay", "[0, inf)", lambda v: v >= 0, 0.1),
+    "b1": ("Adam's first-moment decay", "[0, 1)", lambda v: 0 <= v < 1, 0.9),   # at 1 a moment never moves
+    "b2": ("Adam's second-moment decay", "[0, 1)", lambda v: 0 <= v < 1, 0.95),
+    "eps": ("Adam's denominator epsilon", "(0, inf)", lambda v: v > 0, 1e-8),
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -66,7 +66,15 @@ def model_config(job: JobConfig, vocab: int | None = None):
                              f"parallel.pipeline.stages={stages}: the stages split the stacked blocks; drop "
                              "scan_layers from model.fields (pipelined jobs stack them) or the pipeline")
         grow["scan_layers"] = True
-    return dataclasses.replace(cfg, **{**grow, **m.fields})
+    fields = {**grow, **m.fields}
+    try:
+        if m.name == "llama":   # as LlamaConfig.named(size, **fields): head_dim follows the job's embed / heads
+            return LlamaConfig.named(m.size, **fields)
+        return dataclasses.replace(cfg, **fields)
+    except (TypeError, ValueError) as e:
+        kind = ValueError if isinstance(e, ValueError) else TypeError
+        model = f"llama size {m.size!r}" if m.name == "llama" else "gpt"
+        raise kind(f"job config model.fields={dict(m.fields)!r} ({model}): {e}") from None
 
 
 def build_model(job: JobConfig, mesh, vocab: int | None = None):
