@@ -2,11 +2,13 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 import jaxpar.checkpoint as ckpt
 from jaxpar.ckpt_cli import main
@@ -52,3 +54,50 @@ def test_inspect_transform_merge(tmp_path, capsys):
     assert len(plain["params"]["up"].sharding.device_set) == 1
 
     assert main(["inspect", str(tmp_path / "missing")]) == 2     # a user error: exit 2, one line
+
+
+def _half(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _array_file(step_dir):
+    return max((p for p in (step_dir / "state" / "d").iterdir()), key=lambda p: p.stat().st_size)
+
+
+# Each kind of damage, as (what, how): the step directory is passed to ``how``.
+DAMAGE = {
+    "truncated array file": lambda d: _half(_array_file(d)),
+    "deleted array file": lambda d: _array_file(d).unlink(),
+    "garbage array metadata": lambda d: (d / "state" / "_METADATA").write_bytes(b"\x07garbage{]"),
+    "deleted array metadata": lambda d: (d / "state" / "_METADATA").unlink(),
+    "deleted state manifest": lambda d: (d / "state" / "manifest.ocdbt").unlink(),
+    "missing meta item": lambda d: shutil.rmtree(d / "meta"),
+    "truncated strategy file": lambda d: _half(d / "strategy" / "metadata"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("two_steps") / "ckpt"
+    trainer = common.mlp_trainer()
+    for _ in range(2):
+        common.run(trainer, 1)
+        ckpt.save(trainer, directory)
+    return directory
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_inspect_and_merge_name_the_damage(two_steps, tmp_path, capsys, damage):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(two_steps, directory)
+    DAMAGE[damage](directory / "2")
+    for command in (["inspect", str(directory)], ["merge", str(directory), str(tmp_path / "merged")]):
+        assert main(command) == 2, (damage, command)
+        err = capsys.readouterr().err
+        # one line naming the step and the damage, and where to go instead: no tensorstore dump, no traceback
+        assert err.count("\n") == 1 and "Traceback" not in err and "tensorstore_spec" not in err, err
+        assert f"jaxpar ckpt {command[0]}: error: checkpoint step 2 in {directory} is damaged (" in err, err
+        assert "Read another complete step [1]" in err, err
+    assert not (tmp_path / "merged").exists()
+    assert main(["inspect", str(directory), "--step", "1", "--json"]) == 0       # the step before is intact
+    assert json.loads(capsys.readouterr().out)["step"] == 1

@@ -19,10 +19,16 @@ Restoring reads every array straight into the shards of the *target* trainer's l
 from __future__ import annotations
 
 import atexit
+import contextlib
+import gc
+import logging
 import os
+import sys
 import threading
+import time
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -67,7 +73,12 @@ def _save_args(plan, state, mesh, model: dict | None = None) -> ocp.args.Composi
 def saved_leaves(manager: ocp.CheckpointManager, step: int) -> dict[str, st.Leaf]:
     """``{path: Leaf(shape, dtype)}`` of a stored step, from its metadata (no array read)."""
     tree = manager.item_metadata(step)["state"]
-    return {path: st.leaf_info(m) for path, m in st.unnest(tree).items()}
+    leaves = st.unnest(tree) if tree is not None else {}
+    missing = sorted(path for path, m in leaves.items() if getattr(m, "shape", None) is None)
+    if not leaves or missing:
+        raise FileNotFoundError(f"the array metadata of item 'state' ({'state/_METADATA' if not leaves else missing[:3]})"
+                                " is missing or unreadable")
+    return {path: st.leaf_info(m) for path, m in leaves.items()}
 
 
 def complete_steps(manager: ocp.CheckpointManager) -> list[int]:
@@ -89,35 +100,116 @@ def complete_step(manager: ocp.CheckpointManager, directory, step: int | None) -
 
 
 class CheckpointDamagedError(ValueError):
-    """A committed step that does not read back: names the step directory and the damage."""
+    """A committed step that does not read back: names the step directory and the damage.
 
-    def __init__(self, directory: str, step: int, error: BaseException):
+    ``advice`` replaces the default way out (resume from the newest intact step)."""
+
+    def __init__(self, directory: str, step: int, error: BaseException, advice: str | None = None):
         self.step = step
-        super().__init__(
-            f"checkpoint step {step} in {directory} is damaged ({type(error).__name__}: "
-            f"{str(error).splitlines()[0][:300] if str(error) else 'no detail'}); the steps before it are "
-            f"untouched. Resume from the newest intact step with Trainer(resume='newest_intact') "
-            f"(`jaxpar train --resume newest_intact`), or delete {os.path.join(directory, str(step))}")
+        advice = advice or (f"Resume from the newest intact step with Trainer(resume='newest_intact') "
+                            f"(`jaxpar train --resume newest_intact`), or delete {os.path.join(directory, str(step))}")
+        super().__init__(f"checkpoint step {step} in {directory} is damaged ({type(error).__name__}: "
+                         f"{_damage_detail(error)}); the steps before it are untouched. {advice}")
+
+
+def _damage_detail(error: BaseException) -> str:
+    """The first line of orbax's / tensorstore's message, without tensorstore's spec dump."""
+    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+    line = text.splitlines()[0] if text.strip() else "no detail"
+    return line.split(" [tensorstore_spec=")[0][:400]
+
+
+def _echo_of_failed_read(unraisable) -> bool:
+    """An error Python could not raise that only echoes a failed orbax read: tensorstore's
+    callback into orbax's closed event loop, or an orbax read coroutine finalized mid-read."""
+    if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
+        return True
+    code = getattr(unraisable.object, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+class _Echoes(logging.Filter):
+    """Drops the echoes of a failed read (asyncio's log lines and unraisable errors), counting them."""
+
+    def __init__(self, hook):
+        super().__init__()
+        self.hook, self.count = hook, 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        echo = record.getMessage().endswith("exception was never retrieved")
+        self.count += echo
+        return not echo
+
+    def unraisable(self, unraisable) -> None:
+        if _echo_of_failed_read(unraisable):
+            self.count += 1
+        else:
+            self.hook(unraisable)
+
+    def settle(self, quiet: float = 0.05, limit: float = 2.0) -> None:
+        """Finalize the failed read's leftovers until none came for ``quiet`` seconds: reads still
+        in flight in tensorstore's threads finish within milliseconds on a local disk."""
+        deadline, seen = time.monotonic() + limit, -1
+        while seen != self.count and time.monotonic() < deadline:
+            seen = self.count
+            gc.collect()
+            time.sleep(quiet)
+            gc.collect()
+
+
+def _release_frames(error: BaseException | None) -> None:
+    """Drop the tracebacks of ``error`` and its chain (the message stays): their frames hold the
+    failed read's coroutines, which must be finalized now, not whenever the error is dropped."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
+
+
+@contextlib.contextmanager
+def reading(directory, step: int, advice: str | None = None) -> Iterator[None]:
+    """Read step ``step`` of ``directory`` inside this block: whatever orbax or tensorstore raise
+    for a damaged file (missing, truncated, garbage; dozens of exception kinds) becomes one
+    `CheckpointDamagedError` naming the step and the damage.
+
+    orbax closes its event loop as soon as one read fails; tensorstore then completes the reads
+    still in flight into the closed loop, and their coroutines are finalized mid-read: each
+    would print a traceback through ``sys.unraisablehook`` or an asyncio "exception was never
+    retrieved" log line. They echo the damage already reported, so they are awaited and
+    dropped inside this block; any other unraisable error goes to the hook that was installed.
+    """
+    echoes, log = _Echoes(sys.unraisablehook), logging.getLogger("asyncio")
+    sys.unraisablehook = echoes.unraisable
+    log.addFilter(echoes)
+    try:
+        yield
+    except (CheckpointDamagedError, st.CheckpointMismatchError):
+        raise
+    except Exception as e:
+        error = CheckpointDamagedError(str(directory), step, e, advice)
+        _release_frames(e)
+        echoes.settle()
+        raise error from e
+    finally:
+        sys.unraisablehook = echoes.hook
+        log.removeFilter(echoes)
 
 
 def restore_from(manager: ocp.CheckpointManager, step: int, state, mesh, directory: str = ""):
     """``(TrainState, meta)``: ``step`` read into ``state``'s layout (any layout saved)."""
     state = st.as_state(state)
     target = st.target(state, mesh)
-    try:
+    with reading(directory, step):
         saved = saved_leaves(manager, step)
-    except Exception as e:  # orbax/tensorstore raise many kinds for a damaged file
-        raise CheckpointDamagedError(str(directory), step, e) from e
     problems = st.differences(saved, {p: st.leaf_info(t) for p, t in target.items()})
     if problems:
         raise st.CheckpointMismatchError(str(directory), step, problems)
-    try:
+    with reading(directory, step):
         restored = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
         meta = dict(restored["meta"])
         int(meta["step"])
-    except Exception as e:
-        raise CheckpointDamagedError(str(directory), step, e) from e
     new = st.install(state, st.unnest(restored["state"]))
     step_value = jax.device_put(jnp.asarray(int(meta["step"]), jnp.int32), state.step.sharding)
     return new.replace(step=step_value, data=dict(meta.get("data_state") or {})), meta

@@ -19,18 +19,38 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.checkpoint import state as st
-from jaxpar.checkpoint.manager import complete_step, complete_steps, open_manager, saved_leaves
+from jaxpar.checkpoint.manager import complete_step, complete_steps, open_manager, reading, saved_leaves
 from jaxpar.checkpoint.strategy import spec_from_json, spec_to_json, strategy_file
 from jaxpar.config import ParallelConfig
 from jaxpar.mesh import make_mesh
 from jaxpar.nn.plan import check_rules_used, declared_names, variable_spec
 
 
+def reading_step(manager: ocp.CheckpointManager, directory, step: int):
+    """``manager.reading`` for the offline tools: a damaged step is named with the other complete
+    steps to read instead (``step=`` / ``--step``)."""
+    where = os.path.join(os.path.abspath(os.fspath(directory)), str(step))
+    others = sorted(s for s in manager.all_steps() if s != step)
+    advice = (f"Read another complete step {others} (step=N, `--step N`), or delete {where}" if others else
+              f"It is the only complete step; delete {where} and save it again")
+    return reading(directory, step, advice)
+
+
+def read_strategy(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
+    """The strategy file of ``step`` (call inside ``reading_step``: a malformed file is damage)."""
+    strategy = manager.restore(step, args=ocp.args.Composite(strategy=ocp.args.JsonRestore()))["strategy"]
+    if not isinstance(strategy, dict) or not isinstance(strategy.get("leaves"), dict) \
+            or not isinstance(strategy.get("mesh"), dict) or "axes" not in strategy["mesh"]:
+        raise ValueError("its strategy file is not a jaxpar strategy (no 'leaves' and 'mesh' entries)")
+    return dict(strategy)
+
+
 def load_strategy(directory, *, step: int | None = None) -> dict[str, Any]:
     """The strategy file of the newest complete step (or ``step``) of ``directory``."""
     with open_manager(directory, read_only=True) as manager:
         step = complete_step(manager, directory, step)
-        return dict(manager.restore(step, args=ocp.args.Composite(strategy=ocp.args.JsonRestore()))["strategy"])
+        with reading_step(manager, directory, step):
+            return read_strategy(manager, step)
 
 
 def _shards(spec: PartitionSpec, axes: dict[str, int]) -> int:
@@ -43,10 +63,11 @@ def inspect(directory, *, step: int | None = None) -> dict[str, Any]:
     with open_manager(directory, read_only=True) as manager:
         steps = sorted(complete_steps(manager))
         step = complete_step(manager, directory, step)
-        restored = manager.restore(step, args=ocp.args.Composite(
-            strategy=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
-        stored = saved_leaves(manager, step)
-    strategy, axes = dict(restored["strategy"]), restored["strategy"]["mesh"]["axes"]
+        with reading_step(manager, directory, step):
+            strategy = read_strategy(manager, step)
+            meta = dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+            stored = saved_leaves(manager, step)
+    axes = strategy["mesh"]["axes"]
     rows = {}
     for path, leaf in stored.items():
         entry = strategy["leaves"].get(path, {})
@@ -55,7 +76,7 @@ def inspect(directory, *, step: int | None = None) -> dict[str, Any]:
         rows[path] = {"shape": list(leaf.shape), "dtype": leaf.dtype, "spec": spec_to_json(spec),
                       "logical": entry.get("logical"), "bytes": nbytes, "bytes_per_device": nbytes // _shards(spec, axes)}
     return {"directory": os.path.abspath(os.fspath(directory)), "steps": steps, "step": step,
-            "meta": dict(restored["meta"]), "mesh": strategy["mesh"], "config": strategy["config"],
+            "meta": meta, "mesh": strategy["mesh"], "config": strategy["config"],
             "jaxpar_version": strategy["jaxpar_version"], "leaves": rows,
             "total_bytes": sum(r["bytes"] for r in rows.values())}
 
@@ -145,21 +166,24 @@ def transform(directory, out, config: ParallelConfig, *, step: int | None = None
     mesh = mesh_for(config, devices)
     with open_manager(directory, read_only=True) as manager:
         step = complete_step(manager, directory, step)
-        strategy = dict(manager.restore(step, args=ocp.args.Composite(strategy=ocp.args.JsonRestore()))["strategy"])
-        stored = saved_leaves(manager, step)
+        with reading_step(manager, directory, step):
+            strategy = read_strategy(manager, step)
+            stored = saved_leaves(manager, step)
         _check_rules(config, strategy, directory)
         specs = plan_leaves(strategy, config, mesh)
         target = {p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, specs[p]))
                   for p, leaf in stored.items()}
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
+        with reading_step(manager, directory, step):
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
+            meta = dict(restored["meta"])
     leaves = {p: {**e, "spec": spec_to_json(specs[p])} for p, e in strategy["leaves"].items()}
     new_strategy = strategy_file(leaves, mesh, config)
     if "model" in strategy:
         new_strategy["model"] = strategy["model"]      # the model description travels with the arrays
     with open_manager(out, asynchronous=False) as writer:
         writer.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(restored["state"]), meta=ocp.args.JsonSave(dict(restored["meta"])),
+            state=ocp.args.StandardSave(restored["state"]), meta=ocp.args.JsonSave(meta),
             strategy=ocp.args.JsonSave(new_strategy)))
     return step
 

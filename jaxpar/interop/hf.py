@@ -205,14 +205,16 @@ def _checkpoint_params(directory: str, step: int | None) -> tuple[dict[str, jax.
 
     from jaxpar.checkpoint import state as st
     from jaxpar.checkpoint.manager import complete_step, open_manager, saved_leaves
+    from jaxpar.checkpoint.offline import read_strategy, reading_step
 
     one = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("one",)), PartitionSpec())
     with open_manager(directory, read_only=True) as manager:
         step = complete_step(manager, directory, step)
-        strategy = dict(manager.restore(step, args=ocp.args.Composite(strategy=ocp.args.JsonRestore()))["strategy"])
-        target = {p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=one)
-                  for p, leaf in saved_leaves(manager, step).items()}
-        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(st.nest(target))))
+        with reading_step(manager, directory, step):
+            strategy = read_strategy(manager, step)
+            target = {p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=one)
+                      for p, leaf in saved_leaves(manager, step).items()}
+            restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(st.nest(target))))
     flat = st.unnest(restored["state"])
     return {p.split("/", 1)[1]: x for p, x in flat.items() if p.startswith("params/")}, strategy
 
