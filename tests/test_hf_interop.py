@@ -8,6 +8,7 @@ here too, independent of jaxpar's model code.
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -268,3 +269,24 @@ def test_bad_input_names_the_tensor_or_file(untied, tmp_path, capsys):
     assert ckpt_main(["import-hf", gpt2, "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err
     assert "not a Llama" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("damage, detail", [(_truncate, "incomplete metadata"),
+                                            (lambda p: p.write_bytes(b""), "header too small"),
+                                            (lambda p: p.write_bytes(b"\x07garbage{]" * 30), "header too large")])
+def test_damaged_safetensors_file_is_named(tied_bf16, tmp_path, capsys, damage, detail):
+    source, _, _ = tied_bf16
+    directory = tmp_path / "hf"
+    shutil.copytree(source, directory)
+    damaged = directory / "model-00002-of-00003.safetensors"
+    damage(damaged)
+    assert ckpt_main(["import-hf", str(directory), "--out", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxpar ckpt import-hf: error: {damaged} is damaged (") and detail in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "ckpt").exists()

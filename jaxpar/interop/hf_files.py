@@ -8,10 +8,11 @@ being read) and written in groups no larger than ``max_shard_bytes``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,18 @@ def read_config(directory: str) -> dict:
     return config
 
 
+@contextlib.contextmanager
+def _damage_named(path: str, tensor: str | None = None) -> Iterator[None]:
+    """safetensors' own error (a ``SafetensorError``: header too small or too large, file shorter
+    than its header says, invalid JSON) as a ``ValueError`` naming the file and the damage."""
+    try:
+        yield
+    except safetensors().SafetensorError as e:
+        what = f"tensor {tensor!r} in {path}" if tensor else path
+        raise ValueError(f"{what} is damaged ({e}): not a complete safetensors file, e.g. an interrupted "
+                         "download or copy; fetch the file again") from None
+
+
 class Reader:
     """The tensors of an HF model directory, by name, one at a time.
 
@@ -80,7 +93,7 @@ class Reader:
 
     @staticmethod
     def _keys(path: str) -> list[str]:
-        with safetensors().safe_open(path, framework="numpy") as f:
+        with _damage_named(path), safetensors().safe_open(path, framework="numpy") as f:
             return list(f.keys())
 
     def _handle(self, name: str):
@@ -89,7 +102,8 @@ class Reader:
             path = os.path.join(self.directory, file)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"{path} not found: {INDEX} lists tensor {name!r} in it")
-            self._open[file] = safetensors().safe_open(path, framework="numpy").__enter__()
+            with _damage_named(path):
+                self._open[file] = safetensors().safe_open(path, framework="numpy").__enter__()
         return self._open[file]
 
     def where(self, name: str) -> str:
@@ -115,7 +129,9 @@ class Reader:
         if found != tuple(shape):
             raise ValueError(f"tensor {name!r} in {self.where(name)} has shape {found}, but config.json implies "
                              f"{tuple(shape)}; the weights and the config do not belong together")
-        return self._handle(name).get_tensor(name)
+        handle = self._handle(name)
+        with _damage_named(self.where(name), name):
+            return handle.get_tensor(name)
 
     def close(self) -> None:
         for handle in self._open.values():
