@@ -290,3 +290,18 @@ def test_damaged_safetensors_file_is_named(tied_bf16, tmp_path, capsys, damage, 
     assert err.startswith(f"jaxpar ckpt import-hf: error: {damaged} is damaged (") and detail in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_import_refuses_a_rule_nothing_uses(untied, tmp_path, capsys):
+    """As train, plan, report and transform do: a misspelled rule would leave the weights replicated."""
+    directory, _, _ = untied
+    typo = {"mesh": {"data": 4, "model": 2}, "rules": {"heads": "model", "mlpp": "model"}}
+    (tmp_path / "typo.json").write_text(json.dumps(typo))
+    assert ckpt_main(["import-hf", directory, "--out", str(tmp_path / "c"), "--to", str(tmp_path / "typo.json")]) == 2
+    err = capsys.readouterr().err
+    assert "'mlpp' -> 'model' (did you mean 'mlp'?)" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "c").exists()
+    # a rule only an activation constraint consults ('length': the sequence axis) is in use
+    sequence = jaxpar.ParallelConfig(mesh={"data": 4, "model": 2}, rules={"mlp": "model", "length": "model"})
+    _, params = import_hf(directory, config=sequence)
+    assert params["blocks"][0]["mlp"]["up"].get_value().sharding.spec == P(None, "model")

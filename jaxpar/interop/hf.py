@@ -38,8 +38,10 @@ from jaxpar.interop import hf_files as files
 from jaxpar.interop.hf_layout import IGNORED_SUFFIXES, Tensor, check_architecture, hf_config, llama_config, tensors
 from jaxpar.models.llama import Llama, LlamaConfig, no_constraint
 from jaxpar.nn.init import abstract_model
-from jaxpar.nn.plan import is_variable, path_str
+from jaxpar.nn.plan import check_rules_used, declared_names, is_variable, path_str
 from jaxpar.plan.train_plan import make_train_plan
+from jaxpar.shard import LogicalConstraint
+from jaxpar.strategy import recording_rules
 
 MODEL_FAMILY = "llama"
 _ONE_DEVICE = ParallelConfig(mesh={"data": 1}, mode="data")
@@ -95,6 +97,23 @@ def _target(cfg: LlamaConfig, config: ParallelConfig, mesh):
     graphdef, params, rest = nnx.split(abstract_model(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
     plan = make_train_plan(config, mesh, (params, rest), optax.identity())
     return graphdef, params, rest, plan
+
+
+def _check_rules(cfg: LlamaConfig, config: ParallelConfig, mesh, state, directory: str) -> None:
+    """Refuse rules that nothing of the Llama consults (`check_rules_used`, as training does): a
+    typo such as ``mlpp`` would leave the weights it meant to split replicated. The names its
+    activation constraints consult are recorded from an abstract forward pass, traced only when
+    some rule names no parameter axis."""
+    used = declared_names(config, *state)
+    if config.allow_unused_rules or set(config.rules) <= used:
+        return
+    constrain = LogicalConstraint(mesh, config.rules)
+    model = abstract_model(lambda: Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain))
+    side = int(mesh.devices.size)                   # divides every mesh axis: no constraint is dropped
+    tokens = jax.ShapeDtypeStruct((side, side), jnp.int32)
+    with recording_rules() as seen:
+        nnx.eval_shape(lambda m, x: m(x), model, tokens)
+    check_rules_used(config, used | seen, f"the Llama of {directory}")
 
 
 def _check_names(reader: files.Reader, expected: list[Tensor], cfg: LlamaConfig) -> None:
@@ -171,6 +190,7 @@ def import_hf(directory: str, out: str | None = None, *, config: ParallelConfig 
         cfg = llama_config(hf, where=os.path.join(directory, files.CONFIG), param_dtype=dtype or file_dtype,
                            scan_layers=scan_layers)
         graphdef, abstract, rest, plan = _target(cfg, config, mesh)
+        _check_rules(cfg, config, mesh, (abstract, rest), directory)
         shardings = {path: NamedSharding(mesh, spec) for path, spec in plan.stored.items()}
         params = _install(abstract, _read_all(reader, cfg, shardings))
     if out is not None:
