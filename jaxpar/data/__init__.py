@@ -166,9 +166,9 @@ def place_batch(config: ParallelConfig, mesh, batch, *, global_batch: bool = Tru
 
 # Token datasets (after the batch helpers above, which jaxpar.plan imports without them).
 from jaxpar.data.loader import TokenLoader  # noqa: E402
-from jaxpar.data.store import TokenStore, prepare  # noqa: E402
+from jaxpar.data.store import ShardDamage, TokenStore, prepare, verify_store  # noqa: E402
 from jaxpar.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_tokenizer  # noqa: E402
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "TokenLoader", "TokenStore", "batch_axes", "batch_shardings",
-           "batch_specs", "leaf_spec", "load_tokenizer", "part_shapes", "place_batch", "prepare", "split_rows",
-           "train_tokenizer"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "ShardDamage", "TokenLoader", "TokenStore", "batch_axes",
+           "batch_shardings", "batch_specs", "leaf_spec", "load_tokenizer", "part_shapes", "place_batch", "prepare",
+           "split_rows", "train_tokenizer", "verify_store"]

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxpar.data.store import TokenStore
+from jaxpar.data.store import ShardDamage, TokenStore
 from jaxpar.distributed import process_rows
 
 KIND = "jaxpar.TokenLoader"
@@ -155,21 +155,39 @@ class TokenLoader:
         segments = np.empty((len(ids), self.seq_len), np.int32)
         for s in np.unique(shard):
             mine = shard == s
+            self.store.check_unchanged(s)
             tokens, doc_starts = self.store.shards[s]
             pos = start[mine][:, None] + span
             windows[mine] = tokens[pos]
             doc = np.searchsorted(doc_starts, pos[:, :-1], side="right")
             segments[mine] = doc - doc[:, :1] + 1
+        self._check_ids(windows, shard, start)
         return windows, segments
 
     def _read_padded(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         shard, start, length = (a[ids] for a in self._examples)
         windows = np.full((len(ids), self.seq_len + 1), self.store.eos_id, np.int32)
         n = np.minimum(length, self.seq_len + 1)
+        for s in np.unique(shard):
+            self.store.check_unchanged(s)
         for r in range(len(ids)):
             windows[r, :n[r]] = self.store.shards[shard[r]][0][start[r]:start[r] + n[r]]
+        self._check_ids(windows, shard, start)
         segments = (np.arange(self.seq_len)[None, :] < (n - 1)[:, None]).astype(np.int32)
         return windows, segments
+
+    def _check_ids(self, windows: np.ndarray, shard: np.ndarray, start: np.ndarray) -> None:
+        """Every id read must be in the store's vocabulary: an edited shard would otherwise reach
+        the model and fail a step far from here. One pass over the batch; row ``r``, column ``c``
+        came from token ``start[r] + c`` of shard ``shard[r]`` (or is padding, the eos id)."""
+        vocab = self.store.vocab_size
+        if int(windows.view(np.uint32).max()) < vocab:     # a uint32 id >= 2**31 read as int32 is < 0
+            return
+        r, c = np.argwhere(windows.view(np.uint32) >= vocab)[0]
+        at = int(start[r] + c)
+        raise ShardDamage(self.store.path, int(shard[r]), self.store.shard_file(shard[r]), f"holds token id "
+                          f"{int(self.store.shards[shard[r]][0][at])} at token {at}, outside the store's vocabulary "
+                          f"of {vocab}: it was edited or overwritten")
 
     # ------------------------------------------------------------------ iterating and position
     def __iter__(self) -> "TokenLoader":

@@ -3,14 +3,20 @@
 ``prepare`` turns text files into a store (what ``jaxpar data prepare`` runs); `TokenStore`
 opens one for reading. A store directory holds::
 
-    index.json              format, token dtype, tokenizer identity, inputs, shards, progress
+    index.json              format, token dtype, tokenizer identity, inputs, progress, and per shard
+                            its counts and the SHA-256 of its files (and of a sample of its tokens)
     tokens_00000.bin        the token ids of shard 0, raw (uint16 when the vocabulary fits, else uint32)
     docs_00000.npy          where each document starts in shard 0 (int64 offsets; the first is 0)
     tokenizer.json          a copy of the Hugging Face tokenizer, when one was used
 
 Every document is followed by the tokenizer's end-of-document token. ``prepare`` writes a
 shard, then the index that names it (each by an atomic rename), so an interrupted run resumes
-after its last shard and produces exactly the files an uninterrupted run would.
+after its last shard and produces exactly the files an uninterrupted run would. Inputs are
+UTF-8 text, plain or gzip-compressed (`jaxpar.data.text`).
+
+Opening a store checks every shard cheaply against the index (file sizes, the document starts
+and their SHA-256, a sampled SHA-256 of the tokens); `verify_store` hashes everything and
+checks every token id. A damaged shard is a `ShardDamage` (a ``ValueError``) naming its file.
 
     >>> import tempfile, pathlib
     >>> tmp = pathlib.Path(tempfile.mkdtemp())
@@ -23,6 +29,7 @@ after its last shard and produces exactly the files an uninterrupted run would.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -31,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar.data.text import check_errors, check_text, decode_lines, open_input
 from jaxpar.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 FORMAT = "jaxpar-token-store"
@@ -38,6 +46,7 @@ VERSION = 1
 INDEX = "index.json"
 CHUNK_BYTES = 1 << 22          # text read and tokenized at once (whole lines)
 SHARD_TOKENS = 1 << 24         # a shard is written once this many tokens are buffered
+SAMPLE_BLOCKS, SAMPLE_BYTES = 16, 4096   # what opening a store hashes of each shard's tokens
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -49,11 +58,22 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
+class ShardDamage(ValueError):
+    """A shard file that does not match the store's index: ``shard`` (its number), ``file``, ``what``."""
+
+    def __init__(self, store: str, shard: int, file: str, what: str):
+        self.store, self.shard, self.file, self.what = store, shard, file, what
+        super().__init__(f"token store {store!r} is damaged: shard {shard}: {file!r} {what}; restore the file from "
+                         f"a copy, or delete {store!r} and run 'jaxpar data prepare' again ('jaxpar data verify "
+                         f"{store}' checks every shard)")
+
+
 class TokenStore:
     """A prepared store, opened for reading: ``shards`` of ``(tokens, doc_starts)``, tokens memory-mapped.
 
-    A missing or unfinished index, or a shard file that is not there, is a ``ValueError``
-    naming the file.
+    A missing or unfinished index is a ``ValueError`` naming the file; a shard file that is
+    missing or does not match the index (size, document starts, checksums) a `ShardDamage`.
+    `check_unchanged` tells whether a shard file changed since the store was opened.
 
         >>> store = TokenStore("data/tokens")                 # doctest: +SKIP
         >>> store.num_tokens, store.fingerprint[:8]           # doctest: +SKIP
@@ -67,19 +87,28 @@ class TokenStore:
             raise ValueError(f"token store {self.index_path!r} is unfinished (jaxpar data prepare was interrupted "
                              f"after {len(self.index['shards'])} shards); run the same command again to finish it")
         self.dtype = np.dtype(self.index["dtype"])
-        self.shards = [self._open(s) for s in self.index["shards"]]
+        opened = [_open_shard(path, self.index, k) for k in range(len(self.index["shards"]))]
+        self.shards = [(tokens, starts) for tokens, starts, _ in opened]
+        self._files = [os.path.join(path, entry["tokens"]) for entry in self.index["shards"]]
+        self._stats = [_identity(st) for _, _, st in opened]
 
-    def _open(self, entry: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
-        files = [os.path.join(self.path, entry[k]) for k in ("tokens", "docs")]
-        for f in files:
-            if not os.path.isfile(f):
-                raise ValueError(f"token store {self.index_path!r} names shard file {f!r}, which does not exist; "
-                                 "prepare the store again")
-        tokens = np.memmap(files[0], dtype=self.dtype, mode="r") if entry["num_tokens"] else np.zeros(0, self.dtype)
-        if len(tokens) != entry["num_tokens"]:
-            raise ValueError(f"shard file {files[0]!r} holds {len(tokens)} tokens but {self.index_path!r} says "
-                             f"{entry['num_tokens']}; the store is damaged: prepare it again")
-        return tokens, np.load(files[1])
+    def shard_file(self, shard: int) -> str:
+        """The path of the token file of ``shard``."""
+        return self._files[shard]
+
+    def check_unchanged(self, shard: int) -> None:
+        """A `ShardDamage` if the token file of ``shard`` changed (size, modification time, inode)
+        since the store was opened: reading a truncated memory map kills the process (SIGBUS),
+        so the loader asks before each read (one ``os.stat``)."""
+        shard = int(shard)
+        file = self._files[shard]
+        try:
+            now = _identity(os.stat(file))
+        except OSError as e:
+            raise ShardDamage(self.path, shard, file, f"is gone while it was being read ({e.strerror})") from None
+        if now != self._stats[shard]:
+            raise ShardDamage(self.path, shard, file, f"changed while it was being read ({self._stats[shard][0]} "
+                              f"bytes when opened, {now[0]} now): a store must not be rewritten while a job reads it")
 
     @property
     def tokenizer_identity(self) -> dict[str, Any]:
@@ -139,6 +168,98 @@ def read_index(path: str) -> dict[str, Any]:
     return index
 
 
+def verify_store(path: str) -> list[ShardDamage]:
+    """Check every shard of the store at ``path`` fully: what opening it checks, the SHA-256 of
+    every token file and every token id against the vocabulary. Returns one `ShardDamage` per
+    damaged shard (empty when intact); a missing or unfinished index is a ``ValueError``.
+    Shards of a store prepared before checksums were recorded (no ``tokens_sha256`` in the
+    index) are checked for size, document starts and token ids only.
+
+        >>> verify_store("data/tokens")                       # doctest: +SKIP
+        []
+    """
+    index = read_index(path)
+    if not index.get("complete"):
+        raise ValueError(f"token store {os.path.join(path, INDEX)!r} is unfinished (jaxpar data prepare was "
+                         "interrupted); run the same command again to finish it")
+    found = []
+    for k in range(len(index["shards"])):
+        try:
+            _open_shard(path, index, k, full=True)
+        except ShardDamage as e:
+            found.append(e)
+    return found
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _open_shard(path: str, index: dict[str, Any], k: int, *, full: bool = False):
+    """``(tokens, doc_starts, stat)`` of shard ``k``, checked against the index; ``full``: hash
+    every token and check every id too. A `ShardDamage` naming the file otherwise."""
+    entry, dtype = index["shards"][k], np.dtype(index["dtype"])
+    n = entry["num_tokens"]
+    tokens_file, docs_file = (os.path.join(path, entry[key]) for key in ("tokens", "docs"))
+    for f in (tokens_file, docs_file):
+        if not os.path.isfile(f):
+            raise ShardDamage(path, k, f, "does not exist")
+    st = os.stat(tokens_file)
+    if st.st_size != n * dtype.itemsize:    # checked before mapping: numpy's error would not name the file
+        raise ShardDamage(path, k, tokens_file, f"is {st.st_size} bytes but the index says {n} {dtype.name} tokens "
+                          f"({n * dtype.itemsize} bytes): it was truncated, extended or overwritten")
+    tokens = np.memmap(tokens_file, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
+    starts = _read_starts(path, k, docs_file, entry)
+    if full:
+        vocab = int(index["tokenizer"]["vocab_size"])
+        if n and int(tokens.max()) >= vocab:
+            at = int(np.argmax(tokens >= vocab))
+            raise ShardDamage(path, k, tokens_file, f"holds token id {int(tokens[at])} at token {at}, outside the "
+                              f"vocabulary of {vocab}: it was edited or overwritten")
+        if "tokens_sha256" in entry and hashlib.sha256(tokens).hexdigest() != entry["tokens_sha256"]:
+            raise ShardDamage(path, k, tokens_file, "holds other tokens than the index records (its SHA-256 "
+                              "differs): it was edited or overwritten")
+    elif "tokens_sample" in entry and _sample_sha256(tokens) != entry["tokens_sample"]:
+        raise ShardDamage(path, k, tokens_file, "holds other tokens than the index records (its sampled SHA-256 "
+                          "differs): it was edited or overwritten")
+    return tokens, starts, st
+
+
+def _read_starts(path: str, k: int, docs_file: str, entry: dict[str, Any]) -> np.ndarray:
+    """The document starts of shard ``k``: their SHA-256 (when recorded), count and order checked."""
+    with open(docs_file, "rb") as f:
+        raw = f.read()
+    if "docs_sha256" in entry and hashlib.sha256(raw).hexdigest() != entry["docs_sha256"]:
+        raise ShardDamage(path, k, docs_file, "holds other document starts than the index records (its SHA-256 "
+                          "differs): it was edited or overwritten")
+    try:
+        starts = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (ValueError, EOFError, OSError) as e:
+        raise ShardDamage(path, k, docs_file, f"is not a readable .npy file ({e})") from None
+    n, want = entry["num_tokens"], entry["num_docs"]
+    if starts.dtype != np.int64 or starts.shape != (want,):
+        raise ShardDamage(path, k, docs_file, f"holds {starts.dtype.name} {starts.shape} but the index says {want} "
+                          "int64 document starts")
+    if want and (starts[0] != 0 or (np.diff(starts) < 0).any() or starts[-1] >= n):
+        raise ShardDamage(path, k, docs_file, f"does not hold document starts sorted from 0 to below {n} (the "
+                          "shard's tokens)")
+    return starts
+
+
+def _sample_sha256(tokens: np.ndarray) -> str:
+    """SHA-256 of ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BYTES`` spread evenly over the tokens' bytes
+    (all of them when they are few): a few pages read per shard when a store is opened."""
+    data = tokens.view(np.uint8)
+    h, size = hashlib.sha256(), len(data)
+    if size <= SAMPLE_BLOCKS * SAMPLE_BYTES:
+        h.update(data)
+    else:
+        for b in range(SAMPLE_BLOCKS):
+            at = b * (size - SAMPLE_BYTES) // (SAMPLE_BLOCKS - 1)
+            h.update(data[at:at + SAMPLE_BYTES])
+    return h.hexdigest()
+
+
 def _write_json(path: str, value: Any) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -148,15 +269,26 @@ def _write_json(path: str, value: Any) -> None:
     os.replace(tmp, path)      # readers see the old index or the new one, never half of one
 
 
-def _inputs(files: Sequence[str]) -> list[dict[str, Any]]:
+def _inputs(files: Sequence[str], errors: str) -> list[dict[str, Any]]:
     if not files:
         raise ValueError("prepare: no input files given; pass one or more text files")
     out = []
     for f in files:
         if not os.path.isfile(f):
             raise FileNotFoundError(f"input {f!r} is not a file; give text files to tokenize")
+        check_text(f, errors)         # a binary file is refused here, before anything is written
         out.append({"path": os.path.abspath(f), "bytes": os.path.getsize(f)})
     return out
+
+
+def _make_out(out: str) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"out={out!r} is a file; give a directory for the token store, e.g. data/tokens")
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out={out!r}: the directory cannot be made ({e.strerror}: {e.filename!r}); give a "
+                         "directory path you can write") from None
 
 
 def _fresh_index(inputs, tokenizer: Tokenizer, docs: str, shard_tokens: int, chunk_bytes: int) -> dict[str, Any]:
@@ -181,35 +313,41 @@ def _resume_index(out: str, fresh: dict[str, Any]) -> dict[str, Any]:
 
 
 def prepare(inputs: Sequence[str], out: str, tokenizer: Tokenizer | None = None, *, docs: str = "file",
-            shard_tokens: int = SHARD_TOKENS, chunk_bytes: int = CHUNK_BYTES, progress: bool = True) -> TokenStore:
+            shard_tokens: int = SHARD_TOKENS, chunk_bytes: int = CHUNK_BYTES, errors: str = "strict",
+            progress: bool = True) -> TokenStore:
     """Tokenize text files ``inputs`` into a token store at ``out``; resumes an interrupted run.
 
     ``docs``: ``"file"`` (each file is one document) or ``"line"`` (each non-empty line is one).
     ``tokenizer``: default the built-in `ByteTokenizer`. ``shard_tokens``: a shard is written
     once this many tokens are buffered; ``chunk_bytes``: text tokenized at once (whole lines).
-    Returns the finished `TokenStore`.
+    Inputs are UTF-8 text, gzip-compressed ones decompressed; anything else (a binary file) is a
+    ``ValueError`` naming the file and byte, unless ``errors="replace"`` turns undecodable bytes
+    into U+FFFD. An ``OSError`` while writing (a full disk) leaves a store that the same call
+    resumes. Returns the finished `TokenStore`.
     """
     if docs not in ("file", "line"):
         raise ValueError(f"docs={docs!r}: choose 'file' (a document per file) or 'line' (a document per line)")
     for name, value, default in (("shard_tokens", shard_tokens, SHARD_TOKENS), ("chunk_bytes", chunk_bytes, CHUNK_BYTES)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int (default {default})")
+    check_errors(errors)
     tokenizer = tokenizer or ByteTokenizer()
-    os.makedirs(out, exist_ok=True)
-    index = _resume_index(out, _fresh_index(_inputs(inputs), tokenizer, docs, shard_tokens, chunk_bytes))
+    fresh = _fresh_index(_inputs(inputs, errors), tokenizer, docs, shard_tokens, chunk_bytes)
+    _make_out(out)
+    index = _resume_index(out, fresh)
     if not index["complete"]:
         if isinstance(tokenizer, HFTokenizer) and os.path.abspath(tokenizer.path) != os.path.abspath(
                 os.path.join(out, "tokenizer.json")):
             shutil.copyfile(tokenizer.path, os.path.join(out, "tokenizer.json"))
-        _Writer(out, index, tokenizer).run(progress)
+        _Writer(out, index, tokenizer, errors).run(progress)
     return TokenStore(out)
 
 
 class _Writer:
     """Reads the inputs from ``index["next"]`` on, buffers tokens, writes shards and the index."""
 
-    def __init__(self, out: str, index: dict[str, Any], tokenizer: Tokenizer):
-        self.out, self.index, self.tokenizer = out, index, tokenizer
+    def __init__(self, out: str, index: dict[str, Any], tokenizer: Tokenizer, errors: str):
+        self.out, self.index, self.tokenizer, self.errors = out, index, tokenizer, errors
         self.dtype = np.dtype(index["dtype"])
         self.pieces: list[np.ndarray] = []
         self.starts: list[int] = []
@@ -219,7 +357,7 @@ class _Writer:
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
         inputs, nxt = self.index["inputs"], self.index["next"]
-        done = sum(i["bytes"] for i in inputs[:nxt["input"]]) + nxt["offset"]
+        done = sum(i["bytes"] for i in inputs[:nxt["input"]])
         columns = (TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
         with Progress(*columns, disable=not progress) as bar:
             task = bar.add_task("prepare", total=sum(i["bytes"] for i in inputs), completed=done)
@@ -230,23 +368,26 @@ class _Writer:
         _write_json(os.path.join(self.out, INDEX), self.index)
 
     def _one_input(self, k: int, offset: int, advance) -> None:
-        entry = self.index["inputs"][k]
-        with open(entry["path"], "rb") as f:
-            f.seek(offset)
-            while offset < entry["bytes"]:
-                lines = f.readlines(self.index["chunk_bytes"])
-                if not lines:
-                    break
-                size = sum(len(line) for line in lines)
-                self._add(lines, first=offset == 0, last=offset + size >= entry["bytes"])
-                offset += size
-                advance(size)
+        """Input ``k`` from text offset ``offset`` (of the decompressed text for a gzip file)."""
+        path, chunk = self.index["inputs"][k]["path"], self.index["chunk_bytes"]
+        with open_input(path) as (stream, raw):
+            stream.seek(offset)
+            seen = raw.tell()       # bytes of the file on disk, for the progress bar
+            advance(seen)
+            lines = stream.readlines(chunk)
+            while lines:
+                ahead = stream.readlines(chunk)    # none: ``lines`` end the file
+                text = decode_lines(lines, path, offset, self.errors, compressed=stream is not raw)
+                self._add(text, first=offset == 0, last=not ahead)
+                offset += sum(len(line) for line in lines)
+                advance(raw.tell() - seen)
+                seen = raw.tell()
                 if self.buffered >= self.index["shard_tokens"]:
-                    # a shard ends only after a whole chunk: the resume point is a byte offset
-                    self._flush(k + (offset >= entry["bytes"]), 0 if offset >= entry["bytes"] else offset)
+                    # a shard ends only after a whole chunk: the resume point is a text offset
+                    self._flush(k, offset) if ahead else self._flush(k + 1, 0)
+                lines = ahead
 
-    def _add(self, lines: list[bytes], *, first: bool, last: bool) -> None:
-        text = [line.decode("utf-8", errors="replace") for line in lines]
+    def _add(self, text: list[str], *, first: bool, last: bool) -> None:
         if self.index["docs"] == "line":
             kept = [t.rstrip("\r\n") for t in text]
             tokens, lengths = self.tokenizer.encode_lines([t for t in kept if t])
@@ -268,12 +409,17 @@ class _Writer:
             # a document carried over from the previous shard starts this one
             starts = np.asarray(self.starts if self.starts[:1] == [0] else [0, *self.starts], np.int64)
             tokens = np.concatenate(self.pieces).astype(self.dtype)
-            for key, write in (("tokens", tokens.tofile), ("docs", lambda f: np.save(f, starts))):
+            docs = io.BytesIO()
+            np.save(docs, starts)
+            for key, data in (("tokens", tokens), ("docs", docs.getbuffer())):
                 tmp = os.path.join(self.out, names[key] + ".tmp")
                 with open(tmp, "wb") as f:
-                    write(f)
+                    f.write(data)
                 os.replace(tmp, os.path.join(self.out, names[key]))
-            self.index["shards"].append({**names, "num_tokens": len(tokens), "num_docs": len(starts)})
+            self.index["shards"].append({
+                **names, "num_tokens": len(tokens), "num_docs": len(starts),
+                "tokens_sha256": hashlib.sha256(tokens).hexdigest(), "tokens_sample": _sample_sha256(tokens),
+                "docs_sha256": hashlib.sha256(docs.getbuffer()).hexdigest()})
         self.pieces, self.starts, self.buffered = [], [], 0
         self.index["next"] = {"input": next_input, "offset": next_offset}
         _write_json(os.path.join(self.out, INDEX), self.index)

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from jaxpar.data.text import check_errors, read_lines
+
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 TRAINED_EOS = "<|endoftext|>"
 
@@ -129,10 +131,11 @@ class HFTokenizer(_Same):
         return self._tok.decode([int(i) for i in ids])
 
 
-def train_tokenizer(files: Sequence[str], vocab_size: int, out: str) -> HFTokenizer:
+def train_tokenizer(files: Sequence[str], vocab_size: int, out: str, *, errors: str = "strict") -> HFTokenizer:
     """Train a byte-level BPE tokenizer on ``files`` locally and save it as ``out`` (a tokenizer.json).
 
-    Its end-of-document token is ``<|endoftext|>``.
+    Its end-of-document token is ``<|endoftext|>``. The files are read as ``prepare`` reads
+    them (`jaxpar.data.text`: UTF-8, gzip decompressed, ``errors`` for undecodable bytes).
 
         >>> tok = train_tokenizer(["corpus.txt"], 512, "tokenizer.json")   # doctest: +SKIP
     """
@@ -146,7 +149,9 @@ def train_tokenizer(files: Sequence[str], vocab_size: int, out: str) -> HFTokeni
     trainer = tokenizers.trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[TRAINED_EOS], show_progress=False,
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train(list(files), trainer)
+    check_errors(errors)
+    # line by line with the line endings, as the Rust file reader of tok.train(files) feeds them
+    tok.train_from_iterator((line for f in files for line in read_lines(f, errors)), trainer)
     tok.save(out)
     return HFTokenizer(out, eos=TRAINED_EOS)
 

@@ -1,0 +1,240 @@
+"""Damaged token stores and bad inputs: every shard checked against index.json when a store opens
+(sizes before mapping, document starts, checksums), a shard changed while it is read, token ids
+outside the vocabulary, `jaxpar data verify`, binary / gzip inputs, and `data prepare`'s --out and
+OSError answers. Tiny stores (a few thousand byte tokens); nothing here compiles a model."""
+
+import doctest
+import gzip
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from jaxpar.cli import main
+from jaxpar.data import ByteTokenizer, ShardDamage, TokenLoader, TokenStore, prepare, verify_store
+from jaxpar.data import loader as loader_module
+from jaxpar.data import store as store_module
+from jaxpar.data import text as text_module
+from jaxpar.models.data import arithmetic_text
+
+SIZES = dict(docs="line", shard_tokens=1500, chunk_bytes=800, progress=False)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A store of 4 shards (and its corpus), copied by each test that damages it."""
+    root = tmp_path_factory.mktemp("damage")
+    (root / "a.txt").write_text(arithmetic_text(600, seed=2))
+    store = prepare([str(root / "a.txt")], str(root / "store"), **SIZES)
+    assert len(store.shards) >= 3
+    return root
+
+
+def _copy(built, tmp_path, name="s"):
+    return shutil.copytree(built / "store", tmp_path / name)
+
+
+def _strip_checksums(path):
+    """The index of a store prepared before checksums were recorded."""
+    index = json.loads((path / "index.json").read_text())
+    for shard in index["shards"]:
+        for key in ("tokens_sha256", "tokens_sample", "docs_sha256"):
+            shard.pop(key, None)
+    (path / "index.json").write_text(json.dumps(index))
+
+
+def _edit(path, shard, at, value):
+    tokens = np.memmap(path / f"tokens_{shard:05d}.bin", dtype=np.uint16, mode="r+")
+    tokens[at] = value
+    tokens.flush()
+    del tokens
+
+
+def test_a_truncated_or_empty_shard_is_named_before_it_is_mapped(built, tmp_path, capsys):
+    s = _copy(built, tmp_path)
+    n = TokenStore(str(s)).index["shards"][1]["num_tokens"]
+    os.truncate(s / "tokens_00001.bin", 1001)                       # odd: numpy's "not a multiple" before
+    with pytest.raises(ShardDamage, match=rf"shard 1: '{s}/tokens_00001.bin' is 1001 bytes but the index says "
+                                          rf"{n} uint16 tokens \({2 * n} bytes\)"):
+        TokenStore(str(s))
+    os.truncate(s / "tokens_00001.bin", 0)                          # empty: "cannot mmap an empty file" before
+    with pytest.raises(ShardDamage, match="tokens_00001.bin' is 0 bytes"):
+        TokenLoader(str(s), seq_len=8, global_batch=4)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {{name: llama, size: tiny}}\ndata: {{path: {s}, seq_len: 16, batch: 8}}\n"
+                   "parallel: {mesh: {data: 8}}\ntrain: {steps: 1}\n")
+    capsys.readouterr()
+    assert main(["train", "--config", str(job), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"jaxpar train: error: token store '{s}' is damaged: shard 1: '{s}/tokens_00001.bin' "
+                          "is 0 bytes") and "run 'jaxpar data prepare' again" in err
+
+
+def test_a_shard_changed_while_it_is_read_is_named_not_a_sigbus(built, tmp_path):
+    s = _copy(built, tmp_path)
+    loader = TokenLoader(str(s), seq_len=8, global_batch=4, shuffle=False, prefetch=0)
+    loader.batch(0)                                                  # rows of shard 0
+    data = (s / "tokens_00000.bin").read_bytes()
+    (s / "tokens_00000.bin").write_bytes(data + b"\0\0")              # rewritten in place, as `cp` does
+    with pytest.raises(ShardDamage, match=rf"shard 0: .*tokens_00000.bin' changed while it was being read "
+                                          rf"\({len(data)} bytes when opened, {len(data) + 2} now\)"):
+        loader.batch(0)
+    # only once the check above holds: reading this truncated map would kill pytest with SIGBUS
+    os.truncate(s / "tokens_00000.bin", 0)
+    with pytest.raises(ShardDamage, match=r"\d+ bytes when opened, 0 now"):
+        loader.batch(0)
+
+
+@pytest.mark.parametrize("packing", ["packed", "padded"])
+def test_token_ids_outside_the_vocabulary_are_refused_when_read(built, tmp_path, packing):
+    s = _copy(built, tmp_path)
+    _strip_checksums(s)            # an old store: opens, nothing on open reads every token
+    _edit(s, 0, 5, 300)            # the byte tokenizer's vocabulary is 257
+    loader = TokenLoader(str(s), seq_len=8, global_batch=4, shuffle=False, packing=packing, prefetch=0)
+    with pytest.raises(ShardDamage, match=r"shard 0: .*tokens_00000.bin' holds token id 300 at token 5, outside "
+                                          "the store's vocabulary of 257"):
+        loader.batch(0)
+    assert loader.batch(loader.batches_per_epoch - 1)["inputs"].max() < 257     # other rows still read
+    ahead = TokenLoader(str(s), seq_len=8, global_batch=4, shuffle=False, packing=packing, prefetch=2)
+    with pytest.raises(ShardDamage, match="holds token id 300"):                 # from the prefetch thread
+        next(ahead)
+    ahead.close()
+
+
+def test_checksums_are_recorded_and_checked_on_open(built, tmp_path, monkeypatch):
+    s = _copy(built, tmp_path)
+    entry = json.loads((s / "index.json").read_text())["shards"][0]
+    assert entry["tokens_sha256"] == hashlib.sha256((s / "tokens_00000.bin").read_bytes()).hexdigest()   # = sha256sum
+    assert entry["docs_sha256"] == hashlib.sha256((s / "docs_00000.npy").read_bytes()).hexdigest()
+    original = (s / "tokens_00000.bin").read_bytes()
+    _edit(s, 0, 7, 50)                                         # an id edited in the vocabulary, same size
+    with pytest.raises(ShardDamage, match=r"tokens_00000.bin' holds other tokens than the index records \(its "
+                                          "sampled SHA-256 differs\\)"):
+        TokenStore(str(s))
+    (s / "tokens_00000.bin").write_bytes(original)
+    starts = np.load(s / "docs_00000.npy")
+    starts[[1, 2]] = starts[[2, 1]]                            # document starts out of order
+    np.save(s / "docs_00000.npy", starts)
+    with pytest.raises(ShardDamage, match="docs_00000.npy' holds other document starts than the index records"):
+        TokenStore(str(s))
+    _strip_checksums(s)                                        # without checksums the order is still checked
+    with pytest.raises(ShardDamage, match="docs_00000.npy' does not hold document starts sorted from 0"):
+        TokenStore(str(s))
+    # a large shard: opening hashes a sample only; verify_store hashes every token
+    monkeypatch.setattr(store_module, "SAMPLE_BLOCKS", 2)
+    monkeypatch.setattr(store_module, "SAMPLE_BYTES", 8)
+    big = prepare([str(built / "a.txt")], str(tmp_path / "big"), **SIZES)
+    assert verify_store(big.path) == []
+    _edit(tmp_path / "big", 2, 100, 50)
+    TokenStore(big.path)                                       # the edit is outside the sample
+    (damage,) = verify_store(big.path)
+    assert damage.shard == 2 and "its SHA-256 differs" in damage.what
+
+
+def test_verify_command(built, tmp_path, capsys):
+    s = _copy(built, tmp_path)
+    assert main(["data", "verify", str(s)]) == 0
+    assert f"{s}: intact: " in capsys.readouterr().out
+    _edit(s, 0, 3, 999)
+    os.truncate(s / "tokens_00002.bin", 11)
+    assert main(["data", "verify", str(s)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and "Traceback" not in "".join(lines)
+    assert lines[0].startswith(f"jaxpar data: error: shard 0: '{s}/tokens_00000.bin' holds token id 999 at token 3")
+    assert lines[1].startswith("jaxpar data: error: shard 2: ") and "is 11 bytes" in lines[1]
+    old = _copy(built, tmp_path, "old")
+    _strip_checksums(old)
+    assert main(["data", "verify", str(old)]) == 0
+    n = len(TokenStore(str(old)).shards)
+    assert f"{old}: {n} shard(s), " in (out := capsys.readouterr().out) and f"but {n} shard(s) have no checksum" in out
+    assert main(["data", "verify", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("jaxpar data: error: no token store index at")
+
+
+class _Crash(ByteTokenizer):
+    """The byte tokenizer, failing on its n-th call: a run interrupted mid-way."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def encode_lines(self, lines):
+        self.calls -= 1
+        if self.calls < 0:
+            raise KeyboardInterrupt
+        return super().encode_lines(lines)
+
+
+def test_gzip_inputs_are_decompressed_and_resume(built, tmp_path):
+    text = (built / "a.txt").read_bytes()
+    with gzip.open(tmp_path / "a.txt.gz", "wb") as f:
+        f.write(text)
+    plain = TokenStore(str(built / "store"))
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(tmp_path / "a.txt.gz")], str(tmp_path / "gz"), _Crash(3), **SIZES)
+    assert 0 < len(json.loads((tmp_path / "gz" / "index.json").read_text())["shards"]) < len(plain.shards)
+    gz = prepare([str(tmp_path / "a.txt.gz")], str(tmp_path / "gz"), **SIZES)    # resumed at a text offset
+    assert gz.index["shards"] == plain.index["shards"]                          # the same tokens, checksums
+    tokenizers = pytest.importorskip("tokenizers")
+    assert tokenizers
+    from jaxpar.data import train_tokenizer
+
+    a = train_tokenizer([str(built / "a.txt")], 300, str(tmp_path / "a.json"))
+    b = train_tokenizer([str(tmp_path / "a.txt.gz")], 300, str(tmp_path / "b.json"))
+    assert a.sha256 == b.sha256
+
+
+def test_binary_input_is_refused_naming_the_file(built, tmp_path, capsys):
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 40)
+    (tmp_path / "latin1.txt").write_bytes("ok\ncaf\xe9\n".encode("latin-1"))
+    (tmp_path / "late.txt").write_bytes(b"fine\n" * 3000 + b"\x00\n")          # past the first 8 KiB
+    with pytest.raises(ValueError, match=r"input '.*blob.bin' is not text: a NUL byte at byte 0; .*--errors replace"):
+        prepare([str(tmp_path / "blob.bin")], str(tmp_path / "s1"), progress=False)
+    assert not (tmp_path / "s1").exists()                      # refused before anything is written
+    with pytest.raises(ValueError, match=r"latin1.txt' is not text: byte 0xe9, not UTF-8, at byte 6"):
+        prepare([str(tmp_path / "latin1.txt")], str(tmp_path / "s2"), progress=False)
+    with pytest.raises(ValueError, match=r"late.txt' is not text: a NUL byte at byte 15000"):
+        prepare([str(tmp_path / "late.txt")], str(tmp_path / "s3"), progress=False)
+    kept = prepare([str(tmp_path / "latin1.txt")], str(tmp_path / "s4"), errors="replace", progress=False)
+    assert ByteTokenizer().decode(kept.shards[0][0]) == "ok\ncaf\ufffd\n"
+    head = bytearray(gzip.compress(b"x\n" * 100000))[:200]       # a gzip file cut short
+    (tmp_path / "cut.gz").write_bytes(bytes(head))
+    with pytest.raises(ValueError, match="input '.*cut.gz' is a damaged gzip file"):
+        prepare([str(tmp_path / "cut.gz")], str(tmp_path / "s5"), progress=False)
+    capsys.readouterr()
+    assert main(["data", "prepare", str(tmp_path / "blob.bin"), "--out", str(tmp_path / "s6"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxpar data: error: input") and "blob.bin' is not text" in err and err.count("\n") == 1
+    assert main(["data", "prepare", str(tmp_path / "latin1.txt"), "--out", str(tmp_path / "s7"), "--quiet",
+                 "--errors", "replace"]) == 0
+
+
+def test_prepare_out_and_os_errors_are_one_line(built, tmp_path, capsys):
+    corpus = str(built / "a.txt")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=f"out='{tmp_path}/file' is a file; give a directory"):
+        prepare([corpus], str(tmp_path / "file"), progress=False)
+    for out, words in ((tmp_path / "file", "is a file"), (tmp_path / "file" / "sub", "which is a file")):
+        assert main(["data", "prepare", corpus, "--out", str(out), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"jaxpar data: error: --out '{out}'") and words in err and err.count("\n") == 1
+    if not os.path.exists("/dev/full"):
+        pytest.skip("needs /dev/full to fill a disk")
+    out = tmp_path / "full"
+    out.mkdir()
+    os.symlink("/dev/full", out / "tokens_00000.bin.tmp")      # the first shard lands on a full "disk"
+    args = ["data", "prepare", corpus, "--out", str(out), "--quiet", "--docs", "line", "--shard-tokens", "1500"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jaxpar data: error: stopped by the system: No space left on device")
+    assert "run the same command again" in err and err.count("\n") == 1
+    os.remove(out / "tokens_00000.bin.tmp")
+    assert main(args) == 0 and verify_store(str(out)) == []
+
+
+def test_docstring_examples_run():
+    for module in (text_module, store_module, loader_module):
+        assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0
