@@ -215,6 +215,24 @@ def _plan_job(s: SearchSettings, job, batch):
     return plan
 
 
+def _check_budget(s: SearchSettings, job) -> None:
+    """Refuse a budget no option can fit (`jaxpar.auto.planner.check_memory_floor`) before the
+    job's model is built: the floor needs only its parameters' shapes, and the model with
+    scanned layers has the same parameters, stacked, and builds abstractly at once (unrolled,
+    flax takes minutes for a deep model)."""
+    from flax import nnx
+
+    from jaxpar.auto import CostParams
+    from jaxpar.auto.planner import check_memory_floor
+    from jaxpar.models.data import ArithmeticData
+    from jaxpar.models.gpt import GPT
+
+    abstract = nnx.eval_shape(lambda: GPT(dataclasses.replace(job.model, scan_layers=True), rngs=nnx.Rngs(0)))
+    batch = ArithmeticData(job.model.seq_len, seed=job.seed).batch(job.batch, 0)
+    check_memory_floor(abstract, batch, devices=len(job.devices), memory_budget=s.memory_budget,
+                       params=s.costs or CostParams())
+
+
 def _save_job(plan_out: str, plan) -> None:
     import json
     import os
@@ -230,6 +248,8 @@ def run_plan_search(s: SearchSettings, job, build_job) -> int:
     from jaxpar.auto import search
     from jaxpar.models.gpt import loss_fn
 
+    if s.memory_budget is not None:
+        _check_budget(s, job)
     mesh, trainer, data = build_job(job)
     batch = data.batch(job.batch, 0)
     if s.memory_budget is not None:

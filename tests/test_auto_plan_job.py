@@ -2,6 +2,8 @@
 trained to the one-device losses."""
 
 import dataclasses
+import math
+import time
 
 import jax
 import numpy as np
@@ -14,6 +16,7 @@ from helpers import COSTS, MEGATRON, batches
 from jaxpar.auto import build_graph, plan_job
 from jaxpar.auto.assign import hand_strategy
 from jaxpar.auto.cost import evaluate
+from jaxpar.auto.planner import memory_floor
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss
 from jaxpar.report import memory
 from jaxpar.train import compile_step
@@ -138,6 +141,7 @@ def test_planner_chooses_recompute_to_fit_and_trains_like_one_device(one_device)
                   grad_accum=(1,), remat=("none", "full", "dots_saveable"))
     free = plan_job(gpt_fn(), loss_fn, batch, memory_budget=1e12, dry_run=False, **common)
     by = {o.remat: o for o in free.candidates}
+    assert by["full"].memory_bytes >= memory_floor(nnx.eval_shape(gpt_fn()), batch, 8, COSTS)[0]
     assert by["none"].time_s < by["dots_saveable"].time_s < by["full"].time_s
     assert by["full"].memory_bytes < by["dots_saveable"].memory_bytes < by["none"].memory_bytes
     budget = (by["full"].memory_bytes + by["dots_saveable"].memory_bytes) / 2 * 1.05
@@ -158,6 +162,7 @@ def test_planner_chooses_pipeline_stages_to_fit_and_trains_like_one_device(one_d
     free = plan_job(gpt_fn(), pipeline_loss(), batch, memory_budget=1e12, dry_run=False, **common)
     flat = min(o.memory_bytes for o in free.candidates if not o.pipeline)
     piped = min(o.memory_bytes for o in free.candidates if o.pipeline)
+    assert piped >= memory_floor(nnx.eval_shape(gpt_fn()), batch, 8, COSTS)[0]     # the floor bounds every option
     budget = 1.3 * piped
     assert budget < flat                                   # nothing unpipelined fits
     job = plan_job(gpt_fn(), pipeline_loss(), batch, memory_budget=budget, dry_run=compile_step, **common)
@@ -220,3 +225,32 @@ def test_planner_errors_name_the_fix():
     with pytest.raises(ValueError, match="do not divide into 8 stages"):
         plan_job(gpt_fn(), pipeline_loss(), batch, devices=8, memory_budget=1e9, pipeline_stages=(8,),
                  dry_run=False)
+
+
+def test_a_budget_below_the_floor_is_refused_at_once():
+    """No option can hold the parameters, their optimizer states and the batch in less than
+    their bytes spread over every device: such a budget is refused before any search."""
+    deep = dataclasses.replace(SCANNED, layers=64)
+    batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
+    floor, weights, rows = memory_floor(nnx.eval_shape(gpt_fn(deep)), batch, 8, COSTS)
+    assert weights > 64 * 4 * 64 * 64 * 4 and floor == math.ceil((3 * weights + rows) / 8)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=rf"memory budget of 1,000,000 B per device on 8 devices.* at least "
+                                         rf"{floor:,} B per device .*above {floor:,} B, plan for at least "
+                                         rf"{math.ceil((3 * weights + rows) / 1e6)} devices"):
+        plan_job(gpt_fn(deep), loss_fn, batch, devices=8, memory_budget=1e6, cost_params=COSTS,
+                 pipeline_stages=(1, 2, 4), pipeline_loss=pipeline_loss(), dry_run=compile_step)
+    assert time.perf_counter() - start < 5          # the search it replaces took minutes
+
+
+def test_jaxpar_plan_refuses_a_hopeless_budget_before_building_the_model(capsys):
+    """`jaxpar plan --search`: 64 unrolled layers in 1 MB per device. Building the model first
+    (flax traces a deep unrolled init in minutes) would come before any refusal."""
+    from jaxpar.cli import main
+
+    start = time.perf_counter()
+    assert main(["plan", "--layers", "64", "--search", "dynamic_programming", "--memory-budget", "1e6"]) == 2
+    err = capsys.readouterr().err
+    assert time.perf_counter() - start < 5
+    assert "memory budget of 1,000,000 B per device on 8 devices" in err and "Traceback" not in err, err
+    assert "(memory_budget, --memory-budget) above 4,781,248 B, plan for at least 39 devices" in err, err

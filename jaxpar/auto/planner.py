@@ -286,10 +286,17 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
     builders = {r: _with_remat(model_fn, r, remat) for r in remat}
 
     @functools.cache
+    def abstract(policy: str):
+        return nnx.eval_shape(builders[policy])
+
+    # every policy has the same parameters: a budget below the floor is refused before any search
+    check_memory_floor(abstract(remat[0]), batch, devices=devices, memory_budget=memory_budget, params=params)
+
+    @functools.cache
     def model_names(policy: str) -> set[str]:
-        return declared_names(base, nnx.state(nnx.eval_shape(builders[policy]), nnx.Param))
+        return declared_names(base, nnx.state(abstract(policy), nnx.Param))
     if 1 in pipeline_stages:
-        options += plain_options(JobOption, lambda policy: nnx.eval_shape(builders[policy]), loss_fn, batch, base,
+        options += plain_options(JobOption, abstract, loss_fn, batch, base,
                                  shapes, devices=devices, context=context, strategies=strategies, remat=remat,
                                  grad_accum=grad_accum, zero_levels=zero_levels, search_name=search_name,
                                  params=params, memory_budget=memory_budget, plans=_plans, progress=progress,
@@ -339,6 +346,38 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
                          "pipeline_stages")
     done.sort(key=lambda o: o.time_s)
     return JobPlan(chosen, config, tuple(done), report, memory_budget)
+
+
+def memory_floor(abstract, batch, devices: int, params: CostParams) -> tuple[int, int, int]:
+    """``(floor, parameter bytes, batch bytes)``: the fewest bytes per device any option can be
+    priced at. Every option holds the parameters with their ``optimizer_states`` and the step's
+    batch, at best split evenly over all ``devices`` (every mesh axis, ZeRO 3, a pipeline
+    stage's share); activations and gradients only add to that.
+
+    >>> memory_floor(nnx.eval_shape(model_fn), batch, 8, CostParams())[0]    # doctest: +SKIP
+    """
+    from flax import nnx
+
+    def nbytes(tree) -> int:
+        return sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+    weights, rows = nbytes(nnx.state(abstract, nnx.Param)), nbytes(batch)
+    return math.ceil((weights * (1 + params.optimizer_states) + rows) / devices), weights, rows
+
+
+def check_memory_floor(abstract, batch, *, devices: int, memory_budget: float, params: CostParams) -> None:
+    """Refuse a budget below `memory_floor` with a ``ValueError`` naming the budget, the floor
+    and what to change: no option could fit it, and pricing them all first takes minutes."""
+    floor, weights, rows = memory_floor(abstract, batch, devices, params)
+    if floor <= memory_budget:
+        return
+    fewest = math.ceil((weights * (1 + params.optimizer_states) + rows) / memory_budget)
+    raise ValueError(
+        f"plan_job: nothing can fit a memory budget of {memory_budget:,.0f} B per device on {devices} devices: the "
+        f"parameters ({weights:,} B) with {params.optimizer_states} optimizer state(s) each and the batch "
+        f"({rows:,} B) need at least {floor:,} B per device even split evenly over all {devices} devices, before "
+        f"any activation or gradient. Raise the budget (memory_budget, --memory-budget) above {floor:,} B, plan "
+        f"for at least {fewest} devices, or plan a smaller model or batch")
 
 
 def _plans(graph, loss_fn, batch, base, shape, search_name, params, memory_budget) -> list[Plan]:
