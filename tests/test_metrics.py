@@ -16,7 +16,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.metrics import MetricsConfig, MetricsLogger, check_profile_steps, read_jsonl, tensorboard_tag
-from jaxpar.models.gpt import GPT, loss_fn
+from jaxpar.models.gpt import GPT, gpt_flops_per_token, loss_fn
 from jaxpar.report import flops, memory
 from helpers import MEGATRON, TINY, batches
 
@@ -53,8 +53,11 @@ def test_jsonl_holds_the_logged_steps(run):
         assert r["grad_norm"] == pytest.approx(np.mean([h[s]["grad_norm"] for s in windows[r["step"]]]), rel=1e-6)
         assert r["lr"] == pytest.approx(float(SCHEDULE(r["step"] - 1)))      # the lr the step's update used
         assert r["tokens_per_s"] == pytest.approx(BATCH * TINY.seq_len / r["step_time_s"])
-        step_flops = flops(run["compiled"]) * 8
-        assert r["mfu"] == pytest.approx(step_flops / (r["step_time_s"] * PEAK * 8))
+        model_flops = gpt_flops_per_token(TINY, TINY.seq_len) * BATCH * TINY.seq_len   # MFU: model FLOPs
+        assert r["mfu"] == pytest.approx(model_flops / (r["step_time_s"] * PEAK * 8))
+        hardware_flops = flops(run["compiled"]) * 8                                 # HFU: what XLA counts
+        assert r["hfu"] == pytest.approx(hardware_flops / (r["step_time_s"] * PEAK * 8))
+    assert train[0]["mfu_source"] == "model" and train[0]["flops_per_step"] == pytest.approx(model_flops)
     m = memory(run["compiled"])
     assert train[0]["memory_temp_bytes"] == m.temp_bytes and train[0]["memory_total_bytes"] == m.total
     assert not any(k.startswith("memory_") for r in train[1:] for k in r)         # read once

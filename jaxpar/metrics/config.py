@@ -33,6 +33,10 @@ class MetricsConfig:
     ``lr`` is read from an ``optax.inject_hyperparams`` state when there is one."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device for the dtype trained in, for MFU (None: MFU is not logged)."""
+    flops_per_token: float | None = None
+    """Model FLOPs of one training step per token (forward + backward), for MFU. None: the
+    model's own ``flops_per_token(seq_len)`` (the Llama and GPT models have one), else the
+    FLOPs XLA counts for the compiled step, logged with ``mfu_source: "xla"``."""
     tokens_per_example: int | None = None
     """Tokens in one example, for tokens/s. None: the second dimension of the batch's first
     integer array with two or more dimensions (token ids ``(batch, seq)``), else 1."""
@@ -50,6 +54,8 @@ class MetricsConfig:
             _positive_number("learning_rate", lr, allow_zero=True)
         if self.peak_flops is not None:
             _positive_number("peak_flops", self.peak_flops)
+        if self.flops_per_token is not None:
+            _positive_number("flops_per_token", self.flops_per_token)
         if self.tokens_per_example is not None:
             _positive_int("tokens_per_example", self.tokens_per_example)
 

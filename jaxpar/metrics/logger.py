@@ -9,7 +9,7 @@ in between, so the host keeps dispatching steps ahead of the device.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -53,15 +53,19 @@ def examples_per_step(batch: Any) -> int:
     return int(np.shape(leaves[0])[0]) if leaves and np.ndim(leaves[0]) else 1
 
 
-def progress_text(loss: float, tokens_per_s: float | None) -> str:
-    """What the progress bar shows beside the bar (the ETA is its own column).
+def progress_text(loss: float, tokens_per_s: float | None, mfu: float | None = None) -> str:
+    """What the progress bar shows beside the bar (the ETA is its own column); ``mfu`` from
+    model FLOPs, when a peak is known.
 
     Example:
       >>> progress_text(2.3456, 12345.6)
       'loss 2.3456 | 12,346 tok/s'
+      >>> progress_text(2.3456, 12345.6, 0.4123)
+      'loss 2.3456 | 12,346 tok/s | MFU 41.2%'
     """
     speed = f" | {tokens_per_s:,.0f} tok/s" if tokens_per_s else ""
-    return f"loss {loss:.4f}{speed}"
+    util = f" | MFU {mfu:.1%}" if mfu is not None else ""
+    return f"loss {loss:.4f}{speed}{util}"
 
 
 class MetricsLogger:
@@ -78,27 +82,45 @@ class MetricsLogger:
         self._writing = (jax.process_index() if process_index is None else process_index) == 0
         self.writers: list[Any] | None = None       # opened at the first start() or write()
         self.tokens_per_step: int | None = None
-        self.flops_per_step: float | None = None     # all devices together
+        self.flops_per_step: float | None = None     # model FLOPs (or XLA's, see mfu_source), all devices
+        self.xla_flops_per_step: float | None = None # what XLA counts for the compiled step, all devices
+        self.mfu_source: str | None = None           # "given", "model" or "xla"
         self._num_devices = 1
         self._once: dict[str, float] = {}            # logged with the first record only
 
-    def start(self, compiled: jax.stages.Compiled, batch: Any, *, num_devices: int, resumed: bool = False) -> None:
+    def start(self, compiled: jax.stages.Compiled, batch: Any, *, num_devices: int, resumed: bool = False,
+              model_flops_per_token: Callable[[int], float] | None = None) -> None:
         """Read the compiled step's memory and FLOPs, and the tokens of a batch: once per run.
-        Opens the writers: ``metrics.jsonl`` anew, or appended to when the run was ``resumed``."""
+        Opens the writers: ``metrics.jsonl`` anew, or appended to when the run was ``resumed``.
+
+        MFU is computed from model FLOPs: ``MetricsConfig.flops_per_token`` when given, else
+        ``model_flops_per_token(seq_len)`` (the model's own closed form, e.g.
+        ``Llama.flops_per_token``), else — labelled ``mfu_source: "xla"`` — the FLOPs XLA counts
+        for the compiled step. XLA's count misses library calls (cuBLAS, cuDNN) and counts a
+        ``scan`` body once, so beside model FLOPs it is logged only as ``hfu`` (hardware FLOPs
+        utilisation)."""
         self._open(append=resumed)
         per_example = self.config.tokens_per_example or tokens_per_example(batch)
         self.tokens_per_step = examples_per_step(batch) * per_example
         self._num_devices = num_devices
         try:
-            self.flops_per_step = flops(compiled) * num_devices
-        except ValueError:          # a backend without a cost analysis: no MFU, not a failure
-            self.flops_per_step = None
+            self.xla_flops_per_step = flops(compiled) * num_devices
+        except ValueError:          # a backend without a cost analysis: no HFU, not a failure
+            self.xla_flops_per_step = None
+        per_token, self.mfu_source = self.config.flops_per_token, "given"
+        if per_token is None and model_flops_per_token is not None:
+            per_token, self.mfu_source = float(model_flops_per_token(per_example)), "model"
+        if per_token is not None:
+            self.flops_per_step = per_token * self.tokens_per_step
+        else:
+            self.flops_per_step, self.mfu_source = self.xla_flops_per_step, "xla"
+        self._once = {"mfu_source": self.mfu_source, "flops_per_step": self.flops_per_step}
         try:
             m = memory(compiled)
         except ValueError:
             return
-        self._once = {"memory_argument_bytes": m.argument_bytes, "memory_output_bytes": m.output_bytes,
-                      "memory_temp_bytes": m.temp_bytes, "memory_total_bytes": m.total}
+        self._once |= {"memory_argument_bytes": m.argument_bytes, "memory_output_bytes": m.output_bytes,
+                       "memory_temp_bytes": m.temp_bytes, "memory_total_bytes": m.total}
 
     def scalars(self, step: int, records: Sequence[Mapping[str, float]], window_s: float,
                 opt_state: Any = None) -> dict[str, float | None]:
@@ -113,6 +135,8 @@ class MetricsLogger:
         }
         out["tokens_per_s"] = self.tokens_per_step * n / window_s if self.tokens_per_step and window_s > 0 else None
         out["mfu"] = self.mfu(window_s / n)
+        if self.mfu_source != "xla":
+            out["hfu"] = self.mfu(window_s / n, self.xla_flops_per_step)
         out.update(self._once)
         self._once = {}
         stats = jax.local_devices()[0].memory_stats() or {}     # None on CPU
@@ -157,12 +181,14 @@ class MetricsLogger:
                 return float(read(node.hyperparams["learning_rate"]))
         return None
 
-    def mfu(self, step_time_s: float) -> float | None:
-        """Model FLOPs utilisation of a step that took ``step_time_s``; None without a peak."""
+    def mfu(self, step_time_s: float, flops_per_step: float | None = None) -> float | None:
+        """Model FLOPs utilisation of a step that took ``step_time_s`` (``flops_per_step``: another
+        count, e.g. XLA's for HFU); None without a peak."""
         peak = self.config.peak_flops
-        if peak is None or not self.flops_per_step or step_time_s <= 0:
+        flops_per_step = self.flops_per_step if flops_per_step is None else flops_per_step
+        if peak is None or not flops_per_step or step_time_s <= 0:
             return None
-        return self.flops_per_step / (step_time_s * peak * self._num_devices)
+        return flops_per_step / (step_time_s * peak * self._num_devices)
 
     def close(self) -> None:
         for w in self.writers or ():

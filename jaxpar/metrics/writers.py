@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 # TensorBoard groups tags by their prefix; JSON lines keep the plain keys.
-PERF = ("step_time_s", "tokens_per_s", "mfu")
+PERF = ("step_time_s", "tokens_per_s", "mfu", "hfu", "flops_per_step")
 
 
 def tensorboard_tag(key: str) -> str:
@@ -73,7 +73,8 @@ class TensorBoardWriter:
 
     def write(self, step: int, scalars: Mapping[str, float | None]) -> None:
         values = [self._summary.Value(tag=tensorboard_tag(k), simple_value=float(v))
-                  for k, v in scalars.items() if v is not None and math.isfinite(v)]
+                  for k, v in scalars.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
         if values:
             self._writer.add_event(self._event(wall_time=time.time(), step=int(step),
                                                summary=self._summary(value=values)))
@@ -103,7 +104,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def _json_value(v: Any) -> Any:
-    if v is None:
-        return None
+    if v is None or isinstance(v, str):
+        return v
     v = float(v)
     return v if math.isfinite(v) else str(v)      # JSON has no nan/inf; keep them readable

@@ -179,9 +179,35 @@ class GPT(nnx.Module):
     def logits(self, x):
         return self.ln_f(x) @ self.head[...]
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per token of a training step (`gpt_flops_per_token`): what
+        ``jaxpar.Trainer`` logs MFU from."""
+        return gpt_flops_per_token(self.cfg, seq_len)
+
     def __call__(self, tokens, positions=None):
         """Logits [B, S, vocab]; ``positions`` [B, S] when the tokens were reordered (context parallel)."""
         return self.logits(self.run_blocks(self.embed(tokens, positions), positions))
+
+
+def gpt_flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
+    """Model FLOPs per token of one training step (forward + backward = 3 × forward): 6 per weight
+    a token multiplies by — q, k, v and output projections, the MLP (an MoE layer's router,
+    shared experts and ``top_k`` routed experts: the active ones) and the head; not the
+    embedding tables (lookups) nor norms and biases — plus causal attention's scores and
+    values, ``6 · layers · seq · embed`` (PaLM's 12, halved by the causal mask).
+
+    >>> gpt_flops_per_token(GPTConfig(vocab_size=16, seq_len=8, embed=32, heads=4, mlp=64, layers=2))
+    104448.0
+    """
+    seq = cfg.seq_len if seq_len is None else seq_len
+    e = cfg.embed
+    if cfg.moe is None:
+        mlp = 2 * e * cfg.mlp
+    else:
+        f = cfg.moe.expert_mlp or cfg.mlp
+        mlp = e * cfg.moe.experts + 3 * e * f * (cfg.moe.top_k + cfg.moe.shared_experts)
+    matmul = cfg.layers * (4 * e * cfg.heads * cfg.head_dim + mlp) + e * cfg.vocab_size
+    return 6.0 * matmul + 6.0 * cfg.layers * seq * cfg.heads * cfg.head_dim
 
 
 def loss_fn(model: GPT, batch: dict) -> jax.Array:

@@ -71,6 +71,16 @@ def _rotate(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Array:
     return out.astype(x.dtype)
 
 
+def _positions(x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None) -> jax.Array:
+    """The tokens' positions: given (a reordered sequence), restarting at every segment
+    (packed), or ``0..S-1`` per row."""
+    if positions is not None:
+        return positions
+    if segment_ids is not None:
+        return segment_positions(segment_ids)
+    return jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+
+
 def segment_positions(segment_ids: jax.Array) -> jax.Array:
     """Position of each token inside its segment: packed sequences restart at 0.
 
@@ -279,9 +289,7 @@ class Llama(nnx.Module):
         return self.constrain(x, ("batch", "length", "embed"))
 
     def run_blocks(self, x, segment_ids=None, positions=None):
-        if positions is None:
-            positions = (jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2]) if segment_ids is None
-                         else segment_positions(segment_ids))
+        positions = _positions(x, segment_ids, positions)
         block_fn = _remat(lambda block, h: block(h, positions, segment_ids, self.constrain), self.cfg.remat)
         if self.cfg.scan_layers:
             @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
@@ -296,6 +304,11 @@ class Llama(nnx.Module):
     def logits(self, x):
         return _logits(self.norm, self.embedding if self.head is None else self.head, x,
                        tied=self.head is None, constrain=self.constrain)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per token of a training step on sequences of ``seq_len`` (causal attention,
+        active experts only): what ``jaxpar.Trainer`` logs MFU from (`flops_per_token`)."""
+        return flops_per_token(self.cfg, seq_len)
 
     def __call__(self, tokens, segment_ids=None, positions=None):
         """Logits [B, S, vocab] in fp32 for token ids [B, S]; ``positions`` [B, S] (default: from
@@ -349,11 +362,8 @@ def _block_call(model: Llama):
     constrain = model.constrain
 
     def call(block, h, batch):
-        segment_ids, positions = batch.get("segment_ids"), batch.get("positions")
-        if positions is None:
-            positions = (jnp.broadcast_to(jnp.arange(h.shape[1]), h.shape[:2]) if segment_ids is None
-                         else segment_positions(segment_ids))
-        return block(h, positions, segment_ids, constrain)
+        segment_ids = batch.get("segment_ids")
+        return block(h, _positions(h, segment_ids, batch.get("positions")), segment_ids, constrain)
 
     return call
 

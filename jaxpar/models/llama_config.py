@@ -198,21 +198,38 @@ def _mlp_params(cfg: LlamaConfig, layer: int) -> int:
     return cfg.embed * moe.experts + 3 * cfg.embed * f * (moe.experts + moe.shared_experts)   # router, experts
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> float:
-    """Training FLOPs per token (forward + backward = 3 × forward): 6 per matmul parameter plus
-    the attention scores, 6 · layers · seq · heads · head_dim (causal halves the 12). MoE layers
-    count their router, shared experts and ``top_k`` routed experts (the active parameters).
+def matmul_params(cfg: LlamaConfig) -> int:
+    """Weights one token's forward multiplies by: the attention and MLP matrices of every layer
+    plus the output head (the tied table when tied). Not the input table (a lookup) nor the
+    RMSNorm scales. An MoE layer counts its router, its shared experts and ``top_k`` routed
+    experts: the active parameters, not every expert.
 
-    >>> flops_per_token(LlamaConfig.named("tiny")) > 6 * param_count(LlamaConfig.named("tiny")) / 2
-    True
+    >>> matmul_params(LlamaConfig.named("tiny"))     # 2 * (32*32*2 + 32*16*2 + 3*32*64) + 32*64
+    20480
     """
-    seq = seq_len or cfg.max_seq_len
-    # the input table is a lookup, not a matmul (when tied, its one copy is the head's matmul)
-    matmul_params = param_count(cfg) - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed)
-    if cfg.moe is not None:   # a token runs top_k of the routed experts, not all of them
-        idle = 3 * cfg.embed * (cfg.moe.expert_mlp or cfg.mlp) * (cfg.moe.experts - cfg.moe.top_k)
-        matmul_params -= idle * sum(cfg.is_moe(i) for i in range(cfg.layers))
-    return 6.0 * matmul_params + 6.0 * cfg.layers * seq * cfg.heads * cfg.head_dim
+    e, d = cfg.embed, cfg.head_dim
+    attention = 2 * e * cfg.heads * d + 2 * e * cfg.kv_heads * d        # wq, wo; wk, wv
+    mlps = 0
+    for layer in range(cfg.layers):
+        if cfg.is_moe(layer):
+            moe, f = cfg.moe, cfg.moe.expert_mlp or cfg.mlp
+            mlps += e * moe.experts + 3 * e * f * (moe.top_k + moe.shared_experts)
+        else:
+            mlps += 3 * e * cfg.mlp
+    return cfg.layers * attention + mlps + cfg.vocab_size * e
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int | None = None) -> float:
+    """Model FLOPs per token of one training step (forward + backward = 3 × forward, 2 FLOPs per
+    multiply-add): ``6 · matmul_params`` plus causal attention's ``Q·Kᵀ`` and ``P·V``,
+    ``6 · layers · seq · heads · head_dim`` (PaLM's 12, halved by the causal mask, as MaxText
+    counts it). MoE layers count their active experts only (`matmul_params`).
+
+    >>> flops_per_token(LlamaConfig.named("tiny"), 16)    # 6 * 20480 + 6 * 2 * 16 * 4 * 8
+    129024.0
+    """
+    seq = cfg.max_seq_len if seq_len is None else seq_len
+    return 6.0 * matmul_params(cfg) + 6.0 * cfg.layers * seq * cfg.heads * cfg.head_dim
 
 
 _DIGITS = {"B": 2, "M": 1, "K": 1, "": 0}

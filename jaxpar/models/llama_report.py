@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxpar.config import ParallelConfig
-from jaxpar.models.llama_config import LlamaConfig, describe, param_count
+from jaxpar.models.llama_config import LlamaConfig, describe, matmul_params, param_count
 from jaxpar.plan.train_plan import TrainPlan
 from jaxpar.report import MemoryEstimate, MemoryReport, Throughput, estimate_memory, format_bytes, format_memory
 from jaxpar.report import throughput as measure_throughput
@@ -63,17 +63,6 @@ class FlopsPerToken:
 
     def summary(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"total": self.total}
-
-
-def matmul_params(cfg: LlamaConfig) -> int:
-    """Weights used in matmuls: attention and MLP matrices of every layer plus the output head.
-
-    >>> matmul_params(LlamaConfig.named("tiny"))     # 2 * (32*32*2 + 32*16*2 + 3*32*64) + 32*64
-    20480
-    """
-    e, d = cfg.embed, cfg.head_dim
-    per_layer = 2 * e * cfg.heads * d + 2 * e * cfg.kv_heads * d + 3 * e * cfg.mlp
-    return cfg.layers * per_layer + cfg.vocab_size * e
 
 
 def llama_flops_per_token(cfg: LlamaConfig, seq_len: int | None = None, *, count: str = "matmul") -> FlopsPerToken:

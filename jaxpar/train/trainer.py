@@ -95,9 +95,16 @@ class Trainer:
         self._config = config
         self.plan: TrainPlan | None = plan
         self.searched = None          # the strategy search's `jaxpar.auto.Plan`, in mode "auto"
-        self._state: TrainState | None = None
+        # The state lives as a flat list of device arrays between steps: the compiled step takes
+        # and returns that list, so a step re-wraps no pytree node on the host. The TrainState
+        # object is rebuilt only when something reads it (`_state`).
+        self._leaves: list | None = None
+        self._treedef = None
+        self._data: dict = {}         # the data position (host metadata; never traced)
+        self._state_view: TrainState | None = None
         self._steps = 0               # host mirror of state.step: the loop never waits on the device
         self._compiled: dict[Any, Any] = {}
+        self._flops_per_token = getattr(model, "flops_per_token", None)   # model FLOPs for MFU
         self._nonfinite = nonfinite
         self._finite: list[tuple[int, Any]] = []   # (step, device flag) not yet read
         self.skipped_steps: list[int] = []
@@ -142,28 +149,76 @@ class Trainer:
         self._state = state
         self._steps = int(state.step)
 
+    @property
+    def _state(self) -> TrainState | None:
+        if self._state_view is None and self._leaves is not None:
+            self._state_view = jax.tree.unflatten(self._treedef, self._leaves).attach(self._data)
+        return self._state_view
+
+    @_state.setter
+    def _state(self, state: TrainState) -> None:
+        detached, _ = state.detach()
+        leaves, treedef = jax.tree.flatten(detached)
+        if self._treedef is not None and treedef != self._treedef:
+            self._compiled.clear()      # another tree (a restore into new leaves): compile anew
+        self._leaves, self._treedef, self._data, self._state_view = leaves, treedef, state.data, state
+
     # ------------------------------------------------------------------ compiling
-    def _jitted(self, batch, kind: str = "train"):
-        """The compiled step (or evaluation) for batches shaped like ``batch``."""
+    def _program(self, batch, kind: str = "train") -> "_Program":
+        """The compiled step (or evaluation) for batches shaped like ``batch``, with its batch
+        shardings: everything a step needs that depends only on the batch's shapes is found
+        once per shape, not once per step."""
         leaves, treedef = jax.tree.flatten(batch)
-        key = (kind, treedef, tuple((x.shape, x.dtype) for x in leaves))
-        if key not in self._compiled:
-            batch = self._global_view(batch)
-            shardings = state_shardings(self.plan, self.mesh, self._state)
-            b_sh = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.plan.batch_specs(batch),
-                                is_leaf=lambda x: isinstance(x, PartitionSpec))
-            if kind == "train":
-                fn = jax.jit(
-                    self._checking_rules(build_step(self._setting(), self.loss_fn, self.tx, batch,
-                                                    skip_nonfinite=self._nonfinite == "skip")),
-                    in_shardings=(shardings, b_sh), out_shardings=(shardings, None),
-                    donate_argnums=(0,) if self._donate else (),
-                    compiler_options=fusion.compiler_options(self.plan.config.comm_fusion,
-                                                             self.mesh.devices.flat[0].platform) or None)
-            else:
-                fn = jax.jit(build_eval(self._setting(), self.loss_fn, batch), in_shardings=(shardings, b_sh))
-            self._compiled[key] = fn
-        return self._compiled[key]
+        key = (kind, treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves))
+        program = self._compiled.get(key)
+        if program is None:
+            check_batch(batch)
+            if self._pending is not None:
+                self._setup(batch)
+            program = self._compiled[key] = self._build(batch, kind, treedef)
+        return program
+
+    def _build(self, batch, kind: str, batch_def) -> "_Program":
+        shapes = self._global_view(batch)
+        fast = jax.process_count() == 1 and self.plan.config.context is None
+        b_sh = jax.tree.leaves(jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.plan.batch_specs(shapes),
+                                            is_leaf=lambda x: isinstance(x, PartitionSpec)))
+        s_sh = jax.tree.leaves(state_shardings(self.plan, self.mesh, self._state.detach()[0]),
+                               is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        state_def = self._treedef
+        if kind == "train":
+            step = self._checking_rules(build_step(self._setting(), self.loss_fn, self.tx, shapes,
+                                                   skip_nonfinite=self._nonfinite == "skip"))
+
+            def flat_step(state_leaves, batch_leaves):
+                state, metrics = step(jax.tree.unflatten(state_def, state_leaves),
+                                      jax.tree.unflatten(batch_def, batch_leaves))
+                return state_def.flatten_up_to(state), metrics
+
+            fn = jax.jit(flat_step, in_shardings=(s_sh, b_sh), out_shardings=(s_sh, None),
+                         donate_argnums=(0,) if self._donate else (),
+                         compiler_options=fusion.compiler_options(self.plan.config.comm_fusion,
+                                                                  self.mesh.devices.flat[0].platform) or None)
+        else:
+            evaluate = build_eval(self._setting(), self.loss_fn, shapes)
+
+            def flat_eval(state_leaves, batch_leaves):
+                return evaluate(jax.tree.unflatten(state_def, state_leaves), jax.tree.unflatten(batch_def, batch_leaves))
+
+            fn = jax.jit(flat_eval, in_shardings=(s_sh, b_sh))
+        return _Program(fn, b_sh, batch_def, fast)
+
+    def _placed(self, program: "_Program", batch) -> list:
+        """The batch's leaves for the compiled step. In one process: host (numpy) leaves as they
+        are — the step's ``in_shardings`` place them on the way in — and device arrays with one
+        batched ``device_put`` to the shardings found when the program was built. Otherwise
+        `place_batch` (process-local rows, context-parallel reordering)."""
+        if program.fast:    # host arrays go straight into the compiled step, which places them itself
+            leaves = jax.tree.leaves(batch)
+            if all(type(x) is np.ndarray for x in leaves):
+                return leaves
+            return jax.device_put(leaves, program.shardings)
+        return jax.tree.leaves(place_batch(self.plan.config, self.mesh, batch, global_batch=self.global_batch))
 
     def _checking_rules(self, step: Callable) -> Callable:
         """``step`` that, while it is traced, records the rules its activation constraints consult
@@ -182,31 +237,39 @@ class Trainer:
     # ------------------------------------------------------------------ running
     def place(self, batch):
         """Put a host batch on the mesh by ``dataset_strategy``."""
-        check_batch(batch)
-        if self._pending is not None:
-            self._setup(batch)
-        return place_batch(self.plan.config, self.mesh, batch, global_batch=self.global_batch)
+        program = self._program(batch)
+        if program.fast:
+            return jax.tree.unflatten(program.batch_def, jax.device_put(jax.tree.leaves(batch), program.shardings))
+        return jax.tree.unflatten(program.batch_def, self._placed(program, batch))
 
     def step(self, batch) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns metrics (``"loss"``, ``"grad_norm"``, ...) as
-        device arrays: reading one (``float(m["loss"])``) waits for the step, nothing else does."""
-        placed = self.place(batch)
-        state, token = self._state.detach()
+        device arrays: reading one (``float(m["loss"])``) waits for the step, nothing else does.
+
+        The per-step host path is kept thin (a step is dispatched in about the time of a
+        hand-written ``jax.jit`` loop): the compiled program and the batch shardings are found
+        once per batch shape, the batch is placed with one ``device_put``, the state passes as
+        a flat list of arrays. The guards stay, each a flag test: non-finite flags are read in
+        bulk (every 100 steps, before saves, at logging), preemption is a flag set by SIGTERM,
+        a checkpoint's due step is an integer comparison."""
+        program = self._program(batch)
+        placed = self._placed(program, batch)
+        step = self._steps + 1
         if self._profile is not None:
-            self._profile.before(self._steps + 1)
-            with self._profile.annotate(self._steps + 1):
-                state, metrics = self._jitted(placed)(state, placed)
-            self._profile.after(self._steps + 1, metrics)
+            self._profile.before(step)
+            with self._profile.annotate(step):
+                self._leaves, metrics = program.fn(self._leaves, placed)
+            self._profile.after(step, metrics)
         else:
-            state, metrics = self._jitted(placed)(state, placed)
-        self._state = state.attach(token)
-        self._steps += 1
-        self._finite.append((self._steps, metrics["finite"]))
-        if self._preemption is not None and self._preemption.reached(self._steps):
+            self._leaves, metrics = program.fn(self._leaves, placed)
+        self._state_view = None
+        self._steps = step
+        self._finite.append((step, metrics["finite"]))
+        if self._preemption is not None and self._preemption.reached(step):
             self._save_and_exit()
         if len(self._finite) >= 100:
             self.check_finite()
-        if self.checkpointer is not None and self.checkpointer.due(self._steps):
+        if self.checkpointer is not None and self.checkpointer.due(step):
             self.check_finite()          # a step that did not update must not pass silently into a save
             self.checkpointer.maybe_save(self)
         return metrics
@@ -223,7 +286,7 @@ class Trainer:
         """Read the finite flags of the steps since the last read (one wait); see ``nonfinite``."""
         if not self._finite:
             return
-        flags = read([f for _, f in self._finite])
+        flags = read(_stacked([f for _, f in self._finite]))[:len(self._finite)]
         bad = [step for (step, _), ok in zip(self._finite, flags) if not ok]
         self._finite.clear()
         if not bad:
@@ -238,13 +301,13 @@ class Trainer:
 
     def lower(self, batch) -> jax.stages.Lowered:
         """The lowered step for ``batch`` (``.compile()`` gives the program for reports)."""
-        placed = self.place(batch)
-        return self._jitted(placed).lower(self._state.detach()[0], placed)
+        program = self._program(batch)
+        return program.fn.lower(self._leaves, self._placed(program, batch))
 
     def lower_eval(self, batch) -> jax.stages.Lowered:
         """The lowered evaluation for ``batch`` (what ``evaluate`` runs), for reports."""
-        placed = self.place(batch)
-        return self._jitted(placed, "eval").lower(self._state.detach()[0], placed)
+        program = self._program(batch, "eval")
+        return program.fn.lower(self._leaves, self._placed(program, batch))
 
     def lower_grads(self, batch) -> jax.stages.Lowered:
         """The step up to the update for ``batch``: its outputs are the gradients as the update
@@ -266,8 +329,8 @@ class Trainer:
         for i, batch in enumerate(batches):
             if steps is not None and i >= steps:
                 break
-            placed = self.place(batch)
-            total += float(self._jitted(placed, "eval")(self._state.detach()[0], placed))
+            program = self._program(batch, "eval")
+            total += float(program.fn(self._leaves, self._placed(program, batch)))
             n += 1
         if n == 0:
             raise ValueError("Trainer.evaluate got no batches; pass an iterable with at least one batch")
@@ -320,7 +383,8 @@ class Trainer:
                     tokens = self._start_metrics(batch)
                 if (i + 1) % log_every == 0 or i == 0 or i + 1 == steps:
                     last = self._flush(pending, history, callback, last)
-                    bar.update(task, info=progress_text(history[-1]["loss"], tokens / history[-1]["time_s"]))
+                    speed = tokens / history[-1]["time_s"]
+                    bar.update(task, info=progress_text(history[-1]["loss"], speed, self._mfu(history[-1]["time_s"])))
                 bar.update(task, advance=1)
         if self.checkpointer is not None:
             self.checkpointer.wait()     # the run is over: every save started is committed
@@ -375,6 +439,12 @@ class Trainer:
         pending.clear()
         return now
 
+    def _mfu(self, step_time_s: float) -> float | None:
+        """MFU of a step that took ``step_time_s`` from model FLOPs (None without a peak)."""
+        if self._metrics is None or self._metrics.mfu_source not in ("given", "model"):
+            return None
+        return self._metrics.mfu(step_time_s)
+
     def _start_metrics(self, batch) -> int:
         """Tokens per step of ``batch``; with ``metrics``, also the compiled step's memory and
         FLOPs (read once: the step is already compiled, so this compiles nothing)."""
@@ -382,7 +452,7 @@ class Trainer:
         if self._metrics is None:
             return examples_per_step(placed) * tokens_per_example(placed)
         self._metrics.start(self.lower(batch).compile(), placed, num_devices=self.mesh.devices.size,
-                            resumed=self._steps > 1)
+                            resumed=self._steps > 1, model_flops_per_token=self._flops_per_token)
         return self._metrics.tokens_per_step
 
     # ------------------------------------------------------------------ checkpoints
@@ -464,7 +534,9 @@ class Trainer:
 
     @data_state.setter
     def data_state(self, data: dict) -> None:
-        self._state = self.state.replace(data=check_data(data))
+        self._require_setup("data_state")
+        self._data = check_data(data)          # host metadata: set every step by fit, so no re-wrap
+        self._state_view = None
 
     @property
     def offload(self) -> tuple[str, ...]:
@@ -495,3 +567,23 @@ class Trainer:
         sh = state_shardings(self.plan, self.mesh, self.state)
         return {"params": sh.params, "rest": sh.rest, "opt_state": sh.opt_state}
 
+
+class _Program:
+    """A compiled step (or evaluation) for one batch shape, and what placing such a batch needs."""
+
+    __slots__ = ("fn", "shardings", "batch_def", "fast")
+
+    def __init__(self, fn, shardings: list, batch_def, fast: bool):
+        self.fn, self.shardings, self.batch_def, self.fast = fn, shardings, batch_def, fast
+
+
+def _stacked(flags: list) -> jax.Array:
+    """The device flags as one array, so reading them is one transfer, not one per step. The
+    list is padded to a power of two (with its last flag) so at most a few tiny programs compile."""
+    size = 1 << (len(flags) - 1).bit_length()
+    return _stack(*flags, *[flags[-1]] * (size - len(flags)))
+
+
+@jax.jit
+def _stack(*flags):
+    return jnp.stack(flags)
