@@ -266,7 +266,7 @@ class Trainer:
         self._steps = step
         self._finite.append((step, metrics["finite"]))
         if self._preemption is not None and self._preemption.reached(step):
-            self._save_and_exit()
+            self._save_and_exit(metrics)
         if len(self._finite) >= 100:
             self.check_finite()
         if self.checkpointer is not None and self.checkpointer.due(step):
@@ -274,13 +274,16 @@ class Trainer:
             self.checkpointer.maybe_save(self)
         return metrics
 
-    def _save_and_exit(self) -> None:
-        """Preempted (SIGTERM): save this step, wait for it, and leave with exit code 0."""
+    def _save_and_exit(self, metrics: dict[str, Any]) -> None:
+        """Preempted (SIGTERM): save this step, wait for it, and leave with exit code 0 (the
+        step's ``metrics`` go with the exit, for ``fit`` to log)."""
         self.check_finite()
         if self._steps not in self.checkpointer.manager.all_steps():
             self.checkpointer.save(self)
         self.checkpointer.close()
-        raise Preempted(self._steps, self.checkpointer.directory)
+        stop = Preempted(self._steps, self.checkpointer.directory)
+        stop.metrics = metrics
+        raise stop
 
     def check_finite(self) -> None:
         """Read the finite flags of the steps since the last read (one wait); see ``nonfinite``."""
@@ -378,7 +381,12 @@ class Trainer:
                                      f"{len(history)} finished steps are in trainer.history") from None
                 if resumable:    # set before the step, which may save: the position of the next batch
                     self.data_state = batches.state()
-                pending.append((i, self._steps + 1, self.step(batch), 0.0))
+                try:
+                    pending.append((i, self._steps + 1, self.step(batch), 0.0))
+                except Preempted as stop:    # the saved step's record is logged before the exit
+                    pending.append((i, stop.step, stop.metrics, 0.0))
+                    self._flush(pending, history, callback, last)
+                    raise
                 if i == 0:
                     tokens = self._start_metrics(batch)
                 if (i + 1) % log_every == 0 or i == 0 or i + 1 == steps:
