@@ -54,10 +54,14 @@ def config_file(text: str) -> str:
             data = yaml.safe_load(f)
     except OSError as e:
         raise argparse.ArgumentTypeError(f"{head} cannot be read ({e.strerror}); give {example}") from None
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{head} is not a text file (byte {e.object[e.start]:#04x} at offset "
+                                         f"{e.start} is not UTF-8); give {example}") from None
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        raise argparse.ArgumentTypeError(f"{head} not valid YAML{at} ({getattr(e, 'problem', e)}); "
+        problem = " ".join(str(getattr(e, "problem", e)).split())      # one line (a ReaderError has two)
+        raise argparse.ArgumentTypeError(f"{head} not valid YAML{at} ({problem}); "
                                          f"give {example}") from None
     if data is not None and not isinstance(data, dict):
         raise argparse.ArgumentTypeError(f"{head} holds a YAML {type(data).__name__}, not a mapping; give "

@@ -40,6 +40,8 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "tp.yaml").write_text("mesh: {data: 2, model: 4}\nrules: {mlp: model}\n")
     (tmp_path / "afile").write_text("x")
     (tmp_path / "adir").mkdir()
+    (tmp_path / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
+    (tmp_path / "job.yaml").write_text("model: {size: tiny}\ndata: {path: store}\n")     # a job file
     (tmp_path / "llama.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}))
@@ -105,6 +107,11 @@ BAD = [
     (["train", "--config", "bad.yaml"], "--config 'bad.yaml': not valid YAML at line 2"),
     (["train", "--config", "list.yaml"], "holds a YAML list, not a mapping"),
     (["train", "--config", "typo.yaml"], "unknown ParallelConfig fields ['mesg']"),
+    (["train", "--config", "binary.yaml"], "--config 'binary.yaml': is not a text file (byte 0x89 at offset 0"),
+    (["plan", "--config", "binary.yaml"], "--config 'binary.yaml': is not a text file"),
+    (["train", "--config", "job.yaml", "--checkpoint.dir", "afile/ckpt"],
+     "checkpoint.dir='afile/ckpt' cannot be written ("),
+    (["train", "--config", "job.yaml", "--logging.dir", "afile"], "logging.dir='afile' cannot be written ("),
     (["train", "--metrics", "afile/m.json"], "--metrics 'afile/m.json' cannot be written"),
     (["train", "--metrics", "adir"], "--metrics 'adir' is a directory"),
     (["train", "--mesh", "data=3,model=2"], "mesh {'data': 3, 'model': 2} has 6 devices but 8 are available"),
@@ -157,6 +164,7 @@ BAD = [
     (["launch", "--master-port", "70000", "t.py"], "master_port=70000"),
     (["launch", "--cluster-time-out", "-1", "t.py"], "cluster_time_out=-1.0"),
     (["launch", "--exit-time-out", "0", "t.py"], "exit_time_out"),
+    (["launch", "adir"], "script 'adir' is a directory; give the Python script (or executable) each worker runs"),
     (["data", "prepare", "missing.txt", "--out", "store"], "input 'missing.txt' is not a file"),
     (["data", "prepare", "afile", "--out", "afile"], "--out 'afile' is a file"),
     (["data", "prepare", "afile", "--out", "afile/sub"], "--out 'afile/sub' is inside"),

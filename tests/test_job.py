@@ -110,6 +110,50 @@ def _losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r and "eval_loss" not in r}
 
 
+def test_a_refused_resume_keeps_the_job_yaml_of_the_saved_steps(job_file, tmp_path, capsys):
+    assert _train(job_file, tmp_path, "--train.steps", "2") == 0
+    saved = (tmp_path / "ckpt" / "job.yaml").read_text()
+    for flags, words in ((["--model.fields", "{layers: 1}"], "step 2 does not fit"),        # another model
+                         (["--data.batch", "8"], "global_batch=16 but this loader has global_batch=8")):
+        assert _train(job_file, tmp_path, "--train.steps", "3", *flags) == 2
+        assert words in capsys.readouterr().err
+        # the record of the job that made the checkpoints is still there, beside them and the logs
+        assert (tmp_path / "ckpt" / "job.yaml").read_text() == (tmp_path / "log" / "job.yaml").read_text() == saved
+
+
+def test_a_damaged_newest_step_is_passed_over_quietly(job_file, tmp_path, capfd):
+    assert _train(job_file, tmp_path, "--train.steps", "2", "--checkpoint.every", "1") == 0
+    arrays = tmp_path / "ckpt" / "2" / "state" / "d"
+    max(arrays.iterdir(), key=lambda p: p.stat().st_size).unlink()        # step 2's array file is lost
+    assert _train(job_file, tmp_path, "--train.steps", "2") == 2
+    err = capfd.readouterr().err
+    assert "checkpoint step 2" in err and "is damaged" in err and "--checkpoint.resume newest_intact" in err, err
+    assert _train(job_file, tmp_path, "--train.steps", "2", "--checkpoint.resume", "newest_intact") == 0
+    out, err = capfd.readouterr()
+    assert "resumed at step 1" in out
+    # orbax's read of step 2 fails; the reads still in flight must not echo it through a closed event loop
+    assert "Event loop is closed" not in out + err and "Traceback" not in out + err, err[-3000:]
+
+
+def test_an_output_folder_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    import tempfile
+
+    from jaxpar.job.run import check_directory
+
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match=re.escape(f"job config checkpoint.dir='{tmp_path}/afile/ckpt' cannot be "
+                                                   f"written ('{tmp_path}/afile' is a file, not a folder); give a folder")):
+        check_directory("checkpoint.dir", str(tmp_path / "afile" / "ckpt"))
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", denied)
+    with pytest.raises(ValueError, match=re.escape(f"logging.dir='{tmp_path}' cannot be written (Permission denied: "
+                                                   f"'{tmp_path}'); give a folder you can write")):
+        check_directory("logging.dir", str(tmp_path))
+
+
 def test_the_example_flags_are_refused_with_the_field_to_use(job_file, tmp_path, capsys):
     assert _train(job_file, tmp_path, "--steps", "3") == 2
     assert "--train.steps" in capsys.readouterr().err

@@ -129,3 +129,14 @@ def test_jaxpar_command_wires_launch():
     ours = help_flags("import sys; from jaxpar.launch.cli import main; main(['launch', '--help'])")
     theirs = help_flags("import sys; from jaxpar.cli import main; main(['launch', '--help'])")
     assert ours == theirs and "--worker-num" in ours
+
+
+def test_a_directory_as_the_script_is_refused_naming_its_scripts(tmp_path):
+    from jaxpar.launch.cli import check_script
+
+    (tmp_path / "train.py").write_text("")
+    with pytest.raises(ValueError, match=re.escape(f"script '{tmp_path}' is a directory (it holds train.py); give the "
+                                                   f"Python script (or executable) each worker runs, e.g. jaxpar launch "
+                                                   f"... {tmp_path / 'train.py'}")):
+        check_script(str(tmp_path))
+    check_script(str(tmp_path / "train.py"))          # a file passes; a missing one is the worker's to report

@@ -107,7 +107,8 @@ class CheckpointDamagedError(ValueError):
     def __init__(self, directory: str, step: int, error: BaseException, advice: str | None = None):
         self.step = step
         advice = advice or (f"Resume from the newest intact step with Trainer(resume='newest_intact') "
-                            f"(`jaxpar train --resume newest_intact`), or delete {os.path.join(directory, str(step))}")
+                            f"(a job file: `jaxpar train --config JOB --checkpoint.resume newest_intact`), or "
+                            f"delete {os.path.join(directory, str(step))}")
         super().__init__(f"checkpoint step {step} in {directory} is damaged ({type(error).__name__}: "
                          f"{_damage_detail(error)}); the steps before it are untouched. {advice}")
 

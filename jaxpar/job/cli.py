@@ -48,8 +48,8 @@ def job_file(argv: Sequence[str]) -> str | None:
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
-        return None          # the example's --config check reports it
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None          # the example's --config check reports it (a binary file included)
     return path if isinstance(data, dict) and any(k in data for k in JOB_ONLY) else None
 
 

@@ -15,6 +15,7 @@ import importlib
 import json
 import math
 import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -126,6 +127,25 @@ def _loaders(job: JobConfig, store, model_cfg):
     return train, held_out
 
 
+def check_directory(field: str, directory: str) -> None:
+    """Refuse an output folder of the job that cannot be written, before any work: the folder is
+    made if missing and a probe file written in it; ``ValueError`` names the field, the path and
+    the fix."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".jaxpar-probe-"):
+            pass
+    except OSError as e:
+        blocking = os.path.abspath(directory)
+        while not os.path.exists(blocking) and os.path.dirname(blocking) != blocking:
+            blocking = os.path.dirname(blocking)
+        why = (f"{blocking!r} is a file, not a folder" if os.path.isfile(blocking)
+               else f"{e.strerror or e}: {blocking!r}")
+        raise ValueError(f"job config {field}={directory!r} cannot be written ({why}); give a folder you can "
+                         f"write (made if missing), e.g. --{field} runs/{os.path.basename(os.path.normpath(directory))}"
+                         ) from None
+
+
 def save_resolved(job: JobConfig, *directories: str | None) -> None:
     """Write the resolved job (defaults and overrides applied) as ``job.yaml`` in each directory."""
     for directory in directories:
@@ -151,12 +171,15 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
     if job.data.path is None:
         raise ValueError("job config data.path is not set: make a token store with 'jaxpar data prepare FILES "
                          "--out DIR' and give data.path: DIR (or --data.path DIR)")
+    log, ck = job.logging, job.checkpoint
+    for field, directory in (("checkpoint.dir", ck.dir), ("logging.dir", log.dir)):
+        if directory is not None:
+            check_directory(field, directory)
     mesh = jaxpar.make_mesh(job.parallel, devices)
     store = TokenStore(job.data.path)
     model, loss, model_cfg = build_model(job, mesh, vocab=store.vocab_size)
     train, held_out = _loaders(job, store, model_cfg)
     tx, schedule = make_optimizer(job.optimizer, job.train.steps)
-    log, ck = job.logging, job.checkpoint
     metrics = None
     if log.dir is not None:
         from jaxpar.metrics.cli import device_peak
@@ -164,13 +187,17 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
         compute = job.parallel.precision.compute if job.parallel.precision is not None else "float32"
         metrics = MetricsConfig(dir=log.dir, every=log.every, tensorboard=log.tensorboard, learning_rate=schedule,
                                 peak_flops=device_peak(compute))
-    if jax.process_index() == 0:
-        save_resolved(job, log.dir, ck.dir)
+    # mode "auto" plans (and resumes) on a batch now rather than at the first step
+    example = train.batch(train.position) if job.parallel.mode == "auto" else None
     trainer = jaxpar.Trainer(model, tx, loss, job.parallel, mesh, checkpoint_dir=ck.dir,
                              save_every=ck.every, keep=ck.keep, resume=ck.resume, metrics=metrics,
-                             profile_steps=log.profile_steps)
+                             profile_steps=log.profile_steps, example_batch=example)
     history, evals = [], []
     with trainer, contextlib.closing(train):
+        if trainer.data_state:           # resumed: the saved data position must be this store and batch
+            train.restore(trainer.data_state)
+        if jax.process_index() == 0:     # the resume is accepted: a refused one keeps the saved job.yaml
+            save_resolved(job, log.dir, ck.dir)
         start = trainer.step_count
         if start:
             print_fn(f"resumed at step {start} from {ck.dir}")

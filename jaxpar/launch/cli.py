@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -129,10 +130,23 @@ def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
     )
 
 
+def check_script(script: str) -> None:
+    """Refuse a directory given as the workers' script (naming the scripts in it), before any
+    worker starts."""
+    if not os.path.isdir(script):
+        return
+    scripts = sorted(name for name in os.listdir(script) if name.endswith(".py"))[:3]
+    inside = f" (it holds {', '.join(scripts)})" if scripts else ""
+    example = os.path.join(script, scripts[0] if scripts else "train.py")
+    raise ValueError(f"script {script!r} is a directory{inside}; give the Python script (or executable) each "
+                     f"worker runs, e.g. jaxpar launch ... {example}")
+
+
 def run_launch(args: argparse.Namespace) -> int:
     """Handler of ``jaxpar launch``."""
     try:
         config = launch_config(args)
+        check_script(args.script)
     except ValueError as err:
         sys.stderr.write(f"jaxpar launch: error: {err}\n")
         return 2
