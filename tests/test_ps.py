@@ -18,6 +18,27 @@ from jaxpar import ps
 from workers.ps_model import DIM, FIELDS, ITEMS, TOKEN, USERS, Tower, loss_fn, make_batches, reference
 from workers.ps_servers import Servers, free_port
 
+from jaxpar.ps.wire import encode
+
+def _deep_rid(depth: int, token: str) -> bytes:
+    """A request header whose ``rid`` is an array nested ``depth`` deep."""
+    return ('{"op": "ping", "token": "%s", "arrays": [], "rid": %s%s}' % (token, "[" * depth, "]" * depth)).encode()
+
+
+def _rid_depth_limit() -> int:
+    """The deepest ``rid`` nesting ``json.loads`` parses on this interpreter (found by probing:
+    it depends on the Python version and on the stack depth of the caller)."""
+    lo, hi = 1, 40_000  # parses at lo, not at hi (a 64 KiB header cannot nest deeper)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            json.loads(_deep_rid(mid, "t"))
+            lo = mid
+        except RecursionError:
+            hi = mid
+    return lo
+
+
 @pytest.fixture
 def servers(tmp_path, tag):
     s = Servers(tmp_path, tag, count=2, token=TOKEN)
@@ -89,6 +110,18 @@ def test_bad_input_fails_fast_with_names(servers):
     raw.send_multipart([b'{"op": "pull", "table": "users", "step": 1e999, "worker": 0, "token": "%s", '
                         b'"arrays": [{"dtype": "int64", "shape": [1]}]}' % TOKEN.encode(), np.zeros(1, np.int64).tobytes()])
     assert raw.poll(5000) and json.loads(raw.recv_multipart()[0])["ok"] is False
+    # a rid nested just under the parser's limit, with a wrong token and with the right one: the
+    # reply echoes no rid (echoing it made json.dumps raise RecursionError and the server exit)
+    limit = _rid_depth_limit()
+    for depth in range(limit - 30, limit + 4, 3):
+        for token in ("wrong", TOKEN):
+            raw.send_multipart([_deep_rid(depth, token)])
+            assert raw.poll(5000), f"the server must answer, and outlive, a rid nested {depth} deep"
+            header = json.loads(raw.recv_multipart()[0])
+            assert header["rid"] is None and (header["ok"] or "malformed message" in header["error"]
+                                              or "wrong job token" in header["error"])
+    raw.send_multipart(encode({"op": "ping", "token": TOKEN, "rid": "still-there"}))
+    assert raw.poll(5000) and json.loads(raw.recv_multipart()[0]) == {"rid": "still-there", "ok": True, "arrays": []}
     ctx.destroy(linger=0)
     other = ps.TableSpec("users", 999, DIM, ps.SGD(0.5))
     with pytest.raises(ValueError, match="table 'users' exists here as"):
@@ -142,7 +175,18 @@ def test_async_staleness_bound_is_enforced(servers):
     rejoined.push("users", ids, grads, 3)
     blocked.join(10)
     assert not blocked.is_alive()
-    fast.close(), rejoined.close()
+    # A fresh client of worker 0 says its step-4 rows come from a pull of step 1: the servers
+    # served worker 0's pull of step 1 at clock 0, so the push is 4 steps stale and refused.
+    fresh = ps.connect([USERS], worker=0, **kw)
+    before = rejoined.pull("users", ids, 4)
+    fresh.push("users", ids, grads, 4, pulled_at=1)
+    assert np.array_equal(rejoined.pull("users", ids, 4), before)
+    assert fresh.stats()["worker"]["rejected"] == 1 and fresh.stats()["worker"]["staleness"] == {4: 1}
+    with pytest.raises(ValueError, match=r"worker 0 pushes step 5 from rows pulled at step 3, but server "
+                                         r"127.0.0.1:\d+: .*|table 'users': worker 0 pushes step 5 from rows "
+                                         r"pulled at step 3, but server \d of 2 served worker 0 no pull of step 3"):
+        fresh.push("users", ids, grads, 5, pulled_at=3)  # worker 0 never pulled step 3
+    fast.close(), rejoined.close(), fresh.close()
 
 
 def test_server_logs_only_valid_pushes_and_replays_a_log_cut_by_a_kill(tmp_path):
@@ -162,7 +206,7 @@ def test_server_logs_only_valid_pushes_and_replays_a_log_cut_by_a_kill(tmp_path)
         push([1])  # hash partition: odd ids live on server 1
     with pytest.raises(ValueError, match=r"table 't': id 12 outside \[0, 10\)"):
         push([12])
-    assert push([0, 2, 2]) == ({"status": "applied"}, ())
+    assert push([0, 2, 2]) == ({"status": "applied", "staleness": 0}, ())
     assert push([0, 2, 2]) == ({"status": "duplicate"}, ())  # a resent push is not applied twice
     server.wal.file.write(b"\x02\x00\x00\x00\x10\x00")  # a record the kill cut short
     server.wal.file.flush()
@@ -174,8 +218,89 @@ def test_server_logs_only_valid_pushes_and_replays_a_log_cut_by_a_kill(tmp_path)
     assert again.handle({"op": "pull", "table": "t", "step": 1, "worker": 0}, [np.array([0])])[0] == {"clock": 1}
     # the torn bytes were cut off the log: a push acknowledged after the restart survives the next one
     assert again.handle({"op": "push", "table": "t", "step": 1, "worker": 0},
-                        [np.array([4]), np.ones((1, 2), np.float32)]) == ({"status": "applied"}, ())
+                        [np.array([4]), np.ones((1, 2), np.float32)]) == ({"status": "applied", "staleness": 0}, ())
     assert Server(0, 2, str(tmp_path), every=100).tables["t"].clock == 2
+
+
+def test_server_survives_any_frame_and_echoes_only_short_rids(tmp_path):
+    """In-process: every frame gets one reply that echoes a rid only when it is a short string or
+    an integer, whatever the nesting (around the parser's limit), the token or the reply."""
+    from jaxpar.ps.server import Server, receive
+
+    server = Server(0, 1, str(tmp_path))
+    sent = []
+    sock = type("Sock", (), {"send_multipart": lambda self, frames: sent.append(frames)})()
+
+    def reply(frames):
+        assert receive(server, sock, b"peer", frames, [], token=TOKEN, bind="here:1") == []
+        assert len(sent) == 1 and sent[0][0] == b"peer"
+        return json.loads(sent.pop()[1])
+
+    limit = _rid_depth_limit()
+    for depth in range(limit - 40, limit + 3):
+        wrong, right = reply([_deep_rid(depth, "wrong")]), reply([_deep_rid(depth, TOKEN)])
+        assert wrong["rid"] is None and right["rid"] is None
+        if "malformed message" in wrong["error"]:  # over the parser's limit at this stack depth
+            assert depth > limit - 20 and not right["ok"] and "malformed message" in right["error"]
+        else:
+            assert "wrong job token: server here:1 refused" in wrong["error"] and right["ok"] is True
+    for rid, echo in (("0-7", "0-7"), (12, 12), ("x" * 128, "x" * 128), ("x" * 129, None), (True, None),
+                      (1 << 64, None), ({"a": 1}, None), ([1], None)):
+        assert reply(encode({"op": "ping", "token": TOKEN, "rid": rid}))["rid"] == echo
+    # a value no message may quote in full: an operation nested 900 deep, a 60 KiB table name
+    bad = reply(encode({"op": "pull", "token": TOKEN, "rid": "r", "table": "t" * 60_000, "step": 0}))
+    assert bad["error"] == f"unknown table '{'t' * 59}... (60002 characters); this server holds []"
+    bad = reply([b'{"op": %s, "token": "%s", "arrays": []}' % (b"[" * 900 + b"]" * 900, TOKEN.encode())])
+    assert bad["error"] == "unknown operation <a JSON array of 1 item>"
+    bad = reply(encode({"op": "hello", "token": TOKEN, "rid": "h", "mode": [["sync"]], "staleness": 0,
+                        "workers": 1, "tables": []}))
+    assert bad["error"].startswith("hello: mode=<a JSON array of 1 item>, staleness=0, workers=1; expected")
+    assert server.job is None  # a refused hello leaves no job behind for the checkpoints to choke on
+    assert reply(encode({"op": "ping", "token": TOKEN, "rid": "after"})) == {"rid": "after", "ok": True, "arrays": []}
+
+
+def test_async_staleness_is_measured_from_the_pull_the_server_served(tmp_path):
+    """The server, not the client, knows when it served a worker's pull: a forged read clock is
+    ignored, a pull never served is refused, and a restart keeps (or bounds) what it knew."""
+    from jaxpar.ps.server import Server
+
+    spec = ps.TableSpec("t", 4, 2, ps.SGD(1.0))
+    server = Server(0, 1, str(tmp_path), every=4)
+    server.handle({"op": "hello", "mode": "async", "staleness": 1, "workers": 1, "tables": [spec.to_json()]}, [])
+
+    def pull(srv, step):
+        return srv.handle({"op": "pull", "table": "t", "step": step, "worker": 0}, [np.array([0])])
+
+    def push(srv, step, **fields):
+        return srv.handle({"op": "push", "table": "t", "step": step, "worker": 0, **fields},
+                          [np.array([0]), np.ones((1, 2), np.float32)])[0]
+
+    for step in range(6):  # a checkpoint at clock 4 records the pulls of steps 0 .. 3
+        pull(server, step)
+        assert push(server, step) == {"status": "applied", "staleness": 0}
+    # a fresh client at step 6 claims rows pulled at step 1 and a read clock of 6: the pull of
+    # step 1 was served at clock 1, so the push is 5 steps stale
+    assert push(server, 6, pulled_at=1, read_clock=6) == {"status": "rejected", "staleness": 5}
+    with pytest.raises(ValueError, match=r"table 't': worker 0 pushes step 7 from rows pulled at step 6, but "
+                                         r"server 0 of 1 served worker 0 no pull of step 6 \(its recorded "
+                                         r"pulls: steps 0 .. 5; it keeps the last 64 steps\)"):
+        push(server, 7, pulled_at=6)
+    pull(server, 7)
+    again = Server(0, 1, str(tmp_path), every=4)  # restarted: the log replays the same decisions
+    np.testing.assert_array_equal(again.tables["t"].weights, server.tables["t"].weights)
+    assert again.tables["t"].stats() == server.tables["t"].stats()
+    # the pull of step 2 came back with the checkpoint; that of step 7 (after it) is measured from
+    # the checkpoint's clock 4, the oldest clock it can have been served at
+    assert push(again, 7) == {"status": "rejected", "staleness": 3}
+    assert push(again, 8, pulled_at=2) == {"status": "rejected", "staleness": 6}
+    with pytest.raises(ValueError, match="no pull of step 9"):  # not servable before the kill (clock 7, τ 1)
+        push(again, 9, pulled_at=9)
+    pull(again, 9)
+    assert push(again, 9) == {"status": "applied", "staleness": 0}
+    # restarted again (from a checkpoint at clock 8): the pull of step 7, lost in the first
+    # restart, is still measured from clock 4
+    third = Server(0, 1, str(tmp_path), every=4)
+    assert push(third, 10, pulled_at=7) == {"status": "rejected", "staleness": 6}
 
 
 def test_lazy_adam_rows_and_partition_independent_init():

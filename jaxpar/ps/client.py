@@ -46,7 +46,6 @@ class Client:
         self._ctx = zmq.Context()
         self._local = threading.local()
         self._rids = itertools.count()
-        self._read_clock: dict[tuple[str, int, int], int] = {}
         self._stats = {"pulls": 0, "rows_pulled": 0, "pushes": 0, "rows_pushed": 0,
                        "rejected": 0, "staleness": {}, "pull_wait_s": 0.0}
         self._lock = threading.Lock()
@@ -87,8 +86,6 @@ class Client:
         for k, (header, arrays) in enumerate(replies):
             name, s, where = plan[k]
             out[name][where] = arrays[0]
-            with self._lock:
-                self._read_clock[(name, step, s)] = int(header["clock"])
         with self._lock:
             self._stats["pulls"] += 1
             self._stats["rows_pulled"] += sum(len(i) for i in ids.values())
@@ -100,8 +97,10 @@ class Client:
         """Sends the gradients of ``table``'s rows ``ids`` computed at worker step ``step``.
 
         ``pulled_at`` is the step whose pull gave the rows (default ``step``): a worker that
-        reuses rows pulled earlier says so, and in async mode the push is rejected (and counted)
-        when those rows are more than ``staleness`` steps old. Every server gets a push for every
+        reuses rows pulled earlier says so. In async mode each server measures the push's
+        staleness from the clock at which it served this worker's pull of ``pulled_at``, rejects
+        (and counts) the push when it is more than ``staleness`` steps, and raises ``ValueError``
+        when it served this worker no pull of ``pulled_at``. Every server gets a push for every
         step (an empty one when it owns none of ``ids``): in sync mode it is how a server knows
         this worker is done with the step.
 
@@ -114,9 +113,6 @@ class Client:
                   pulled_at: int | None = None) -> None:
         """:meth:`push` for several tables at once."""
         pulled_at = step if pulled_at is None else pulled_at
-        with self._lock:  # the prefetching thread adds clocks while this one pushes
-            for key in [k for k in list(self._read_clock) if k[1] < pulled_at - 64]:
-                del self._read_clock[key]  # keep the clocks of recent pulls only
         requests = []
         for name, (ids, g) in grads.items():
             spec, ids = self._spec(name), self._check_ids(name, ids)
@@ -125,16 +121,17 @@ class Client:
                 raise ValueError(f"table {name!r}: gradients of shape {list(g.shape)} for {len(ids)} ids; "
                                  f"expected [{len(ids)}, {spec.dim}]")
             owner = spec.owner(ids, len(self.addresses))
-            stale = []
             for s in range(len(self.addresses)):
                 where = owner == s
-                read = self._read_clock.get((name, pulled_at, s), step)
                 requests.append((s, {"op": "push", "table": name, "step": step, "worker": self.worker,
-                                     "read_clock": read}, (ids[where], g[where])))
-                stale += [step - read] if where.any() else []
-            if stale:  # one count per push and table: its oldest rows
-                self._record_staleness(max(stale))
+                                     "pulled_at": pulled_at}, (ids[where], g[where])))
         replies = self._call(requests, table=",".join(grads))
+        stale: dict[str, int] = {}  # the servers' measure (those that got rows); one count per
+        for (_, header, _), (reply, _) in zip(requests, replies):  # push and table: its oldest rows
+            if "staleness" in reply:
+                stale[header["table"]] = max(stale.get(header["table"], 0), int(reply["staleness"]))
+        for s in stale.values():
+            self._record_staleness(s)
         with self._lock:
             self._stats["pushes"] += 1
             self._stats["rows_pushed"] += sum(len(i) for i, _ in grads.values())

@@ -23,7 +23,12 @@ import zmq
 from jaxpar.ps.shard import TableShard
 from jaxpar.ps.store import WriteAheadLog, read_state, server_dir, write_state
 from jaxpar.ps.tables import TableSpec
-from jaxpar.ps.wire import MAX_FRAME_BYTES, READY, TOKEN_ENV, WireError, decode, encode, token_ok
+from jaxpar.ps.wire import (MAX_FRAME_BYTES, READY, TOKEN_ENV, WireError, decode, encode, reply_rid, show,
+                            token_ok)
+
+# An error reply carries at most this many characters of message (an exception's text may quote
+# a received value at length, e.g. int() of a 60 KiB string).
+MAX_ERROR_CHARS = 2000
 
 
 class Server:
@@ -46,12 +51,15 @@ class Server:
         if state.exists():
             self._load(state)
             self.restarts = self.job.get("restarts", 0) + 1
+        checkpoint_clocks = {name: shard.clock for name, shard in self.tables.items()}
         log = WriteAheadLog(self.dir / "wal.bin")
         try:
             for header, arrays in log.replay():   # (cuts a torn last record off the file)
                 self._push(header, arrays)
         finally:
             log.close()
+        for name, clock in checkpoint_clocks.items():  # the pulls served since the checkpoint
+            self.tables[name].pulls_lost(clock)
 
     def _load(self, path) -> None:
         arrays, meta = read_state(path)
@@ -90,13 +98,18 @@ class Server:
         op = header.get("op")
         handler = {"hello": self._hello, "pull": self._pull, "push": self._push_logged,
                    "save": self._save, "restore": self._restore, "stats": self._stats,
-                   "ping": lambda h, a: ({}, ())}.get(op)
+                   "ping": lambda h, a: ({}, ())}.get(op) if isinstance(op, str) else None
         if handler is None:
-            raise ValueError(f"unknown operation {op!r}")
+            raise ValueError(f"unknown operation {show(op)}")
         return handler(header, arrays)
 
     def _hello(self, header, arrays):
         job = {k: header[k] for k in ("mode", "staleness", "workers")}
+        if (job["mode"] not in ("sync", "async") or not _count(job["staleness"], 0)
+                or not _count(job["workers"], 1)):
+            raise ValueError(f"hello: mode={show(job['mode'])}, staleness={show(job['staleness'])}, "
+                             f"workers={show(job['workers'])}; expected 'sync' or 'async', an integer "
+                             ">= 0 and an integer >= 1")
         if self.job is not None and {k: self.job[k] for k in job} != job:
             raise ValueError(f"this server serves a job with {self.job}; the client asks for {job}")
         fresh = self.job is None
@@ -116,24 +129,38 @@ class Server:
     def _table(self, header) -> TableShard:
         name = header.get("table")
         if name not in self.tables:
-            raise ValueError(f"unknown table {name!r}; this server holds {sorted(self.tables)}")
+            raise ValueError(f"unknown table {show(name)}; this server holds {sorted(self.tables)}")
         return self.tables[name]
 
     def _pull(self, header, arrays):
         shard = self._table(header)
-        if not shard.can_serve(int(header["step"])):
+        step = int(header["step"])
+        if len(arrays) != 1:
+            raise ValueError(f"a pull carries ids; this one carries {len(arrays)} arrays")
+        if not shard.can_serve(step):
             return None
-        return {"clock": shard.clock}, (shard.pull(arrays[0]),)
+        rows = shard.pull(arrays[0])
+        shard.record_pull(header.get("worker"), step)  # what the worker's pushes are measured from
+        return {"clock": shard.clock}, (rows,)
 
     def _push_logged(self, header, arrays):
         if len(arrays) != 2:
             raise ValueError(f"a push carries ids and gradients; this one carries {len(arrays)} arrays")
-        self._table(header).check_push(int(header["worker"]), *arrays)  # nothing bad reaches the log
-        self.wal.append(encode({k: v for k, v in header.items() if k != "token"}, tuple(arrays)))
-        status = self._push(header, arrays)
+        shard = self._table(header)
+        step, worker = int(header["step"]), int(header["worker"])
+        shard.check_push(worker, *arrays)  # nothing bad reaches the log
+        # The clock the rows were read at is this server's record of the worker's pull, never a
+        # number the client sends: the log keeps it, so a replay takes the same decision.
+        read = shard.read_clock(worker, step, int(header.get("pulled_at", step)), len(arrays[0]))
+        logged = {"op": "push", "table": shard.spec.name, "step": step, "worker": worker, "read_clock": read}
+        self.wal.append(encode(logged, tuple(arrays)))
+        status = self._push(logged, arrays)
         if self._clock() >= self.last_checkpoint + self.every:
             self.checkpoint()
-        return {"status": status}, ()
+        fields = {"status": status}
+        if len(arrays[0]) and status != "duplicate":
+            fields["staleness"] = max(0, step - read)
+        return fields, ()
 
     def _push(self, header, arrays) -> str:
         ids, grads = arrays
@@ -159,6 +186,8 @@ class Server:
             raise ValueError(f"server {self.index}: no shard snapshot of step {step} in {self.dir}; "
                              f"snapshots: {have}")
         self._load(path)
+        for shard in self.tables.values():  # the workers pull again from the restored rows
+            shard.clear_pulls()
         self.checkpoint()
         return {"clock": self._clock(), "restored": True}, ()
 
@@ -167,8 +196,25 @@ class Server:
                 "restarts": self.restarts}, ()
 
 
-def _error_reply(header: dict, message: str) -> list[bytes]:
-    return encode({"rid": header.get("rid"), "ok": False, "error": message})
+def _count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and least <= value < (1 << 31)
+
+
+def _send(sock, identity: bytes, rid: str | int | None, fields: dict, arrays: tuple = ()) -> None:
+    """Sends one reply; a reply that cannot be encoded becomes an error reply (``rid`` is a short
+    string, an integer or ``None``: that one always encodes)."""
+    try:
+        frames = encode({"rid": rid, **fields}, arrays)
+    except Exception as e:   # noqa: BLE001 - a reply the encoder refuses never kills the server
+        print(f"reply to request {show(rid)} not sent: {type(e).__name__}", file=sys.stderr, flush=True)
+        frames = encode({"rid": rid, "ok": False, "error": f"the server could not encode its reply: {type(e).__name__}"})
+    sock.send_multipart([identity, *frames])
+
+
+def _send_error(sock, identity: bytes, rid: str | int | None, message: str) -> None:
+    if len(message) > MAX_ERROR_CHARS:
+        message = f"{message[:MAX_ERROR_CHARS]}... (message cut at {MAX_ERROR_CHARS} characters)"
+    _send(sock, identity, rid, {"ok": False, "error": message})
 
 
 def serve(server: Server, bind: str, token: str) -> None:
@@ -191,21 +237,30 @@ def serve(server: Server, bind: str, token: str) -> None:
         if not sock.poll(100):
             continue
         identity, *frames = sock.recv_multipart()
-        try:
-            header, arrays = decode(frames)
-        except WireError as e:
-            sock.send_multipart([identity, *_error_reply({}, f"malformed message: {e}")])
-            continue
-        if not token_ok(header, token):
-            sock.send_multipart([identity, *_error_reply(
-                header, f"wrong job token: server {bind} refused the request ({TOKEN_ENV} differs)")])
-            continue
-        waiting = [w for w in waiting if not (w[0] == identity and w[1].get("rid") == header.get("rid"))]
-        waiting.append((identity, header, arrays))
-        waiting = _answer(server, sock, waiting)
+        waiting = receive(server, sock, identity, frames, waiting, token=token, bind=bind)
     server.checkpoint()
     sock.close()
     ctx.term()
+
+
+def receive(server: Server, sock, identity: bytes, frames: list[bytes], waiting: list, *,
+            token: str, bind: str) -> list:
+    """Handles one received message (any bytes at all): replies through ``sock`` to every request
+    that can be answered now and returns the requests still waiting."""
+    try:
+        header, arrays = decode(frames)
+    except WireError as e:
+        _send_error(sock, identity, None, f"malformed message: {e}")
+        return waiting
+    rid = reply_rid(header)  # never echo unbounded client data: a short string, an integer or None
+    if not token_ok(header, token):
+        _send_error(sock, identity, rid,
+                    f"wrong job token: server {bind} refused the request ({TOKEN_ENV} differs)")
+        return waiting
+    header["rid"] = rid
+    if rid is not None:  # a resent request replaces the copy of it that waits
+        waiting = [w for w in waiting if not (w[0] == identity and w[1]["rid"] == rid)]
+    return _answer(server, sock, [*waiting, (identity, header, arrays)])
 
 
 def _answer(server: Server, sock, waiting: list) -> list:
@@ -217,17 +272,18 @@ def _answer(server: Server, sock, waiting: list) -> list:
             try:
                 reply = server.handle(header, arrays)
             except (ValueError, TypeError, KeyError, IndexError) as e:
-                sock.send_multipart([identity, *_error_reply(header, str(e))])
+                _send_error(sock, identity, header["rid"], str(e))
                 continue
             except Exception as e:   # noqa: BLE001 - one bad request (a step of 1e999, a huge table) never kills the server
-                print(f"request {header.get('op')!r} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-                sock.send_multipart([identity, *_error_reply(header, f"{type(e).__name__}: {e}")])
+                print(f"request {show(header.get('op'))} failed: {type(e).__name__}: {str(e)[:MAX_ERROR_CHARS]}",
+                      file=sys.stderr, flush=True)
+                _send_error(sock, identity, header["rid"], f"{type(e).__name__}: {e}")
                 continue
             if reply is None:
                 left.append((identity, header, arrays))
                 continue
             fields, out = reply
-            sock.send_multipart([identity, *encode({"rid": header.get("rid"), "ok": True, **fields}, out)])
+            _send(sock, identity, header["rid"], {"ok": True, **fields}, out)
             progress = progress or header.get("op") == "push"
         waiting = left
     return waiting

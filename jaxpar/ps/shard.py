@@ -3,8 +3,10 @@
 The clock of a shard is the number of worker steps whose updates it has applied from every
 worker: ``min(done)``, where ``done[w]`` counts the steps worker ``w`` has pushed. A pull for
 worker step ``t`` is served once ``clock >= t - staleness`` (sync is ``staleness = 0``), and
-carries the clock it was read at; the push computed from it carries that clock back, and its
-staleness is ``t - read_clock``.
+carries the clock it was read at. In async mode the shard records, per worker, the clock at
+which it served each of the worker's recent pulls; a push at step ``t`` names the step whose
+pull gave its rows (``pulled_at``), and its staleness is ``t - read_clock`` with the recorded
+``read_clock``: a push that names a pull this shard never served to that worker is refused.
 
 * sync: the pushes of step ``t`` wait in ``pending[t]`` until every worker's is there; they
   are summed per row and applied together, and the clock moves to ``t + 1``.
@@ -20,9 +22,13 @@ from typing import Any
 import numpy as np
 
 from jaxpar.ps.tables import TableSpec, init_rows
+from jaxpar.ps.wire import show
 
 
 _INIT_CHUNK = 1 << 20
+# Pull steps per worker a shard remembers the clock of (a push from rows older than that many
+# steps of pulls is an error, however large the staleness bound).
+PULL_WINDOW = 64
 
 
 def _init_weights(spec: TableSpec, ids: np.ndarray) -> np.ndarray:
@@ -49,6 +55,24 @@ class TableShard:
         self.histogram: dict[int, int] = {}
         self.rejected = 0
         self.rows_pushed = 0
+        self.clear_pulls()
+
+    def clear_pulls(self) -> None:
+        """Forgets every pull (after a restore: the workers pull again)."""
+        self.pulls: list[dict[int, int]] = [{} for _ in range(self.workers)]  # step -> clock served
+        self.forgotten = [-1] * self.workers  # the newest pull step that left PULL_WINDOW
+        # After a restart: the pulls served between the last checkpoint and the kill were recorded
+        # nowhere, but each was served at a clock >= the checkpoint's, for a step <= the clock at
+        # the kill + staleness. (lowest such clock, highest such step) over every restart, or None.
+        self.lost_pulls: tuple[int, int] | None = None
+
+    def pulls_lost(self, checkpoint_clock: int) -> None:
+        """Tells a shard a restarted server brought back (checkpoint, then log) that the pulls it
+        served since the checkpoint at ``checkpoint_clock`` are lost."""
+        floor, last = checkpoint_clock, self.clock + self.staleness
+        if self.lost_pulls is not None:  # pulls lost in an earlier restart are still unrecorded
+            floor, last = min(floor, self.lost_pulls[0]), max(last, self.lost_pulls[1])
+        self.lost_pulls = (floor, last)
 
     @property
     def clock(self) -> int:
@@ -73,6 +97,39 @@ class TableShard:
 
     def pull(self, ids: np.ndarray) -> np.ndarray:
         return self.weights[self.check_ids(ids)]
+
+    def record_pull(self, worker: Any, step: int) -> None:
+        """Remembers (async) that ``worker``'s pull of step ``step`` is served at this clock."""
+        if self.mode != "async":
+            return  # sync pulls wait for the clock: every push is fresh
+        if not isinstance(worker, int) or isinstance(worker, bool) or not 0 <= worker < self.workers:
+            raise ValueError(f"table {self.spec.name!r}: a pull from worker {show(worker)}; workers are "
+                             f"0 .. {self.workers - 1}")
+        pulls = self.pulls[worker]
+        # A pull sent again may be served twice: the worker may have used either reply.
+        pulls[step] = min(pulls.get(step, self.clock), self.clock)
+        while len(pulls) > PULL_WINDOW:
+            oldest = min(pulls)
+            del pulls[oldest]
+            self.forgotten[worker] = max(self.forgotten[worker], oldest)
+
+    def read_clock(self, worker: int, step: int, pulled_at: int, rows: int) -> int:
+        """The clock at which ``worker`` read the ``rows`` rows it pushes at ``step``: this shard's
+        record of its pull of step ``pulled_at`` (async; sync pushes, empty pushes and resent ones
+        are not measured). A pull this shard never served to the worker raises ``ValueError``."""
+        if self.mode != "async" or rows == 0 or step < self.done[worker]:
+            return step
+        if pulled_at in self.pulls[worker]:
+            return self.pulls[worker][pulled_at]
+        if self.lost_pulls is not None and self.forgotten[worker] < pulled_at <= self.lost_pulls[1]:
+            return self.lost_pulls[0]  # maybe served after the checkpoint this restart came from
+        recorded = sorted(self.pulls[worker])
+        seen = f"steps {recorded[0]} .. {recorded[-1]}" if recorded else "none"
+        raise ValueError(
+            f"table {self.spec.name!r}: worker {worker} pushes step {step} from rows pulled at step "
+            f"{pulled_at}, but server {self.index} of {self.count} served worker {worker} no pull of "
+            f"step {pulled_at} (its recorded pulls: {seen}; it keeps the last {PULL_WINDOW} steps); "
+            f"pass pulled_at= the step whose pull gave the rows, or pull them again")
 
     def check_push(self, worker: int, ids: np.ndarray, grads: np.ndarray) -> np.ndarray:
         """The local rows of a push; a malformed push raises ``ValueError`` before it is logged."""
@@ -154,7 +211,9 @@ class TableShard:
     def meta(self) -> dict[str, Any]:
         return {"spec": self.spec.to_json(), "done": self.done, "rejected": self.rejected,
                 "histogram": {str(k): v for k, v in self.histogram.items()},
-                "rows_pushed": self.rows_pushed}
+                "rows_pushed": self.rows_pushed,
+                "pulls": [sorted(p.items()) for p in self.pulls], "forgotten": self.forgotten,
+                "lost_pulls": self.lost_pulls}
 
     def load(self, prefix: str, arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> None:
         if TableSpec.from_json(meta["spec"]) != self.spec:
@@ -166,6 +225,11 @@ class TableShard:
         self.rejected = meta["rejected"]
         self.histogram = {int(k): v for k, v in meta["histogram"].items()}
         self.rows_pushed = meta["rows_pushed"]
+        self.clear_pulls()
+        if "pulls" in meta:  # (a checkpoint of an earlier version has none)
+            self.pulls = [{int(s): int(c) for s, c in p} for p in meta["pulls"]]
+            self.forgotten = list(meta["forgotten"])
+            self.lost_pulls = tuple(meta["lost_pulls"]) if meta["lost_pulls"] is not None else None
         self.pending = {}
         for key in arrays:
             parts = key[len(prefix) + 1:].split("/")

@@ -27,10 +27,38 @@ MAX_HEADER_BYTES = 64 * 1024
 # The largest frame a server accepts (ZeroMQ drops the peer past it): a push or pull of 8M rows of
 # 32 float32s; raise it for wider rows.
 MAX_FRAME_BYTES = 1 << 30
+# A request id a server echoes back: a string of at most this many characters, or an integer.
+MAX_RID_CHARS = 128
 
 
 class WireError(ValueError):
     """A message that does not follow the wire format."""
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """A received value for an error message or a log line: a scalar's ``repr`` cut to ``limit``
+    characters, a container only by its type (a ``repr`` of client data nested a thousand deep
+    raises ``RecursionError``, and a 64 KiB one is no message)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        text = repr(value)
+        return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+    if isinstance(value, list) and len(value) <= 8 and all(
+            x is None or isinstance(x, (bool, int, float, str)) for x in value):
+        return f"[{', '.join(show(x, 20) for x in value)}]"
+    if isinstance(value, list):
+        return f"<a JSON array of {len(value)} item{'' if len(value) == 1 else 's'}>"
+    return f"<a JSON {'object' if isinstance(value, dict) else type(value).__name__}>"
+
+
+def reply_rid(header: dict[str, Any]) -> str | int | None:
+    """The request id a reply may echo: a string of at most ``MAX_RID_CHARS`` characters or an
+    integer of at most 64 bits; anything else (a nested array, a long string) echoes as ``None``."""
+    rid = header.get("rid")
+    if isinstance(rid, str) and len(rid) <= MAX_RID_CHARS:
+        return rid
+    if isinstance(rid, int) and not isinstance(rid, bool) and -(1 << 63) <= rid < (1 << 63):
+        return rid
+    return None
 
 
 def encode(header: dict[str, Any], arrays: tuple[np.ndarray, ...] = ()) -> list[bytes]:
@@ -57,17 +85,19 @@ def decode(frames: list[bytes]) -> tuple[dict[str, Any], list[np.ndarray]]:
         raise WireError("header is not a JSON object")
     metas = header.get("arrays", [])
     if not isinstance(metas, list) or len(metas) != len(frames) - 1:
-        raise WireError(f"header announces {metas!r} arrays but {len(frames) - 1} frames follow")
+        raise WireError(f"header announces {len(metas) if isinstance(metas, list) else show(metas)} "
+                        f"arrays but {len(frames) - 1} frames follow")
     return header, [_array(meta, frame) for meta, frame in zip(metas, frames[1:])]
 
 
 def _array(meta: Any, frame: bytes) -> np.ndarray:
     if not isinstance(meta, dict) or meta.get("dtype") not in DTYPES:
-        raise WireError(f"array dtype {meta!r} not allowed; allowed: {DTYPES}")
+        raise WireError(f"array dtype {show(meta.get('dtype') if isinstance(meta, dict) else meta)} "
+                        f"not allowed; allowed: {DTYPES}")
     shape = meta.get("shape")
     if not isinstance(shape, list) or len(shape) > 8 or not all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-        raise WireError(f"array shape {shape!r} is not a list of at most 8 sizes")
+        raise WireError(f"array shape {show(shape)} is not a list of at most 8 sizes")
     dtype = np.dtype(meta["dtype"])
     need = math.prod(shape) * dtype.itemsize      # Python ints: no overflow to a size that matches
     if need != len(frame):
