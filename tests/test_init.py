@@ -11,7 +11,9 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 from helpers import MEGATRON, TINY, batches
 from jaxpar.models.gpt import GPT, loss_fn
+from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.nn import init_program
+from jaxpar.nn.sliced_init import SMALL
 
 
 class ThirdPartyMLP(nnx.Module):
@@ -35,20 +37,96 @@ def test_logical_rules_plan():
     assert state["ln_f"]["scale"].get_value().sharding.spec == P(None)
 
 
+class Wide(nnx.Module):
+    """Random kernels, zero biases, an array the constructor closes over and a Python scalar."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(256, 1024, rngs=rngs)
+        self.down = nnx.Linear(1024, 256, rngs=rngs)
+        self.table = nnx.Param(np.arange(64 * 8, dtype=np.float32).reshape(64, 8))
+        self.scale = nnx.Param(0.5)
+
+
 def test_no_device_holds_a_full_replica():
-    """Every device holds 1/8 of a parameter split 8 ways — also inside the init program."""
+    """Every device holds 1/8 of a parameter split 8 ways — also inside each init program."""
     cfg = jaxpar.ParallelConfig(mesh={"model": 8}, parameter_plan={"up/kernel": (1, 8), "down/kernel": (8, 1)})
     mesh = jaxpar.make_mesh(cfg)
     model = jaxpar.init(lambda: ThirdPartyMLP(nnx.Rngs(0)), cfg, mesh)
     kernel = model.up.kernel.get_value()
     assert {s.data.shape for s in kernel.addressable_shards} == {(16, 8)}
-    # The init program's outputs per device are the shards, not the full arrays.
-    _, make = init_program(lambda: ThirdPartyMLP(nnx.Rngs(0)), cfg, mesh)
-    compiled = make.lower().compile()
-    out = jaxpar.report.memory(compiled).output_bytes
-    full = (16 * 64 + 64 + 64 * 16 + 16) * 4
-    split = (16 * 64 + 64 * 16) * 4 // 8 + (64 + 16) * 4
-    assert split <= out <= split + 8 * 4 < full   # + the output tuple's pointer table
+
+    plan = {"up/kernel": (1, 8), "down/kernel": (8, 1), "table": (8, 1)}
+    cfg = jaxpar.ParallelConfig(mesh={"model": 8}, parameter_plan=plan)
+    _, program = init_program(lambda: Wide(nnx.Rngs(0)), cfg, mesh)
+    programs = program.programs()
+    # Only the computed variables have a program; the closed-over table and the scalar are
+    # placed shard by shard (device_put), the biases share one program per shape.
+    assert sorted(path for path, _, _ in programs) == ["0/down/bias/value", "0/down/kernel/value",
+                                                       "0/up/bias/value", "0/up/kernel/value"]
+    for path, jitted, args in programs:
+        assert all(np.size(a) <= SMALL for a in args), path  # what comes in: a key, never a parameter
+        per_device = jaxpar.report.memory(jitted.lower(*args).compile())
+        full = (256 * 1024 if "kernel" in path else 1024 if "up" in path else 256) * 4
+        if "kernel" in path:   # split 8 ways: its shard out, and no room for the whole of it
+            assert per_device.output_bytes == full // 8, path
+            assert per_device.output_bytes + per_device.temp_bytes < full, (path, per_device)
+        else:
+            assert per_device.output_bytes == full, path
+    params, _ = program()
+    table = params["table"].get_value()
+    assert {s.data.shape for s in table.addressable_shards} == {(8, 8)}
+    np.testing.assert_array_equal(np.asarray(table), np.arange(64 * 8).reshape(64, 8))
+    assert float(params["scale"].get_value()) == 0.5
+
+
+def whole_program_init(model_fn, cfg, mesh):
+    """What jaxpar.init did before: one jax.jit of the whole constructor, out_shardings = plan."""
+    graphdef, abs_params, abs_rest = nnx.split(jaxpar.nn.abstract_model(model_fn), nnx.Param, ...)
+    shardings = tuple(jaxpar.nn.to_shardings(jaxpar.nn.plan_state(cfg, mesh, s, check_unused=False), mesh)
+                      for s in (abs_params, abs_rest))
+
+    def make():
+        with nnx.use_eager_sharding(False):
+            return nnx.split(model_fn(), nnx.Param, ...)[1:]
+
+    return nnx.merge(graphdef, *jax.jit(make, out_shardings=shardings)())
+
+
+@pytest.mark.parametrize("scanned", [False, True], ids=["unrolled", "scanned"])
+def test_init_equals_one_whole_model_program(scanned):
+    """Variable by variable, bit for bit, the values and placements of one jitted init."""
+    cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
+    mesh = jaxpar.make_mesh(cfg)
+    fn = lambda: Llama(LlamaConfig.named("tiny", layers=2, scan_layers=scanned), rngs=nnx.Rngs(3))  # noqa: E731
+    mine = nnx.to_flat_state(nnx.state(jaxpar.init(fn, cfg, mesh)))
+    theirs = dict(nnx.to_flat_state(nnx.state(whole_program_init(fn, cfg, mesh))))
+    assert len(mine) == len(theirs) > 10
+    for path, variable in mine:
+        a, b = variable.get_value(), theirs[path].get_value()
+        assert a.sharding == b.sharding, path
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+
+
+def test_unrolled_layers_share_their_programs():
+    """One program per kind of variable: 3 unrolled layers compile what 1 layer does."""
+    cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
+    mesh = jaxpar.make_mesh(cfg)
+    counts = [init_program(lambda: Llama(LlamaConfig.named("tiny", layers=n), rngs=nnx.Rngs(0)), cfg, mesh)[1]
+              .program_count for n in (1, 3)]
+    # tiny: embedding = down (64, 32), gate = up = head (32, 64), wq, wk = wv, wo, the norm scales
+    assert counts == [6, 6]
+
+
+class PrintsAParameter(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jax.random.normal(rngs.params(), (4, 4)))
+        jax.debug.print("sum {}", self.w[...].sum())
+
+
+def test_init_refuses_a_side_effect_on_initializer_values():
+    mesh = jaxpar.make_mesh({"data": 8})
+    with pytest.raises(ValueError, match=r"runs 'debug_\w+', which has side effects.*jaxpar.nn.place"):
+        jaxpar.init(lambda: PrintsAParameter(nnx.Rngs(0)), jaxpar.ParallelConfig(mesh={"data": 8}), mesh)
 
 
 def test_parameter_plan_trains_third_party_model_like_one_device():

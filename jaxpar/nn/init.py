@@ -1,8 +1,10 @@
 """``init``: build a Flax NNX model directly sharded on the mesh.
 
-Abstract shapes first (``nnx.eval_shape``), then the plan, then one jitted init whose
-``out_shardings`` are the plan: each device computes only its own shards, so no device ever
-holds a full replica of a sharded parameter.
+One trace of the constructor (``jax.make_jaxpr``: shapes, no memory), then the plan, then the
+init: one small jitted program per variable (shared by variables of the same kind,
+``sliced_init``) whose ``out_shardings`` is the plan's. Each device computes only its own
+shards, so no device ever holds a full replica of a sharded parameter, and nothing compiles
+one program for the whole model.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from flax import nnx
 
 from jaxpar.config import ParallelConfig
 from jaxpar.nn.plan import check_plan_covers, plan_state, to_shardings
+from jaxpar.nn.sliced_init import SlicedInit
 
 
 def _no_eager_sharding():
@@ -31,16 +34,18 @@ def abstract_model(model_fn: Callable[[], nnx.Module]) -> nnx.Module:
 
 
 def init_program(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mesh):
-    """``(graphdef, jitted_init)``: ``jitted_init()`` returns ``(params, rest)``, already sharded.
+    """``(graphdef, program)``: ``program()`` returns ``(params, rest)``, already sharded.
 
-    Exposed so the init program can be inspected (``jitted_init.lower().compile()``).
+    ``program`` is a ``jaxpar.nn.sliced_init.SlicedInit``: ``program.programs()`` lists the
+    jitted program of each variable with its arguments, to inspect
+    (``jitted.lower(*args).compile()``).
     """
     if isinstance(model_fn, nnx.Module) or not callable(model_fn):
         raise TypeError(f"init expects a function that builds the model, got {type(model_fn).__name__}; "
                         "write e.g. jaxpar.init(lambda: MyModel(rngs=nnx.Rngs(0)), config, mesh)")
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"init expects a ParallelConfig, got {type(config).__name__}")
-    graphdef, abs_params, abs_rest = nnx.split(abstract_model(model_fn), nnx.Param, ...)
+    graphdef, traced, (abs_params, abs_rest) = _trace(model_fn)
     param_specs = plan_state(config, mesh, abs_params, check_unused=False)
     check_plan_covers(config, abs_params, abs_rest)
     if config.optimizer.level == 3:
@@ -50,12 +55,21 @@ def init_program(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mes
         param_specs = zero_plan(config.optimizer, mesh, param_specs, abs_params).params
     shardings = (to_shardings(param_specs, mesh),
                  to_shardings(plan_state(config, mesh, abs_rest, check_unused=False), mesh))
+    return graphdef, SlicedInit(traced, shardings)
+
+
+def _trace(model_fn):
+    """``model_fn`` traced once: its graphdef, its jaxpr, and its abstract ``(params, rest)``."""
+    graphdefs = []
 
     def make():
         with _no_eager_sharding():
-            return nnx.split(model_fn(), nnx.Param, ...)[1:]
+            graphdef, params, rest = nnx.split(model_fn(), nnx.Param, ...)
+        graphdefs.append(graphdef)
+        return params, rest
 
-    return graphdef, jax.jit(make, out_shardings=shardings)
+    closed, abstract = jax.make_jaxpr(make, return_shape=True)()
+    return graphdefs[0], (closed, abstract), abstract
 
 
 def init(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mesh) -> nnx.Module:
