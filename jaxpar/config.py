@@ -256,7 +256,7 @@ class ParallelConfig:
       optimizer: optimizer parallel (ZeRO) settings, an ``OptimizerConfig`` or dict.
       grad_accum: micro-steps per optimizer update.
       pipeline: pipeline settings, a ``PipelineConfig`` or dict.
-      remat: recompute policy name for the whole loss (see ``jaxpar.remat``).
+      remat: recompute policy name, applied to each of the model's blocks (see ``jaxpar.remat``).
       comm_fusion: fuse gradient collectives: ``None`` (off), ``"auto"`` or
         ``{"mode": "size", "bucket_mb": 4}`` (a ``CommFusionConfig``).
       interleave: multi-copy parallel (MindSpore ``MicroBatchInterleaved``): each step's

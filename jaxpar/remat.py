@@ -27,6 +27,11 @@ On CPU, XLA undoes recompute in straight-line (unrolled) code: the memory saving
 only when the recomputed region is the body of a loop, e.g. scanned layers
 (``GPTConfig(scan_layers=True)``). On GPU and TPU it works in both.
 
+``ParallelConfig.remat`` applies its policy to each of the model's repeated blocks
+(``jaxpar.nn.blocks.find_blocks``: the scan body of stacked layers, or each unrolled layer),
+the way ``remat(model.blocks, policy)`` does: around the whole loss XLA keeps a scan's
+stacked activations.
+
 Example:
   >>> block_fn = remat(lambda block, x: block(x), "dots_saveable")      # doctest: +SKIP
   >>> model.blocks = remat(model.blocks, "full")                       # doctest: +SKIP

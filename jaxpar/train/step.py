@@ -15,6 +15,7 @@ The functions passed along the chain:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.data import part_shapes
+from jaxpar.nn.blocks import BLOCKS_HOOK, block_policy, find_blocks, remat_blocks
 from jaxpar.optim import accumulate, fusion
 from jaxpar.optim.offload import to_device
 from jaxpar.optim.zero import gather_params, reduce_gradients
@@ -86,16 +88,20 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
     # A pipeline is a model loss too: its stages run the blocks as the schedule over the
     # pipe axis, so every wrapper below applies to it unchanged.
     loss_fn = pipeline(s, loss_fn)
+    # Recompute goes on each of the model's blocks (the scan body, or each layer), in the
+    # pipeline's stages too: around the whole loss XLA keeps a scan's stacked activations.
+    # A model without blocks keeps the whole-loss recompute below (`whole`: its policy).
+    loss_fn, whole = recompute_blocks(s, loss_fn, plan.remat)
     if plan.loss_runs == "per_device" and (plan.config.comm_fusion is not None or plan.zero_level):
         # Per-device gradients reduced by jaxpar: bucketed all-reduces and reduce-scatters
         # to the ZeRO shards, inside the same shard_map as the loss.
-        grads = reduce_per_device(s, loss_fn, micro, lambda f: cast(s, interleave(recompute(f, plan.remat), n)))
+        grads = reduce_per_device(s, loss_fn, micro, lambda f: cast(s, interleave(recompute(f, whole), n)))
     else:
         loss = merge(s, loss_fn, part)
-        # ZeRO-3 gathers the stored shards to the compute layout *inside* the loss, so that
-        # recompute (next) gathers them again in the backward instead of keeping them.
+        # ZeRO-3 gathers the stored shards to the compute layout *inside* the loss, so that a
+        # whole-loss recompute (next) gathers them again in the backward instead of keeping them.
         loss = gather(s, loss)
-        loss = recompute(loss, plan.remat)
+        loss = recompute(loss, whole)
         # Multi-copy: the parts run one after another in one program, so one part's
         # collectives can overlap the next part's compute.
         loss = interleave(loss, n, s.batch_constraint(part))
@@ -188,8 +194,40 @@ def gather(s: Setting, loss: Callable) -> Callable:
     return gathered
 
 
+def recompute_blocks(s: Setting, loss_fn: Callable, policy: str) -> tuple[Callable, str]:
+    """``remat`` on each block ``find_blocks`` names: the model loss with the blocks' classes
+    swapped for recomputed ones on the model it gets, and ``"none"`` left for ``recompute``.
+    A model without blocks gets it back unchanged with ``policy`` (the whole loss) and a warning;
+    one whose blocks carry their own policy too is refused."""
+    if policy == "none":
+        return loss_fn, policy
+    model = nnx.merge(s.graphdef, s.params_like, s.rest_like)
+    paths = find_blocks(model)
+    name = type(model).__name__
+    if not paths:
+        if getattr(model, BLOCKS_HOOK, None) is None:
+            warnings.warn(
+                f"ParallelConfig.remat={policy!r}: found no repeated blocks in {name} (no module stacked on a "
+                f"'layers' axis, no nnx.List of two or more modules of one class), so the policy wraps the whole "
+                f"loss, where XLA keeps scanned layers' stacked activations. Name the blocks with a "
+                f"{BLOCKS_HOOK} = ('layers',) attribute on {name} (module paths), or {BLOCKS_HOOK} = () to keep "
+                f"the whole-loss recompute", UserWarning, stacklevel=2)
+        return loss_fn, policy
+    own = block_policy(model, paths)
+    if own is not None:
+        raise ValueError(f"ParallelConfig.remat={policy!r} and {own} both set a recompute policy for the blocks "
+                         f"of {name} ({', '.join(paths)}); set one of them (ParallelConfig.remat applies its "
+                         f"policy to each block, as the model's own setting does)")
+
+    def with_recomputed_blocks(model, batch):
+        return loss_fn(remat_blocks(model, paths, policy), batch)
+
+    return with_recomputed_blocks, "none"
+
+
 def recompute(loss: Callable, policy: str) -> Callable:
-    """``remat``: keep only what the policy saves; recompute the rest in the backward."""
+    """``remat`` over the whole loss (a model without blocks): keep only what the policy saves;
+    recompute the rest in the backward."""
     if policy == "none":
         return loss
     return jax.checkpoint(loss, policy=checkpoint_policy(policy))

@@ -1,0 +1,181 @@
+"""``ParallelConfig.remat`` on each block: block discovery, memory, numerics, the fallback and refusals."""
+
+import dataclasses
+import doctest
+import warnings
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from helpers import assert_close, assert_losses_close
+from jaxpar.models.data import ArithmeticData
+from jaxpar.models.llama import Llama, LlamaConfig, loss_fn
+from jaxpar.nn.blocks import find_blocks
+from jaxpar.report import memory
+
+# wide enough that activations dominate the temp memory of a step
+WIDE = LlamaConfig(vocab_size=64, embed=32, heads=4, kv_heads=2, mlp=128, layers=3, max_seq_len=32)
+
+
+def _lin(rngs=None):
+    return nnx.Linear(2, 2, rngs=rngs or nnx.Rngs(0))
+
+
+class Unrolled(nnx.Module):
+    def __init__(self):
+        self.embed = _lin()
+        self.layers = nnx.List([_lin() for _ in range(3)])
+
+
+class Named(nnx.Module):
+    jaxpar_blocks = ("stack", "extra")
+
+    def __init__(self):
+        self.stack = nnx.List([_lin(), nnx.LayerNorm(2, rngs=nnx.Rngs(0))])   # two classes: not found alone
+        self.extra = _lin()
+
+
+class Plain(nnx.Module):
+    """No repeated blocks: two modules of one class, but not in a sequence."""
+
+    def __init__(self):
+        self.up, self.down = _lin(), _lin()
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.up(x)))
+
+
+def test_find_blocks_scanned_unrolled_named_and_none():
+    llama = lambda **kw: nnx.eval_shape(lambda: Llama(LlamaConfig.named("tiny", **kw), rngs=nnx.Rngs(0)))  # noqa: E731
+    assert find_blocks(llama(scan_layers=True)) == ("blocks",)     # the scan body, not its submodules
+    assert find_blocks(llama(layers=3)) == ("blocks/0", "blocks/1", "blocks/2")
+    assert find_blocks(Unrolled()) == ("layers/0", "layers/1", "layers/2")
+    assert find_blocks(Named()) == ("stack/0", "stack/1", "extra")  # the hook wins over the search
+    assert find_blocks(Plain()) == ()
+    mixed = Plain()
+    mixed.parts = nnx.List([_lin(), nnx.LayerNorm(2, rngs=nnx.Rngs(0))])
+    assert find_blocks(mixed) == ()                                # items of different classes
+    ten = Unrolled()
+    ten.layers = nnx.List([_lin() for _ in range(11)])
+    assert find_blocks(ten)[-2:] == ("layers/9", "layers/10")      # items by index, not as strings
+
+
+def test_find_blocks_refuses_bad_names():
+    m = Plain()
+    m.jaxpar_blocks = ("layers",)
+    with pytest.raises(ValueError, match=r"Plain.jaxpar_blocks: the model has no module at 'layers'"):
+        find_blocks(m)
+    m.jaxpar_blocks = "up"
+    with pytest.raises(TypeError, match=r"jaxpar_blocks='up': give a sequence of module paths"):
+        find_blocks(m)
+    m.jaxpar_blocks = ("up/kernel",)
+    with pytest.raises(TypeError, match=r"names 'up/kernel', which holds a Param"):
+        find_blocks(m)
+
+
+def _trainer(cfg: LlamaConfig, remat: str = "none", *, blocks=None, edit=None):
+    config = jaxpar.ParallelConfig(mesh={"data": 1}, mode="data", remat=remat)
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:1])
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    if blocks is not None:
+        model.jaxpar_blocks = blocks        # () = no blocks: the whole-loss recompute of before
+    if edit is not None:
+        edit(model)
+    return jaxpar.Trainer(model, optax.sgd(0.1), loss_fn, config, mesh)
+
+
+SCANNED = dataclasses.replace(WIDE, scan_layers=True)
+BATCHES = [ArithmeticData(WIDE.max_seq_len).batch(16, i) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def scanned():
+    """Scanned-layer trainers recomputing every block: by the model's own policy, by
+    ``ParallelConfig.remat``, and by ``ParallelConfig.remat`` around the whole loss (the model
+    names no blocks: the step of before)."""
+    return {"model": _trainer(dataclasses.replace(SCANNED, remat="full")), "config": _trainer(SCANNED, "full"),
+            "whole loss": _trainer(SCANNED, "full", blocks=())}
+
+
+def test_scanned_model_recomputes_each_block_not_the_whole_loss(scanned):
+    """``ParallelConfig.remat`` costs what the model's own per-block policy does, well under the
+    whole-loss wrap (XLA keeps the scan's stacked activations there)."""
+    temp = {name: memory(t.lower(BATCHES[0]).compile()).temp_bytes for name, t in scanned.items()}
+    print("scanned temp: " + "  ".join(f"{name} {b:,}" for name, b in temp.items()))
+    assert temp["config"] <= 1.05 * temp["model"]
+    assert temp["config"] < 0.5 * temp["whole loss"]
+
+
+def test_scanned_block_recompute_keeps_numerics(scanned):
+    def run(trainer):
+        losses = [float(trainer.step(b)["loss"]) for b in BATCHES]
+        return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param)))
+
+    ref_losses, ref_params = run(_trainer(SCANNED))
+    losses, params = run(scanned["config"])
+    assert_losses_close(losses, ref_losses)
+    assert_close(params, ref_params, what="remat per block")
+    assert not hasattr(type(scanned["config"].model.blocks), "_jaxpar_remat_policy")   # the swap stays in the step
+
+
+def test_unscanned_model_recomputes_each_layer():
+    """Unrolled: one recompute region per layer, the same numbers as the whole-loss wrap (= no
+    recompute), and temp memory where the whole-loss wrap had it (the CPU compiler undoes
+    recompute in straight-line code)."""
+    batch = BATCHES[0]
+    cfg = dataclasses.replace(WIDE, layers=2)
+    per_layer, whole = _trainer(cfg, "full"), _trainer(cfg, "full", blocks=())
+    lowered = [t.lower(batch) for t in (per_layer, whole)]
+    barriers = [low.as_text().count("optimization_barrier") for low in lowered]
+    assert barriers[0] == cfg.layers * barriers[1] > 0
+    temps = [memory(low.compile()).temp_bytes for low in lowered]
+    print(f"unscanned temp: ParallelConfig.remat {temps[0]:,}  whole loss {temps[1]:,}")
+    assert temps[0] <= 1.05 * temps[1]
+    losses = [float(t.step(batch)["loss"]) for t in (per_layer, whole)]
+    assert_losses_close(losses[:1], losses[1:])
+    params = [jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(t.model, nnx.Param))) for t in (per_layer, whole)]
+    assert_close(*params, what="remat per layer")
+    assert not hasattr(type(per_layer.model.blocks[0]), "_jaxpar_remat_policy")   # the swap stays in the step
+
+
+def _plain_loss(model, batch):
+    return ((model(batch["x"]) - batch["y"]) ** 2).mean()
+
+
+def _plain_trainer(model):
+    config = jaxpar.ParallelConfig(mesh={"data": 1}, mode="data", remat="full")
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:1])
+    return jaxpar.Trainer(model, optax.sgd(0.1), _plain_loss, config, mesh)
+
+
+def test_model_without_blocks_recomputes_the_whole_loss_with_a_warning():
+    batch = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+    with pytest.warns(UserWarning, match=r"found no repeated blocks in Plain .* jaxpar_blocks = \('layers',\)"):
+        trainer = _plain_trainer(Plain())
+        loss = float(trainer.step(batch)["loss"])
+    assert np.isfinite(loss)
+    assert trainer.lower(batch).as_text().count("optimization_barrier") == 1   # one region: the loss
+    named = Plain()
+    named.jaxpar_blocks = ()            # chosen on purpose: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert float(_plain_trainer(named).step(batch)["loss"]) == loss
+
+
+def test_policy_on_both_the_config_and_the_blocks_is_refused():
+    cfg = LlamaConfig.named("tiny", scan_layers=True)
+    batch = ArithmeticData(cfg.max_seq_len).batch(8, 0)
+    with pytest.raises(ValueError, match=r"ParallelConfig.remat='full' and LlamaConfig.remat='dots_saveable' both"):
+        _trainer(dataclasses.replace(cfg, remat="dots_saveable"), "full").step(batch)
+    with pytest.raises(ValueError, match=r"and jaxpar.remat\(model.blocks, 'dots_saveable'\) both"):
+        _trainer(cfg, "full", edit=lambda m: jaxpar.remat(m.blocks, "dots_saveable")).step(batch)
+
+
+def test_blocks_doctests():
+    from jaxpar.nn import blocks
+
+    assert doctest.testmod(blocks).failed == 0
