@@ -101,3 +101,13 @@ def test_inspect_and_merge_name_the_damage(two_steps, tmp_path, capsys, damage):
     assert not (tmp_path / "merged").exists()
     assert main(["inspect", str(directory), "--step", "1", "--json"]) == 0       # the step before is intact
     assert json.loads(capsys.readouterr().out)["step"] == 1
+
+
+def test_merge_onto_a_full_disk_is_one_line(two_steps, tmp_path, monkeypatch, capsys):
+    from test_checkpoint_robust import fill_disk
+
+    fill_disk(monkeypatch, tmp_path / "merged")
+    assert main(["merge", str(two_steps), str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxpar ckpt merge: error: saving checkpoint step 2 to {tmp_path / 'merged'} failed: "
+                          "[Errno 28] No space left on device") and err.count("\n") == 1, err

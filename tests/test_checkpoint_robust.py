@@ -1,7 +1,9 @@
 """Checkpoints under stress: a writer killed mid-save, memory bounds on restore, two processes."""
 
+import errno
 import gc
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -193,3 +195,51 @@ def test_twenty_random_kills_every_restart_loads_the_newest_complete_step(tmp_pa
         np.testing.assert_array_equal(np.asarray(trainer.params["w"].get_value()), base + np.float32(step))
         seen.append(step)
     assert seen == sorted(seen) and len(set(seen)) == 20
+
+
+def fill_disk(monkeypatch, directory):
+    """Writes under ``directory`` fail as on a full disk (ENOSPC), where orbax writes its JSON items
+    (in its own threads when the save is asynchronous)."""
+    from etils.epath import abstract_path
+
+    write = abstract_path.Path.write_text
+
+    def full(self, *args, **kwargs):
+        if str(self).startswith(str(directory)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(abstract_path.Path, "write_text", full)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_a_full_disk_is_one_error_naming_the_directory_and_loses_nothing(tmp_path, monkeypatch, caplog, capsys,
+                                                                        asynchronous):
+    trainer = common.mlp_trainer()
+    common.run(trainer, 1)
+    directory = tmp_path / "ckpt"
+    checkpointer = ckpt.Checkpointer(directory, keep=None, asynchronous=asynchronous)
+    checkpointer.save(trainer)
+    checkpointer.wait()
+    saved = common.values(trainer)
+    common.run(trainer, 1)
+    caplog.clear()
+    with monkeypatch.context() as patch:
+        fill_disk(patch, directory)
+        with pytest.raises(ckpt.CheckpointWriteError) as failed:
+            checkpointer.save(trainer)          # asynchronous: the write fails in orbax's threads ...
+            checkpointer.wait()                 # ... and is reported when the save is waited for
+    error = failed.value
+    assert error.errno == errno.ENOSPC and isinstance(error, OSError) and error.step == 2
+    assert str(error).startswith(f"saving checkpoint step 2 to {directory} failed: [Errno 28] No space left "
+                                 "on device") and "the steps before it ([1]) are intact" in str(error), str(error)
+    # orbax's own tracebacks of the failure are not printed
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    assert "Traceback" not in capsys.readouterr().err
+    checkpointer.close()
+    assert ckpt.latest_step(directory) == 1
+    fresh = common.mlp_trainer()
+    ckpt.restore(fresh, directory)
+    common.assert_same(common.values(fresh), saved)
+    ckpt.save(trainer, directory)           # space freed: the step saves, past the failed attempt's leftovers
+    assert ckpt.latest_step(directory) == 2

@@ -7,7 +7,8 @@
 See ``docs/checkpoint.md``; ``jaxpar ckpt {inspect,transform,merge,import-hf,export-hf}`` (``python -m jaxpar.ckpt_cli``) works offline.
 """
 
-from jaxpar.checkpoint.manager import CheckpointDamagedError, Checkpointer, latest_step, restore, restore_state, save, save_state
+from jaxpar.checkpoint.manager import (CheckpointDamagedError, Checkpointer, CheckpointWriteError, latest_step,
+                                       restore, restore_state, save, save_state)
 from jaxpar.checkpoint.offline import format_inspect, inspect, load_strategy, merge, plan_leaves, transform
 from jaxpar.checkpoint.state import CheckpointMismatchError
 from jaxpar.checkpoint.strategy import strategy_config, strategy_specs
@@ -15,6 +16,7 @@ from jaxpar.checkpoint.strategy import strategy_config, strategy_specs
 __all__ = [
     "CheckpointDamagedError",
     "CheckpointMismatchError",
+    "CheckpointWriteError",
     "Checkpointer",
     "format_inspect",
     "inspect",

@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
-import logging
 import os
 import sys
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -36,6 +33,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from jaxpar.checkpoint import state as st
+from jaxpar.checkpoint.echoes import Echoes, first_line, os_error, release_frames
 from jaxpar.checkpoint.strategy import build_strategy
 from jaxpar.plan import check_data
 from jaxpar.version import __version__
@@ -76,8 +74,8 @@ def saved_leaves(manager: ocp.CheckpointManager, step: int) -> dict[str, st.Leaf
     leaves = st.unnest(tree) if tree is not None else {}
     missing = sorted(path for path, m in leaves.items() if getattr(m, "shape", None) is None)
     if not leaves or missing:
-        raise FileNotFoundError(f"the array metadata of item 'state' ({'state/_METADATA' if not leaves else missing[:3]})"
-                                " is missing or unreadable")
+        what = "state/_METADATA" if not leaves else missing[:3]
+        raise FileNotFoundError(f"the array metadata of item 'state' ({what}) is missing or unreadable")
     return {path: st.leaf_info(m) for path, m in leaves.items()}
 
 
@@ -110,91 +108,91 @@ class CheckpointDamagedError(ValueError):
                             f"(a job file: `jaxpar train --config JOB --checkpoint.resume newest_intact`), or "
                             f"delete {os.path.join(directory, str(step))}")
         super().__init__(f"checkpoint step {step} in {directory} is damaged ({type(error).__name__}: "
-                         f"{_damage_detail(error)}); the steps before it are untouched. {advice}")
-
-
-def _damage_detail(error: BaseException) -> str:
-    """The first line of orbax's / tensorstore's message, without tensorstore's spec dump."""
-    text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
-    line = text.splitlines()[0] if text.strip() else "no detail"
-    return line.split(" [tensorstore_spec=")[0][:400]
-
-
-def _echo_of_failed_read(unraisable) -> bool:
-    """An error Python could not raise that only echoes a failed orbax read: tensorstore's
-    callback into orbax's closed event loop, or an orbax read coroutine finalized mid-read."""
-    if isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed":
-        return True
-    code = getattr(unraisable.object, "cr_code", None)
-    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
-
-
-class _Echoes(logging.Filter):
-    """Drops the echoes of a failed read (asyncio's log lines and unraisable errors), counting them."""
-
-    def __init__(self, hook):
-        super().__init__()
-        self.hook, self.count = hook, 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        echo = record.getMessage().endswith("exception was never retrieved")
-        self.count += echo
-        return not echo
-
-    def unraisable(self, unraisable) -> None:
-        if _echo_of_failed_read(unraisable):
-            self.count += 1
-        else:
-            self.hook(unraisable)
-
-    def settle(self, quiet: float = 0.05, limit: float = 2.0) -> None:
-        """Finalize the failed read's leftovers until none came for ``quiet`` seconds: reads still
-        in flight in tensorstore's threads finish within milliseconds on a local disk."""
-        deadline, seen = time.monotonic() + limit, -1
-        while seen != self.count and time.monotonic() < deadline:
-            seen = self.count
-            gc.collect()
-            time.sleep(quiet)
-            gc.collect()
-
-
-def _release_frames(error: BaseException | None) -> None:
-    """Drop the tracebacks of ``error`` and its chain (the message stays): their frames hold the
-    failed read's coroutines, which must be finalized now, not whenever the error is dropped."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        error.__traceback__ = None
-        error = error.__cause__ or error.__context__
+                         f"{first_line(error)}); the steps before it are untouched. {advice}")
 
 
 @contextlib.contextmanager
 def reading(directory, step: int, advice: str | None = None) -> Iterator[None]:
     """Read step ``step`` of ``directory`` inside this block: whatever orbax or tensorstore raise
     for a damaged file (missing, truncated, garbage; dozens of exception kinds) becomes one
-    `CheckpointDamagedError` naming the step and the damage.
-
-    orbax closes its event loop as soon as one read fails; tensorstore then completes the reads
-    still in flight into the closed loop, and their coroutines are finalized mid-read: each
-    would print a traceback through ``sys.unraisablehook`` or an asyncio "exception was never
-    retrieved" log line. They echo the damage already reported, so they are awaited and
-    dropped inside this block; any other unraisable error goes to the hook that was installed.
-    """
-    echoes, log = _Echoes(sys.unraisablehook), logging.getLogger("asyncio")
-    sys.unraisablehook = echoes.unraisable
-    log.addFilter(echoes)
+    `CheckpointDamagedError` naming the step and the damage. The failed read's echoes (see
+    `jaxpar.checkpoint.echoes`) are awaited and dropped inside the block."""
+    echoes = Echoes().install()
     try:
         yield
     except (CheckpointDamagedError, st.CheckpointMismatchError):
         raise
     except Exception as e:
         error = CheckpointDamagedError(str(directory), step, e, advice)
-        _release_frames(e)
+        release_frames(e)
         echoes.settle()
         raise error from e
     finally:
-        sys.unraisablehook = echoes.hook
-        log.removeFilter(echoes)
+        echoes.remove()
+
+
+class CheckpointWriteError(OSError, ValueError):
+    """A save that could not be written (disk full, quota, permissions): names the directory, the
+    step and the cause. Nothing of that step was committed; the steps before it are intact.
+    ``errno`` is the operating system's error number when there is one (``errno.ENOSPC``)."""
+
+    def __init__(self, directory: str, step: int | None, error: BaseException, steps: list[int]):
+        found = os_error(error)
+        cause = found[1] if found else f"{type(error).__name__}: {first_line(error)}"
+        what = f"step {step}" if step is not None else "a step"
+        kept = f"the steps before it ({sorted(steps)}) are intact" if steps else "no earlier step was saved"
+        self.step = step
+        super().__init__(found[0] if found else None,
+                         f"saving checkpoint {what} to {directory} failed: {cause}. Nothing of {what} was "
+                         f"committed; {kept}. Free space on that disk (or give another checkpoint directory) "
+                         "and save again")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _is_io_error(error: BaseException) -> bool:
+    return os_error(error) is not None
+
+
+@contextlib.contextmanager
+def writing(manager: ocp.CheckpointManager, directory, step: int | None, echoes: Echoes | None = None,
+            *, any_error: bool = False) -> Iterator[None]:
+    """Save or wait for ``step`` of ``directory`` inside this block: a write that fails (an
+    ``OSError`` or tensorstore's error with an OS error code; with ``any_error``, anything,
+    as when waiting for a save orbax runs in its own threads) becomes one `CheckpointWriteError`
+    naming the directory, the step and the cause. ``echoes``: the writer's installed `Echoes`
+    (default: installed for this block), whose held orbax logs of the failure are dropped."""
+    own = echoes is None
+    echoes = Echoes(hold_orbax=True).install() if own else echoes
+    try:
+        yield
+    except CheckpointWriteError:
+        raise
+    except Exception as e:
+        if not (any_error or _is_io_error(e)):
+            raise
+        error = CheckpointWriteError(str(directory), step, e, _committed(manager))
+        with contextlib.suppress(Exception):   # orbax keeps the failure for each layer that waits for it
+            manager.check_for_errors()          # too (its finalize thread, its checkpointer): the same one
+        release_frames(e)
+        echoes.settle()
+        echoes.drop_held()
+        raise error from e
+    else:
+        if any_error:       # every save waited for was committed: what orbax logged was not about them
+            echoes.emit_held()
+    finally:
+        if own:
+            echoes.remove()
+            echoes.emit_held()
+
+
+def _committed(manager: ocp.CheckpointManager) -> list[int]:
+    try:
+        return complete_steps(manager)
+    except Exception:   # the disk that failed the write may fail this too: the message goes without
+        return []
 
 
 def restore_from(manager: ocp.CheckpointManager, step: int, state, mesh, directory: str = ""):
@@ -285,7 +283,10 @@ def _at_exit(ref: weakref.ref) -> None:
     def finish():
         ckpt = ref()
         if ckpt is not None:
-            ckpt.close()
+            try:
+                ckpt.close()
+            except CheckpointWriteError as e:    # nobody is left to catch it: one line, no traceback
+                print(f"jaxpar: {e}", file=sys.stderr)
 
     register = getattr(threading, "_register_atexit", None)
     try:
@@ -326,6 +327,10 @@ class Checkpointer:
         self.resume_policy = resume
         self.manager = open_manager(self.directory, keep=keep, asynchronous=asynchronous)
         self._closed = False
+        self._saving: int | None = None      # the step of the newest save started
+        # orbax logs a save that fails in its threads, with tracebacks, before anyone waits for
+        # it: held back until the save is waited for, and reported there as one error
+        self._echoes = Echoes(hold_orbax=True).install()
         # A script that trains and returns must not lose the save still being written.
         _at_exit(weakref.ref(self))
 
@@ -337,12 +342,15 @@ class Checkpointer:
         """Start saving ``state`` (laid out by ``plan`` on ``mesh``) as step ``state.step``
         (``model``: see `save_state`)."""
         step = int(state.step)
+        self.wait()         # a failed earlier save is reported as itself, before this one starts
         if step in self.manager.all_steps():
             if not force:
                 raise FileExistsError(f"{self.directory} already holds step {step}; pass force=True to replace it")
-            self.manager.wait_until_finished()
             self.manager.delete(step)
-        self.manager.save(step, args=_save_args(plan, state, mesh, model), force=True)
+        args = _save_args(plan, state, mesh, model)
+        self._saving = step
+        with writing(self.manager, self.directory, step, self._echoes):
+            self.manager.save(step, args=args, force=True)
         return step
 
     def save(self, trainer, *, data_state: dict | None = None, force: bool = False) -> int:
@@ -359,7 +367,7 @@ class Checkpointer:
 
     def restore_state(self, state, mesh, step: int | None = None):
         """``(TrainState, meta)``: ``step`` (default the newest complete one) in ``state``'s layout."""
-        self.manager.wait_until_finished()
+        self.wait()
         return restore_from(self.manager, complete_step(self.manager, self.directory, step), state, mesh,
                             self.directory)
 
@@ -369,7 +377,7 @@ class Checkpointer:
         A newest step that does not read back whole raises `CheckpointDamagedError` naming it,
         or, with ``resume="newest_intact"``, is passed over (with a warning) for the newest
         step that does."""
-        self.manager.wait_until_finished()
+        self.wait()
         steps = sorted(complete_steps(self.manager), reverse=True)
         for i, step in enumerate(steps):
             try:
@@ -393,16 +401,26 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def wait(self) -> None:
-        """Block until every started save is committed."""
-        self.manager.wait_until_finished()
+        """Block until every started save is committed; a save that could not be written raises
+        `CheckpointWriteError` (once) naming the directory, the step and the cause."""
+        with writing(self.manager, self.directory, self._saving, self._echoes, any_error=True):
+            self.manager.wait_until_finished()
 
     def close(self) -> None:
-        """Wait for every started save to commit, then close (idempotent)."""
+        """Wait for every started save to commit, then close (idempotent); a save that could not
+        be written raises `CheckpointWriteError`, and the checkpointer is closed all the same."""
         if self._closed:
             return
         self._closed = True
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.wait()
+        finally:
+            try:
+                with writing(self.manager, self.directory, self._saving, self._echoes, any_error=True):
+                    self.manager.close()
+            finally:
+                self._echoes.remove()
+                self._echoes.emit_held()
 
     def __enter__(self) -> "Checkpointer":
         return self

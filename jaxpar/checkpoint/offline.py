@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.checkpoint import state as st
-from jaxpar.checkpoint.manager import complete_step, complete_steps, open_manager, reading, saved_leaves
+from jaxpar.checkpoint.manager import complete_step, complete_steps, open_manager, reading, saved_leaves, writing
 from jaxpar.checkpoint.strategy import spec_from_json, spec_to_json, strategy_file
 from jaxpar.config import ParallelConfig
 from jaxpar.mesh import make_mesh
@@ -181,7 +181,7 @@ def transform(directory, out, config: ParallelConfig, *, step: int | None = None
     new_strategy = strategy_file(leaves, mesh, config)
     if "model" in strategy:
         new_strategy["model"] = strategy["model"]      # the model description travels with the arrays
-    with open_manager(out, asynchronous=False) as writer:
+    with open_manager(out, asynchronous=False) as writer, writing(writer, out, step):
         writer.save(step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(restored["state"]), meta=ocp.args.JsonSave(meta),
             strategy=ocp.args.JsonSave(new_strategy)))
