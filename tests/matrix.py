@@ -17,6 +17,7 @@ round differently).
 from __future__ import annotations
 
 import itertools
+import re
 
 FEATURES = {
     "layout": ("data", "megatron", "fused", "2d"),
@@ -124,6 +125,15 @@ PRODUCT = [dict(BASE, layout="megatron", pipeline=p, zero=z)
            for p in FEATURES["pipeline"] for z in (0, 1)]
 
 
+# Cells beside the cover, whose model is not the matrix's GPT: the job of issue #29, a Llama
+# (RMSNorm, rotary positions, grouped-query attention whose kv heads stay whole, SwiGLU, untied
+# head) under Megatron with the vocabulary split, exactly as reported: the pipe axis first in the
+# mesh, "embed" mapped to None, m = p = 2 micro-batches, interleaved with one chunk per stage.
+# `stray_collectives` checks their compiled step too.
+EXTRA = [dict(BASE, layout="megatron", pipeline=schedule, model="llama", microbatches=2)
+         for schedule in ("1f1b", "interleaved")]
+
+
 # The greedy cover breaks ties at random; no seed in 0..5 gave fewer than its 41 cells.
 COVER_SEED = 0
 
@@ -186,6 +196,9 @@ def config_for(cell: dict):
         mesh = {"data": 4, "pipe": 2} if piped else {"data": 8}
     if piped:
         rules["layers"] = "pipe"
+    if cell.get("model") == "llama":   # the reported job (see EXTRA): pipe first, embed named and unsplit
+        mesh = {"pipe": 2, "data": 2, "model": 2} if piped else mesh
+        rules |= {"embed": None}
     context = None
     if cell["context"] != "none":   # half the data axis splits the sequence instead
         mesh = {"data": 4, "context": 2} if cell["layout"] == "data" else {"data": 2, "context": 2, "model": 2}
@@ -200,8 +213,10 @@ def config_for(cell: dict):
     # (2D: mlp is on the data axis already, so each expert is split 2D over data x model instead)
     if mode == "hybrid":
         rules = {}
-    pipeline = {"stages": 2, "microbatches": 4, "schedule": cell["pipeline"], "embedding": cell["embedding"],
-                "virtual_stages": 2 if cell["pipeline"] == "interleaved" else 1} if piped else {}
+    llama = cell.get("model") == "llama"
+    pipeline = {"stages": 2, "microbatches": cell.get("microbatches", 4), "schedule": cell["pipeline"],
+                "embedding": cell["embedding"],
+                "virtual_stages": 2 if cell["pipeline"] == "interleaved" and not llama else 1} if piped else {}
     return jaxpar.ParallelConfig(
         mesh=mesh, mode=mode, rules=rules if mode != "auto" else {},
         optimizer={"level": cell["zero"], "threshold_kb": 0}, grad_accum=cell["accum"],
@@ -223,21 +238,36 @@ def gpt_config(cell: dict | None = None):
                      dropout=0.0, fused_qkv=bool(cell and cell["layout"] == "fused"), moe=moe)
 
 
+def model_config(cell: dict | None = None):
+    """The cell's model config: the matrix's GPT (`gpt_config`), or the tiny scanned Llama of `EXTRA`."""
+    if cell and cell.get("model") == "llama":
+        from jaxpar.models.llama import LlamaConfig
+
+        return LlamaConfig.named("tiny", scan_layers=True)
+    return gpt_config(cell)
+
+
 def _trainer(config, gpt, devices):
     import jax
     import optax
     from flax import nnx
 
     import jaxpar
-    from jaxpar.models.gpt import GPT, loss_fn, pipeline_loss
+    from jaxpar.models import gpt as gpt_module
+    from jaxpar.models import llama as llama_module
     from jaxpar.ops import ContextParallel
+
+    llama = isinstance(gpt, llama_module.LlamaConfig)
+    Model = llama_module.Llama if llama else gpt_module.GPT
+    family = llama_module if llama else gpt_module
+    loss_fn, pipeline_loss = family.loss_fn, family.pipeline_loss
 
     mesh = jaxpar.make_mesh(config, devices=jax.devices()[:devices])
     constrain = jaxpar.LogicalConstraint(mesh, config.rules) if config.mode == "semi_auto" else None
     if config.context is not None:   # attention across the context axis, masked by original positions
         constrain = ContextParallel(constrain, mesh, config)
     kw = {"constrain": constrain} if constrain is not None else {}
-    model = jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0), **kw), config, mesh)
+    model = jaxpar.init(lambda: Model(gpt, rngs=nnx.Rngs(0), **kw), config, mesh)
     # unpipelined context / MoE cells run the plain loss; pipelined ones the pipeline's parts, whose
     # blocks get the micro-batch (positions) and whose MoE auxiliary losses join the loss
     whole = (config.context is not None or gpt.moe is not None) and config.pipeline.stages == 1
@@ -261,15 +291,17 @@ def _params(trainer):
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param)))
 
 
-def run_cell(cell: dict, tmp_dir: str | None = None):
+def run_cell(cell: dict, tmp_dir: str | None = None, inspect=None):
     """``(losses, params)`` of ``STEPS`` steps under ``cell`` (``ckpt="restore"``: the first
     `SAVE_AT` steps under the cell, saved, the rest in a plain ``data=8`` trainer restored
-    from that checkpoint)."""
+    from that checkpoint). ``inspect(trainer, batch)`` runs before the first step."""
     import jaxpar
 
-    gpt = gpt_config(cell)
+    gpt = model_config(cell)
     trainer = _trainer(config_for(cell), gpt, 8)
     batches = _batches()
+    if inspect is not None:
+        inspect(trainer, batches[0])
     if cell["ckpt"] == "no":
         return [float(trainer.step(b)["loss"]) for b in batches], _params(trainer)
     losses = [float(trainer.step(b)["loss"]) for b in batches[:SAVE_AT]]
@@ -281,20 +313,84 @@ def run_cell(cell: dict, tmp_dir: str | None = None):
     return losses, _params(plain)
 
 
+_COLLECTIVE = re.compile(r"^\s*(?:ROOT )?\S+ = .*? (collective-permute|all-reduce|all-gather|all-to-all|reduce-scatter)(?:-start)?\(")
+
+
+def stray_collectives(trainer, batch) -> list[str]:
+    """The collectives of the compiled step that a pipeline stage's branch must not hold: any
+    collective-permute (XLA:CPU makes one wait for every device of the program, and the other
+    stages run other branches: the process aborts in the rendezvous) and any collective whose
+    groups span pipeline stages. Collectives within a stage's devices are fine."""
+    import numpy as np
+
+    mesh = trainer.mesh
+    pipe = list(mesh.axis_names).index(trainer.config.pipeline.axis)
+    stage = {d.id: index[pipe] for index, d in np.ndenumerate(mesh.devices)}
+    return strays(trainer.lower(batch).compile().as_text(), stage)
+
+
+def strays(hlo: str, stage: dict[int, int]) -> list[str]:
+    """`stray_collectives` of an optimized HLO text, ``stage``: device id -> pipeline stage."""
+    return [line.strip()[:300] for line in _branch_lines(hlo) if (m := _COLLECTIVE.search(line))
+            and (m.group(1) == "collective-permute"
+                 or any(len({stage[d] for d in group}) > 1 for group in _groups(line)))]
+
+
+def _branch_lines(hlo: str) -> list[str]:
+    """The instructions of every computation a conditional's branch runs (transitively)."""
+    bodies, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            name = head.group(1)
+            bodies[name] = []
+        elif name is not None:
+            bodies[name].append(line)
+    called = lambda line: {c.strip().lstrip("%") for m in re.finditer(  # noqa: E731
+        r"(?:to_apply|calls|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?", line)
+        for c in m.group(1).split(",")}
+    todo = [c for lines in bodies.values() for line in lines if " conditional(" in line
+            for m in re.finditer(r"branch_computations=\{([^}]*)\}", line) for c in
+            (x.strip().lstrip("%") for x in m.group(1).split(","))]
+    seen: set = set()
+    while todo:
+        c = todo.pop()
+        if c not in seen:
+            seen.add(c)
+            todo += [d for line in bodies.get(c, []) for d in called(line)]
+    return [line for c in seen for line in bodies.get(c, [])]
+
+
+def _groups(line: str) -> list[list[int]]:
+    """The device groups of a collective: ``replica_groups={{0,1},...}`` or the iota form
+    ``[4,2]<=[2,2,2]T(1,0,2)``."""
+    import numpy as np
+
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+    if m:
+        dims = [int(x) for x in m.group(2).split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return ids.reshape([int(x) for x in m.group(1).split(",")]).tolist()
+    m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+    return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", m.group(1))] if m else []
+
+
 def reference(key: tuple):
     """The same training on one device, for a `reference_key` (same model and precision setting)."""
     import jaxpar
 
-    fused, precision, moe = key
-    cell = dict(BASE, layout="fused" if fused else "data", moe=moe)
+    fused, precision, moe, model = key
+    cell = dict(BASE, layout="fused" if fused else "data", moe=moe, model=model)
     config = jaxpar.ParallelConfig(mesh={"data": 1}, precision=None if precision == "none" else precision)
-    trainer = _trainer(config, gpt_config(cell), 1)
+    trainer = _trainer(config, model_config(cell), 1)
     return [float(trainer.step(b)["loss"]) for b in _batches()], _params(trainer)
 
 
 def reference_key(cell: dict) -> tuple:
-    """Which one-device reference a cell is compared with: (fused qkv, precision, moe)."""
-    return (cell["layout"] == "fused", cell["precision"], cell["moe"])
+    """Which one-device reference a cell is compared with: (fused qkv, precision, moe, model)."""
+    return (cell["layout"] == "fused", cell["precision"], cell["moe"], cell.get("model", "gpt"))
 
 
 def reference_name(key: tuple) -> str:
@@ -323,5 +419,5 @@ def errors(result, expected) -> tuple[float, float]:
     return loss_err, param_err
 
 
-__all__ = ["CELLS", "FEATURES", "REFUSED", "TOLERANCE", "all_pairs", "reference_key", "reference_name", "config_for", "errors", "flat_params", "name", "reference",
-           "run_cell"]
+__all__ = ["CELLS", "EXTRA", "FEATURES", "REFUSED", "TOLERANCE", "all_pairs", "reference_key", "reference_name", "config_for", "errors", "flat_params", "name", "reference",
+           "run_cell", "stray_collectives"]
