@@ -32,8 +32,10 @@ def main(cells_path, ref_path, out_path, tmp):
         line = {"name": matrix.name(cell)}
         try:
             # the cells beside the cover (matrix.EXTRA) also report what their stages' branches communicate
-            inspect = (lambda trainer, batch: line.update(stray=matrix.stray_collectives(trainer, batch))
-                       if "model" in cell else None)
+            inspect = None
+            if "model" in cell:
+                def inspect(trainer, batch, line=line):
+                    line["stray"] = matrix.stray_collectives(trainer, batch)
             losses, params = matrix.run_cell(cell, os.path.join(tmp, f"ckpt{i}"), inspect)
             flat = [np.asarray(p, np.float32) for _, p in sorted(matrix.flat_params(params).items())]
             name = matrix.reference_name(matrix.reference_key(cell))
