@@ -11,10 +11,12 @@ the persistent compilation cache is off) until every variable is ready:
   out_shardings=plan)`` over the whole constructor (written out in ``whole_program_init``).
 
 The methods take turns (order reversed every other round), so a change in the machine's load
-hits them alike; each reports the median over ``--rounds`` and its ratio to eager Flax.
+hits them alike; each reports the median over ``--rounds`` of the wall time and of the
+process's CPU time (all its threads: compiling and running; less sensitive than wall time to
+other work on a shared machine), and both ratios to eager Flax.
 
     python benchmarks/init.py                     # CPU, 1 device, Llama 125m with vocab 8192
-    python benchmarks/init.py --quick --out /tmp/init.json    # a few seconds: the tiny Llama
+    python benchmarks/init.py --quick --out /tmp/init.json    # seconds: the tiny Llama, 2 layers
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ from jaxpar.nn import abstract_model, init_program, plan_state, to_shardings
 METHODS = ("eager Flax", "jaxpar.init", "one jitted program")
 
 
-def model_fn(size: str, vocab: int, scanned: bool):
-    cfg = LlamaConfig.named(size, vocab_size=vocab, scan_layers=scanned)
+def model_fn(size: str, vocab: int, scanned: bool, layers: int | None = None):
+    cfg = LlamaConfig.named(size, vocab_size=vocab, scan_layers=scanned, **({"layers": layers} if layers else {}))
     return lambda: Llama(cfg, rngs=nnx.Rngs(0))
 
 
@@ -62,9 +64,10 @@ def whole_program_init(fn, config, mesh):
     return nnx.merge(graphdef, *jax.jit(make, out_shardings=shardings)())
 
 
-def run_method(method: str, fn, config, mesh) -> float:
+def run_method(method: str, fn, config, mesh) -> tuple[float, float]:
+    """Wall seconds and CPU seconds of this process (all its threads) until the model is ready."""
     jax.clear_caches()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if method == "eager Flax":
         model = fn()
     elif method == "jaxpar.init":
@@ -72,7 +75,7 @@ def run_method(method: str, fn, config, mesh) -> float:
     else:
         model = whole_program_init(fn, config, mesh)
     jax.block_until_ready(nnx.state(model))
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
 def bench(args) -> list[dict]:
@@ -80,21 +83,27 @@ def bench(args) -> list[dict]:
     config = jaxpar.ParallelConfig(mesh={"data": len(devices)}, mode="data")
     mesh = jaxpar.make_mesh(config, devices=devices)
     layouts = {"unrolled": False, "scanned": True}
-    cases = [(layers, method) for layers in layouts for method in args.methods]
+    cases = [(layout, method) for layout in layouts for method in args.methods]
     times = {case: [] for case in cases}
+    cpu_times = {case: [] for case in cases}
     for r in range(args.rounds):
-        for layers, method in (cases if r % 2 == 0 else cases[::-1]):
-            seconds = run_method(method, model_fn(args.size, args.vocab, layouts[layers]), config, mesh)
-            times[(layers, method)].append(seconds)
-            print(f"  round {r + 1}: {layers} {method} {seconds:.2f}s", file=sys.stderr)
+        for layout, method in (cases if r % 2 == 0 else cases[::-1]):
+            seconds, cpu = run_method(method, model_fn(args.size, args.vocab, layouts[layout], args.layers), config, mesh)
+            times[(layout, method)].append(seconds)
+            cpu_times[(layout, method)].append(cpu)
+            print(f"  round {r + 1}: {layout} {method} {seconds:.2f}s (CPU {cpu:.2f}s)", file=sys.stderr)
     rows = []
-    for layers in layouts:
-        _, program = init_program(model_fn(args.size, args.vocab, layouts[layers]), config, mesh)
-        eager = statistics.median(times[(layers, "eager Flax")]) if "eager Flax" in args.methods else None
+    for layout, scanned in layouts.items():
+        _, program = init_program(model_fn(args.size, args.vocab, scanned, args.layers), config, mesh)
+        has_eager = "eager Flax" in args.methods
+        eager = statistics.median(times[(layout, "eager Flax")]) if has_eager else None
+        eager_cpu = statistics.median(cpu_times[(layout, "eager Flax")]) if has_eager else None
         for method in args.methods:
-            seconds = statistics.median(times[(layers, method)])
-            rows.append({"layers": layers, "method": method, "seconds": seconds, "all_seconds": times[(layers, method)],
+            seconds, cpu = statistics.median(times[(layout, method)]), statistics.median(cpu_times[(layout, method)])
+            rows.append({"layers": layout, "method": method, "seconds": seconds, "all_seconds": times[(layout, method)],
+                         "cpu_seconds": cpu, "all_cpu_seconds": cpu_times[(layout, method)],
                          "over_eager": seconds / eager if eager else None,
+                         "cpu_over_eager": cpu / eager_cpu if eager_cpu else None,
                          "programs": program.program_count if method == "jaxpar.init" else None})
     return rows
 
@@ -104,11 +113,13 @@ def print_table(rows: list[dict], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for name in ("layers", "method", "seconds (median)", "/ eager Flax", "compiled programs"):
+    for name in ("layers", "method", "wall s (median)", "/ eager Flax", "CPU s (median)", "/ eager Flax ",
+                 "compiled programs"):
         table.add_column(name, justify="left" if name in ("layers", "method") else "right")
+    ratio = lambda x: "" if x is None else f"{x:.2f}"  # noqa: E731
     for r in rows:
-        table.add_row(r["layers"], r["method"], f"{r['seconds']:.2f}",
-                      "" if r["over_eager"] is None else f"{r['over_eager']:.2f}",
+        table.add_row(r["layers"], r["method"], f"{r['seconds']:.2f}", ratio(r["over_eager"]),
+                      f"{r['cpu_seconds']:.2f}", ratio(r["cpu_over_eager"]),
                       "" if r["programs"] is None else str(r["programs"]))
     Console(width=120).print(table)
 
@@ -140,10 +151,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="125m", help="LlamaConfig.named size (default 125m)")
     p.add_argument("--vocab", type=int, default=8192, help="vocabulary size (default 8192)")
+    p.add_argument("--layers", type=int, default=None, help="number of layers (default: the named size's)")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds per method (median reported)")
     p.add_argument("--devices", type=int, default=1, help="devices of the data mesh (default 1)")
     p.add_argument("--methods", nargs="*", default=list(METHODS), metavar="NAME", help=f"subset of {list(METHODS)}")
-    p.add_argument("--quick", action="store_true", help="the tiny Llama, one round: a smoke test of a few seconds")
+    p.add_argument("--quick", action="store_true",
+                   help="the tiny Llama with 2 layers, one round: checks that the benchmark runs, in seconds")
     p.add_argument("--out", default=os.path.join(here, "results", "init_cpu.json"), help="JSON results")
     p.add_argument("--plot", default=None, help="PNG plot (default: --out with .png)")
     args = p.parse_args(argv)
@@ -154,7 +167,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--devices {args.devices}: this process has {len(jax.devices())} devices "
                 "(JAXPAR_BENCH_DEVICES=N simulates N CPU devices)")
     if args.quick:
-        args.size, args.vocab, args.rounds = "tiny", 64, 1
+        args.size, args.vocab, args.layers, args.rounds = "tiny", 64, 2, 1
     return args
 
 
@@ -163,14 +176,16 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     rows = bench(args)
     device = jax.devices()[0]
-    title = (f"Llama {args.size} (vocab {args.vocab}) init on {args.devices} {device.platform} "
+    title = (f"Llama {args.size}{f' ({args.layers} layers)' if args.layers else ''} (vocab {args.vocab}) init on {args.devices} {device.platform} "
              f"device{'s' if args.devices > 1 else ''}")
     print_table(rows, title)
     out = {"meta": {"jax": jax.__version__, "flax": flax.__version__,
                     "jaxpar": jaxpar.__version__, "platform": device.platform, "device_kind": device.device_kind,
                     "devices": args.devices, "host_cpus": os.cpu_count(), "python": platform.python_version(),
-                    "size": args.size, "vocab": args.vocab, "rounds": args.rounds,
-                    "timing": "jax.clear_caches() before each, persistent cache off, methods alternating, median",
+                    "size": args.size, "layers": args.layers, "vocab": args.vocab, "rounds": args.rounds,
+                    "timing": "jax.clear_caches() before each, persistent cache off, methods alternating, median; "
+                              "wall seconds and CPU seconds of the process (all threads)",
+                    "load_average_1m_before": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                     "total_s": time.perf_counter() - start, "date": time.strftime("%Y-%m-%d")},
            "results": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -92,18 +92,35 @@ def whole_program_init(model_fn, cfg, mesh):
     return nnx.merge(graphdef, *jax.jit(make, out_shardings=shardings)())
 
 
-@pytest.mark.parametrize("scanned", [False, True], ids=["unrolled", "scanned"])
-def test_init_equals_one_whole_model_program(scanned):
+class KeepsRngs(nnx.Module):
+    """Non-parameter state: a dropout's PRNG key and counter, batch statistics."""
+
+    def __init__(self, rngs):
+        self.up = nnx.Linear(16, 64, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+        self.bn = nnx.BatchNorm(64, rngs=rngs)
+
+
+MODELS = {
+    "llama-unrolled": lambda: Llama(LlamaConfig.named("tiny", layers=2), rngs=nnx.Rngs(3)),
+    "llama-scanned": lambda: Llama(LlamaConfig.named("tiny", layers=2, scan_layers=True), rngs=nnx.Rngs(3)),
+    "keys-and-batch-stats": lambda: KeepsRngs(nnx.Rngs(0, dropout=5)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_init_equals_one_whole_model_program(name):
     """Variable by variable, bit for bit, the values and placements of one jitted init."""
     cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
     mesh = jaxpar.make_mesh(cfg)
-    fn = lambda: Llama(LlamaConfig.named("tiny", layers=2, scan_layers=scanned), rngs=nnx.Rngs(3))  # noqa: E731
-    mine = nnx.to_flat_state(nnx.state(jaxpar.init(fn, cfg, mesh)))
-    theirs = dict(nnx.to_flat_state(nnx.state(whole_program_init(fn, cfg, mesh))))
-    assert len(mine) == len(theirs) > 10
+    mine = nnx.to_flat_state(nnx.state(jaxpar.init(MODELS[name], cfg, mesh)))
+    theirs = dict(nnx.to_flat_state(nnx.state(whole_program_init(MODELS[name], cfg, mesh))))
+    assert len(mine) == len(theirs) > 5
     for path, variable in mine:
         a, b = variable.get_value(), theirs[path].get_value()
         assert a.sharding == b.sharding, path
+        if jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            a, b = jax.random.key_data(a), jax.random.key_data(b)
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
 
 
@@ -185,3 +202,22 @@ def test_trainer_errors():
         trainer.step(bad)
     with pytest.raises(ValueError, match="scalar loss"):
         jaxpar.Trainer(model, optax.sgd(0.1), lambda m, b: m(b["inputs"]), cfg, mesh).step(batches(1)[0])
+
+
+def test_init_benchmark_quick(tmp_path):
+    """benchmarks/init.py --quick runs end to end and writes its table's rows."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "init.py"
+    spec = importlib.util.spec_from_file_location("bench_init", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--quick", "--out", str(tmp_path / "init.json")]) == 0
+    rows = json.loads((tmp_path / "init.json").read_text())["results"]
+    assert [(r["layers"], r["method"]) for r in rows] == [(layers, m) for layers in ("unrolled", "scanned")
+                                                          for m in bench.METHODS]
+    assert all(r["seconds"] > 0 and r["over_eager"] > 0 for r in rows)
+    assert {r["programs"] for r in rows if r["method"] == "jaxpar.init"} == {6, 9}
+    assert (tmp_path / "init.png").stat().st_size > 0

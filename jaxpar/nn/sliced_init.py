@@ -17,7 +17,9 @@ and splits it:
    a model compiles one program per kind of variable.
 
 A variable whose value is a literal or an array ``model_fn`` closed over has no program: it is
-placed with ``jax.device_put(value, sharding)``, which sends each device its shards only.
+placed with ``jax.device_put(value, sharding)``, which sends each device its shards only. (A
+closed-over array that a variable is computed from is an argument of its program, whole on
+each device, as it was in one whole-model program.)
 """
 
 from __future__ import annotations
@@ -166,12 +168,10 @@ def _eval(eqns, env: dict) -> None:
 
 
 def _bind(eqn, args) -> list:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns = ()
-    if isinstance(params, tuple):  # JAX before 0.7 returned (subfuns, params)
-        subfuns, params = params
+    # the standard interpreter step (jax.core.eval_jaxpr); get_bind_params returns the
+    # parameters bind takes (since JAX 0.9.2; jaxpar needs 0.10), ctx the equation's context
     with eqn.ctx.manager:
-        out = eqn.primitive.bind(*subfuns, *args, **params)
+        out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
