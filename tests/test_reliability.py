@@ -101,7 +101,7 @@ def _damage(directory: pathlib.Path, step: int) -> None:
         p.write_bytes(b"\0" * 7)
 
 
-def test_a_damaged_newest_step_is_named_and_can_be_passed_over(tmp_path):
+def test_a_damaged_newest_step_is_named_passed_over_and_saved_again(tmp_path):
     trainer = _trainer(str(tmp_path), save_every=1, keep=None)
     for i in range(2):
         trainer.step(_batch(i))
@@ -109,9 +109,17 @@ def test_a_damaged_newest_step_is_named_and_can_be_passed_over(tmp_path):
     _damage(tmp_path, 2)
     with pytest.raises(CheckpointDamagedError, match=r"step 2 in .* is damaged.*newest_intact"):
         _trainer(str(tmp_path))
-    with pytest.warns(UserWarning, match="resuming from the previous step 1"):
-        resumed = _trainer(str(tmp_path), resume="newest_intact")
+    with pytest.warns(UserWarning, match=r"resuming from the previous step 1; .*2 moved aside to .*damaged-2"):
+        resumed = _trainer(str(tmp_path), save_every=1, keep=None, resume="newest_intact")
     assert resumed.step_count == 1
+    damaged = tmp_path / "damaged-2" / "state"
+    assert sorted(os.listdir(tmp_path)) == ["1", "damaged-2"] and {p.stat().st_size for p in damaged.rglob("*")
+                                                                    if p.is_file()} <= {0, 7}   # kept as found
+    resumed.step(_batch(1))                              # the retrained step 2 is saved ...
+    retrained = np.asarray(resumed.params["w"].get_value())
+    resumed.close()
+    again = _trainer(str(tmp_path))                      # ... and the next restart resumes from it
+    assert again.step_count == 2 and np.array_equal(np.asarray(again.params["w"].get_value()), retrained)
 
 
 def test_checkpoint_dir_that_is_a_file_is_refused(tmp_path):

@@ -104,11 +104,12 @@ class CheckpointDamagedError(ValueError):
 
     def __init__(self, directory: str, step: int, error: BaseException, advice: str | None = None):
         self.step = step
+        self.damage = f"{type(error).__name__}: {first_line(error)}"
         advice = advice or (f"Resume from the newest intact step with Trainer(resume='newest_intact') "
                             f"(a job file: `jaxpar train --config JOB --checkpoint.resume newest_intact`), or "
                             f"delete {os.path.join(directory, str(step))}")
-        super().__init__(f"checkpoint step {step} in {directory} is damaged ({type(error).__name__}: "
-                         f"{first_line(error)}); the steps before it are untouched. {advice}")
+        super().__init__(f"checkpoint step {step} in {directory} is damaged ({self.damage}); the steps before "
+                         f"it are untouched. {advice}")
 
 
 @contextlib.contextmanager
@@ -272,6 +273,22 @@ def latest_step(directory) -> int | None:
     return max(steps) if steps else None
 
 
+def _free_name(path: str) -> str:
+    """``path``, or ``path.1``, ``path.2``, ...: the first that does not exist."""
+    n = 0
+    while os.path.exists(path if not n else f"{path}.{n}"):
+        n += 1
+    return path if not n else f"{path}.{n}"
+
+
+def _barrier(name: str) -> None:
+    """Wait until every process reaches the barrier ``name`` (nothing to wait for in one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
 def _at_exit(ref: weakref.ref) -> None:
     """Close the checkpointer behind ``ref`` (if still open) when the interpreter exits.
 
@@ -376,20 +393,45 @@ class Checkpointer:
 
         A newest step that does not read back whole raises `CheckpointDamagedError` naming it,
         or, with ``resume="newest_intact"``, is passed over (with a warning) for the newest
-        step that does."""
+        step that does, and moved aside to ``DIR/damaged-<step>``: kept for inspection, it no
+        longer counts as saved, so the retrained step is saved again and the next restart
+        resumes from it."""
         self.wait()
         steps = sorted(complete_steps(self.manager), reverse=True)
+        damaged: list[CheckpointDamagedError] = []
         for i, step in enumerate(steps):
             try:
                 state, meta = self.restore_state(trainer.state, trainer.mesh, step)
             except CheckpointDamagedError as e:
                 if self.resume_policy != "newest_intact" or i + 1 == len(steps):
                     raise
-                warnings.warn(f"{e}; resuming from the previous step {steps[i + 1]}", stacklevel=2)
+                damaged.append(e)
                 continue
+            for error, aside in zip(damaged, self._set_aside([e.step for e in damaged])):
+                warnings.warn(f"checkpoint step {error.step} in {self.directory} is damaged ({error.damage}); "
+                              f"resuming from the previous step {step}; step {error.step} moved aside to {aside} "
+                              "(delete it once inspected), so the retrained step is saved again", stacklevel=2)
             trainer.state = state
             return meta
         return None
+
+    def _set_aside(self, steps: list[int]) -> list[str]:
+        """Rename the damaged ``steps`` to ``DIR/damaged-<step>`` (a name that is no step, so they
+        no longer block saving those steps again); returns the new paths. The first process
+        renames, on the file system all processes share, between two barriers."""
+        aside = [_free_name(os.path.join(self.directory, f"damaged-{step}")) for step in steps]
+        _barrier(f"jaxpar: set aside {aside}")        # every process named them before one renames
+        if jax.process_index() == 0:
+            for step, path in zip(steps, aside):
+                source = os.path.join(self.directory, str(step))
+                try:
+                    os.rename(source, path)
+                except OSError as e:
+                    raise CheckpointDamagedError(self.directory, step, e, f"It could not be moved aside to {path}; "
+                                                 f"delete {source} (or move it) and resume again") from e
+        _barrier(f"jaxpar: set aside {aside} done")
+        self.manager.reload()
+        return aside
 
     def restore(self, trainer, step: int | None = None) -> dict[str, Any]:
         """Restore ``step`` (default the newest complete one) into ``trainer``."""
