@@ -16,7 +16,7 @@ process's CPU time (all its threads: compiling and running; less sensitive than 
 other work on a shared machine), and both ratios to eager Flax.
 
     python benchmarks/init.py                     # CPU, 1 device, Llama 125m with vocab 8192
-    python benchmarks/init.py --quick --out /tmp/init.json    # seconds: the tiny Llama, 2 layers
+    python benchmarks/init.py --quick --out /tmp/init.json    # seconds: the tiny Llama, 1 layer
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=1, help="devices of the data mesh (default 1)")
     p.add_argument("--methods", nargs="*", default=list(METHODS), metavar="NAME", help=f"subset of {list(METHODS)}")
     p.add_argument("--quick", action="store_true",
-                   help="the tiny Llama with 2 layers, one round: checks that the benchmark runs, in seconds")
+                   help="the tiny Llama with 1 layer, one round: checks that the benchmark runs (seconds)")
     p.add_argument("--out", default=os.path.join(here, "results", "init_cpu.json"), help="JSON results")
     p.add_argument("--plot", default=None, help="PNG plot (default: --out with .png)")
     args = p.parse_args(argv)
@@ -167,7 +167,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--devices {args.devices}: this process has {len(jax.devices())} devices "
                 "(JAXPAR_BENCH_DEVICES=N simulates N CPU devices)")
     if args.quick:
-        args.size, args.vocab, args.layers, args.rounds = "tiny", 64, 2, 1
+        args.size, args.vocab, args.layers, args.rounds = "tiny", 64, 1, 1
     return args
 
 

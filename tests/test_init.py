@@ -204,6 +204,7 @@ def test_trainer_errors():
         jaxpar.Trainer(model, optax.sgd(0.1), lambda m, b: m(b["inputs"]), cfg, mesh).step(batches(1)[0])
 
 
+@pytest.mark.slow  # ~20 s of compiling on an empty compilation cache (6 inits from a fresh state), ~6 s warm
 def test_init_benchmark_quick(tmp_path):
     """benchmarks/init.py --quick runs end to end and writes its table's rows."""
     import importlib.util
