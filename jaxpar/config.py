@@ -333,6 +333,26 @@ class ParallelConfig:
         if self.pipeline.stages > 1 and self.pipeline.axis not in self.mesh:
             raise _fail("pipeline.stages", self.pipeline.stages,
                         f"pipeline needs a mesh axis {self.pipeline.axis!r}; mesh has {list(self.mesh)}")
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """Pairs of features the config alone rules out, each refused naming both and what to use
+        instead. (What depends on the model, the loss or the backend: `jaxpar.plan.check_combination`.)"""
+        if self.pipeline.stages > 1 and self.mode == "hybrid":
+            raise ValueError(
+                "ParallelConfig: pipeline.stages > 1 with mode='hybrid' is not supported (the pipeline is "
+                "itself a shard_map over the pipe axis); use mode='semi_auto' or 'data' with the pipeline")
+        if self.pipeline.stages > 1 and self.mode == "auto":
+            raise ValueError(
+                "ParallelConfig: pipeline.stages > 1 with mode='auto' is not supported (the strategy search does "
+                "not place pipeline stages); plan the pipeline with jaxpar.auto.plan_job(pipeline_stages=...) and "
+                "train its config, or use mode='semi_auto' with rules {'layers': 'pipe'}")
+        if self.context is not None and self.mode in ("hybrid", "auto"):
+            why = ("per-device code sees one shard of the sequence and no context attention" if self.mode == "hybrid"
+                   else "the strategy search does not place the sequence over a context axis")
+            raise ValueError(f"ParallelConfig: context={self.context} with mode={self.mode!r} is not supported "
+                             f"({why}); use mode='semi_auto' with the context axis (jaxpar.auto.plan_job(context="
+                             "(1, 2, 4, 8)) plans one and returns such a config), or drop context")
 
     def _check_rule_axes(self) -> None:
         for logical, target in self.rules.items():

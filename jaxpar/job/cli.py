@@ -102,6 +102,7 @@ def main(argv: Sequence[str], set_devices: Callable[[int], None] = lambda n: Non
             raise ValueError(f"unrecognized arguments {' '.join(unknown)}; 'jaxpar {command}' of a job file takes "
                              f"{takes} and --section.field value overrides")
         if command == "plan":
+            set_devices(default_devices)     # a mesh axis of -1 takes the devices `train` would use here
             return _plan(args, overrides)
         if args.samples < 0 or (args.devices is not None and args.devices < 1):
             raise ValueError(f"--samples {args.samples} / --devices {args.devices}: use --samples >= 0 and "
@@ -136,21 +137,35 @@ def _plan(args, overrides: list[str]) -> int:
         raise ValueError("jaxpar plan --config: a model.factory job is planned when it runs (jaxpar train); "
                          "plan covers the named models")
     sizes = dict(job.parallel.mesh)
-    if -1 in sizes.values():
-        raise ValueError(f"jaxpar plan --config: parallel.mesh {sizes} has -1; give every axis its size to plan")
+    if -1 in sizes.values():      # the rest of the devices `jaxpar train` would use on this machine
+        import jax
+
+        from jaxpar.mesh import resolve_axes
+
+        sizes = resolve_axes(sizes, jax.device_count())
     cfg = model_config(job)
     tx, _ = make_optimizer(job.optimizer, job.train.steps)
     if job.model.name == "llama":
-        from jaxpar.models.llama import Llama as make
+        from jaxpar.models import llama as module
+        make = module.Llama
     else:
-        from jaxpar.models.gpt import GPT as make
-    plan = make_train_plan(job.parallel, sizes, abstract_model(lambda: make(cfg, rngs=nnx.Rngs(0))), tx)
+        from jaxpar.models import gpt as module
+        make = module.GPT
+    from jax.sharding import AbstractMesh
+
+    from jaxpar.nn import model_constraint
+
+    # the model and loss `jaxpar train` would build, so the plan refuses what the Trainer would
+    constrain = model_constraint(AbstractMesh(tuple(sizes.values()), tuple(sizes)), job.parallel)
+    model = abstract_model(lambda: make(cfg, rngs=nnx.Rngs(0), constrain=constrain))
+    loss = module.pipeline_loss() if job.parallel.pipeline.stages > 1 else module.loss_fn
+    plan = make_train_plan(job.parallel, sizes, model, tx, loss_fn=loss)
     print(plan)
     if job.model.name == "llama":
         from jaxpar.models.llama_report import format_model_report, llama_report
 
         print(format_model_report(llama_report(cfg, job.parallel, batch=job.data.batch, seq_len=job.data.seq_len,
-                                               tx=tx)))
+                                               mesh=sizes, tx=tx)))
     return 0
 
 

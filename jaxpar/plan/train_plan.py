@@ -36,6 +36,7 @@ from jaxpar.config import ParallelConfig, to_plain, from_plain
 from jaxpar.data import batch_axes, batch_specs
 from jaxpar.nn.plan import check_plan_covers, is_variable, path_str, plan_state
 from jaxpar.optim.zero import ZeroPlan, opt_state_specs, zero_plan
+from jaxpar.plan.checks import check_combination
 from jaxpar.precision import cast_floats
 from jaxpar.strategy import mesh_sizes, spec_axes
 
@@ -293,7 +294,7 @@ def _abstract(x):
 
 
 def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.GradientTransformation, *,
-                    offload: tuple[str, ...] = (), source: str = "given") -> TrainPlan:
+                    offload: tuple[str, ...] = (), source: str = "given", loss_fn: Any = None) -> TrainPlan:
     """The `TrainPlan` of ``config`` on ``mesh`` for a model and optimizer.
 
     Args:
@@ -305,12 +306,18 @@ def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.Grad
       tx: the optax optimizer (its state's layout follows the parameters').
       offload: ``"params"`` and/or ``"opt_state"`` to keep in host memory.
       source: recorded as the plan's origin.
+      loss_fn: the loss to train with, when known: a combination the Trainer would refuse
+        for it (e.g. a pipeline without a ``PipelineLoss``) is refused here too
+        (`check_combination`, which also runs on the model and, for a ``Mesh``, its backend).
 
     >>> plan = make_train_plan(config, {"data": 8}, nnx.eval_shape(make_model), optax.adamw(1e-3))  # doctest: +SKIP
     """
     if config.mode == "auto":
         raise ValueError("make_train_plan: mode='auto' has no strategies to plan yet; search first with "
                          "jaxpar.auto.plan_training(model, loss_fn, batch, config, mesh, tx)")
+    platform = mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh) else None
+    check_combination(config, model_or_state if isinstance(model_or_state, nnx.Module) else None, loss_fn,
+                      platform=platform)
     sizes = mesh_sizes(mesh)
     if isinstance(model_or_state, nnx.Module):
         _, params, rest = nnx.split(model_or_state, nnx.Param, ...)

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.checkpoint import Checkpointer, restore_state, save_state
 from jaxpar.config import ParallelConfig
 from jaxpar.data import place_batch
+from jaxpar.data.sequence import reorder_batch
 from jaxpar.metrics import MetricsConfig, progress_text, read, tokens_per_example
 from jaxpar.metrics.logger import examples_per_step
 from jaxpar.optim import fusion
@@ -179,8 +180,11 @@ class Trainer:
         return program
 
     def _build(self, batch, kind: str, batch_def) -> "_Program":
-        shapes = self._global_view(batch)
         fast = jax.process_count() == 1 and self.plan.config.context is None
+        if not fast:    # context parallel reorders the sequence and adds its positions: the step sees that batch
+            batch = reorder_batch(self.plan.config, self.mesh, batch)
+            batch_def = jax.tree.structure(batch)
+        shapes = self._global_view(batch)
         b_sh = jax.tree.leaves(jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.plan.batch_specs(shapes),
                                             is_leaf=lambda x: isinstance(x, PartitionSpec)))
         s_sh = jax.tree.leaves(state_shardings(self.plan, self.mesh, self._state.detach()[0]),

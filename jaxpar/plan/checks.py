@@ -1,0 +1,101 @@
+"""Combinations refused before anything is built, decided once for every entry point.
+
+Pairs of features that the config alone rules out are refused by ``ParallelConfig`` itself.
+What depends on the model (a context axis needs attention that masks by position; experts
+need their auxiliary loss carried out of pipeline stages), on the loss (a pipeline needs a
+``PipelineLoss`` or ``StagedLoss``) or on the backend is refused here, by
+`check_combination`, which `make_train_plan`, the ``Trainer``, ``jaxpar plan`` and the job
+runner call: a plan is never made for a combination the Trainer would refuse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flax import nnx
+
+from jaxpar.config import ParallelConfig
+from jaxpar.nn.moe import MoE
+from jaxpar.ops import ContextParallel
+from jaxpar.pipeline import PipelineLoss, StagedLoss
+
+
+def check_combination(config: ParallelConfig, model: nnx.Module | None = None, loss_fn: Any = None, *,
+                      platform: str | None = None, who: str = "make_train_plan") -> None:
+    """Raise a ``ValueError`` / ``TypeError`` naming both features when ``config`` cannot train
+    ``model`` with ``loss_fn`` on ``platform``. What is not given (``None``) is not checked:
+    without ``loss_fn`` the loss-dependent refusals wait for the Trainer, which gives it.
+
+    >>> check_combination(ParallelConfig(mesh={"data": 8}), model)            # doctest: +SKIP
+    """
+    if platform is not None:
+        _check_platform(config, platform)
+    if loss_fn is not None and config.pipeline.stages > 1 and not isinstance(loss_fn, (PipelineLoss, StagedLoss)):
+        raise TypeError(
+            f"{who}: pipeline.stages={config.pipeline.stages} needs loss_fn as a jaxpar.pipeline.PipelineLoss "
+            f"(embed / blocks / head / head_loss) or StagedLoss (modules by path), got {type(loss_fn).__name__}; "
+            "see docs/pipeline.md")
+    if model is not None:
+        _check_context(model, config, loss_fn, who, loss_fn is not None)
+        _check_experts(model, config, loss_fn, who, loss_fn is not None)
+
+
+def _check_platform(config: ParallelConfig, platform: str) -> None:
+    """Combinations one backend cannot compile, refused before it aborts the process."""
+    half = config.precision is not None and config.precision.compute != "float32"
+    if half and config.pipeline.stages > 1 and platform == "cpu":
+        raise ValueError(
+            f"ParallelConfig: pipeline.stages={config.pipeline.stages} with precision compute="
+            f"{config.precision.compute!r} is not supported on CPU (XLA:CPU aborts while widening the "
+            "pipeline's half-precision collectives to fp32); on CPU use precision='fp32' or None with the "
+            "pipeline, or precision without the pipeline")
+
+
+def _check_context(model, config, loss_fn, who: str, loss_known: bool) -> None:
+    """A context axis needs attention that masks by position (batches are reordered and split),
+    and refuses the techniques it does not compose with, naming both."""
+    if config.context is None:
+        return
+    if loss_known and config.pipeline.stages > 1 and not (isinstance(loss_fn, PipelineLoss)
+                                                         and loss_fn.block_call is not None):
+        raise ValueError(f"{who}: context={config.context} with pipeline.stages={config.pipeline.stages} needs a "
+                         f"PipelineLoss with block_call= (got {type(loss_fn).__name__}): without it the stages pass "
+                         "only the hidden state, not the positions context attention masks by; use the GPT / Llama "
+                         "pipeline_loss(), give block_call=lambda model: lambda block, h, batch: ..., or drop one")
+    if not isinstance(getattr(model, "constrain", None), ContextParallel):
+        raise ValueError(
+            f"{who}: ParallelConfig.context={config.context} reorders and splits the sequence, but the model's "
+            "constrain is not a jaxpar.ops.ContextParallel, so its attention would mask by index; build the model "
+            "with constrain=jaxpar.ops.ContextParallel(jaxpar.LogicalConstraint(mesh, config.rules), mesh, config)")
+
+
+def _check_experts(model, config, loss_fn, who: str, loss_known: bool) -> None:
+    """A ``PipelineLoss`` carries an MoE layer's auxiliary loss (``aux_loss``) out of each stage;
+    a ``StagedLoss`` hands on only the hidden state, so the loss recorded on the layer during
+    the forward would never reach the last stage's loss."""
+    piped = config.pipeline.stages > 1
+    if not piped and config.mode not in ("hybrid", "auto"):
+        return
+    where = next(("/".join(str(p) for p in path) for path, node in nnx.iter_graph(model) if isinstance(node, MoE)),
+                 None)
+    if where is None:
+        return
+    if piped and loss_known and not (isinstance(loss_fn, PipelineLoss) and loss_fn.aux_loss is not None):
+        raise ValueError(f"{who}: pipeline.stages={config.pipeline.stages} with a mixture-of-experts model "
+                         f"(jaxpar.nn.MoE at {where!r}) needs a PipelineLoss with aux_loss= (e.g. the GPT / Llama "
+                         f"pipeline_loss(), or aux_loss=jaxpar.nn.moe_aux_loss), got {type(loss_fn).__name__}: the "
+                         "experts' auxiliary losses would not reach the last stage's loss")
+    if piped and loss_known and loss_fn.block_call is None and "expert" in dict(config.rules or {}):
+        raise ValueError(f"{who}: pipeline.stages={config.pipeline.stages} with a mixture-of-experts model "
+                         f"(jaxpar.nn.MoE at {where!r}) and rules['expert']={dict(config.rules)['expert']!r} needs a "
+                         "PipelineLoss with block_call= (the GPT / Llama pipeline_loss() set it): without it the "
+                         "stages run block(h), whose experts do not see the model's constraint and would all run "
+                         "where the tokens are, with no expert parallelism")
+    if config.mode not in ("hybrid", "auto"):
+        return
+    why = ("per-device code would run every expert on every device, with no expert parallelism"
+           if config.mode == "hybrid" else "the strategy search does not read the expert dispatch's scatters")
+    raise ValueError(f"{who}: mode={config.mode!r} with a mixture-of-experts model (jaxpar.nn.MoE at {where!r}) is "
+                     f"not supported ({why}); use mode='semi_auto' with an 'expert' rule, e.g. "
+                     "rules={'batch': 'data', 'expert': 'data'} (jaxpar.auto.plan_job prices expert parallel "
+                     "and returns such a config)")

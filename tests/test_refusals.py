@@ -1,0 +1,100 @@
+"""Refused combinations are decided once: what the config alone rules out is refused when the
+``ParallelConfig`` is built, and every combination the ``Trainer`` refuses for a model, a loss or
+a backend is refused by ``make_train_plan`` too, with the same message (only who says it differs).
+"""
+
+import dataclasses
+
+import jax
+import optax
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss
+from jaxpar.nn.moe import MoEConfig
+from jaxpar.plan import make_train_plan
+
+GPT_CFG = GPTConfig(vocab_size=16, seq_len=16, embed=32, heads=4, mlp=64, layers=2, scan_layers=True)
+MOE_CFG = dataclasses.replace(GPT_CFG, moe=MoEConfig(experts=4, top_k=1))
+PIPE = {"stages": 2, "microbatches": 2}
+
+
+def _without(loss, **parts):
+    return dataclasses.replace(loss, **parts)
+
+
+def _context_model(config, mesh):
+    constrain = jaxpar.ops.ContextParallel(jaxpar.LogicalConstraint(mesh, config.rules), mesh, config)
+    return GPT(GPT_CFG, rngs=nnx.Rngs(0), constrain=constrain)
+
+
+# name: (config fields, model builder, loss, what the message names)
+CASES = {
+    "pipeline-plain-loss": (dict(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe", "batch": "data"},
+                                 pipeline=PIPE),
+                            lambda c, m: GPT(GPT_CFG, rngs=nnx.Rngs(0)), loss_fn, r"pipeline\.stages=2.*PipelineLoss"),
+    "bf16-pipeline-cpu": (dict(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe", "batch": "data"}, pipeline=PIPE,
+                               precision="bf16"),
+                          lambda c, m: GPT(GPT_CFG, rngs=nnx.Rngs(0)), pipeline_loss(),
+                          r"pipeline\.stages=2 with precision compute='bfloat16'.*CPU"),
+    "context-without-context-attention": (dict(mesh={"data": 2, "context": 4}, rules={"batch": "data"},
+                                               context={"axis": "context"}),
+                                          lambda c, m: GPT(GPT_CFG, rngs=nnx.Rngs(0)), loss_fn,
+                                          r"context=.*ContextParallel"),
+    "context-pipeline-without-block-call": (dict(mesh={"pipe": 2, "data": 2, "context": 2},
+                                                 rules={"layers": "pipe", "batch": "data"}, pipeline=PIPE,
+                                                 context={"axis": "context"}),
+                                            _context_model, _without(pipeline_loss(), block_call=None),
+                                            r"context=.*pipeline\.stages=2.*block_call"),
+    "moe-pipeline-without-aux-loss": (dict(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe", "batch": "data"},
+                                           pipeline=PIPE),
+                                      lambda c, m: GPT(MOE_CFG, rngs=nnx.Rngs(0)), _without(pipeline_loss(), aux_loss=None),
+                                      r"pipeline\.stages=2 with a mixture-of-experts.*aux_loss"),
+    "moe-pipeline-expert-rule-without-block-call": (
+        dict(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe", "batch": "data", "expert": "data"}, pipeline=PIPE),
+        lambda c, m: GPT(MOE_CFG, rngs=nnx.Rngs(0)), _without(pipeline_loss(), block_call=None),
+        r"pipeline\.stages=2 with a mixture-of-experts.*block_call"),
+    "moe-hybrid": (dict(mesh={"data": 8}, mode="hybrid"), lambda c, m: GPT(MOE_CFG, rngs=nnx.Rngs(0)), loss_fn,
+                   r"mode='hybrid' with a mixture-of-experts"),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_make_train_plan_refuses_what_the_trainer_refuses(name):
+    fields, build, loss, names = CASES[name]
+    config = jaxpar.ParallelConfig(**fields)
+    mesh = jaxpar.make_mesh(config)
+    model = build(config, mesh)
+    with pytest.raises((ValueError, TypeError), match=names) as by_trainer:
+        jaxpar.Trainer(model, optax.adamw(1e-3), loss, config, mesh)
+    with pytest.raises(by_trainer.type, match=names) as by_plan:
+        make_train_plan(config, mesh, nnx.eval_shape(lambda: build(config, mesh)), optax.adamw(1e-3), loss_fn=loss)
+    assert str(by_trainer.value).removeprefix("Trainer") == str(by_plan.value).removeprefix("make_train_plan")
+
+
+CONFIG_ONLY = {
+    "pipeline-hybrid": (dict(mode="hybrid"), r"pipeline\.stages > 1 with mode='hybrid'"),
+    "pipeline-auto": (dict(mode="auto"), r"pipeline\.stages > 1 with mode='auto'"),
+}
+
+
+@pytest.mark.parametrize("name", CONFIG_ONLY)
+def test_pairs_the_config_rules_out_are_refused_when_it_is_built(name):
+    fields, names = CONFIG_ONLY[name]
+    with pytest.raises(ValueError, match=names):
+        jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 4}, pipeline=PIPE, **fields)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "auto"])
+def test_context_with_hybrid_or_auto_is_refused_when_the_config_is_built(mode):
+    with pytest.raises(ValueError, match=rf"context=.*mode='{mode}'"):
+        jaxpar.ParallelConfig(mesh={"data": 2, "context": 4}, mode=mode, context={"axis": "context"})
+
+
+def test_without_a_loss_the_plan_still_refuses_what_the_model_decides():
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "context": 4}, rules={"batch": "data"}, context={"axis": "context"})
+    model = nnx.eval_shape(lambda: GPT(GPT_CFG, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="make_train_plan: ParallelConfig.context=.*ContextParallel"):
+        make_train_plan(config, jaxpar.make_mesh(config), model, optax.adamw(1e-3))
+    assert jax.device_count() == 8
