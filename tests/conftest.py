@@ -11,6 +11,14 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax-tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# The suite compiles hundreds of small programs and runs each for a few steps: LLVM's
+# optimisation of the machine code is about 45 % of each compile's CPU time and buys nothing
+# here. The HLO passes — sharding propagation, the SPMD partitioner, collectives, buffer
+# assignment (so every memory_analysis figure) — run as in production; only the machine
+# code is less optimised. Child processes inherit it.
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_backend_optimization_level" not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} --xla_backend_optimization_level=0".strip()
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
