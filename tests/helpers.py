@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import math
+import warnings
 
 import jax
 import numpy as np
@@ -66,3 +69,14 @@ def assert_close(actual, expected, rtol=1e-5, what="tree"):
 
 def assert_losses_close(actual, expected, rtol=1e-5):
     np.testing.assert_allclose(actual, expected, rtol=rtol, atol=0)
+
+
+@contextlib.contextmanager
+def no_unclosed_files():
+    """Fails when the code inside leaves a file open (Python's ResourceWarning when it is collected)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        yield
+        gc.collect()
+    leaked = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert not leaked, f"files left open: {leaked}"

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from helpers import BATCH, MEGATRON, TINY, batches
+from helpers import BATCH, MEGATRON, TINY, batches, no_unclosed_files
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss
 from jaxpar.nn.plan import format_plan, plan_rows, plan_state
 
@@ -49,7 +49,8 @@ def test_train_plan_is_a_pure_value_that_saves_loads_and_diffs(tmp_path):
                                    {"data": 2, "model": 4}, abstract, optax.adamw(1e-3))
     diff = plan.diff(zero3)
     assert any(line.startswith("stored/blocks/0/mlp/up: (None, 'model') -> ('data', 'model')") for line in diff)
-    assert "blocks/0/mlp/up" in plan.table() and "ZeRO-1" in plan.table()
+    with no_unclosed_files():    # the table's console once wrote to an open("/dev/null") never closed
+        assert "blocks/0/mlp/up" in plan.table() and "ZeRO-1" in plan.table()
     with pytest.raises(ValueError, match="not a jaxpar train plan"):
         jaxpar.TrainPlan.from_dict({"format": "something else"})
 
@@ -92,7 +93,9 @@ def test_models_with_rng_state_plan_and_search():
     assert found.params
     rest = nnx.state(model, nnx.Not(nnx.Param))
     rows = plan_rows(rest, plan_state(config, {"data": 2, "model": 4}, rest, check_unused=False), {"data": 2, "model": 4})
-    assert any("key" in r.dtype for r in rows) and "count" in format_plan(rows)
+    assert any("key" in r.dtype for r in rows)
+    with no_unclosed_files():
+        assert "count" in format_plan(rows)
 
 
 def test_save_with_partition_spec_and_layout_in_the_parameter_plan(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 from collections.abc import Mapping
@@ -87,7 +88,7 @@ class Plan:
         from rich.console import Console
         from rich.table import Table
 
-        console = Console(record=True, width=width, file=open("/dev/null", "w"))
+        console = Console(record=True, width=width, file=io.StringIO())
         t = Table(title=f"jaxpar plan ({self.search}) on mesh {dict(self.mesh)}")
         for col in ("parameter", "shape", "PartitionSpec", "bytes/device"):
             t.add_column(col, justify="right" if "bytes" in col else "left")

@@ -14,6 +14,7 @@ Where a parameter's strategy comes from, first match wins in this order:
 from __future__ import annotations
 
 import fnmatch
+import io
 import math
 from typing import Any, NamedTuple
 
@@ -217,6 +218,6 @@ def format_plan(rows: list[PlanRow], title: str = "parameter plan") -> str:
     total = sum(r.bytes_total for r in rows)
     per_dev = sum(r.bytes_per_device for r in rows)
     table.add_row("total", "", "", "", f"{total:,}", f"{per_dev:,}", style="bold")
-    console = Console(record=True, width=140, file=open("/dev/null", "w"))
+    console = Console(record=True, width=140, file=io.StringIO())
     console.print(table)
     return console.export_text()

@@ -21,6 +21,7 @@ paths.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 from collections.abc import Mapping
@@ -195,7 +196,7 @@ class TrainPlan:
                       f"{nbytes:,}", f"{dev:,}")
             total, per_dev = total + nbytes, per_dev + dev
         t.add_row("total", "", "", "", f"{total:,}", f"{per_dev:,}", style="bold")
-        console = Console(record=True, width=width, file=open("/dev/null", "w"))
+        console = Console(record=True, width=width, file=io.StringIO())
         console.print(t)
         console.print(self.summary())
         return console.export_text()
