@@ -48,7 +48,6 @@ _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_c
            "custom_vjp_call_jaxpr": "fun_jaxpr", "custom_vmap_call": "call", "remat": "jaxpr",
            "remat2": "jaxpr", "checkpoint": "jaxpr"}
 _CHECKPOINTS = ("checkpoint", "remat", "remat2")     # jax.checkpoint's primitive, by JAX version
-_CONTRACTING = ("dot_general", "gather", "conv_general_dilated")
 # scatters carry their combiner (``x + y``, ``y``, ...) as a sub-program: it is elementwise on one
 # element, so the scatter is priced as one operator without reading it (an MoE layer's
 # one-device path scatters its outputs back into token order and counts tokens per expert)

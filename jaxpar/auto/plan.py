@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -161,8 +160,3 @@ class Plan:
 
     def __hash__(self) -> int:
         return hash(json.dumps(self.to_dict(), sort_keys=True, default=str))
-
-
-def spec_bytes(shape, itemsize: int, spec: PartitionSpec, sizes: Mapping[str, int]) -> int:
-    shards = math.prod(sizes[a] for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
-    return math.prod(shape) * itemsize // shards

@@ -43,7 +43,6 @@ from jaxpar.report import throughput as measure_throughput
 
 COUNTS = ("matmul", "all")
 # Policies whose saved set the estimate models; any other is reported as the no-recompute bound.
-_SAVE_ALL = ("none", "everything_saveable")
 _SAVE_INPUTS = ("full", "nothing_saveable")
 
 
