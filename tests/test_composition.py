@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 from helpers import BATCH, MEGATRON, TINY, batches, no_unclosed_files
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss
-from jaxpar.nn.plan import format_plan, plan_rows, plan_state
+from jaxpar.nn.plan import format_plan, itemsize, plan_rows, plan_state
 
 DROPOUT = dataclasses.replace(TINY, dropout=0.1)
 SCANNED = GPTConfig(vocab_size=16, seq_len=16, embed=32, heads=8, mlp=64, layers=4, scan_layers=True, dropout=0.1)
@@ -96,6 +96,25 @@ def test_models_with_rng_state_plan_and_search():
     assert any("key" in r.dtype for r in rows)
     with no_unclosed_files():
         assert "count" in format_plan(rows)
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_a_prng_key_is_its_key_data_in_every_byte_count(impl):
+    """Four bytes-per-element helpers disagreed on keys: the train plan and the memory estimate
+    counted a threefry key as 4 bytes, plan_rows and the auto graph as 8 (its two uint32)."""
+    key = jax.random.key(0, impl=impl)
+    data = jax.random.key_data(key)
+    assert itemsize(key.dtype) == itemsize(str(key.dtype)) == data.nbytes == data.size * 4   # threefry 8, rbg 16
+    keys = jax.random.split(key, 3)
+    rows = plan_rows({"keys": nnx.Variable(keys)}, {"keys": P()}, {"data": 2})
+    assert rows[0].bytes_total == 3 * data.nbytes
+    abstract = nnx.eval_shape(lambda: GPT(TINY, rngs=nnx.Rngs(0)))
+    plan = jaxpar.make_train_plan(jaxpar.ParallelConfig(mesh={"data": 2}), {"data": 2}, abstract, optax.sgd(0.1))
+    path = next(iter(plan.shapes))
+    keyed = dataclasses.replace(plan, shapes={**plan.shapes, path: ((3,), str(key.dtype))})   # as a saved plan holds it
+    assert {r[0]: r[5] for r in keyed.rows()}[path] == 3 * data.nbytes
+    with pytest.raises(ValueError, match="'key<nope>' is no PRNG key dtype"):
+        itemsize("key<nope>")
 
 
 def test_save_with_partition_spec_and_layout_in_the_parameter_plan(tmp_path):

@@ -41,7 +41,7 @@ from jax.extend.core import Literal as _Literal
 from jax.extend.core import jaxprs_in_params
 
 from jaxpar.auto.graph_rules import RULES, elementwise
-from jaxpar.nn.plan import logical_names, path_str
+from jaxpar.nn.plan import itemsize, logical_names, path_str
 
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
@@ -164,12 +164,10 @@ def build_graph(model: nnx.Module, loss_fn: Callable, batch: Any) -> Graph:
 
 
 def _itemsize(dtype) -> int:
-    """Bytes per element; a PRNG key counts as its key data (two uint32 for threefry)."""
+    """`jaxpar.nn.plan.itemsize`; 1 for what holds no data (a ``float0`` cotangent, a token)."""
     if dtype is None or dtype == jax.dtypes.float0:
         return 1
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return 8
-    return np.dtype(dtype).itemsize
+    return itemsize(dtype)
 
 
 class _Builder:
@@ -200,11 +198,9 @@ class _Builder:
         """A fresh tensor for ``v`` (one per call: a jitted function called twice shares its jaxpr)."""
         aval = v.aval
         shape = tuple(int(s) for s in getattr(aval, "shape", ()))
-        dtype = getattr(aval, "dtype", None)
-        itemsize = _itemsize(dtype)
         tid = len(self.shapes)
         self.shapes.append(shape)
-        self.itemsizes.append(itemsize)
+        self.itemsizes.append(_itemsize(getattr(aval, "dtype", None)))
         self.slot0.append(len(self.parent))
         self.parent.extend(range(len(self.parent), len(self.parent) + len(shape)))
         return tid

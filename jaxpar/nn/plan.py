@@ -14,6 +14,7 @@ Where a parameter's strategy comes from, first match wins in this order:
 from __future__ import annotations
 
 import fnmatch
+import functools
 import io
 import math
 from typing import Any, NamedTuple
@@ -172,10 +173,32 @@ def to_shardings(specs, mesh) -> Any:
 
 
 def itemsize(dtype) -> int:
-    """Bytes per element; a PRNG key array counts as its ``uint32`` key data (threefry: 8)."""
+    """Bytes per element as JAX stores it, of a dtype or its name (``"bfloat16"``, ``"key<fry>"``).
+
+    A PRNG key array's element is its key data: a threefry key is two ``uint32``, 8 bytes (an
+    ``rbg`` key 16). jaxpar's one dtype → bytes rule (plan rows, train plans, the memory
+    estimate, the auto-parallel graph).
+
+    >>> itemsize("bfloat16"), itemsize(jax.random.key(0).dtype), itemsize("key<fry>")
+    (2, 8, 8)
+    """
+    if isinstance(dtype, str) and dtype.startswith("key<"):     # a plan keeps dtypes by name
+        keys = _key_itemsizes()
+        if dtype not in keys:
+            raise ValueError(f"itemsize: dtype {dtype!r} is no PRNG key dtype of this JAX (those are "
+                             f"{sorted(keys)}); pass a dtype or the name of one")
+        return keys[dtype]
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        return 8
+        return dtype.itemsize
     return np.dtype(dtype).itemsize
+
+
+@functools.cache
+def _key_itemsizes() -> dict[str, int]:
+    """``{name: bytes}`` of the key dtypes of JAX's PRNG implementations."""
+    dtypes = [jax.eval_shape(functools.partial(jax.random.key, 0, impl=impl)).dtype
+              for impl in ("threefry2x32", "rbg", "unsafe_rbg")]
+    return {str(d): d.itemsize for d in dtypes}
 
 
 class PlanRow(NamedTuple):

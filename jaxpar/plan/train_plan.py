@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig, to_plain, from_plain
 from jaxpar.data import batch_axes, batch_specs
-from jaxpar.nn.plan import check_plan_covers, is_variable, path_str, plan_state
+from jaxpar.nn.plan import check_plan_covers, is_variable, itemsize, path_str, plan_state
 from jaxpar.optim.zero import ZeroPlan, opt_state_specs, zero_plan
 from jaxpar.plan.checks import check_combination
 from jaxpar.precision import cast_floats
@@ -177,7 +177,7 @@ class TrainPlan:
         out = []
         for path, spec in self.params.items():
             shape, dtype = self.shapes.get(path, ((), "float32"))
-            nbytes = math.prod(shape) * _itemsize(dtype)
+            nbytes = math.prod(shape) * itemsize(dtype)
             stored = self.stored[path]
             out.append((path, tuple(shape), dtype, spec, stored, nbytes, nbytes // _shards(stored, self.mesh)))
         return out
@@ -276,13 +276,6 @@ class TrainPlan:
 
 def _show(spec) -> str:
     return "absent" if spec is None else str(tuple(spec))
-
-
-def _itemsize(dtype: str) -> int:
-    try:
-        return np.dtype(dtype).itemsize
-    except TypeError:           # PRNG key dtypes: counted as their uint32 key data
-        return 4
 
 
 def _shards(spec: PartitionSpec, sizes: Mapping[str, int]) -> int:

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
+from jaxpar.nn.plan import itemsize
 from jaxpar.plan.train_plan import TrainPlan, flat_paths
 from jaxpar.strategy import spec_axes
 
@@ -81,13 +82,6 @@ def shard_elements(shape: tuple[int, ...], spec: PartitionSpec, sizes: Mapping[s
     return math.prod(-(-d // math.prod(sizes[a] for a in spec_axes(e))) for d, e in zip(shape, entries))
 
 
-def _itemsize(dtype) -> int:
-    try:
-        return np.dtype(dtype).itemsize
-    except TypeError:          # PRNG key dtypes: their uint32 key data
-        return 4
-
-
 def _check_dtype(name: str, dtype) -> str | None:
     if dtype is None:
         return None
@@ -112,7 +106,7 @@ def _nested(shapes: Mapping[str, tuple[tuple[int, ...], str]], dtype: str | None
 
 def _param_bytes(plan: TrainPlan, section: str, dtype: str | None) -> int:
     specs = getattr(plan, section)
-    return sum(shard_elements(shape, specs[path], plan.mesh) * _itemsize(dtype or own)
+    return sum(shard_elements(shape, specs[path], plan.mesh) * itemsize(dtype or own)
                for path, (shape, own) in plan.shapes.items())
 
 
@@ -125,7 +119,7 @@ def _opt_state_bytes(plan: TrainPlan, tx: optax.GradientTransformation, param_dt
                              f"{list(plan.opt_state)[:3]} ...); pass the optimizer the plan was made with")
         own = np.dtype(leaf.dtype)
         use = dtype if dtype is not None and jnp.issubdtype(own, jnp.floating) else own
-        total += shard_elements(tuple(leaf.shape), plan.opt_state[path], plan.mesh) * _itemsize(use)
+        total += shard_elements(tuple(leaf.shape), plan.opt_state[path], plan.mesh) * itemsize(use)
     return total
 
 
