@@ -179,3 +179,33 @@ def test_blocks_doctests():
     from jaxpar.nn import blocks
 
     assert doctest.testmod(blocks).failed == 0
+
+
+class Uneven(nnx.Module):
+    """Layers of two classes in one list: no blocks to find, but a StagedLoss names them."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.embed = nnx.Embed(16, 8, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(8, 8, rngs=rngs), nnx.LayerNorm(8, rngs=rngs), nnx.Linear(8, 8, rngs=rngs)])
+        self.head = nnx.Linear(8, 16, rngs=rngs)
+
+
+def test_staged_loss_names_the_blocks():
+    staged = jaxpar.pipeline.StagedLoss(
+        order=("layers",), stages={".*": 0}, embedding=lambda m: m.embed, embed_inputs=lambda e, b: e(b["inputs"]),
+        head=lambda m: m.head,
+        head_loss=lambda head, h, b: optax.softmax_cross_entropy_with_integer_labels(head(h), b["targets"]).mean())
+    batch = ArithmeticData(8).batch(4, 0)
+
+    def run(remat):
+        config = jaxpar.ParallelConfig(mesh={"data": 1}, mode="data", remat=remat)
+        trainer = jaxpar.Trainer(Uneven(), optax.sgd(0.1), staged, config, jaxpar.make_mesh(config, jax.devices()[:1]))
+        trainer.step(batch)
+        return trainer, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")            # no "no blocks" warning: the loss named them
+        trainer, params = run("full")
+    assert trainer.lower(batch).as_text().count("optimization_barrier") == 3
+    assert_close(params, run("none")[1], what="StagedLoss blocks")

@@ -22,13 +22,14 @@ BLOCKS_HOOK = "jaxpar_blocks"
 """The model attribute that names its blocks: module paths, as ``StagedLoss.order``."""
 
 
-def find_blocks(model: nnx.Module) -> tuple[str, ...]:
+def find_blocks(model: nnx.Module, order: Sequence[str] | None = None) -> tuple[str, ...]:
     """The paths of ``model``'s repeated blocks: what ``ParallelConfig.remat`` recomputes one by one.
 
     * Named by the model: its ``jaxpar_blocks`` attribute (class or instance), a sequence of
       module paths as ``StagedLoss.order`` takes them (``"blocks"``, ``"encoder/layers"``); a
       path naming a sequence (an ``nnx.List``) stands for its items ``path/0``, ``path/1``, ...
       ``()`` names none.
+    * Named by the loss: ``order``, the module paths of a ``StagedLoss`` (same form).
     * Otherwise found, top-down (no block is looked for inside a block): a module whose
       parameters all have ``"layers"`` as their first logical axis (layers stacked with
       ``nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: "layers"})`` for ``scan``: the
@@ -46,7 +47,9 @@ def find_blocks(model: nnx.Module) -> tuple[str, ...]:
     """
     named = getattr(model, BLOCKS_HOOK, None)
     if named is not None:
-        return tuple(path for path, _ in _named_blocks(model, named))
+        return tuple(path for path, _ in _named_blocks(model, named, f"{type(model).__name__}.{BLOCKS_HOOK}"))
+    if order is not None:
+        return tuple(path for path, _ in _named_blocks(model, order, "StagedLoss.order"))
     nodes = dict(nnx.iter_graph(model))
     params = [(path, var) for path, var in nodes.items() if isinstance(var, nnx.Param)]
     found: list[tuple] = []
@@ -116,14 +119,13 @@ def _stacked(path: tuple, params: list[tuple[tuple, nnx.Param]]) -> bool:
     return bool(mine) and all((logical_names(var) or (None,))[0] == "layers" for var in mine)
 
 
-def _named_blocks(model: nnx.Module, named) -> list[tuple[str, nnx.Module]]:
-    where = f"{type(model).__name__}.{BLOCKS_HOOK}"
+def _named_blocks(model: nnx.Module, named, where: str) -> list[tuple[str, nnx.Module]]:
     if isinstance(named, str) or not isinstance(named, Sequence) or not all(isinstance(p, str) for p in named):
         raise TypeError(f"{where}={named!r}: give a sequence of module paths, e.g. ('layers',) or "
                         f"('encoder/layers', 'decoder/layers'); () names no blocks")
     out = []
     for path in named:
-        node = _resolve(model, path)
+        node = _resolve(model, path, where)
         items = ([(f"{path}/{i}", x) for i, x in enumerate(node)] if isinstance(node, (nnx.List, list, tuple))
                  else [(path, node)])
         for item_path, item in items:
@@ -134,13 +136,13 @@ def _named_blocks(model: nnx.Module, named) -> list[tuple[str, nnx.Module]]:
     return out
 
 
-def _resolve(model: nnx.Module, path: str):
+def _resolve(model: nnx.Module, path: str, where: str = "find_blocks"):
     node = model
     for part in path.split("/"):
         try:
             node = node[int(part)] if part.isdigit() else getattr(node, part)
         except (AttributeError, IndexError, KeyError, TypeError) as e:
-            raise ValueError(f"{type(model).__name__}.{BLOCKS_HOOK}: the model has no module at {path!r} "
+            raise ValueError(f"{where}: the model has no module at {path!r} "
                              f"({part!r} not found in {type(node).__name__}); name modules by attribute "
                              f"path, e.g. 'layers' or 'blocks/3'") from e
     return node

@@ -31,6 +31,7 @@ from jaxpar.optim import accumulate, fusion
 from jaxpar.optim.offload import to_device
 from jaxpar.optim.zero import gather_params, reduce_gradients
 from jaxpar.pipeline.model import pipelined
+from jaxpar.pipeline.stages import StagedLoss
 from jaxpar.plan.state import TrainState, sharded_tx
 from jaxpar.precision import cast_floats, cast_like
 from jaxpar.remat import checkpoint_policy
@@ -87,11 +88,12 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
     micro, part = part_shapes(batch, k), part_shapes(batch, k * n)
     # A pipeline is a model loss too: its stages run the blocks as the schedule over the
     # pipe axis, so every wrapper below applies to it unchanged.
+    order = loss_fn.order if isinstance(loss_fn, StagedLoss) else None   # blocks named by the loss
     loss_fn = pipeline(s, loss_fn)
     # Recompute goes on each of the model's blocks (the scan body, or each layer), in the
     # pipeline's stages too: around the whole loss XLA keeps a scan's stacked activations.
     # A model without blocks keeps the whole-loss recompute below (`whole`: its policy).
-    loss_fn, whole = recompute_blocks(s, loss_fn, plan.remat)
+    loss_fn, whole = recompute_blocks(s, loss_fn, plan.remat, order)
     if plan.loss_runs == "per_device" and (plan.config.comm_fusion is not None or plan.zero_level):
         # Per-device gradients reduced by jaxpar: bucketed all-reduces and reduce-scatters
         # to the ZeRO shards, inside the same shard_map as the loss.
@@ -194,15 +196,16 @@ def gather(s: Setting, loss: Callable) -> Callable:
     return gathered
 
 
-def recompute_blocks(s: Setting, loss_fn: Callable, policy: str) -> tuple[Callable, str]:
-    """``remat`` on each block ``find_blocks`` names: the model loss with the blocks' classes
-    swapped for recomputed ones on the model it gets, and ``"none"`` left for ``recompute``.
-    A model without blocks gets it back unchanged with ``policy`` (the whole loss) and a warning;
-    one whose blocks carry their own policy too is refused."""
+def recompute_blocks(s: Setting, loss_fn: Callable, policy: str, order=None) -> tuple[Callable, str]:
+    """``remat`` on each block ``find_blocks`` names (``order``: a ``StagedLoss``'s module paths):
+    the model loss with the blocks' classes swapped for recomputed ones on the model it gets,
+    and ``"none"`` left for ``recompute``. A model without blocks gets it back unchanged with
+    ``policy`` (the whole loss) and a warning; one whose blocks carry their own policy too is
+    refused."""
     if policy == "none":
         return loss_fn, policy
     model = nnx.merge(s.graphdef, s.params_like, s.rest_like)
-    paths = find_blocks(model)
+    paths = find_blocks(model, order)
     name = type(model).__name__
     if not paths:
         if getattr(model, BLOCKS_HOOK, None) is None:
