@@ -7,6 +7,7 @@ from fractions import Fraction
 
 import pytest
 
+from jaxpar.pipeline import drawing, table, vshape
 from jaxpar.pipeline import schedules as S
 from jaxpar.pipeline.schedules import Kind, Op
 
@@ -164,13 +165,15 @@ def test_builder_docstrings_draw_their_real_timeline(builder):
     assert drawing == [line.strip() for line in S.grid(builder(*args), wrap)]
 
 
-def test_docstring_examples_run():
-    result = doctest.testmod(S, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted >= 4
+@pytest.mark.parametrize("module", [S, table], ids=["schedules", "table"])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted >= 3
 
 
-def test_schedules_module_does_not_import_jax():
-    tree = ast.parse(inspect.getsource(S))
+@pytest.mark.parametrize("module", [S, table, vshape, drawing], ids=["schedules", "table", "vshape", "drawing"])
+def test_schedules_module_does_not_import_jax(module):
+    tree = ast.parse(inspect.getsource(module))
     names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
              for alias in node.names]
     names += [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]

@@ -37,9 +37,11 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from jaxpar.auto.derivatives import LINEAR, derivative_reads
+
 SERIAL, GRAD, TAIL, NORM = "", "grad", "tail", "norm"
 _GROUP = {GRAD: GRAD, TAIL: GRAD, NORM: NORM}       # tails ride with the gradients
-# operators whose derivative does not read their result (with `cost.LINEAR`)
+# operators whose derivative does not read their result (with `derivatives.LINEAR`)
 _OUTPUT_FREE = ("dot_general", "conv_general_dilated", "gather", "mul", "div")
 
 
@@ -83,8 +85,6 @@ def derivations(graph: Any, grad: Sequence[bool]) -> tuple[tuple[int, ...], tupl
     Example:
       >>> source, tail = derivations(graph, needs_grad(graph))      # doctest: +SKIP
     """
-    from jaxpar.auto.cost import LINEAR, derivative_reads  # cost imports this module: a late import
-
     output_free = (*LINEAR, *_OUTPUT_FREE)
 
     n = len(graph.tensors)

@@ -39,6 +39,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from jaxpar.auto.comm import GRAD, NORM, SERIAL, TAIL, Comm, combined_time, comm_share, derivations, levels
+from jaxpar.auto.derivatives import FREE, LINEAR, derivative_reads
 from jaxpar.auto.graph import Graph, Op
 
 # XLA's GPU all-reduce / reduce-scatter combine threshold (kDefaultAllReduceCombineThreshold)
@@ -46,12 +47,6 @@ XLA_GPU_COMBINE_BYTES = 30 * 1024 * 1024 + 7
 
 _PRODUCTS = ("dot_general", "conv_general_dilated")
 _GATHER_LIKE = ("reshape", "concatenate", "slice", "dynamic_slice", "pad")
-# operators whose derivative needs none of their operands (the rest save their inputs in a loop)
-LINEAR = ("add", "add_any", "sub", "neg", "reduce_sum", "select_n", "concatenate", "pad", "slice",
-           "dynamic_slice", "dynamic_update_slice", "cumsum")
-_FREE = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "convert_element_type",
-         "stop_gradient", "iota", "copy", "copy_p", "name")
-LINEAR += _FREE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -190,7 +185,7 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
     if op.prim in _PRODUCTS or op.prim == "gather":
         space = _iteration_space(graph, op)
         flops = (2 if op.prim != "gather" else 1) * space * 3 / shards
-    elif op.prim in _FREE:
+    elif op.prim in FREE:
         flops = 0.0
     else:
         flops = 3 * max((graph.tensors[t].nbytes / graph.tensors[t].itemsize for t in ts), default=0) / shards
@@ -207,7 +202,7 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
     source = flags.source or tuple(t if p else -1 for t, p in enumerate(flags.param))
     # a reshape / transpose / cast does not sum its operand's gradient: a split result gives a
     # split cotangent, gathered (a broadcast sums over its new dims: an all-reduce)
-    kind = "all-gather" if op.prim in _FREE and op.prim != "broadcast_in_dim" else "all-reduce"
+    kind = "all-gather" if op.prim in FREE and op.prim != "broadcast_in_dim" else "all-reduce"
     for t in op.ins:
         if t >= 0 and flags.grad[t]:
             missing = tuple(sorted(all_axes - per[t], key=list(sizes).index))
@@ -300,21 +295,6 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
             calls[t] = max(calls[t], r.repeat)
     source, tail = derivations(graph, grad)
     return Flags(tuple(grad), tuple(t in params for t in range(n)), saved, recomputed, tuple(calls), source, tail)
-
-
-def derivative_reads(op: Op, grad) -> list[int]:
-    """The operands a nonlinear operator's derivative reads: ``x · y`` needs ``y`` where ``x``
-    has a gradient and ``x`` where ``y`` does; ``x / y`` needs ``y`` (and ``x`` where ``y`` has
-    a gradient); any other operator, its operands that have one."""
-    if op.prim == "mul" and len(op.ins) == 2:
-        a, b = op.ins
-        return [t for t, other in ((a, b), (b, a)) if t >= 0 and other >= 0 and grad[other]]
-    if op.prim == "div" and len(op.ins) == 2:
-        x, y = op.ins
-        if not any(t >= 0 and grad[t] for t in (x, y)):
-            return []
-        return [t for t in (y, x if y >= 0 and grad[y] else -1) if t >= 0]
-    return [t for t in op.ins if t >= 0 and grad[t]]
 
 
 def needs_grad(graph: Graph) -> list[bool]:

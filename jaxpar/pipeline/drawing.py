@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from jaxpar.pipeline.schedules import Kind, Schedule, bubble_fraction, peak_activations
+from jaxpar.pipeline.table import Kind, Schedule, bubble_fraction, peak_activations
 
 __all__ = ["timeline", "plot_timeline"]
 

@@ -8,7 +8,7 @@ one chunk (half a stage). See ``jaxpar.pipeline.schedules`` for the table conven
 """
 from __future__ import annotations
 
-from jaxpar.pipeline.schedules import Kind, Op, Schedule, asap, check_sizes
+from jaxpar.pipeline.table import Kind, Op, Schedule, asap, check_sizes
 
 __all__ = ["zb_v", "zb_v_ticks", "dualpipe_v"]
 
