@@ -5,21 +5,24 @@ TEST_WORKERS ?= 2
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test test-fast bench clean
+# pip extras: `cuda` (jax[cuda12]) where an NVIDIA driver answers, so `make demo` trains on the GPU
+EXTRAS ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda)
+
+.PHONY: demo test test-fast bench bench-gpu clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
-	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q -e '.$(if $(EXTRAS),[$(EXTRAS)])'
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
-demo: $(VENV)/.installed            ## install; train Llama tiny on the standard library's source, print samples
+demo: $(VENV)/.installed            ## install; train Llama tiny on the standard library's source on every GPU (else 8 simulated CPU devices), print samples
 	$(BIN)/python examples/stdlib_corpus.py --out runs/data
 	rm -rf runs/demo
 	$(BIN)/jaxpar train --config examples/configs/tiny.yaml --samples 3
@@ -33,6 +36,9 @@ test-fast: $(VENV)/.installed-dev   ## the suite without tests marked slow
 
 bench: $(VENV)/.installed-dev       ## step benchmark over a list of strategies (CPU figures here)
 	$(BIN)/python benchmarks/step.py
+
+bench-gpu: $(VENV)/.installed-dev   ## jaxpar vs a hand-written jax.jit loop on the accelerator there is (scaled down on a CPU)
+	$(BIN)/python benchmarks/gpu.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -4,8 +4,10 @@ For hand strategies of the example GPT on 8 devices, and for ZeRO levels and mic
 counts on data parallel, compares the cost model's collective bytes, collective count (the
 collectives priced with a latency, after XLA's combiner), argument bytes and temp bytes
 with the compiled step (HLO collectives × executions, ``memory_analysis``); then the
-strategy the search picks for a 4096-row batch on data=8. Needs 8 devices (on CPU:
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``, set here if unset).
+strategy the search picks for a 4096-row batch on data=8. Needs 8 devices: it runs on 8
+simulated CPU devices on any machine (``JAX_PLATFORMS=cpu`` and
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``, set here if unset); with
+``JAX_PLATFORMS=cuda`` on 8 GPUs it reads their compiled programs instead.
 
     python benchmarks/cost_model.py        # prints the table, writes results/cost_model_cpu.json|png
 """
@@ -17,6 +19,7 @@ import json
 import math
 import os
 
+os.environ.setdefault("JAX_PLATFORMS", "cpu")     # compiled programs, not timings: any machine
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
@@ -150,4 +153,8 @@ def _plot(rows):
 
 
 if __name__ == "__main__":
+    if len(jax.devices()) < 8:
+        raise SystemExit(f"{os.path.basename(__file__)} compiles 8-device strategies; there are "
+                         f"{len(jax.devices())} {jax.devices()[0].platform} devices: run it on 8 simulated "
+                         "CPU devices (JAX_PLATFORMS=cpu, the default)")
     main()

@@ -7,7 +7,9 @@ For the scanned example GPT on 8 devices:
 2. pipeline stages x micro-batches (1F1B, data over the rest): `price_pipeline`'s
    arguments, temp and total over the compiled pipelined step's.
 
-Needs 8 devices (on CPU: ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, set here if unset).
+Needs 8 devices: it runs on 8 simulated CPU devices on any machine (``JAX_PLATFORMS=cpu`` and
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``, set here if unset); with
+``JAX_PLATFORMS=cuda`` on 8 GPUs it reads their compiled programs instead.
 
     python benchmarks/job_planner.py       # prints both tables, writes results/job_planner_cpu.json
 """
@@ -18,6 +20,7 @@ import dataclasses
 import json
 import os
 
+os.environ.setdefault("JAX_PLATFORMS", "cpu")     # compiled programs, not timings: any machine
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
@@ -96,4 +99,8 @@ def main():
 
 
 if __name__ == "__main__":
+    if len(jax.devices()) < 8:
+        raise SystemExit(f"{os.path.basename(__file__)} compiles 8-device strategies; there are "
+                         f"{len(jax.devices())} {jax.devices()[0].platform} devices: run it on 8 simulated "
+                         "CPU devices (JAX_PLATFORMS=cpu, the default)")
     main()

@@ -7,7 +7,8 @@ Builds a byte-level token store from the generated arithmetic corpus (``jaxpar d
   prefetch) for ``--seconds``, at the model's shape (global batch x seq_len) and at a long
   shape (8 x 2048): tokens / wall second;
 * **model**: the tiny Llama (vocabulary 264 for the byte tokenizer) trained with adamw under
-  ``data=8`` on 8 simulated CPU devices: global batch x seq_len / median step time
+  data parallel over every device (8 simulated CPU devices without an accelerator): global
+  batch x seq_len / median step time
   (``jax.block_until_ready`` after each step, after a warm-up);
 * **fit with the loader**: ``Trainer.fit(loader)`` against ``Trainer.fit`` over batches already
   in memory, per step: what reading from the store costs the training loop.
@@ -57,7 +58,7 @@ def loader_rate(store, seq_len: int, batch: int, seconds: float) -> dict:
 
 
 def trainer(cfg: LlamaConfig) -> jaxpar.Trainer:
-    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    config = jaxpar.ParallelConfig(mesh={"data": -1}, mode="data")     # every device there is
     return jaxpar.Trainer(Llama(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3), loss_fn, config,
                           jaxpar.make_mesh(config))
 

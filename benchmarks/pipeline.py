@@ -183,7 +183,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown schedules {sorted(unknown)}; choose from {list(SCHEDULES)}")
     if args.stages > len(jax.devices()):
-        ap.error(f"--stages {args.stages} needs that many devices; there are {len(jax.devices())}")
+        ap.error(f"--stages {args.stages} needs that many devices; there are {len(jax.devices())} "
+                 f"{jax.devices()[0].platform} devices: use --stages {len(jax.devices())} or fewer (2 at least), "
+                 f"or run on simulated CPU devices (JAX_PLATFORMS=cpu, JAXPAR_BENCH_DEVICES={args.stages})")
     return args
 
 

@@ -4,15 +4,18 @@ For each strategy it compiles the jaxpar training step, reads what the compiled 
 (``jaxpar.report``: per-device memory, collectives, FLOPs), then times steps (median of
 ``--steps`` after ``--warmup``, each ended with ``jax.block_until_ready``). The baseline is
 the same data-parallel step written directly with ``jax.jit``, ``nnx.split/merge``,
-``jax.value_and_grad``, optax and ``NamedSharding``, without jaxpar; the data=8 row reports
-jaxpar's step time over the baseline's.
+``jax.value_and_grad``, optax and ``NamedSharding``, without jaxpar; the data-parallel row
+reports jaxpar's step time over the baseline's.
 
     python benchmarks/step.py                          # CPU: 8 simulated devices, size "tiny"
     python benchmarks/step.py --size small --layers both --out /tmp/step.json
 
-On a CPU the timings only compare strategies with each other on this machine (8 simulated
-devices share its cores; ``JAXPAR_BENCH_DEVICES`` changes how many are simulated); on a GPU
-the script also reports MFU against ``--peak-flops``.
+The strategies size their meshes to the devices there are (``-1`` = the rest); one whose mesh
+cannot be made of them (Megatron's model=4 on 1 or 2 GPUs) is skipped with a message. On a CPU
+the timings only compare strategies with each other on this machine (8 simulated devices share
+its cores; ``JAXPAR_BENCH_DEVICES`` changes how many are simulated); on a GPU the script also
+reports MFU from the model FLOPs (`gpt_flops_per_token`) and the device's float32 (TF32) peak
+(`jaxpar.report.peak_flops`, or ``--peak-flops``).
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar
 from jaxpar.models.data import ArithmeticData
-from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
-from jaxpar.report import collective_summary, collectives, flops, memory, mfu
+from jaxpar.mesh import resolve_axes
+from jaxpar.models.gpt import GPT, GPTConfig, gpt_flops_per_token, loss_fn
+from jaxpar.report import collective_summary, collectives, flops, memory, throughput
 
 SIZES = {  # embed, heads, layers, seq_len, global batch
     "tiny": dict(embed=64, heads=8, layers=2, seq_len=32, batch=32),
@@ -48,17 +52,15 @@ SIZES = {  # embed, heads, layers, seq_len, global batch
     "large": dict(embed=1024, heads=16, layers=16, seq_len=1024, batch=64),
 }
 MEGATRON = {"batch": "data", "heads": "model", "mlp": "model", "vocab": "model"}
+# name -> (ParallelConfig fields, label); -1 = the rest of the devices, so each runs on any count
+# its fixed axes divide (on 8 devices: data=8, data=2 x model=4, model=8, x=2 x y=4, data=8).
 STRATEGIES = {
-    "data=8": dict(mesh={"data": 8}, mode="data"),
-    "data=2 x model=4 (Megatron)": dict(mesh={"data": 2, "model": 4}, rules=MEGATRON),
-    "model=8": dict(mesh={"model": 8}, rules={"heads": "model", "mlp": "model", "vocab": "model"}),
-    "2D x=2, y=4": dict(mesh={"x": 2, "y": 4},
-                        rules={"batch": "x", "embed": "y", "heads": "x", "mlp": "x", "vocab": "x"}),
-    "hybrid data=8": dict(mesh={"data": 8}, mode="hybrid"),
-}
-PEAK_FLOPS = {  # dense bf16 FLOP/s per device, by a substring of jax's device_kind
-    "H200": 989e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12,
-    "L40S": 362e12, "L4": 121e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12, "TPU v4": 275e12,
+    "data": (dict(mesh={"data": -1}, mode="data"), ""),
+    "megatron": (dict(mesh={"data": -1, "model": 4}, rules=MEGATRON), " (Megatron)"),
+    "model": (dict(mesh={"model": -1}, rules={"heads": "model", "mlp": "model", "vocab": "model"}), ""),
+    "2d": (dict(mesh={"x": 2, "y": -1}, rules={"batch": "x", "embed": "y", "heads": "x", "mlp": "x", "vocab": "x"}),
+           " (2D)"),
+    "hybrid": (dict(mesh={"data": -1}, mode="hybrid"), " (hybrid)"),
 }
 LR = 1e-3
 
@@ -69,16 +71,14 @@ def gpt_config(size: str, scan: bool) -> GPTConfig:
                      mlp=4 * s["embed"], layers=s["layers"], scan_layers=scan)
 
 
-def model_flops(gpt: GPTConfig, tokens: int) -> float:
-    """Model FLOPs of one training step (PaLM's count): 6 x matmul weights + 12 x L x S x E per token.
-
-    Unlike XLA's count (``jaxpar.report.flops``) it does not depend on the strategy and counts
-    a scanned model fully; the causal mask's savings are not subtracted.
-    """
-    per_layer = 4 * gpt.embed * gpt.embed + 2 * gpt.embed * gpt.mlp
-    dense = per_layer * gpt.layers + gpt.embed * gpt.vocab_size
-    attention = gpt.layers * gpt.seq_len * gpt.embed
-    return 6.0 * dense * tokens + 12.0 * attention * tokens
+def strategy(name: str, n: int) -> tuple[dict, str] | str:
+    """``(ParallelConfig fields with the mesh sized for n devices, label)``, or why it does not fit."""
+    fields, suffix = STRATEGIES[name]
+    try:
+        mesh = resolve_axes(fields["mesh"], n)
+    except ValueError as e:
+        return str(e)
+    return fields | {"mesh": mesh}, " x ".join(f"{k}={v}" for k, v in mesh.items()) + suffix
 
 
 def time_interleaved(runs: list, warmup: int, steps: int) -> list[list[float]]:
@@ -140,9 +140,9 @@ def compiled_costs(compiled, mesh) -> dict:
     }
 
 
-def bench_jaxpar(name: str, strategy: dict, gpt: GPTConfig, batch: dict):
+def bench_jaxpar(name: str, fields: dict, gpt: GPTConfig, batch: dict):
     """Compile jaxpar's step for one strategy: (row of compiled costs, a function running one step)."""
-    config = jaxpar.ParallelConfig(**strategy)
+    config = jaxpar.ParallelConfig(**fields)
     mesh = jaxpar.make_mesh(config)
     constrain = jaxpar.LogicalConstraint(mesh, config.rules)
     model = jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0), constrain=constrain), config, mesh)
@@ -156,7 +156,8 @@ def bench_jaxpar(name: str, strategy: dict, gpt: GPTConfig, batch: dict):
 
 
 def bench_baseline(gpt: GPTConfig, batch: dict):
-    """The data=8 step written by hand: jax.jit, nnx.split/merge, value_and_grad, optax."""
+    """The data-parallel step over every device, written by hand: jax.jit, nnx.split/merge,
+    value_and_grad, optax."""
     n = len(jax.devices())
     mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     replicated, by_rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
@@ -189,23 +190,14 @@ def bench_baseline(gpt: GPTConfig, batch: dict):
 
 
 def finish(row: dict, times: list[float], gpt: GPTConfig, tokens: int, peak: float | None) -> dict:
+    """The row with its median step time, tokens/s and MFU from the model FLOPs (float32 peak:
+    the GPT computes in float32, TF32 on NVIDIA GPUs; ``None`` on a CPU, which has no peak)."""
     step_s = statistics.median(times)
+    t = throughput(flops_per_token=gpt_flops_per_token(gpt), tokens_per_step=tokens, step_time_s=step_s,
+                   num_devices=len(jax.devices()), dtype="float32", peak_flops=peak)
     row.update(step_s=step_s, step_times_s=times, tokens_per_s=tokens / step_s,
-               model_flops_per_step=model_flops(gpt, tokens))
-    if peak is not None:
-        row["mfu"] = mfu(row["model_flops_per_step"], step_s, peak, len(jax.devices()))
+               model_flops_per_step=t.flops_per_token * tokens, mfu=t.mfu, mfu_text=t.mfu_text)
     return row
-
-
-def peak_flops(args) -> float | None:
-    """Peak FLOP/s per device for MFU: on a GPU only (CPU timings of simulated devices mean nothing)."""
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        return None
-    if args.peak_flops is not None:
-        return args.peak_flops
-    kind = device.device_kind
-    return next((v for k, v in PEAK_FLOPS.items() if k.lower() in kind.lower()), 989e12)
 
 
 def per_step_bytes(c: dict) -> int:
@@ -220,7 +212,7 @@ def print_table(rows: list[dict], ratio: float | None) -> None:
     table = Table(title=f"GPT train step on {len(jax.devices())} {jax.devices()[0].platform} devices")
     cols = ["strategy", "layers", "compile s", "step ms", "tokens/s", "arg KiB", "out KiB", "temp KiB",
             "collectives", "coll. KiB/step", "GFLOP/dev"]
-    if any("mfu" in r for r in rows):
+    if any(r["mfu"] is not None for r in rows):
         cols.append("MFU")
     for c in cols:
         table.add_column(c, justify="left" if c in ("strategy", "layers") else "right")
@@ -231,12 +223,12 @@ def print_table(rows: list[dict], ratio: float | None) -> None:
                  f"{m['temp'] / 1024:,.0f}", str(c["count"]), f"{per_step_bytes(c) / 1024:,.0f}",
                  f"{r['flops_per_device'] / 1e9:.3f}"]
         if "MFU" in cols:
-            cells.append(f"{100 * r['mfu']:.1f}%" if "mfu" in r else "")
+            cells.append(r["mfu_text"])
         table.add_row(*cells)
     console = Console(width=170)
     console.print(table)
     if ratio is not None:
-        console.print(f"jaxpar data=8 / hand-written jax.jit baseline step time: {ratio:.3f}")
+        console.print(f"jaxpar data-parallel / hand-written jax.jit baseline step time: {ratio:.3f}")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -281,9 +273,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--no-baseline", action="store_true", help="skip the hand-written jax.jit baseline")
     p.add_argument("--ab-rounds", type=int, default=200,
-                   help="paired A/B rounds of jaxpar data=8 against the baseline (0: skip)")
+                   help="paired A/B rounds of jaxpar's data strategy against the baseline (0: skip)")
     p.add_argument("--peak-flops", type=float, default=None,
-                   help="peak FLOP/s per device for MFU (GPU only; default from device_kind, else 989e12)")
+                   help="peak FLOP/s per device for MFU (default: jaxpar.report.peak_flops of the device, "
+                        "float32; none on a CPU)")
     p.add_argument("--out", default=os.path.join(here, "results", "step_cpu.json"), help="JSON results")
     p.add_argument("--plot", default=None, help="PNG plot (default: --out with .png)")
     args = p.parse_args(argv)
@@ -293,9 +286,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def fits(strategy: dict, n: int) -> bool:
-    sizes = strategy["mesh"].values()
-    return -1 in sizes or int(np.prod(list(sizes))) == n
+def data_over_baseline(rows: list[dict]) -> float | None:
+    """jaxpar's data-parallel step time over the baseline's (first layers kind with both rows);
+    each baseline row gets its ratio as ``jaxpar_over_baseline``. None when either did not run."""
+    ratio = None
+    for base in (r for r in rows if r["name"] == "baseline"):
+        mine = next((r for r in rows if r["name"] == "data" and r["layers"] == base["layers"]), None)
+        if mine is not None:
+            base["jaxpar_over_baseline"] = mine["step_s"] / base["step_s"]
+            ratio = base["jaxpar_over_baseline"] if ratio is None else ratio
+    return ratio
+
+
+def ab_pair(compiled_rows: list[dict], runs: list):
+    """``(layers, jaxpar data step, baseline step)`` for the paired A/B, or None if one did not run."""
+    for row, run in zip(compiled_rows, runs):
+        if row["name"] != "data":
+            continue
+        base = next((b for r, b in zip(compiled_rows, runs)
+                     if r["name"] == "baseline" and r["layers"] == row["layers"]), None)
+        if base is not None:
+            return row["layers"], run, base
+    return None
 
 
 def main(argv=None) -> int:
@@ -304,42 +316,40 @@ def main(argv=None) -> int:
     s = SIZES[args.size]
     batch = ArithmeticData(s["seq_len"]).batch(s["batch"], 0)
     tokens = s["batch"] * s["seq_len"]
-    peak = peak_flops(args)
+    peak = args.peak_flops
     t_start = time.perf_counter()
-    compiled_rows, runs, gpts = [], [], []
+    compiled_rows, runs, gpts, skipped = [], [], [], {}
     for layers in (("unrolled", "scanned") if args.layers == "both" else (args.layers,)):
         gpt = gpt_config(args.size, layers == "scanned")
         for name in args.strategies:
-            if not fits(STRATEGIES[name], n):
-                print(f"  skipping {name}: its mesh does not fit {n} devices", file=sys.stderr)
+            fitted = strategy(name, n)
+            if isinstance(fitted, str):
+                skipped[name] = f"its mesh does not fit {n} {jax.devices()[0].platform} devices: {fitted}"
+                print(f"  skipping {name}: {skipped[name]}", file=sys.stderr)
                 continue
-            row, run = bench_jaxpar(name, STRATEGIES[name], gpt, batch)
-            compiled_rows.append(row | {"layers": layers})
+            fields, label = fitted
+            row, run = bench_jaxpar(label, fields, gpt, batch)
+            compiled_rows.append(row | {"layers": layers, "name": name})
             runs.append(run)
             gpts.append(gpt)
             print(f"  compiled {name} ({layers}) in {row['compile_s']:.1f}s", file=sys.stderr)
         if not args.no_baseline:
             row, run = bench_baseline(gpt, batch)
-            compiled_rows.append(row | {"layers": layers})
+            compiled_rows.append(row | {"layers": layers, "name": "baseline"})
             runs.append(run)
             gpts.append(gpt)
     times = time_interleaved(runs, args.warmup, args.steps)
     rows = [finish(r, t, g, tokens, peak) for r, t, g in zip(compiled_rows, times, gpts)]
-    ratio = None
-    for base in (r for r in rows if r["strategy"].startswith("baseline")):
-        mine = next((r for r in rows if r["strategy"] == "data=8" and r["layers"] == base["layers"]), None)
-        if mine is not None:
-            base["jaxpar_over_baseline"] = mine["step_s"] / base["step_s"]
-            ratio = base["jaxpar_over_baseline"] if ratio is None else ratio
+    ratio = data_over_baseline(rows)
     print_table(rows, ratio)
     ab = None
-    if args.ab_rounds and not args.no_baseline and "data=8" in args.strategies:
-        layers = compiled_rows[0]["layers"]
-        mine = next(run for r, run in zip(compiled_rows, runs) if r["strategy"] == "data=8" and r["layers"] == layers)
-        base = next(run for r, run in zip(compiled_rows, runs)
-                    if r["strategy"].startswith("baseline") and r["layers"] == layers)
+    pair = ab_pair(compiled_rows, runs)
+    if args.ab_rounds and pair is None:
+        print("no paired A/B: it needs the data strategy and the baseline (both ran? see above)", file=sys.stderr)
+    elif args.ab_rounds:
+        layers, mine, base = pair
         ab = paired_ab(mine, base, args.ab_rounds) | {"layers": layers}
-        print(f"paired A/B over {ab['rounds']} alternating rounds: jaxpar data=8 / hand-written jax.jit = "
+        print(f"paired A/B over {ab['rounds']} alternating rounds: jaxpar data={n} / hand-written jax.jit = "
               f"{ab['median_ratio']:.3f} (95% interval {ab['ci95'][0]:.3f}-{ab['ci95'][1]:.3f}; "
               f"medians {ab['median_a_s'] * 1e3:.2f} ms vs {ab['median_b_s'] * 1e3:.2f} ms)")
     device = jax.devices()[0]
@@ -348,11 +358,13 @@ def main(argv=None) -> int:
                  "device_kind": device.device_kind, "devices": len(jax.devices()), "host_cpus": os.cpu_count(),
                  "python": platform.python_version(), "size": args.size, "model": dataclasses.asdict(gpt_config(args.size, False)),
                  "global_batch": s["batch"], "tokens_per_step": tokens, "steps": args.steps, "warmup": args.warmup,
-                 "peak_flops": peak, "timing": "interleaved rounds (order reversed every other round), median", "total_s": time.perf_counter() - t_start,
+                 "peak_flops": peak if peak is not None else jaxpar.report.peak_flops(device.device_kind, "float32"),
+                 "timing": "interleaved rounds (order reversed every other round), median", "total_s": time.perf_counter() - t_start,
                  "date": time.strftime("%Y-%m-%d")},
         "results": rows,
-        "jaxpar_over_baseline_data8": ratio,
-        "paired_ab_data8": ab,
+        "skipped": skipped,
+        "jaxpar_over_baseline_data": ratio,
+        "paired_ab_data": ab,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

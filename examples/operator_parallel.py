@@ -1,7 +1,8 @@
 """Operator-level parallelism with jaxpar.ops on 8 simulated CPU devices.
 
 Runs every operator on a 2 x 4 mesh, compares it with the same computation on one device,
-and lists the collectives XLA put in the compiled program:
+and lists the collectives XLA put in the compiled program. On a machine with 8 or more GPUs
+(TPUs) it uses them; with fewer it says so and uses the 8 simulated CPU devices:
 
     python examples/operator_parallel.py
 """
@@ -31,8 +32,23 @@ def show(name, fn, reference, args, mesh):
     print(f"{name:<34} max error {error:.1e}   {'; '.join(found) or 'no collectives'}")
 
 
+def mesh_devices() -> list:
+    """8 devices for the 2 x 4 mesh: the accelerators if there are 8, else the simulated CPUs."""
+    devices = jax.devices()
+    if len(devices) < 8:
+        print(f"{len(devices)} {devices[0].platform} devices are fewer than the 2 x 4 mesh's 8: "
+              "running on 8 simulated CPU devices")
+        devices = jax.devices("cpu")
+    return devices[:8]
+
+
 def main():
-    mesh = jaxpar.make_mesh({"x": 2, "y": 4})
+    devices = mesh_devices()
+    with jax.default_device(devices[0]):     # the one-device references run there too
+        run(jaxpar.make_mesh({"x": 2, "y": 4}, devices=devices))
+
+
+def run(mesh):
     x, w = rand(16, 32, seed=1), rand(32, 8, seed=2)
 
     # x: M over x, K over y; w: K over y. Partial sums over y: all-reduce ...

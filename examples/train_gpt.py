@@ -1,6 +1,6 @@
 """Train the example GPT with jaxpar on 8 simulated CPU devices, nanoGPT style.
 
-    python examples/train_gpt.py                  # data=2 x model=4, Megatron rules
+    python examples/train_gpt.py                  # data x model=4 (Megatron rules) on all devices
     python examples/train_gpt.py --mesh data=8    # pure data parallel
     jaxpar launch --worker-num 2 --local-worker-num 2 --simulated-devices 4 examples/train_gpt.py
 
@@ -37,7 +37,9 @@ def axis_sizes(text: str) -> dict[str, int]:
 
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--mesh", type=axis_sizes, default="data=2,model=4", help="mesh axes, e.g. data=2,model=4")
+parser.add_argument("--mesh", type=axis_sizes, default=None,
+                    help="mesh axes, e.g. data=2,model=4 (-1: the rest); default data x model, model the largest "
+                         "of 4, 2, 1 dividing the device count (data=2,model=4 on 8 devices, data=1 on 1 GPU)")
 parser.add_argument("--steps", type=positive, default=300)
 parser.add_argument("--batch", type=positive, default=32, help="global batch (sequences per step)")
 args = parser.parse_args()
@@ -46,6 +48,9 @@ jaxpar.distributed.initialize()
 
 # -- parallelism: a mesh and one rules table (logical axis -> mesh axis) ---------------------
 mesh_axes = args.mesh
+if mesh_axes is None:
+    model_size = next(m for m in (4, 2, 1) if jax.device_count() % m == 0)
+    mesh_axes = {"data": jax.device_count() // model_size, "model": model_size}
 rules = {"batch": "data", "heads": "model", "mlp": "model", "vocab": "model"}
 rules = {name: axis for name, axis in rules.items() if axis in mesh_axes}
 try:
