@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.strategy import manual_axes, to_partition_spec
+from jaxpar.strategy import manual_axes, mesh_sizes, to_partition_spec
 
 
 def _current_mesh(mesh):
@@ -42,17 +42,13 @@ def _current_mesh(mesh):
     )
 
 
-def _sizes(mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.axis_sizes))
-
-
 def _is_tracer(x) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
 def _shard_array(x, strategy, mesh, rules):
     mesh = _current_mesh(mesh)
-    spec = to_partition_spec(strategy, _sizes(mesh), np.shape(x), rules=rules)
+    spec = to_partition_spec(strategy, mesh_sizes(mesh), np.shape(x), rules=rules)
     if _is_tracer(x):
         if isinstance(mesh, jax.sharding.Mesh):
             return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
@@ -175,7 +171,7 @@ class LogicalConstraint:
     def spec(self, shape, names) -> PartitionSpec:
         from jaxpar.strategy import logical_axes
 
-        sizes, rules, used, entries = _sizes(self.mesh), dict(self.rules), set(), []
+        sizes, rules, used, entries = mesh_sizes(self.mesh), dict(self.rules), set(), []
         for dim, name in zip(shape, names):
             axes = tuple(a for a in logical_axes(name, sizes, rules) if a not in used)
             n = int(np.prod([sizes[a] for a in axes])) if axes else 1

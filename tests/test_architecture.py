@@ -1,11 +1,13 @@
 """The data flow of docs/architecture.md, checked on the source: what may import what.
 
 Every import between jaxpar's parts (top-level imports and function-local ones alike) must
-point down the rank table, no part imports a ``_private`` name of another, and only the
-command-line modules import the package face ``jaxpar``.
+point down the rank table, no part imports a ``_private`` name or module of another, the
+modules of one folder import one another without a cycle, and only the command-line modules
+import the package face ``jaxpar``.
 """
 
 import ast
+import collections
 import pathlib
 
 import pytest
@@ -82,3 +84,155 @@ def test_planning_parts_never_import_training(part):
     for path, module, target, _ in _imports():
         if _part(module) == part:
             assert _part(target) not in ("train", "", "cli", "plan_cli"), f"{path}: {module} imports {target}"
+
+
+def module_paths(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
+    """``{module name: its file}`` for every module of the package at ``root``."""
+    return {".".join(p for p in path.relative_to(root.parent).with_suffix("").parts if p != "__init__"): path
+            for path in sorted(root.rglob("*.py"))}
+
+
+def _runtime_imports(tree: ast.AST):
+    """Every import statement that can run: at module level or in a function body, but not
+    under ``if TYPE_CHECKING:`` (annotations only; it never runs)."""
+    def walk(node):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                yield from (x for n in child.orelse for x in walk_one(n))
+                continue
+            yield from walk_one(child)
+
+    def walk_one(node):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        yield from walk(node)
+
+    yield from walk(tree)
+
+
+def module_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
+    """``{module: modules of jaxpar it imports}``, e.g. ``jaxpar.pipeline.schedules ->
+    {jaxpar.pipeline.table, ...}``; ``from jaxpar.x import y`` is module ``jaxpar.x.y`` when
+    there is one, else the package ``jaxpar.x`` (its ``__init__``)."""
+    paths = module_paths(root)
+    graph = {}
+    for module, path in paths.items():
+        targets = set()
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module
+                            for a in node.names}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+        graph[module] = {t for t in targets if t in paths and t != module}
+    return graph
+
+
+def private_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a ``_private`` module (a file named ``_x.py``) from outside its folder."""
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            parts = target.split(".")
+            private = [i for i, p in enumerate(parts) if p.startswith("_") and not p.startswith("__")]
+            if private and not module.startswith(".".join(parts[:private[0]]) + "."):
+                wrong.append(f"{module} imports {target}")
+    return wrong
+
+
+def folder_cycles(graph: dict[str, set[str]], root: pathlib.Path = ROOT) -> list[list[str]]:
+    """The import cycles among the modules of each folder (its ``__init__`` included): the
+    strongly connected components of more than one module, found with Tarjan's algorithm."""
+    folder = {m: path.parent for m, path in module_paths(root).items()}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if folder[w] != folder[v]:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_private_module_imported_from_another_folder():
+    """A ``_private`` module is its folder's own: what another folder needs gets a public home."""
+    wrong = private_imports(module_graph())
+    assert not wrong, "private modules imported from another folder:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycles_within_a_folder():
+    """The modules of a folder (jaxpar/pipeline, jaxpar/auto, ...) import one another without a cycle.
+
+    Function-local imports count: a late import only hides a cycle (it works by the order the
+    modules load in, and breaks when that order changes), so ``schedules -> vshape`` inside
+    ``build`` and ``comm -> cost`` inside ``derivations`` were both cycles. Imports under
+    ``if TYPE_CHECKING:`` do not: they never run (launch's ``servers`` names ``LaunchConfig``
+    of ``launcher`` that way). The shared piece of a cycle moves down into a module both sides
+    import (``pipeline.table``, ``auto.derivatives``).
+    """
+    cycles = folder_cycles(module_graph())
+    assert not cycles, "import cycles within a folder:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_checks_see_late_imports_and_skip_type_checking_ones(tmp_path):
+    """The two checks above on a package made for them: a cycle through a function-local import
+    is caught, one through ``if TYPE_CHECKING:`` is not, and so is a private module used next door."""
+    files = {
+        "__init__.py": "",
+        "a/__init__.py": "",
+        "a/_p.py": "",
+        "a/x.py": "import pkg.a._p\ndef f():\n    from pkg.a import y\n",
+        "a/y.py": "from pkg.a.x import f\n",
+        "b/__init__.py": "",
+        "b/u.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b.v import V\n",
+        "b/v.py": "from pkg.a._p import thing\nfrom pkg.b import u\n",
+    }
+    root = tmp_path / "pkg"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    graph = module_graph(root)
+    assert folder_cycles(graph, root) == [["pkg.a.x", "pkg.a.y"]]
+    assert private_imports(graph) == ["pkg.b.v imports pkg.a._p"]
+
+
+def mesh_size_copies(root: pathlib.Path = ROOT) -> list[str]:
+    """Places other than `jaxpar.strategy.mesh_sizes` that turn a mesh into ``{axis: size}``:
+    a ``zip(mesh.axis_names, mesh.axis_sizes)`` (or ``..., mesh.devices.shape``)."""
+    found = []
+    for module, path in module_paths(root).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "zip" \
+                    and len(node.args) == 2 and all(isinstance(a, ast.Attribute) for a in node.args) \
+                    and node.args[0].attr == "axis_names" and ast.unparse(node.args[1]).endswith(("axis_sizes",
+                                                                                                  "devices.shape")):
+                found.append(f"{module}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_one_function_turns_a_mesh_into_sizes():
+    """`jaxpar.strategy.mesh_sizes` (a Mesh, an AbstractMesh or a mapping -> ``{axis: size}``) is
+    the one copy; ops, shard and the MoE layer each had their own."""
+    copies = mesh_size_copies()
+    assert not copies, "call jaxpar.strategy.mesh_sizes instead:\n" + "\n".join(copies)

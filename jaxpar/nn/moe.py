@@ -26,9 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.ops._common import manual_axes
 from jaxpar.ops.moe_dispatch import TRANSPORTS, moe_dispatch
-from jaxpar.strategy import logical_axes
+from jaxpar.strategy import logical_axes, manual_axes, mesh_sizes
 
 SCORES = ("softmax", "sigmoid")
 
@@ -177,7 +176,7 @@ def _axes(constrain) -> dict:
     mesh = getattr(constrain, "mesh", None)
     if mesh is None:
         return {}   # no mesh: every expert runs where the tokens are
-    rules, sizes = dict(getattr(constrain, "rules", ())), dict(zip(mesh.axis_names, mesh.axis_sizes))
+    rules, sizes = dict(getattr(constrain, "rules", ())), mesh_sizes(mesh)
     axes = {name: logical_axes(name, sizes, rules) or None for name in ("expert", "batch", "mlp")}
     # a sequence split over a context axis ("length" / "seq" rule) splits the tokens too
     seq = tuple(a for name in ("length", "seq") if name in rules for a in logical_axes(name, sizes, rules))
@@ -208,7 +207,7 @@ def _token_order(x: jax.Array, axes: dict) -> tuple[jax.Array, Callable]:
     shape = x.shape
     if not seq or x.ndim != 3:
         return x.reshape(-1, shape[-1]), lambda y: y.reshape(shape)
-    sizes = dict(zip(axes["mesh"].axis_names, axes["mesh"].axis_sizes))
+    sizes = mesh_sizes(axes["mesh"])
     batch = tuple(axes["batch_axis"] or ())
     nb, nc = _product(sizes, batch), _product(sizes, seq)
     (b, length, d) = shape

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.strategy import manual_axes, spec_axes  # noqa: F401  (manual_axes: used by the operators)
+from jaxpar.strategy import manual_axes, mesh_sizes, spec_axes, spec_entry
 
 AnyMesh = Mesh | AbstractMesh
 
@@ -60,20 +60,21 @@ def inner_shard_map(fn, mesh: AnyMesh, op: str, *, in_specs, out_specs, diff: tu
     if not outer:
         return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
     abstract = jax.sharding.get_abstract_mesh()
-    if sizes(abstract) != sizes(mesh):
-        raise ValueError(f"{op}: called inside a shard_map over mesh {sizes(abstract)} with mesh={sizes(mesh)}; "
+    sizes = mesh_sizes(abstract)
+    if sizes != mesh_sizes(mesh):
+        raise ValueError(f"{op}: called inside a shard_map over mesh {sizes} with mesh={mesh_sizes(mesh)}; "
                          "pass the mesh the enclosing shard_map runs on")
     names = tuple(a for a in abstract.axis_names if a not in outer)
     if not names:
         raise ValueError(f"{op}: called inside a shard_map that is already manual over every mesh axis "
-                         f"{tuple(outer)} (mesh {sizes(abstract)}), where it has no axis left to run over; call it "
+                         f"{tuple(outer)} (mesh {sizes}), where it has no axis left to run over; call it "
                          "outside that shard_map, or make the enclosing one manual over fewer axes (axis_names=)")
     n_args = len(in_specs)
 
     @contextlib.contextmanager
     def positions_of(args):   # this device's positions (the trailing arguments) readable by axis_position
         stack = _stack()
-        stack.append({a: (p[0], sizes(abstract)[a]) for a, p in zip(names, args[n_args:])})
+        stack.append({a: (p[0], sizes[a]) for a, p in zip(names, args[n_args:])})
         try:
             yield
         finally:
@@ -86,7 +87,7 @@ def inner_shard_map(fn, mesh: AnyMesh, op: str, *, in_specs, out_specs, diff: tu
     smap = functools.partial(jax.shard_map, mesh=abstract, axis_names=frozenset(names))
     specs = tuple(in_specs) + tuple(PartitionSpec(a) for a in names)
     forward = smap(placed, in_specs=specs, out_specs=out_specs)
-    positions = lambda: tuple(jnp.arange(sizes(abstract)[a], dtype=jnp.int32) for a in names)  # noqa: E731
+    positions = lambda: tuple(jnp.arange(sizes[a], dtype=jnp.int32) for a in names)  # noqa: E731
     if not diff:
         return lambda *args: forward(*args, *positions())
 
@@ -144,11 +145,6 @@ def axis_position(axes: str | Sequence[str]) -> jax.Array:
     return index
 
 
-def sizes(mesh: AnyMesh) -> dict[str, int]:
-    """``{axis: size}`` of a mesh, in axis order."""
-    return dict(zip(mesh.axis_names, mesh.axis_sizes))
-
-
 def axes_of(op: str, arg: str, value: Any, mesh: AnyMesh) -> tuple[str, ...]:
     """The mesh axes named by an ``*_axis`` argument (a name, a tuple of names, or None)."""
     if value is None:
@@ -160,7 +156,7 @@ def axes_of(op: str, arg: str, value: Any, mesh: AnyMesh) -> tuple[str, ...]:
         if a not in mesh.axis_names:
             raise ValueError(
                 f"{op}: {arg}={value!r} names mesh axis {a!r}, which is not in the mesh "
-                f"{sizes(mesh)}; use one of {list(mesh.axis_names)}"
+                f"{mesh_sizes(mesh)}; use one of {list(mesh.axis_names)}"
             )
     if len(set(names)) != len(names):
         raise ValueError(f"{op}: {arg}={value!r} repeats a mesh axis")
@@ -168,13 +164,7 @@ def axes_of(op: str, arg: str, value: Any, mesh: AnyMesh) -> tuple[str, ...]:
 
 
 def axes_size(mesh: AnyMesh, axes: Sequence[str]) -> int:
-    return math.prod(sizes(mesh)[a] for a in axes)
-
-
-def entry(axes: Sequence[str]) -> Any:
-    """A ``PartitionSpec`` entry for ``axes``: None, one name, or a tuple of names."""
-    axes = tuple(axes)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+    return math.prod(mesh_sizes(mesh)[a] for a in axes)
 
 
 def padded(spec: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
@@ -184,7 +174,7 @@ def padded(spec: PartitionSpec, ndim: int) -> tuple[tuple[str, ...], ...]:
 
 
 def to_spec(entries: Sequence[Sequence[str]]) -> PartitionSpec:
-    return PartitionSpec(*(entry(e) for e in entries))
+    return PartitionSpec(*(spec_entry(e) for e in entries))
 
 
 def check_divides(op: str, what: str, shape, dim: int, mesh: AnyMesh, axes: Sequence[str], fix: str) -> None:
@@ -192,7 +182,7 @@ def check_divides(op: str, what: str, shape, dim: int, mesh: AnyMesh, axes: Sequ
     if shape[dim] % n:
         raise ValueError(
             f"{op}: {what} (shape {tuple(shape)}) dimension {dim} of size {shape[dim]} is not "
-            f"divisible by {n}, the size of mesh axes {tuple(axes)} of mesh {sizes(mesh)}; {fix}"
+            f"divisible by {n}, the size of mesh axes {tuple(axes)} of mesh {mesh_sizes(mesh)}; {fix}"
         )
 
 

@@ -29,7 +29,8 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.config import CONTEXT_STRATEGIES
 from jaxpar.ops import context_kernels as kernels
-from jaxpar.ops._common import AnyMesh, axes_of, axes_size, entry, inner_shard_map, manual_axes, resolve_mesh, sizes
+from jaxpar.ops._common import AnyMesh, axes_of, axes_size, inner_shard_map, resolve_mesh
+from jaxpar.strategy import manual_axes, mesh_sizes, spec_entry
 
 STRATEGIES = CONTEXT_STRATEGIES
 
@@ -88,8 +89,8 @@ def context_attention(
     kv_positions = q_positions if kv_positions is None else kv_positions
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     seq = ring + uly
-    big = PartitionSpec(entry(batch), entry(seq), entry(heads), None)
-    ids = PartitionSpec(entry(batch), entry(seq))
+    big = PartitionSpec(spec_entry(batch), spec_entry(seq), spec_entry(heads), None)
+    ids = PartitionSpec(spec_entry(batch), spec_entry(seq))
     segs = () if segment_ids is None else (segment_ids,)
 
     def local(q, k, v, qpos, kpos, *seg):
@@ -151,7 +152,7 @@ def _strategy_axes(strategy, axis, mesh) -> tuple[tuple[str, ...], tuple[str, ..
     if strategy == "hybrid":
         if len(axes) != 2:
             raise ValueError(f"context_attention: strategy='hybrid' needs axis=(ring_axis, ulysses_axis), got "
-                             f"axis={axis!r}; e.g. axis=('context', 'ulysses') on mesh {sizes(mesh)}")
+                             f"axis={axis!r}; e.g. axis=('context', 'ulysses') on mesh {mesh_sizes(mesh)}")
         return axes[:1], axes[1:]
     if len(axes) != 1:
         raise ValueError(f"context_attention: strategy={strategy!r} takes one mesh axis, got axis={axis!r}; "
@@ -178,7 +179,7 @@ def check_inputs(q, k, v, segment_ids, q_positions, kv_positions, *, strategy, m
     cp = axes_size(mesh, ring + uly)
     if qs[1] % cp:
         raise ValueError(f"{op}: sequence length {qs[1]} (q {qs}) is not divisible by {cp}, the size of the "
-                         f"context axes {ring + uly} of mesh {sizes(mesh)}; use a sequence length that is a "
+                         f"context axes {ring + uly} of mesh {mesh_sizes(mesh)}; use a sequence length that is a "
                          f"multiple of {cp}")
     nb, nh, nu = axes_size(mesh, batch), axes_size(mesh, heads), axes_size(mesh, uly)
     if qs[0] % nb:
@@ -186,7 +187,7 @@ def check_inputs(q, k, v, segment_ids, q_positions, kv_positions, *, strategy, m
     for what, count in (("q", qs[2]), ("k/v", ks[2])):
         if count % nh:
             raise ValueError(f"{op}: {what} has {count} heads (q {qs}, k {ks}), not divisible by {nh}, the size "
-                             f"of heads_axis {heads} of mesh {sizes(mesh)}; use a heads axis dividing {count}")
+                             f"of heads_axis {heads} of mesh {mesh_sizes(mesh)}; use a heads axis dividing {count}")
     if uly and (qs[2] // nh) % nu:
         raise ValueError(
             f"{op}: strategy={strategy!r} splits the {qs[2] // nh} query heads per device (q {qs}, heads_axis "

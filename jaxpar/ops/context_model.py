@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config import ParallelConfig
-from jaxpar.ops._common import sizes
 from jaxpar.ops.context import context_attention
-from jaxpar.strategy import logical_axes
+from jaxpar.strategy import logical_axes, mesh_sizes
 
 RESIDUAL = ("batch", "length", "embed")   # the residual stream between the blocks' TP regions
 
@@ -82,7 +81,7 @@ class ContextParallel:
         batch = self._axes("batch", q.shape[0])
         # an axis the batch already uses (a 2D layout maps heads to the data axis) leaves the heads whole
         heads = tuple(a for a in self._axes("heads", q.shape[2]) if a not in batch)
-        n = math.prod(sizes(self.mesh)[a] for a in heads)
+        n = math.prod(mesh_sizes(self.mesh)[a] for a in heads)
         if k.shape[2] % n:
             # fewer K/V heads than the tensor-parallel devices (GQA / MQA): each K/V head repeated
             # up to lcm(kv_heads, n), so every device keeps its share of the query heads
@@ -94,15 +93,15 @@ class ContextParallel:
 
     def _axes(self, name: str, *dims: int) -> tuple[str, ...]:
         """Mesh axes of logical ``name`` (not the context ones); none unless they divide ``dims``."""
-        mesh_sizes, cfg = sizes(self.mesh), self.config
+        sizes, cfg = mesh_sizes(self.mesh), self.config
         skip = set(cfg.context.axes) | {cfg.pipeline.axis}
         if name == "batch" and "batch" not in cfg.rules:
-            axes = tuple(a for a in mesh_sizes if a not in skip) if cfg.mode == "data" else (
-                ("data",) if "data" in mesh_sizes else ())
+            axes = tuple(a for a in sizes if a not in skip) if cfg.mode == "data" else (
+                ("data",) if "data" in sizes else ())
         else:
-            axes = tuple(a for a in logical_axes(name, mesh_sizes, cfg.rules) if a not in skip)
+            axes = tuple(a for a in logical_axes(name, sizes, cfg.rules) if a not in skip)
         n = 1
         for a in axes:
-            n *= mesh_sizes[a]
+            n *= sizes[a]
         return axes if all(d % n == 0 for d in dims) else ()
 

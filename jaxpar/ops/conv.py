@@ -32,10 +32,9 @@ from jaxpar.ops._common import (
     check_divides,
     padded,
     resolve_mesh,
-    sizes,
     to_spec,
 )
-from jaxpar.strategy import to_partition_spec
+from jaxpar.strategy import mesh_sizes, to_partition_spec
 
 _DIMS = ("NHWC", "HWIO", "NHWC")
 
@@ -128,7 +127,7 @@ def _x_axes(x, spatial_axes, strategy, mesh, rules):
         raise TypeError("conv2d: give spatial_axes=(h_axis, w_axis) or strategy=(n, h, w, c), not both")
     if strategy is not None:
         try:
-            spec = to_partition_spec(strategy, sizes(mesh), shape, rules=rules)
+            spec = to_partition_spec(strategy, mesh_sizes(mesh), shape, rules=rules)
         except ValueError as err:
             raise ValueError(f"conv2d: strategy for x (NHWC): {err}") from err
         axes = padded(spec, 4)
@@ -148,7 +147,7 @@ def _x_axes(x, spatial_axes, strategy, mesh, rules):
     else:
         axes = ((), (), (), ())
     # An axis of size 1 splits nothing; dropping it avoids an empty halo exchange.
-    return tuple(tuple(a for a in dim if sizes(mesh)[a] > 1) for dim in axes)
+    return tuple(tuple(a for a in dim if mesh_sizes(mesh)[a] > 1) for dim in axes)
 
 
 def _check_split_dim(d, xshape, wshape, axes, stride, pad, mesh) -> None:

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxpar.ops._common import AnyMesh, axes_of, axes_size, entry, resolve_mesh, sizes
+from jaxpar.ops._common import AnyMesh, axes_of, axes_size, resolve_mesh
+from jaxpar.strategy import mesh_sizes, spec_entry
 
 
 def attention(
@@ -57,7 +58,7 @@ def attention(
     def local(qb, kb, vb):
         return jax.nn.dot_product_attention(qb, kb, vb, scale=scale, is_causal=causal)
 
-    spec = PartitionSpec(entry(batch), None, entry(heads), None)
+    spec = PartitionSpec(spec_entry(batch), None, spec_entry(heads), None)
     return jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
 
 
@@ -77,12 +78,12 @@ def _check(q, k, v, heads, batch, mesh) -> None:
         if count % n:
             raise ValueError(
                 f"attention: {what} has {count} heads (q {qs}, k {ks}), not divisible by {n}, the "
-                f"size of heads_axis {heads} of mesh {sizes(mesh)}; use a heads axis whose size "
+                f"size of heads_axis {heads} of mesh {mesh_sizes(mesh)}; use a heads axis whose size "
                 f"divides {count}, or more heads"
             )
     nb = axes_size(mesh, batch)
     if qs[0] % nb:
         raise ValueError(
             f"attention: batch {qs[0]} (q {qs}) is not divisible by {nb}, the size of batch_axis "
-            f"{batch} of mesh {sizes(mesh)}"
+            f"{batch} of mesh {mesh_sizes(mesh)}"
         )

@@ -30,10 +30,9 @@ from jaxpar.ops._common import (
     constrain,
     padded,
     resolve_mesh,
-    sizes,
     to_spec,
 )
-from jaxpar.strategy import is_integer_strategy, to_partition_spec
+from jaxpar.strategy import is_integer_strategy, mesh_sizes, to_partition_spec
 
 Axes = tuple[tuple[str, ...], ...]
 
@@ -244,7 +243,7 @@ def _integer_w_axes(op, ws, xs, x_axes, mesh, wshape) -> Axes:
             f"x_strategy[-1] == w_strategy[0]), e.g. w strategy ({kx}, {nf})"
         )
     used = {a for axes in x_axes for a in axes}
-    free = {a: s for a, s in sizes(mesh).items() if a not in used}
+    free = {a: s for a, s in mesh_sizes(mesh).items() if a not in used}
     n_spec = _resolve(op, f"w strategy {ws}: N factor {nf} over the mesh axes x leaves free",
                       (nf,), free, (wshape[1],), None)
     return (x_axes[-1], padded(n_spec, 1)[0])
@@ -254,20 +253,19 @@ def _check_consistent(op, xs, ws, x_axes, w_axes, mesh) -> None:
     if w_axes[0] != x_axes[-1]:
         raise ValueError(
             f"{op}: x strategy {xs!r} splits K over mesh axes {x_axes[-1]} but w strategy {ws!r} "
-            f"splits it over {w_axes[0]} (mesh {sizes(mesh)}); split K over the same axes in both"
+            f"splits it over {w_axes[0]} (mesh {mesh_sizes(mesh)}); split K over the same axes in both"
         )
     clash = set(w_axes[1]) & {a for axes in x_axes for a in axes}
     if clash:
         raise ValueError(
             f"{op}: w strategy {ws!r} splits N over mesh axes {sorted(clash)}, which x strategy "
-            f"{xs!r} already uses (mesh {sizes(mesh)}); split N over other axes"
+            f"{xs!r} already uses (mesh {mesh_sizes(mesh)}); split N over other axes"
         )
 
 
 def _resolve(op, name, strategy, mesh, shape, rules):
-    mesh_sizes = mesh if isinstance(mesh, Mapping) else sizes(mesh)
     try:
-        return to_partition_spec(strategy, mesh_sizes, tuple(shape), rules=rules)
+        return to_partition_spec(strategy, mesh_sizes(mesh), tuple(shape), rules=rules)
     except ValueError as err:
         raise ValueError(f"{op}: {name}: {err}") from err
 

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxpar.ops._common import AnyMesh, axes_of, check_divides, resolve_mesh, sizes
+from jaxpar.ops._common import AnyMesh, axes_of, check_divides, resolve_mesh
+from jaxpar.strategy import mesh_sizes
 
 
 def matmul_2d(
@@ -87,7 +88,7 @@ def _check(x, w, row_axis, col_axis, mesh) -> None:
             raise TypeError(f"matmul_2d: {arg} must be one mesh axis name, got {value!r}")
         axes_of("matmul_2d", arg, value, mesh)
     if row_axis == col_axis:
-        raise ValueError(f"matmul_2d: row_axis and col_axis are both {row_axis!r}; use two axes of {sizes(mesh)}")
+        raise ValueError(f"matmul_2d: row_axis and col_axis are both {row_axis!r}; use two axes of {mesh_sizes(mesh)}")
     fix = "pick sizes divisible by the axis sizes, or swap row_axis and col_axis"
     check_divides("matmul_2d", "x", xshape, 0, mesh, (row_axis,), fix)
     check_divides("matmul_2d", "x", xshape, 1, mesh, (col_axis,), fix)

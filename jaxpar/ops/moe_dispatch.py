@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar.ops._common import AnyMesh, axes_of, axes_size, axis_position, entry, inner_shard_map, resolve_mesh, sizes
+from jaxpar.ops._common import AnyMesh, axes_of, axes_size, axis_position, inner_shard_map, resolve_mesh
+from jaxpar.strategy import mesh_sizes, spec_entry
 
 TRANSPORTS = ("auto", "all_to_all", "ragged")
 
@@ -101,8 +102,9 @@ def moe_dispatch(
     local = functools.partial(_local, ep_axes=ep_axes, tok_axes=tok_axes, mlp_axes=mlp_axes,
                               n=axes_size(mesh, ep_axes), capacity_factor=capacity_factor,
                               growth=bucket_growth, ragged=ragged and bool(ep_axes))
-    tok = PartitionSpec(entry(tok_axes), None)
-    w_in, w_out = PartitionSpec(entry(ep_axes), None, entry(mlp_axes)), PartitionSpec(entry(ep_axes), entry(mlp_axes))
+    tok = PartitionSpec(spec_entry(tok_axes), None)
+    w_in = PartitionSpec(spec_entry(ep_axes), None, spec_entry(mlp_axes))
+    w_out = PartitionSpec(spec_entry(ep_axes), spec_entry(mlp_axes))
     stat = {"dropped": PartitionSpec(), "capacity": PartitionSpec(), "needed": PartitionSpec()}
     return inner_shard_map(local, mesh, "moe_dispatch", in_specs=(tok, tok, tok, w_in, w_in, w_out),
                            out_specs=(tok, stat), diff=(0, 2, 3, 4, 5), diff_out=0)(
@@ -306,12 +308,12 @@ def _check(x, ids, w, gate, up, down, mesh, ep_axes, tok_axes, capacity_factor, 
     experts, n = shapes["gate"][0], axes_size(mesh, ep_axes) if ep_axes else 1
     if experts % n:
         raise ValueError(f"moe_dispatch: {experts} experts are not divisible by {n}, the size of expert_axis "
-                         f"{ep_axes} of mesh {sizes(mesh)}; use a number of experts that is a multiple of {n} "
+                         f"{ep_axes} of mesh {mesh_sizes(mesh)}; use a number of experts that is a multiple of {n} "
                          f"or a smaller expert axis")
     nt = axes_size(mesh, tok_axes) if tok_axes else 1
     if xs[0] % nt:
         raise ValueError(f"moe_dispatch: {xs[0]} tokens are not divisible by {nt}, the devices of the batch and "
-                         f"expert axes {tok_axes} of mesh {sizes(mesh)}; use a batch whose tokens are a multiple "
+                         f"expert axes {tok_axes} of mesh {mesh_sizes(mesh)}; use a batch whose tokens are a multiple "
                          f"of {nt}")
     if capacity_factor is not None and not capacity_factor > 0:
         raise ValueError(f"moe_dispatch: capacity_factor={capacity_factor} must be > 0 (e.g. 1.25), or None for "

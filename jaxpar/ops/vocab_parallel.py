@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxpar.ops._common import AnyMesh, axes_of, axes_size, entry, resolve_mesh, sizes
+from jaxpar.ops._common import AnyMesh, axes_of, axes_size, resolve_mesh
+from jaxpar.strategy import mesh_sizes, spec_entry
 
 
 def embedding(
@@ -127,8 +128,8 @@ def _lookup(ids, table, split, vocab, batch, mesh):
         found = jnp.where(hit[..., None], found, jnp.zeros((), found.dtype))
         return jax.lax.psum(found, vocab_name)
 
-    ids_spec = PartitionSpec(entry(batch)) if jnp.ndim(ids) else PartitionSpec()
-    specs = dict(in_specs=(ids_spec, PartitionSpec(entry(vocab), None)), out_specs=ids_spec)
+    ids_spec = PartitionSpec(spec_entry(batch)) if jnp.ndim(ids) else PartitionSpec()
+    specs = dict(in_specs=(ids_spec, PartitionSpec(spec_entry(vocab), None)), out_specs=ids_spec)
     return jax.shard_map(local, mesh=mesh, **specs)(ids, table)
 
 
@@ -142,7 +143,7 @@ def _even_split(shape, n, vocab, mesh) -> tuple[int, ...]:
     if shape[0] % n:
         raise ValueError(
             f"embedding: the vocabulary of {shape[0]} rows (table shape {shape}) is not divisible "
-            f"by {n}, the size of vocab_axis {vocab} of mesh {sizes(mesh)}; pad the vocabulary to "
+            f"by {n}, the size of vocab_axis {vocab} of mesh {mesh_sizes(mesh)}; pad the vocabulary to "
             f"a multiple of {n} or give manual_split=(...) with {n} row counts summing to {shape[0]}"
         )
     return (shape[0] // n,) * n
@@ -159,7 +160,7 @@ def _check_split(split, n, vocab, mesh) -> tuple[int, ...]:
     if n is not None and len(split) != n:
         raise ValueError(
             f"embedding: manual_split {split} has {len(split)} entries but vocab_axis {vocab} of "
-            f"mesh {sizes(mesh)} has {n} devices; give one row count per device"
+            f"mesh {mesh_sizes(mesh)} has {n} devices; give one row count per device"
         )
     return split
 
@@ -187,5 +188,5 @@ def _check_ids(ids, batch, vocab, mesh) -> None:
         if not shape or shape[0] % axes_size(mesh, batch):
             raise ValueError(
                 f"embedding: ids of shape {shape} cannot be split over batch_axis {batch} of mesh "
-                f"{sizes(mesh)} (size {axes_size(mesh, batch)}); use a batch divisible by it"
+                f"{mesh_sizes(mesh)} (size {axes_size(mesh, batch)}); use a batch divisible by it"
             )

@@ -43,9 +43,9 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ParallelConfig
 from jaxpar.data import batch_axes, split_rows
 from jaxpar.data.sequence import context_axes
-from jaxpar.ops._common import entry
 from jaxpar.pipeline.executor import from_stage_layout, pipeline_loss, to_stage_layout
 from jaxpar.pipeline.schedules import build
+from jaxpar.strategy import spec_entry
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -250,7 +250,7 @@ def _pins(loss: PipelineLoss, specs: nnx.Module, config: ParallelConfig, mesh):
     axes = tuple(a for a in batch_axes(config, mesh) if a != config.pipeline.axis)
     seq = tuple(a for a in context_axes(config, mesh) if a not in axes)
     # with a context axis the activations between stages keep their sequence split
-    act = P(entry(axes), *((entry(seq),) if seq else ()))
+    act = P(spec_entry(axes), *((spec_entry(seq),) if seq else ()))
     if loss.embedding is None or config.pipeline.embedding != "first":
         return chunk, head, act
     # whole over the tensor axes, as the head: only the first stage's branch looks rows up

@@ -10,6 +10,7 @@ from jaxpar.strategy.resolve import (
     recording_rules,
     shard_count,
     spec_axes,
+    spec_entry,
     to_partition_spec,
 )
 
@@ -24,5 +25,6 @@ __all__ = [
     "recording_rules",
     "shard_count",
     "spec_axes",
+    "spec_entry",
     "to_partition_spec",
 ]

@@ -49,9 +49,6 @@ def mesh_sizes(mesh: Any) -> dict[str, int]:
     return {str(a): int(shape[a]) for a in mesh.axis_names}
 
 
-_sizes = mesh_sizes
-
-
 def manual_axes() -> tuple[str, ...]:
     """The mesh axes the code being traced runs per device (inside a ``shard_map``): the
     context's abstract mesh's manual axes; none outside one."""
@@ -82,11 +79,11 @@ def to_partition_spec(
 
     >>> sizes = {"data": 2, "model": 4}
     >>> to_partition_spec((2, 4), sizes)
-    PartitionSpec('data', 'model')
+    P('data', 'model')
     >>> to_partition_spec((8, 1), sizes)
-    PartitionSpec(('data', 'model'), None)
+    P(('data', 'model'), None)
     >>> to_partition_spec(("embed", "mlp"), sizes, rules={"mlp": "model"})
-    PartitionSpec(None, 'model')
+    P(None, 'model')
     """
     spec = _to_spec(strategy, mesh, shape, rules)
     check_spec(spec, mesh, shape, strategy)
@@ -107,9 +104,9 @@ def _to_spec(strategy, mesh, shape, rules) -> PartitionSpec:
         _check_layout_matches(strategy.layout, mesh)
         return strategy.to_partition_spec()
     if is_integer_strategy(strategy):
-        return _integer_spec(strategy, _sizes(mesh), shape)
+        return _integer_spec(strategy, mesh_sizes(mesh), shape)
     if isinstance(strategy, tuple):
-        return _logical_spec(strategy, _sizes(mesh), rules or {})
+        return _logical_spec(strategy, mesh_sizes(mesh), rules or {})
     raise TypeError(
         f"strategy {strategy!r} of type {type(strategy).__name__} is not a strategy: use an "
         "integer tuple like (2, 1), logical names like ('embed', 'mlp'), a Layout spec, or a "
@@ -118,7 +115,7 @@ def _to_spec(strategy, mesh, shape, rules) -> PartitionSpec:
 
 
 def _check_layout_matches(layout: Layout, mesh) -> None:
-    sizes = _sizes(mesh)
+    sizes = mesh_sizes(mesh)
     for name, size in layout.axis_sizes().items():
         if sizes.get(name) != size:
             raise ValueError(
@@ -222,11 +219,7 @@ def logical_axes(entry: Any, sizes: Mapping[str, int], rules: Mapping[str, Any])
 
 
 def _logical_spec(strategy: tuple, sizes: dict[str, int], rules: Mapping[str, Any]) -> PartitionSpec:
-    entries = []
-    for entry in strategy:
-        axes = logical_axes(entry, sizes, rules)
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return PartitionSpec(*entries)
+    return PartitionSpec(*(spec_entry(logical_axes(entry, sizes, rules)) for entry in strategy))
 
 
 def spec_axes(entry: Any) -> tuple[str, ...]:
@@ -236,9 +229,20 @@ def spec_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def spec_entry(axes: Sequence[str]) -> Any:
+    """The ``PartitionSpec`` entry of ``axes`` (the inverse of `spec_axes`): None, one name, or a
+    tuple of names.
+
+    >>> spec_entry(()), spec_entry(("data",)), spec_entry(("data", "model"))
+    (None, 'data', ('data', 'model'))
+    """
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def check_spec(spec: PartitionSpec, mesh, shape=None, strategy=None) -> None:
     """Raise ``ValueError`` if ``spec`` names unknown axes, reuses one, or does not divide ``shape``."""
-    sizes = _sizes(mesh)
+    sizes = mesh_sizes(mesh)
     strategy = spec if strategy is None else strategy
     if shape is not None and len(spec) > len(shape):
         raise ValueError(
@@ -271,5 +275,5 @@ def check_spec(spec: PartitionSpec, mesh, shape=None, strategy=None) -> None:
 
 def shard_count(spec: PartitionSpec, mesh) -> int:
     """How many distinct pieces a tensor with ``spec`` is cut into."""
-    sizes = _sizes(mesh)
+    sizes = mesh_sizes(mesh)
     return math.prod(sizes[a] for entry in spec for a in spec_axes(entry))
