@@ -243,3 +243,43 @@ def test_a_full_disk_is_one_error_naming_the_directory_and_loses_nothing(tmp_pat
     common.assert_same(common.values(fresh), saved)
     ckpt.save(trainer, directory)           # space freed: the step saves, past the failed attempt's leftovers
     assert ckpt.latest_step(directory) == 2
+
+
+def _rewrite(step_dir, key: str, change) -> None:
+    """Change the stored values of one array of a step in place, as damaged bytes that still decode
+    do (orbax's array chunks are zstd frames without a checksum): the files stay well-formed."""
+    import tensorstore as ts
+
+    array = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{step_dir}/state/"},
+                     "path": f"{key}/"}).result()
+    array.write(change(array.read().result())).result()
+
+
+def _bump(x):
+    x = x.copy()
+    x[0, 3] += 1.0
+    return x
+
+
+def test_values_that_read_back_changed_are_named_not_restored(tmp_path):
+    """Bytes of an array file that decode to other values raise no error in orbax: the checksums
+    jaxpar saves with each step name the leaf, in any layout, and resume passes over the step."""
+    trainer = common.mlp_trainer()
+    common.run(trainer, 1)
+    ckpt.save(trainer, tmp_path)
+    step_one = common.values(trainer)
+    common.run(trainer, 1)
+    ckpt.save(trainer, tmp_path)
+    _rewrite(tmp_path / "2", "params.up", _bump)
+    damaged = (r"step 2 in .* is damaged \(ValueError: 1 array\(s\) read back without an error but with other "
+               r"values than were saved \(their checksums differ\): params/up\)")
+    for config in (None, {"mesh": {"data": 2, "model": 4}, "rules": {"mlp": "model"}}):     # any layout
+        with pytest.raises(ckpt.CheckpointDamagedError, match=damaged):
+            ckpt.restore(common.mlp_trainer(config), tmp_path)
+    with pytest.raises(ckpt.CheckpointDamagedError, match=damaged + r".*Read another complete step \[1\]"):
+        ckpt.merge(tmp_path, tmp_path / "merged")
+    fresh = common.mlp_trainer()
+    with ckpt.Checkpointer(tmp_path, resume="newest_intact") as checkpointer, \
+            pytest.warns(UserWarning, match=r"step 2 .*params/up.*resuming from the previous step 1"):
+        assert checkpointer.resume(fresh)["step"] == 1
+    common.assert_same(common.values(fresh), step_one)

@@ -8,8 +8,9 @@ has three items:
 
 - ``state``: parameters, optimizer state and other NNX state (RNG keys and counts), one
   array per leaf, every process writing only the shards it holds;
-- ``meta``: ``{"step", "data_state", "jaxpar_version"}`` — the step counter is the data
-  position of step-indexed data; ``data_state`` is any JSON-able dict of the caller's;
+- ``meta``: ``{"step", "data_state", "jaxpar_version", "checksums"}`` — the step counter is
+  the data position of step-indexed data; ``data_state`` is any JSON-able dict of the caller's;
+  ``checksums`` two per leaf, checked at restore (see ``jaxpar.checkpoint.checksum``);
 - ``strategy``: the strategy file (see ``jaxpar.checkpoint.strategy``).
 
 Restoring reads every array straight into the shards of the *target* trainer's layout
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxpar.checkpoint import checksum
 from jaxpar.checkpoint import state as st
 from jaxpar.checkpoint.echoes import Echoes, first_line, os_error, release_frames
 from jaxpar.checkpoint.strategy import build_strategy
@@ -57,12 +59,14 @@ def open_manager(directory: str, *, keep: int | None = None, read_only: bool = F
 
 
 def _save_args(plan, state, mesh, model: dict | None = None) -> ocp.args.Composite:
-    meta = {"step": int(state.step), "data_state": state.data, "jaxpar_version": __version__}
+    flat = st.savable(st.flat_state(state))
+    meta = {"step": int(state.step), "data_state": state.data, "jaxpar_version": __version__,
+            checksum.KEY: checksum.checksums(flat)}
     strategy = build_strategy(plan, state, mesh)
     if model is not None:
         strategy["model"] = model          # what the parameters are (e.g. a Llama config): export needs it
     return ocp.args.Composite(
-        state=ocp.args.StandardSave(st.nest(st.savable(st.flat_state(state)))),
+        state=ocp.args.StandardSave(st.nest(flat)),
         meta=ocp.args.JsonSave(meta),
         strategy=ocp.args.JsonSave(strategy),
     )
@@ -196,8 +200,22 @@ def _committed(manager: ocp.CheckpointManager) -> list[int]:
         return []
 
 
+def check_values(directory, step: int, flat: dict[str, Any], meta: dict[str, Any], advice: str | None = None) -> None:
+    """Raise `CheckpointDamagedError` (with ``advice``) naming the leaves of ``flat`` (as read from
+    step ``step``) whose checksums differ from those saved in ``meta`` (a step saved without them:
+    nothing to check)."""
+    saved = meta.get(checksum.KEY)
+    bad = checksum.differing(flat, saved) if saved else []
+    if bad:
+        listing = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise CheckpointDamagedError(str(directory), step, ValueError(
+            f"{len(bad)} array(s) read back without an error but with other values than were saved (their "
+            f"checksums differ): {listing}"), advice)
+
+
 def restore_from(manager: ocp.CheckpointManager, step: int, state, mesh, directory: str = ""):
-    """``(TrainState, meta)``: ``step`` read into ``state``'s layout (any layout saved)."""
+    """``(TrainState, meta)``: ``step`` read into ``state``'s layout (any layout saved), its
+    values checked against the checksums saved with it."""
     state = st.as_state(state)
     target = st.target(state, mesh)
     with reading(directory, step):
@@ -210,7 +228,10 @@ def restore_from(manager: ocp.CheckpointManager, step: int, state, mesh, directo
             state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
         meta = dict(restored["meta"])
         int(meta["step"])
-    new = st.install(state, st.unnest(restored["state"]))
+    flat = st.unnest(restored["state"])
+    check_values(directory, step, flat, meta)
+    meta.pop(checksum.KEY, None)
+    new = st.install(state, flat)
     step_value = jax.device_put(jnp.asarray(int(meta["step"]), jnp.int32), state.step.sharding)
     return new.replace(step=step_value, data=dict(meta.get("data_state") or {})), meta
 

@@ -19,21 +19,27 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.checkpoint import state as st
-from jaxpar.checkpoint.manager import complete_step, complete_steps, open_manager, reading, saved_leaves, writing
+from jaxpar.checkpoint.checksum import KEY as CHECKSUMS
+from jaxpar.checkpoint.manager import (check_values, complete_step, complete_steps, open_manager, reading, saved_leaves,
+                                       writing)
 from jaxpar.checkpoint.strategy import spec_from_json, spec_to_json, strategy_file
 from jaxpar.config import ParallelConfig
 from jaxpar.mesh import make_mesh
 from jaxpar.nn.plan import check_rules_used, declared_names, variable_spec
 
 
+def _advice(manager: ocp.CheckpointManager, directory, step: int) -> str:
+    """For the offline tools, a damaged step's way out: the other complete steps to read instead."""
+    where = os.path.join(os.path.abspath(os.fspath(directory)), str(step))
+    others = sorted(s for s in manager.all_steps() if s != step)
+    return (f"Read another complete step {others} (step=N, `--step N`), or delete {where}" if others else
+            f"It is the only complete step; delete {where} and save it again")
+
+
 def reading_step(manager: ocp.CheckpointManager, directory, step: int):
     """``manager.reading`` for the offline tools: a damaged step is named with the other complete
     steps to read instead (``step=`` / ``--step``)."""
-    where = os.path.join(os.path.abspath(os.fspath(directory)), str(step))
-    others = sorted(s for s in manager.all_steps() if s != step)
-    advice = (f"Read another complete step {others} (step=N, `--step N`), or delete {where}" if others else
-              f"It is the only complete step; delete {where} and save it again")
-    return reading(directory, step, advice)
+    return reading(directory, step, _advice(manager, directory, step))
 
 
 def read_strategy(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
@@ -66,6 +72,7 @@ def inspect(directory, *, step: int | None = None) -> dict[str, Any]:
         with reading_step(manager, directory, step):
             strategy = read_strategy(manager, step)
             meta = dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+            meta.pop(CHECKSUMS, None)       # two numbers per leaf: checked by restore, not shown
             stored = saved_leaves(manager, step)
     axes = strategy["mesh"]["axes"]
     rows = {}
@@ -177,6 +184,8 @@ def transform(directory, out, config: ParallelConfig, *, step: int | None = None
             restored = manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
             meta = dict(restored["meta"])
+        # the checksums are kept in the new step's meta: they hold in any layout
+        check_values(directory, step, st.unnest(restored["state"]), meta, _advice(manager, directory, step))
     leaves = {p: {**e, "spec": spec_to_json(specs[p])} for p, e in strategy["leaves"].items()}
     new_strategy = strategy_file(leaves, mesh, config)
     if "model" in strategy:
