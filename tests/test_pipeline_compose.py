@@ -199,3 +199,16 @@ def test_positions_do_not_outlive_a_failed_trace():
     with pytest.raises(RuntimeError, match="trace fails"):
         jax.jit(jax.shard_map(stage, mesh=mesh, in_specs=P(), out_specs=P(), axis_names={"pipe"}))(np.zeros(8))
     assert _common._stack() == []
+
+
+def test_a_nested_operator_over_an_axis_already_per_device_is_refused():
+    from jaxpar.ops._common import inner_shard_map
+
+    mesh = jaxpar.make_mesh({"context": 4, "pipe": 2})
+
+    def stage(x):   # the operator's tensors split over "pipe", which the enclosing shard_map runs per device
+        return inner_shard_map(lambda y: y, mesh, "test_op", in_specs=(P("pipe"),), out_specs=P("pipe"))(x)
+
+    run = jax.jit(jax.shard_map(stage, mesh=mesh, in_specs=P(), out_specs=P(), axis_names={"pipe"}))
+    with pytest.raises(ValueError, match=r"test_op: its mesh axes \['pipe'\] are already per-device"):
+        run(np.zeros(8, np.float32))

@@ -182,14 +182,10 @@ def _axes(constrain) -> dict:
     seq = tuple(a for name in ("length", "seq") if name in rules for a in logical_axes(name, sizes, rules))
     used = {a for v in axes.values() for a in (v or ())} | set(seq)
     manual = set(manual_axes())
-    if manual and used & manual and used - manual:
-        raise ValueError(f"MoE: the dispatch's mesh axes {sorted(used)} (from the rules {rules}) are partly manual "
-                         f"here: {sorted(used & manual)} belong to an enclosing shard_map (mesh {sizes}), so the "
-                         "experts could not be exchanged over them; map 'expert', 'batch' and 'mlp' to axes the "
-                         "enclosing shard_map leaves automatic (a pipeline's is manual over its pipe axis only)")
     if manual and (not used or used <= manual):
         return {}   # per-device code over the dispatch's axes: every expert runs where the tokens are
-    # inside a shard_map manual over other axes only (the pipeline's, over "pipe") the dispatch runs as usual
+    # inside a shard_map manual over other axes only (the pipeline's, over "pipe") the dispatch runs as
+    # usual; axes partly manual are refused by the dispatch (ops._common.inner_shard_map)
     return {"mesh": mesh, "expert_axis": axes["expert"], "batch_axis": axes["batch"], "mlp_axis": axes["mlp"],
             "seq_axis": tuple(dict.fromkeys(a for a in seq if a not in (axes["batch"] or ())))}
 

@@ -64,6 +64,11 @@ def inner_shard_map(fn, mesh: AnyMesh, op: str, *, in_specs, out_specs, diff: tu
     if sizes != mesh_sizes(mesh):
         raise ValueError(f"{op}: called inside a shard_map over mesh {sizes} with mesh={mesh_sizes(mesh)}; "
                          "pass the mesh the enclosing shard_map runs on")
+    busy = sorted({a for s in _tuple((in_specs, out_specs)) for e in s for a in spec_axes(e)} & set(outer))
+    if busy:
+        raise ValueError(f"{op}: its mesh axes {busy} are already per-device here (inside a shard_map manual over "
+                         f"{list(outer)}, mesh {sizes}); map its tensors to axes the enclosing shard_map "
+                         "leaves automatic (a pipeline's is manual over its pipe axis only), or call it outside")
     names = tuple(a for a in abstract.axis_names if a not in outer)
     if not names:
         raise ValueError(f"{op}: called inside a shard_map that is already manual over every mesh axis "
@@ -117,6 +122,11 @@ def inner_shard_map(fn, mesh: AnyMesh, op: str, *, in_specs, out_specs, diff: tu
 
     run.defvjp(lambda *args: (forward(*args), args), bwd)
     return lambda *args: run(*args, *positions())
+
+
+def _tuple(specs) -> tuple:
+    """Every ``PartitionSpec`` in nested specs."""
+    return tuple(jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, PartitionSpec)))
 
 
 # The positions `inner_shard_map` hands the per-device code it is tracing, {axis: (index, size)},

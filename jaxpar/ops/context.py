@@ -102,11 +102,6 @@ def context_attention(
     # the scan carries vary as the inputs do: over these axes, and over the manual axes of an
     # enclosing shard_map (the pipeline's "pipe"), over which the stage's values differ
     outer = manual_axes()
-    busy = set(outer) & set(seq + batch + heads)
-    if busy:
-        raise ValueError(f"context_attention: the mesh axes {sorted(busy)} are already per-device here (inside a "
-                         f"shard_map manual over {list(manual_axes())}); call it where they are automatic, e.g. "
-                         "under the pipeline's shard_map, which is manual over the pipe axis only")
     fn = inner_shard_map(local, mesh, "context_attention",
                          in_specs=(big, big, big, ids, ids) + (ids,) * len(segs), out_specs=big, diff=(0, 1, 2))
     return fn(q, k, v, q_positions, kv_positions, *segs)

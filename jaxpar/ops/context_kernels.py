@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-
 from jaxpar.ops._common import axis_position
 
 # A finite "minus infinity": exp(NEG - NEG) stays finite, and masked scores are zeroed anyway.
