@@ -180,7 +180,9 @@ def cmd_train(args) -> int:
     from jaxpar.metrics.cli import device_peak
 
     peak = args.peak_flops or device_peak(config.precision.compute if config.precision else "float32")
-    mfu = jaxpar_mfu(report.flops * n, step_time, peak, n) if peak else None
+    # model FLOPs (the GPT's closed form), not XLA's count: it counts a scan body once
+    model_flops = trainer.model.flops_per_token(job.model.seq_len) * job.batch * job.model.seq_len
+    mfu = jaxpar_mfu(model_flops, step_time, peak, n) if peak else None
     _print(f"loss {history[0]['loss']:.4f} -> {history[-1]['loss']:.4f} (eval {eval_loss:.4f}); "
            f"step {step_time * 1e3:.1f} ms, {tokens_per_s:,.0f} tokens/s, "
            f"MFU {'n/a (no peak for this device: --peak-flops)' if mfu is None else f'{mfu:.1%}'}, total {wall:.1f}s")
@@ -188,7 +190,7 @@ def cmd_train(args) -> int:
         _print(f"run log in {args.log_dir}" + (f" (tensorboard --logdir {args.log_dir})" if args.tensorboard else ""))
     out = {"config": config.to_dict(), "mesh": dict(mesh.shape), "steps": job.steps, "batch": job.batch,
            "seq_len": job.model.seq_len, "history": history, "eval_loss": eval_loss, "step_time_s": step_time,
-           "tokens_per_s": tokens_per_s, "mfu": mfu, "report": report.summary()}
+           "tokens_per_s": tokens_per_s, "mfu": mfu, "mfu_source": "model", "report": report.summary()}
     if args.metrics and jax.process_index() == 0:   # one writer under `jaxpar launch`
         with open(args.metrics, "w") as f:
             json.dump(out, f, indent=2, default=str)

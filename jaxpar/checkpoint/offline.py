@@ -10,6 +10,7 @@ one unsharded checkpoint that plain orbax / Flax code loads.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from typing import Any
@@ -104,7 +105,7 @@ def format_inspect(report: dict[str, Any]) -> str:
                       str(tuple(spec_from_json(r["spec"]))), f"{r['bytes']:,}", f"{r['bytes_per_device']:,}")
     table.add_row("total", "", "", "", "", f"{report['total_bytes']:,}",
                   f"{sum(r['bytes_per_device'] for r in report['leaves'].values()):,}", style="bold")
-    console = Console(record=True, width=160, file=open(os.devnull, "w"))
+    console = Console(record=True, width=160, file=io.StringIO())
     console.print(table)
     return console.export_text()
 
