@@ -165,10 +165,11 @@ class Trainer:
         self._leaves, self._treedef, self._data, self._state_view = leaves, treedef, state.data, state
 
     # ------------------------------------------------------------------ compiling
-    def _program(self, batch, kind: str = "train") -> "_Program":
-        """The compiled step (or evaluation) for batches shaped like ``batch``, with its batch
-        shardings: everything a step needs that depends only on the batch's shapes is found
-        once per shape, not once per step."""
+    def _program(self, batch, kind: str = "train") -> tuple["_Program", list]:
+        """``(program, the batch's leaves)``: the compiled step (or evaluation) for batches shaped
+        like ``batch``, with its batch shardings. Everything a step needs that depends only on
+        the batch's shapes is found once per shape, not once per step; the batch is flattened
+        once, here."""
         leaves, treedef = jax.tree.flatten(batch)
         key = (kind, treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves))
         program = self._compiled.get(key)
@@ -177,7 +178,7 @@ class Trainer:
             if self._pending is not None:
                 self._setup(batch)
             program = self._compiled[key] = self._build(batch, kind, treedef)
-        return program
+        return program, leaves
 
     def _build(self, batch, kind: str, batch_def) -> "_Program":
         fast = jax.process_count() == 1 and self.plan.config.context is None
@@ -212,13 +213,12 @@ class Trainer:
             fn = jax.jit(flat_eval, in_shardings=(s_sh, b_sh))
         return _Program(fn, b_sh, batch_def, fast)
 
-    def _placed(self, program: "_Program", batch) -> list:
+    def _placed(self, program: "_Program", batch, leaves: list) -> list:
         """The batch's leaves for the compiled step. In one process: host (numpy) leaves as they
         are — the step's ``in_shardings`` place them on the way in — and device arrays with one
         batched ``device_put`` to the shardings found when the program was built. Otherwise
         `place_batch` (process-local rows, context-parallel reordering)."""
         if program.fast:    # host arrays go straight into the compiled step, which places them itself
-            leaves = jax.tree.leaves(batch)
             if all(type(x) is np.ndarray for x in leaves):
                 return leaves
             return jax.device_put(leaves, program.shardings)
@@ -241,10 +241,12 @@ class Trainer:
     # ------------------------------------------------------------------ running
     def place(self, batch):
         """Put a host batch on the mesh by ``dataset_strategy``."""
-        program = self._program(batch)
+        program, leaves = self._program(batch)
         if program.fast:
-            return jax.tree.unflatten(program.batch_def, jax.device_put(jax.tree.leaves(batch), program.shardings))
-        return jax.tree.unflatten(program.batch_def, self._placed(program, batch))
+            leaves = jax.device_put(leaves, program.shardings)
+        else:
+            leaves = self._placed(program, batch, leaves)
+        return jax.tree.unflatten(program.batch_def, leaves)
 
     def step(self, batch) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns metrics (``"loss"``, ``"grad_norm"``, ...) as
@@ -256,8 +258,8 @@ class Trainer:
         a flat list of arrays. The guards stay, each a flag test: non-finite flags are read in
         bulk (every 100 steps, before saves, at logging), preemption is a flag set by SIGTERM,
         a checkpoint's due step is an integer comparison."""
-        program = self._program(batch)
-        placed = self._placed(program, batch)
+        program, leaves = self._program(batch)
+        placed = self._placed(program, batch, leaves)
         step = self._steps + 1
         if self._profile is not None:
             self._profile.before(step)
@@ -308,13 +310,13 @@ class Trainer:
 
     def lower(self, batch) -> jax.stages.Lowered:
         """The lowered step for ``batch`` (``.compile()`` gives the program for reports)."""
-        program = self._program(batch)
-        return program.fn.lower(self._leaves, self._placed(program, batch))
+        program, leaves = self._program(batch)
+        return program.fn.lower(self._leaves, self._placed(program, batch, leaves))
 
     def lower_eval(self, batch) -> jax.stages.Lowered:
         """The lowered evaluation for ``batch`` (what ``evaluate`` runs), for reports."""
-        program = self._program(batch, "eval")
-        return program.fn.lower(self._leaves, self._placed(program, batch))
+        program, leaves = self._program(batch, "eval")
+        return program.fn.lower(self._leaves, self._placed(program, batch, leaves))
 
     def lower_grads(self, batch) -> jax.stages.Lowered:
         """The step up to the update for ``batch``: its outputs are the gradients as the update
@@ -336,8 +338,8 @@ class Trainer:
         for i, batch in enumerate(batches):
             if steps is not None and i >= steps:
                 break
-            program = self._program(batch, "eval")
-            total += float(program.fn(self._leaves, self._placed(program, batch)))
+            program, leaves = self._program(batch, "eval")
+            total += float(program.fn(self._leaves, self._placed(program, batch, leaves)))
             n += 1
         if n == 0:
             raise ValueError("Trainer.evaluate got no batches; pass an iterable with at least one batch")
