@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.ops.grouped_matmul import KERNELS
 from jaxpar.ops.moe_dispatch import TRANSPORTS, moe_dispatch
 from jaxpar.strategy import logical_axes, manual_axes, mesh_sizes
 
@@ -52,6 +53,8 @@ class MoEConfig:
     capacity_factor: float | None = None  # None = dropless; else slots per (device, expert) = cf * tokens * k / E
     bucket_growth: float = 1.25           # dropless buffer ladder ratio: bounds the exchange padding
     transport: str = "auto"               # "auto" | "all_to_all" | "ragged"
+    kernel: str = "auto"                  # experts' grouped matmul: "auto" (Mosaic GPU on Hopper, else XLA) |
+                                          # "xla" | "mosaic" (jaxpar.ops.grouped_matmul)
 
     def __post_init__(self):
         for name in ("experts", "top_k", "shared_experts"):
@@ -73,6 +76,9 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.bucket_growth={self.bucket_growth} must be > 1 (e.g. 1.25)")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"MoEConfig.transport={self.transport!r} is not one of {TRANSPORTS}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"MoEConfig.kernel={self.kernel!r} is not one of {KERNELS}: 'auto' picks JAX's Mosaic "
+                             f"GPU grouped matmul on a Hopper GPU and jax.lax.ragged_dot elsewhere")
         if self.aux_loss_weight < 0 or self.z_loss_weight < 0:
             raise ValueError(f"MoEConfig: aux_loss_weight={self.aux_loss_weight} and z_loss_weight="
                              f"{self.z_loss_weight} must be >= 0")
@@ -159,7 +165,7 @@ class MoE(nnx.Module):
         ids, weights, load_balance, z_loss = route(logits, cfg)
         y, stats = moe_dispatch(tokens, ids, weights, self.gate[...], self.up[...], self.down[...],
                                 capacity_factor=cfg.capacity_factor, bucket_growth=cfg.bucket_growth,
-                                transport=cfg.transport, **axes)
+                                transport=cfg.transport, kernel=cfg.kernel, **axes)
         y = restore(y)
         if cfg.shared_experts:
             h = jax.nn.silu(x @ self.shared_gate[...].astype(dtype)) * (x @ self.shared_up[...].astype(dtype))

@@ -8,7 +8,9 @@ the ``E`` experts are split over that mesh axis (``E / n`` per device) and, on e
    contiguous;
 2. one ``all_to_all`` sends them to the device owning their expert (``ragged_all_to_all``
    where the backend has it, else padded per-peer buffers);
-3. the received rows are grouped by local expert and go through ``jax.lax.ragged_dot``;
+3. the received rows are grouped by local expert and go through a grouped matmul
+   (`jaxpar.ops.grouped_matmul`: JAX's Mosaic GPU kernels on Hopper, ``jax.lax.ragged_dot``
+   elsewhere);
 4. a second ``all_to_all`` brings the outputs back, and they are combined with the router
    weights.
 
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxpar.ops.grouped_matmul import KERNELS, grouped_matmul
 from jaxpar.ops._common import AnyMesh, axes_of, axes_size, axis_position, inner_shard_map, resolve_mesh
 from jaxpar.strategy import mesh_sizes, spec_entry
 
@@ -53,6 +56,7 @@ def moe_dispatch(
     capacity_factor: float | None = None,
     bucket_growth: float = 1.25,
     transport: str = "auto",
+    kernel: str = "auto",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``sum_k weights[t, k] · SwiGLU_{expert_ids[t, k]}(x[t])`` for tokens ``x [T, D]``.
 
@@ -72,6 +76,9 @@ def moe_dispatch(
       bucket_growth: ratio between the compiled dropless buffer sizes (> 1).
       transport: ``"auto"`` (ragged all-to-all where the backend compiles it), ``"all_to_all"``
         (padded buffers) or ``"ragged"``.
+      kernel: the experts' grouped matmul (`jaxpar.ops.grouped_matmul`): ``"auto"`` (JAX's
+        Mosaic GPU kernels on a Hopper GPU, ``jax.lax.ragged_dot`` elsewhere), ``"xla"`` or
+        ``"mosaic"``.
 
     Returns ``(y [T, D], stats)`` with ``stats["dropped"]`` (assignments dropped, over all
     devices), ``stats["capacity"]`` (rows per exchange buffer that ran) and
@@ -88,11 +95,13 @@ def moe_dispatch(
     """
     if transport not in TRANSPORTS:
         raise ValueError(f"moe_dispatch: transport={transport!r} is not one of {TRANSPORTS}")
+    if kernel not in KERNELS:
+        raise ValueError(f"moe_dispatch: kernel={kernel!r} is not one of {KERNELS}")
     if mesh is None and expert_axis is batch_axis is mlp_axis is None and jax.sharding.get_abstract_mesh().empty:
         # no mesh at all: every expert here, no shard_map (the one-device path)
         _check(x, expert_ids, weights, gate, up, down, None, (), (), capacity_factor, bucket_growth)
         return _local(x, expert_ids, weights, gate, up, down, ep_axes=(), tok_axes=(), mlp_axes=(), n=1,
-                      capacity_factor=capacity_factor, growth=bucket_growth, ragged=False)
+                      capacity_factor=capacity_factor, growth=bucket_growth, ragged=False, kernel=kernel)
     ep_axes, tok_axes, mlp_axes, mesh = _axes(mesh, expert_axis, batch_axis, mlp_axis)
     _check(x, expert_ids, weights, gate, up, down, mesh, ep_axes, tok_axes, capacity_factor, bucket_growth)
     ragged = transport == "ragged" or (transport == "auto" and ragged_all_to_all_supported())
@@ -101,7 +110,7 @@ def moe_dispatch(
                          f"compile ragged_all_to_all; use transport='auto' or 'all_to_all'")
     local = functools.partial(_local, ep_axes=ep_axes, tok_axes=tok_axes, mlp_axes=mlp_axes,
                               n=axes_size(mesh, ep_axes), capacity_factor=capacity_factor,
-                              growth=bucket_growth, ragged=ragged and bool(ep_axes))
+                              growth=bucket_growth, ragged=ragged and bool(ep_axes), kernel=kernel)
     tok = PartitionSpec(spec_entry(tok_axes), None)
     w_in = PartitionSpec(spec_entry(ep_axes), None, spec_entry(mlp_axes))
     w_out = PartitionSpec(spec_entry(ep_axes), spec_entry(mlp_axes))
@@ -148,7 +157,10 @@ def ragged_all_to_all_supported(backend: str | None = None) -> bool:
 
 # ----------------------------------------------------------------------------- per device
 
-def _local(x, ids, w, gate, up, down, *, ep_axes, tok_axes, mlp_axes, n, capacity_factor, growth, ragged):
+def _local(x, ids, w, gate, up, down, *, ep_axes, tok_axes, mlp_axes, n, capacity_factor, growth, ragged,
+           kernel):
+    # the experts' grouped matmul with the kernel asked for: an argument of _experts alone
+    mm = functools.partial(grouped_matmul, kernel=kernel)
     t, k = ids.shape
     e = gate.shape[0] * n
     flat = ids.reshape(-1).astype(jnp.int32)
@@ -160,10 +172,10 @@ def _local(x, ids, w, gate, up, down, *, ep_axes, tok_axes, mlp_axes, n, capacit
         out, stats = _dropping(rows, sorted_e, hist, gate, up, down, ep_axes, mlp_axes, n,
                                math.ceil(capacity_factor * t * k / e))
     elif not ep_axes:
-        out = _experts(rows, hist, gate, up, down, mlp_axes)
+        out = _experts(rows, hist, gate, up, down, mlp_axes, mm)
         stats = {"capacity": jnp.int32(t * k), "needed": jnp.int32(t * k), "dropped": jnp.int32(0)}
     else:
-        out, stats = _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_axes, n, growth,
+        out, stats = _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_axes, n, growth, mm,
                                ragged)
     back = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     y = jnp.einsum("tkd,tk->td", back.reshape(t, k, -1), w.astype(back.dtype))
@@ -180,12 +192,13 @@ def _pmax(v, axes):
     return jax.lax.pmax(v, axes) if axes else v
 
 
-def _experts(rows, group_sizes, gate, up, down, mlp_axes):
-    """SwiGLU of rows grouped by local expert (rows past the groups come out zero)."""
+def _experts(rows, group_sizes, gate, up, down, mlp_axes, mm):
+    """SwiGLU of rows grouped by local expert (rows past the groups come out zero); ``mm`` is the
+    grouped matmul (`grouped_matmul` with the kernel asked for)."""
     dtype = rows.dtype
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate.astype(dtype), group_sizes))
-    h = h * jax.lax.ragged_dot(rows, up.astype(dtype), group_sizes)
-    return _psum(jax.lax.ragged_dot(h, down.astype(dtype), group_sizes), mlp_axes)
+    h = jax.nn.silu(mm(rows, gate.astype(dtype), group_sizes))
+    h = h * mm(rows, up.astype(dtype), group_sizes)
+    return _psum(mm(h, down.astype(dtype), group_sizes), mlp_axes)
 
 
 def capacity_ladder(balanced: int, worst: int, growth: float) -> tuple[int, ...]:
@@ -201,7 +214,7 @@ def capacity_ladder(balanced: int, worst: int, growth: float) -> tuple[int, ...]
     return tuple(sizes_ + [worst])
 
 
-def _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_axes, n, growth, ragged):
+def _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_axes, n, growth, mm, ragged):
     a, d, el = rows.shape[0], rows.shape[1], gate.shape[0]
     # The top rung holds every row for one peer: no routing of ids in [0, E) can overflow it, even
     # a token naming one expert twice (the layer's top-k never does; the op stays exact if it does).
@@ -214,7 +227,7 @@ def _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_ax
     mine = table[:, me]                                # [source, local expert]: the rows I receive
     if ragged:
         return _ragged(rows, table, me, mine, per_peer, starts, gate, up, down, ep_axes, tok_axes, mlp_axes,
-                       n, growth, n * worst)
+                       n, growth, n * worst, mm)
     rank = jnp.arange(a) - starts[peer]               # position among the rows for that peer
     needed = jax.lax.pmax(per_peer.max(), tok_axes)   # the same on every device: all take one branch
     ladder = capacity_ladder(math.ceil(a / n), worst, growth)
@@ -225,7 +238,7 @@ def _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_ax
             send = jnp.zeros((n * c, d), rows.dtype).at[peer * c + rank].set(rows, unique_indices=True)
             recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True)
             j = jnp.arange(n * c)
-            out = _grouped(recv, j // c, j % c, mine, gate, up, down, mlp_axes)
+            out = _grouped(recv, j // c, j % c, mine, gate, up, down, mlp_axes, mm)
             return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)[peer * c + rank]
         return run
 
@@ -233,7 +246,8 @@ def _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_ax
     return out, {"capacity": jnp.asarray(ladder, jnp.int32)[index], "needed": needed, "dropped": jnp.int32(0)}
 
 
-def _ragged(rows, table, me, mine, per_peer, starts, gate, up, down, ep_axes, tok_axes, mlp_axes, n, growth, worst):
+def _ragged(rows, table, me, mine, per_peer, starts, gate, up, down, ep_axes, tok_axes, mlp_axes, n, growth, worst,
+            mm):
     """The exchange with ``ragged_all_to_all``: only real rows move; the receive buffer is sized
     by the same ladder, on the rows the fullest device receives."""
     a, d = rows.shape
@@ -253,7 +267,7 @@ def _ragged(rows, table, me, mine, per_peer, starts, gate, up, down, ep_axes, to
             j = jnp.arange(c)
             src = jnp.searchsorted(jnp.cumsum(recv_sizes), j, side="right")
             within = j - recv_starts[jnp.minimum(src, n - 1)]
-            out = _grouped(recv, src, within, mine, gate, up, down, mlp_axes)
+            out = _grouped(recv, src, within, mine, gate, up, down, mlp_axes, mm)
             return jax.lax.ragged_all_to_all(out, jnp.zeros_like(rows), recv_starts, recv_sizes, home,
                                              per_peer, axis_name=ep_axes)
         return run
@@ -262,7 +276,7 @@ def _ragged(rows, table, me, mine, per_peer, starts, gate, up, down, ep_axes, to
     return out, {"capacity": jnp.asarray(ladder, jnp.int32)[index], "needed": needed, "dropped": jnp.int32(0)}
 
 
-def _grouped(recv, src, within, mine, gate, up, down, mlp_axes):
+def _grouped(recv, src, within, mine, gate, up, down, mlp_axes, mm):
     """Experts applied to received rows: row ``j`` came from source ``src[j]`` at position
     ``within[j]`` of its rows (sorted by local expert, ``mine[source]`` rows each); the rest is
     padding. Rows are grouped by expert for ``ragged_dot`` and put back where they were."""
@@ -271,7 +285,7 @@ def _grouped(recv, src, within, mine, gate, up, down, mlp_axes):
     expert = (within[:, None] >= cum[jnp.minimum(src, n - 1)]).sum(1)   # el = past the source's rows
     expert = jnp.where(src < n, expert, el)
     order = jnp.argsort(expert, stable=True)
-    y = _experts(recv[order], mine.sum(0), gate, up, down, mlp_axes)
+    y = _experts(recv[order], mine.sum(0), gate, up, down, mlp_axes, mm)
     return jnp.zeros_like(y).at[order].set(y, unique_indices=True)
 
 
