@@ -39,7 +39,8 @@ def gpt_run(tmp_path_factory):
     trainer = common.gpt_trainer(common.DATA8)
     with ckpt.Checkpointer(directory, keep=2) as saver:
         first = common.run(trainer, 5)
-        assert saver.save(trainer, data_state={"shard": 3}) == 5
+        trainer.data_state = {"shard": 3}
+        assert saver.save(trainer.plan, trainer.state, trainer.mesh) == 5
         second = common.run(trainer, 5)       # the arrays are donated while the files are written
     return directory, first + second
 
@@ -107,17 +108,33 @@ def test_rng_state_is_saved_and_restored(tmp_path):
 def test_checkpointer_keeps_the_last_k_and_resumes(tmp_path):
     trainer = common.mlp_trainer()
     with ckpt.Checkpointer(tmp_path, save_every=2, keep=2) as saver:
-        assert saver.resume(trainer) is None
+        assert saver.resume(trainer.state, trainer.mesh) is None
         for _ in range(6):
             common.run(trainer, 1)
-            saver.maybe_save(trainer)
+            saver.maybe_save(trainer.plan, trainer.state, trainer.mesh)
         saver.wait()
         assert sorted(int(d) for d in os.listdir(tmp_path) if d.isdigit()) == [4, 6]
     assert ckpt.latest_step(tmp_path) == 6
     fresh = common.mlp_trainer()
     with ckpt.Checkpointer(tmp_path, save_every=2, keep=2) as saver:
-        assert saver.resume(fresh)["step"] == 6
+        state, meta = saver.resume(fresh.state, fresh.mesh)
+        assert meta["step"] == int(state.step) == 6 and fresh.step_count == 0    # returned, not assigned
+        fresh.state = state
     common.assert_same(common.values(fresh), common.values(trainer))
+
+
+def test_checkpointer_takes_a_plan_and_a_state_not_a_trainer(tmp_path):
+    """The Checkpointer never reaches into a Trainer: given one, it names what to pass instead."""
+    trainer = common.mlp_trainer()
+    with ckpt.Checkpointer(tmp_path, save_every=1) as saver:
+        for call in (lambda: saver.save(trainer, trainer.state, trainer.mesh), lambda: saver.maybe_save(trainer, trainer.state, trainer.mesh)):
+            with pytest.raises(TypeError, match=r"plan must be a jaxpar.TrainPlan, got Trainer; pass \(trainer.plan, "
+                                                r"trainer.state, trainer.mesh\)"):
+                call()
+        for call in (lambda: saver.restore(trainer, trainer.mesh), lambda: saver.resume(trainer, trainer.mesh)):
+            with pytest.raises(TypeError, match=r"state must be a jaxpar.TrainState, got Trainer; pass "
+                                                r"\(trainer.state, trainer.mesh\) and assign"):
+                call()
 
 
 def test_mismatch_lists_every_difference(gpt_run):

@@ -58,7 +58,7 @@ def test_kill_during_save_keeps_the_last_complete_step(tmp_path, delay):
     # The next writer replaces the half-written step and saves normally.
     with ckpt.Checkpointer(directory, keep=None, asynchronous=False) as saver:
         trainer.step_count = step + 1
-        saver.save(trainer)
+        saver.save(trainer.plan, trainer.state, trainer.mesh)
     assert ckpt.latest_step(directory) == step + 1 and not _tmp_dirs(directory)
 
 
@@ -219,7 +219,7 @@ def test_a_full_disk_is_one_error_naming_the_directory_and_loses_nothing(tmp_pat
     common.run(trainer, 1)
     directory = tmp_path / "ckpt"
     checkpointer = ckpt.Checkpointer(directory, keep=None, asynchronous=asynchronous)
-    checkpointer.save(trainer)
+    checkpointer.save(trainer.plan, trainer.state, trainer.mesh)
     checkpointer.wait()
     saved = common.values(trainer)
     common.run(trainer, 1)
@@ -227,7 +227,7 @@ def test_a_full_disk_is_one_error_naming_the_directory_and_loses_nothing(tmp_pat
     with monkeypatch.context() as patch:
         fill_disk(patch, directory)
         with pytest.raises(ckpt.CheckpointWriteError) as failed:
-            checkpointer.save(trainer)          # asynchronous: the write fails in orbax's threads ...
+            checkpointer.save(trainer.plan, trainer.state, trainer.mesh)   # asynchronous: the write fails in orbax's threads ...
             checkpointer.wait()                 # ... and is reported when the save is waited for
     error = failed.value
     assert error.errno == errno.ENOSPC and isinstance(error, OSError) and error.step == 2
@@ -281,5 +281,7 @@ def test_values_that_read_back_changed_are_named_not_restored(tmp_path):
     fresh = common.mlp_trainer()
     with ckpt.Checkpointer(tmp_path, resume="newest_intact") as checkpointer, \
             pytest.warns(UserWarning, match=r"step 2 .*params/up.*resuming from the previous step 1"):
-        assert checkpointer.resume(fresh)["step"] == 1
+        state, meta = checkpointer.resume(fresh.state, fresh.mesh)
+        assert meta["step"] == 1
+    fresh.state = state
     common.assert_same(common.values(fresh), step_one)

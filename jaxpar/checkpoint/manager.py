@@ -1,4 +1,4 @@
-"""Save and restore a ``Trainer``'s whole state with orbax-checkpoint, in any layout.
+"""Save and restore a whole `TrainState` (laid out by a `TrainPlan`) with orbax-checkpoint, in any layout.
 
 A checkpoint directory holds one sub-directory per saved step (``DIR/10``, ``DIR/20``), each
 written by ``orbax.checkpoint.CheckpointManager`` into a temporary directory and renamed into
@@ -13,8 +13,11 @@ has three items:
   ``checksums`` two per leaf, checked at restore (see ``jaxpar.checkpoint.checksum``);
 - ``strategy``: the strategy file (see ``jaxpar.checkpoint.strategy``).
 
-Restoring reads every array straight into the shards of the *target* trainer's layout
+Restoring reads every array straight into the shards of the *target* state's layout
 (``jax.ShapeDtypeStruct(..., sharding=...)`` targets), so any layout restores into any other.
+Everything here takes a plan and a state and returns states; nothing assigns into a Trainer
+(``save(trainer, dir)`` reads a trainer's plan and state; ``restore(trainer, dir)`` is
+``Trainer.restore``, which assigns the state read).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from jaxpar.checkpoint import checksum
 from jaxpar.checkpoint import state as st
 from jaxpar.checkpoint.echoes import Echoes, first_line, os_error, release_frames
 from jaxpar.checkpoint.strategy import build_strategy
-from jaxpar.plan import check_data
+from jaxpar.plan import TrainPlan, TrainState, check_data
 from jaxpar.version import __version__
 
 ITEMS = ("state", "meta", "strategy")
@@ -242,7 +245,7 @@ def save_state(directory, plan, state, mesh, *, keep: int | None = None, force: 
     and wait; returns the step. ``keep``: delete all but the newest ``keep`` steps. ``model``:
     a JSON-able description of the model, kept in the strategy file under ``"model"``."""
     with Checkpointer(directory, keep=keep, asynchronous=False) as ckpt:
-        return ckpt.save_state(plan, state, mesh, force=force, model=model)
+        return ckpt.save(plan, state, mesh, force=force, model=model)
 
 
 def restore_state(directory, state, mesh, *, step: int | None = None):
@@ -283,6 +286,18 @@ def restore(trainer, directory, *, step: int | None = None) -> dict[str, Any]:
     5
     """
     return trainer.restore(directory, step=step)
+
+
+def _check_plan_state(method: str, plan, state) -> None:
+    """Refuse what is not a (`TrainPlan`, `TrainState`) pair, such as a Trainer (``plan=None``: no plan to check)."""
+    fix = ("pass (trainer.plan, trainer.state, trainer.mesh)" if method in ("save", "maybe_save")
+           else "pass (trainer.state, trainer.mesh) and assign the state it returns")
+    if plan is not None and not isinstance(plan, TrainPlan):
+        raise TypeError(f"Checkpointer.{method}: plan must be a jaxpar.TrainPlan, got {type(plan).__name__}; "
+                        f"{fix} (or use jaxpar.checkpoint.save/restore(trainer, directory))")
+    if not isinstance(state, TrainState):
+        raise TypeError(f"Checkpointer.{method}: state must be a jaxpar.TrainState, got {type(state).__name__}; "
+                        f"{fix} (or use jaxpar.checkpoint.save/restore(trainer, directory))")
 
 
 def latest_step(directory) -> int | None:
@@ -334,17 +349,20 @@ def _at_exit(ref: weakref.ref) -> None:
 
 
 class Checkpointer:
-    """Periodic asynchronous checkpoints of one trainer into ``directory``, keeping the last ``keep``.
+    """Periodic asynchronous checkpoints of a `TrainState` into ``directory``, keeping the last ``keep``.
 
-    ``save`` returns once the arrays are copied off the devices; the files are written in the
-    background while training goes on (``wait()`` blocks until they are committed).
-    ``resume`` restores the newest complete step if there is one.
+    Every method takes the plan and the state (and the mesh they live on) and returns states;
+    the caller assigns what is restored. ``save`` returns once the arrays are copied off the
+    devices; the files are written in the background while training goes on (``wait()`` blocks
+    until they are committed). ``resume`` restores the newest complete step if there is one.
 
     >>> ckpt = Checkpointer("ckpt", save_every=100, keep=3)
-    >>> ckpt.resume(trainer)                     # None on a fresh directory
+    >>> resumed = ckpt.resume(trainer.state, trainer.mesh)         # None on a fresh directory
+    >>> if resumed is not None:
+    ...     trainer.state = resumed[0]
     >>> for batch in data:
     ...     trainer.step(batch)
-    ...     ckpt.maybe_save(trainer)
+    ...     ckpt.maybe_save(trainer.plan, trainer.state, trainer.mesh)
     >>> ckpt.close()
     """
 
@@ -376,9 +394,10 @@ class Checkpointer:
         """Whether ``maybe_save`` would save at ``step``."""
         return bool(self.save_every) and step % self.save_every == 0
 
-    def save_state(self, plan, state, mesh, *, force: bool = False, model: dict | None = None) -> int:
-        """Start saving ``state`` (laid out by ``plan`` on ``mesh``) as step ``state.step``
-        (``model``: see `save_state`)."""
+    def save(self, plan: TrainPlan, state: TrainState, mesh, *, force: bool = False, model: dict | None = None) -> int:
+        """Start saving ``state`` (laid out by ``plan`` on ``mesh``) as step ``state.step``;
+        returns the step. ``force``: replace a step already saved. ``model``: see `save_state`."""
+        _check_plan_state("save", plan, state)
         step = int(state.step)
         self.wait()         # a failed earlier save is reported as itself, before this one starts
         if step in self.manager.all_steps():
@@ -391,38 +410,39 @@ class Checkpointer:
             self.manager.save(step, args=args, force=True)
         return step
 
-    def save(self, trainer, *, data_state: dict | None = None, force: bool = False) -> int:
-        """Start saving a trainer's state as step ``trainer.step_count``; returns the step."""
-        state = trainer.state if data_state is None else trainer.state.replace(data=check_data(data_state))
-        return self.save_state(trainer.plan, state, trainer.mesh, force=force)
-
-    def maybe_save(self, trainer) -> int | None:
-        """Save if ``trainer.step_count`` is a multiple of ``save_every``."""
-        step = int(trainer.step_count)
-        if self.save_every and step % self.save_every == 0 and step not in self.manager.all_steps():
-            return self.save(trainer)
+    def maybe_save(self, plan: TrainPlan, state: TrainState, mesh) -> int | None:
+        """Save if ``state.step`` is a multiple of ``save_every`` and not saved yet; returns
+        the step saved, or ``None``."""
+        _check_plan_state("maybe_save", plan, state)
+        step = int(state.step)
+        if self.due(step) and step not in self.manager.all_steps():
+            return self.save(plan, state, mesh)
         return None
 
-    def restore_state(self, state, mesh, step: int | None = None):
-        """``(TrainState, meta)``: ``step`` (default the newest complete one) in ``state``'s layout."""
+    def restore(self, state: TrainState, mesh, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
+        """``(TrainState, meta)``: ``step`` (default the newest complete one) read into the layout
+        of ``state`` (arrays, or ``ShapeDtypeStruct``s with shardings); the caller assigns it."""
+        _check_plan_state("restore", None, state)
         self.wait()
         return restore_from(self.manager, complete_step(self.manager, self.directory, step), state, mesh,
                             self.directory)
 
-    def resume(self, trainer) -> dict[str, Any] | None:
-        """Restore the newest complete step into ``trainer``; ``None`` if there is none.
+    def resume(self, state: TrainState, mesh) -> tuple[TrainState, dict[str, Any]] | None:
+        """``(TrainState, meta)`` of the newest complete step in ``state``'s layout; ``None`` if
+        there is none. The caller assigns it (``trainer.state = resumed[0]``).
 
         A newest step that does not read back whole raises `CheckpointDamagedError` naming it,
         or, with ``resume="newest_intact"``, is passed over (with a warning) for the newest
         step that does, and moved aside to ``DIR/damaged-<step>``: kept for inspection, it no
         longer counts as saved, so the retrained step is saved again and the next restart
         resumes from it."""
+        _check_plan_state("resume", None, state)
         self.wait()
         steps = sorted(complete_steps(self.manager), reverse=True)
         damaged: list[CheckpointDamagedError] = []
         for i, step in enumerate(steps):
             try:
-                state, meta = self.restore_state(trainer.state, trainer.mesh, step)
+                restored = self.restore(state, mesh, step)
             except CheckpointDamagedError as e:
                 if self.resume_policy != "newest_intact" or i + 1 == len(steps):
                     raise
@@ -432,8 +452,7 @@ class Checkpointer:
                 warnings.warn(f"checkpoint step {error.step} in {self.directory} is damaged ({error.damage}); "
                               f"resuming from the previous step {step}; step {error.step} moved aside to {aside} "
                               "(delete it once inspected), so the retrained step is saved again", stacklevel=2)
-            trainer.state = state
-            return meta
+            return restored
         return None
 
     def _set_aside(self, steps: list[int]) -> list[str]:
@@ -453,12 +472,6 @@ class Checkpointer:
         _barrier(f"jaxpar: set aside {aside} done")
         self.manager.reload()
         return aside
-
-    def restore(self, trainer, step: int | None = None) -> dict[str, Any]:
-        """Restore ``step`` (default the newest complete one) into ``trainer``."""
-        state, meta = self.restore_state(trainer.state, trainer.mesh, step)
-        trainer.state = state
-        return meta
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

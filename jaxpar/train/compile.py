@@ -24,5 +24,6 @@ def compile_step(model_fn: Callable[[], nnx.Module], loss_fn: Callable, batch, c
     """
     n = math.prod(config.mesh.values())
     mesh = make_mesh(config, devices=jax.devices()[:n])
-    trainer = Trainer(init(model_fn, config, mesh), tx or optax.adamw(1e-3), loss_fn, config, mesh)
+    trainer = Trainer(init(model_fn, config, mesh), tx or optax.adamw(1e-3), loss_fn, config, mesh,
+                      example_batch=batch)       # mode "auto" searches on it first
     return trainer.lower(batch).compile()

@@ -1,14 +1,15 @@
 """``Trainer``: a `TrainPlan`, a `TrainState`, a cache of compiled steps, and the loop.
 
-The plan says where everything lives (`jaxpar.plan.make_train_plan`, or the strategy search
-for ``mode="auto"``); the state is what the step takes and returns; the step itself is built
-in one place (`jaxpar.train.step.build_step`). The Trainer only compiles that step for each
-batch shape, runs it, and keeps metrics on the device until they are logged.
+The plan says where everything lives; it is made before the Trainer runs anything
+(`jaxpar.train.plan_for`: `jaxpar.plan.make_train_plan`, or the strategy search for
+``mode="auto"``). The state is what the step takes and returns; the step itself is built in one
+place (`jaxpar.train.step.build_step`). The Trainer only compiles that step for each batch
+shape, runs it, and keeps metrics on the device until they are logged. Checkpoints take the
+plan and the state (`jaxpar.checkpoint.Checkpointer`); the Trainer assigns what they restore.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -21,6 +22,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.checkpoint import Checkpointer, restore_state, save_state
+from jaxpar.plan import check_combination
 from jaxpar.config import ParallelConfig
 from jaxpar.data import place_batch
 from jaxpar.data.sequence import reorder_batch
@@ -29,9 +31,10 @@ from jaxpar.metrics.logger import examples_per_step
 from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
 from jaxpar.nn.plan import check_rules_used, declared_names
-from jaxpar.plan import TrainPlan, TrainState, check_data, init_state, make_train_plan, state_shardings
+from jaxpar.plan import TrainPlan, TrainState, check_data, init_state, state_shardings
 from jaxpar.strategy import recording_rules
-from jaxpar.train.guards import Preempted, Preemption, check_args, check_batch, keeps_position, watchers
+from jaxpar.train.hooks import Preempted, Preemption, watchers
+from jaxpar.train.planning import plan_for
 from jaxpar.train.step import Setting, build_eval, build_grads, build_step
 
 
@@ -46,10 +49,11 @@ class Trainer:
     >>> history = trainer.fit(batches, steps=100)
     >>> trainer.plan, trainer.state             # the TrainPlan and the TrainState
 
-    ``plan``: a `TrainPlan` to train under instead of planning from ``config`` (e.g. one
-    loaded with ``TrainPlan.from_json``). ``offload``: ``"opt_state"`` and/or ``"params"``
-    kept in host memory between steps. ``example_batch``: in mode ``"auto"``, search at
-    construction on this batch (otherwise on the first batch given to ``step`` / ``lower``).
+    ``plan``: the `TrainPlan` to train under (from `jaxpar.train.plan_for`, or loaded with
+    ``TrainPlan.from_json``); without one, ``plan_for`` makes it from ``config`` before
+    anything else. ``offload``: ``"opt_state"`` and/or ``"params"`` kept in host memory
+    between steps. ``example_batch``: in mode ``"auto"`` without ``plan``, the batch the
+    strategy search runs on, at construction (required: the Trainer never plans later).
     ``checkpoint_dir`` / ``save_every`` / ``keep``: save asynchronously every ``save_every``
     steps, keep the newest ``keep``, and resume from the newest complete one at construction.
     ``resume``: ``"newest"`` (a damaged newest step is an error naming it) or
@@ -75,13 +79,45 @@ class Trainer:
     trained model as ``trainer.model``.
     """
 
+    # What it runs: the plan (made before the Trainer, see `plan_for`), on this mesh.
+    plan: TrainPlan
+    searched: Any                   # the strategy search's `jaxpar.auto.Plan` when plan_for searched, else None
+    mesh: jax.sharding.Mesh
+    tx: optax.GradientTransformation
+    loss_fn: Callable
+    graphdef: Any                   # the model's NNX graph; the state holds its arrays
+    global_batch: bool              # batches hold every process's rows (one process: always)
+    # The state, as a flat list of device arrays between steps: the compiled step takes and
+    # returns that list, so a step re-wraps no pytree node on the host. The TrainState object
+    # is rebuilt only when something reads it (`_state`).
+    _leaves: list
+    _treedef: Any
+    _data: dict                     # the data position (host metadata; never traced)
+    _state_view: TrainState | None
+    _steps: int                     # host mirror of state.step: the loop never waits on the device
+    # Compiled programs, one per batch shape (and kind: "train" / "eval").
+    _compiled: dict
+    _donate: bool
+    _offload: tuple[str, ...]
+    _flops_per_token: Any           # model FLOPs per token for MFU (None: unknown)
+    _rule_names: set                # the logical names the model declares (for check_rules_used)
+    _model_name: str
+    # Loop services: checkpoints, preemption, non-finite checks, metrics, profiling.
+    checkpointer: Checkpointer | None
+    _preemption: Preemption | None
+    _nonfinite: str                 # "stop" or "skip"
+    _finite: list                   # (step, device flag) not yet read
+    skipped_steps: list[int]
+    _metrics: Any                   # jaxpar.metrics.MetricsLogger or None
+    _profile: Any                   # jaxpar.metrics.ProfileWindow or None
+
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, loss_fn: Callable,
                  config: ParallelConfig, mesh, *, plan: TrainPlan | None = None, global_batch: bool | None = None,
                  donate: bool = True, offload: str | tuple[str, ...] = (), example_batch: Any = None,
                  checkpoint_dir: str | None = None, save_every: int = 0, keep: int | None = 3,
                  nonfinite: str = "stop", resume: str = "newest", preemption: bool = True,
                  metrics: MetricsConfig | None = None, profile_steps: tuple[int, int] | str | None = None):
-        check_args(model, tx, loss_fn, config, mesh, plan)     # refused combinations included
+        _check_args(model, tx, loss_fn, config, mesh, plan)    # refused combinations included
         self._metrics, self._profile = watchers(metrics, profile_steps)
         if nonfinite not in ("stop", "skip"):
             raise ValueError(f"Trainer: nonfinite={nonfinite!r}; choose 'stop' (raise naming the step) or 'skip' "
@@ -93,54 +129,30 @@ class Trainer:
         if self._offload and not host.host_memory_available(mesh):
             raise ValueError(f"Trainer: offload={self._offload} needs a '{host.HOST}' memory space, which "
                              f"{mesh.devices.flat[0].platform} devices here do not have; drop offload")
-        self._config = config
-        self.plan: TrainPlan | None = plan
-        self.searched = None          # the strategy search's `jaxpar.auto.Plan`, in mode "auto"
-        # The state lives as a flat list of device arrays between steps: the compiled step takes
-        # and returns that list, so a step re-wraps no pytree node on the host. The TrainState
-        # object is rebuilt only when something reads it (`_state`).
-        self._leaves: list | None = None
-        self._treedef = None
-        self._data: dict = {}         # the data position (host metadata; never traced)
-        self._state_view: TrainState | None = None
-        self._steps = 0               # host mirror of state.step: the loop never waits on the device
-        self._compiled: dict[Any, Any] = {}
-        self._flops_per_token = getattr(model, "flops_per_token", None)   # model FLOPs for MFU
-        self._nonfinite = nonfinite
-        self._finite: list[tuple[int, Any]] = []   # (step, device flag) not yet read
-        self.skipped_steps: list[int] = []
-        self.graphdef = None
-        self._pending = model         # set up now, or (mode "auto" without example_batch) at the first batch
-        self.checkpointer = None
+        self.checkpointer = None       # opened first: a bad directory is refused before any planning
         if checkpoint_dir is not None:
             self.checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep, resume=resume)
         self._preemption = Preemption() if checkpoint_dir is not None and preemption else None
-        if plan is not None or config.mode != "auto" or example_batch is not None:
-            self._setup(example_batch)
-
-    # ------------------------------------------------------------------ planning
-    def _setup(self, batch) -> None:
-        """Plan (search first in mode "auto"), place the state, resume from a checkpoint."""
-        model, self._pending = self._pending, None
-        if self.plan is None:
-            if self._config.mode == "auto":
-                from jaxpar.auto import plan_training
-
-                self.plan, self.searched = plan_training(model, self.loss_fn, batch, self._config, self.mesh,
-                                                         self.tx, offload=self._offload)
-            else:
-                self.plan = make_train_plan(self._config, self.mesh, model, self.tx, offload=self._offload)
-        self._rule_names = declared_names(self.plan.config, nnx.state(model))
+        self.searched = None
+        if plan is None:     # the planner runs up front; the Trainer itself never plans
+            plan, self.searched = plan_for(model, tx, loss_fn, config, mesh, example_batch=example_batch,
+                                           offload=self._offload)
+        self.plan = plan
+        self._leaves, self._treedef, self._data, self._state_view = None, None, {}, None
+        self._steps = 0
+        self._compiled = {}
+        self._flops_per_token = getattr(model, "flops_per_token", None)
+        self._rule_names = declared_names(plan.config, nnx.state(model))
         self._model_name = type(model).__name__
-        self.graphdef, state = init_state(self.plan, self.mesh, model, self.tx)
+        self._nonfinite = nonfinite
+        self._finite = []
+        self.skipped_steps = []
+        self.graphdef, state = init_state(plan, mesh, model, tx)
         self._set(state)
         if self.checkpointer is not None:
-            self.checkpointer.resume(self)                # the newest complete step, if any
-
-    def _require_setup(self, what: str) -> None:
-        if self._pending is not None:
-            raise ValueError(f"Trainer.{what}: mode='auto' plans at the first batch; call step() first or "
-                             "pass example_batch= to the Trainer")
+            resumed = self.checkpointer.resume(self._state, mesh)     # the newest complete step, if any
+            if resumed is not None:
+                self._set(resumed[0])
 
     def _setting(self) -> Setting:
         s = self._state
@@ -174,9 +186,7 @@ class Trainer:
         key = (kind, treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves))
         program = self._compiled.get(key)
         if program is None:
-            check_batch(batch)
-            if self._pending is not None:
-                self._setup(batch)
+            _check_batch(batch)
             program = self._compiled[key] = self._build(batch, kind, treedef)
         return program, leaves
 
@@ -277,7 +287,7 @@ class Trainer:
             self.check_finite()
         if self.checkpointer is not None and self.checkpointer.due(step):
             self.check_finite()          # a step that did not update must not pass silently into a save
-            self.checkpointer.maybe_save(self)
+            self.checkpointer.maybe_save(self.plan, self._state, self.mesh)
         return metrics
 
     def _save_and_exit(self, metrics: dict[str, Any]) -> None:
@@ -285,7 +295,7 @@ class Trainer:
         step's ``metrics`` go with the exit, for ``fit`` to log)."""
         self.check_finite()
         if self._steps not in self.checkpointer.manager.all_steps():
-            self.checkpointer.save(self)
+            self.checkpointer.save(self.plan, self._state, self.mesh)
         self.checkpointer.close()
         stop = Preempted(self._steps, self.checkpointer.directory)
         stop.metrics = metrics
@@ -371,7 +381,7 @@ class Trainer:
             raise ValueError(f"Trainer.fit: log_every={log_every!r} must be a positive int")
         history: list[dict[str, float]] = []
         pending: list[tuple[int, int, dict, float]] = []
-        resumable = keeps_position(batches)
+        resumable = _keeps_position(batches)
         it = self._resume_loader(batches) if resumable else iter(batches)
         columns = (TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn())
@@ -407,11 +417,6 @@ class Trainer:
     def _resume_loader(self, batches) -> Iterator:
         """Iterate a loader that keeps its position from the TrainState's data position (restored
         with a checkpoint), so a resumed run reads the batches the interrupted one would have."""
-        if self._pending is not None:     # mode "auto": plan (and resume) on the loader's first batch
-            first = next(iter(batches))
-            self.place(first)
-            if not self.data_state:
-                return itertools.chain([first], batches)
         if self.data_state:
             batches.restore(self.data_state)
         return iter(batches)
@@ -473,7 +478,6 @@ class Trainer:
     def save(self, directory: str | None = None, *, data_state: dict | None = None) -> int:
         """Save the whole state to ``directory`` (blocking), or without one asynchronously to
         ``checkpoint_dir``. Returns the step saved."""
-        self._require_setup("save")
         self.check_finite()
         if data_state is not None:
             self.data_state = data_state
@@ -481,16 +485,15 @@ class Trainer:
             return save_state(directory, self.plan, self._state, self.mesh)
         if self.checkpointer is None:
             raise ValueError("Trainer.save: give a directory or construct the Trainer with checkpoint_dir=")
-        return self.checkpointer.save(self)
+        return self.checkpointer.save(self.plan, self._state, self.mesh)
 
     def restore(self, directory: str | None = None, *, step: int | None = None) -> dict:
         """Restore a checkpoint saved under any layout into this trainer's layout; returns its
         ``{"step", "data_state", "jaxpar_version"}``."""
-        self._require_setup("restore")
         if directory is not None:
             state, meta = restore_state(directory, self._state, self.mesh, step=step)
         elif self.checkpointer is not None:
-            state, meta = self.checkpointer.restore_state(self._state, self.mesh, step)
+            state, meta = self.checkpointer.restore(self._state, self.mesh, step)
         else:
             raise ValueError("Trainer.restore: give a directory or construct the Trainer with checkpoint_dir=")
         self._set(state)
@@ -500,7 +503,6 @@ class Trainer:
     @property
     def state(self) -> TrainState:
         """The `TrainState` (params as stored, rest, opt_state, step, data position)."""
-        self._require_setup("state")
         return self._state
 
     @state.setter
@@ -515,7 +517,7 @@ class Trainer:
     @property
     def config(self) -> ParallelConfig:
         """The config the plan realises (after a search: the plan as a ``semi_auto`` config)."""
-        return self.plan.config if self.plan is not None else self._config
+        return self.plan.config
 
     @property
     def params(self):
@@ -548,7 +550,6 @@ class Trainer:
 
     @data_state.setter
     def data_state(self, data: dict) -> None:
-        self._require_setup("data_state")
         self._data = check_data(data)          # host metadata: set every step by fit, so no re-wrap
         self._state_view = None
 
@@ -576,11 +577,6 @@ class Trainer:
         state = self.state
         return nnx.merge(self.graphdef, state.params, state.rest)
 
-    @property
-    def shardings(self) -> dict[str, Any]:
-        sh = state_shardings(self.plan, self.mesh, self.state)
-        return {"params": sh.params, "rest": sh.rest, "opt_state": sh.opt_state}
-
 
 class _Program:
     """A compiled step (or evaluation) for one batch shape, and what placing such a batch needs."""
@@ -601,3 +597,53 @@ def _stacked(flags: list) -> jax.Array:
 @jax.jit
 def _stack(*flags):
     return jnp.stack(flags)
+
+
+def _check_args(model, tx, loss_fn, config, mesh, plan) -> None:
+    """The Trainer's arguments: their types, the mesh against the config and the plan, and the
+    combinations `check_combination` refuses (the same check `make_train_plan` runs)."""
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"Trainer: model must be a flax.nnx.Module, got {type(model).__name__}")
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"Trainer: tx must be an optax.GradientTransformation, got {type(tx).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"Trainer: loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(f"Trainer: config must be a ParallelConfig, got {type(config).__name__}")
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"Trainer: mesh must be a jax.sharding.Mesh (see jaxpar.make_mesh), got {type(mesh).__name__}")
+    for axis, size in config.mesh.items():
+        if axis not in mesh.shape or (size != -1 and mesh.shape[axis] != size):
+            raise ValueError(f"Trainer: config.mesh {config.mesh} does not match the mesh {dict(mesh.shape)}; "
+                             "build the mesh with jaxpar.make_mesh(config)")
+    check_combination(config, model, loss_fn, platform=mesh.devices.flat[0].platform, who="Trainer")
+    if plan is not None:
+        if not isinstance(plan, TrainPlan):
+            raise TypeError(f"Trainer: plan must be a jaxpar.TrainPlan, got {type(plan).__name__}")
+        if dict(plan.mesh) != {a: int(s) for a, s in mesh.shape.items()}:
+            raise ValueError(f"Trainer: plan is for mesh {dict(plan.mesh)} but the mesh is {dict(mesh.shape)}; "
+                             "build the mesh with jaxpar.make_mesh(plan.config)")
+
+
+def _check_batch(batch) -> None:
+    """A batch is a pytree of arrays with one leading (batch) dimension shared by every leaf."""
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise ValueError("batch has no arrays; pass a pytree of arrays whose leading dimension is the batch")
+    rows = None
+    for path, x in leaves:
+        shape = np.shape(x)
+        where = f"batch{jax.tree_util.keystr(path)}"
+        if not shape:
+            raise ValueError(f"{where} is a scalar; every batch leaf needs a leading batch dimension "
+                             "(broadcast it to [batch, ...] or close over it in loss_fn)")
+        if rows is None:
+            rows, first = shape[0], where
+        elif shape[0] != rows:
+            raise ValueError(f"{where} has {shape[0]} rows but {first} has {rows}; every batch leaf must have "
+                             "the same leading (batch) dimension")
+
+
+def _keeps_position(batches) -> bool:
+    """Whether ``batches`` is a loader with ``state()`` / ``restore(state)`` (e.g. `jaxpar.data.TokenLoader`)."""
+    return callable(getattr(batches, "state", None)) and callable(getattr(batches, "restore", None))

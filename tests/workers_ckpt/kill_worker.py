@@ -36,7 +36,7 @@ def main(directory, rows, cols):
         while True:
             trainer.step_count = step
             common.fill(trainer, b, step)
-            saver.save(trainer)
+            saver.save(trainer.plan, trainer.state, trainer.mesh)
             print(f"SAVED {step}", flush=True)
             step += 1
 

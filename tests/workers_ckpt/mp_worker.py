@@ -28,7 +28,8 @@ def main(directory, out, coordinator, process_id):
     trainer = common.gpt_trainer(common.MEGATRON_2x4, global_batch=True)
     losses = common.run(trainer, 2)
     with ckpt.Checkpointer(directory) as saver:
-        saver.save(trainer, data_state={"epoch": 0})
+        trainer.data_state = {"epoch": 0}
+        saver.save(trainer.plan, trainer.state, trainer.mesh)
         saver.wait()
     saved = common.sums(trainer)
     other = common.gpt_trainer(common.DATA8, global_batch=True)
