@@ -21,7 +21,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxpar.models.llama_config import check_loss_chunks
 from jaxpar.nn.moe import MoE, MoEConfig, moe_aux_loss
+from jaxpar.ops.cross_entropy import chunked_cross_entropy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,6 +40,11 @@ class GPTConfig:
     dropout: float | None = None  # residual dropout rate; None = no Dropout modules (no RNG state)
     fused_qkv: bool = False     # one [embed, 3 * heads * head_dim] projection for q, k and v
     moe: MoEConfig | None = None  # mixture-of-experts MLPs (jaxpar.nn.MoE) instead of the dense ones
+    loss_chunks: int = 0        # 0 = the loss from the full [tokens, vocab] logits; N = head + loss in N token
+                                # groups, never holding all logits (jaxpar.ops.chunked_cross_entropy)
+
+    def __post_init__(self):
+        check_loss_chunks("GPTConfig", self.loss_chunks, self.seq_len, "seq_len")
 
     @property
     def head_dim(self) -> int:
@@ -212,17 +219,30 @@ def gpt_flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
 
 def loss_fn(model: GPT, batch: dict) -> jax.Array:
     """Mean next-token cross-entropy; ``batch`` holds ``inputs`` and ``targets`` [B, S] (and
-    ``positions`` when context-parallel placement reordered the sequence)."""
-    logits = model(batch["inputs"], batch.get("positions"))
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    ``positions`` when context-parallel placement reordered the sequence). With
+    ``cfg.loss_chunks=N`` the head and the loss run in N token groups (fp32 logits per group)."""
+    positions = batch.get("positions")
+    h = model.run_blocks(model.embed(batch["inputs"], positions), positions)
+    loss = _xent(model.ln_f, model.head, h, batch, model.cfg.loss_chunks, model.constrain)
     # MoE layers recorded their load-balancing and z-losses during the forward pass
     return loss + moe_aux_loss(model) if model.cfg.moe is not None else loss
 
 
-def _head_loss(head, h, batch):
-    ln_f, w = head
-    logits = ln_f(h) @ w[...]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+def _xent(ln_f, w, h, batch, chunks: int, constrain=no_constraint) -> jax.Array:
+    if chunks:
+        return chunked_cross_entropy(ln_f(h), w[...], batch["targets"], chunks=chunks, constrain=constrain)
+    return optax.softmax_cross_entropy_with_integer_labels(ln_f(h) @ w[...], batch["targets"]).mean()
+
+
+class _Head(nnx.Module):
+    """What the pipeline's last stage needs: the final norm, the head and how to chunk the loss."""
+
+    def __init__(self, model: GPT):
+        self.ln_f, self.head, self.chunks = model.ln_f, model.head, model.cfg.loss_chunks
+
+
+def _head_loss(head: _Head, h, batch):
+    return _xent(head.ln_f, head.head, h, batch, head.chunks)
 
 
 def _pipeline_embed(model: GPT, batch) -> jax.Array:
@@ -258,7 +278,7 @@ def pipeline_loss():
     return PipelineLoss(
         embed=_pipeline_embed,
         blocks=lambda model: model.blocks,
-        head=lambda model: (model.ln_f, model.head),
+        head=_Head,
         head_loss=_head_loss,
         embedding=_pipeline_embedding,
         embed_inputs=_embed_inputs,

@@ -26,6 +26,7 @@ from flax import nnx
 
 from jaxpar.models.llama_config import SIZES, LlamaConfig, RopeScaling, describe, flops_per_token, param_count
 from jaxpar.nn.moe import MoE, moe_aux_loss
+from jaxpar.ops.cross_entropy import chunked_cross_entropy
 
 __all__ = ["SIZES", "Llama", "LlamaConfig", "RopeScaling", "attention", "attention_implementation", "describe",
            "flops_per_token", "loss_fn", "param_count", "pipeline_loss", "rope_frequencies", "segment_positions"]
@@ -310,18 +311,32 @@ class Llama(nnx.Module):
         active experts only): what ``jaxpar.Trainer`` logs MFU from (`flops_per_token`)."""
         return flops_per_token(self.cfg, seq_len)
 
+    def hidden(self, tokens, segment_ids=None, positions=None):
+        """The last block's output [B, S, embed] (before the final norm) for token ids [B, S]."""
+        _check_tokens(tokens, segment_ids)
+        _check_tokens(tokens, positions, "positions")
+        return self.run_blocks(self.embed(tokens), segment_ids, positions)
+
     def __call__(self, tokens, segment_ids=None, positions=None):
         """Logits [B, S, vocab] in fp32 for token ids [B, S]; ``positions`` [B, S] (default: from
         the order of the tokens and the segments) when the sequence was reordered."""
-        _check_tokens(tokens, segment_ids)
-        _check_tokens(tokens, positions, "positions")
-        return self.logits(self.run_blocks(self.embed(tokens), segment_ids, positions))
+        return self.logits(self.hidden(tokens, segment_ids, positions))
 
 
 def _logits(norm, table, x, *, tied: bool, constrain=no_constraint):
     w = table[...].astype(x.dtype)
     out = jnp.einsum("bse,ve->bsv" if tied else "bse,ev->bsv", norm(x), w, preferred_element_type=jnp.float32)
     return constrain(out, ("batch", "length", "vocab"))
+
+
+def _head_xent(norm, table, x, batch, *, tied: bool, chunks: int, constrain=no_constraint) -> jax.Array:
+    """The loss of the last hidden states ``x``: from the materialised logits (``chunks=0``) or
+    by `jaxpar.ops.chunked_cross_entropy` in ``chunks`` token groups (equal, in less memory)."""
+    if not chunks:
+        return _xent(_logits(norm, table, x, tied=tied, constrain=constrain), batch)
+    mask = batch["segment_ids"] != 0 if "segment_ids" in batch else None   # segment 0 = padding
+    return chunked_cross_entropy(norm(x), table[...], batch["targets"], chunks=chunks, mask=mask, tied=tied,
+                                 constrain=constrain)
 
 
 def _xent(logits, batch) -> jax.Array:
@@ -338,6 +353,8 @@ def loss_fn(model: Llama, batch: dict) -> jax.Array:
     With ``batch["segment_ids"]`` the sequences are packed: attention stays inside a segment,
     positions restart at each segment, and tokens of segment 0 (padding) are left out of the mean.
     ``batch["positions"]`` (added by context-parallel batch placement) gives the positions.
+    With ``cfg.loss_chunks=N`` the head and the loss run in N token groups, never holding the
+    full ``[tokens, vocab]`` logits (`jaxpar.ops.chunked_cross_entropy`).
 
     >>> model = Llama(LlamaConfig.named("tiny"), rngs=nnx.Rngs(0))
     >>> tokens = jnp.zeros((2, 16), jnp.int32)
@@ -347,7 +364,9 @@ def loss_fn(model: Llama, batch: dict) -> jax.Array:
     for key in ("inputs", "targets"):
         if key not in batch:
             raise ValueError(f"Llama loss_fn needs batch[{key!r}] [batch, length]; the batch has {sorted(batch)}")
-    loss = _xent(model(batch["inputs"], batch.get("segment_ids"), batch.get("positions")), batch)
+    h = model.hidden(batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
+    loss = _head_xent(model.norm, model.embedding if model.head is None else model.head, h, batch,
+                      tied=model.head is None, chunks=model.cfg.loss_chunks, constrain=model.constrain)
     # MoE layers recorded their load-balancing and z-losses during the forward pass
     return loss + moe_aux_loss(model) if model.cfg.moe is not None else loss
 
@@ -374,6 +393,7 @@ class _Table(nnx.Module):
     def __init__(self, model: Llama, norm=None):
         self.table = model.embedding if norm is None or model.head is None else model.head
         self.norm, self.tied, self.dtype = norm, norm is not None and model.head is None, model.cfg.dtype
+        self.chunks = model.cfg.loss_chunks
 
 
 def _pipeline_embedding(model: Llama) -> _Table:
@@ -386,7 +406,7 @@ def _embed_inputs(part: _Table, batch) -> jax.Array:
 
 
 def _head_loss(head: _Table, h, batch):
-    return _xent(_logits(head.norm, head.table, h, tied=head.tied), batch)
+    return _head_xent(head.norm, head.table, h, batch, tied=head.tied, chunks=head.chunks)
 
 
 def pipeline_loss():

@@ -55,6 +55,16 @@ def _check_positive(cfg: Any, *names: str) -> None:
             raise ValueError(f"LlamaConfig.{name}={value!r} must be a positive int")
 
 
+def check_loss_chunks(owner: str, chunks: Any, seq_len: int, seq_field: str) -> None:
+    """``loss_chunks`` is 0 (off) or a number of token groups no larger than the sequence."""
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 0:
+        raise ValueError(f"{owner}.loss_chunks={chunks!r} must be an int >= 0: 0 computes the loss from the full "
+                         f"[tokens, vocab] logits, N runs the head and the loss in N token groups (e.g. 8)")
+    if chunks > seq_len:
+        raise ValueError(f"{owner}.loss_chunks={chunks} exceeds {seq_field}={seq_len}: each group takes every "
+                         f"loss_chunks-th position of a sequence; use loss_chunks <= {seq_len} (e.g. 8), or 0")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
     """The shape and options of a Llama-3 model. ``LlamaConfig.named(name)`` gives the sizes.
@@ -83,6 +93,8 @@ class LlamaConfig:
     param_dtype: str = "float32"  # storage dtype of parameters
     moe: Any = None               # a jaxpar.nn.MoEConfig (or a dict of its fields): mixture-of-experts MLPs
     moe_every: int = 1            # with moe: layer i is MoE when (i + 1) % moe_every == 0 (1 = Mixtral, 2 = Switch)
+    loss_chunks: int = 0          # 0 = the loss from the full [tokens, vocab] logits; N = head + loss in N token
+                                  # groups, never holding all logits (jaxpar.ops.chunked_cross_entropy)
 
     def __post_init__(self):
         _check_positive(self, "vocab_size", "embed", "heads", "kv_heads", "mlp", "layers", "max_seq_len")
@@ -121,6 +133,7 @@ class LlamaConfig:
             raise TypeError(f"LlamaConfig.rope_scaling must be a RopeScaling, a dict of its fields or None, "
                             f"got {type(self.rope_scaling).__name__}")
         self._check_moe()
+        check_loss_chunks("LlamaConfig", self.loss_chunks, self.max_seq_len, "max_seq_len")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError(f"LlamaConfig: rope_theta={self.rope_theta} and norm_eps={self.norm_eps} "
                              f"must be positive; Llama-3 uses 500000.0 and 1e-5")

@@ -14,6 +14,8 @@ Each is a plain function, usable eagerly and inside ``jax.jit``, that takes its 
   ring × Ulysses); `ContextParallel` hands it to a model; `context_order` balances causal
   work (zigzag / striped).
 * `moe_dispatch`: tokens to their experts over an expert axis (two all-to-alls), dropless.
+* `chunked_cross_entropy`: LM head + cross-entropy in token chunks, never holding the full
+  ``[tokens, vocab]`` logits (a plain function: no mesh, it keeps whatever split it is given).
 
 See docs/operators.md.
 """
@@ -23,6 +25,7 @@ from jaxpar.ops.context import context_attention
 from jaxpar.ops.context_model import ContextParallel
 from jaxpar.ops.context_order import describe_balance
 from jaxpar.ops.conv import conv2d
+from jaxpar.ops.cross_entropy import chunked_cross_entropy
 from jaxpar.ops.head_parallel import attention
 from jaxpar.ops.linear import dense, matmul
 from jaxpar.ops.linear_2d import matmul_2d
@@ -32,6 +35,7 @@ from jaxpar.ops.vocab_parallel import embedding, pad_for_manual_split, unpad
 __all__ = [
     "ContextParallel",
     "attention",
+    "chunked_cross_entropy",
     "context_attention",
     "context_order",
     "conv2d",
