@@ -2,8 +2,8 @@
 
 Every import between jaxpar's parts (top-level imports and function-local ones alike) must
 point down the rank table, no part imports a ``_private`` name or module of another, the
-modules of one folder import one another without a cycle, and only the command-line modules
-import the package face ``jaxpar``.
+modules of one folder import one another without a cycle, only the command-line modules
+import the package face ``jaxpar``, and only they (``jaxpar/cli/``) parse command lines.
 """
 
 import ast
@@ -29,8 +29,11 @@ RANKS = {
     "train": 10, "models": 10, "ps": 10,  # ps: parameter servers and their training glue
     "": 11,                       # the package face, jaxpar/__init__.py
     "interop": 12, "job": 12,     # Hugging Face files <-> models; a job file -> models, data, Trainer
-    "plan_cli": 13, "ckpt_cli": 13, "report_cli": 14, "cli_job": 14, "cli": 15,
+    "cli": 13,                    # the jaxpar command: every subcommand's flags, one job system
 }
+# Entry points run with ``python -m`` (``jaxpar/launch/__main__.py`` is ``jaxpar launch``) rank as
+# the command they start, whatever folder holds them.
+ENTRY = "__main__"
 
 
 def _part(module: str) -> str:
@@ -64,7 +67,7 @@ def test_every_part_has_a_rank():
 def test_imports_follow_the_data_flow():
     wrong = []
     for path, module, target, _ in _imports():
-        src, dst = _part(module), _part(target)
+        src, dst = "cli" if module.split(".")[-1] == ENTRY else _part(module), _part(target)
         if src == dst:
             continue
         if RANKS[dst] >= RANKS[src]:
@@ -83,7 +86,7 @@ def test_no_private_names_across_parts():
 def test_planning_parts_never_import_training(part):
     for path, module, target, _ in _imports():
         if _part(module) == part:
-            assert _part(target) not in ("train", "", "cli", "plan_cli"), f"{path}: {module} imports {target}"
+            assert _part(target) not in ("train", "", "cli"), f"{path}: {module} imports {target}"
 
 
 def module_paths(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
@@ -236,3 +239,42 @@ def test_one_function_turns_a_mesh_into_sizes():
     the one copy; ops, shard and the MoE layer each had their own."""
     copies = mesh_size_copies()
     assert not copies, "call jaxpar.strategy.mesh_sizes instead:\n" + "\n".join(copies)
+
+
+# Processes that are no `jaxpar` subcommand but parse their own command line: a parameter
+# server the launcher starts with `python -m jaxpar.ps.server --index I ...`.
+OWN_COMMAND_LINE = {"jaxpar/ps/server.py"}
+
+
+def argparse_users(root: pathlib.Path = ROOT) -> list[str]:
+    """The modules outside ``jaxpar/cli/`` that import argparse (``import argparse`` or
+    ``from argparse import ...``, function-local ones included)."""
+    found = []
+    for module, path in module_paths(root).items():
+        rel = path.relative_to(root.parent).as_posix()
+        if rel.startswith(f"{root.name}/cli/") or rel in OWN_COMMAND_LINE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) else [])
+            if "argparse" in names:
+                found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_only_the_command_parses_command_lines():
+    """Every subcommand's flags live in ``jaxpar/cli/`` (one module per command group), so the
+    ``jaxpar`` command has one door and one way to answer a mistake; the flag parsing that had
+    spread to ``data/cli.py``, ``launch/cli.py``, ``job/cli.py`` and ``metrics/cli.py`` moved there."""
+    users = argparse_users()
+    assert not users, "argparse outside jaxpar/cli/:\n" + "\n".join(users)
+
+
+def test_the_argparse_check_sees_every_import_form(tmp_path):
+    root = tmp_path / "pkg"
+    for name, text in {"__init__.py": "", "cli/__init__.py": "import argparse\n",
+                       "a/__init__.py": "", "a/x.py": "def f():\n    from argparse import ArgumentParser\n",
+                       "a/y.py": "import argparse as ap\n", "a/z.py": "import json\n"}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert argparse_users(root) == ["pkg/a/x.py:2", "pkg/a/y.py:1"]

@@ -11,8 +11,15 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxpar.checkpoint as ckpt
-from jaxpar.ckpt_cli import main
+from jaxpar.cli import main as jaxpar_main
 from workers_ckpt import common
+
+
+
+def main(argv):
+    """``jaxpar ckpt ARGV``."""
+    return jaxpar_main(["ckpt", *argv])
+
 
 TP = {"mesh": {"data": 2, "model": 4}, "rules": {"mlp": "model"}}
 
@@ -24,7 +31,7 @@ def test_inspect_transform_merge(tmp_path, capsys):
     expected = common.values(trainer)
 
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": common.ROOT}
-    out = subprocess.run([sys.executable, "-m", "jaxpar.ckpt_cli", "inspect", str(tmp_path / "src"), "--json"],
+    out = subprocess.run([sys.executable, "-m", "jaxpar.cli", "ckpt", "inspect", str(tmp_path / "src"), "--json"],
                          capture_output=True, text=True, timeout=120, env=env, check=True).stdout
     report = json.loads(out)
     assert report["step"] == 2 and report["meta"]["data_state"] == {"epoch": 1}

@@ -10,17 +10,21 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import pytest
 
 import jaxpar.checkpoint.offline as offline
-import jaxpar.data.store as store
 import jaxpar.cli as cli
+import jaxpar.data.store as store
+import jaxpar.job.reports as reports
+import jaxpar.job.run as job_run
+import jaxpar.job.search as job_search
 import jaxpar.launch.launcher as launcher
-import jaxpar.plan_cli as plan_cli
 import jaxpar.report
-import jaxpar.report_cli as report_cli
+from jaxpar.cli import jobflags
+from jaxpar.cli import plan as plan_command
 from jaxpar.cli import main
 
 DP = ["--search", "dynamic_programming"]
@@ -65,9 +69,10 @@ def recorded(monkeypatch):
             return result
         return fake
 
-    monkeypatch.setattr(cli, "build_job", record("build_job", stop=True))
-    monkeypatch.setattr(report_cli, "run_llama_report", record("llama_report"))
-    monkeypatch.setattr(plan_cli, "run_plan_search", lambda settings, job, build: record("search")(settings, job))
+    # train, plan and report build the job's Trainer with jaxpar.job.run.build (train within run_job)
+    monkeypatch.setattr(job_run, "build", record("build", stop=True))
+    monkeypatch.setattr(reports, "llama_size_report", record("llama_report", result=FakeReport()))
+    monkeypatch.setattr(job_search, "run_plan_search", record("search"))
     monkeypatch.setattr(launcher, "launch", lambda config, script, script_args, echo: record("launch")(
         config, script, script_args))
     monkeypatch.setattr(offline, "inspect", record("inspect", result={"step": 1}))
@@ -187,7 +192,7 @@ def test_bad_input_exits_2_with_one_paragraph(files, recorded, capsys, argv, wor
     assert "Traceback" not in out + err
     assert words in err, err
     assert "\n\n" not in err.strip() and err.startswith("jaxpar"), err   # one paragraph
-    assert not [c for c in recorded if c[0] in ("build_job", "search", "launch", "transform", "merge", "prepare")], \
+    assert not [c for c in recorded if c[0] in ("build", "search", "launch", "transform", "merge", "prepare")], \
         "the command started its work before refusing"
 
 
@@ -339,10 +344,10 @@ def test_annotations_reach_the_job_planner(files, recorded, capsys, monkeypatch)
     monkeypatch.setattr(jaxpar.auto, "plan_job", plan_job)
     args = cli.make_parser().parse_args(["plan", *DP, "--memory-budget", "1e6", "--annotate",
                                          "blocks/*/mlp/up=None,model"])
-    job = cli.resolve_job(args)
-    settings = plan_cli.search_settings(args, job)
+    job, devices = jobflags.resolve_job(args)
+    settings = plan_command.search_settings(args, job)
     with pytest.raises(Stop):
-        plan_cli._plan_job(settings, job, batch=None)
+        job_search._plan_job(settings, job, len(devices), batch=None)
     from jax.sharding import PartitionSpec
 
     assert seen["plan"] == {"blocks/*/mlp/up": PartitionSpec(None, "model")}
@@ -359,7 +364,8 @@ class FakeReport:
 
 
 def test_report_json_prints_only_json(files, monkeypatch, capsys):
-    monkeypatch.setattr(cli, "build_job", lambda job: (None, None, type("D", (), {"batch": lambda s, b, i: {}})()))
+    monkeypatch.setattr(job_run, "build", lambda job, devices: types.SimpleNamespace(trainer=None,
+                                                                                     example_batch=lambda: {}))
     monkeypatch.setattr(jaxpar.report, "step_report", lambda trainer, batch: FakeReport())
     assert main(["report", "--json"]) == 0
     out, err = capsys.readouterr()
@@ -377,10 +383,10 @@ def test_debug_shows_the_traceback_of_a_user_error(files, recorded):
 
 def test_a_bug_keeps_its_traceback(files, monkeypatch):
     """A ValueError that jaxpar's validation did not raise is a bug: it is not turned into exit 2."""
-    def broken(job):
+    def broken(job, devices):
         return int("not a number")       # raised by int(), not by a jaxpar check
 
-    monkeypatch.setattr(cli, "build_job", broken)
+    monkeypatch.setattr(job_run, "build", broken)
     with pytest.raises(ValueError, match="invalid literal"):
         main(["report"])
 
@@ -388,7 +394,7 @@ def test_a_bug_keeps_its_traceback(files, monkeypatch):
 def test_a_message_jaxpar_wrote_after_resolution_is_one_paragraph(files, monkeypatch, capsys):
     from jaxpar.distributed import process_rows
 
-    monkeypatch.setattr(cli, "build_job", lambda job: process_rows(3, process_index=0, process_count=2))
+    monkeypatch.setattr(job_run, "build", lambda job, devices: process_rows(3, process_index=0, process_count=2))
     assert main(["report"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jaxpar report: error: global_batch_size=3 does not split over 2 processes")
@@ -404,7 +410,63 @@ def test_top_level_help_is_plain_and_lists_every_command(capsys):
 
 def test_ckpt_prints_no_absl_warnings(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-m", "jaxpar.ckpt_cli", "inspect", str(tmp_path / "none")],
+    r = subprocess.run([sys.executable, "-m", "jaxpar.cli", "ckpt", "inspect", str(tmp_path / "none")],
                        capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode == 2
     assert r.stderr.strip() == f"jaxpar ckpt inspect: error: no complete checkpoint in {tmp_path / 'none'}"
+
+
+# -- one job system: the flags and the job file make the same JobConfig --------------------------
+
+EQUIVALENT = """\
+model: {name: gpt, fields: {vocab_size: 16, seq_len: 16, embed: 32, heads: 4, mlp: 128, layers: 3}}
+data: {source: arithmetic, seq_len: 16, batch: 16, seed: 1}
+optimizer: {lr: 0.01, warmup_steps: 10, schedule: cosine, min_lr_ratio: 0.0, weight_decay: 1.0e-4,
+            decay_1d: true, clip_norm: null, b2: 0.999}
+parallel: {mesh: {data: 4, model: 2}, rules: {mlp: model}, grad_accum: 2}
+train: {steps: 50, seed: 1}
+logging: {dir: L, every: 5, profile_steps: "2:4", peak_flops: 1.0e+12}
+"""
+
+
+def test_train_flags_and_the_equivalent_job_file_run_the_same_job(files, recorded, capsys):
+    """`jaxpar train --flags` and `jaxpar train --config job.yaml` reach the one runner
+    (jaxpar.job.run.run_job -> build) with equal JobConfig values and the same devices."""
+    (files / "same.yaml").write_text(EQUIVALENT)
+    flags = ["train", "--mesh", "data=4,model=2", "--rules", "mlp=model", "--grad-accum", "2", "--devices", "8",
+             "--layers", "3", "--embed", "32", "--heads", "4", "--seq-len", "16", "--batch", "16", "--steps", "50",
+             "--lr", "0.01", "--seed", "1", "--log-dir", "L", "--log-every", "5", "--profile-steps", "2:4",
+             "--peak-flops", "1e12"]
+    runs = []
+    for argv in (flags, ["train", "--config", "same.yaml", "--devices", "8"]):
+        recorded.clear()
+        with pytest.raises(Stop):
+            main(argv)
+        (name, args, kwargs), = recorded
+        runs.append((args[0], list(kwargs["devices"])))
+    (by_flags, devices), (by_file, file_devices) = runs
+    assert by_flags == by_file, (by_flags, by_file)
+    assert devices == file_devices == jax.devices()
+    # and a default `jaxpar train` is a job a file can say too: the YAML it prints reads back to it
+    recorded.clear()
+    with pytest.raises(Stop):
+        main(["train"])
+    job = recorded[0][1][0]
+    (files / "default.yaml").write_text(job.to_yaml())
+    recorded.clear()
+    with pytest.raises(Stop):
+        main(["train", "--config", "default.yaml"])
+    assert recorded[0][1][0] == job
+
+
+def test_the_example_data_keeps_its_position_for_a_resume():
+    from jaxpar.job.example import ArithmeticLoader
+
+    loader = ArithmeticLoader(seq_len=8, batch=2, seed=3)
+    it = iter(loader)
+    next(it), next(it)
+    state, third = loader.state(), next(it)
+    again = ArithmeticLoader(seq_len=8, batch=2, seed=3)
+    again.restore(state)
+    assert state == {"next_batch": 2} and (next(iter(again))["inputs"] == third["inputs"]).all()
+    assert (again.batch(0)["inputs"] == loader.batch(0)["inputs"]).all()

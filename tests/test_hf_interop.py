@@ -23,8 +23,13 @@ pytest.importorskip("safetensors")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar.ckpt_cli import main as ckpt_main  # noqa: E402
+from jaxpar.cli import main as jaxpar_main  # noqa: E402
 from jaxpar.interop.hf import export_hf, import_hf, llama_model  # noqa: E402
+
+
+def ckpt_main(argv):
+    return jaxpar_main(["ckpt", *argv])
+
 
 HF = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
       "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -39,6 +39,10 @@ def test_sections_overrides_and_round_trip():
     ({"checkpoint": {"every": 10}}, [], ValueError, "saving needs checkpoint.dir"),
     ({"eval": {"every": 10}}, [], ValueError, "evaluation reads data.eval_path"),
     ({"data": "x"}, [], ValueError, "a section is a mapping"),
+    ({"data": {"source": "web"}}, [], ValueError, "data.source='web': choose one of ('store', 'arithmetic')"),
+    ({"data": {"source": "arithmetic", "path": "runs/x"}}, [], ValueError,
+     "data.path='runs/x': data.source 'arithmetic' generates its text and reads no store"),
+    ({"logging": {"peak_flops": 0}}, [], ValueError, "logging.peak_flops=0.0: one device's peak FLOP/s must be"),
     # every optimizer field in its own range, named with the value and the range
     ({"optimizer": {"b2": 2.0}}, [], ValueError, "optimizer.b2=2.0: Adam's second-moment decay must be a number in [0, 1)"),
     ({}, ["--optimizer.b1", "1"], ValueError, "optimizer.b1=1.0: Adam's first-moment decay must be a number in [0, 1)"),

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from jaxpar.launch import LaunchConfig
-from jaxpar.launch.cli import add_k8s_parser, add_launch_parser, launch_config
+from jaxpar.cli.launch import add_k8s_parser, add_launch_parser, launch_config
 from jaxpar.launch.launcher import RUNNER, worker_command, worker_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,13 +126,14 @@ def help_flags(code: str) -> set[str]:
 
 def test_jaxpar_command_wires_launch():
     """`jaxpar launch` (the main command) takes exactly the flags of `python -m jaxpar.launch`."""
-    ours = help_flags("import sys; from jaxpar.launch.cli import main; main(['launch', '--help'])")
+    ours = help_flags("import runpy, sys; sys.argv = ['jaxpar.launch', '--help']; "
+                      "runpy.run_module('jaxpar.launch', run_name='__main__')")
     theirs = help_flags("import sys; from jaxpar.cli import main; main(['launch', '--help'])")
     assert ours == theirs and "--worker-num" in ours
 
 
 def test_a_directory_as_the_script_is_refused_naming_its_scripts(tmp_path):
-    from jaxpar.launch.cli import check_script
+    from jaxpar.cli.launch import check_script
 
     (tmp_path / "train.py").write_text("")
     with pytest.raises(ValueError, match=re.escape(f"script '{tmp_path}' is a directory (it holds train.py); give the "

@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from jaxpar.launch import K8sJob, detect_cluster, k8s_manifest
-from jaxpar.launch.cli import main
+from jaxpar.cli import main
 
 
 def env_of(container):

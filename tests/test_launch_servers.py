@@ -16,7 +16,7 @@ import time
 import pytest
 import yaml
 
-from jaxpar.launch.cli import main
+from jaxpar.cli import main
 from jaxpar.launch.ports import free_port
 from workers.procs import WORKERS, Launch
 

@@ -64,6 +64,7 @@ def load_yaml(text: str):
 
     return yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader subclass)
 PACKING = ("packed", "padded")
+SOURCES = ("store", "arithmetic")
 
 
 def _fail(where: str, value: Any, fix: str) -> ValueError:
@@ -103,8 +104,11 @@ class ModelSection:
 class DataSection:
     """Token data: a store made by ``jaxpar data prepare`` (``path``; ``eval_path``: a held-out
     store for evaluation; ``tokenizer``: the one the job expects, checked against the store's), cut into ``seq_len`` sequences, ``batch`` of them per step (the global
-    batch), ``packed`` with segment ids or ``padded`` (see `jaxpar.data.TokenLoader`)."""
+    batch), ``packed`` with segment ids or ``padded`` (see `jaxpar.data.TokenLoader`).
+    ``source: arithmetic`` trains on generated arithmetic text instead (the built-in example's
+    data, vocabulary 16, no store; evaluation reads its held-out batches)."""
 
+    source: str = "store"
     path: str | None = None
     eval_path: str | None = None
     tokenizer: str | None = None     # "byte" or a tokenizer.json: refused unless it made the store
@@ -115,6 +119,13 @@ class DataSection:
     prefetch: int = 2
 
     def __post_init__(self):
+        if self.source not in SOURCES:
+            raise _fail("data.source", self.source, f"choose one of {SOURCES}")
+        if self.source == "arithmetic":
+            given = [k for k in ("path", "eval_path", "tokenizer") if getattr(self, k) is not None]
+            if given:
+                raise _fail(f"data.{given[0]}", getattr(self, given[0]), "data.source 'arithmetic' generates its "
+                            "text and reads no store; drop it, or use data.source 'store'")
         _positive("data.seq_len", self.seq_len)
         _positive("data.batch", self.batch)
         if self.packing not in PACKING:
@@ -201,9 +212,13 @@ class LoggingSection:
     every: int = 10
     tensorboard: bool = False
     profile_steps: str | None = None
+    peak_flops: float | None = None     # one device's peak FLOP/s for MFU (None: jaxpar.report.peak_flops)
 
     def __post_init__(self):
         _positive("logging.every", self.every)
+        if self.peak_flops is not None and not (math.isfinite(self.peak_flops) and self.peak_flops > 0):
+            raise _fail("logging.peak_flops", self.peak_flops, "one device's peak FLOP/s must be a number > 0, "
+                        "e.g. 989e12 for an H100 SXM in bf16, or null for the datasheet table")
         if self.profile_steps is not None:
             from jaxpar.metrics.config import check_profile_steps
 
@@ -247,7 +262,7 @@ class JobConfig:
     eval: EvalSection = dataclasses.field(default_factory=EvalSection)
 
     def __post_init__(self):
-        if self.eval.every and self.data.eval_path is None:
+        if self.eval.every and self.data.eval_path is None and self.data.source == "store":
             raise _fail("eval.every", self.eval.every, "evaluation reads data.eval_path; set it (a store made by "
                         "jaxpar data prepare from held-out text), or drop eval.every")
         if self.model.name == "gpt" and self.model.size != "tiny":

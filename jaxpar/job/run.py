@@ -155,44 +155,95 @@ def save_resolved(job: JobConfig, *directories: str | None) -> None:
                 f.write(job.to_yaml())
 
 
-def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int = 0,
-            print_fn: Callable[[str], None] = print) -> dict[str, Any]:
-    """Train ``job``; returns ``{"history", "eval", "samples", "step"}``.
+@dataclasses.dataclass
+class Built:
+    """What `build` makes of a job: its mesh, Trainer, training batches and held-out batches
+    (None without evaluation data), and the token store (None for generated data)."""
 
-    Evaluation runs every ``eval.every`` steps and at the end when ``data.eval_path`` is set;
-    ``samples`` greedy continuations of a few prompts are decoded at the end (named models).
-    """
-    import jax
+    mesh: Any
+    trainer: Any
+    train: Any
+    held_out: Any
+    store: Any = None
 
-    import jaxpar
-    from jaxpar.data import TokenStore
-    from jaxpar.metrics import MetricsConfig
+    def example_batch(self):
+        """The first batch the Trainer will train on (reports and plans compile the step with it)."""
+        return self.train.batch(self.train.position)
 
-    if job.data.path is None:
+
+def check_outputs(job: JobConfig) -> None:
+    """Refuse, before any work, a job without data and output folders that cannot be written."""
+    if job.data.source == "store" and job.data.path is None:
         raise ValueError("job config data.path is not set: make a token store with 'jaxpar data prepare FILES "
                          "--out DIR' and give data.path: DIR (or --data.path DIR)")
-    log, ck = job.logging, job.checkpoint
-    for field, directory in (("checkpoint.dir", ck.dir), ("logging.dir", log.dir)):
+    for field, directory in (("checkpoint.dir", job.checkpoint.dir), ("logging.dir", job.logging.dir)):
         if directory is not None:
             check_directory(field, directory)
+
+
+def build(job: JobConfig, *, devices=None) -> Built:
+    """The mesh, model, data, optimizer and Trainer of ``job`` (`run_job` checks its outputs
+    first); the Trainer resumes from ``checkpoint.dir`` when it holds steps."""
+    import jaxpar
+    from jaxpar.metrics import MetricsConfig
+    from jaxpar.report import peak_flops
+
+    log, ck = job.logging, job.checkpoint
     mesh = jaxpar.make_mesh(job.parallel, devices)
-    store = TokenStore(job.data.path)
-    model, loss, model_cfg = build_model(job, mesh, vocab=store.vocab_size)
-    train, held_out = _loaders(job, store, model_cfg)
+    if job.data.source == "arithmetic":
+        from jaxpar.job.example import ARITHMETIC_VOCAB, EVAL_START, ArithmeticLoader
+
+        store = None
+        model, loss, _ = build_model(job, mesh, vocab=ARITHMETIC_VOCAB)
+        d = job.data
+        train = ArithmeticLoader(seq_len=d.seq_len, batch=d.batch, seed=d.seed)
+        held_out = ArithmeticLoader(seq_len=d.seq_len, batch=d.batch, seed=d.seed, start=EVAL_START)
+    else:
+        from jaxpar.data import TokenStore
+
+        store = TokenStore(job.data.path)
+        model, loss, model_cfg = build_model(job, mesh, vocab=store.vocab_size)
+        train, held_out = _loaders(job, store, model_cfg)
     tx, schedule = make_optimizer(job.optimizer, job.train.steps)
     metrics = None
     if log.dir is not None:
-        from jaxpar.metrics.cli import device_peak
-
         compute = job.parallel.precision.compute if job.parallel.precision is not None else "float32"
         metrics = MetricsConfig(dir=log.dir, every=log.every, tensorboard=log.tensorboard, learning_rate=schedule,
-                                peak_flops=device_peak(compute))
+                                peak_flops=log.peak_flops or peak_flops(dtype=compute))
     # mode "auto" plans (and resumes) on a batch now rather than at the first step
     example = train.batch(train.position) if job.parallel.mode == "auto" else None
-    trainer = jaxpar.Trainer(model, tx, loss, job.parallel, mesh, checkpoint_dir=ck.dir,
+    # generated data: every process makes the same global batch and jaxpar keeps each device's rows
+    global_batch = True if job.data.source == "arithmetic" else None
+    trainer = jaxpar.Trainer(model, tx, loss, job.parallel, mesh, checkpoint_dir=ck.dir, global_batch=global_batch,
                              save_every=ck.every, keep=ck.keep, resume=ck.resume, metrics=metrics,
                              profile_steps=log.profile_steps, example_batch=example)
-    history, evals = [], []
+    return Built(mesh=mesh, trainer=trainer, train=train, held_out=held_out, store=store)
+
+
+def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int = 0,
+            print_fn: Callable[[str], None] = print,
+            before_fit: Callable[[Built], None] | None = None) -> dict[str, Any]:
+    """Train ``job``; returns ``{"history", "eval", "samples", "step", "fit_s"}`` (``fit_s``: the
+    seconds spent in the training steps).
+
+    Evaluation runs every ``eval.every`` steps and at the end when there is held-out data
+    (``data.eval_path``, or the arithmetic source's own); ``samples`` greedy continuations of
+    a few prompts are decoded at the end (named models on a token store). ``before_fit(built)``
+    is called once the Trainer is ready, before the first step (``jaxpar train`` prints its
+    report there).
+    """
+    import time
+
+    import jax
+
+    if samples and job.data.source != "store":
+        raise ValueError(f"samples={samples}: the samples continue prompts in a token store's tokenizer, and "
+                         f"data.source {job.data.source!r} has none; drop --samples")
+    check_outputs(job)
+    built = build(job, devices=devices)
+    trainer, train, held_out = built.trainer, built.train, built.held_out
+    log, ck = job.logging, job.checkpoint
+    history, evals, fit_s = [], [], 0.0
     with trainer, contextlib.closing(train):
         if trainer.data_state:           # resumed: the saved data position must be this store and batch
             train.restore(trainer.data_state)
@@ -201,10 +252,14 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
         start = trainer.step_count
         if start:
             print_fn(f"resumed at step {start} from {ck.dir}")
+        if before_fit is not None:
+            before_fit(built)
         every = job.eval.every or job.train.steps
         while trainer.step_count < job.train.steps:
             chunk = min(every - trainer.step_count % every, job.train.steps - trainer.step_count)
+            t0 = time.perf_counter()
             history += trainer.fit(train, chunk, log_every=log.every, progress=progress)
+            fit_s += time.perf_counter() - t0
             if held_out is not None:
                 held_out.restore({**held_out.state(), "next_batch": 0})     # the same batches each time
                 loss_value = trainer.evaluate(held_out, job.eval.steps)
@@ -214,8 +269,8 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
                          f"{loss_value:.4f}  perplexity {evals[-1]['perplexity']:.2f}")
         if ck.dir is not None and trainer.step_count not in trainer.checkpointer.manager.all_steps():
             trainer.save()
-        texts = _samples(trainer, store, samples, job.data.seq_len) if samples else []
-    return {"history": history, "eval": evals, "samples": texts, "step": trainer.step_count}
+        texts = _samples(trainer, built.store, samples, job.data.seq_len) if samples else []
+    return {"history": history, "eval": evals, "samples": texts, "step": trainer.step_count, "fit_s": fit_s}
 
 
 PROMPTS = ("def ", "import ", "class ", "    return ")

@@ -2,7 +2,7 @@
 
 import sys
 
-from jaxpar.launch.cli import main
+from jaxpar.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["launch", *sys.argv[1:]]))

@@ -6,7 +6,7 @@
     jaxpar ckpt import-hf HF_DIR --out DIR [--to CONFIG.yaml] [--devices N] [--dtype D] [--scan-layers]
     jaxpar ckpt export-hf DIR --out HF_DIR [--step N] [--dtype D] [--max-shard-size 5GB] [--hf-config FILE]
 
-Also runnable as ``python -m jaxpar.ckpt_cli ...``.
+A mistake in the paths or files given is one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -16,26 +16,13 @@ import contextlib
 import json
 import logging
 import math
-import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
+
+from jaxpar.cli.common import UserError, set_simulated_devices
 
 # A user's mistake in the paths or files given: one line and exit code 2, no traceback.
 USER_ERRORS = (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError, PermissionError,
                ValueError)
-
-
-def _set_cpu_devices(n: int) -> None:
-    """Enough simulated CPU devices for the target mesh (harmless on GPU/TPU).
-
-    Only possible before JAX starts its backend; when called from a running program, the
-    devices it already has are used.
-    """
-    import jax
-
-    try:
-        jax.config.update("jax_num_cpu_devices", n)
-    except RuntimeError:
-        pass
 
 
 def _inspect(args) -> int:
@@ -143,11 +130,8 @@ def _devices_needed(args) -> int:
     return math.prod(sizes) if -1 not in sizes else 8
 
 
-def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``ckpt`` with ``inspect`` / ``transform`` / ``merge`` to a command's subparsers.
-
-    Sets ``func=run_ckpt`` (returns the exit code), as the other ``jaxpar`` commands do.
-    """
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``ckpt`` with ``inspect`` / ``transform`` / ``merge`` / ``import-hf`` / ``export-hf``."""
     p = subparsers.add_parser("ckpt", help="inspect, transform (reshard) or merge checkpoints")
     sub = p.add_subparsers(dest="ckpt_command", required=True)
     q = sub.add_parser("inspect", help="tree, shapes, dtypes, strategies and sizes of a checkpoint")
@@ -168,6 +152,8 @@ def add_ckpt_parser(subparsers) -> argparse.ArgumentParser:
     for name in ("inspect", "transform", "merge", "export-hf"):
         sub.choices[name].add_argument("--step", type=_count("--step", 0), default=None,
                                        help="default: the newest complete step")
+    for name, q in sub.choices.items():
+        q.set_defaults(cli_name=f"ckpt {name}")     # errors begin 'jaxpar ckpt inspect: error:'
     p.set_defaults(func=run_ckpt)
     return p
 
@@ -237,39 +223,13 @@ def _quiet_absl() -> Iterator[None]:
 
 
 def run_ckpt(args) -> int:
-    """Run a parsed ``ckpt`` command; returns the exit code (2 with one line on a user error)."""
+    """Run a parsed ``ckpt`` command; a user's mistake raises `UserError` (one line, exit 2)."""
     if args.ckpt_command in ("transform", "import-hf"):
-        _set_cpu_devices(_devices_needed(args))
+        set_simulated_devices(_devices_needed(args))
     handler = {"inspect": _inspect, "transform": _transform, "merge": _merge, "import-hf": _import_hf,
                "export-hf": _export_hf}[args.ckpt_command]
     try:
         with _quiet_absl():
             return handler(args)
     except (*USER_ERRORS, ImportError) as e:    # ImportError: the [hf] extra is missing; it says so
-        print(f"jaxpar ckpt {args.ckpt_command}: error: {e}", file=sys.stderr)
-        return 2
-
-
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line (no usage block) with exit code 2, as the ``jaxpar`` command does."""
-
-    def error(self, message: str):
-        head, _, rest = message.partition(": ")
-        if head.startswith("argument ") and rest.startswith("--"):
-            message = rest     # the type= functions name the flag and the value themselves
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m jaxpar.ckpt_cli ARGS``, the same as ``jaxpar ckpt ARGS``; returns the exit code."""
-    parser = _Parser(prog="jaxpar")
-    add_ckpt_parser(parser.add_subparsers(dest="command", required=True))
-    try:
-        args = parser.parse_args(["ckpt", *(sys.argv[1:] if argv is None else argv)])
-    except SystemExit as e:   # --help (0) or a flag argparse refused (2, the line is printed)
-        return e.code if isinstance(e.code, int) else 2
-    return args.func(args)
-
-
-if __name__ == "__main__":  # python -m jaxpar.ckpt_cli ARGS
-    sys.exit(main())
+        raise UserError(str(e)) from e

@@ -1,14 +1,5 @@
-"""The ``jaxpar launch`` and ``jaxpar k8s`` subcommands, for the ``jaxpar`` command to register.
-
-    parser = argparse.ArgumentParser(prog="jaxpar")
-    sub = parser.add_subparsers()
-    add_launch_parser(sub)
-    add_k8s_parser(sub)
-    args = parser.parse_args()
-    sys.exit(args.func(args))
-
-``python -m jaxpar.launch ARGS`` is ``jaxpar launch ARGS``.
-"""
+"""The ``jaxpar launch`` and ``jaxpar k8s`` subcommands (``python -m jaxpar.launch ARGS`` is
+``jaxpar launch ARGS``): their flags become a `jaxpar.launch.LaunchConfig` / `K8sJob`."""
 
 from __future__ import annotations
 
@@ -17,6 +8,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from jaxpar.cli.common import UserError
 from jaxpar.launch import k8s, launcher
 
 _LAUNCH_HELP = "start this node's worker processes of a multi-process job (msrun-like)"
@@ -148,8 +140,7 @@ def run_launch(args: argparse.Namespace) -> int:
         config = launch_config(args)
         check_script(args.script)
     except ValueError as err:
-        sys.stderr.write(f"jaxpar launch: error: {err}\n")
-        return 2
+        raise UserError(str(err)) from err
     return launcher.launch(config, args.script, args.script_args, echo=sys.stdout)
 
 
@@ -217,17 +208,6 @@ def run_k8s(args: argparse.Namespace) -> int:
             server_storage=args.server_storage, ps_token_secret=args.ps_token_secret,
         )
     except ValueError as err:
-        sys.stderr.write(f"jaxpar k8s: error: {err}\n")
-        return 2
+        raise UserError(str(err)) from err
     sys.stdout.write(k8s.manifest(job))
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``jaxpar``-like entry with just the ``launch`` and ``k8s`` subcommands."""
-    parser = argparse.ArgumentParser(prog="jaxpar")
-    sub = parser.add_subparsers(dest="command_name", required=True)
-    add_launch_parser(sub)
-    add_k8s_parser(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)

@@ -37,7 +37,7 @@ def _positive(flag: str):
     return parse
 
 
-def add_data_parser(sub) -> None:
+def add_parser(sub) -> None:
     """Register ``jaxpar data prepare`` and ``jaxpar data verify`` on the ``jaxpar`` command's subparsers."""
     data = sub.add_parser("data", help="prepare and verify token datasets (jaxpar data prepare FILES --out DIR)")
     inner = data.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
@@ -58,11 +58,11 @@ def add_data_parser(sub) -> None:
                    help="input that is not UTF-8 text: refused naming the byte (strict, default), or its "
                    "undecodable bytes become U+FFFD (replace)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_data_prepare)
+    p.set_defaults(func=cmd_data_prepare, cli_name="data")
     v = inner.add_parser("verify", help="check every shard of a token store against its index.json (SHA-256, sizes, "
                          "document starts, token ids); exit 0 when intact, 2 and one line per damaged shard")
     v.add_argument("store", metavar="STORE", help="directory of the token store")
-    v.set_defaults(func=cmd_data_verify)
+    v.set_defaults(func=cmd_data_verify, cli_name="data")
 
 
 def _tokenizer(args):

@@ -1,0 +1,209 @@
+"""``jaxpar plan``: print the parameter plan of the example job, search one (``--search``), or
+plan a job file from shapes alone (``--config job.yaml``).
+
+Every flag is parsed by an argparse ``type=`` function (`number`, `int_list`, `annotation`), so a
+malformed value ends the command at once with exit code 2 and a line naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from jaxpar.cli.common import (DEFAULT_DEVICES, check_writable, flags_text, given, number, refuse,
+                               set_simulated_devices, verb)
+from jaxpar.cli.jobflags import add_job_args, resolve_job
+from jaxpar.config import REMAT_POLICIES, SCHEDULES, SEARCHES
+from jaxpar.job.search import (DEFAULT_ACCUM, DEFAULT_CONTEXT, DEFAULT_CONTEXT_STRATEGIES, DEFAULT_REMAT,
+                               DEFAULT_SCHEDULE, DEFAULT_STAGES, DEFAULT_ZERO_LEVELS, PLANNED_CONTEXT_STRATEGIES,
+                               SearchSettings)
+
+
+def int_list(flag: str, low: int):
+    """An argparse ``type=`` for comma-separated integers ``>= low`` (``"0,1"`` → ``(0, 1)``)."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            values = ()
+        if not values or min(values) < low:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: not a list of integers >= {low}; expected "
+                                             f"comma-separated integers such as {low},{low + 1}")
+        return values
+
+    return parse
+
+
+def name_list(flag: str, choices: tuple[str, ...], what: str):
+    """An argparse ``type=`` for comma-separated names among ``choices``."""
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(r.strip() for r in text.split(",") if r.strip())
+        unknown = [n for n in names if n not in choices]
+        if not names or unknown:
+            raise argparse.ArgumentTypeError(f"{flag} {text!r}: unknown {what} {unknown}; choose among "
+                                             f"{', '.join(choices)}")
+        return names
+
+    return parse
+
+
+remat_list = name_list("--remat-options", REMAT_POLICIES, "policies")
+context_strategy_list = name_list("--context-strategies", PLANNED_CONTEXT_STRATEGIES, "strategies")
+
+
+def annotation(text: str) -> tuple[str, Any]:
+    """``--annotate GLOB=SPEC``: ``"blocks/*/mlp/up=None,model"`` → (glob, PartitionSpec)."""
+    from jax.sharding import PartitionSpec
+
+    glob, sep, spec = text.partition("=")
+    if not sep or not glob:
+        raise argparse.ArgumentTypeError(f"--annotate {text!r}: not GLOB=SPEC; expected e.g. "
+                                         "'blocks/*/mlp/up=None,model'")
+    entries = [None if e in ("None", "") else tuple(e.split("+")) if "+" in e else e for e in spec.split(",")]
+    return glob, PartitionSpec(*entries)
+
+
+def add_plan_search_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--search`` flags of ``jaxpar plan`` (all default to None: given = used, or refused)."""
+    g = parser.add_argument_group("strategy search (jaxpar.auto)")
+    g.add_argument("--search", choices=SEARCHES, help="search a plan with this algorithm instead of printing "
+                   "the configured one")
+    g.add_argument("--annotate", action="append", type=annotation, default=[], metavar="GLOB=SPEC",
+                   help="fix a parameter's split, e.g. 'blocks/*/mlp/up=None,model' (repeatable)")
+    g.add_argument("--memory-budget", type=number("--memory-budget", float, above=0),
+                   help="per-device bytes the plan must fit (plans the whole job)")
+    g.add_argument("--zero-levels", type=int_list("--zero-levels", 0), help="ZeRO levels the job planner may "
+                   "choose (with --memory-budget; default 0,1,2,3), e.g. 0,1")
+    g.add_argument("--accum-options", type=int_list("--accum-options", 1), help="micro-batch counts the job "
+                   "planner may choose (with --memory-budget; default 1,2,4)")
+    g.add_argument("--remat-options", type=remat_list, help="recompute policies of each block the job planner "
+                   "may choose (with --memory-budget; default none), e.g. none,full,dots_saveable")
+    g.add_argument("--pipeline-options", type=int_list("--pipeline-options", 1), help="pipeline stage counts "
+                   "the job planner may choose (with --memory-budget; default 1), e.g. 1,2,4; above 1 the model's "
+                   "layers are scanned")
+    g.add_argument("--microbatch-options", type=int_list("--microbatch-options", 1),
+                   help="the pipeline's micro-batch counts (with --memory-budget; default p, 2p, 4p)")
+    g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule the job planner prices (with "
+                   f"--memory-budget; default {DEFAULT_SCHEDULE})")
+    g.add_argument("--context-options", type=int_list("--context-options", 1), help="context-parallel sizes "
+                   "the job planner may choose (with --memory-budget; default 1), e.g. 1,2,4: the sequence split "
+                   "over a context axis")
+    g.add_argument("--context-strategies", type=context_strategy_list, help="context-parallel attention the job "
+                   "planner prices (with --context-options; default ring), e.g. ring,ulysses")
+    g.add_argument("--flops", type=number("--flops", float, above=0), help="device FLOP/s for the cost model")
+    g.add_argument("--bandwidth", type=number("--bandwidth", float, above=0), help="collective bandwidth, bytes/s")
+    g.add_argument("--latency", type=number("--latency", float, low=0), help="seconds per collective")
+    g.add_argument("--plan-out", help="write the plan (strategy file, JSON)")
+
+
+def search_settings(args: argparse.Namespace, job) -> SearchSettings:
+    """The `SearchSettings` of parsed ``plan --search`` flags for the resolved ``job``."""
+    from jaxpar.auto import CostParams
+
+    costs = CostParams(**{k: v for k, v in (("flops_per_s", args.flops), ("default_bandwidth", args.bandwidth),
+                                            ("latency", args.latency)) if v is not None})
+    if args.context_strategies and max(args.context_options or DEFAULT_CONTEXT) == 1:
+        raise ValueError(f"--context-strategies {','.join(args.context_strategies)} prices context-parallel "
+                         "attention, but no context size above 1 is offered; add --context-options 1,2,4 "
+                         "(for example)")
+    config = dataclasses.replace(job.parallel, mode="auto", search=args.search, rules={})
+    return SearchSettings(
+        search=args.search, config=config, annotate=tuple(args.annotate), memory_budget=args.memory_budget,
+        zero_levels=args.zero_levels or DEFAULT_ZERO_LEVELS, accum=args.accum_options or DEFAULT_ACCUM,
+        remat=args.remat_options or DEFAULT_REMAT, stages=args.pipeline_options or DEFAULT_STAGES,
+        microbatches=args.microbatch_options, schedule=args.schedule or DEFAULT_SCHEDULE,
+        context=args.context_options or DEFAULT_CONTEXT,
+        context_strategies=args.context_strategies or DEFAULT_CONTEXT_STRATEGIES, costs=costs,
+        plan_out=args.plan_out)
+
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="print the parameter plan, or search one (--search)")
+    add_job_args(p, train=False)
+    p.add_argument("--save", help="write the configured plan as JSON (without --search)")
+    add_plan_search_arguments(p)
+    p.set_defaults(func=cmd_plan)
+
+
+def check_plan_flags(args) -> None:
+    """Refuse the ``plan`` flags that the chosen form of the command would ignore."""
+    if args.search is None:
+        search_only = [f for f in ("annotate", "memory_budget", "zero_levels", "accum_options", "remat_options",
+                                   "pipeline_options", "microbatch_options", "schedule", "flops", "bandwidth",
+                                   "latency", "plan_out", "batch") if given(args, f)]
+        if search_only:
+            refuse(f"{flags_text(search_only)} {verb(search_only)} to --search only (without it, jaxpar plan prints "
+                   "the configured plan, which does not depend on it); add --search dynamic_programming, or leave "
+                   "it out")
+        return
+    if given(args, "save"):
+        refuse(f"--save {args.save!r} writes the configured plan, which --search replaces; write the searched "
+               f"plan with --plan-out {args.save!r}")
+    if given(args, "mode"):
+        refuse(f"--mode {args.mode} is replaced by mode 'auto' under --search; leave --mode out")
+    if given(args, "rules"):
+        refuse(f"--rules {args.rules} is replaced by the search under --search (it plans every parameter); pin "
+               "parameters with --annotate PATH=STRATEGY instead, or leave --rules out")
+    if args.memory_budget is None:
+        budget_only = [f for f in ("zero_levels", "accum_options", "remat_options", "pipeline_options",
+                                   "microbatch_options", "schedule") if given(args, f)]
+        if budget_only:
+            refuse(f"{flags_text(budget_only)} {verb(budget_only)} only when the whole job is planned within a memory "
+                   "budget; add --memory-budget BYTES, or leave them out")
+
+
+def cmd_plan(args) -> int:
+    from jaxpar.nn.plan import format_plan
+    from jaxpar.report import param_table
+
+    check_plan_flags(args)
+    if args.search:
+        from jaxpar.job import search
+
+        job, devices = resolve_job(args)
+        if args.config and job.parallel.rules:
+            refuse(f"--config {args.config!r} sets rules {dict(job.parallel.rules)}, which --search replaces (it "
+                   "plans every parameter); drop them from the file, or pin parameters with --annotate")
+        if args.plan_out:
+            check_writable("--plan-out", args.plan_out)
+        return search.run_plan_search(search_settings(args, job), job, devices)
+
+    from jaxpar.job import run
+
+    job, devices = resolve_job(args)
+    if args.save:
+        check_writable("--save", args.save)
+    built = run.build(job, devices=devices)
+    mesh, trainer = built.mesh, built.trainer
+    if job.parallel.rules and not job.parallel.allow_unused_rules:
+        trainer.lower(built.example_batch())   # tracing the step refuses rules nothing consults
+    print(f"mesh {dict(mesh.shape)}  mode {job.parallel.mode}")
+    print(format_plan(param_table(trainer)))
+    if args.save:
+        rows = [{"path": r.path, "shape": r.shape, "spec": [list(e) if isinstance(e, tuple) else e for e in r.spec]}
+                for r in param_table(trainer)]
+        with open(args.save, "w") as f:
+            json.dump({"config": job.parallel.to_dict(), "mesh": dict(mesh.shape), "params": rows}, f, indent=2)
+    return 0
+
+
+
+
+def plan_file(args: argparse.Namespace, overrides: list[str]) -> int:
+    """``jaxpar plan --config JOB``: the job's TrainPlan and (Llama) memory per device, from shapes
+    alone: no parameter is allocated and the mesh may be larger than this machine."""
+    import jax
+
+    from jaxpar.job.config import JobConfig
+    from jaxpar.job.shapes import plan_of_job, plan_sizes
+
+    set_simulated_devices(DEFAULT_DEVICES)     # a mesh axis of -1 takes the devices `train` would use here
+    job = JobConfig.load(args.config, overrides)
+    plan, memory = plan_of_job(job, plan_sizes(job, jax.device_count()))
+    print(plan)
+    if memory is not None:
+        print(memory)
+    return 0

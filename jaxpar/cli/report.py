@@ -1,0 +1,108 @@
+"""``jaxpar report``: compile the example GPT's step and report memory, collectives and FLOPs;
+or (``--model llama --size NAME``) a Llama model's FLOPs, memory per device and MFU
+(`jaxpar.job.reports.llama_size_report`), planned from mesh sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from jaxpar.cli.common import DEFAULT_BATCH, JOB_ERRORS, UserError, number, print_text, refuse
+from jaxpar.cli.jobflags import add_job_args, config_of, devices_of, resolve_job
+
+MODELS = ("gpt", "llama")
+_LLAMA_ONLY = ("size", "step_time", "peak_flops", "dtype", "backend")
+
+
+def add_model_report_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``report`` flags that choose the model and describe a measured run."""
+    from jaxpar.models.llama_config import DTYPES, SIZES
+
+    g = p.add_argument_group("model report (--model llama)")
+    g.add_argument("--model", choices=MODELS, default="gpt",
+                   help="gpt: compile the example GPT's step; llama: the Llama report (default %(default)s)")
+    g.add_argument("--size", choices=sorted(SIZES), help="Llama size (with --model llama; default tiny)")
+    g.add_argument("--step-time", type=number("--step-time", float, above=0),
+                   help="measured seconds per step: adds tokens/s/device and MFU")
+    g.add_argument("--peak-flops", type=number("--peak-flops", float, above=0),
+                   help="peak FLOP/s of one device (default: the table for this device kind and dtype)")
+    g.add_argument("--dtype", choices=DTYPES, help="compute dtype of the Llama model (default float32)")
+    g.add_argument("--backend", choices=("cpu", "gpu", "tpu"),
+                   help="backend the attention choice is made for (default: this machine's)")
+
+
+# The example GPT's shape flags and their defaults: the Llama report takes its shape from --size.
+GPT_SHAPE = {"layers": 2, "embed": 64, "heads": 8, "scan": False}
+
+
+def check_model_report_flags(args) -> None:
+    """Refuse flags that the chosen model's report would ignore."""
+    if args.model == "llama":
+        ignored = [f for f, default in GPT_SHAPE.items() if getattr(args, f) != default]
+        if ignored:
+            flags = ", ".join("--" + f for f in ignored)
+            refuse(f"{flags} shape the example GPT; the Llama report takes its shape from --size "
+                   f"(tiny, 125m, 1b, llama3_8b, llama3_70b); leave {flags} out")
+        return
+    ignored = [f for f in _LLAMA_ONLY if getattr(args, f, None) is not None]
+    if ignored:
+        flags = ", ".join("--" + f.replace("_", "-") for f in ignored)
+        refuse(f"{flags} apply to the Llama report only; add --model llama, or leave them out")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("report", help="compile the GPT step and report memory, collectives, FLOPs; or a Llama "
+                       "model's FLOPs, memory per device and MFU (--model llama)")
+    add_job_args(p, train=False)
+    add_model_report_arguments(p)
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout (tables on stderr)")
+    p.set_defaults(func=cmd_report)
+
+
+def llama_report(args) -> int:
+    """Print the Llama report for the flags (``--json``: the JSON document alone on stdout)."""
+    from jaxpar.job.reports import llama_size_report
+
+    try:    # planned from mesh sizes: the mesh may be larger than this machine
+        devices = devices_of(args)
+        config = config_of(args, devices)
+    except JOB_ERRORS as e:
+        raise UserError(str(e)) from e
+    report = llama_size_report(args.size or "tiny", config, devices, args.batch or DEFAULT_BATCH, dtype=args.dtype,
+                               seq_len=args.seq_len, step_time=args.step_time, peak_flops=args.peak_flops,
+                               backend=args.backend)
+    print_text(report.format(), file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        print_text(json.dumps(report.summary(), indent=2))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from jaxpar.job import run
+    from jaxpar.report import step_report
+
+    check_model_report_flags(args)
+    if args.model == "llama":
+        return llama_report(args)
+    job, devices = resolve_job(args)
+    built = run.build(job, devices=devices)
+    report = step_report(built.trainer, built.example_batch())
+    # With --json, stdout holds the JSON document alone (so it can be piped); tables go to stderr.
+    tables = sys.stderr if args.json else sys.stdout
+    print_text(report.format(), file=tables)
+    config = job.parallel
+    if config.pipeline.stages > 1:
+        from jaxpar.report import format_schedule
+
+        print_text(format_schedule(config), file=tables)
+    if config.context is not None:   # the causal work per device of each sequence order
+        from jaxpar.ops import describe_balance
+
+        cp = math.prod(config.mesh[a] for a in config.context.axes)
+        print_text(describe_balance(job.data.seq_len, cp), file=tables)
+    if args.json:
+        print_text(json.dumps(report.summary(), indent=2, default=str))
+    return 0

@@ -1,0 +1,149 @@
+"""``jaxpar plan --search``: search a strategy for the example GPT job, or plan the whole job
+within a memory budget (`jaxpar.auto.plan_job`), print it and save it.
+
+The command's flags become a `SearchSettings` (``jaxpar/cli/plan.py``); this module runs it
+on the job the other flags describe (`jaxpar.job.example.example_job`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxpar.job.config import JobConfig
+
+DEFAULT_ZERO_LEVELS = (0, 1, 2, 3)
+DEFAULT_ACCUM = (1, 2, 4)
+DEFAULT_REMAT = ("none",)
+DEFAULT_STAGES = (1,)
+DEFAULT_SCHEDULE = "1f1b"
+DEFAULT_CONTEXT = (1,)
+DEFAULT_CONTEXT_STRATEGIES = ("ring",)
+PLANNED_CONTEXT_STRATEGIES = ("ring", "ulysses", "all_gather")   # those jaxpar.auto prices
+
+
+def _gpt(job: JobConfig):
+    """The example job's GPTConfig."""
+    from jaxpar.job.example import ARITHMETIC_VOCAB
+    from jaxpar.job.run import model_config
+
+    return model_config(job, ARITHMETIC_VOCAB)
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSettings:
+    """What ``jaxpar plan --search`` does, resolved from its flags.
+
+    Example:
+        >>> SearchSettings(search="dynamic_programming").memory_budget is None
+        True
+    """
+
+    search: str
+    config: Any = None                 # ParallelConfig the search starts from (mode "auto")
+    annotate: tuple = ()               # (glob, PartitionSpec) pairs
+    memory_budget: float | None = None
+    zero_levels: tuple = DEFAULT_ZERO_LEVELS
+    accum: tuple = DEFAULT_ACCUM
+    remat: tuple = DEFAULT_REMAT
+    stages: tuple = DEFAULT_STAGES
+    microbatches: tuple | None = None
+    schedule: str = DEFAULT_SCHEDULE
+    context: tuple = DEFAULT_CONTEXT
+    context_strategies: tuple = DEFAULT_CONTEXT_STRATEGIES
+    costs: Any = None                  # jaxpar.auto.CostParams
+    plan_out: str | None = None
+
+
+def _plan_job(s: SearchSettings, job: JobConfig, devices: int, batch):
+    """`jaxpar.auto.plan_job` for the example GPT, with the CLI's option lists."""
+    from flax import nnx
+
+    from jaxpar.auto import plan_job
+    from jaxpar.models.gpt import GPT, loss_fn, pipeline_loss
+    from jaxpar.train import compile_step
+
+    gpt = _gpt(job)
+    if max(s.stages) > 1 and not gpt.scan_layers:
+        # a pipeline cuts the stacked blocks: every option is planned on scanned layers
+        print("note: --pipeline-options above 1 plan the model with scanned layers (--scan); its parameter "
+              "paths are those of GPTConfig(scan_layers=True)")
+        gpt = dataclasses.replace(gpt, scan_layers=True)
+
+    def model_fn(remat="none", constrain=None):
+        # a context-parallel option is built with its constraint: attention across the context axis
+        extra = {} if constrain is None else {"constrain": constrain}
+        return GPT(dataclasses.replace(gpt, remat=remat), rngs=nnx.Rngs(job.train.seed), **extra)
+
+    # --annotate reaches the planner through the base config, whose parameter_plan it keeps.
+    base = dataclasses.replace(s.config, parameter_plan={**s.config.parameter_plan, **dict(s.annotate)})
+    plan = plan_job(model_fn, loss_fn, batch, pipeline_loss=pipeline_loss(), devices=devices,
+                    memory_budget=s.memory_budget, cost_params=s.costs, search_name=s.search, base_config=base,
+                    zero_levels=s.zero_levels, grad_accum=s.accum, remat=s.remat, pipeline_stages=s.stages,
+                    microbatches=s.microbatches, schedule=s.schedule, context=s.context,
+                    context_strategy=s.context_strategies, dry_run=compile_step)
+    print(plan.explain())
+    if plan.remat != "none":
+        print(f"recompute: build the model with GPTConfig(remat={plan.remat!r})")
+    if plan.config.context is not None:
+        print(f"context: the sequence split over {plan.config.context.axis!r} "
+              f"({plan.config.context.strategy} attention, {plan.config.context.order} order)")
+    pipe = plan.config.pipeline
+    if pipe.stages > 1:
+        print(f"pipeline: {pipe.stages} stages, {pipe.microbatches} micro-batches, schedule {pipe.schedule} "
+              "(train with pipeline_loss(); the blocks' layers are split over the pipe axis)")
+    return plan
+
+
+def _check_budget(s: SearchSettings, job: JobConfig, devices: int) -> None:
+    """Refuse a budget no option can fit (`jaxpar.auto.planner.check_memory_floor`) before the
+    job's model is built: the floor needs only its parameters' shapes, and the model with
+    scanned layers has the same parameters, stacked, and builds abstractly at once (unrolled,
+    flax takes minutes for a deep model)."""
+    from flax import nnx
+
+    from jaxpar.auto import CostParams
+    from jaxpar.auto.planner import check_memory_floor
+    from jaxpar.models.data import ArithmeticData
+    from jaxpar.models.gpt import GPT
+
+    gpt = _gpt(job)
+    abstract = nnx.eval_shape(lambda: GPT(dataclasses.replace(gpt, scan_layers=True), rngs=nnx.Rngs(0)))
+    batch = ArithmeticData(gpt.seq_len, seed=job.data.seed).batch(job.data.batch, 0)
+    check_memory_floor(abstract, batch, devices=devices, memory_budget=s.memory_budget,
+                       params=s.costs or CostParams())
+
+
+def _save_job(plan_out: str, plan) -> None:
+    import json
+    import os
+
+    path = os.path.splitext(plan_out)[0] + ".job.json"
+    with open(path, "w") as f:
+        json.dump(plan.to_dict(), f, indent=1, default=str)
+    print(f"job (config, remat, pipeline, candidates) written to {path}")
+
+
+def run_plan_search(s: SearchSettings, job: JobConfig, devices) -> int:
+    """Search (or plan the job within ``memory_budget``) on ``devices``, print the table, save it."""
+    from jaxpar.auto import search
+    from jaxpar.job.run import build
+    from jaxpar.models.gpt import loss_fn
+
+    if s.memory_budget is not None:
+        _check_budget(s, job, len(devices))
+    built = build(job, devices=devices)
+    batch = built.example_batch()
+    if s.memory_budget is not None:
+        planned = _plan_job(s, job, len(devices), batch)
+        plan = planned.plan
+        if s.plan_out:
+            _save_job(s.plan_out, planned)
+    else:
+        plan = search(built.trainer.model, loss_fn, batch, s.config, built.mesh, cost_params=s.costs,
+                      annotate=dict(s.annotate))
+        print(plan.table())
+    if s.plan_out:
+        plan.to_json(s.plan_out)
+        print(f"plan written to {s.plan_out}")
+    return 0

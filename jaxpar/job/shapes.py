@@ -1,0 +1,57 @@
+"""A job's `TrainPlan` from shapes alone: ``jaxpar plan --config job.yaml``.
+
+No parameter is allocated and the mesh may be larger than this machine (``llama3_8b`` on 64
+devices): the model is built abstractly and planned for mesh *sizes*.
+"""
+
+from __future__ import annotations
+
+from jaxpar.job.config import JobConfig
+
+
+def plan_sizes(job: JobConfig, device_count: int) -> dict[str, int]:
+    """The job's mesh sizes, an axis of -1 taking the rest of ``device_count`` devices."""
+    from jaxpar.mesh import resolve_axes
+
+    sizes = dict(job.parallel.mesh)
+    return resolve_axes(sizes, device_count) if -1 in sizes.values() else sizes
+
+
+def plan_of_job(job: JobConfig, sizes: dict[str, int]):
+    """``(TrainPlan, Llama memory report text or None)`` of a named-model job on a mesh of ``sizes``;
+    the plan refuses what the Trainer would, as it is made from the model and loss `run_job` builds."""
+    from flax import nnx
+    from jax.sharding import AbstractMesh
+
+    from jaxpar.job.optim import make_optimizer
+    from jaxpar.job.run import model_config
+    from jaxpar.nn import abstract_model, model_constraint
+    from jaxpar.plan import make_train_plan
+
+    if job.model.factory is not None:
+        raise ValueError("jaxpar plan --config: a model.factory job is planned when it runs (jaxpar train); "
+                         "plan covers the named models")
+    vocab = None
+    if job.data.source == "arithmetic":
+        from jaxpar.job.example import ARITHMETIC_VOCAB
+
+        vocab = ARITHMETIC_VOCAB
+    cfg = model_config(job, vocab)
+    tx, _ = make_optimizer(job.optimizer, job.train.steps)
+    if job.model.name == "llama":
+        from jaxpar.models import llama as module
+        make = module.Llama
+    else:
+        from jaxpar.models import gpt as module
+        make = module.GPT
+    constrain = model_constraint(AbstractMesh(tuple(sizes.values()), tuple(sizes)), job.parallel)
+    model = abstract_model(lambda: make(cfg, rngs=nnx.Rngs(0), constrain=constrain))
+    loss = module.pipeline_loss() if job.parallel.pipeline.stages > 1 else module.loss_fn
+    plan = make_train_plan(job.parallel, sizes, model, tx, loss_fn=loss)
+    memory = None
+    if job.model.name == "llama":
+        from jaxpar.models.llama_report import format_model_report, llama_report
+
+        memory = format_model_report(llama_report(cfg, job.parallel, batch=job.data.batch, seq_len=job.data.seq_len,
+                                                  mesh=sizes, tx=tx))
+    return plan, memory
