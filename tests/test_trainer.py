@@ -138,3 +138,30 @@ def test_rng_state_advances_inside_the_step():
     assert len(set(losses)) == 3          # same parameters (lr 0), different dropout masks
     counts = jax.tree.leaves(nnx.state(trainer.model, nnx.RngCount))
     assert int(counts[0]) == 3
+
+
+def test_hooks_run_at_their_steps_after_the_services(tmp_path):
+    """``add_hook(fn, every=N)`` calls ``fn(step, metrics)`` after steps N, 2N, ...; the Trainer's
+    own checkpoint service is such a hook and runs first, so a hook at a save step sees it saved."""
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    mesh = jaxpar.make_mesh(config)
+    model = jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh)
+    trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh, checkpoint_dir=str(tmp_path),
+                             save_every=2)
+    seen = []
+    trainer.add_hook(lambda step, m: seen.append(("every", step, float(m["loss"]))))
+
+    def saved(step, metrics):
+        trainer.checkpointer.wait()
+        seen.append(("saved", step, jaxpar.checkpoint.latest_step(tmp_path)))
+
+    trainer.add_hook(saved, every=2)
+    losses = [float(trainer.step(b)["loss"]) for b in batches(4)]
+    trainer.close()
+    assert [s for s in seen if s[0] == "every"] == [("every", i + 1, loss) for i, loss in enumerate(losses)]
+    assert [s for s in seen if s[0] == "saved"] == [("saved", 2, 2), ("saved", 4, 4)]
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 4]
+    with pytest.raises(ValueError, match=r"add_hook: every=0 must be a positive int"):
+        trainer.add_hook(print, every=0)
+    with pytest.raises(TypeError, match=r"add_hook: hook must be callable .* got str"):
+        trainer.add_hook("print")

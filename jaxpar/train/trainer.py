@@ -102,7 +102,10 @@ class Trainer:
     _flops_per_token: Any           # model FLOPs per token for MFU (None: unknown)
     _rule_names: set                # the logical names the model declares (for check_rules_used)
     _model_name: str
-    # Loop services: checkpoints, preemption, non-finite checks, metrics, profiling.
+    # Loop services: checkpoints, preemption, non-finite checks, metrics, profiling. The first
+    # three, and the user's, are hooks the step calls (`add_hook`); metrics are written where
+    # `fit` reads them, and the profile window wraps the dispatch itself.
+    _hooks: list                    # (every, hook(step, metrics)), called in this order after a step
     checkpointer: Checkpointer | None
     _preemption: Preemption | None
     _nonfinite: str                 # "stop" or "skip"
@@ -133,6 +136,14 @@ class Trainer:
         if checkpoint_dir is not None:
             self.checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep, resume=resume)
         self._preemption = Preemption() if checkpoint_dir is not None and preemption else None
+        self._hooks = []
+        # In this order: a preempted step is saved and the run leaves before anything else; the
+        # finite flags are read at least every 100 steps; a due checkpoint is saved.
+        if self._preemption is not None:
+            self.add_hook(self._on_preemption)
+        self.add_hook(self._on_finite_window, every=100)
+        if self.checkpointer is not None and self.checkpointer.save_every:
+            self.add_hook(self._on_checkpoint, every=self.checkpointer.save_every)
         self.searched = None
         if plan is None:     # the planner runs up front; the Trainer itself never plans
             plan, self.searched = plan_for(model, tx, loss_fn, config, mesh, example_batch=example_batch,
@@ -265,9 +276,10 @@ class Trainer:
         The per-step host path is kept thin (a step is dispatched in about the time of a
         hand-written ``jax.jit`` loop): the compiled program and the batch shardings are found
         once per batch shape, the batch is placed with one ``device_put``, the state passes as
-        a flat list of arrays. The guards stay, each a flag test: non-finite flags are read in
-        bulk (every 100 steps, before saves, at logging), preemption is a flag set by SIGTERM,
-        a checkpoint's due step is an integer comparison."""
+        a flat list of arrays. The services are hooks (`add_hook`) walked once per step, each
+        called only at its steps (an integer test): non-finite flags are read in bulk (every
+        100 steps, before saves, at logging), preemption is a flag set by SIGTERM, a checkpoint
+        is saved every ``save_every`` steps."""
         program, leaves = self._program(batch)
         placed = self._placed(program, batch, leaves)
         step = self._steps + 1
@@ -281,14 +293,35 @@ class Trainer:
         self._state_view = None
         self._steps = step
         self._finite.append((step, metrics["finite"]))
-        if self._preemption is not None and self._preemption.reached(step):
-            self._save_and_exit(metrics)
-        if len(self._finite) >= 100:
-            self.check_finite()
-        if self.checkpointer is not None and self.checkpointer.due(step):
-            self.check_finite()          # a step that did not update must not pass silently into a save
-            self.checkpointer.maybe_save(self.plan, self._state, self.mesh)
+        for every, hook in self._hooks:
+            if not step % every:
+                hook(step, metrics)
         return metrics
+
+    def add_hook(self, hook: Callable[[int, dict], None], *, every: int = 1) -> None:
+        """Call ``hook(step, metrics)`` after every step whose number is a multiple of ``every``
+        (after the Trainer's own services: preemption, the non-finite check, checkpoints).
+        ``metrics`` are the step's device arrays: reading one waits for that step, so a hook
+        that reads them every step keeps the host from running ahead.
+
+        >>> trainer.add_hook(lambda step, m: print(step, float(m["loss"])), every=100)  # doctest: +SKIP
+        """
+        if not callable(hook):
+            raise TypeError(f"Trainer.add_hook: hook must be callable as hook(step, metrics), got {type(hook).__name__}")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"Trainer.add_hook: every={every!r} must be a positive int (1 = after every step)")
+        self._hooks.append((every, hook))
+
+    def _on_preemption(self, step: int, metrics: dict[str, Any]) -> None:
+        if self._preemption.reached(step):
+            self._save_and_exit(metrics)
+
+    def _on_finite_window(self, step: int, metrics: dict[str, Any]) -> None:
+        self.check_finite()
+
+    def _on_checkpoint(self, step: int, metrics: dict[str, Any]) -> None:
+        self.check_finite()          # a step that did not update must not pass silently into a save
+        self.checkpointer.maybe_save(self.plan, self._state, self.mesh)
 
     def _save_and_exit(self, metrics: dict[str, Any]) -> None:
         """Preempted (SIGTERM): save this step, wait for it, and leave with exit code 0 (the
