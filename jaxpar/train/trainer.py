@@ -22,7 +22,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.checkpoint import Checkpointer, restore_state, save_state
-from jaxpar.plan import check_combination
 from jaxpar.config import ParallelConfig
 from jaxpar.data import place_batch
 from jaxpar.data.sequence import reorder_batch
@@ -31,7 +30,7 @@ from jaxpar.metrics.logger import examples_per_step
 from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
 from jaxpar.nn.plan import check_rules_used, declared_names
-from jaxpar.plan import TrainPlan, TrainState, check_data, init_state, state_shardings
+from jaxpar.plan import TrainPlan, TrainState, check_combination, check_data, init_state, state_shardings
 from jaxpar.strategy import recording_rules
 from jaxpar.train.hooks import Preempted, Preemption, watchers
 from jaxpar.train.planning import plan_for
