@@ -122,13 +122,16 @@ class HandStep:
 
 
 class JaxparStep:
-    """``jaxpar.Trainer`` of the same model; ``options``: ``offload`` and ParallelConfig fields."""
+    """``jaxpar.Trainer`` of the same model; ``options``: ``offload``, ``model`` (fields of the
+    model's config that differ from the hand-written step's, e.g. ``loss_chunks``) and
+    ParallelConfig fields."""
 
     def __init__(self, label: str, cfg: LlamaConfig, devices, remat: str, options: dict):
         self.label = label
         options = dict(options)
         offload = options.pop("offload", ())
-        config = jaxpar.ParallelConfig(mesh={"data": -1}, precision="bf16", **{"remat": remat, **options})
+        cfg = dataclasses.replace(cfg, **options.pop("model", {}))
+        config = jaxpar.ParallelConfig(**{"mesh": {"data": -1}, "precision": "bf16", "remat": remat, **options})
         mesh = jaxpar.make_mesh(config, devices)
         model = jaxpar.init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), config, mesh)
         self.trainer = jaxpar.Trainer(model, make_tx(), loss_fn, config, mesh, offload=offload)
@@ -221,30 +224,37 @@ def cases(mode: str) -> list[Case]:
     """The cases, from the most telling to the least (a spent ``--budget-s`` skips the last)."""
     if mode == "gpu":
         big, mid, seq, long_seq = LlamaConfig.named("1b"), LlamaConfig.named("125m"), 2048, 8192
-        tiny, tiny_seq, batch = LlamaConfig.named("tiny", max_seq_len=128), 128, 4
+        tiny, tiny_seq, batch = LlamaConfig.named("tiny", max_seq_len=128), 128, 8
+        mid_batch = batch                  # the issue's 125m rows: 8 x 2048 tokens
     elif mode == "cpu":    # scaled down: about two minutes on a CPU
         width = dict(embed=128, heads=4, kv_heads=2, mlp=384, vocab_size=256)
         big = LlamaConfig.named("tiny", layers=4, tie_embeddings=True, **width)
         mid = LlamaConfig.named("tiny", layers=2, **width)
         seq, long_seq, batch = 64, 512, 4
+        mid_batch = batch * 2
         tiny, tiny_seq = LlamaConfig.named("tiny"), 16
     else:                  # quick: one tiny shape for all (its programs compile in a blink and share)
         big = mid = tiny = LlamaConfig.named("tiny")
         seq, long_seq, batch, tiny_seq = 16, 64, 2, 16
+        mid_batch = batch * 2
     moe = {"experts": 8, "top_k": 2}
+    chunked = (("jaxpar", {}), ("jaxpar, loss in 8 chunks", {"model": {"loss_chunks": 8}}))
+    if mode == "gpu":   # the fp8 preset where the device has fp8 matmuls (refused elsewhere: a row says why)
+        chunked += (("jaxpar fp8, loss in 8 chunks", {"model": {"loss_chunks": 8}, "precision": "fp8"}),)
+    kernels = (("jaxpar", {}), ("jaxpar, XLA ragged_dot", {"model": {"moe": {**moe, "kernel": "xla"}}}))
     offload = (("jaxpar", {}), ("jaxpar offload opt_state", {"offload": "opt_state"}),
                ("jaxpar offload params", {"offload": "params"}), ("jaxpar remat offload_dots", {"remat": "offload_dots"}))
     return [
         Case("tiny host-bound, 1 device", tiny, tiny_seq, 8, one_device=True),
         Case("1b-shape vs Hugging Face", big, seq, max(batch // 2, 1), hf=True),
-        Case("1b-shape", big, seq, batch),
+        Case("1b-shape", big, seq, batch, variants=chunked),
         Case("1b-shape, recompute", big, seq, batch, remat=REMAT),
         Case("1b-shape scanned", dataclasses.replace(big, scan_layers=True), seq, batch),
         Case("1b-shape scanned, recompute", dataclasses.replace(big, scan_layers=True), seq, batch, remat=REMAT),
         Case(f"1b-shape, {long_seq} tokens (scanned, recompute)", dataclasses.replace(big, scan_layers=True),
              long_seq, 1, remat=REMAT),
-        Case("125m-shape: offload modes", mid, seq, batch * 2, variants=offload),
-        Case("125m-shape MoE 8 x top-2", dataclasses.replace(mid, moe=moe), seq, batch * 2),
+        Case("125m-shape: offload modes", mid, seq, mid_batch, variants=offload),
+        Case("125m-shape MoE 8 x top-2", dataclasses.replace(mid, moe=moe), seq, mid_batch, variants=kernels),
         Case("jaxpar.init, 1b-shape", big, seq, batch, init=True),
     ]
 
@@ -367,6 +377,23 @@ def init_rows(case: Case, devices: list, opts) -> list[dict]:
             for name, ts in times.items()]
 
 
+def moe_experts(row: dict, dense: dict, case: Case) -> None:
+    """The MoE row against its dense twin: tokens/s per active FLOP (= MFU over MFU: both count
+    active experts only) and memory against dense + the extra weights with their gradients and
+    Adam moments (fp32: 16 bytes a parameter) + 20 %, the issue's bound."""
+    def params(cfg):
+        state = nnx.state(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
+    extra = params(case.cfg) - params(dataclasses.replace(case.cfg, moe=None))
+    row["tokens_per_s_over_dense_twin"] = row["tokens_per_s"] / dense["tokens_per_s"]
+    row["active_flops_over_dense"] = flops_per_token(case.cfg, case.seq) / flops_per_token(
+        dataclasses.replace(case.cfg, moe=None), case.seq)
+    row["efficiency_over_dense"] = row["tokens_per_s_over_dense_twin"] * row["active_flops_over_dense"]
+    row["extra_params"] = extra
+    row["memory_bound_gib"] = 1.2 * (dense["compiled_gib"] + 16 * extra / GIB)
+    row["memory_within_bound"] = row["compiled_gib"] <= row["memory_bound_gib"]
+
+
 def _eager(cfg: LlamaConfig, device):
     with jax.default_device(device):
         return Llama(cfg, rngs=nnx.Rngs(0))
@@ -456,7 +483,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="the smallest set (seconds on a CPU): what the test runs")
     p.add_argument("--cpu-set", action="store_true", help="the scaled-down set even on an accelerator")
-    p.add_argument("--cases", nargs="*", metavar="TEXT", help="only the cases whose name contains one of these")
+    p.add_argument("--cases", nargs="*", metavar="TEXT",
+                   help="only these cases: a whole case name picks that case, other text the cases containing it")
     p.add_argument("--rounds", type=int, help="timed rounds of one step per run (default 10 on a GPU)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per run first")
     p.add_argument("--peak-flops", type=float, help="peak bf16 FLOP/s per device for MFU (default: jaxpar.report)")
@@ -491,6 +519,16 @@ def main(argv=None) -> int:
         jax.config.update("jax_disable_most_optimizations", before)
 
 
+def wanted(case: Case, texts: list[str] | None, mode: str) -> bool:
+    """``--cases``: a text equal to a case's whole name picks that case alone, any other text
+    every case whose name contains it."""
+    if not texts:
+        return True
+    names = {c.name.lower() for c in cases(mode)}
+    name = case.name.lower()
+    return any(t.lower() == name if t.lower() in names else t.lower() in name for t in texts)
+
+
 def run(args) -> int:
     start = time.perf_counter()
     device = jax.devices()[0]
@@ -505,7 +543,7 @@ def run(args) -> int:
                       "after each case (GPU only; XLA cannot reset it between rows)"}
     rows = []
     for case in cases(args.mode):
-        if args.cases and not any(t.lower() in case.name.lower() for t in args.cases):
+        if not wanted(case, args.cases, args.mode):
             continue
         if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
             rows.append(skipped(case, "all", f"time budget of {args.budget_s:.0f} s spent (--budget-s)"))
@@ -518,7 +556,7 @@ def run(args) -> int:
                   and r["status"] == "measured"), None)
     for r in rows:
         if "MoE" in r["case"] and r["status"] == "measured" and dense is not None:
-            r["tokens_per_s_over_dense_twin"] = r["tokens_per_s"] / dense["tokens_per_s"]
+            moe_experts(r, dense, next(c for c in cases(args.mode) if c.name == r["case"]))
     meta["total_s"] = time.perf_counter() - start
     print_table(rows, meta)
     out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")

@@ -264,8 +264,9 @@ class ParallelConfig:
         overlap the next part's compute. 1 = off.
       search: strategy search algorithm for ``mode="auto"``.
       precision: mixed precision: ``None`` (every array keeps the dtype the model gave
-        it), a preset ``"fp32"`` / ``"bf16"`` / ``"bf16-pure"``, a dict of dtypes
-        ``{"params", "compute", "reduce", "opt_state"}`` or a ``jaxpar.Precision``.
+        it), a preset ``"fp32"`` / ``"bf16"`` / ``"bf16-pure"`` / ``"fp8"`` (bf16 with the
+        model's projections as scaled fp8 matmuls; GPUs with fp8 matmuls only), a dict
+        ``{"params", "compute", "reduce", "opt_state", "matmuls"}`` or a ``jaxpar.Precision``.
       context: context parallel (a ``ContextConfig`` or dict), or None (off).
       allow_unused_rules: keep rules that no parameter, activation constraint or batch
         consults (off: such a rule, e.g. a typo ``"mlpp"``, is an error when the step is

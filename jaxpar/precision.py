@@ -1,7 +1,8 @@
 """Mixed precision as a setting: which dtype parameters are stored in, computed in, reduced
 in, and which the optimizer state is kept in.
 
-A ``Precision`` is four dtype names; three presets cover the usual choices::
+A ``Precision`` is four dtype names and the kind of the model's matmuls; four presets cover
+the usual choices::
 
     >>> Precision.named("bf16")
     Precision(params='float32', compute='bfloat16', reduce='float32', opt_state='float32')
@@ -16,6 +17,11 @@ kept and summed in ``reduce`` and reach the optimizer in ``params``; the optimiz
 fp32 and its state is stored in ``opt_state`` (`with_precision`). Only floating-point leaves
 are ever cast: RNG keys, counters and other integer state keep their dtypes, and the
 non-parameter state (e.g. batch statistics) keeps the dtype it had.
+
+``matmuls="fp8"`` (the ``"fp8"`` preset) runs the model's projections as fp8 matmuls with
+per-tensor current scaling, e4m3 forward and e5m2 gradients (`jaxpar.nn.fp8`); the LM head,
+attention and norms stay in ``compute``. It needs fp8 matmuls (NVIDIA compute capability 8.9
+or newer) and is refused elsewhere by the plan's checks.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import optax
 
 FLOATS = ("float32", "bfloat16", "float16")
 FIELDS = ("params", "compute", "reduce", "opt_state")
+MATMULS = ("compute", "fp8")
 
 
 def _check_dtype(field: str, value: Any) -> str:
@@ -55,6 +62,8 @@ class Precision:
         micro-batches (``grad_accum``) and, in ``mode="hybrid"``, all-reduced /
         reduce-scattered over the batch axes in it.
       opt_state: dtype the optimizer state is stored in (its arithmetic runs in fp32).
+      matmuls: ``"compute"`` (the model's matmuls in ``compute``) or ``"fp8"`` (its
+        projections as scaled fp8 matmuls; needs ``compute`` bfloat16 or float16).
 
     >>> Precision(compute="bfloat16").compute
     'bfloat16'
@@ -64,14 +73,20 @@ class Precision:
     compute: str = "float32"
     reduce: str = "float32"
     opt_state: str = "float32"
+    matmuls: str = "compute"
 
     def __post_init__(self):
         for field in FIELDS:
             _check_dtype(field, getattr(self, field))
+        if self.matmuls not in MATMULS:
+            raise ValueError(f"Precision.matmuls={self.matmuls!r} is not one of {MATMULS}")
+        if self.matmuls == "fp8" and self.compute == "float32":
+            raise ValueError("Precision.matmuls='fp8' with compute='float32': fp8 matmuls take half-precision "
+                             "activations; use compute='bfloat16' (the 'fp8' preset) or matmuls='compute'")
 
     @classmethod
     def named(cls, name: str) -> "Precision":
-        """The preset ``name``: ``"fp32"``, ``"bf16"`` or ``"bf16-pure"`` (see ``PRESETS``)."""
+        """The preset ``name``: ``"fp32"``, ``"bf16"``, ``"bf16-pure"`` or ``"fp8"`` (see ``PRESETS``)."""
         if name not in PRESETS:
             raise ValueError(f"precision={name!r} is not a preset; choose one of {tuple(PRESETS)}, or give "
                              f"the dtypes, e.g. {{'compute': 'bfloat16'}} (dtypes: {FLOATS})")
@@ -83,7 +98,8 @@ class Precision:
         for name, preset in PRESETS.items():
             if preset == self:
                 return name
-        return " ".join(f"{f}={getattr(self, f)}" for f in FIELDS)
+        extra = [] if self.matmuls == "compute" else [f"matmuls={self.matmuls}"]
+        return " ".join([f"{f}={getattr(self, f)}" for f in FIELDS] + extra)
 
 
 PRESETS = {
@@ -92,6 +108,8 @@ PRESETS = {
     "bf16": Precision(compute="bfloat16"),
     # everything in bf16: half the parameter and optimizer-state memory, coarser updates.
     "bf16-pure": Precision(params="bfloat16", compute="bfloat16", reduce="bfloat16", opt_state="bfloat16"),
+    # "bf16" with the model's projections as scaled fp8 matmuls (Hopper / Ada GPUs).
+    "fp8": Precision(compute="bfloat16", matmuls="fp8"),
 }
 
 
@@ -106,9 +124,10 @@ def as_precision(value: Any) -> Precision | None:
     if isinstance(value, str):
         return Precision.named(value)
     if isinstance(value, Mapping):
-        extra = set(value) - set(FIELDS)
+        extra = set(value) - set(FIELDS) - {"matmuls"}
         if extra:
-            raise ValueError(f"precision={dict(value)!r}: unknown keys {sorted(extra)}; known: {list(FIELDS)}")
+            raise ValueError(f"precision={dict(value)!r}: unknown keys {sorted(extra)}; known: "
+                             f"{list(FIELDS) + ['matmuls']}")
         return Precision(**value)
     raise TypeError(f"precision={value!r} ({type(value).__name__}): give a preset name {tuple(PRESETS)}, "
                     "a dict of dtypes or a jaxpar.Precision")

@@ -25,6 +25,8 @@ import optax
 from flax import nnx
 
 from jaxpar.models.llama_config import SIZES, LlamaConfig, RopeScaling, describe, flops_per_token, param_count
+from jaxpar.nn import fp8
+from jaxpar.nn.logits import head_logits
 from jaxpar.nn.moe import MoE, moe_aux_loss
 from jaxpar.ops.cross_entropy import chunked_cross_entropy
 
@@ -183,9 +185,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids=None, constrain=no_constraint):
         dtype, freqs = x.dtype, rope_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
-        q = jnp.einsum("bse,ehd->bshd", x, self.wq[...].astype(dtype))
-        k = jnp.einsum("bse,ehd->bshd", x, self.wk[...].astype(dtype))
-        v = jnp.einsum("bse,ehd->bshd", x, self.wv[...].astype(dtype))
+        q = fp8.einsum("bse,ehd->bshd", x, self.wq[...].astype(dtype))
+        k = fp8.einsum("bse,ehd->bshd", x, self.wk[...].astype(dtype))
+        v = fp8.einsum("bse,ehd->bshd", x, self.wv[...].astype(dtype))
         q = constrain(_rotate(q, positions, freqs), ("batch", "length", "heads", "head_dim"))
         k = constrain(_rotate(k, positions, freqs), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -195,7 +197,7 @@ class Attention(nnx.Module):
         out = (attention(q, k, v, segment_ids, kind=self.cfg.attention) if attend is None
                else attend(q, k, v, segment_ids, positions))
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return jnp.einsum("bshd,hde->bse", out, self.wo[...].astype(dtype))
+        return fp8.einsum("bshd,hde->bse", out, self.wo[...].astype(dtype))
 
 
 class MLP(nnx.Module):
@@ -212,8 +214,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x, constrain=no_constraint):
         dtype = x.dtype
-        h = jax.nn.silu(x @ self.gate[...].astype(dtype)) * (x @ self.up[...].astype(dtype))
-        return constrain(h, ("batch", "length", "mlp")) @ self.down[...].astype(dtype)
+        # projections through jaxpar.nn.fp8.einsum: plain einsums, fp8 under precision="fp8"
+        h = jax.nn.silu(fp8.einsum("bse,ef->bsf", x, self.gate[...].astype(dtype)))
+        h = h * fp8.einsum("bse,ef->bsf", x, self.up[...].astype(dtype))
+        return fp8.einsum("bsf,fe->bse", constrain(h, ("batch", "length", "mlp")), self.down[...].astype(dtype))
 
 
 class Block(nnx.Module):
@@ -324,9 +328,8 @@ class Llama(nnx.Module):
 
 
 def _logits(norm, table, x, *, tied: bool, constrain=no_constraint):
-    w = table[...].astype(x.dtype)
-    out = jnp.einsum("bse,ve->bsv" if tied else "bse,ev->bsv", norm(x), w, preferred_element_type=jnp.float32)
-    return constrain(out, ("batch", "length", "vocab"))
+    # fp32 logits; their gradient matmuls in the compute dtype (jaxpar.nn.logits)
+    return constrain(head_logits(norm(x), table[...], tied=tied), ("batch", "length", "vocab"))
 
 
 def _head_xent(norm, table, x, batch, *, tied: bool, chunks: int, constrain=no_constraint) -> jax.Array:

@@ -15,6 +15,7 @@ from typing import Any
 from flax import nnx
 
 from jaxpar.config import ParallelConfig
+from jaxpar.nn.fp8 import fp8_unavailable
 from jaxpar.nn.moe import MoE
 from jaxpar.ops import ContextParallel
 from jaxpar.pipeline import PipelineLoss, StagedLoss
@@ -41,7 +42,13 @@ def check_combination(config: ParallelConfig, model: nnx.Module | None = None, l
 
 
 def _check_platform(config: ParallelConfig, platform: str) -> None:
-    """Combinations one backend cannot compile, refused before it aborts the process."""
+    """Combinations one backend cannot compile (refused before it aborts the process) or cannot
+    gain from."""
+    if config.precision is not None and config.precision.matmuls == "fp8":
+        why = fp8_unavailable(platform)
+        if why:
+            raise ValueError(f"ParallelConfig: precision {config.precision.label!r} runs the matmuls in fp8, but "
+                             f"{why}: there it would only lose precision; use precision='bf16'")
     half = config.precision is not None and config.precision.compute != "float32"
     if half and config.pipeline.stages > 1 and platform == "cpu":
         raise ValueError(

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.data import part_shapes
+from jaxpar.nn import fp8
 from jaxpar.nn.blocks import BLOCKS_HOOK, block_policy, find_blocks, remat_blocks
 from jaxpar.optim import accumulate, fusion
 from jaxpar.optim.offload import to_device
@@ -243,14 +244,15 @@ def interleave(loss: Callable, n: int, constrain: Callable = lambda b: b) -> Cal
 
 def cast(s: Setting, loss: Callable) -> Callable:
     """``precision``: parameters and float batch leaves cast to the compute dtype where the
-    loss uses them; the loss returned in fp32; non-parameter state back in its own dtypes
+    loss uses them, its matmuls in ``precision.matmuls``; the loss returned in fp32; non-parameter state back in its own dtypes
     (statistics stay as stored; keys and counters are never cast)."""
     if s.precision is None:
         return loss
-    dtype = s.precision.compute
+    dtype, kind = s.precision.compute, s.precision.matmuls
 
     def cast_loss(params, rest, batch):
-        value, (aux, new_rest) = loss(cast_floats(params, dtype), rest, cast_floats(batch, dtype))
+        with fp8.matmuls(kind):     # the model's projections in fp8 where the preset asks (jaxpar.nn.fp8)
+            value, (aux, new_rest) = loss(cast_floats(params, dtype), rest, cast_floats(batch, dtype))
         return value.astype(jnp.float32), (aux, cast_like(new_rest, rest))
 
     return cast_loss
