@@ -210,7 +210,8 @@ def build(job: JobConfig, *, devices=None) -> Built:
         compute = job.parallel.precision.compute if job.parallel.precision is not None else "float32"
         metrics = MetricsConfig(dir=log.dir, every=log.every, tensorboard=log.tensorboard, learning_rate=schedule,
                                 peak_flops=log.peak_flops or peak_flops(dtype=compute))
-    # mode "auto" plans (and resumes) on a batch now rather than at the first step
+    # mode "auto": the plan is searched on the first batch the job trains on, before the Trainer
+    # places anything (jaxpar.train.plan_for); then the Trainer resumes from checkpoint.dir
     example = train.batch(train.position) if job.parallel.mode == "auto" else None
     # generated data: every process makes the same global batch and jaxpar keeps each device's rows
     global_batch = True if job.data.source == "arithmetic" else None
