@@ -107,7 +107,8 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
     attention probabilities (heads × seq) — or, for cuDNN's fused kernel, one log-sum-exp per
     head. Head-, kv- and mlp-sized values are divided by the ways the plan's rules split
     ``heads`` / ``kv_heads`` / ``mlp``; tokens by the batch axes. The fp32 logits
-    (vocab per token, split as ``vocab``) are added once. With recompute ``"full"`` /
+    (vocab per token, split as ``vocab``) are added once; with ``loss_chunks`` instead the
+    gradients the chunked loss keeps (embed per token, and the head's in fp32). With recompute ``"full"`` /
     ``"nothing_saveable"`` (the config's or the model's) a layer keeps only its input, plus one
     layer's full set while it is recomputed; other policies are reported at the
     no-recompute bound.
@@ -124,7 +125,9 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
     itemsize = np.dtype(compute_dtype or cfg.dtype or cfg.param_dtype).itemsize
     recompute = {plan.remat, cfg.remat} & set(_SAVE_INPUTS)
     kept = cfg.layers * cfg.embed + layer if recompute else cfg.layers * layer
-    logits = tokens * cfg.vocab_size / _degree(plan, "vocab") * 4
+    vocab = cfg.vocab_size / _degree(plan, "vocab")
+    # chunked loss: the gradients its forward computed (dh per token, the head's in fp32), not logits
+    logits = tokens * cfg.embed * itemsize + cfg.embed * vocab * 4 if cfg.loss_chunks else tokens * vocab * 4
     return int(tokens * kept * itemsize + logits)
 
 
