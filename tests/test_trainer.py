@@ -165,3 +165,21 @@ def test_hooks_run_at_their_steps_after_the_services(tmp_path):
         trainer.add_hook(print, every=0)
     with pytest.raises(TypeError, match=r"add_hook: hook must be callable .* got str"):
         trainer.add_hook("print")
+
+
+def test_the_trainer_module_never_searches_or_plans():
+    """The plan is made before the Trainer (`jaxpar.train.plan_for`); the Trainer's module imports
+    neither the search nor the planner."""
+    import ast
+    import pathlib
+
+    import jaxpar.train.trainer as module
+
+    names = set()
+    for node in ast.walk(ast.parse(pathlib.Path(module.__file__).read_text())):
+        if isinstance(node, ast.ImportFrom):
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+    assert not {n for n in names if n.startswith("jaxpar.auto") or n.endswith(".make_train_plan")}, names
+    assert "jaxpar.train.planning.plan_for" in names
