@@ -184,3 +184,16 @@ def test_strategy_file_reproduces_the_layout(tmp_path):
     specs = ckpt.strategy_specs(strategy)
     for path, spec in jax.tree_util.tree_flatten_with_path(planned, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]:
         assert spec == specs["params/" + path_str(path)], path
+
+
+def test_checkpoint_code_assigns_no_trainer_state():
+    """Checkpoints return states; whoever holds one (the Trainer, the job runner) assigns it."""
+    import ast
+    import pathlib
+
+    for path in pathlib.Path(ckpt.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                assert not any(isinstance(t, ast.Attribute) and t.attr in ("state", "data_state", "step_count")
+                               for t in targets), f"{path.name}:{node.lineno} assigns into another object's state"
