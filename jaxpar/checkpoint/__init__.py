@@ -4,7 +4,7 @@
     >>> jaxpar.checkpoint.restore(other_trainer, "ckpt")      # any mesh / ZeRO level / device count
     >>> load_strategy("ckpt")["mesh"]                         # the layout it was saved under
 
-See ``docs/checkpoint.md``; ``jaxpar ckpt {inspect,transform,merge,import-hf,export-hf}`` (``python -m jaxpar.ckpt_cli``) works offline.
+See ``docs/checkpoint.md``; ``jaxpar ckpt {inspect,transform,merge,import-hf,export-hf}`` (``python -m jaxpar.cli ckpt``) works offline.
 """
 
 from jaxpar.checkpoint.manager import (CheckpointDamagedError, Checkpointer, CheckpointWriteError, latest_step,
