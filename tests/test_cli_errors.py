@@ -46,6 +46,7 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "adir").mkdir()
     (tmp_path / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
     (tmp_path / "job.yaml").write_text("model: {size: tiny}\ndata: {path: store}\n")     # a job file
+    (tmp_path / "arith.yaml").write_text("model: {name: gpt}\ndata: {source: arithmetic}\n")   # the example's data
     (tmp_path / "llama.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 64, "hidden_size": 32,
         "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}))
@@ -117,6 +118,7 @@ BAD = [
     (["train", "--config", "job.yaml", "--checkpoint.dir", "afile/ckpt"],
      "checkpoint.dir='afile/ckpt' cannot be written ("),
     (["train", "--config", "job.yaml", "--logging.dir", "afile"], "logging.dir='afile' cannot be written ("),
+    (["train", "--config", "arith.yaml", "--samples", "2"], "data.source 'arithmetic' has none; drop --samples"),
     (["train", "--metrics", "afile/m.json"], "--metrics 'afile/m.json' cannot be written"),
     (["train", "--metrics", "adir"], "--metrics 'adir' is a directory"),
     (["train", "--mesh", "data=3,model=2"], "mesh {'data': 3, 'model': 2} has 6 devices but 8 are available"),
@@ -457,6 +459,10 @@ def test_train_flags_and_the_equivalent_job_file_run_the_same_job(files, recorde
     with pytest.raises(Stop):
         main(["train", "--config", "default.yaml"])
     assert recorded[0][1][0] == job
+    # `jaxpar plan` of the job file plans the example GPT from shapes alone
+    capsys.readouterr()
+    assert main(["plan", "--config", "same.yaml"]) == 0
+    assert "train plan (given) on mesh {'data': 4, 'model': 2}" in capsys.readouterr().out
 
 
 def test_the_example_data_keeps_its_position_for_a_resume():
