@@ -216,3 +216,31 @@ def test_the_memory_estimate_counts_the_chunked_loss_gradients_not_the_logits():
                      .memory.activations for n in (0, 8))
     tokens, itemsize = 8 * 2048, 4   # per device; fp32 parameters as used
     assert full - chunked == tokens * cfg.vocab_size * 4 - (tokens * cfg.embed * itemsize + cfg.embed * cfg.vocab_size * 4)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    import jaxpar.ops.cross_entropy as module
+
+    result = doctest.testmod(module, extraglobs={"jnp": jnp})
+    assert result.attempted and not result.failed
+
+
+@requires_devices(2)
+def test_inside_shard_map_with_inputs_varying_over_a_manual_axis():
+    """As in a pipeline stage or per-device code: x, targets and mask differ per device, the
+    table does not; the scan's carries must vary like them."""
+    mesh = jax.make_mesh((2,), ("p",), axis_types=(jax.sharding.AxisType.Auto,))
+    x, w, targets, mask = _data(b=4)
+
+    def local(x, w, t, m):
+        f = lambda fn: jax.value_and_grad(lambda x, w: fn(x, w), (0, 1))(x, w)  # noqa: E731
+        (a, (ax, aw)), (b, (bx, bw)) = (f(lambda x, w: chunked_cross_entropy(x, w, t, chunks=4, mask=m)),
+                                        f(lambda x, w: _materialised(x, w, t, m, False)))
+        return jnp.stack([a, b])[None], jnp.stack([ax, bx])[None], jax.lax.psum(jnp.stack([aw, bw]), "p")
+
+    spec = jax.P("p")
+    losses, dx, dw = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, jax.P(), spec, spec),
+                                           out_specs=(spec, spec, jax.P())))(x, w, targets, mask)
+    assert_close((losses[:, 0], dx[:, 0], dw[0]), (losses[:, 1], dx[:, 1], dw[1]))

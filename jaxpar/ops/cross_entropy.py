@@ -70,6 +70,10 @@ def chunked_cross_entropy(x: jax.Array, table: jax.Array, targets: jax.Array, *,
     _check(x, table, targets, mask, chunks, tied)
     keep = jnp.ones(targets.shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
     weights = jax.lax.stop_gradient(keep / jnp.maximum(keep.sum(), 1.0))
+    # inside a shard_map every input varies over the manual axes any one does (so the gradient of a
+    # table that does not is summed over them by pcast's transpose, as for a plain einsum)
+    axes = set().union(*(_varying_axes(a) for a in (x, table, targets, weights)))
+    x, table, targets, weights = (_varying(a, axes) for a in (x, table, targets, weights))
     return _fused(chunks, tied, constrain, jnp.dtype(table.dtype))(x, table, targets, weights)
 
 
@@ -122,7 +126,8 @@ def _fused(chunks: int, tied: bool, constrain: Callable, table_dtype):
             return total + chunk_loss(h, w, t, wt)[0], None
 
         xs = _split(chunks, x, targets, weights)
-        return jax.lax.scan(body, jnp.zeros(xs[1].shape[1:], jnp.float32), xs)[0].sum()
+        total0 = _varying(jnp.zeros(xs[1].shape[1:], jnp.float32), _varying_axes(x))
+        return jax.lax.scan(body, total0, xs)[0].sum()
 
     def forward(x, table, targets, weights):
         w = table.astype(x.dtype)
@@ -144,8 +149,9 @@ def _fused(chunks: int, tied: bool, constrain: Callable, table_dtype):
                               preferred_element_type=jnp.float32)
             return (total + loss, constrain(dw + step, partial_names)), dh.astype(x.dtype)
 
-        dw0 = constrain(jnp.zeros((db, dl, *table.shape), jnp.float32), partial_names)
-        (total, dw), dh = jax.lax.scan(body, (jnp.zeros(xs[1].shape[1:], jnp.float32), dw0), xs)
+        carry = (jnp.zeros(xs[1].shape[1:], jnp.float32), jnp.zeros((db, dl, *table.shape), jnp.float32))
+        total0, dw0 = (_varying(c, _varying_axes(x)) for c in carry)
+        (total, dw), dh = jax.lax.scan(body, (total0, constrain(dw0, partial_names)), xs)
         return total.sum(), (_join(dh, x.shape[1]), constrain(dw.sum((0, 1)), head_names))
 
     def backward(res, ct):
@@ -155,6 +161,18 @@ def _fused(chunks: int, tied: bool, constrain: Callable, table_dtype):
     fused = jax.custom_vjp(primal)
     fused.defvjp(forward, backward)
     return fused
+
+
+def _varying(a: jax.Array, axes) -> jax.Array:
+    """``a`` marked as varying over the manual mesh ``axes`` (inside a ``shard_map``: a pipeline
+    stage, per-device code): a scan carry must keep its type, a custom_vjp's cotangents their input's."""
+    missing = tuple(sorted(set(axes) - _varying_axes(a)))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
+def _varying_axes(a) -> frozenset:
+    aval = jax.typeof(a)   # the set is ``vma`` in some JAX versions, ``manual_axis_type.varying`` in others
+    return frozenset(getattr(aval, "vma", None) or getattr(getattr(aval, "manual_axis_type", None), "varying", ()))
 
 
 def _token_split(constrain: Callable, shape) -> tuple[int, int]:
