@@ -9,7 +9,7 @@ Sections (each guarded: one failing prints its error and the rest run):
 - fp8: an 8192^3 e4m3 x e4m3 -> bf16 product against bf16, and the same with per-tensor scaling
   (quantise inside the jitted function) to see whether XLA keeps the fp8 GEMM;
 - LM head + cross-entropy (16,384 tokens x 128,256 vocab x 2048) materialised: time, temp bytes;
-- a Llama-1B step through jaxpar.Trainer (batch 8 x 2048, bf16, adamw): ms, MFU, peak memory,
+- a Llama-1B step through jaxpar.Trainer (batch 8 x 2048, bf16, adamw, ``--loss-chunks``): ms, MFU, peak memory,
   and the top device ops by time from a ``jax.profiler`` trace of three steps.
 """
 
@@ -191,13 +191,14 @@ def head_ce():
 
 
 @section("1b step")
-def step_1b(trace_dir):
+def step_1b(trace_dir, loss_chunks=0):
     import optax
     from flax import nnx
     import jaxpar
     from jaxpar.models.llama import Llama, LlamaConfig, flops_per_token, loss_fn
     out = {}
-    cfg = LlamaConfig.named("1b")
+    cfg = LlamaConfig.named("1b", loss_chunks=loss_chunks)
+    out["loss_chunks"] = loss_chunks
     seq, batch = 2048, 8
     config = jaxpar.ParallelConfig(mesh={"data": -1}, precision="bf16")
     mesh = jaxpar.make_mesh(config)
@@ -262,11 +263,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="probe.json")
     p.add_argument("--only", nargs="*")
+    p.add_argument("--loss-chunks", type=int, default=0, help="the 1b step's LlamaConfig.loss_chunks")
     a = p.parse_args()
     RESULTS["devices"] = [str(d) for d in jax.devices()]
     RESULTS["jax"] = jax.__version__
     todo = {"grouped": grouped, "fp8": fp8, "ce": head_ce,
-            "1b": lambda: step_1b("/tmp/jaxpar_trace")}
+            "1b": lambda: step_1b("/tmp/jaxpar_trace", a.loss_chunks)}
     for k, f in todo.items():
         if not a.only or k in a.only:
             f()

@@ -20,7 +20,7 @@ def _ref(spec, x, w):
     """The fake-quantised reference: e4m3 forward, e5m2 incoming gradient, exact products."""
     @jax.custom_vjp
     def f(x, w):
-        return jnp.einsum(spec, _fake(x, fp8.E4M3, 448.0), _fake(w, fp8.E4M3, 448.0))
+        return jnp.einsum(spec, _fake(x, fp8.E4M3, 448.0), _fake(w, fp8.E4M3, 448.0), precision="highest")
 
     def fwd(x, w):
         return f(x, w), (x, w)
@@ -29,7 +29,9 @@ def _ref(spec, x, w):
         x, w = res
         a, b, out = fp8._parse(spec)
         fg, fx, fw = _fake(g, fp8.E5M2, 57344.0), _fake(x, fp8.E4M3, 448.0), _fake(w, fp8.E4M3, 448.0)
-        return jnp.einsum(f"{out},{b}->{a}", fg, fw), jnp.einsum(f"{a},{out}->{b}", fx, fg)
+        # exact fp32 products of the dequantised values (a GPU's default fp32 matmul is TF32)
+        return (jnp.einsum(f"{out},{b}->{a}", fg, fw, precision="highest"),
+                jnp.einsum(f"{a},{out}->{b}", fx, fg, precision="highest"))
 
     f.defvjp(fwd, bwd)
     return f(x, w)

@@ -60,6 +60,31 @@ def test_the_mosaic_glue_equals_ragged_dot_values_and_gradients(monkeypatch):
     assert (np.asarray(out)[int(sizes.sum()):] == 0).all()      # rows past the groups: zero, not NaN
 
 
+def test_each_kernel_shape_is_traced_once_for_every_layer_and_the_backward(monkeypatch):
+    """A model calls one shape from each layer: the kernels go through jitted callees, which JAX
+    lowers (and Mosaic compiles) once per program, not once per call site."""
+    traced = {"ragged": 0, "transposed": 0}
+
+    def ragged(*a, **k):
+        traced["ragged"] += 1
+        return _ragged_kernel(*a, **k)
+
+    def transposed(*a, **k):
+        traced["transposed"] += 1
+        return _transposed_kernel(*a, **k)
+
+    monkeypatch.setattr(gm, "_kernels", lambda: (ragged, transposed))
+    x, w, sizes, _ = _problem(m=256, k=128, n=128, g=2, total=200)
+
+    def layers(x, w):
+        for _ in range(4):
+            x = gm._mosaic(x, w, sizes)
+        return x.sum()
+
+    jax.jit(jax.grad(layers, argnums=(0, 1))).lower(x, w)
+    assert traced == {"ragged": 2, "transposed": 1}     # forward, rows' gradient; weights' gradient
+
+
 def test_mosaic_is_refused_where_it_cannot_run_and_auto_takes_xla():
     x, w, sizes, _ = _problem()
     if jax.devices()[0].platform == "cpu":

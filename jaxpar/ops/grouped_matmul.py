@@ -94,11 +94,24 @@ def _rows_in_groups(m, group_sizes):
     return (jnp.arange(m) < group_sizes.sum())[:, None]
 
 
+# Each kernel call goes through a jitted function: a model calls one shape from every layer and
+# again in the backward, and JAX lowers a jitted callee once per program (the Mosaic compile is
+# part of lowering: a 12-layer MoE step otherwise compiled each kernel at every call site).
+@functools.partial(jax.jit, static_argnames=("transpose_rhs", "tiles"))
+def _ragged_call(lhs, rhs, group_sizes, *, transpose_rhs, tiles):
+    return _kernels()[0](lhs, rhs, group_sizes=group_sizes, transpose_rhs=transpose_rhs, **dict(tiles))
+
+
+@functools.partial(jax.jit, static_argnames=("tiles",))
+def _transposed_call(lhs, rhs, group_sizes, *, tiles):
+    return _kernels()[1](lhs, rhs, group_sizes=group_sizes, **dict(tiles))
+
+
 def _forward(x, w, group_sizes):
-    fwd, _ = _kernels()
     m = x.shape[0]
-    out = fwd(_pad_rows(x, _FWD["block_m"]), w, group_sizes=group_sizes.astype(jnp.int32),
-              grid_block_n=_grid_block_n(w.shape[2]), **_FWD)[:m]
+    tiles = tuple({**_FWD, "grid_block_n": _grid_block_n(w.shape[2])}.items())
+    out = _ragged_call(_pad_rows(x, _FWD["block_m"]), w, group_sizes.astype(jnp.int32), transpose_rhs=False,
+                       tiles=tiles)[:m]
     return jnp.where(_rows_in_groups(m, group_sizes), out, 0)
 
 
@@ -113,12 +126,11 @@ def _mosaic_fwd(x, w, group_sizes):
 
 def _mosaic_bwd(res, g):
     x, w, group_sizes = res
-    fwd, transposed = _kernels()
     m, gs = x.shape[0], group_sizes.astype(jnp.int32)
     g = jnp.where(_rows_in_groups(m, group_sizes), g.astype(x.dtype), 0)
-    dx = fwd(_pad_rows(g, _DX["block_m"]), w, group_sizes=gs, transpose_rhs=True, **_DX)[:m]
+    dx = _ragged_call(_pad_rows(g, _DX["block_m"]), w, gs, transpose_rhs=True, tiles=tuple(_DX.items()))[:m]
     dx = jnp.where(_rows_in_groups(m, group_sizes), dx, 0)
-    dw = transposed(_pad_rows(x, _DW["block_k"]), _pad_rows(g, _DW["block_k"]), group_sizes=gs, **_DW)
+    dw = _transposed_call(_pad_rows(x, _DW["block_k"]), _pad_rows(g, _DW["block_k"]), gs, tiles=tuple(_DW.items()))
     return dx, dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
