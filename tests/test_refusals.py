@@ -98,3 +98,21 @@ def test_without_a_loss_the_plan_still_refuses_what_the_model_decides():
     with pytest.raises(ValueError, match="make_train_plan: ParallelConfig.context=.*ContextParallel"):
         make_train_plan(config, jaxpar.make_mesh(config), model, optax.adamw(1e-3))
     assert jax.device_count() == 8
+
+
+def test_offload_that_cannot_pay_on_a_gpu_is_refused_there_with_what_to_use():
+    """Measured on an H200 (jaxpar.optim.offload): no offload mode lowers the peak or keeps the
+    step within 1.25x; a GPU run is refused with the alternatives, CPU (the tests) and TPU are not."""
+    from jaxpar.optim.offload import unpaid_on
+    from jaxpar.plan.checks import check_combination
+
+    why = unpaid_on("gpu", ("opt_state",))
+    assert "offload=('opt_state',) cannot pay on a GPU" in why and "ZeRO" in why and "drop offload" in why
+    assert "remat='offload_dots' cannot pay on a GPU" in unpaid_on("gpu", (), "offload_dots")
+    assert unpaid_on("gpu", (), "full") is None and unpaid_on("cpu", ("params",), "offload_dots") is None
+    assert unpaid_on("tpu", ("params",)) is None
+    with pytest.raises(ValueError, match="make_train_plan: offload=\\('params',\\) cannot pay on a GPU"):
+        check_combination(jaxpar.ParallelConfig(), platform="gpu", offload=("params",))
+    with pytest.raises(ValueError, match="Trainer: remat='offload_dots' cannot pay on a GPU"):
+        check_combination(jaxpar.ParallelConfig(remat="offload_dots"), platform="gpu", who="Trainer")
+    check_combination(jaxpar.ParallelConfig(remat="offload_dots"), platform="cpu", offload=("opt_state",))

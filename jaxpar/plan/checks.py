@@ -17,12 +17,14 @@ from flax import nnx
 from jaxpar.config import ParallelConfig
 from jaxpar.nn.fp8 import fp8_unavailable
 from jaxpar.nn.moe import MoE
+from jaxpar.optim.offload import unpaid_on
 from jaxpar.ops import ContextParallel
 from jaxpar.pipeline import PipelineLoss, StagedLoss
 
 
 def check_combination(config: ParallelConfig, model: nnx.Module | None = None, loss_fn: Any = None, *,
-                      platform: str | None = None, who: str = "make_train_plan") -> None:
+                      platform: str | None = None, offload: tuple[str, ...] = (),
+                      who: str = "make_train_plan") -> None:
     """Raise a ``ValueError`` / ``TypeError`` naming both features when ``config`` cannot train
     ``model`` with ``loss_fn`` on ``platform``. What is not given (``None``) is not checked:
     without ``loss_fn`` the loss-dependent refusals wait for the Trainer, which gives it.
@@ -31,6 +33,9 @@ def check_combination(config: ParallelConfig, model: nnx.Module | None = None, l
     """
     if platform is not None:
         _check_platform(config, platform)
+        why = unpaid_on(platform, tuple(offload), config.remat)
+        if why:
+            raise ValueError(f"{who}: {why}")
     if loss_fn is not None and config.pipeline.stages > 1 and not isinstance(loss_fn, (PipelineLoss, StagedLoss)):
         raise TypeError(
             f"{who}: pipeline.stages={config.pipeline.stages} needs loss_fn as a jaxpar.pipeline.PipelineLoss "

@@ -131,6 +131,8 @@ class Trainer:
         if self._offload and not host.host_memory_available(mesh):
             raise ValueError(f"Trainer: offload={self._offload} needs a '{host.HOST}' memory space, which "
                              f"{mesh.devices.flat[0].platform} devices here do not have; drop offload")
+        if host.unpaid_on(mesh.devices.flat[0].platform, self._offload):
+            raise ValueError(f"Trainer: {host.unpaid_on(mesh.devices.flat[0].platform, self._offload)}")
         self.checkpointer = None       # opened first: a bad directory is refused before any planning
         if checkpoint_dir is not None:
             self.checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep, resume=resume)
