@@ -491,6 +491,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, help="start no case after this many seconds (default 400 on a GPU)")
     p.add_argument("--out", help="JSON path (default: gpu_<device>.json in $OUT or benchmarks/results/)")
     args = p.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     accelerator = jax.devices()[0].platform != "cpu"
     args.mode = "quick" if args.quick else ("gpu" if accelerator and not args.cpu_set else "cpu")
     defaults = {"gpu": (10, 60, 10, 2, 400.0), "cpu": (8, 20, 5, 2, None), "quick": (3, 5, 3, 2, None)}[args.mode]
@@ -535,6 +536,7 @@ def run(args) -> int:
     devices = jax.devices() if args.mode == "gpu" else jax.devices()[:1]
     meta = {"device_kind": device.device_kind, "platform": device.platform, "devices": len(devices), "mode": args.mode,
             **versions(), "date": time.strftime("%Y-%m-%d"), "host_cpus": os.cpu_count(),
+            "command": " ".join(["python", "benchmarks/gpu.py", *(args.argv or [])]),
             "precision": "bf16 compute on fp32 master weights (ParallelConfig(precision='bf16'); the hand-written "
                          "step casts inside the differentiated function)",
             "timing": "runs take turns, the order reversed every other round; ms/step = median over rounds",
