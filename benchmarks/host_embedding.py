@@ -1,4 +1,5 @@
-"""Host-side embedding: time of one training step of the click model for each table storage,
+"""Host-side embedding: time of one `jaxpar.Trainer` step of the click model (its table a
+`jaxpar.ps.HostRows` row source) for each table storage,
 and where that time goes (host dedup, moving rows, the device step, the row update).
 
     .venv/bin/python benchmarks/host_embedding.py                   # about 30 s on 2 CPU cores
@@ -22,38 +23,56 @@ import numpy as np
 import optax
 from flax import nnx
 
+import jaxpar
 from jaxpar.data.clicks import ClickData
 from jaxpar.models.dlrm import DLRM, DLRMConfig, loss_fn
-from jaxpar.nn.host_embedding import HostEmbedding, RowOptimizer
-from jaxpar.nn.host_step import HostEmbeddingStep
+from jaxpar.ps import HostEmbedding, HostRows, RowOptimizer
 
 
-def build(storage: str, config: DLRMConfig, folder: str) -> HostEmbeddingStep:
+class PhaseRows(HostRows):
+    """`HostRows` that, with ``timing`` set, blocks after each phase and records its ms."""
+
+    timing, times, _t = False, {}, 0.0
+
+    def pull(self, batch):
+        if not self.timing:
+            return super().pull(batch)
+        t0 = time.perf_counter()
+        prepared = self.table.prepare(self.ids(batch[self.key]))
+        t1 = time.perf_counter()
+        rows = jax.block_until_ready(self.table.pull(prepared))
+        self._t = time.perf_counter()
+        self.times = {"dedup": (t1 - t0) * 1e3, "pull": (self._t - t1) * 1e3}
+        return {**batch, self.key: prepared.inverse}, rows, prepared
+
+    def push(self, handle, row_grads, step):
+        if not self.timing:
+            return super().push(handle, row_grads, step)
+        jax.block_until_ready(row_grads)
+        t3 = time.perf_counter()
+        super().push(handle, row_grads, step)
+        self.table.block_until_ready()
+        self.times.update(device_step=(t3 - self._t) * 1e3, apply=(time.perf_counter() - t3) * 1e3)
+
+
+def build(storage: str, config: DLRMConfig, folder: str) -> tuple[jaxpar.Trainer, PhaseRows]:
     path = os.path.join(folder, "table.rows") if storage == "file" else None
     table = HostEmbedding("clicks", config.rows, config.embed,
                           RowOptimizer(kind="adagrad", learning_rate=0.05), storage=storage, path=path)
-    return HostEmbeddingStep(DLRM(config, rngs=nnx.Rngs(0), table=False), optax.adam(0.01),
-                             loss_fn, table)
+    parallel, source = jaxpar.ParallelConfig(mesh={"data": 1}), PhaseRows(table, ids=config.table_ids)
+    return jaxpar.Trainer(DLRM(config, rngs=nnx.Rngs(0), table=False), optax.adam(0.01),
+                          lambda model, batch, rows: loss_fn(model, batch, rows, batch["ids"]), parallel,
+                          jaxpar.make_mesh(parallel, devices=jax.devices()[:1]), rows=source), source
 
 
-def phases(step: HostEmbeddingStep, batch, ids) -> dict[str, float]:
+def phases(trainer: jaxpar.Trainer, source: PhaseRows, batch) -> dict[str, float]:
     """One step, cut into its phases, blocking after each (slower than a real step)."""
-    table, times = step.table, {}
-    t0 = time.perf_counter()
-    prepared = table.prepare(ids)
-    t1 = time.perf_counter()
-    pulled = table.pull(prepared) if table.storage == "pinned_host" else None
-    jax.block_until_ready(pulled)
-    t2 = time.perf_counter()
-    loss, step.params, step.opt_state, grads = step._step(
-        step.params, step.rest, step.opt_state, prepared.unique, prepared.inverse, pulled, batch)
-    jax.block_until_ready(grads)
-    t3 = time.perf_counter()
-    table.apply(prepared, grads)
-    table.block_until_ready()
-    t4 = time.perf_counter()
-    times.update(dedup=t1 - t0, pull=t2 - t1, device_step=t3 - t2, apply=t4 - t3)
-    return {k: v * 1e3 for k, v in times.items()}
+    source.timing = True
+    try:
+        trainer.step(batch)
+    finally:
+        source.timing = False
+    return source.times
 
 
 def main() -> None:
@@ -76,14 +95,15 @@ def main() -> None:
         order = list(steps) if i % 2 == 0 else list(reversed(steps))
         for s in order:
             t = time.perf_counter()
-            jax.block_until_ready(steps[s](b, config.table_ids(b["ids"])))
-            steps[s].table.block_until_ready()  # the row update too, before the next storage
+            trainer, source = steps[s]
+            jax.block_until_ready(trainer.step(b)["loss"])
+            source.table.block_until_ready()  # the row update too, before the next storage
             if i >= 2:  # the first two compile
                 times[s].append(time.perf_counter() - t)
     results = {}
-    for s, step in steps.items():
+    for s, (trainer, source) in steps.items():
         ms = statistics.median(times[s]) * 1e3
-        cut = [phases(step, b, config.table_ids(b["ids"])) for b in batches[:10]]
+        cut = [phases(trainer, source, b) for b in batches[:10]]
         results[s] = {"step_ms": ms, "ids_per_s": args.batch * len(fields) / ms * 1e3,
                       "rows_per_s": unique / ms * 1e3,
                       **{f"{k}_ms": statistics.median(c[k] for c in cut) for k in cut[0]}}

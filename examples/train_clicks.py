@@ -4,8 +4,9 @@
     python examples/train_clicks.py --rows 40000000 --dim 32 --storage file \\
         --table-path /tmp/clicks.rows --rlimit-as-gib 3               # a 5 GB table under 3 GiB
 
-The dense towers train on the device in one jitted step; only the rows a batch uses travel to
-it, and their row optimizer (Adagrad) updates them on the host after the step. With
+The dense towers train on the device in the `jaxpar.Trainer`'s compiled step; the table is
+its row source (`jaxpar.ps.HostRows`): only the rows a batch uses travel to the step, and
+their row optimizer (Adagrad) updates them on the host after it. With
 ``--rlimit-as-gib`` the process limits its own address space (``RLIMIT_AS``) before JAX
 starts, and the summary shows its peak address space and resident memory next to the table's
 size.
@@ -31,13 +32,14 @@ if args.rlimit_as_gib:  # before JAX starts: its own reservations count too
     limit = int(args.rlimit_as_gib * (1 << 30))
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
+import jax  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import jaxpar  # noqa: E402
 from jaxpar.data.clicks import ClickData  # noqa: E402
 from jaxpar.models.dlrm import DLRM, DLRMConfig, loss_fn  # noqa: E402
-from jaxpar.nn.host_embedding import HostEmbedding, RowOptimizer  # noqa: E402
-from jaxpar.nn.host_step import HostEmbeddingStep  # noqa: E402
+from jaxpar.ps import HostEmbedding, HostRows, RowOptimizer  # noqa: E402
 
 
 def status_kib(name: str) -> int:
@@ -54,15 +56,16 @@ config = DLRMConfig(field_rows=fields, embed=args.dim, bottom=(64,), top=(64,))
 table = HostEmbedding("clicks", config.rows, args.dim,
                       RowOptimizer(kind="adagrad", learning_rate=0.05),
                       storage=args.storage, path=args.table_path)
-step = HostEmbeddingStep(DLRM(config, rngs=nnx.Rngs(0), table=False), optax.adam(0.01),
-                         loss_fn, table)
+parallel = jaxpar.ParallelConfig(mesh={"data": 1})
+trainer = jaxpar.Trainer(DLRM(config, rngs=nnx.Rngs(0), table=False), optax.adam(0.01),
+                         lambda model, batch, rows: loss_fn(model, batch, rows, batch["ids"]),  # ids: rows' indices
+                         parallel, jaxpar.make_mesh(parallel, devices=jax.devices()[:1]),
+                         rows=HostRows(table, ids=config.table_ids))
 held_out = data.eval_batch(2048)
 
 
 def eval_loss() -> float:
-    prepared = table.prepare(config.table_ids(held_out["ids"]))
-    rows = table.pull(prepared) if table.storage == "pinned_host" else table.gather(prepared.unique)
-    return float(loss_fn(step.model, held_out, rows, prepared.inverse))
+    return trainer.evaluate([held_out])
 
 
 start_loss = eval_loss()
@@ -71,7 +74,7 @@ print(f"table {config.rows:,} x {args.dim} ({config.rows * args.dim * 4 / 2**30:
 began = time.perf_counter()
 for s in range(args.steps):
     batch = data.batch(s, args.batch)
-    loss = step(batch, config.table_ids(batch["ids"]))
+    loss = trainer.step(batch)["loss"]
     if s % 50 == 0 or s == args.steps - 1:
         print(f"step {s:4d}  loss {float(loss):.4f}  resident {status_kib('VmRSS') / 2**20:.2f} GiB")
 took = time.perf_counter() - began

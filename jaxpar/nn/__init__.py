@@ -1,13 +1,11 @@
 """Flax NNX integration: the parameter plan, sharded init, the model's activation constraint, the
-mixture-of-experts layer, and embedding tables in host memory (``HostEmbedding``)."""
+mixture-of-experts layer (embedding tables in host memory live in ``jaxpar.ps``)."""
 
 from jaxpar.nn.constraint import model_constraint
-from jaxpar.nn.host_embedding import HostEmbedding, RowOptimizer
-from jaxpar.nn.host_step import HostEmbeddingStep
 from jaxpar.nn.init import abstract_model, init, init_program, place
 from jaxpar.nn.moe import MoE, MoEAuxLoss, MoEConfig, MoEMetric, moe_aux_loss, moe_metrics, route
 from jaxpar.nn.plan import format_plan, plan_rows, plan_state, to_shardings
 
-__all__ = ["HostEmbedding", "HostEmbeddingStep", "MoE", "MoEAuxLoss", "MoEConfig", "MoEMetric", "abstract_model", "format_plan", "init", "init_program",
-           "model_constraint", "moe_aux_loss", "moe_metrics", "place", "plan_rows", "plan_state", "route", "RowOptimizer",
+__all__ = ["MoE", "MoEAuxLoss", "MoEConfig", "MoEMetric", "abstract_model", "format_plan", "init", "init_program",
+           "model_constraint", "moe_aux_loss", "moe_metrics", "place", "plan_rows", "plan_state", "route",
            "to_shardings"]

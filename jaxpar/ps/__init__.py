@@ -1,22 +1,39 @@
-"""Parameter servers: embedding tables in the host memory of server processes.
+"""Embedding rows outside the model: tables in host memory and parameter servers.
 
-Servers (``python -m jaxpar.ps.server``) own hash- or range-partitioned shards of each table
-and apply the row optimizer; workers deduplicate a batch's ids, pull the rows, run the dense
-model as an ordinary jitted step and push the row gradients. See docs/parameter_server.md.
+``Trainer(..., rows=source)`` trains them with the dense model in the one training loop: the
+source pulls a batch's rows before the compiled step and pushes their gradients after it
+(`jaxpar.ps.rows`). `HostEmbedding` / `HostRows`: a table in this process's host memory.
+Parameter servers (``python -m jaxpar.ps.server``) own hash- or range-partitioned shards of
+each table and apply the row optimizer; workers deduplicate a batch's ids, pull the rows, run
+the dense model as an ordinary jitted step and push the row gradients. See
+docs/recommendation.md and docs/parameter_server.md.
 
 Example:
     >>> spec = jaxpar.ps.TableSpec("users", 1000, 8, jaxpar.ps.Adagrad(0.1))
     >>> client = jaxpar.ps.connect([spec], addresses=["127.0.0.1:5555"], token="t")  # doctest: +SKIP
 """
 
-try:
-    import zmq  # noqa: F401  - the transport; an optional dependency
-except ImportError as e:
-    raise ImportError("jaxpar.ps (parameter servers) needs pyzmq, the extra 'ps': pip install 'jaxpar[ps]'") from e
+import importlib
 
-from jaxpar.ps.client import Client, connect  # noqa: E402
-from jaxpar.ps.tables import SGD, Adagrad, Adam, TableSpec, init_rows  # noqa: E402
-from jaxpar.ps.worker import BUCKETS, Lookup, SparseTrainer, bucket_size, lookup  # noqa: E402
+from jaxpar.ps.host_embedding import HostEmbedding, HostRows, RowOptimizer
+from jaxpar.ps.rows import RowSource
+from jaxpar.ps.tables import SGD, Adagrad, Adam, TableSpec, init_rows
 
-__all__ = ["Adagrad", "Adam", "BUCKETS", "Client", "Lookup", "SGD", "SparseTrainer", "TableSpec",
-           "bucket_size", "connect", "init_rows", "lookup"]
+# The servers' side needs pyzmq, an optional dependency: imported when first named.
+_SERVERS = {"Client": "client", "connect": "client", "BUCKETS": "worker", "Lookup": "worker",
+            "SparseTrainer": "worker", "bucket_size": "worker", "lookup": "worker"}
+
+__all__ = ["Adagrad", "Adam", "BUCKETS", "Client", "HostEmbedding", "HostRows", "Lookup", "RowOptimizer",
+           "RowSource", "SGD", "SparseTrainer", "TableSpec", "bucket_size", "connect", "init_rows", "lookup"]
+
+
+def __getattr__(name: str):
+    module = _SERVERS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jaxpar.ps' has no attribute {name!r}")
+    try:
+        import zmq  # noqa: F401  - the transport
+    except ImportError as e:
+        raise ImportError(f"jaxpar.ps.{name} (parameter servers) needs pyzmq, the extra 'ps': "
+                          "pip install 'jaxpar[ps]'") from e
+    return getattr(importlib.import_module(f"jaxpar.ps.{module}"), name)

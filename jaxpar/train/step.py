@@ -11,6 +11,14 @@ The functions passed along the chain:
 - a *state loss* ``(params, rest, batch) -> (loss, (aux, rest))`` on the split state;
 - a *gradient function* ``(params, rest, batch) -> (loss, aux, rest, grads)``;
 - the *step* ``(TrainState, batch) -> (TrainState, metrics)``.
+
+With rows pulled from outside the model (``Trainer(rows=...)``, `jaxpar.ps.rows`) the model
+loss is ``loss_fn(model, batch, rows)``, the differentiated ``params`` of the state loss and
+gradient function are the pair ``(params, rows)`` (`Setting.join`), and the step is
+``(TrainState, batch, rows) -> (TrainState, metrics, row_grads)``. The rows are replicated:
+the wrappers that lay out parameters by the plan (ZeRO, hybrid's ``shard_map``) apply it to
+the parameters alone; every other wrapper (precision, recompute, accumulation) treats the
+rows as it treats parameters.
 """
 
 from __future__ import annotations
@@ -44,12 +52,32 @@ _is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
 class Setting:
     """What every wrapper may read: the plan, the mesh, the model's graph, and state shapes."""
 
-    def __init__(self, plan, mesh, graphdef, params_like, rest_like):
+    def __init__(self, plan, mesh, graphdef, params_like, rest_like, rows_like=None):
         self.plan, self.mesh, self.graphdef = plan, mesh, graphdef
         self.params_like, self.rest_like = params_like, rest_like
         self.zero = plan.zero(params_like)
         self.rest_specs = plan.specs("rest", rest_like)
         self.precision = plan.precision
+        self.rows = rows_like       # shapes of the pulled rows (None: the model holds every parameter)
+        self.row_specs = None if rows_like is None else jax.tree.map(lambda _: PartitionSpec(), rows_like)
+
+    def join(self, params, rows: tuple):
+        """What the chain differentiates: ``params``, or ``(params, rows)`` with pulled rows
+        (``rows``: ``()`` or ``(rows,)``)."""
+        return (params, *rows) if rows else params
+
+    def split(self, tree) -> tuple[Any, tuple]:
+        """``join``'s inverse: ``(params, ())`` or ``(params, (rows,))``."""
+        return (tree, ()) if self.rows is None else (tree[0], (tree[1],))
+
+    def on_params(self, fn: Callable, tree):
+        """``fn`` on the parameters' part of a joined tree (the rows, replicated, pass as they are)."""
+        params, rows = self.split(tree)
+        return self.join(fn(params), rows)
+
+    def with_rows(self, param_specs):
+        """Specs of a joined tree: ``param_specs`` and the rows replicated."""
+        return param_specs if self.rows is None else (param_specs, self.row_specs)
 
     def shardings(self, specs):
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs, is_leaf=_is_spec)
@@ -133,8 +161,8 @@ def build_eval(s: Setting, loss_fn: Callable, batch) -> Callable:
     """``(TrainState, batch) -> loss``: the forward of the chain, no gradients."""
     loss = cast(s, gather(s, merge(s, pipeline(s, loss_fn), batch)))
 
-    def evaluate(state: TrainState, batch):
-        return loss(enter(s, state.params), state.rest, batch)[0]
+    def evaluate(state: TrainState, batch, *rows):
+        return loss(s.join(enter(s, state.params), rows), state.rest, batch)[0]
 
     return evaluate
 
@@ -156,8 +184,9 @@ def merge(s: Setting, loss_fn: Callable, batch) -> Callable:
         return per_device(s, loss_fn, batch)
 
     def compute(params, rest, batch):
+        params, rows = s.split(params)
         model = nnx.merge(s.graphdef, params, _fresh(rest))
-        loss, aux = split_loss_output(loss_fn(model, batch))
+        loss, aux = split_loss_output(loss_fn(model, batch, *rows))
         return loss, (aux, nnx.state(model, nnx.Not(nnx.Param)))
 
     return compute
@@ -167,12 +196,13 @@ def per_device(s: Setting, loss_fn: Callable, batch) -> Callable:
     """Hybrid: the user's loss per device in ``shard_map``, averaged over the batch axes; the
     non-parameter state it updates comes back (float statistics averaged like the loss)."""
     axes = s.plan.batch_axes()
-    compute_specs = s.plan.specs("params", s.params_like)
+    compute_specs = s.with_rows(s.plan.specs("params", s.params_like))
     batch_specs = s.plan.batch_specs(batch)
 
     def local(params, rest, batch):
+        params, rows = s.split(params)
         model = nnx.merge(s.graphdef, params, _fresh(rest))
-        loss, aux = split_loss_output(loss_fn(model, batch))
+        loss, aux = split_loss_output(loss_fn(model, batch, *rows))
         return _mean(loss, axes), jax.tree.map(lambda x: _mean(x, axes), aux), \
             _agree(nnx.state(model, nnx.Not(nnx.Param)), axes)
 
@@ -192,7 +222,7 @@ def gather(s: Setting, loss: Callable) -> Callable:
         return loss   # (per device, `reduce_per_device` all-gathers inside the shard_map)
 
     def gathered(params, rest, batch):
-        return loss(s.constrain(params, s.zero.compute), rest, batch)
+        return loss(s.on_params(lambda p: s.constrain(p, s.zero.compute), params), rest, batch)
 
     return gathered
 
@@ -223,8 +253,8 @@ def recompute_blocks(s: Setting, loss_fn: Callable, policy: str, order=None) -> 
                          f"of {name} ({', '.join(paths)}); set one of them (ParallelConfig.remat applies its "
                          f"policy to each block, as the model's own setting does)")
 
-    def with_recomputed_blocks(model, batch):
-        return loss_fn(remat_blocks(model, paths, policy), batch)
+    def with_recomputed_blocks(model, batch, *rows):
+        return loss_fn(remat_blocks(model, paths, policy), batch, *rows)
 
     return with_recomputed_blocks, "none"
 
@@ -302,12 +332,14 @@ def reduce_per_device(s: Setting, loss_fn: Callable, batch, wrap: Callable) -> C
                          f"optimizer.axis to one of {axes}")
     bucket = fusion.bucket_bytes(plan.config.comm_fusion) if plan.config.comm_fusion is not None else None
     others = (lambda leaves, on: fusion.bucketed_psum(leaves, on, bucket)) if bucket else None
-    target = zero.state if plan.zero_level else zero.compute
+    target = s.with_rows(zero.state if plan.zero_level else zero.compute)
+    stored = s.with_rows(zero.params)
     batch_specs = plan.batch_specs(batch)
 
     def state_loss(params, rest, batch):
+        params, rows = s.split(params)
         model = nnx.merge(s.graphdef, gather_params(params, zero.params, zero.compute), _fresh(rest))
-        loss, aux = split_loss_output(loss_fn(model, batch))
+        loss, aux = split_loss_output(loss_fn(model, batch, *rows))
         return loss, (aux, nnx.state(model, nnx.Not(nnx.Param)))
 
     state_loss = wrap(state_loss)
@@ -318,15 +350,15 @@ def reduce_per_device(s: Setting, loss_fn: Callable, batch, wrap: Callable) -> C
 
     def local(params, rest, batch):
         grad_fn = jax.value_and_grad(lambda p: state_loss(p, rest, batch), has_aux=True)
-        (loss, (aux, rest)), grads = grad_fn(jax.tree.map(varying, params, zero.params, is_leaf=_is_spec))
+        (loss, (aux, rest)), grads = grad_fn(jax.tree.map(varying, params, stored, is_leaf=_is_spec))
         if s.precision is not None:       # the all-reduce / reduce-scatter runs in the reduce dtype
             grads = cast_floats(grads, s.precision.reduce)
-        grads = reduce_gradients(grads, zero.params, target, axes, others) if axes else grads
+        grads = reduce_gradients(grads, stored, target, axes, others) if axes else grads
         return _mean(loss, axes), jax.tree.map(lambda x: _mean(x, axes), aux), _agree(rest, axes), grads
 
     def compute(params, rest, batch):
         return jax.shard_map(
-            local, mesh=s.mesh, in_specs=(zero.params, s.rest_specs, batch_specs),
+            local, mesh=s.mesh, in_specs=(stored, s.rest_specs, batch_specs),
             out_specs=(PartitionSpec(), PartitionSpec(), s.rest_specs, target), check_vma=True,
         )(params, rest, batch)
 
@@ -335,7 +367,8 @@ def reduce_per_device(s: Setting, loss_fn: Callable, batch, wrap: Callable) -> C
 
 def accumulate_grads(s: Setting, grads: Callable, k: int, micro) -> Callable:
     """``grad_accum=k``: a scan over ``k`` micro-batches; the sum kept in the ZeRO gradient layout."""
-    return accumulate.accumulate_grads(grads, k, constrain_grads=lambda g: s.constrain(g, s.zero.grads),
+    return accumulate.accumulate_grads(grads, k,
+                                       constrain_grads=lambda g: s.on_params(lambda p: s.constrain(p, s.zero.grads), g),
                                        constrain_parts=s.batch_constraint(micro),
                                        dtype=s.precision.reduce if s.precision is not None else None)
 
@@ -354,27 +387,33 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, ski
     ``metrics["finite"]`` says whether the loss and the gradient norm were finite (two scalars:
     free). With ``skip_nonfinite`` a step that was not keeps the previous parameters and
     optimizer state; the select costs the step temporary memory (old and new state side by
-    side), so it is the Trainer's ``nonfinite="skip"`` only."""
+    side), so it is the Trainer's ``nonfinite="skip"`` only.
+
+    With pulled rows (``s.rows``) the step takes them after the batch and returns their
+    gradients after the metrics (zeros for a skipped step); the gradient norm covers both."""
     offload_state = "opt_state" in s.plan.offload
 
-    def step(state: TrainState, batch):
+    def step(state: TrainState, batch, *rows):
         params = enter(s, state.params)
         opt_state = state.opt_state
         if offload_state:
             opt_state = to_device(opt_state, s.plan.shardings("opt_state", opt_state, s.mesh))
-        loss, aux, rest, g = grads(params, state.rest, batch)
+        loss, aux, rest, g = grads(s.join(params, rows), state.rest, batch)
         norm = optax.tree.norm(g)
+        g, row_grads = s.split(g)
         updates, new_opt_state = tx.update(g, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm)
         if skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
             new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+            row_grads = tuple(jax.tree.map(lambda x: jnp.where(finite, x, 0), r) for r in row_grads)
         params, opt_state = new_params, new_opt_state
         metrics = {"loss": loss, "grad_norm": norm, "finite": finite}
         if aux is not None:
             metrics["aux"] = aux
-        return state.replace(params=params, rest=rest, opt_state=opt_state, step=state.step + 1), metrics
+        return (state.replace(params=params, rest=rest, opt_state=opt_state, step=state.step + 1), metrics,
+                *row_grads)
 
     return step
 

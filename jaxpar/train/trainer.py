@@ -72,6 +72,10 @@ class Trainer:
     files with ``tensorboard=True``) and ``evaluate`` the eval loss and perplexity.
     ``profile_steps=(10, 13)`` (with ``metrics``): a ``jax.profiler`` trace of steps 10 to 12
     under ``metrics.dir/profile``.
+    ``rows``: a row source (`jaxpar.ps.rows`: a `jaxpar.ps.HostRows` table in host memory) for
+    embedding rows the model does not hold: each step pulls the batch's rows before the
+    compiled step, which differentiates ``loss_fn(model, batch, rows)`` with respect to them
+    too, and pushes their gradients after it; every other option composes with it.
     Saves still in flight finish at ``close()`` (or leaving ``with trainer:``), at the end of
     ``fit``, and at interpreter exit.
     The Trainer owns the model's arrays from then on (they are donated to the step): read the
@@ -101,6 +105,8 @@ class Trainer:
     _flops_per_token: Any           # model FLOPs per token for MFU (None: unknown)
     _rule_names: set                # the logical names the model declares (for check_rules_used)
     _model_name: str
+    _rows: Any                      # the row source (None: the model holds every parameter)
+    _pulled: Any                    # (step batch, rows) of the last step with rows, for the metrics' first read
     # Loop services: checkpoints, preemption, non-finite checks, metrics, profiling. The first
     # three, and the user's, are hooks the step calls (`add_hook`); metrics are written where
     # `fit` reads them, and the profile window wraps the dispatch itself.
@@ -118,8 +124,11 @@ class Trainer:
                  donate: bool = True, offload: str | tuple[str, ...] = (), example_batch: Any = None,
                  checkpoint_dir: str | None = None, save_every: int = 0, keep: int | None = 3,
                  nonfinite: str = "stop", resume: str = "newest", preemption: bool = True,
-                 metrics: MetricsConfig | None = None, profile_steps: tuple[int, int] | str | None = None):
+                 metrics: MetricsConfig | None = None, profile_steps: tuple[int, int] | str | None = None,
+                 rows: Any = None):
         _check_args(model, tx, loss_fn, config, mesh, plan)    # refused combinations included
+        _check_rows(rows, config, plan)
+        self._rows, self._pulled = rows, None
         self._metrics, self._profile = watchers(metrics, profile_steps)
         if nonfinite not in ("stop", "skip"):
             raise ValueError(f"Trainer: nonfinite={nonfinite!r}; choose 'stop' (raise naming the step) or 'skip' "
@@ -166,9 +175,9 @@ class Trainer:
             if resumed is not None:
                 self._set(resumed[0])
 
-    def _setting(self) -> Setting:
+    def _setting(self, rows=None) -> Setting:
         s = self._state
-        return Setting(self.plan, self.mesh, self.graphdef, s.params, s.rest)
+        return Setting(self.plan, self.mesh, self.graphdef, s.params, s.rest, rows)
 
     def _set(self, state: TrainState) -> None:
         self._state = state
@@ -189,20 +198,22 @@ class Trainer:
         self._leaves, self._treedef, self._data, self._state_view = leaves, treedef, state.data, state
 
     # ------------------------------------------------------------------ compiling
-    def _program(self, batch, kind: str = "train") -> tuple["_Program", list]:
+    def _program(self, batch, kind: str = "train", rows=None) -> tuple["_Program", list]:
         """``(program, the batch's leaves)``: the compiled step (or evaluation) for batches shaped
-        like ``batch``, with its batch shardings. Everything a step needs that depends only on
-        the batch's shapes is found once per shape, not once per step; the batch is flattened
-        once, here."""
+        like ``batch`` (and pulled ``rows`` shaped like these), with its batch shardings.
+        Everything a step needs that depends only on the batch's shapes is found once per shape,
+        not once per step; the batch is flattened once, here."""
         leaves, treedef = jax.tree.flatten(batch)
         key = (kind, treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves))
+        if rows is not None:
+            key += (jax.tree.structure(rows), tuple((x.shape, x.dtype) for x in jax.tree.leaves(rows)))
         program = self._compiled.get(key)
         if program is None:
             _check_batch(batch)
-            program = self._compiled[key] = self._build(batch, kind, treedef)
+            program = self._compiled[key] = self._build(batch, kind, treedef, rows)
         return program, leaves
 
-    def _build(self, batch, kind: str, batch_def) -> "_Program":
+    def _build(self, batch, kind: str, batch_def, rows=None) -> "_Program":
         fast = jax.process_count() == 1 and self.plan.config.context is None
         if not fast:    # context parallel reorders the sequence and adds its positions: the step sees that batch
             batch = reorder_batch(self.plan.config, self.mesh, batch)
@@ -213,27 +224,32 @@ class Trainer:
         s_sh = jax.tree.leaves(state_shardings(self.plan, self.mesh, self._state.detach()[0]),
                                is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
         state_def = self._treedef
+        # Pulled rows (a row source): one more input, replicated, and their gradients one more output.
+        rows_like = None if rows is None else jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), rows)
+        r_sh = () if rows is None else (jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec()), rows_like),)
+        setting = self._setting(rows_like)
         if kind == "train":
-            step = self._checking_rules(build_step(self._setting(), self.loss_fn, self.tx, shapes,
+            step = self._checking_rules(build_step(setting, self.loss_fn, self.tx, shapes,
                                                    skip_nonfinite=self._nonfinite == "skip"))
 
-            def flat_step(state_leaves, batch_leaves):
-                state, metrics = step(jax.tree.unflatten(state_def, state_leaves),
-                                      jax.tree.unflatten(batch_def, batch_leaves))
-                return state_def.flatten_up_to(state), metrics
+            def flat_step(state_leaves, batch_leaves, *rows):
+                state, metrics, *row_grads = step(jax.tree.unflatten(state_def, state_leaves),
+                                                  jax.tree.unflatten(batch_def, batch_leaves), *rows)
+                return state_def.flatten_up_to(state), metrics, *row_grads
 
-            fn = jax.jit(flat_step, in_shardings=(s_sh, b_sh), out_shardings=(s_sh, None),
+            fn = jax.jit(flat_step, in_shardings=(s_sh, b_sh, *r_sh), out_shardings=(s_sh, None, *r_sh),
                          donate_argnums=(0,) if self._donate else (),
                          compiler_options=fusion.compiler_options(self.plan.config.comm_fusion,
                                                                   self.mesh.devices.flat[0].platform) or None)
         else:
-            evaluate = build_eval(self._setting(), self.loss_fn, shapes)
+            evaluate = build_eval(setting, self.loss_fn, shapes)
 
-            def flat_eval(state_leaves, batch_leaves):
-                return evaluate(jax.tree.unflatten(state_def, state_leaves), jax.tree.unflatten(batch_def, batch_leaves))
+            def flat_eval(state_leaves, batch_leaves, *rows):
+                return evaluate(jax.tree.unflatten(state_def, state_leaves),
+                                jax.tree.unflatten(batch_def, batch_leaves), *rows)
 
-            fn = jax.jit(flat_eval, in_shardings=(s_sh, b_sh))
-        return _Program(fn, b_sh, batch_def, fast)
+            fn = jax.jit(flat_eval, in_shardings=(s_sh, b_sh, *r_sh))
+        return _Program(fn, b_sh, batch_def, fast, r_sh[0] if r_sh else None)
 
     def _placed(self, program: "_Program", batch, leaves: list) -> list:
         """The batch's leaves for the compiled step. In one process: host (numpy) leaves as they
@@ -262,8 +278,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ running
     def place(self, batch):
-        """Put a host batch on the mesh by ``dataset_strategy``."""
-        program, leaves = self._program(batch)
+        """Put a host batch on the mesh by ``dataset_strategy`` (with ``rows``: the batch the step
+        gets, its rows pulled; nothing is pushed)."""
+        rows = None
+        if self._rows is not None:
+            batch, rows, _ = self._rows.pull(batch)
+        program, leaves = self._program(batch, rows=rows)
         if program.fast:
             leaves = jax.device_put(leaves, program.shardings)
         else:
@@ -280,7 +300,10 @@ class Trainer:
         a flat list of arrays. The services are hooks (`add_hook`) walked once per step, each
         called only at its steps (an integer test): non-finite flags are read in bulk (every
         100 steps, before saves, at logging), preemption is a flag set by SIGTERM, a checkpoint
-        is saved every ``save_every`` steps."""
+        is saved every ``save_every`` steps. With ``rows`` the source pulls before and pushes
+        after (`_step_rows`); without, nothing of that runs."""
+        if self._rows is not None:
+            return self._step_rows(batch)
         program, leaves = self._program(batch)
         placed = self._placed(program, batch, leaves)
         step = self._steps + 1
@@ -291,6 +314,38 @@ class Trainer:
             self._profile.after(step, metrics)
         else:
             self._leaves, metrics = program.fn(self._leaves, placed)
+        return self._after(step, metrics)
+
+    def _step_rows(self, batch) -> dict[str, Any]:
+        """`step` with a row source: pull the batch's rows (host), run the step on them, push
+        their gradients (host), then the services."""
+        batch, rows, handle = self._rows.pull(batch)
+        program, leaves = self._program(batch, rows=rows)
+        placed = self._placed(program, batch, leaves)
+        rows_in = self._placed_rows(program, rows)
+        step = self._steps + 1
+        if self._profile is not None:
+            self._profile.before(step)
+            with self._profile.annotate(step):
+                self._leaves, metrics, row_grads = program.fn(self._leaves, placed, rows_in)
+            self._profile.after(step, metrics)
+        else:
+            self._leaves, metrics, row_grads = program.fn(self._leaves, placed, rows_in)
+        self._rows.push(handle, row_grads, step)
+        self._pulled = (batch, rows)
+        return self._after(step, metrics)
+
+    @staticmethod
+    def _placed_rows(program: "_Program", rows):
+        """Pulled rows for the compiled step: host arrays as they are (the step places them),
+        device arrays put replicated on the mesh."""
+        leaves = jax.tree.leaves(rows)
+        if all(type(x) is np.ndarray for x in leaves):
+            return rows
+        return jax.device_put(rows, program.row_shardings)
+
+    def _after(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """What follows a dispatched step: the host's step count, the finite flag, the hooks."""
         self._state_view = None
         self._steps = step
         self._finite.append((step, metrics["finite"]))
@@ -353,19 +408,31 @@ class Trainer:
                 "lower the learning rate, or pass Trainer(nonfinite='skip') to skip such updates and go on")
 
     def lower(self, batch) -> jax.stages.Lowered:
-        """The lowered step for ``batch`` (``.compile()`` gives the program for reports)."""
-        program, leaves = self._program(batch)
-        return program.fn.lower(self._leaves, self._placed(program, batch, leaves))
+        """The lowered step for ``batch`` (``.compile()`` gives the program for reports; with
+        ``rows``, the batch's rows are pulled for it and nothing is pushed)."""
+        return self._lowered(batch, "train")
 
     def lower_eval(self, batch) -> jax.stages.Lowered:
         """The lowered evaluation for ``batch`` (what ``evaluate`` runs), for reports."""
-        program, leaves = self._program(batch, "eval")
-        return program.fn.lower(self._leaves, self._placed(program, batch, leaves))
+        return self._lowered(batch, "eval")
+
+    def _lowered(self, batch, kind: str) -> jax.stages.Lowered:
+        rows = ()
+        if self._rows is not None:
+            batch, pulled, _ = self._rows.pull(batch)
+            rows = (pulled,)
+        program, leaves = self._program(batch, kind, *rows)
+        return program.fn.lower(self._leaves, self._placed(program, batch, leaves),
+                                *(self._placed_rows(program, r) for r in rows))
 
     def lower_grads(self, batch) -> jax.stages.Lowered:
         """The step up to the update for ``batch``: its outputs are the gradients as the update
         receives them (ZeRO gradient specs), e.g. to measure their bytes per device."""
         from jaxpar.train.step import enter
+
+        if self._rows is not None:
+            raise ValueError("Trainer.lower_grads: a Trainer with rows= differentiates the pulled rows too; "
+                             "lower the whole step with Trainer.lower(batch) instead")
 
         placed = self.place(batch)
         s = self._setting()
@@ -382,8 +449,13 @@ class Trainer:
         for i, batch in enumerate(batches):
             if steps is not None and i >= steps:
                 break
-            program, leaves = self._program(batch, "eval")
-            total += float(program.fn(self._leaves, self._placed(program, batch, leaves)))
+            rows = ()
+            if self._rows is not None:      # rows pulled, nothing pushed
+                batch, pulled, _ = self._rows.pull(batch)
+                rows = (pulled,)
+            program, leaves = self._program(batch, "eval", *rows)
+            total += float(program.fn(self._leaves, self._placed(program, batch, leaves),
+                                      *(self._placed_rows(program, r) for r in rows)))
             n += 1
         if n == 0:
             raise ValueError("Trainer.evaluate got no batches; pass an iterable with at least one batch")
@@ -500,11 +572,20 @@ class Trainer:
 
     def _start_metrics(self, batch) -> int:
         """Tokens per step of ``batch``; with ``metrics``, also the compiled step's memory and
-        FLOPs (read once: the step is already compiled, so this compiles nothing)."""
-        placed = self.place(batch)   # global arrays: a process's host batch may hold only its rows
+        FLOPs (read once: the step is already compiled, so this compiles nothing). With ``rows``:
+        of the batch and rows the last step pulled (pulling again would read the rows anew)."""
+        if self._rows is not None:
+            batch, rows = self._pulled
+            program, leaves = self._program(batch, rows=rows)
+            placed = jax.tree.unflatten(program.batch_def, jax.device_put(self._placed(program, batch, leaves),
+                                                                          program.shardings))
+            lowered = lambda: program.fn.lower(self._leaves, placed, self._placed_rows(program, rows))  # noqa: E731
+        else:
+            placed = self.place(batch)   # global arrays: a process's host batch may hold only its rows
+            lowered = lambda: self.lower(batch)  # noqa: E731
         if self._metrics is None:
             return examples_per_step(placed) * tokens_per_example(placed)
-        self._metrics.start(self.lower(batch).compile(), placed, num_devices=self.mesh.devices.size,
+        self._metrics.start(lowered().compile(), placed, num_devices=self.mesh.devices.size,
                             resumed=self._steps > 1, model_flops_per_token=self._flops_per_token)
         return self._metrics.tokens_per_step
 
@@ -615,10 +696,11 @@ class Trainer:
 class _Program:
     """A compiled step (or evaluation) for one batch shape, and what placing such a batch needs."""
 
-    __slots__ = ("fn", "shardings", "batch_def", "fast")
+    __slots__ = ("fn", "shardings", "batch_def", "fast", "row_shardings")
 
-    def __init__(self, fn, shardings: list, batch_def, fast: bool):
+    def __init__(self, fn, shardings: list, batch_def, fast: bool, row_shardings=None):
         self.fn, self.shardings, self.batch_def, self.fast = fn, shardings, batch_def, fast
+        self.row_shardings = row_shardings      # pulled rows, replicated (None: no row source)
 
 
 def _stacked(flags: list) -> jax.Array:
@@ -657,6 +739,24 @@ def _check_args(model, tx, loss_fn, config, mesh, plan) -> None:
         if dict(plan.mesh) != {a: int(s) for a, s in mesh.shape.items()}:
             raise ValueError(f"Trainer: plan is for mesh {dict(plan.mesh)} but the mesh is {dict(mesh.shape)}; "
                              "build the mesh with jaxpar.make_mesh(plan.config)")
+
+
+def _check_rows(rows, config: ParallelConfig, plan) -> None:
+    """A row source has ``pull`` and ``push``; the combinations it cannot run are refused by name."""
+    if rows is None:
+        return
+    if not (callable(getattr(rows, "pull", None)) and callable(getattr(rows, "push", None))):
+        raise TypeError(f"Trainer: rows must be a row source with pull(batch) and push(handle, row_grads, step) "
+                        f"(e.g. jaxpar.ps.HostRows(table)), got {type(rows).__name__}")
+    if config.pipeline.stages > 1:
+        raise ValueError(f"Trainer: rows= with pipeline.stages={config.pipeline.stages}: the pipeline's stages take "
+                         "no pulled rows; train the embedding rows with pipeline.stages=1")
+    if config.mode == "auto" and plan is None:
+        raise ValueError("Trainer: rows= with mode='auto': the strategy search runs loss_fn(model, batch) without "
+                         "the pulled rows; plan first for the dense model, or use mode='semi_auto'")
+    if jax.process_count() > 1:
+        raise ValueError(f"Trainer: rows= in a job of {jax.process_count()} processes: the rows are pulled and pushed "
+                         "by one process; run one process per job (its devices form the mesh)")
 
 
 def _check_batch(batch) -> None:

@@ -1,17 +1,18 @@
 """Embedding tables in host memory, trained with a sparse row optimizer (no servers).
 
 For a table larger than a device but not a host: the table lives in host memory and each
-step touches only the rows its batch uses.
+step touches only the rows its batch uses. ``Trainer(..., rows=HostRows(table))`` trains it
+with the dense model in the one training loop (`jaxpar.ps.rows`):
 
 1. ``prepare(ids)`` (host): checks the ids, deduplicates them → ``unique`` row ids (padded to
    a fixed length, so every batch of one shape runs one compiled step) and ``inverse``
    (``unique[inverse] == ids``);
-2. the rows reach the step: with ``storage="pinned_host"`` the table is a ``jax.Array`` in the
-   ``pinned_host`` memory kind and a compiled gather copies the unique rows to the device
-   (``pull``); with ``storage="callback"`` the table is a numpy array and the step fetches them
-   itself with ``jax.pure_callback`` (``gather``); ``storage="file"`` is the callback path on
-   a `RowFile`: rows read and written one by one in a file, initialized when first read,
-   so neither resident memory nor address space grows with the table;
+2. ``pull(prepared)`` (host, before the step) brings the unique rows to the device: with
+   ``storage="pinned_host"`` the table is a ``jax.Array`` in the ``pinned_host`` memory kind
+   and a compiled gather copies the rows; with ``storage="callback"`` it is a numpy array;
+   ``storage="file"`` is a `RowFile`: rows read and written one by one in a file,
+   initialized when first read, so neither resident memory nor address space grows with
+   the table;
 3. the step differentiates with respect to the pulled rows (``rows[inverse]`` is the
    embedding of each id), so the gradient of a row used twice is already summed;
 4. ``apply(prepared, row_grads)`` (after the step) updates those rows, and their optimizer
@@ -27,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +37,7 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
-from jaxpar.nn.row_file import RowFile
+from jaxpar.ps.row_file import RowFile
 
 STORAGES = ("auto", "pinned_host", "callback", "file")
 
@@ -223,15 +226,6 @@ class HostEmbedding:
             rows = np.asarray(self._table[prepared.unique])
         return jax.device_put(rows, sharding or self.device)
 
-    def gather(self, unique: jax.Array) -> jax.Array:
-        """Inside a jitted step: the rows ``unique`` fetched from the host with
-        ``jax.pure_callback`` (``storage="callback"`` / ``"file"``)."""
-        if self.storage == "pinned_host":
-            raise TypeError(f"table {self.name!r} is a pinned_host array: pass its rows into "
-                            "the step with table.pull(prepared) instead of gather().")
-        out = jax.ShapeDtypeStruct((unique.shape[0], self.dim), jnp.float32)
-        return jax.pure_callback(lambda u: np.asarray(self._table[np.asarray(u)]), out, unique)
-
     def apply(self, prepared: PreparedIds, row_grads) -> None:
         """Updates the rows of ``prepared`` (and their optimizer slots) from their gradient."""
         n = prepared.count
@@ -260,6 +254,46 @@ class HostEmbedding:
         """A numpy copy of the whole table (small tables: tests, export)."""
         return np.array(self._table)
 
+
+
+class HostRows:
+    """A `HostEmbedding` as the row source of a `jaxpar.Trainer` (``Trainer(..., rows=HostRows(table))``).
+
+    ``batch[key]`` holds the ids (``ids(batch[key])`` maps them to table rows when given, e.g.
+    ``DLRMConfig.table_ids``); the compiled step gets the batch with ``batch[key]`` replaced by
+    the index of each id among the pulled rows, and the Trainer's ``loss_fn(model, batch, rows)``
+    embeds them as ``rows[batch[key]]``. After the step the table's row optimizer applies the
+    rows' gradients on the host.
+
+    Example:
+        >>> table = HostEmbedding("items", 10, 2, RowOptimizer(kind="sgd", learning_rate=1.0), storage="callback")
+        >>> source = HostRows(table)
+        >>> batch, rows, handle = source.pull({"ids": np.array([7, 3, 7])})
+        >>> batch["ids"].tolist(), rows.shape
+        ([1, 0, 1], (3, 2))
+    """
+
+    def __init__(self, table: HostEmbedding, *, key: str = "ids", ids: Callable | None = None):
+        if not isinstance(table, HostEmbedding):
+            raise TypeError(f"HostRows: table must be a jaxpar.ps.HostEmbedding, got {type(table).__name__}")
+        if ids is not None and not callable(ids):
+            raise TypeError(f"HostRows: ids must map batch[{key!r}] to table rows (a callable), "
+                            f"got {type(ids).__name__}")
+        self.table, self.key, self.ids = table, key, ids
+
+    def pull(self, batch: Mapping[str, Any]) -> tuple[dict, jax.Array, PreparedIds]:
+        """``(batch with the ids as indices into the rows, the rows, the prepared ids)``."""
+        if not isinstance(batch, Mapping) or self.key not in batch:
+            keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+            raise ValueError(f"HostRows (table {self.table.name!r}): the batch has no ids under key {self.key!r} "
+                             f"(its keys: {keys}); pass a dict batch with the ids there, or HostRows(table, key=...)")
+        ids = batch[self.key] if self.ids is None else self.ids(batch[self.key])
+        prepared = self.table.prepare(ids)
+        return {**batch, self.key: prepared.inverse}, self.table.pull(prepared), prepared
+
+    def push(self, handle: PreparedIds, row_grads, step: int) -> None:
+        """The row optimizer's update of the pulled rows (``step`` is not needed here)."""
+        self.table.apply(handle, row_grads)
 
 def _row_normal(ids: np.ndarray, *, seed: int, scale: float, dim: int) -> np.ndarray:
     """Initial rows of a file table: normal values fixed by (seed, row, column), drawn on

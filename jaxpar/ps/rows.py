@@ -1,0 +1,49 @@
+"""Embedding rows kept outside the model, trained by the one `jaxpar.Trainer` loop.
+
+A *row source* (``Trainer(..., rows=source)``) owns tables the device never holds whole: a
+`jaxpar.ps.HostEmbedding` in host memory, or parameter servers. Around each compiled step
+the Trainer calls
+
+1. ``source.pull(batch) -> (step_batch, rows, handle)`` on the host, before the step: the
+   batch the compiled step gets (its ids replaced by indices into ``rows``), the rows that
+   batch reads (a pytree of ``[n, dim]`` arrays; one shape per batch shape, so one compile),
+   and whatever ``push`` needs to put their gradients back;
+2. the compiled step, which differentiates with respect to the parameters *and* the rows
+   (``loss_fn(model, batch, rows)``) and returns the rows' gradients next to its metrics;
+   the rows pass through every wrapper of `jaxpar.train.step` like parameters that are
+   replicated: cast to the compute dtype by ``precision``, summed over the micro-batches by
+   ``grad_accum``, averaged over the batch axes with the parameters' gradients;
+3. ``source.push(handle, row_grads, step)`` on the host, after the step: the rows' optimizer
+   (a host row optimizer, a server's) applies them.
+
+A skipped step (``Trainer(nonfinite="skip")``) pushes zero row gradients. Sources hold their
+tables themselves: ``Trainer`` checkpoints hold the dense state only.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class RowSource(Protocol):
+    """What ``Trainer(rows=...)`` calls around each step (see the module's docstring).
+
+    Example:
+        >>> import numpy as np
+        >>> class Table:            # a whole numpy table, trained by SGD on the host
+        ...     def __init__(self): self.rows = np.zeros((10, 4), np.float32)
+        ...     def pull(self, batch):
+        ...         unique, inverse = np.unique(batch["ids"], return_inverse=True)
+        ...         return {**batch, "ids": inverse}, self.rows[unique], unique
+        ...     def push(self, unique, grads, step): self.rows[unique] -= 0.1 * np.asarray(grads)
+        >>> isinstance(Table(), RowSource)
+        True
+    """
+
+    def pull(self, batch: Any) -> tuple[Any, Any, Any]:
+        """``(step_batch, rows, handle)`` for ``batch`` (on the host, before the step)."""
+
+    def push(self, handle: Any, row_grads: Any, step: int) -> None:
+        """Applies the gradients of the rows ``pull`` gave with ``handle`` (after step ``step``)."""
+
