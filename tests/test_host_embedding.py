@@ -230,3 +230,52 @@ def test_docstring_examples_run(module):
     import importlib
 
     assert doctest.testmod(importlib.import_module(module)).failed == 0
+
+
+class _Recording:
+    """A row source over a whole numpy table that records what it pushes; its first pull hands
+    over a NaN row."""
+
+    def __init__(self):
+        self.table = np.full((CONFIG.rows, CONFIG.embed), 0.01, np.float32)
+        self.pushed, self.pulls = [], 0
+
+    def pull(self, batch):
+        unique, inverse = np.unique(CONFIG.table_ids(batch["ids"]), return_inverse=True)
+        rows = self.table[unique].copy()
+        if self.pulls == 0:
+            rows[0] = np.nan
+        self.pulls += 1
+        return {**batch, "ids": inverse.reshape(batch["ids"].shape).astype(np.int32)}, rows, unique
+
+    def push(self, unique, row_grads, step):
+        self.pushed.append((step, np.asarray(row_grads)))
+        self.table[unique] -= LR * np.asarray(row_grads)
+
+
+def test_skipped_step_pushes_zero_row_gradients_and_fit_runs():
+    """nonfinite="skip": a step whose pulled rows make the loss NaN keeps the dense state and
+    pushes zero row gradients; fit (its first-step metrics read the last pull) runs with rows."""
+    config = jaxpar.ParallelConfig(mesh={"data": 1})
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:1])
+    source = _Recording()
+    trainer = jaxpar.Trainer(DLRM(CONFIG, rngs=nnx.Rngs(0), table=False), optax.adam(LR), rows_loss, config, mesh,
+                             rows=source, nonfinite="skip")
+    before = dense_params(trainer)
+    trainer.step(DATA.batch(0, BATCH))
+    trainer.check_finite()
+    assert trainer.skipped_steps == [1]
+    assert source.pushed[0][0] == 1 and not source.pushed[0][1].any()
+    jax.tree.map(np.testing.assert_array_equal, dense_params(trainer), before)
+    history = trainer.fit([DATA.batch(s, BATCH) for s in range(1, 3)], steps=2, progress=False)
+    assert [h["step"] for h in history] == [2, 3] and all(np.isfinite(h["loss"]) for h in history)
+    assert all(g.any() for _, g in source.pushed[1:])
+
+
+def test_row_sources_refuse_what_cannot_run_them():
+    """mode="auto" searches on loss_fn(model, batch) without rows: refused by name."""
+    config = jaxpar.ParallelConfig(mode="auto", mesh={"data": 1})
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:1])
+    with pytest.raises(ValueError, match="rows= with mode='auto'"):
+        jaxpar.Trainer(DLRM(CONFIG, rngs=nnx.Rngs(0), table=False), optax.adam(LR), rows_loss, config, mesh,
+                       rows=_Recording())
