@@ -7,10 +7,10 @@ it is what the same program would allocate on a GPU up to fusion differences), i
 bytes, the median time of a call (variants timed in turns, see ``benchmarks/step.py``), and
 the loss and gradients' relative difference from the materialised ones.
 
-The materialised loss is the Llama one: ``logits = einsum(h, table.astype(h.dtype),
-preferred_element_type=float32)`` for every token at once, then
-``optax.softmax_cross_entropy_with_integer_labels`` and the mean; "mat. head_logits" is the same
-through `jaxpar.nn.logits.head_logits` (its gradient matmuls in bf16, not fp32, for bf16 inputs).
+"materialised" is ``logits = einsum(h, table.astype(h.dtype), preferred_element_type=float32)``
+for every token at once, then ``optax.softmax_cross_entropy_with_integer_labels`` and the mean
+(whose gradient matmuls XLA runs in fp32 for bf16 inputs); "mat. head_logits" is the same through
+`jaxpar.nn.logits.head_logits` (gradient matmuls in the inputs' dtype): the Llama's ``loss_fn``.
 
     python benchmarks/cross_entropy.py              # CPU: 4096 tokens × vocab 32768 × embed 512, fp32
                                                     # (~2 min on 2 cores); writes results/cross_entropy_cpu.{json,png}
