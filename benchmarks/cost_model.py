@@ -27,8 +27,8 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar.auto import CostParams, build_graph, hand_plan, search  # noqa: E402
-from jaxpar.auto.assign import hand_strategy  # noqa: E402
+from jaxpar.auto import CostParams, build_graph, hand_strategy, search  # noqa: E402
+from jaxpar.auto.assign import hand_axes  # noqa: E402
 from jaxpar.auto.pricing import micro_batch, price  # noqa: E402
 from jaxpar.models.data import ArithmeticData  # noqa: E402
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn  # noqa: E402
@@ -73,7 +73,7 @@ def main():
         batch = ArithmeticData(gpt.seq_len).batch(16, 0)
         graph = build_graph(GPT(gpt, rngs=nnx.Rngs(0)), loss_fn, batch)
         for sname, config in STRATEGIES.items():
-            plan = hand_plan(None, loss_fn, batch, config, config.mesh, graph=graph)
+            plan = hand_strategy(None, loss_fn, batch, config, config.mesh, graph=graph)
             mem, hlo, count = compiled(gpt, config, batch)
             row = {"model": mname, "strategy": sname, "comm_pred": plan.cost["comm_bytes"], "comm_hlo": hlo,
                    "count_pred": plan.cost["comm_count"], "count_hlo": count,
@@ -92,7 +92,7 @@ def main():
         config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", grad_accum=k,
                                        optimizer=jaxpar.OptimizerConfig(level=zero, threshold_kb=0))
         graph = build_graph(GPT(gpt, rngs=nnx.Rngs(0)), loss_fn, micro_batch(batch, k) if k > 1 else batch)
-        axes = hand_strategy(graph, dataclasses.replace(config, grad_accum=1), {"data": 8})
+        axes = hand_axes(graph, dataclasses.replace(config, grad_accum=1), {"data": 8})
         _, args, temp = price(graph, axes, {"data": 8}, CostParams(), zero=zero, grad_accum=k, threshold_kb=0)
         mem, _, _ = compiled(gpt, config, batch)
         rows.append({"model": "embed 64", "strategy": f"data=8 zero={zero} grad_accum={k}",

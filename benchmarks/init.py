@@ -41,7 +41,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.models.llama import Llama, LlamaConfig
-from jaxpar.nn import abstract_model, init_program, plan_state, to_shardings
+from jaxpar.nn import abstract_model, init_program, state_specs, to_shardings
 
 METHODS = ("eager Flax", "jaxpar.init", "one jitted program")
 
@@ -54,7 +54,7 @@ def model_fn(size: str, vocab: int, scanned: bool, layers: int | None = None):
 def whole_program_init(fn, config, mesh):
     """The previous ``jaxpar.init``: one ``jax.jit`` of the whole constructor, ``out_shardings`` = plan."""
     graphdef, abs_params, abs_rest = nnx.split(abstract_model(fn), nnx.Param, ...)
-    shardings = tuple(to_shardings(plan_state(config, mesh, s, check_unused=False), mesh)
+    shardings = tuple(to_shardings(state_specs(config, mesh, s, check_unused=False), mesh)
                       for s in (abs_params, abs_rest))
 
     def make():

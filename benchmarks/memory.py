@@ -58,7 +58,7 @@ def wire(cols):
 
 
 def psi(trainer):
-    plan = jaxpar.optim.zero_plan(jaxpar.OptimizerConfig(level=1), trainer.mesh, trainer.compute_specs, trainer.params)
+    plan = jaxpar.optim.zero_specs(jaxpar.OptimizerConfig(level=1), trainer.mesh, trainer.compute_specs, trainer.params)
     big = small = 0
     for spec, x in zip(jax.tree.leaves(plan.state, is_leaf=lambda s: isinstance(s, P)), jax.tree.leaves(trainer.params)):
         big, small = (big + x.size, small) if "data" in str(spec) else (big, small + x.size)

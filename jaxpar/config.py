@@ -346,14 +346,14 @@ class ParallelConfig:
         if self.pipeline.stages > 1 and self.mode == "auto":
             raise ValueError(
                 "ParallelConfig: pipeline.stages > 1 with mode='auto' is not supported (the strategy search does "
-                "not place pipeline stages); plan the pipeline with jaxpar.auto.plan_job(pipeline_stages=...) and "
-                "train its config, or use mode='semi_auto' with rules {'layers': 'pipe'}")
+                "not place pipeline stages); search the job with jaxpar.auto.search_job over a "
+                "JobSearchSpace(pipeline_stages=...) and train its config, or use mode='semi_auto' with rules {'layers': 'pipe'}")
         if self.context is not None and self.mode in ("hybrid", "auto"):
             why = ("per-device code sees one shard of the sequence and no context attention" if self.mode == "hybrid"
                    else "the strategy search does not place the sequence over a context axis")
             raise ValueError(f"ParallelConfig: context={self.context} with mode={self.mode!r} is not supported "
-                             f"({why}); use mode='semi_auto' with the context axis (jaxpar.auto.plan_job(context="
-                             "(1, 2, 4, 8)) plans one and returns such a config), or drop context")
+                             f"({why}); use mode='semi_auto' with the context axis (jaxpar.auto.search_job over a "
+                             "JobSearchSpace(context=(1, 2, 4, 8)) finds one and returns such a config), or drop context")
 
     def _check_rule_axes(self) -> None:
         for logical, target in self.rules.items():

@@ -278,3 +278,63 @@ def test_the_argparse_check_sees_every_import_form(tmp_path):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     assert argparse_users(root) == ["pkg/a/x.py:2", "pkg/a/y.py:1"]
+
+
+# "plan" names one thing: the TrainPlan a Trainer runs. Its own files, and the names that are it
+# or make one; a searched strategy is a `Strategy`, a model's layouts are specs (`nn/specs.py`,
+# `ZeroSpecs`), a search over whole jobs is `search_job` over a `JobSearchSpace`.
+PLAN_FILES = ("plan/", "train/planning.py", "cli/plan.py")      # the TrainPlan's package, plan_for, `jaxpar plan`
+PLAN_NAMES = {"TrainPlan", "make_train_plan", "plan_for", "plan_training"}
+
+
+def _exported(tree: ast.Module) -> list[str]:
+    """The string entries of a module's ``__all__`` list or tuple."""
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets) \
+                and isinstance(node.value, (ast.List, ast.Tuple)):
+            return [e.value for e in node.value.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return []
+
+
+def plan_names(root: pathlib.Path = ROOT) -> list[str]:
+    """Module files, public classes and exported names that say "plan" without being the
+    TrainPlan's (``PLAN_FILES``, ``PLAN_NAMES``)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        where = f"{root.name}/{rel}"
+        if "plan" in rel.lower() and not rel.startswith(PLAN_FILES):
+            found.append(f"{where}: module")
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_") and "plan" in node.name.lower() \
+                    and node.name not in PLAN_NAMES:
+                found.append(f"{where}:{node.lineno}: class {node.name}")
+        found += [f"{where}: exports {name}" for name in _exported(tree)
+                  if "plan" in name.lower() and name not in PLAN_NAMES]
+    return found
+
+
+def test_plan_names_the_train_plan_only():
+    """Five things were called plan (``TrainPlan``, ``auto.Plan``, ``nn/plan.py``, ``auto/planner.py``'s
+    ``plan_job``/``JobPlan``, ``optim.ZeroPlan``); each other one is named for what it is."""
+    wrong = plan_names()
+    assert not wrong, ('"plan" names the TrainPlan only; name these for what they are (a Strategy, specs, '
+                       "a job search, ...):\n" + "\n".join(wrong))
+
+
+def test_the_plan_name_check_sees_modules_classes_and_exports(tmp_path):
+    root = tmp_path / "pkg"
+    files = {
+        "__init__.py": "__all__ = ['TrainPlan', 'make_train_plan', 'plan_job']\n",
+        "plan/__init__.py": "class TrainPlan: ...\n", "plan/train_plan.py": "", "cli/plan.py": "",
+        "auto/planner.py": "class JobPlan: ...\nclass _Plan: ...\nclass Strategy: ...\n",
+        "nn/specs.py": "__all__ = ('format_plan', 'spec_rows')\nclass PlanRow: ...\n",
+        "ops/linear.py": "def plan_files(): ...\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert plan_names(root) == ["pkg/__init__.py: exports plan_job", "pkg/auto/planner.py: module",
+                                "pkg/auto/planner.py:1: class JobPlan", "pkg/nn/specs.py:2: class PlanRow",
+                                "pkg/nn/specs.py: exports format_plan"]

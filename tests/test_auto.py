@@ -1,4 +1,4 @@
-"""Strategy search without compiling: graph classes, the three searches, propagation, plans."""
+"""Strategy search without compiling: graph classes, the three searches, propagation, strategies."""
 
 import json
 
@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from helpers import COSTS, TINY, no_unclosed_files
-from jaxpar.auto import Plan, build_graph, hand_plan, search
+from jaxpar.auto import Strategy, build_graph, hand_strategy, search
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
 
 MESH = {"data": 2, "model": 4}
@@ -57,7 +57,7 @@ def test_search_no_worse_than_hand_strategies(model, graph, algorithm):
     batch = P(BOTH) if algorithm == "sharding_propagation" else None
     cfg = jaxpar.ParallelConfig(mesh=MESH, mode="auto", search=algorithm, dataset_strategy=batch)
     plan = search(model, loss_fn, BATCH, cfg, MESH, cost_params=COSTS, graph=graph)
-    hands = {k: hand_plan(model, loss_fn, BATCH, c, MESH, cost_params=COSTS, graph=graph).cost["time_s"]
+    hands = {k: hand_strategy(model, loss_fn, BATCH, c, MESH, cost_params=COSTS, graph=graph).cost["time_s"]
              for k, c in HANDS.items()}
     assert plan.cost["time_s"] <= min(hands.values()) * (1 + 1e-9), (plan.cost["time_s"], hands)
 
@@ -90,7 +90,7 @@ def test_dynamic_programming_is_the_optimum_of_the_model(model, graph):
 def test_propagation_from_first_matmuls_recovers_megatron(model, graph):
     cfg = jaxpar.ParallelConfig(mesh=MESH, mode="auto", search="sharding_propagation", parameter_plan=FIRST_MATMULS)
     plan = search(model, loss_fn, BATCH, cfg, MESH, cost_params=COSTS, graph=graph)
-    megatron = hand_plan(model, loss_fn, BATCH, HANDS["data=2,model=4"], MESH, cost_params=COSTS, graph=graph)
+    megatron = hand_strategy(model, loss_fn, BATCH, HANDS["data=2,model=4"], MESH, cost_params=COSTS, graph=graph)
     assert plan.param_specs == megatron.param_specs
     assert plan.param_specs["blocks/1/attn/wo"] == P("model")
     assert plan.param_specs["blocks/0/mlp/down"] == P("model")
@@ -107,21 +107,28 @@ def test_conflicting_annotations_are_resolved_and_reported(model, graph):
     assert plan.param_specs["blocks/0/mlp/up"][1] == plan.param_specs["blocks/0/mlp/down"][0]
 
 
-def test_plan_is_a_value_saved_and_loaded(model, graph, tmp_path):
+def test_strategy_is_a_value_saved_and_loaded(model, graph, tmp_path):
     cfg = jaxpar.ParallelConfig(mesh=MESH, mode="auto", search="dynamic_programming")
     a = search(model, loss_fn, BATCH, cfg, MESH, cost_params=COSTS, graph=graph)
     b = search(model, loss_fn, BATCH, cfg, MESH, cost_params=COSTS, graph=graph)
     assert a.param_specs == b.param_specs and a.classes == b.classes     # pure function
-    a.to_json(tmp_path / "plan.json")
-    loaded = Plan.from_json(tmp_path / "plan.json")
-    assert loaded.param_specs == a.param_specs and loaded.batch == a.batch
-    assert json.loads((tmp_path / "plan.json").read_text())["format"] == "jaxpar.plan/1"
+    a.to_json(tmp_path / "strategy.json")
+    loaded = Strategy.from_json(tmp_path / "strategy.json")
+    assert loaded == a and loaded.param_specs == a.param_specs and loaded.batch == a.batch
+    saved = json.loads((tmp_path / "strategy.json").read_text())
+    assert saved["format"] == "jaxpar.strategy/1"
+    # a file saved while the class was jaxpar.auto.Plan holds the same fields under the old tag
+    (tmp_path / "plan.json").write_text(json.dumps(dict(saved, format="jaxpar.plan/1")))
+    assert Strategy.from_json(tmp_path / "plan.json") == a
+    (tmp_path / "other.json").write_text(json.dumps(dict(saved, format="jaxpar.layout/1")))
+    with pytest.raises(ValueError, match="'jaxpar.layout/1'.*expected 'jaxpar.strategy/1', or 'jaxpar.plan/1'"):
+        Strategy.from_json(tmp_path / "other.json")
     with no_unclosed_files():
         text = a.table()
     assert "blocks/0/mlp/up" in text and "predicted per device" in text
     semi = loaded.to_config(cfg)
     assert semi.mode == "semi_auto" and set(semi.parameter_plan) == {p for p, *_ in a.params}
-    # a saved plan starts a semi_auto run: its layouts are what the Trainer's planner gives
+    # a saved strategy starts a semi_auto run: its layouts are what the Trainer's TrainPlan gives
     from jaxpar.auto.assign import config_specs
 
     specs = config_specs(graph, semi, MESH)

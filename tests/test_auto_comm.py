@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from helpers import COSTS, MEGATRON, TINY, batches, mesh_for
-from jaxpar.auto import CostParams, build_graph, evaluate, hand_plan, search
+from jaxpar.auto import CostParams, build_graph, evaluate, hand_strategy, search
 from jaxpar.auto.comm import GRAD, NORM, TAIL, Comm, buckets, combined_time, comm_share
 from jaxpar.auto.cost import analyse
 from jaxpar.models.gpt import GPT, loss_fn
@@ -120,7 +120,7 @@ def _local_shapes(plan, mesh) -> set:
 def test_gradient_bytes_and_collective_counts_match_the_compiled_step(graph, name):
     config = LAYOUTS[name]
     mesh = mesh_for(config)
-    plan = hand_plan(None, loss_fn, BATCH, config, mesh, graph=graph)
+    plan = hand_strategy(None, loss_fn, BATCH, config, mesh, graph=graph)
     trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh), optax.adamw(1e-3),
                              loss_fn, config, mesh)
     cols = collectives(trainer.lower(BATCH).compile(), mesh)
@@ -169,7 +169,7 @@ def test_search_splits_a_large_batch_over_data(costs):
     big = build_graph(GPT(TINY, rngs=nnx.Rngs(0)), loss_fn, batch)
     plan = search(None, loss_fn, batch, config, SIZES, cost_params=costs, graph=big)
     assert dict(plan.batch)["['inputs']"] == P("data")
-    whole = hand_plan(None, loss_fn, batch, jaxpar.ParallelConfig(mesh=SIZES, rules={"batch": None}), SIZES,
+    whole = hand_strategy(None, loss_fn, batch, jaxpar.ParallelConfig(mesh=SIZES, rules={"batch": None}), SIZES,
                       cost_params=costs, graph=big)
     assert plan.cost["time_s"] < whole.cost["time_s"]
     assert plan.cost["comm_count"] == 1        # the gradients and the loss: one combined all-reduce

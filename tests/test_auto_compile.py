@@ -6,7 +6,7 @@ from flax import nnx
 
 import jaxpar
 from helpers import COSTS, TINY, assert_losses_close, batches, mesh_for, reference, train_gpt
-from jaxpar.auto import build_graph, hand_plan, plan_job, search
+from jaxpar.auto import JobSearchSpace, build_graph, hand_strategy, search, search_job
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
 from jaxpar.report import collectives, memory
 from jaxpar.train import compile_step
@@ -42,7 +42,7 @@ def wide_graph():
 def test_predicted_bytes_and_memory_match_the_compiled_step(wide_graph, name):
     config = STRATEGIES[name]
     mesh = mesh_for(config)
-    plan = hand_plan(None, loss_fn, BATCH, config, mesh, graph=wide_graph)
+    plan = hand_strategy(None, loss_fn, BATCH, config, mesh, graph=wide_graph)
     trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(WIDE, rngs=nnx.Rngs(0)), config, mesh), optax.adamw(1e-3),
                              loss_fn, config, mesh)
     compiled = trainer.lower(BATCH).compile()
@@ -72,33 +72,36 @@ def test_each_search_trains_like_one_device(graph, algorithm):
 
 
 @pytest.mark.slow
-def test_planner_fits_a_budget_data_parallel_exceeds():
+def test_job_search_fits_a_budget_data_parallel_exceeds():
     wide = GPTConfig(vocab_size=16, seq_len=16, embed=128, heads=8, mlp=512, layers=2)
     batch = batches(1, batch=8)[0]
     model_fn = lambda: GPT(wide, rngs=nnx.Rngs(0))  # noqa: E731
     graph = build_graph(nnx.eval_shape(model_fn), loss_fn, batch)
-    data = hand_plan(None, loss_fn, batch, jaxpar.ParallelConfig(mesh={"data": 8}, mode="data"), {"data": 8},
+    data = hand_strategy(None, loss_fn, batch, jaxpar.ParallelConfig(mesh={"data": 8}, mode="data"), {"data": 8},
                      graph=graph)
     budget = 0.5 * data.cost["memory_bytes"]
-    job = plan_job(model_fn, loss_fn, batch, devices=8, memory_budget=budget, cost_params=COSTS, dry_run=compile_step)
+    job = search_job(model_fn, loss_fn, batch, JobSearchSpace(devices=8, memory_budget=budget), cost_params=COSTS,
+                     dry_run=compile_step)
     assert job.chosen.memory_bytes <= budget
     assert job.dry_run is not None and job.dry_run["fits"] and job.dry_run["total"] <= budget
     assert data.cost["memory_bytes"] > budget                 # plain data parallel does not fit
     assert "CHOSEN (dry run confirms)" in job.explain()
-    assert any(tuple(spec) for _, _, spec, _ in job.plan.params) or job.chosen.zero   # something is split
+    assert any(tuple(spec) for _, _, spec, _ in job.strategy.params) or job.chosen.zero   # something is split
 
 
-def test_planner_chooses_zero_and_micro_batches_and_the_dry_run_agrees():
-    """On data=8 alone, a budget under plain data parallel: the planner picks a ZeRO level
+def test_job_search_chooses_zero_and_micro_batches_and_the_dry_run_agrees():
+    """On data=8 alone, a budget under plain data parallel: the search picks a ZeRO level
     and/or micro-batches, and the compiled program's memory is the predicted one (10%)."""
     batch = batches(1, batch=32)[0]
     model_fn = lambda: GPT(WIDE, rngs=nnx.Rngs(0))  # noqa: E731
     base = jaxpar.ParallelConfig(mode="auto", optimizer=jaxpar.OptimizerConfig(threshold_kb=0))
-    common = dict(devices=8, cost_params=COSTS, base_config=base, meshes=[{"data": 8}])
-    plain = plan_job(model_fn, loss_fn, batch, memory_budget=1e12, zero_levels=(0,), grad_accum=(1,),
-                     dry_run=False, **common)
+    common = dict(cost_params=COSTS, base_config=base)
+    plain = search_job(model_fn, loss_fn, batch, JobSearchSpace(devices=8, memory_budget=1e12, meshes=[{"data": 8}],
+                                                                zero_levels=(0,), grad_accum=(1,)),
+                       dry_run=False, **common)
     budget = 0.6 * plain.chosen.memory_bytes
-    job = plan_job(model_fn, loss_fn, batch, memory_budget=budget, dry_run=compile_step, **common)
+    job = search_job(model_fn, loss_fn, batch, JobSearchSpace(devices=8, memory_budget=budget, meshes=[{"data": 8}]),
+                     dry_run=compile_step, **common)
     assert (job.chosen.zero >= 1 or job.chosen.grad_accum > 1) and job.chosen.memory_bytes <= budget
     assert job.config.optimizer.level == job.chosen.zero and job.config.grad_accum == job.chosen.grad_accum
     assert job.dry_run["fits"]
@@ -114,7 +117,7 @@ def test_zero_and_micro_batch_memory_match_the_compiled_step(zero, k):
     """`price` on data-parallel: ZeRO levels and micro-batches against memory_analysis (10%)."""
     import dataclasses
 
-    from jaxpar.auto.assign import hand_strategy
+    from jaxpar.auto.assign import hand_axes
     from jaxpar.auto.pricing import micro_batch, price
 
     batch = batches(1, batch=32)[0]
@@ -122,7 +125,7 @@ def test_zero_and_micro_batch_memory_match_the_compiled_step(zero, k):
                                    optimizer=jaxpar.OptimizerConfig(level=zero, threshold_kb=0))
     mesh = mesh_for(config)
     graph = build_graph(GPT(WIDE, rngs=nnx.Rngs(0)), loss_fn, micro_batch(batch, k) if k > 1 else batch)
-    axes = hand_strategy(graph, dataclasses.replace(config, grad_accum=1), {"data": 8})
+    axes = hand_axes(graph, dataclasses.replace(config, grad_accum=1), {"data": 8})
     _, args, temp = price(graph, axes, {"data": 8}, COSTS, zero=zero, grad_accum=k, threshold_kb=0)
     trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(WIDE, rngs=nnx.Rngs(0)), config, mesh), optax.adamw(1e-3),
                              loss_fn, config, mesh)

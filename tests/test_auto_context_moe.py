@@ -1,4 +1,4 @@
-"""The job planner with a context axis and with MoE experts: it picks them when memory asks for
+"""The job search with a context axis and with MoE experts: it picks them when memory asks for
 them, the dry run confirms, and the predicted collective bytes match the compiled step's."""
 
 import doctest
@@ -12,12 +12,17 @@ import jaxpar
 from helpers import COSTS
 from jaxpar.auto import context as auto_context
 from jaxpar.auto import experts as auto_experts
-from jaxpar.auto import plan_job
+from jaxpar.auto import JobSearchSpace, search_job
 from jaxpar.models.llama import Llama, LlamaConfig, loss_fn, no_constraint
 from jaxpar.train import compile_step
 
 BASE = jaxpar.ParallelConfig(mode="auto", optimizer=jaxpar.OptimizerConfig(threshold_kb=0))
-COMMON = dict(devices=8, base_config=BASE, cost_params=COSTS, zero_levels=(0,), grad_accum=(1,))
+COMMON = dict(base_config=BASE, cost_params=COSTS)
+
+
+def space(**choices) -> JobSearchSpace:
+    """8 devices, ZeRO 0, no accumulation, and ``choices``."""
+    return JobSearchSpace(**{"devices": 8, "zero_levels": (0,), "grad_accum": (1,), **choices})
 
 
 def llama_fn(cfg):
@@ -40,18 +45,18 @@ def test_formulas_and_doc_examples():
     with pytest.raises(ValueError, match="multiple of 2 \\* 8 = 16"):
         auto_context.check_sequence(tokens(2, 24), 8, "ring")
     with pytest.raises(ValueError, match="context has 3"):
-        plan_job(llama_fn(LlamaConfig.named("tiny")), loss_fn, tokens(2, 16), memory_budget=1e9, context=(1, 3),
-                 **COMMON)
+        space(memory_budget=1e9, context=(1, 3))
 
 
 def test_long_sequences_pick_a_context_axis_and_short_ones_do_not():
-    """One device's attention temporaries at S = 512 exceed a 4 MB budget: the planner
+    """One device's attention temporaries at S = 512 exceed a 4 MB budget: the search
     splits the sequence (ring keeps no probabilities) and the compiled step fits; at S = 16
     the context axis only adds collectives, so it is not chosen."""
     strategies = ("ring", "ulysses", "all_gather")
     long = LlamaConfig.named("tiny", max_seq_len=512, attention="reference")
-    job = plan_job(llama_fn(long), loss_fn, tokens(2, 512), memory_budget=4e6, dry_run=compile_step,
-                   context=(1, 4), context_strategy=strategies, **COMMON)
+    job = search_job(llama_fn(long), loss_fn, tokens(2, 512),
+                     space(memory_budget=4e6, context=(1, 4), context_strategy=strategies), dry_run=compile_step,
+                     **COMMON)
     chosen = job.chosen
     assert chosen.context and chosen.context["size"] == 4 and chosen.context["strategy"] == "ring"
     assert job.config.context.strategy == "ring" and job.config.mesh["context"] == 4
@@ -66,15 +71,15 @@ def test_long_sequences_pick_a_context_axis_and_short_ones_do_not():
     assert "ring" in job.explain() and "cp/ep coll. B" in job.explain()
     assert job.to_dict()["chosen"]["context"]["bytes"] == chosen.context["bytes"] > 0
 
-    short = plan_job(llama_fn(LlamaConfig.named("tiny")), loss_fn, tokens(8, 16), memory_budget=1e9,
-                     dry_run=False, context=(1, 4), context_strategy=strategies, **COMMON)
+    short = search_job(llama_fn(LlamaConfig.named("tiny")), loss_fn, tokens(8, 16),
+                       space(memory_budget=1e9, context=(1, 4), context_strategy=strategies), dry_run=False, **COMMON)
     assert not short.chosen.context and "context" not in short.config.mesh
     assert any(o.context for o in short.candidates)
 
 
 def test_experts_that_do_not_fit_go_on_the_data_axis_with_the_predicted_all_to_alls():
     """Replicated experts' weights and Adam state alone (9.5 MB) exceed a 9.2 MB budget: the
-    planner splits them over data (EP = 8) and the dry run fits; the predicted all-to-all
+    search splits them over data (EP = 8) and the dry run fits; the predicted all-to-all
     buffer is the compiled step's for balanced routing (the first rung of the ladder)."""
     cfg = LlamaConfig.named("tiny", embed=64, mlp=256, moe={"experts": 8, "top_k": 2, "bucket_growth": 2.0})
     compiled = []
@@ -84,7 +89,8 @@ def test_experts_that_do_not_fit_go_on_the_data_axis_with_the_predicted_all_to_a
         return compiled[-1]
 
     batch = tokens(8, 16)
-    job = plan_job(llama_fn(cfg), loss_fn, batch, memory_budget=9.2e6, dry_run=keep, meshes=[{"data": 8}], **COMMON)
+    job = search_job(llama_fn(cfg), loss_fn, batch, space(memory_budget=9.2e6, meshes=[{"data": 8}]), dry_run=keep,
+                     **COMMON)
     replicated = [o for o in job.candidates if o.experts["size"] == 1]
     assert replicated and all(o.argument_bytes > 9.2e6 for o in replicated)
     assert job.chosen.experts == {"axis": "data", "size": 8, "bytes": job.chosen.experts["bytes"]}
@@ -138,8 +144,8 @@ def test_experts_beside_a_context_axis_are_priced_replicated_on_their_tokens():
     """With context=2 a device holds B·S / (d·2) tokens. Experts split over data inside a
     context mesh would be placed over data × context but dispatched over data: not offered."""
     cfg = LlamaConfig.named("tiny", moe={"experts": 8, "top_k": 2, "bucket_growth": 2.0})
-    job = plan_job(llama_fn(cfg), loss_fn, tokens(8, 32), memory_budget=1e9, dry_run=False, context=(1, 2),
-                   meshes=[{"data": 8}], **COMMON)
+    job = search_job(llama_fn(cfg), loss_fn, tokens(8, 32), space(memory_budget=1e9, context=(1, 2), meshes=[{"data": 8}]),
+                     dry_run=False, **COMMON)
     with_context = [o for o in job.candidates if o.context]
     assert with_context and all(o.experts["size"] == 1 for o in with_context)
     assert any(o.experts["size"] == 8 for o in job.candidates if not o.context)

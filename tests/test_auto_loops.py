@@ -10,7 +10,7 @@ from flax import nnx
 
 import jaxpar
 from helpers import COSTS, MEGATRON, TINY, assert_losses_close, batches, mesh_for, reference, train_gpt
-from jaxpar.auto import build_graph, hand_plan, search
+from jaxpar.auto import build_graph, hand_strategy, search
 from jaxpar.auto.cost import evaluate
 from jaxpar.models.gpt import GPT, loss_fn
 from jaxpar.report import collectives
@@ -56,8 +56,8 @@ def test_scanned_gpt_builds_with_the_body_repeated(scanned, unrolled):
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_scanned_and_unrolled_cost_the_same(scanned, unrolled, name):
     config = STRATEGIES[name]
-    hs = hand_plan(None, loss_fn, BATCH, config, config.mesh, graph=scanned)
-    hu = hand_plan(None, loss_fn, BATCH, config, config.mesh, graph=unrolled)
+    hs = hand_strategy(None, loss_fn, BATCH, config, config.mesh, graph=scanned)
+    hu = hand_strategy(None, loss_fn, BATCH, config, config.mesh, graph=unrolled)
     s, u = hs.cost, hu.cost
     assert abs(s["compute_s"] - u["compute_s"]) <= 1e-6 * u["compute_s"]
     # the matmuls alone: the same FLOPs (a layer's operator counted `layers` times)
@@ -76,7 +76,7 @@ def test_scanned_and_unrolled_cost_the_same(scanned, unrolled, name):
 def test_scanned_bytes_match_the_compiled_step(scanned, name):
     config = STRATEGIES[name]
     mesh = mesh_for(config)
-    plan = hand_plan(None, loss_fn, BATCH, config, mesh, graph=scanned)
+    plan = hand_strategy(None, loss_fn, BATCH, config, mesh, graph=scanned)
     trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(SCANNED, rngs=nnx.Rngs(0)), config, mesh),
                              optax.adamw(1e-3), loss_fn, config, mesh)
     cols = collectives(trainer.lower(BATCH).compile(), mesh)

@@ -41,10 +41,10 @@ def test_plan_for_from_a_batch_or_a_saved_search(tmp_path):
     model, tx = GPT(TINY, rngs=nnx.Rngs(0)), optax.adamw(1e-3)
     plan, found = plan_for(model, tx, loss_fn, config, mesh, example_batch=batches(1)[0])
     found.to_json(str(tmp_path / "search.json"))
-    again, saved = plan_for(model, tx, loss_fn, config, mesh, searched=jaxpar.auto.Plan.from_json(str(tmp_path / "search.json")))
+    again, saved = plan_for(model, tx, loss_fn, config, mesh, searched=jaxpar.auto.Strategy.from_json(str(tmp_path / "search.json")))
     assert again == plan and saved == found
     trainer = jaxpar.Trainer(model, tx, loss_fn, config, mesh, plan=plan)
     assert trainer.plan is plan and trainer.searched is None
     assert np.isfinite(float(trainer.step(batches(1)[0])["loss"]))
-    with pytest.raises(TypeError, match="searched must be a jaxpar.auto.Plan"):
+    with pytest.raises(TypeError, match="searched must be a jaxpar.auto.Strategy"):
         plan_for(model, tx, loss_fn, config, mesh, searched=str(tmp_path / "search.json"))

@@ -16,7 +16,7 @@ import jaxpar
 import jaxpar.checkpoint as ckpt
 from jaxpar.checkpoint.state import Leaf, differences, flat_state, is_key
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
-from jaxpar.nn.plan import path_str, plan_state
+from jaxpar.nn.specs import path_str, state_specs
 from workers_ckpt import common
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers_ckpt")
@@ -180,7 +180,7 @@ def test_strategy_file_reproduces_the_layout(tmp_path):
     # Without any rules, the pinned parameter_plan alone reproduces every parameter's spec.
     config = jaxpar.ParallelConfig(**{**config.to_dict(), "rules": {}})
     abstract = nnx.state(nnx.eval_shape(lambda: GPT(common.TINY, rngs=nnx.Rngs(0))), nnx.Param)
-    planned = plan_state(config, trainer.mesh, abstract)
+    planned = state_specs(config, trainer.mesh, abstract)
     specs = ckpt.strategy_specs(strategy)
     for path, spec in jax.tree_util.tree_flatten_with_path(planned, is_leaf=lambda x: isinstance(x, PartitionSpec))[0]:
         assert spec == specs["params/" + path_str(path)], path

@@ -21,7 +21,7 @@ def test_train_writes_metrics(tmp_path):
     r = _run("train", "--steps", "12", "--batch", "16", "--metrics", str(out), "--log-dir", str(log), "--log-every",
              "4", "--tensorboard", "--profile-steps", "5:7", "--peak-flops", "1e12")
     assert r.returncode == 0, r.stderr
-    assert "parameter plan" in r.stdout and "tokens/s" in r.stdout and "MFU" in r.stdout
+    assert "parameter specs" in r.stdout and "tokens/s" in r.stdout and "MFU" in r.stdout
     assert "tok/s" in r.stdout and "step 12/12" in r.stdout       # the progress bar: loss, tokens/s, ETA
     m = json.loads(out.read_text())
     assert m["mesh"] == {"data": 2, "model": 4}

@@ -142,7 +142,7 @@ BAD = [
     (["plan", "--search", "dynamic"], "invalid choice: 'dynamic'"),
     (["plan", *DP, "--zero-levels", "0,1"], "--zero-levels applies only when the whole job is planned"),
     (["plan", *DP, "--schedule", "gpipe", "--remat-options", "full"], "--remat-options, --schedule apply only"),
-    (["plan", *DP, "--save", "p.json"], "write the searched plan with --plan-out 'p.json'"),
+    (["plan", *DP, "--save", "p.json"], "write the searched strategy with --plan-out 'p.json'"),
     (["plan", *DP, "--mode", "data"], "--mode data is replaced by mode 'auto'"),
     (["plan", *DP, "--memory-budget", "0"], "--memory-budget 0: out of range"),
     (["plan", *DP, "--memory-budget", "nan"], "--memory-budget nan"),
@@ -248,7 +248,7 @@ VALUES = {
 #   report --json (test_report_json_prints_only_json below), --debug (test_debug_*).
 EXEMPT = {("train",): {"--metrics", "--quiet"}, ("plan",): {"--save", "--plan-out"}, ("report",): {"--json"}}
 # The argv each flag is added to: the cheapest run of the command. The search flags other
-# than --search join `plan --search`, those of the job planner `plan --search --memory-budget`.
+# than --search join `plan --search`, those of the job search `plan --search --memory-budget`.
 BASE = {
     ("train",): ["train"], ("plan",): ["plan"], ("report",): ["report"],
     ("ckpt", "inspect"): ["ckpt", "inspect", "src"], ("ckpt", "transform"): ["ckpt", "transform", "src", "--to",
@@ -333,23 +333,23 @@ def test_flags_in_the_generic_test_that_are_refused_alone_say_why(files, recorde
     assert kind == "refused" and "pipe" in err
 
 
-def test_annotations_reach_the_job_planner(files, recorded, capsys, monkeypatch):
-    """--annotate with --memory-budget goes to plan_job through the base config's parameter_plan."""
+def test_annotations_reach_the_job_search(files, recorded, capsys, monkeypatch):
+    """--annotate with --memory-budget goes to search_job through the base config's parameter_plan."""
     seen = {}
 
-    def plan_job(*args, base_config, **kwargs):
+    def search_job(*args, base_config, **kwargs):
         seen["plan"] = dict(base_config.parameter_plan)
-        raise Stop("plan_job")
+        raise Stop("search_job")
 
     import jaxpar.auto
 
-    monkeypatch.setattr(jaxpar.auto, "plan_job", plan_job)
+    monkeypatch.setattr(jaxpar.auto, "search_job", search_job)
     args = cli.make_parser().parse_args(["plan", *DP, "--memory-budget", "1e6", "--annotate",
                                          "blocks/*/mlp/up=None,model"])
     job, devices = jobflags.resolve_job(args)
     settings = plan_command.search_settings(args, job)
     with pytest.raises(Stop):
-        job_search._plan_job(settings, job, len(devices), batch=None)
+        job_search._search_job(settings, job, job_search.search_space(settings, len(devices)), batch=None)
     from jax.sharding import PartitionSpec
 
     assert seen["plan"] == {"blocks/*/mlp/up": PartitionSpec(None, "model")}

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxpar
 from helpers import MEGATRON, TINY, batches
 from jaxpar.models.gpt import GPT, Block, loss_fn
-from jaxpar.nn.plan import plan_state, to_shardings
+from jaxpar.nn.specs import state_specs, to_shardings
 from jaxpar.report import collectives, memory
 
 
@@ -37,7 +37,7 @@ def test_megatron_block_one_all_reduce_per_sublayer():
     cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
     mesh = jaxpar.make_mesh(cfg)
     graphdef, state = nnx.split(Block(TINY, nnx.Rngs(0)))
-    shardings = to_shardings(plan_state(cfg, mesh, state), mesh)
+    shardings = to_shardings(state_specs(cfg, mesh, state), mesh)
     b, s, e = 8, TINY.seq_len, TINY.embed
     x_sharding = NamedSharding(mesh, P("data", None, None))
 
@@ -66,7 +66,7 @@ def test_parameter_split_8_ways_takes_one_eighth_of_argument_bytes():
     mesh = jaxpar.make_mesh(cfg)
     model = jaxpar.init(Wide, cfg, mesh)
     graphdef, state = nnx.split(model)
-    shardings = to_shardings(plan_state(cfg, mesh, state), mesh)
+    shardings = to_shardings(state_specs(cfg, mesh, state), mesh)
     compiled = jax.jit(lambda st: nnx.merge(graphdef, st).w[...].sum(), in_shardings=(shardings,)).lower(state).compile()
     full = 1024 * 256 * 4
     assert memory(compiled).argument_bytes == full // 8

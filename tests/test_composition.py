@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jaxpar
 from helpers import BATCH, MEGATRON, TINY, batches, no_unclosed_files
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss
-from jaxpar.nn.plan import format_plan, itemsize, plan_rows, plan_state
+from jaxpar.nn.specs import format_specs, itemsize, spec_rows, state_specs
 
 DROPOUT = dataclasses.replace(TINY, dropout=0.1)
 SCANNED = GPTConfig(vocab_size=16, seq_len=16, embed=32, heads=8, mlp=64, layers=4, scan_layers=True, dropout=0.1)
@@ -86,27 +86,27 @@ def test_train_state_is_a_pytree_with_a_json_data_position():
 
 
 def test_models_with_rng_state_plan_and_search():
-    """Dropout RNG state made the search (key<fry> dtype) and plan_rows raise TypeError."""
+    """Dropout RNG state made the search (key<fry> dtype) and spec_rows raise TypeError."""
     model = GPT(DROPOUT, rngs=nnx.Rngs(0))
     config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, mode="auto", search="dynamic_programming")
     found = jaxpar.auto.search(model, loss_fn, batches(1)[0], config, {"data": 2, "model": 4})
     assert found.params
     rest = nnx.state(model, nnx.Not(nnx.Param))
-    rows = plan_rows(rest, plan_state(config, {"data": 2, "model": 4}, rest, check_unused=False), {"data": 2, "model": 4})
+    rows = spec_rows(rest, state_specs(config, {"data": 2, "model": 4}, rest, check_unused=False), {"data": 2, "model": 4})
     assert any("key" in r.dtype for r in rows)
     with no_unclosed_files():
-        assert "count" in format_plan(rows)
+        assert "count" in format_specs(rows)
 
 
 @pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
 def test_a_prng_key_is_its_key_data_in_every_byte_count(impl):
     """Four bytes-per-element helpers disagreed on keys: the train plan and the memory estimate
-    counted a threefry key as 4 bytes, plan_rows and the auto graph as 8 (its two uint32)."""
+    counted a threefry key as 4 bytes, spec_rows and the auto graph as 8 (its two uint32)."""
     key = jax.random.key(0, impl=impl)
     data = jax.random.key_data(key)
     assert itemsize(key.dtype) == itemsize(str(key.dtype)) == data.nbytes == data.size * 4   # threefry 8, rbg 16
     keys = jax.random.split(key, 3)
-    rows = plan_rows({"keys": nnx.Variable(keys)}, {"keys": P()}, {"data": 2})
+    rows = spec_rows({"keys": nnx.Variable(keys)}, {"keys": P()}, {"data": 2})
     assert rows[0].bytes_total == 3 * data.nbytes
     abstract = nnx.eval_shape(lambda: GPT(TINY, rngs=nnx.Rngs(0)))
     plan = jaxpar.make_train_plan(jaxpar.ParallelConfig(mesh={"data": 2}), {"data": 2}, abstract, optax.sgd(0.1))

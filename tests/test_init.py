@@ -82,7 +82,7 @@ def test_no_device_holds_a_full_replica():
 def whole_program_init(model_fn, cfg, mesh):
     """What jaxpar.init did before: one jax.jit of the whole constructor, out_shardings = plan."""
     graphdef, abs_params, abs_rest = nnx.split(jaxpar.nn.abstract_model(model_fn), nnx.Param, ...)
-    shardings = tuple(jaxpar.nn.to_shardings(jaxpar.nn.plan_state(cfg, mesh, s, check_unused=False), mesh)
+    shardings = tuple(jaxpar.nn.to_shardings(jaxpar.nn.state_specs(cfg, mesh, s, check_unused=False), mesh)
                       for s in (abs_params, abs_rest))
 
     def make():

@@ -159,18 +159,18 @@ def test_v_docstrings_draw_their_real_timeline(builder):
     assert drawing == [line.strip() for line in S.grid(builder(2, 4))]
 
 
-def test_planner_prices_the_v_schedules_and_chooses_one():
-    """Offered several schedules, the planner prices each from its lowered table (its steps,
+def test_job_search_prices_the_v_schedules_and_chooses_one():
+    """Offered several schedules, the job search prices each from its lowered table (its steps,
     chunk costs and channels) and picks the fastest: a V schedule at pipe=2, m=4."""
     from helpers import COSTS
-    from jaxpar.auto import plan_job
+    from jaxpar.auto import JobSearchSpace, search_job
 
     gpt = GPTConfig(vocab_size=16, seq_len=32, embed=64, heads=4, mlp=256, layers=4, scan_layers=True)
-    job = plan_job(lambda: GPT(gpt, rngs=nnx.Rngs(0)), pipeline_loss(), batches(1, batch=32, seq=32)[0],
-                   memory_budget=1e12, dry_run=False, devices=8, cost_params=COSTS,
-                   base_config=jaxpar.ParallelConfig(mode="auto"), zero_levels=(0,), grad_accum=(1,),
-                   pipeline_stages=(2,), microbatches=(4,), meshes=[{"data": 8, "model": 1}],
-                   schedule=("1f1b", "zb-h1", "zb-v", "dualpipe-v"))
+    space = JobSearchSpace(devices=8, memory_budget=1e12, zero_levels=(0,), grad_accum=(1,), pipeline_stages=(2,),
+                           microbatches=(4,), meshes=[{"data": 8, "model": 1}],
+                           schedule=("1f1b", "zb-h1", "zb-v", "dualpipe-v"))
+    job = search_job(lambda: GPT(gpt, rngs=nnx.Rngs(0)), pipeline_loss(), batches(1, batch=32, seq=32)[0], space,
+                     dry_run=False, cost_params=COSTS, base_config=jaxpar.ParallelConfig(mode="auto"))
     time = {o.pipeline["schedule"]: o.time_s for o in job.candidates if o.pipeline}
     assert set(time) == {"1f1b", "zb-h1", "zb-v", "dualpipe-v"}
     assert time["zb-v"] < time["zb-h1"] < time["1f1b"]

@@ -13,7 +13,7 @@ import jaxpar
 from helpers import MEGATRON, assert_close, assert_losses_close, reference, train_gpt
 from jaxpar.models.data import ArithmeticData
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
-from jaxpar.optim import shard_optimizer, zero_plan, zero_spec
+from jaxpar.optim import shard_optimizer, zero_specs, zero_spec
 from jaxpar.report import collectives, memory
 
 SIZES = {"data": 8, "model": 4}
@@ -36,16 +36,16 @@ def test_plan_levels_and_shard_size():
     params = {"w": jax.ShapeDtypeStruct((64, 8), jnp.float32), "b": jax.ShapeDtypeStruct((8,), jnp.float32)}
     specs = {"w": P(), "b": P()}
     cfg = jaxpar.OptimizerConfig(level=2, axis=("replica", "data"), shard_size=4, threshold_kb=1)
-    plan = zero_plan(cfg, mesh, specs, params)
+    plan = zero_specs(cfg, mesh, specs, params)
     assert plan.axes == ("data",)                 # shard within groups of 4, replicate over 'replica'
     assert plan.state == {"w": P("data"), "b": P()}
     assert plan.grads == plan.state and plan.params == specs
-    full = zero_plan(jaxpar.OptimizerConfig(level=3, axis=("replica", "data"), threshold_kb=1), mesh, specs, params)
+    full = zero_specs(jaxpar.OptimizerConfig(level=3, axis=("replica", "data"), threshold_kb=1), mesh, specs, params)
     assert full.params["w"] == P(("replica", "data"))
     with pytest.raises(ValueError, match="shard_size=3"):
-        zero_plan(jaxpar.OptimizerConfig(level=1, axis=("replica", "data"), shard_size=3), mesh, specs, params)
+        zero_specs(jaxpar.OptimizerConfig(level=1, axis=("replica", "data"), shard_size=3), mesh, specs, params)
     with pytest.raises(ValueError, match="optimizer.axis"):
-        zero_plan(jaxpar.OptimizerConfig(level=1, axis="dp"), mesh, specs, params)
+        zero_specs(jaxpar.OptimizerConfig(level=1, axis="dp"), mesh, specs, params)
 
 
 # ------------------------------------------------------------------ numerics vs one device
@@ -96,7 +96,7 @@ TXS = {
 @pytest.mark.parametrize("name", list(TXS))
 def test_state_shardings_stable_in_own_loop(name):
     mesh, params, specs = _tiny()
-    plan = zero_plan(jaxpar.OptimizerConfig(level=2, threshold_kb=0), mesh, specs, params)
+    plan = zero_specs(jaxpar.OptimizerConfig(level=2, threshold_kb=0), mesh, specs, params)
     tx = shard_optimizer(TXS[name](), mesh, plan, params)
     state = jax.jit(tx.init)(params)
     before = [x.sharding for x in jax.tree.leaves(state)]
@@ -148,7 +148,7 @@ def zero_formula(level: int, big: int, small: int, n: int) -> float:
 
 def _psi(trainer):
     """(sharded, replicated) parameter counts under the level-1 plan with the same threshold."""
-    plan = zero_plan(jaxpar.OptimizerConfig(level=1), trainer.mesh, trainer.compute_specs, trainer.params)
+    plan = zero_specs(jaxpar.OptimizerConfig(level=1), trainer.mesh, trainer.compute_specs, trainer.params)
     big = small = 0
     for spec, x in zip(jax.tree.leaves(plan.state, is_leaf=lambda s: isinstance(s, P)),
                        jax.tree.leaves(trainer.params)):

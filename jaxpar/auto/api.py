@@ -1,4 +1,4 @@
-"""``search``: (model, loss, batch shapes, config, mesh sizes, costs) → `Plan`. Nothing compiles."""
+"""``search``: (model, loss, batch shapes, config, mesh sizes, costs) → `Strategy`. Nothing compiles."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from jaxpar.auto.assign import batch_specs, from_specs, hand_strategy, param_specs
+from jaxpar.auto.assign import batch_specs, from_specs, hand_axes, param_specs
 from jaxpar.auto.cost import CostParams, evaluate, op_terms
 from jaxpar.auto.graph import Graph, build_graph
-from jaxpar.auto.plan import Plan
+from jaxpar.auto.strategy import Strategy
 from jaxpar.auto.search import SEARCHES, Problem
 from jaxpar.data import leaf_spec
 from jaxpar.plan import make_train_plan
@@ -34,7 +34,7 @@ def annotations(graph: Graph, config, sizes: Mapping[str, int], extra: Mapping[s
                 raise ValueError(f"annotation {pattern!r} matches no parameter or batch leaf; paths look like "
                                  f"{[p for p, _ in graph.params[:3]]}")
             for p, t in hits:
-                if p in by:     # as in jaxpar.nn.plan.resolve_spec: two patterns on one path are an error
+                if p in by:     # as in jaxpar.nn.specs.resolve_spec: two patterns on one path are an error
                     raise ValueError(f"parameter {p!r} matches the annotations {by[p]!r} and {pattern!r}; make "
                                      "the patterns disjoint")
                 by[p] = pattern
@@ -47,7 +47,7 @@ def annotations(graph: Graph, config, sizes: Mapping[str, int], extra: Mapping[s
 
 def search(model, loss_fn: Callable, batch: Any, config, mesh, *, cost_params: CostParams | None = None,
            annotate: Mapping[str, Any] | None = None, memory_budget: float | None = None,
-           graph: Graph | None = None) -> Plan:
+           graph: Graph | None = None) -> Strategy:
     """Search a strategy for training ``model`` with ``loss_fn`` on ``batch``-shaped batches.
 
     Args:
@@ -92,11 +92,11 @@ def search(model, loss_fn: Callable, batch: Any, config, mesh, *, cost_params: C
         notes.append(f"conflict on class {graph.class_names[c]}: " + ", ".join(
             f"{p} wants {v or 'whole'} (step {t * 1e3:.4g} ms)" for t, p, v, _ in tried)
             + f" -> kept {tried[0][2] or 'whole'} (cheapest)")
-    return make_plan(graph, axes, sizes, params, algorithm, notes, time.perf_counter() - t0)
+    return make_strategy(graph, axes, sizes, params, algorithm, notes, time.perf_counter() - t0)
 
 
-def make_plan(graph: Graph, axes, sizes, params: CostParams, algorithm: str, notes=(), seconds: float = 0.0) -> Plan:
-    """The `Plan` of one assignment (with its predicted cost and per-operator rows)."""
+def make_strategy(graph: Graph, axes, sizes, params: CostParams, algorithm: str, notes=(), seconds: float = 0.0) -> Strategy:
+    """The `Strategy` of one assignment (with its predicted cost and per-operator rows)."""
     cost = evaluate(graph, axes, sizes, params)
     pspecs = param_specs(graph, axes)
     rows = []
@@ -104,7 +104,7 @@ def make_plan(graph: Graph, axes, sizes, params: CostParams, algorithm: str, not
         tensor = graph.tensors[t]
         shards = math.prod(sizes[a] for c in tensor.classes if c >= 0 for a in axes[c])
         rows.append((path, tensor.shape, pspecs[path], tensor.nbytes // shards))
-    return Plan(algorithm, dict(sizes), tuple(rows), tuple(batch_specs(graph, axes).items()),
+    return Strategy(algorithm, dict(sizes), tuple(rows), tuple(batch_specs(graph, axes).items()),
                 tuple((n, z, tuple(axes[c])) for c, (n, z) in enumerate(zip(graph.class_names, graph.class_sizes))),
                 cost.to_dict(), _operator_rows(graph, axes, sizes), tuple(notes), params.to_dict(), seconds)
 
@@ -126,17 +126,17 @@ def _operator_rows(graph: Graph, axes, sizes):
     return tuple(rows)
 
 
-def hand_plan(model, loss_fn, batch, config, mesh, *, cost_params: CostParams | None = None,
-              graph: Graph | None = None) -> Plan:
-    """The `Plan` (and predicted cost) of a hand-written config, for comparison."""
+def hand_strategy(model, loss_fn, batch, config, mesh, *, cost_params: CostParams | None = None,
+              graph: Graph | None = None) -> Strategy:
+    """The `Strategy` (and predicted cost) of a hand-written config, for comparison."""
     sizes = mesh_sizes(mesh)
     graph = graph if graph is not None else build_graph(model, loss_fn, batch)
-    return make_plan(graph, hand_strategy(graph, config, sizes), sizes, cost_params or CostParams(), "hand")
+    return make_strategy(graph, hand_axes(graph, config, sizes), sizes, cost_params or CostParams(), "hand")
 
 
 def plan_training(model, loss_fn: Callable, batch: Any, config, mesh, tx, *, offload: tuple[str, ...] = (),
                   **search_options):
-    """Search a strategy and return ``(TrainPlan, Plan)``: the plan to train under, and the search's
+    """Search a strategy and return ``(TrainPlan, Strategy)``: the plan to train under, and the search's
     own record (its predicted cost, operators and notes).
 
     ``search_options`` go to `search` (``cost_params``, ``annotate``, ``memory_budget``).

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.auto.graph import Graph
 from jaxpar.data import leaf_spec
-from jaxpar.nn.plan import resolve_spec
+from jaxpar.nn.specs import resolve_spec
 
 Axes = tuple[str, ...]
 
@@ -95,7 +95,7 @@ def fill(axes: Sequence[Axes | None]) -> list[Axes]:
 
 def config_specs(graph: Graph, config, mesh_sizes: Mapping[str, int]) -> dict[str, PartitionSpec]:
     """The ``PartitionSpec`` of every parameter and batch leaf under a ``ParallelConfig``
-    (parameters by `jaxpar.nn.plan.resolve_spec`, batch leaves by `jaxpar.data.leaf_spec`)."""
+    (parameters by `jaxpar.nn.specs.resolve_spec`, batch leaves by `jaxpar.data.leaf_spec`)."""
     specs = {}
     for (path, t), logical in zip(graph.params, graph.param_logical):
         specs[path] = resolve_spec(config, mesh_sizes, path, graph.tensors[t].shape, logical)
@@ -104,7 +104,7 @@ def config_specs(graph: Graph, config, mesh_sizes: Mapping[str, int]) -> dict[st
     return specs
 
 
-def hand_strategy(graph: Graph, config, mesh_sizes: Mapping[str, int]) -> list[Axes]:
+def hand_axes(graph: Graph, config, mesh_sizes: Mapping[str, int]) -> list[Axes]:
     """The assignment a hand-written ``ParallelConfig`` gives (classes that no parameter or
     batch layout touches stay whole)."""
     return fill(from_specs(graph, config_specs(graph, config, mesh_sizes), mesh_sizes)[0])

@@ -1,6 +1,6 @@
 """The price of a ``context`` mesh axis: attention over a sequence split ``cp`` ways.
 
-`jaxpar.auto.planner.plan_job` prices a ``context × data × model`` option on the graph of
+`jaxpar.auto.job_search.search_job` prices a ``context × data × model`` option on the graph of
 the model run on a *folded* batch: ``[B, S]`` becomes ``[B · cp, S / cp]`` and the data axis
 ``d · cp``. Everything per token (norms, MLPs, residuals, embedding, loss: the
 ``"length" → "context"`` rule) then costs per device exactly what it costs under context
@@ -78,12 +78,12 @@ def check_sequence(batch: Any, cp: int, strategy: str) -> int:
     leaves = jax.tree.leaves(batch)
     shape = tuple(np.shape(leaves[0]))
     if len(shape) < 2:
-        raise ValueError(f"plan_job: context={cp} splits dimension 1 (the sequence) of the batch, but its first "
+        raise ValueError(f"search_job: context={cp} splits dimension 1 (the sequence) of the batch, but its first "
                          f"leaf has shape {shape}; give [batch, length] leaves or leave context=(1,)")
     if strategy not in STRATEGIES:
-        raise ValueError(f"plan_job: context_strategy has {strategy!r}; choose from {STRATEGIES}")
+        raise ValueError(f"search_job: context_strategy has {strategy!r}; choose from {STRATEGIES}")
     if shape[1] % (2 * cp):
-        raise ValueError(f"plan_job: context={cp} with the zigzag order needs the sequence length {shape[1]} to be a "
+        raise ValueError(f"search_job: context={cp} with the zigzag order needs the sequence length {shape[1]} to be a "
                          f"multiple of 2 * {cp} = {2 * cp}; use context sizes whose double divides {shape[1]}")
     return shape[1]
 

@@ -1,6 +1,6 @@
 """The price of expert parallel: the MoE layers' all-to-alls, expert FLOPs and expert memory.
 
-`jaxpar.auto.planner.plan_job` reads a model's `jaxpar.nn.MoE` layers (`moe_layers`) and, for
+`jaxpar.auto.job_search.search_job` reads a model's `jaxpar.nn.MoE` layers (`moe_layers`) and, for
 each ``data × model`` mesh, prices two layouts of their stacked expert weights: replicated
 (``ep = 1``: every device runs every expert on its own tokens) and split over the data axis
 (``ep = d``: the rule ``"expert": "data"``, EP inside DP). The strategy search sees the
@@ -20,7 +20,7 @@ shards only what is not split already). `experts_cost` adds what the graph does 
   rung); with ``capacity_factor`` the fixed ``ceil(cf · t · k / E)`` slots per expert. On
   the wire an all-to-all moves ``(ep - 1) / ep`` of its buffer.
 
-Beside a context axis the planner prices the experts replicated only (``ep = 1``), with the
+Beside a context axis the job search prices the experts replicated only (``ep = 1``), with the
 tokens per device ``B · S / (d · cp)``: see `jaxpar.auto.job_options`.
 """
 
@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from jaxpar.auto.cost import Cost, CostParams
-from jaxpar.auto.plan import glob_escape
+from jaxpar.auto.strategy import glob_escape
 from jaxpar.ops.moe_dispatch import capacity_ladder
 
 EXPERT_WEIGHTS = ("gate", "up", "down")

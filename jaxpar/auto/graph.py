@@ -41,7 +41,7 @@ from jax.extend.core import Literal as _Literal
 from jax.extend.core import jaxprs_in_params
 
 from jaxpar.auto.graph_rules import RULES, elementwise
-from jaxpar.nn.plan import itemsize, logical_names, path_str
+from jaxpar.nn.specs import itemsize, logical_names, path_str
 
 _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
@@ -164,7 +164,7 @@ def build_graph(model: nnx.Module, loss_fn: Callable, batch: Any) -> Graph:
 
 
 def _itemsize(dtype) -> int:
-    """`jaxpar.nn.plan.itemsize`; 1 for what holds no data (a ``float0`` cotangent, a token)."""
+    """`jaxpar.nn.specs.itemsize`; 1 for what holds no data (a ``float0`` cotangent, a token)."""
     if dtype is None or dtype == jax.dtypes.float0:
         return 1
     return itemsize(dtype)

@@ -1,11 +1,11 @@
-"""The job planner's unpipelined options: ``[context ×] data × model`` meshes, micro-batches,
+"""The job search's unpipelined options: ``[context ×] data × model`` meshes, micro-batches,
 ZeRO levels, recompute policies and, for MoE models, the experts' placement.
 
 `plain_options` enumerates and prices them (`jaxpar.auto.pricing.price` on the graph of one
 micro-batch, corrected by `jaxpar.auto.context` for a context axis and by
 `jaxpar.auto.experts` for MoE layers); `option_config` turns the chosen one into the
 ``ParallelConfig`` the dry run compiles and the user trains. Without a context axis and
-without MoE layers both do exactly what the planner always did.
+without MoE layers both do exactly what the job search always did.
 """
 
 from __future__ import annotations
@@ -25,21 +25,23 @@ from jaxpar.auto.cost import analyse, evaluate
 from jaxpar.auto.experts import experts_cost, moe_layers, pins, tokens_per_device
 from jaxpar.auto.graph import build_graph
 from jaxpar.auto.pricing import micro_batch, price
+from jaxpar.auto.search_space import JobSearchSpace
 
 
-def plain_options(job, abstract_of: Callable[[str], Any], loss_fn, batch, base, shapes, *, devices: int,
-                  context, strategies, remat, grad_accum, zero_levels, search_name, params, memory_budget,
-                  plans: Callable, progress=None, imbalance: float = 1.0) -> list:
-    """Every priced unpipelined `JobOption` (``job``: the JobOption class)."""
+def plain_options(job, abstract_of: Callable[[str], Any], loss_fn, batch, base, shapes, space: JobSearchSpace, *,
+                  params, strategies_of: Callable, progress=None) -> list:
+    """Every priced unpipelined `JobOption` (``job``: the JobOption class) of ``space``;
+    ``strategies_of(graph, loss_fn, batch, config, sizes, search_name, params, memory_budget)``
+    gives the searched strategies of one mesh."""
     rows = jax.tree.leaves(batch)[0].shape[0]
-    out = []
-    for policy in remat:
+    devices, strategies, out = space.devices, space.context_strategy, []
+    for policy in space.remat:
         abstract = abstract_of(policy)
         moe = moe_layers(abstract)
-        for cp in context:
+        for cp in space.context:
             seq = max(check_sequence(batch, cp, s) for s in strategies) if cp > 1 else 0
-            for k in grad_accum:
-                if k < 1 or rows % k:
+            for k in space.grad_accum:
+                if rows % k:
                     continue
                 part = micro_batch(batch, k) if k > 1 else batch
                 graph = build_graph(abstract, loss_fn, fold(part, cp) if cp > 1 else part)
@@ -54,18 +56,19 @@ def plain_options(job, abstract_of: Callable[[str], Any], loss_fn, batch, base, 
                     mesh = dict(shape) if cp == 1 else {"context": cp, **shape}
                     for ep in _expert_sizes(moe, d, cp):
                         cfg = base if ep is None else _pinned(base, moe, ep)
-                        for plan in plans(graph, loss_fn, batch, cfg, sizes, search_name, params, memory_budget):
-                            axes = [a for _, _, a in plan.classes]
+                        for strategy in strategies_of(graph, loss_fn, batch, cfg, sizes, space.search_name, params,
+                                                      space.memory_budget):
+                            axes = [a for _, _, a in strategy.classes]
                             cost = evaluate(graph, axes, sizes, params, flags=flags)
                             for cost2, extra in _variants(cost, graph, axes, sizes, flags, cp, seq, strategies, moe,
-                                                          ep, part, d, k, shape, params, imbalance):
-                                for z in zero_levels:
+                                                          ep, part, d, k, shape, params, space.moe_imbalance):
+                                for z in space.zero_levels:
                                     if z and sizes.get("data", 1) == 1:
                                         continue
                                     t, a, tmp = price(graph, axes, sizes, params, zero=z, grad_accum=k,
                                                       threshold_kb=base.optimizer.threshold_kb, cost=cost2)
                                     if math.isfinite(t):
-                                        out.append(job(mesh, k, z, plan, t, a, tmp, remat=policy, **extra))
+                                        out.append(job(mesh, k, z, strategy, t, a, tmp, remat=policy, **extra))
                     if progress:
                         progress(f"priced mesh {mesh}, grad_accum={k}, remat={policy}")
     return out
@@ -102,7 +105,7 @@ def _variants(cost, graph, axes, sizes, flags, cp, seq, strategies, moe, ep, par
         return [(cost, extra)]
     att = attention_terms(graph, axes, sizes, flags, seq // cp)
     if att is None:
-        raise ValueError(f"plan_job: context={cp}, but the model's loss has no attention over a sequence of "
+        raise ValueError(f"search_job: context={cp}, but the model's loss has no attention over a sequence of "
                          f"{seq // cp} folded tokens (no value with two sequence dimensions); leave context=(1,)")
     rows = jax.tree.leaves(part)[0].shape[0] / d
     found = []
@@ -128,9 +131,9 @@ def option_config(option, base, search_name: str, zero, model_names: set[str] | 
     context option adds are only those the model reads)."""
     from jaxpar.config import ContextConfig
 
-    sizes = dict(option.plan.mesh)
-    cfg = option.plan.to_config(dataclasses.replace(base, mesh=sizes, mode="auto", search=search_name, rules={},
-                                                    grad_accum=option.grad_accum, optimizer=zero))
+    sizes = dict(option.strategy.mesh)
+    cfg = option.strategy.to_config(dataclasses.replace(base, mesh=sizes, mode="auto", search=search_name, rules={},
+                                                        grad_accum=option.grad_accum, optimizer=zero))
     rules: dict[str, Any] = {}
     if option.experts and option.experts["size"] > 1:
         rules.update({"batch": "data", "expert": "data"})
@@ -166,7 +169,7 @@ def with_constraint(builder: Callable, config) -> Callable:
     from jaxpar.nn import model_constraint
 
     if not takes_keyword(builder, "constrain"):
-        raise TypeError("plan_job: the chosen option has a context axis or places MoE experts, so model_fn must take "
+        raise TypeError("search_job: the chosen option has a context axis or places MoE experts, so model_fn must take "
                         "a constrain= keyword (the activation constraint, e.g. lambda remat='none', constrain=None: "
                         "Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain or no_constraint)); or leave context=(1,)")
     n = math.prod(config.mesh.values())

@@ -1,7 +1,7 @@
 """Prices of job options: step time, argument bytes and temp bytes per device.
 
 `price` prices a strategy with ``grad_accum`` micro-batches and a ZeRO level on the graph of
-one micro-batch; `price_pipeline` a pipelined option. `jaxpar.auto.planner.plan_job` sorts
+one micro-batch; `price_pipeline` a pipelined option. `jaxpar.auto.job_search.search_job` sorts
 the options by these prices.
 
 With ``d`` the size of the ZeRO axis (``data``), ``P`` the per-device bytes of the

@@ -9,7 +9,7 @@ See ``docs/checkpoint.md``; ``jaxpar ckpt {inspect,transform,merge,import-hf,exp
 
 from jaxpar.checkpoint.manager import (CheckpointDamagedError, Checkpointer, CheckpointWriteError, latest_step,
                                        restore, restore_state, save, save_state)
-from jaxpar.checkpoint.offline import format_inspect, inspect, load_strategy, merge, plan_leaves, transform
+from jaxpar.checkpoint.offline import format_inspect, inspect, load_strategy, merge, leaf_specs, transform
 from jaxpar.checkpoint.state import CheckpointMismatchError
 from jaxpar.checkpoint.strategy import strategy_config, strategy_specs
 
@@ -23,7 +23,7 @@ __all__ = [
     "latest_step",
     "load_strategy",
     "merge",
-    "plan_leaves",
+    "leaf_specs",
     "restore",
     "restore_state",
     "save",

@@ -26,7 +26,7 @@ from jaxpar.checkpoint.manager import (check_values, complete_step, complete_ste
 from jaxpar.checkpoint.strategy import spec_from_json, spec_to_json, strategy_file
 from jaxpar.config import ParallelConfig
 from jaxpar.mesh import make_mesh
-from jaxpar.nn.plan import check_rules_used, declared_names, variable_spec
+from jaxpar.nn.specs import check_rules_used, declared_names, variable_spec
 
 
 def _advice(manager: ocp.CheckpointManager, directory, step: int) -> str:
@@ -111,7 +111,7 @@ def format_inspect(report: dict[str, Any]) -> str:
 
 
 class _StoredVariable:
-    """What ``jaxpar.nn.plan.variable_spec`` reads of a variable, rebuilt from a strategy entry."""
+    """What ``jaxpar.nn.specs.variable_spec`` reads of a variable, rebuilt from a strategy entry."""
 
     def __init__(self, entry: dict):
         self._value = jax.ShapeDtypeStruct(tuple(entry["shape"]), jax.numpy.float32)
@@ -125,11 +125,11 @@ class _StoredVariable:
 
 
 def _plan_leaf(config: ParallelConfig, mesh, path: str, entry: dict) -> PartitionSpec:
-    """Plan one stored param / rest leaf under ``config``, as ``jaxpar.nn.plan`` would."""
+    """The spec of one stored param / rest leaf under ``config``, as ``jaxpar.nn.specs`` gives it."""
     return variable_spec(config, mesh, path.split("/", 1)[1], _StoredVariable(entry))
 
 
-def plan_leaves(strategy: dict[str, Any], config: ParallelConfig, mesh) -> dict[str, PartitionSpec]:
+def leaf_specs(strategy: dict[str, Any], config: ParallelConfig, mesh) -> dict[str, PartitionSpec]:
     """``{path: PartitionSpec}`` for every stored leaf under another config.
 
     Parameters and other NNX state are planned from their logical names; an optimizer leaf
@@ -178,7 +178,7 @@ def transform(directory, out, config: ParallelConfig, *, step: int | None = None
             strategy = read_strategy(manager, step)
             stored = saved_leaves(manager, step)
         _check_rules(config, strategy, directory)
-        specs = plan_leaves(strategy, config, mesh)
+        specs = leaf_specs(strategy, config, mesh)
         target = {p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, specs[p]))
                   for p, leaf in stored.items()}
         with reading_step(manager, directory, step):

@@ -1,7 +1,7 @@
 """A `TrainState` as one flat ``{path: array}`` map, and the restore target.
 
 Every leaf gets a path ``section/...`` (``params/blocks/0/attn/wq``, ``opt_state/0/mu/...``,
-``rest/rngs/dropout/key``): the same paths the parameter plan prints. Checkpoints store the
+``rest/rngs/dropout/key``): the same paths the parameter specs print. Checkpoints store the
 leaves as a nested dict of these path parts, so a checkpoint is independent of optax's and
 NNX's container classes and two trainers whose states have the same paths (other mesh, other
 ZeRO level, other tensor layout) read each other's checkpoints.
@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.nn.plan import path_str
+from jaxpar.nn.specs import path_str
 
 SECTIONS = ("params", "opt_state", "rest")
 

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec
 from jaxpar.checkpoint.state import sections, flat_state, is_key
 from jaxpar.config import ParallelConfig
 from jaxpar.mesh import mesh_sizes
-from jaxpar.nn.plan import logical_names, path_str
+from jaxpar.nn.specs import logical_names, path_str
 from jaxpar.version import __version__
 
 FORMAT = 1

@@ -1,4 +1,4 @@
-"""``jaxpar plan``: print the parameter plan of the example job, search one (``--search``), or
+"""``jaxpar plan``: print the parameter specs of the example job, search a strategy (``--search``), or
 plan a job file from shapes alone (``--config job.yaml``).
 
 Every flag is parsed by an argparse ``type=`` function (`number`, `int_list`, `annotation`), so a
@@ -68,34 +68,34 @@ def annotation(text: str) -> tuple[str, Any]:
 def add_plan_search_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``--search`` flags of ``jaxpar plan`` (all default to None: given = used, or refused)."""
     g = parser.add_argument_group("strategy search (jaxpar.auto)")
-    g.add_argument("--search", choices=SEARCHES, help="search a plan with this algorithm instead of printing "
-                   "the configured one")
+    g.add_argument("--search", choices=SEARCHES, help="search a strategy with this algorithm instead of printing "
+                   "the configured specs")
     g.add_argument("--annotate", action="append", type=annotation, default=[], metavar="GLOB=SPEC",
                    help="fix a parameter's split, e.g. 'blocks/*/mlp/up=None,model' (repeatable)")
     g.add_argument("--memory-budget", type=number("--memory-budget", float, above=0),
-                   help="per-device bytes the plan must fit (plans the whole job)")
-    g.add_argument("--zero-levels", type=int_list("--zero-levels", 0), help="ZeRO levels the job planner may "
+                   help="per-device bytes the job must fit (searches the whole job)")
+    g.add_argument("--zero-levels", type=int_list("--zero-levels", 0), help="ZeRO levels the job search may "
                    "choose (with --memory-budget; default 0,1,2,3), e.g. 0,1")
     g.add_argument("--accum-options", type=int_list("--accum-options", 1), help="micro-batch counts the job "
-                   "planner may choose (with --memory-budget; default 1,2,4)")
-    g.add_argument("--remat-options", type=remat_list, help="recompute policies of each block the job planner "
+                   "search may choose (with --memory-budget; default 1,2,4)")
+    g.add_argument("--remat-options", type=remat_list, help="recompute policies of each block the job search "
                    "may choose (with --memory-budget; default none), e.g. none,full,dots_saveable")
     g.add_argument("--pipeline-options", type=int_list("--pipeline-options", 1), help="pipeline stage counts "
-                   "the job planner may choose (with --memory-budget; default 1), e.g. 1,2,4; above 1 the model's "
+                   "the job search may choose (with --memory-budget; default 1), e.g. 1,2,4; above 1 the model's "
                    "layers are scanned")
     g.add_argument("--microbatch-options", type=int_list("--microbatch-options", 1),
                    help="the pipeline's micro-batch counts (with --memory-budget; default p, 2p, 4p)")
-    g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule the job planner prices (with "
+    g.add_argument("--schedule", choices=SCHEDULES, help="pipeline schedule the job search prices (with "
                    f"--memory-budget; default {DEFAULT_SCHEDULE})")
     g.add_argument("--context-options", type=int_list("--context-options", 1), help="context-parallel sizes "
-                   "the job planner may choose (with --memory-budget; default 1), e.g. 1,2,4: the sequence split "
+                   "the job search may choose (with --memory-budget; default 1), e.g. 1,2,4: the sequence split "
                    "over a context axis")
     g.add_argument("--context-strategies", type=context_strategy_list, help="context-parallel attention the job "
-                   "planner prices (with --context-options; default ring), e.g. ring,ulysses")
+                   "search prices (with --context-options; default ring), e.g. ring,ulysses")
     g.add_argument("--flops", type=number("--flops", float, above=0), help="device FLOP/s for the cost model")
     g.add_argument("--bandwidth", type=number("--bandwidth", float, above=0), help="collective bandwidth, bytes/s")
     g.add_argument("--latency", type=number("--latency", float, low=0), help="seconds per collective")
-    g.add_argument("--plan-out", help="write the plan (strategy file, JSON)")
+    g.add_argument("--plan-out", help="write the searched strategy (strategy file, JSON)")
 
 
 def search_settings(args: argparse.Namespace, job) -> SearchSettings:
@@ -121,9 +121,9 @@ def search_settings(args: argparse.Namespace, job) -> SearchSettings:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="print the parameter plan, or search one (--search)")
+    p = sub.add_parser("plan", help="print the parameter specs, or search a strategy (--search)")
     add_job_args(p, train=False)
-    p.add_argument("--save", help="write the configured plan as JSON (without --search)")
+    p.add_argument("--save", help="write the configured specs as JSON (without --search)")
     add_plan_search_arguments(p)
     p.set_defaults(func=cmd_plan)
 
@@ -136,12 +136,12 @@ def check_plan_flags(args) -> None:
                                    "latency", "plan_out", "batch") if given(args, f)]
         if search_only:
             refuse(f"{flags_text(search_only)} {verb(search_only)} to --search only (without it, jaxpar plan prints "
-                   "the configured plan, which does not depend on it); add --search dynamic_programming, or leave "
+                   "the configured specs, which do not depend on it); add --search dynamic_programming, or leave "
                    "it out")
         return
     if given(args, "save"):
-        refuse(f"--save {args.save!r} writes the configured plan, which --search replaces; write the searched "
-               f"plan with --plan-out {args.save!r}")
+        refuse(f"--save {args.save!r} writes the configured specs, which --search replaces; write the searched "
+               f"strategy with --plan-out {args.save!r}")
     if given(args, "mode"):
         refuse(f"--mode {args.mode} is replaced by mode 'auto' under --search; leave --mode out")
     if given(args, "rules"):
@@ -156,7 +156,7 @@ def check_plan_flags(args) -> None:
 
 
 def cmd_plan(args) -> int:
-    from jaxpar.nn.plan import format_plan
+    from jaxpar.nn.specs import format_specs
     from jaxpar.report import param_table
 
     check_plan_flags(args)
@@ -181,7 +181,7 @@ def cmd_plan(args) -> int:
     if job.parallel.rules and not job.parallel.allow_unused_rules:
         trainer.lower(built.example_batch())   # tracing the step refuses rules nothing consults
     print(f"mesh {dict(mesh.shape)}  mode {job.parallel.mode}")
-    print(format_plan(param_table(trainer)))
+    print(format_specs(param_table(trainer)))
     if args.save:
         rows = [{"path": r.path, "shape": r.shape, "spec": [list(e) if isinstance(e, tuple) else e for e in r.spec]}
                 for r in param_table(trainer)]

@@ -38,7 +38,7 @@ from jaxpar.interop import hf_files as files
 from jaxpar.interop.hf_layout import IGNORED_SUFFIXES, Tensor, check_architecture, hf_config, llama_config, tensors
 from jaxpar.models.llama import Llama, LlamaConfig, no_constraint
 from jaxpar.nn.init import abstract_model
-from jaxpar.nn.plan import check_rules_used, declared_names, is_variable, path_str
+from jaxpar.nn.specs import check_rules_used, declared_names, is_variable, path_str
 from jaxpar.plan.train_plan import make_train_plan
 from jaxpar.shard import LogicalConstraint
 from jaxpar.strategy import recording_rules

@@ -1,5 +1,6 @@
-"""``jaxpar plan --search``: search a strategy for the example GPT job, or plan the whole job
-within a memory budget (`jaxpar.auto.plan_job`), print it and save it.
+"""``jaxpar plan --search``: search a strategy for the example GPT job, or search the whole job
+within a memory budget (`jaxpar.auto.search_job` over a `jaxpar.auto.JobSearchSpace`), print it
+and save it.
 
 The command's flags become a `SearchSettings` (``jaxpar/cli/plan.py``); this module runs it
 on the job the other flags describe (`jaxpar.job.example.example_job`).
@@ -55,18 +56,29 @@ class SearchSettings:
     plan_out: str | None = None
 
 
-def _plan_job(s: SearchSettings, job: JobConfig, devices: int, batch):
-    """`jaxpar.auto.plan_job` for the example GPT, with the CLI's option lists."""
+def search_space(s: SearchSettings, devices: int):
+    """The `jaxpar.auto.JobSearchSpace` of the CLI's option lists (checked as it is built, so a
+    wrong list is refused before the job's model is built)."""
+    from jaxpar.auto import JobSearchSpace
+
+    return JobSearchSpace(devices=devices, memory_budget=s.memory_budget, search_name=s.search,
+                          zero_levels=s.zero_levels, grad_accum=s.accum, remat=s.remat, pipeline_stages=s.stages,
+                          microbatches=s.microbatches, schedule=s.schedule, context=s.context,
+                          context_strategy=s.context_strategies)
+
+
+def _search_job(s: SearchSettings, job: JobConfig, space, batch):
+    """`jaxpar.auto.search_job` for the example GPT over ``space`` (`search_space`)."""
     from flax import nnx
 
-    from jaxpar.auto import plan_job
+    from jaxpar.auto import search_job
     from jaxpar.models.gpt import GPT, loss_fn, pipeline_loss
     from jaxpar.train import compile_step
 
     gpt = _gpt(job)
     if max(s.stages) > 1 and not gpt.scan_layers:
-        # a pipeline cuts the stacked blocks: every option is planned on scanned layers
-        print("note: --pipeline-options above 1 plan the model with scanned layers (--scan); its parameter "
+        # a pipeline cuts the stacked blocks: every option is searched on scanned layers
+        print("note: --pipeline-options above 1 search the model with scanned layers (--scan); its parameter "
               "paths are those of GPTConfig(scan_layers=True)")
         gpt = dataclasses.replace(gpt, scan_layers=True)
 
@@ -75,35 +87,32 @@ def _plan_job(s: SearchSettings, job: JobConfig, devices: int, batch):
         extra = {} if constrain is None else {"constrain": constrain}
         return GPT(dataclasses.replace(gpt, remat=remat), rngs=nnx.Rngs(job.train.seed), **extra)
 
-    # --annotate reaches the planner through the base config, whose parameter_plan it keeps.
+    # --annotate reaches the job search through the base config, whose parameter_plan it keeps.
     base = dataclasses.replace(s.config, parameter_plan={**s.config.parameter_plan, **dict(s.annotate)})
-    plan = plan_job(model_fn, loss_fn, batch, pipeline_loss=pipeline_loss(), devices=devices,
-                    memory_budget=s.memory_budget, cost_params=s.costs, search_name=s.search, base_config=base,
-                    zero_levels=s.zero_levels, grad_accum=s.accum, remat=s.remat, pipeline_stages=s.stages,
-                    microbatches=s.microbatches, schedule=s.schedule, context=s.context,
-                    context_strategy=s.context_strategies, dry_run=compile_step)
-    print(plan.explain())
-    if plan.remat != "none":
-        print(f"recompute: build the model with GPTConfig(remat={plan.remat!r})")
-    if plan.config.context is not None:
-        print(f"context: the sequence split over {plan.config.context.axis!r} "
-              f"({plan.config.context.strategy} attention, {plan.config.context.order} order)")
-    pipe = plan.config.pipeline
+    found = search_job(model_fn, loss_fn, batch, space, base_config=base, cost_params=s.costs,
+                       pipeline_loss=pipeline_loss(), dry_run=compile_step)
+    print(found.explain())
+    if found.remat != "none":
+        print(f"recompute: build the model with GPTConfig(remat={found.remat!r})")
+    if found.config.context is not None:
+        print(f"context: the sequence split over {found.config.context.axis!r} "
+              f"({found.config.context.strategy} attention, {found.config.context.order} order)")
+    pipe = found.config.pipeline
     if pipe.stages > 1:
         print(f"pipeline: {pipe.stages} stages, {pipe.microbatches} micro-batches, schedule {pipe.schedule} "
               "(train with pipeline_loss(); the blocks' layers are split over the pipe axis)")
-    return plan
+    return found
 
 
 def _check_budget(s: SearchSettings, job: JobConfig, devices: int) -> None:
-    """Refuse a budget no option can fit (`jaxpar.auto.planner.check_memory_floor`) before the
+    """Refuse a budget no option can fit (`jaxpar.auto.job_search.check_memory_floor`) before the
     job's model is built: the floor needs only its parameters' shapes, and the model with
     scanned layers has the same parameters, stacked, and builds abstractly at once (unrolled,
     flax takes minutes for a deep model)."""
     from flax import nnx
 
     from jaxpar.auto import CostParams
-    from jaxpar.auto.planner import check_memory_floor
+    from jaxpar.auto.job_search import check_memory_floor
     from jaxpar.models.data import ArithmeticData
     from jaxpar.models.gpt import GPT
 
@@ -114,36 +123,38 @@ def _check_budget(s: SearchSettings, job: JobConfig, devices: int) -> None:
                        params=s.costs or CostParams())
 
 
-def _save_job(plan_out: str, plan) -> None:
+def _save_job(plan_out: str, found) -> None:
     import json
     import os
 
     path = os.path.splitext(plan_out)[0] + ".job.json"
     with open(path, "w") as f:
-        json.dump(plan.to_dict(), f, indent=1, default=str)
+        json.dump(found.to_dict(), f, indent=1, default=str)
     print(f"job (config, remat, pipeline, candidates) written to {path}")
 
 
 def run_plan_search(s: SearchSettings, job: JobConfig, devices) -> int:
-    """Search (or plan the job within ``memory_budget``) on ``devices``, print the table, save it."""
+    """Search a strategy (or the whole job within ``memory_budget``) on ``devices``, print the
+    table, save it."""
     from jaxpar.auto import search
     from jaxpar.job.run import build
     from jaxpar.models.gpt import loss_fn
 
-    if s.memory_budget is not None:
+    space = search_space(s, len(devices)) if s.memory_budget is not None else None
+    if space is not None:
         _check_budget(s, job, len(devices))
     built = build(job, devices=devices)
     batch = built.example_batch()
-    if s.memory_budget is not None:
-        planned = _plan_job(s, job, len(devices), batch)
-        plan = planned.plan
+    if space is not None:
+        found = _search_job(s, job, space, batch)
+        strategy = found.strategy
         if s.plan_out:
-            _save_job(s.plan_out, planned)
+            _save_job(s.plan_out, found)
     else:
-        plan = search(built.trainer.model, loss_fn, batch, s.config, built.mesh, cost_params=s.costs,
-                      annotate=dict(s.annotate))
-        print(plan.table())
+        strategy = search(built.trainer.model, loss_fn, batch, s.config, built.mesh, cost_params=s.costs,
+                          annotate=dict(s.annotate))
+        print(strategy.table())
     if s.plan_out:
-        plan.to_json(s.plan_out)
-        print(f"plan written to {s.plan_out}")
+        strategy.to_json(s.plan_out)
+        print(f"strategy written to {s.plan_out}")
     return 0

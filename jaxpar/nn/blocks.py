@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from flax import nnx
 
-from jaxpar.nn.plan import logical_names
+from jaxpar.nn.specs import logical_names
 from jaxpar.remat import remat
 
 __all__ = ["BLOCKS_HOOK", "block_policy", "find_blocks", "remat_blocks"]

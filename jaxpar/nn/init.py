@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 
 from jaxpar.config import ParallelConfig
-from jaxpar.nn.plan import check_plan_covers, plan_state, to_shardings
+from jaxpar.nn.specs import check_plan_covers, state_specs, to_shardings
 from jaxpar.nn.sliced_init import SlicedInit
 
 
@@ -46,15 +46,15 @@ def init_program(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mes
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"init expects a ParallelConfig, got {type(config).__name__}")
     graphdef, traced, (abs_params, abs_rest) = _trace(model_fn)
-    param_specs = plan_state(config, mesh, abs_params, check_unused=False)
+    param_specs = state_specs(config, mesh, abs_params, check_unused=False)
     check_plan_covers(config, abs_params, abs_rest)
     if config.optimizer.level == 3:
         # FSDP: parameters are stored sharded over the data axis from the start.
-        from jaxpar.optim.zero import zero_plan
+        from jaxpar.optim.zero import zero_specs
 
-        param_specs = zero_plan(config.optimizer, mesh, param_specs, abs_params).params
+        param_specs = zero_specs(config.optimizer, mesh, param_specs, abs_params).params
     shardings = (to_shardings(param_specs, mesh),
-                 to_shardings(plan_state(config, mesh, abs_rest, check_unused=False), mesh))
+                 to_shardings(state_specs(config, mesh, abs_rest, check_unused=False), mesh))
     return graphdef, SlicedInit(traced, shardings)
 
 
@@ -86,5 +86,5 @@ def init(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mesh) -> nn
 def place(model: nnx.Module, config: ParallelConfig, mesh) -> nnx.Module:
     """Move an already-built model's variables to the plan's shardings (returns a new model)."""
     graphdef, state = nnx.split(model)
-    shardings = to_shardings(plan_state(config, mesh, state), mesh)
+    shardings = to_shardings(state_specs(config, mesh, state), mesh)
     return nnx.merge(graphdef, jax.device_put(state, shardings))

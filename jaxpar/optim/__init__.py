@@ -3,17 +3,17 @@
 The ``Trainer`` applies these from ``ParallelConfig``; the functions here are the same
 pieces for a hand-written loop:
 
->>> plan = jaxpar.optim.zero_plan(jaxpar.OptimizerConfig(level=2), mesh, specs, params)   # doctest: +SKIP
+>>> plan = jaxpar.optim.zero_specs(jaxpar.OptimizerConfig(level=2), mesh, specs, params)   # doctest: +SKIP
 >>> tx = jaxpar.optim.shard_optimizer(optax.adamw(1e-3), mesh, plan, params)             # doctest: +SKIP
 """
 
 from jaxpar.optim.accumulate import accumulate_grads, interleave_loss, split_batch
 from jaxpar.optim.fusion import bucketed_psum, compiler_options
 from jaxpar.optim.offload import on_host, to_device
-from jaxpar.optim.zero import ZeroPlan, opt_state_specs, shard_optimizer, zero_axes, zero_plan, zero_spec
+from jaxpar.optim.zero import ZeroSpecs, opt_state_specs, shard_optimizer, zero_axes, zero_specs, zero_spec
 
 __all__ = [
-    "ZeroPlan",
+    "ZeroSpecs",
     "accumulate_grads",
     "bucketed_psum",
     "compiler_options",
@@ -24,6 +24,6 @@ __all__ = [
     "split_batch",
     "to_device",
     "zero_axes",
-    "zero_plan",
+    "zero_specs",
     "zero_spec",
 ]

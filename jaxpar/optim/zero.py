@@ -1,6 +1,6 @@
 """Optimizer parallel (ZeRO levels 1–3): parameter rules that shard more.
 
-The parameter plan says where each parameter lives for *compute* (its ``PartitionSpec``).
+The parameter specs say where each parameter lives for *compute* (its ``PartitionSpec``).
 Optimizer parallel adds the data-parallel axis to some of those specs for *storage*:
 
 =====  ===================  ====================  =====================
@@ -21,7 +21,7 @@ The sharding rule (`zero_spec`), for a parameter of ``shape`` with compute ``spe
    ZeRO group size divides;
 4. failing that, on the first already-split dimension that still divides (the ZeRO axes
    are appended after the existing ones, e.g. ``("model", "data")``);
-5. failing that, the spec is kept (replicated over the ZeRO axes) and `ZeroPlan.unsharded`
+5. failing that, the spec is kept (replicated over the ZeRO axes) and `ZeroSpecs.unsharded`
    lists the parameter.
 
 ``shard_size`` (hybrid sharding: shard within groups of ``s`` devices, replicate across
@@ -34,7 +34,7 @@ the plan raises ``ValueError`` suggesting the mesh to build.
 Everything here is a pure function of (optimizer config, mesh, specs, abstract params).
 
 Example:
-  >>> plan = zero_plan(OptimizerConfig(level=3, threshold_kb=0), mesh, specs, params)  # doctest: +SKIP
+  >>> plan = zero_specs(OptimizerConfig(level=3, threshold_kb=0), mesh, specs, params)  # doctest: +SKIP
   >>> plan.params["wte"]                                                              # doctest: +SKIP
   PartitionSpec('data', None)
 """
@@ -55,11 +55,11 @@ from jaxpar.strategy import mesh_sizes, spec_axes
 _is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
 
 
-class ZeroPlan(NamedTuple):
+class ZeroSpecs(NamedTuple):
     """Spec trees (like the parameter tree, leaves ``PartitionSpec``) for one ZeRO level.
 
     Attributes:
-      compute: where parameters are used (the parameter plan, unchanged).
+      compute: where parameters are used (the parameter specs, unchanged).
       params: where parameters are stored (= ``compute`` below level 3).
       grads: the layout gradients are kept in between backward and update, e.g. the
         gradient accumulation buffer (full at level 1, shards from level 2).
@@ -125,20 +125,20 @@ def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], itemsize: int, axes: 
     return None
 
 
-def zero_plan(config: OptimizerConfig, mesh, param_specs, params) -> ZeroPlan:
+def zero_specs(config: OptimizerConfig, mesh, param_specs, params) -> ZeroSpecs:
     """Storage specs for parameters, gradients and optimizer state at ``config.level``.
 
     Args:
       config: the ``OptimizerConfig`` (level, threshold_kb, axis, shard_size).
       mesh: the ``jax.sharding.Mesh``.
-      param_specs: the parameter plan, a tree of ``PartitionSpec`` like ``params``.
+      param_specs: the parameter specs, a tree of ``PartitionSpec`` like ``params``.
       params: the parameters or their abstract shapes (anything with ``shape``/``dtype``).
 
     Example:
-      >>> plan = zero_plan(OptimizerConfig(level=1), mesh, specs, params)   # doctest: +SKIP
+      >>> plan = zero_specs(OptimizerConfig(level=1), mesh, specs, params)   # doctest: +SKIP
     """
     if config.level == 0:
-        return ZeroPlan(param_specs, param_specs, param_specs, param_specs, (), ())
+        return ZeroSpecs(param_specs, param_specs, param_specs, param_specs, (), ())
     axes = zero_axes(config, mesh)
     sizes = mesh_sizes(mesh)
     unsharded: list[str] = []
@@ -152,7 +152,7 @@ def zero_plan(config: OptimizerConfig, mesh, param_specs, params) -> ZeroPlan:
 
     sharded = jax.tree_util.tree_map_with_path(one, param_specs, params, is_leaf=_is_spec)
     level = config.level
-    return ZeroPlan(
+    return ZeroSpecs(
         compute=param_specs,
         params=sharded if level >= 3 else param_specs,
         grads=sharded if level >= 2 else param_specs,
@@ -192,7 +192,7 @@ def _constrain(tree, specs, mesh):
                         tree, specs, is_leaf=lambda x: x is None)
 
 
-def shard_optimizer(tx: optax.GradientTransformation, mesh, plan: ZeroPlan, params) -> optax.GradientTransformation:
+def shard_optimizer(tx: optax.GradientTransformation, mesh, plan: ZeroSpecs, params) -> optax.GradientTransformation:
     """``tx`` whose state lives sharded as ``plan.state`` (and gradients as ``plan.grads``).
 
     ``init`` and ``update`` pin their state with ``with_sharding_constraint``, so inside
@@ -204,7 +204,7 @@ def shard_optimizer(tx: optax.GradientTransformation, mesh, plan: ZeroPlan, para
 
     For your own loop::
 
-      plan = jaxpar.optim.zero_plan(OptimizerConfig(level=2), mesh, specs, params)
+      plan = jaxpar.optim.zero_specs(OptimizerConfig(level=2), mesh, specs, params)
       tx = jaxpar.optim.shard_optimizer(optax.adamw(1e-3), mesh, plan, params)
       state = jax.jit(tx.init)(params)              # sharded over 'data'
     """

@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpar.pipeline.program import (  # noqa: F401  (op codes re-exported for the planner's pricing)
+from jaxpar.pipeline.program import (  # noqa: F401  (op codes re-exported for the job search's pricing)
     B, B_LAST, CHANNELS, DX_MB, F, F_LAST, FROM_INPUT, G_SLOT, IDLE, MB, OP, RECV_G, RECV_X, W, W_LAST,
     X_SLOT, CHUNK, Program, forward_only, lower)
 from jaxpar.pipeline.branches import make_branches, stats_dtype

@@ -56,7 +56,7 @@ class PipelineLoss:
     ``embedding(model) -> embedding object`` and ``embed_inputs(embedding_object, batch) -> h``
     (both or neither) give the embedding as a part of its own, so that the pipeline can run it
     on its first virtual stage only (``pipeline.embedding="first"``). ``embed``
-    must equal ``embed_inputs(embedding(model), batch)``; it is what the planner prices and
+    must equal ``embed_inputs(embedding(model), batch)``; it is what the job search prices and
     what ``pipeline.embedding="outside"`` runs. The head object and the embedding object may
     share a parameter (tied embeddings): its gradient is the sum over both uses.
 

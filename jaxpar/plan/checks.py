@@ -109,5 +109,5 @@ def _check_experts(model, config, loss_fn, who: str, loss_known: bool) -> None:
            if config.mode == "hybrid" else "the strategy search does not read the expert dispatch's scatters")
     raise ValueError(f"{who}: mode={config.mode!r} with a mixture-of-experts model (jaxpar.nn.MoE at {where!r}) is "
                      f"not supported ({why}); use mode='semi_auto' with an 'expert' rule, e.g. "
-                     "rules={'batch': 'data', 'expert': 'data'} (jaxpar.auto.plan_job prices expert parallel "
+                     "rules={'batch': 'data', 'expert': 'data'} (jaxpar.auto.search_job prices expert parallel "
                      "and returns such a config)")

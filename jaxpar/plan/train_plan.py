@@ -35,8 +35,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig, to_plain, from_plain
 from jaxpar.data import batch_axes, batch_specs
-from jaxpar.nn.plan import check_plan_covers, is_variable, itemsize, path_str, plan_state
-from jaxpar.optim.zero import ZeroPlan, opt_state_specs, zero_plan
+from jaxpar.nn.specs import check_plan_covers, is_variable, itemsize, path_str, state_specs
+from jaxpar.optim.zero import ZeroSpecs, opt_state_specs, zero_specs
 from jaxpar.plan.checks import check_combination
 from jaxpar.precision import cast_floats
 from jaxpar.strategy import mesh_sizes, spec_axes
@@ -157,9 +157,9 @@ class TrainPlan:
         return jax.tree_util.tree_map_with_path(one, like, is_leaf=is_variable)
 
     def zero(self, params_like):
-        """The ``jaxpar.optim.ZeroPlan`` (spec trees like ``params_like``) of this plan."""
+        """The ``jaxpar.optim.ZeroSpecs`` (spec trees like ``params_like``) of this plan."""
         tree = lambda section: self.specs(section, params_like)  # noqa: E731
-        return ZeroPlan(tree("params"), tree("stored"), tree("grads"), tree("update"), self.zero_axes, self.unsharded)
+        return ZeroSpecs(tree("params"), tree("stored"), tree("grads"), tree("update"), self.zero_axes, self.unsharded)
 
     def shardings(self, section: str, like, mesh) -> Any:
         """``NamedSharding`` tree of ``section`` (host memory where the plan offloads it)."""
@@ -317,14 +317,14 @@ def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.Grad
         _, params, rest = nnx.split(model_or_state, nnx.Param, ...)
     else:
         params, rest = model_or_state
-    param_specs = plan_state(config, sizes, params, check_unused=False)
-    rest_specs = plan_state(config, sizes, rest, check_unused=False)
+    param_specs = state_specs(config, sizes, params, check_unused=False)
+    rest_specs = state_specs(config, sizes, rest, check_unused=False)
     check_plan_covers(config, params, rest)
     abstract = jax.tree.map(_abstract, params, is_leaf=is_variable)
     if config.precision is not None:     # the plan's shapes and bytes are those of the stored dtype
         abstract = cast_floats(abstract, config.precision.params)
     pure_specs = jax.tree.map(lambda v: v.get_value(), param_specs, is_leaf=is_variable)
-    zero = zero_plan(config.optimizer, sizes, pure_specs, abstract)
+    zero = zero_specs(config.optimizer, sizes, pure_specs, abstract)
     opt = opt_state_specs(tx, zero.state, abstract)
     shapes = {p: (tuple(a.shape), str(a.dtype)) for p, a in flat_paths(abstract)}
     return TrainPlan(

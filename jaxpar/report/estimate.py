@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
-from jaxpar.nn.plan import itemsize
+from jaxpar.nn.specs import itemsize
 from jaxpar.plan.train_plan import TrainPlan, flat_paths
 from jaxpar.strategy import spec_axes
 

@@ -1,11 +1,11 @@
-"""One report for a compiled training step: memory, collectives, FLOPs and the parameter plan."""
+"""One report for a compiled training step: memory, collectives, FLOPs and the parameter specs."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from jaxpar.nn.plan import PlanRow, format_plan, plan_rows
+from jaxpar.nn.specs import SpecRow, format_specs, spec_rows
 from jaxpar.report.collectives import Collective, collective_summary, collectives
 from jaxpar.report.flops import flops
 from jaxpar.report.memory import MemoryReport, memory
@@ -19,7 +19,7 @@ class StepReport:
     memory: MemoryReport
     collectives: list[Collective]
     flops: float
-    params: list[PlanRow]
+    params: list[SpecRow]
 
     def summary(self) -> dict[str, Any]:
         """A JSON-friendly summary."""
@@ -34,7 +34,7 @@ class StepReport:
 
     def format(self, *, detail: bool = True) -> str:
         """The plan, memory and collectives as text (``detail=False``: collectives summed by kind and axes)."""
-        return "\n".join([format_plan(self.params), format_memory(self.memory),
+        return "\n".join([format_specs(self.params), format_memory(self.memory),
                           format_collectives(self.collectives) if detail else self.collective_lines(),
                           f"FLOPs per device: {self.flops:,.0f}"])
 
@@ -50,9 +50,9 @@ class StepReport:
         return "\n".join(lines)
 
 
-def param_table(trainer) -> list[PlanRow]:
+def param_table(trainer) -> list[SpecRow]:
     """Rows parameter → strategy → bytes per device for a ``Trainer``'s parameters."""
-    return plan_rows(trainer.params, trainer.param_specs, trainer.mesh)
+    return spec_rows(trainer.params, trainer.param_specs, trainer.mesh)
 
 
 def step_report(trainer, batch) -> StepReport:

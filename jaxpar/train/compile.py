@@ -1,4 +1,4 @@
-"""The compiled training step of a config, for dry runs (the job planner's, `jaxpar plan`'s)."""
+"""The compiled training step of a config, for dry runs (the job search's, `jaxpar plan`'s)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def compile_step(model_fn: Callable[[], nnx.Module], loss_fn: Callable, batch, c
     """The compiled training step of ``config`` on the first devices of ``jax.devices()``: the
     model built sharded (``jaxpar.init``), the Trainer's step lowered for ``batch`` and compiled.
 
-    What the job planner's dry run calls (``plan_job(..., dry_run=compile_step)``).
+    What the job search's dry run calls (``search_job(..., dry_run=compile_step)``).
     """
     n = math.prod(config.mesh.values())
     mesh = make_mesh(config, devices=jax.devices()[:n])

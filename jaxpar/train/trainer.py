@@ -29,7 +29,7 @@ from jaxpar.metrics import MetricsConfig, progress_text, read, tokens_per_exampl
 from jaxpar.metrics.logger import examples_per_step
 from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
-from jaxpar.nn.plan import check_rules_used, declared_names
+from jaxpar.nn.specs import check_rules_used, declared_names
 from jaxpar.plan import TrainPlan, TrainState, check_combination, check_data, init_state, state_shardings
 from jaxpar.strategy import recording_rules
 from jaxpar.train.hooks import Preempted, Preemption, watchers
@@ -84,7 +84,7 @@ class Trainer:
 
     # What it runs: the plan (made before the Trainer, see `plan_for`), on this mesh.
     plan: TrainPlan
-    searched: Any                   # the strategy search's `jaxpar.auto.Plan` when plan_for searched, else None
+    searched: Any                   # the strategy search's `jaxpar.auto.Strategy` when plan_for searched, else None
     mesh: jax.sharding.Mesh
     tx: optax.GradientTransformation
     loss_fn: Callable

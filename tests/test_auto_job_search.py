@@ -1,4 +1,4 @@
-"""The job planner's recompute and pipeline choices: priced, confirmed by the dry run, and
+"""The job search's recompute and pipeline choices: priced, confirmed by the dry run, and
 trained to the one-device losses."""
 
 import dataclasses
@@ -13,10 +13,10 @@ from flax import nnx
 
 import jaxpar
 from helpers import COSTS, MEGATRON, batches
-from jaxpar.auto import build_graph, plan_job
-from jaxpar.auto.assign import hand_strategy
+from jaxpar.auto import JobSearchSpace, build_graph, search_job
+from jaxpar.auto.assign import hand_axes
 from jaxpar.auto.cost import evaluate
-from jaxpar.auto.planner import memory_floor
+from jaxpar.auto.job_search import memory_floor
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss
 from jaxpar.report import memory
 from jaxpar.train import compile_step
@@ -52,7 +52,7 @@ def test_recompute_regions_in_the_graph_and_their_price():
         assert len(graph.regions) == (0 if remat == "none" else 1)         # one block body, scanned
         keeps = {op.keep for op in graph.ops}
         assert keeps == ({"device"} if remat == "none" else {"device", "recompute"})
-        axes = hand_strategy(graph, jaxpar.ParallelConfig(mesh={"data": 8}), {"data": 8})
+        axes = hand_axes(graph, jaxpar.ParallelConfig(mesh={"data": 8}), {"data": 8})
         costs[remat] = evaluate(graph, axes, {"data": 8}, COSTS)
     none, full, dots = costs["none"], costs["full"], costs["dots_saveable"]
     assert full.temp_bytes < dots.temp_bytes < none.temp_bytes
@@ -63,7 +63,7 @@ def test_recompute_regions_in_the_graph_and_their_price():
     for remat in ("none", "full"):
         graph = build_graph(nnx.eval_shape(lambda: gpt_fn()(remat)), loss_fn, batch)
         sizes = {"data": 2, "model": 4}
-        comm[remat] = evaluate(graph, hand_strategy(graph, megatron, sizes), sizes, COSTS).comm_bytes
+        comm[remat] = evaluate(graph, hand_axes(graph, megatron, sizes), sizes, COSTS).comm_bytes
     assert comm["full"] > comm["none"]           # the recomputed forward all-reduces again
 
 
@@ -127,7 +127,7 @@ def test_scanned_recompute_temp_matches_the_compiled_step(remat):
     model_fn = lambda: gpt_fn()(remat)  # noqa: E731
     config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
     graph = build_graph(nnx.eval_shape(model_fn), loss_fn, batch)
-    cost = evaluate(graph, hand_strategy(graph, config, {"data": 8}), {"data": 8}, COSTS)
+    cost = evaluate(graph, hand_axes(graph, config, {"data": 8}), {"data": 8}, COSTS)
     mesh = jaxpar.make_mesh(config)
     trainer = jaxpar.Trainer(jaxpar.init(model_fn, config, mesh), optax.adamw(1e-3), loss_fn, config, mesh)
     mem = memory(trainer.lower(batch).compile())
@@ -135,17 +135,19 @@ def test_scanned_recompute_temp_matches_the_compiled_step(remat):
     assert 0.85 <= cost.temp_bytes / mem.temp_bytes <= 1.15, (cost.temp_bytes, mem.temp_bytes)
 
 
-def test_planner_chooses_recompute_to_fit_and_trains_like_one_device(one_device):
+def test_job_search_chooses_recompute_to_fit_and_trains_like_one_device(one_device):
     batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
-    common = dict(devices=8, cost_params=COSTS, base_config=BASE, meshes=[{"data": 8}], zero_levels=(0,),
-                  grad_accum=(1,), remat=("none", "full", "dots_saveable"))
-    free = plan_job(gpt_fn(), loss_fn, batch, memory_budget=1e12, dry_run=False, **common)
+    space = JobSearchSpace(devices=8, memory_budget=1e12, meshes=[{"data": 8}], zero_levels=(0,), grad_accum=(1,),
+                           remat=("none", "full", "dots_saveable"))
+    common = dict(cost_params=COSTS, base_config=BASE)
+    free = search_job(gpt_fn(), loss_fn, batch, space, dry_run=False, **common)
     by = {o.remat: o for o in free.candidates}
     assert by["full"].memory_bytes >= memory_floor(nnx.eval_shape(gpt_fn()), batch, 8, COSTS)[0]
     assert by["none"].time_s < by["dots_saveable"].time_s < by["full"].time_s
     assert by["full"].memory_bytes < by["dots_saveable"].memory_bytes < by["none"].memory_bytes
     budget = (by["full"].memory_bytes + by["dots_saveable"].memory_bytes) / 2 * 1.05
-    job = plan_job(gpt_fn(), loss_fn, batch, memory_budget=budget, dry_run=compile_step, **common)
+    job = search_job(gpt_fn(), loss_fn, batch, dataclasses.replace(space, memory_budget=budget),
+                     dry_run=compile_step, **common)
     assert job.remat == "full" and job.dry_run["fits"]
     assert 0.85 <= job.chosen.memory_bytes / job.dry_run["total"] <= 1.15
     assert "remat=full" in job.explain() and "over budget" in job.explain()
@@ -153,19 +155,21 @@ def test_planner_chooses_recompute_to_fit_and_trains_like_one_device(one_device)
     np.testing.assert_allclose(losses, one_device, rtol=1e-5)
 
 
-def test_planner_chooses_pipeline_stages_to_fit_and_trains_like_one_device(one_device):
-    """A budget that no unpipelined option fits: the planner picks stages and micro-batches,
+def test_job_search_chooses_pipeline_stages_to_fit_and_trains_like_one_device(one_device):
+    """A budget that no unpipelined option fits: the search picks stages and micro-batches,
     the dry run compiles the pipelined step within the budget, and it trains exactly."""
     batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
-    common = dict(devices=8, cost_params=COSTS, base_config=BASE, zero_levels=(0,), grad_accum=(1,),
-                  pipeline_stages=(1, 2, 4), microbatches=(4, 8))
-    free = plan_job(gpt_fn(), pipeline_loss(), batch, memory_budget=1e12, dry_run=False, **common)
+    space = JobSearchSpace(devices=8, memory_budget=1e12, zero_levels=(0,), grad_accum=(1,),
+                           pipeline_stages=(1, 2, 4), microbatches=(4, 8))
+    common = dict(cost_params=COSTS, base_config=BASE)
+    free = search_job(gpt_fn(), pipeline_loss(), batch, space, dry_run=False, **common)
     flat = min(o.memory_bytes for o in free.candidates if not o.pipeline)
     piped = min(o.memory_bytes for o in free.candidates if o.pipeline)
     assert piped >= memory_floor(nnx.eval_shape(gpt_fn()), batch, 8, COSTS)[0]     # the floor bounds every option
     budget = 1.3 * piped
     assert budget < flat                                   # nothing unpipelined fits
-    job = plan_job(gpt_fn(), pipeline_loss(), batch, memory_budget=budget, dry_run=compile_step, **common)
+    job = search_job(gpt_fn(), pipeline_loss(), batch, dataclasses.replace(space, memory_budget=budget),
+                     dry_run=compile_step, **common)
     pipe = job.config.pipeline
     assert job.chosen.pipeline and pipe.stages == job.chosen.mesh["pipe"] > 1
     assert job.dry_run["fits"] and job.dry_run["total"] <= budget
@@ -189,7 +193,7 @@ def test_pipeline_price_follows_the_schedule():
     for schedule, m in (("gpipe", 8), ("1f1b", 4), ("1f1b", 8), ("zb-h1", 8)):
         part = micro_batch(batch, m)
         graph = build_graph(model, loss, part)
-        axes = hand_strategy(graph, jaxpar.ParallelConfig(mesh={"data": 2}), {"data": 2})
+        axes = hand_axes(graph, jaxpar.ParallelConfig(mesh={"data": 2}), {"data": 2})
         h = jax.eval_shape(loss.embed, model, part)
         rows[schedule, m] = price_pipeline(graph, axes, {"data": 2}, COSTS, stages=4, microbatches=m, layers=4,
                                            activation_bytes=h.size * 4, schedule=schedule)
@@ -204,27 +208,59 @@ def test_pipeline_price_follows_the_schedule():
     assert rows["zb-h1", 8][0] < rows["1f1b", 8][0]
 
 
-def test_planner_errors_name_the_fix():
+def test_job_search_errors_name_the_fix():
     batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
     with pytest.raises(TypeError, match="remat= keyword"):
-        plan_job(lambda: GPT(SCANNED, rngs=nnx.Rngs(0)), loss_fn, batch, devices=8, memory_budget=1e9,
-                 remat=("none", "full"), dry_run=False)
+        search_job(lambda: GPT(SCANNED, rngs=nnx.Rngs(0)), loss_fn, batch,
+                   JobSearchSpace(devices=8, memory_budget=1e9, remat=("none", "full")), dry_run=False)
     with pytest.raises(TypeError, match="PipelineLoss"):
-        plan_job(gpt_fn(), loss_fn, batch, devices=8, memory_budget=1e9, pipeline_stages=(2,), dry_run=False)
-    with pytest.raises(ValueError, match="pipeline_stages has 3"):
-        plan_job(gpt_fn(), pipeline_loss(), batch, devices=8, memory_budget=1e9, pipeline_stages=(3,))
-    with pytest.raises(ValueError, match="remat has 'sometimes'"):
-        plan_job(gpt_fn(), loss_fn, batch, devices=8, memory_budget=1e9, remat=("sometimes",))
-    with pytest.raises(ValueError, match="does not price host transfers"):
-        plan_job(gpt_fn(), loss_fn, batch, devices=8, memory_budget=1e9, remat=("none", "offload_dots"))
-    with pytest.raises(ValueError, match="zero_levels=.. is empty"):
-        plan_job(gpt_fn(), loss_fn, batch, devices=8, memory_budget=1e9, zero_levels=())
+        search_job(gpt_fn(), loss_fn, batch, JobSearchSpace(devices=8, memory_budget=1e9, pipeline_stages=(2,)),
+                   dry_run=False)
     with pytest.raises(ValueError, match="microbatches has 5"):
-        plan_job(gpt_fn(), pipeline_loss(), batch, devices=8, memory_budget=1e9, pipeline_stages=(2,),
-                 microbatches=(5,), dry_run=False)
+        search_job(gpt_fn(), pipeline_loss(), batch,
+                   JobSearchSpace(devices=8, memory_budget=1e9, pipeline_stages=(2,), microbatches=(5,)), dry_run=False)
     with pytest.raises(ValueError, match="do not divide into 8 stages"):
-        plan_job(gpt_fn(), pipeline_loss(), batch, devices=8, memory_budget=1e9, pipeline_stages=(8,),
-                 dry_run=False)
+        search_job(gpt_fn(), pipeline_loss(), batch, JobSearchSpace(devices=8, memory_budget=1e9, pipeline_stages=(8,)),
+                   dry_run=False)
+    with pytest.raises(TypeError, match="space=.*must be a jaxpar.auto.JobSearchSpace"):
+        search_job(gpt_fn(), loss_fn, batch, {"devices": 8, "memory_budget": 1e9})
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(devices=0), "devices=0 must be a positive device count"),
+    (dict(devices=True), "devices=True must be a positive device count"),
+    (dict(memory_budget=0), "memory_budget=0 must be a positive number"),
+    (dict(memory_budget="1e9"), "memory_budget='1e9' must be a positive number"),
+    (dict(search_name="greedy"), "search_name='greedy'; choose one of"),
+    (dict(pipeline_stages=(3,)), r"pipeline_stages has 3; use positive divisors of devices=8"),
+    (dict(context=(1, 3)), r"context has 3; use positive divisors of devices=8"),
+    (dict(remat=("sometimes",)), "remat has 'sometimes'"),
+    (dict(remat=("none", "offload_dots")), "remat has .offload_dots.; the search does not price host transfers"),
+    (dict(zero_levels=()), r"zero_levels=\(\) is empty"),
+    (dict(zero_levels=(0, 4)), "zero_levels has 4; ZeRO levels are 0, 1, 2, 3"),
+    (dict(grad_accum=(1, 0)), "grad_accum has 0; use positive micro-batch counts"),
+    (dict(microbatches=(4, -1)), "microbatches has -1"),
+    (dict(schedule="zigzag"), "schedule has 'zigzag'; choose one or several of"),
+    (dict(context_strategy=("ring", "star")), "context_strategy has 'star'; choose from"),
+    (dict(moe_imbalance=0.5), "moe_imbalance=0.5 must be >= 1"),
+    (dict(meshes=[{"data": 2, "model": 2}]), r"meshes has \{'data': 2, 'model': 2\}, 4 devices, not devices=8"),
+])
+def test_a_search_space_refuses_a_wrong_choice_when_built(options, message):
+    """Every choice of a `JobSearchSpace` is checked as it is built, before any model is traced."""
+    with pytest.raises(ValueError, match=f"JobSearchSpace: {message}"):
+        JobSearchSpace(**{"devices": 8, "memory_budget": 1e9, **options})
+
+
+def test_a_search_space_is_a_frozen_value():
+    a = JobSearchSpace(devices=8, memory_budget=1e9, schedule="zb-h1", remat=["none", "full"],
+                       meshes=[{"data": 4, "model": 2}])
+    assert a.schedule == ("zb-h1",) and a.remat == ("none", "full") and a.context_strategy == ("ring",)
+    assert a == JobSearchSpace(devices=8, memory_budget=1e9, schedule=("zb-h1",), remat=("none", "full"),
+                               meshes=({"data": 4, "model": 2},))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.devices = 4
+    with pytest.raises(TypeError):
+        JobSearchSpace(8, 1e9)                     # keyword-only: which number is which is never guessed
 
 
 def test_a_budget_below_the_floor_is_refused_at_once():
@@ -236,10 +272,10 @@ def test_a_budget_below_the_floor_is_refused_at_once():
     assert weights > 64 * 4 * 64 * 64 * 4 and floor == math.ceil((3 * weights + rows) / 8)
     start = time.perf_counter()
     with pytest.raises(ValueError, match=rf"memory budget of 1,000,000 B per device on 8 devices.* at least "
-                                         rf"{floor:,} B per device .*above {floor:,} B, plan for at least "
+                                         rf"{floor:,} B per device .*above {floor:,} B, use at least "
                                          rf"{math.ceil((3 * weights + rows) / 1e6)} devices"):
-        plan_job(gpt_fn(deep), loss_fn, batch, devices=8, memory_budget=1e6, cost_params=COSTS,
-                 pipeline_stages=(1, 2, 4), pipeline_loss=pipeline_loss(), dry_run=compile_step)
+        search_job(gpt_fn(deep), loss_fn, batch, JobSearchSpace(devices=8, memory_budget=1e6, pipeline_stages=(1, 2, 4)),
+                   cost_params=COSTS, pipeline_loss=pipeline_loss(), dry_run=compile_step)
     assert time.perf_counter() - start < 5          # the search it replaces took minutes
 
 
@@ -253,4 +289,4 @@ def test_jaxpar_plan_refuses_a_hopeless_budget_before_building_the_model(capsys)
     err = capsys.readouterr().err
     assert time.perf_counter() - start < 5
     assert "memory budget of 1,000,000 B per device on 8 devices" in err and "Traceback" not in err, err
-    assert "(memory_budget, --memory-budget) above 4,781,248 B, plan for at least 39 devices" in err, err
+    assert "(memory_budget, --memory-budget) above 4,781,248 B, use at least 39 devices" in err, err

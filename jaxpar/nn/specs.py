@@ -1,6 +1,6 @@
-"""The parameter plan: (config, mesh, abstract state) → one ``PartitionSpec`` per variable.
+"""Parameter specs: (config, mesh, abstract state) → one ``PartitionSpec`` per variable.
 
-A pure function: the same inputs always give the same plan, which can be printed and saved.
+A pure function: the same inputs always give the same specs, which can be printed and saved.
 Where a parameter's strategy comes from, first match wins in this order:
 
 1. ``config.parameter_plan``: glob pattern on the parameter path (``"blocks/*/mlp/up"``) →
@@ -88,11 +88,11 @@ def variable_spec(config: ParallelConfig, mesh, path: str, var: nnx.Variable) ->
     return resolve_spec(config, mesh, path, np.shape(var.get_value()), logical_names(var))
 
 
-def plan_state(config: ParallelConfig, mesh, state, *, check_unused: bool = True) -> Any:
+def state_specs(config: ParallelConfig, mesh, state, *, check_unused: bool = True) -> Any:
     """A tree like ``state`` (an ``nnx.State``) whose variables hold ``PartitionSpec`` values.
 
     ``check_unused``: raise if a ``parameter_plan`` pattern matches no variable of ``state``
-    (turn off when planning one part of a model; see ``check_plan_covers``).
+    (turn off when giving the specs of one part of a model; see ``check_plan_covers``).
     """
 
     def one(path, var):
@@ -176,7 +176,7 @@ def itemsize(dtype) -> int:
     """Bytes per element as JAX stores it, of a dtype or its name (``"bfloat16"``, ``"key<fry>"``).
 
     A PRNG key array's element is its key data: a threefry key is two ``uint32``, 8 bytes (an
-    ``rbg`` key 16). jaxpar's one dtype → bytes rule (plan rows, train plans, the memory
+    ``rbg`` key 16). jaxpar's one dtype → bytes rule (spec rows, train plans, the memory
     estimate, the auto-parallel graph).
 
     >>> itemsize("bfloat16"), itemsize(jax.random.key(0).dtype), itemsize("key<fry>")
@@ -201,7 +201,9 @@ def _key_itemsizes() -> dict[str, int]:
     return {str(d): d.itemsize for d in dtypes}
 
 
-class PlanRow(NamedTuple):
+class SpecRow(NamedTuple):
+    """One variable's row of `spec_rows`: its path, shape, logical names, spec and bytes."""
+
     path: str
     shape: tuple[int, ...]
     dtype: str
@@ -211,7 +213,7 @@ class PlanRow(NamedTuple):
     bytes_per_device: int
 
 
-def plan_rows(state, specs, mesh) -> list[PlanRow]:
+def spec_rows(state, specs, mesh) -> list[SpecRow]:
     """One row per variable: path, shape, logical names, ``PartitionSpec``, bytes."""
     rows = []
     flat_state = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]
@@ -221,13 +223,13 @@ def plan_rows(state, specs, mesh) -> list[PlanRow]:
         shape = tuple(np.shape(value))
         nbytes = math.prod(shape) * itemsize(value.dtype)
         rows.append(
-            PlanRow(path_str(path), shape, str(value.dtype), logical_names(var), spec,
+            SpecRow(path_str(path), shape, str(value.dtype), logical_names(var), spec,
                     nbytes, nbytes // shard_count(spec, mesh))
         )
     return rows
 
 
-def format_plan(rows: list[PlanRow], title: str = "parameter plan") -> str:
+def format_specs(rows: list[SpecRow], title: str = "parameter specs") -> str:
     """A table of parameters → strategy → bytes per device, as text."""
     from rich.console import Console
     from rich.table import Table

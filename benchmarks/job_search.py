@@ -1,4 +1,4 @@
-"""The job planner's recompute and pipeline prices against the compiled step.
+"""The job search's recompute and pipeline prices against the compiled step.
 
 For the scanned example GPT on 8 devices:
 
@@ -11,7 +11,7 @@ Needs 8 devices: it runs on 8 simulated CPU devices on any machine (``JAX_PLATFO
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, set here if unset); with
 ``JAX_PLATFORMS=cuda`` on 8 GPUs it reads their compiled programs instead.
 
-    python benchmarks/job_planner.py       # prints both tables, writes results/job_planner_cpu.json
+    python benchmarks/job_search.py       # prints both tables, writes results/job_search_cpu.json
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar.auto import CostParams, build_graph, plan_job  # noqa: E402
-from jaxpar.auto.assign import hand_strategy  # noqa: E402
+from jaxpar.auto import CostParams, JobSearchSpace, build_graph, search_job  # noqa: E402
+from jaxpar.auto.assign import hand_axes  # noqa: E402
 from jaxpar.auto.cost import evaluate  # noqa: E402
-from jaxpar.auto.planner import _pipeline_config  # noqa: E402
+from jaxpar.auto.job_search import _pipeline_config  # noqa: E402
 from jaxpar.auto.pricing import stacked_params  # noqa: E402
 from jaxpar.models.data import ArithmeticData  # noqa: E402
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss  # noqa: E402
@@ -65,7 +65,7 @@ def main():
         for remat in ("none", "full", "dots_saveable"):
             model_fn = lambda: GPT(gpt(layers, remat), rngs=nnx.Rngs(0))  # noqa: E731
             graph = build_graph(nnx.eval_shape(model_fn), loss_fn, batch)
-            cost = evaluate(graph, hand_strategy(graph, config, {"data": 8}), {"data": 8}, COSTS)
+            cost = evaluate(graph, hand_axes(graph, config, {"data": 8}), {"data": 8}, COSTS)
             mem = compiled(model_fn, loss_fn, config, batch)
             rows.append({"kind": "recompute", "layers": layers, "remat": remat, "temp_pred": cost.temp_bytes,
                          "temp_hlo": mem.temp_bytes, "time_s": cost.time_s})
@@ -76,8 +76,8 @@ def main():
     print(f"{'option':<40} {'args':>7} {'temp':>7} {'total':>7} {'pred step ms':>13}")
     model_fn = lambda: GPT(gpt(4), rngs=nnx.Rngs(0))  # noqa: E731
     base = jaxpar.ParallelConfig(mode="auto", optimizer=jaxpar.OptimizerConfig(threshold_kb=0))
-    job = plan_job(model_fn, pipeline_loss(), batch, devices=8, memory_budget=1e12, base_config=base,
-                   cost_params=COSTS, pipeline_stages=(2, 4), grad_accum=(1,), zero_levels=(0,), dry_run=False)
+    space = JobSearchSpace(devices=8, memory_budget=1e12, pipeline_stages=(2, 4), grad_accum=(1,), zero_levels=(0,))
+    job = search_job(model_fn, pipeline_loss(), batch, space, base_config=base, cost_params=COSTS, dry_run=False)
     graph = build_graph(nnx.eval_shape(model_fn), pipeline_loss(), batch)
     blocks = {p for p, t in graph.params if t in stacked_params(graph, 4)}
     seen = set()
@@ -94,7 +94,7 @@ def main():
         print(f"{o.label():<40} {o.argument_bytes / mem.argument_bytes:>7.3f} {o.temp_bytes / mem.temp_bytes:>7.3f} "
               f"{o.memory_bytes / mem.total:>7.3f} {o.time_s * 1e3:>13.4g}", flush=True)
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "job_planner_cpu.json"), "w") as f:
+    with open(os.path.join(HERE, "results", "job_search_cpu.json"), "w") as f:
         json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
 
 

@@ -1,4 +1,8 @@
-"""`Plan`: what a search found, as a frozen value that prints, saves and becomes a config."""
+"""`Strategy`: what a search found, as a frozen value that prints, saves and becomes a config.
+
+Its file (``to_json``) is tagged ``"format": "jaxpar.strategy/1"``; files saved before the class was
+named `Strategy` carry ``"jaxpar.plan/1"`` and hold the same fields, so both load.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from jax.sharding import PartitionSpec
+
+
+FORMAT = "jaxpar.strategy/1"
+OLD_FORMAT = "jaxpar.plan/1"   # files saved by `jaxpar.auto.Plan`: the same fields
 
 
 def _spec_json(spec: PartitionSpec) -> list:
@@ -25,12 +33,12 @@ def glob_escape(path: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Strategy:
     """A strategy found by `jaxpar.auto.search`.
 
     Attributes:
       search: the algorithm (``"dynamic_programming"``, ...; ``"hand"`` for a config's own).
-      mesh: mesh axis name -> size the plan is for.
+      mesh: mesh axis name -> size the strategy is for.
       params: ``(path, shape, PartitionSpec, bytes per device)`` per parameter.
       batch: ``(leaf path, PartitionSpec)`` per batch leaf.
       classes: ``(name, size, mesh axes)`` per dimension class of the graph.
@@ -40,9 +48,9 @@ class Plan:
       cost_params: the `CostParams` used, as a dict.
       search_time_s: wall time of the search.
 
-    >>> plan = jaxpar.auto.search(model, loss_fn, batch, config, mesh)    # doctest: +SKIP
-    >>> print(plan.table()); plan.to_json("plan.json")                    # doctest: +SKIP
-    >>> trainer = jaxpar.Trainer(model, tx, loss_fn, plan.to_config(config), mesh)  # doctest: +SKIP
+    >>> strategy = jaxpar.auto.search(model, loss_fn, batch, config, mesh)    # doctest: +SKIP
+    >>> print(strategy.table()); strategy.to_json("strategy.json")            # doctest: +SKIP
+    >>> trainer = jaxpar.Trainer(model, tx, loss_fn, strategy.to_config(config), mesh)  # doctest: +SKIP
     """
 
     search: str
@@ -67,7 +75,7 @@ class Plan:
             # leaves split differently: keep the batch dimension's split (shared by every leaf)
             firsts = {tuple(s)[0] if len(tuple(s)) else None for _, s in self.batch}
             if len(firsts) != 1:
-                raise ValueError(f"plan splits batch leaves differently ({self.batch}); "
+                raise ValueError(f"the strategy splits batch leaves differently ({self.batch}); "
                                  "ParallelConfig.dataset_strategy holds one strategy for every leaf")
             first = firsts.pop()
             return PartitionSpec(first) if first is not None else "full_batch"
@@ -76,19 +84,19 @@ class Plan:
 
     def to_config(self, config):
         """A ``mode="semi_auto"`` config whose ``parameter_plan`` (exact paths) and
-        ``dataset_strategy`` reproduce this plan; every other field is kept."""
-        plan = {glob_escape(p): s for p, _, s, _ in self.params}
-        return dataclasses.replace(config, mode="semi_auto", mesh=dict(self.mesh), parameter_plan=plan,
+        ``dataset_strategy`` reproduce this strategy; every other field is kept."""
+        specs = {glob_escape(p): s for p, _, s, _ in self.params}
+        return dataclasses.replace(config, mode="semi_auto", mesh=dict(self.mesh), parameter_plan=specs,
                                    dataset_strategy=self.dataset_strategy())
 
     # ----------------------------------------------------------------- show
     def table(self, *, operators: bool = True, width: int = 150) -> str:
-        """The plan as text: parameters → PartitionSpec → bytes, operators, predicted cost."""
+        """The strategy as text: parameters → PartitionSpec → bytes, operators, predicted cost."""
         from rich.console import Console
         from rich.table import Table
 
         console = Console(record=True, width=width, file=io.StringIO())
-        t = Table(title=f"jaxpar plan ({self.search}) on mesh {dict(self.mesh)}")
+        t = Table(title=f"strategy ({self.search}) on mesh {dict(self.mesh)}")
         for col in ("parameter", "shape", "PartitionSpec", "bytes/device"):
             t.add_column(col, justify="right" if "bytes" in col else "left")
         for path, shape, spec, nbytes in self.params:
@@ -119,7 +127,7 @@ class Plan:
     # ----------------------------------------------------------------- files
     def to_dict(self) -> dict:
         return {
-            "format": "jaxpar.plan/1", "search": self.search, "mesh": dict(self.mesh),
+            "format": FORMAT, "search": self.search, "mesh": dict(self.mesh),
             "params": [{"path": p, "shape": list(sh), "spec": _spec_json(s), "bytes_per_device": b}
                        for p, sh, s, b in self.params],
             "batch": [{"path": p, "spec": _spec_json(s)} for p, s in self.batch],
@@ -130,9 +138,10 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
-        if d.get("format") != "jaxpar.plan/1":
-            raise ValueError(f"not a jaxpar plan (format {d.get('format')!r}; expected 'jaxpar.plan/1')")
+    def from_dict(cls, d: Mapping[str, Any]) -> "Strategy":
+        if d.get("format") not in (FORMAT, OLD_FORMAT):
+            raise ValueError(f"not a jaxpar strategy file (format {d.get('format')!r}; expected {FORMAT!r}, "
+                             f"or {OLD_FORMAT!r} from before the class was named Strategy)")
         return cls(
             search=d["search"], mesh=dict(d["mesh"]),
             params=tuple((p["path"], tuple(p["shape"]), _spec_load(p["spec"]), p["bytes_per_device"])
@@ -150,12 +159,12 @@ class Plan:
             json.dump(self.to_dict(), f, indent=1)
 
     @classmethod
-    def from_json(cls, path: str) -> "Plan":
+    def from_json(cls, path: str) -> "Strategy":
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Plan) and json.dumps(self.to_dict(), sort_keys=True, default=str) == \
+        return isinstance(other, Strategy) and json.dumps(self.to_dict(), sort_keys=True, default=str) == \
             json.dumps(other.to_dict(), sort_keys=True, default=str)
 
     def __hash__(self) -> int:

@@ -1,6 +1,6 @@
-"""``plan_job``: the whole job for a device count and a memory budget, confirmed by a dry run.
+"""``search_job``: the whole job for a device count and a memory budget, confirmed by a dry run.
 
-The planner enumerates *job options*: a mesh shape ``data × model`` of the device count, a
+The search enumerates *job options*: a mesh shape ``data × model`` of the device count, a
 number of micro-batches ``k`` (gradient accumulation), a ZeRO level and a recompute policy;
 or a pipeline (``pipe × data × model``, micro-batches, schedule) with a ZeRO level. For each mesh shape
 and ``k`` it searches operator strategies on the graph of one micro-batch (twice: the
@@ -8,9 +8,10 @@ fastest, and the fastest within the budget), then prices every ZeRO level on top
 strategy with `jaxpar.auto.pricing` (the formulas are there). Options are sorted by predicted step time; the fastest
 one that fits is compiled ahead of time on the local (simulated) devices — the *dry run* —
 and its compiled memory (``memory_analysis``: arguments + outputs + temp − aliased) checked
-against the budget; if it does not fit, the next one is tried.
+against the budget; if it does not fit, the next one is tried. What it may choose from is one
+value, a `jaxpar.auto.JobSearchSpace`.
 
-Recompute: with ``remat=("none", "full", ...)`` the planner builds the model once per
+Recompute: with ``remat=("none", "full", ...)`` the search builds the model once per
 policy (``model_fn(remat=policy)``, e.g. `GPTConfig.remat` for each block) and prices it
 like any other option: the graph marks each ``jax.checkpoint`` region, values its policy
 does not keep live only during that region's backward (`jaxpar.auto.cost.temp_parts`) and
@@ -38,20 +39,21 @@ from jaxpar.auto.api import search
 from jaxpar.auto.cost import CostParams, analyse
 from jaxpar.auto.graph import build_graph
 from jaxpar.auto.job_options import needs_constraint, option_config, plain_options, takes_keyword, with_constraint
-from jaxpar.auto.plan import Plan, glob_escape
 from jaxpar.auto.pricing import micro_batch, price_pipeline, stacked_params
-from jaxpar.nn.plan import declared_names
+from jaxpar.auto.search_space import JobSearchSpace
+from jaxpar.auto.strategy import Strategy, glob_escape
+from jaxpar.nn.specs import declared_names
 
 
 @dataclasses.dataclass(frozen=True)
 class JobOption:
-    """One priced candidate: mesh shape, micro-batches, ZeRO level, the strategy's `Plan`,
+    """One priced candidate: mesh shape, micro-batches, ZeRO level, the searched `Strategy`,
     predicted step time and per-device memory (arguments and temp)."""
 
     mesh: Mapping[str, int]
     grad_accum: int
     zero: int
-    plan: Plan
+    strategy: Strategy
     time_s: float
     argument_bytes: int
     temp_bytes: int
@@ -91,8 +93,8 @@ class JobOption:
 
 
 @dataclasses.dataclass(frozen=True)
-class JobPlan:
-    """The planner's answer: the winning option, its config, every candidate and the dry run."""
+class JobSearchResult:
+    """What `search_job` found: the winning option, its config, every candidate and the dry run."""
 
     chosen: JobOption
     config: Any
@@ -101,8 +103,9 @@ class JobPlan:
     memory_budget: float
 
     @property
-    def plan(self) -> Plan:
-        return self.chosen.plan
+    def strategy(self) -> Strategy:
+        """The winner's searched strategy (of one micro-batch; see `explain`)."""
+        return self.chosen.strategy
 
     @property
     def remat(self) -> str:
@@ -135,7 +138,7 @@ class JobPlan:
             coll = f" {o.collective_bytes():>13,}" if extra else ""
             lines.append(f"  {o.label():<64} {o.time_s * 1e3:>9.4g} {o.memory_bytes:>12,}{coll}  {o.verdict}")
         if c.pipeline:
-            lines.append(f"the table below is the {' x '.join(f'{k}={v}' for k, v in self.plan.mesh.items())} strategy "
+            lines.append(f"the table below is the {' x '.join(f'{k}={v}' for k, v in self.strategy.mesh.items())} strategy "
                          f"of one micro-batch; the blocks' leading (layers) dimension goes on 'pipe' "
                          f"({c.mesh['pipe']} stages), so each stage holds 1/{c.mesh['pipe']} of their bytes")
         if c.context:
@@ -145,7 +148,7 @@ class JobPlan:
         if c.experts and c.experts["size"] > 1:
             lines.append(f"experts split over '{c.experts['axis']}' ({c.experts['size']} ways): "
                          f"{c.experts['bytes']:,} B of all-to-alls per device and step (predicted)")
-        return "\n".join(lines) + "\n" + self.plan.table(operators=False)
+        return "\n".join(lines) + "\n" + self.strategy.table(operators=False)
 
     def to_dict(self) -> dict:
         return {"chosen": self.chosen.row(), "remat": self.remat, "candidates": [o.row() for o in self.candidates],
@@ -163,125 +166,78 @@ def _with_remat(model_fn: Callable, policy: str, policies: Sequence[str]) -> Cal
     if tuple(policies) == ("none",):
         return model_fn
     if not takes_keyword(model_fn, "remat"):
-        raise TypeError(f"plan_job: remat={tuple(policies)} needs model_fn to take a remat= keyword (the policy for "
+        raise TypeError(f"search_job: remat={tuple(policies)} needs model_fn to take a remat= keyword (the policy for "
                         "its repeated blocks, e.g. lambda remat='none': GPT(dataclasses.replace(cfg, remat=remat), "
-                        "rngs=nnx.Rngs(0))); or pass remat=('none',)")
+                        "rngs=nnx.Rngs(0))); or give JobSearchSpace(remat=('none',))")
     return functools.partial(model_fn, remat=policy)
 
 
 def _pipeline_config(option: JobOption, base, block_paths: set[str]):
-    """The semi-auto config of a pipelined option: the plan's specs, with the blocks' leading
+    """The semi-auto config of a pipelined option: its strategy's specs, with the blocks' leading
     (layers) dimension on the pipe axis."""
     from jax.sharding import PartitionSpec
 
     from jaxpar.config import PipelineConfig
 
     pipe = option.pipeline
-    plan = {glob_escape(path): PartitionSpec("pipe", *tuple(spec)[1:]) if path in block_paths else spec
-            for path, _, spec, _ in option.plan.params}
+    specs = {glob_escape(path): PartitionSpec("pipe", *tuple(spec)[1:]) if path in block_paths else spec
+             for path, _, spec, _ in option.strategy.params}
     return dataclasses.replace(
-        base, mode="semi_auto", mesh=dict(option.mesh), rules={}, grad_accum=1, parameter_plan=plan,
-        dataset_strategy=option.plan.dataset_strategy(),
+        base, mode="semi_auto", mesh=dict(option.mesh), rules={}, grad_accum=1, parameter_plan=specs,
+        dataset_strategy=option.strategy.dataset_strategy(),
         pipeline=PipelineConfig(stages=pipe["stages"], microbatches=pipe["microbatches"],
                                 schedule=pipe["schedule"], virtual_stages=pipe["virtual_stages"]))
 
 
-def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int, memory_budget: float,
-             base_config=None, tx=None, cost_params: CostParams | None = None,
-             search_name: str = "dynamic_programming", dry_run: Callable | None = None,
-             meshes: Sequence[Mapping[str, int]] | None = None, zero_levels: Sequence[int] = (0, 1, 2, 3),
-             grad_accum: Sequence[int] = (1, 2, 4), remat: Sequence[str] = ("none",),
-             pipeline_stages: Sequence[int] = (1,), microbatches: Sequence[int] | None = None,
-             schedule: str | Sequence[str] = "1f1b", pipeline_loss=None, progress: Callable[[str], None] | None = None,
-             context: Sequence[int] = (1,), context_strategy: str | Sequence[str] = ("ring",),
-             moe_imbalance: float = 1.0) -> JobPlan:
+def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSearchSpace, *, base_config=None,
+               tx=None, cost_params: CostParams | None = None, dry_run: Callable | None = None, pipeline_loss=None,
+               progress: Callable[[str], None] | None = None) -> JobSearchResult:
     """Choose mesh shape, strategies, ZeRO level, recompute policy, micro-batches and
-    pipeline stages for ``devices`` devices within ``memory_budget`` bytes per device,
-    minimising predicted step time; confirm the winner by compiling it (``dry_run``).
-
-    ``dry_run``: ``compile_fn(model_fn, loss_fn, batch, config, tx) -> jax.stages.Compiled``
-    (``jaxpar.train.compile_step`` compiles the Trainer's step), called on the winner; its
-    ``memory_analysis`` is compared with the budget. ``None`` or ``False``: no dry run.
+    pipeline stages from ``space`` (a `JobSearchSpace`: ``space.devices`` devices within
+    ``space.memory_budget`` bytes per device), minimising predicted step time; confirm the
+    winner by compiling it (``dry_run``).
 
     Args:
       model_fn: builds the model (called abstractly for the search, for real in the dry run);
-        with ``remat`` other than ``("none",)`` it must take ``remat=`` (the policy of its
-        repeated blocks, e.g. `GPTConfig.remat`).
+        with ``space.remat`` other than ``("none",)`` it must take ``remat=`` (the policy of
+        its repeated blocks, e.g. `GPTConfig.remat`); with a context size or MoE layers it is
+        built with ``model_fn(constrain=...)``.
       loss_fn, batch: as for `jaxpar.auto.search` (``batch``: the whole step's global batch).
-      pipeline_loss: the `jaxpar.pipeline.PipelineLoss` for ``pipeline_stages`` above 1
-        (default: ``loss_fn``, which must then be one).
-      devices: device count to plan for (the dry run needs that many local devices).
-      memory_budget: bytes per device.
+      space: the choices to search over, checked when it was built.
       base_config: ``ParallelConfig`` whose other settings (``optimizer.threshold_kb``,
         ``dataset_strategy``, annotations in ``parameter_plan``) are kept.
-      meshes: ``data × model`` shapes to try without a pipeline (default: all of ``devices``;
-        beside a pipe axis of ``p``, all of ``devices / p``).
-      zero_levels: ZeRO levels to try; grad_accum: micro-batch counts to try without a
-        pipeline (those that do not divide the batch are skipped); remat: recompute
-        policies to try (`jaxpar.remat` names; the pipeline's executor already recomputes
-        each stage's forward, so pipelined options use the model as ``model_fn()`` builds it).
-      context: context-parallel sizes to try (1: none); a size ``cp > 1`` adds meshes
-        ``context=cp × data × model`` whose attention runs with each of ``context_strategy``
-        (``"ring"``, ``"ulysses"``, ``"all_gather"``; zigzag order), priced by
-        `jaxpar.auto.context`. Such an option's model is built with ``model_fn(constrain=...)``.
-      moe_imbalance: for models with `jaxpar.nn.MoE` layers, the routing imbalance the
-        all-to-all buffers are priced for (1: balanced; `jaxpar.auto.experts`). Their experts
-        are priced replicated and split over ``data`` (``"expert": "data"``, whose option's
-        model is built with ``model_fn(constrain=...)``).
-      pipeline_stages: stage counts to try (1: no pipeline); microbatches: the pipeline's
-        micro-batch counts (default ``p, 2p, 4p``); schedule: its schedule, or a tuple of
-        schedules to choose from (``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved"`` with
-        two chunks per stage, ``"zb-v"``, ``"dualpipe-v"``).
+      tx: the optimizer the dry run compiles with.
+      cost_params: the `CostParams` to price with (default ``CostParams()``).
+      dry_run: ``compile_fn(model_fn, loss_fn, batch, config, tx) -> jax.stages.Compiled``
+        (``jaxpar.train.compile_step`` compiles the Trainer's step), called on the winner; its
+        ``memory_analysis`` is compared with the budget. ``None`` or ``False``: no dry run.
+      pipeline_loss: the `jaxpar.pipeline.PipelineLoss` for ``space.pipeline_stages`` above 1
+        (default: ``loss_fn``, which must then be one).
+      progress: called with a line of text after each priced mesh.
 
     The answer's ``config`` is the chosen ``ParallelConfig``; build the model with
     ``model_fn(remat=job.remat)`` (when several policies were tried) and, for a pipelined
     config, train with the ``PipelineLoss``.
+
+    >>> space = JobSearchSpace(devices=8, memory_budget=16e9, remat=("none", "full"))   # doctest: +SKIP
+    >>> job = search_job(model_fn, loss_fn, batch, space, dry_run=compile_step)          # doctest: +SKIP
+    >>> print(job.explain()); train_config = job.config                                   # doctest: +SKIP
     """
     from flax import nnx
 
-    from jaxpar.config import REMAT_POLICIES, SCHEDULES, OptimizerConfig, ParallelConfig
+    from jaxpar.config import OptimizerConfig, ParallelConfig
 
-    if not memory_budget > 0:
-        raise ValueError(f"plan_job: memory_budget={memory_budget!r} must be a positive number of bytes per device")
+    if not isinstance(space, JobSearchSpace):
+        raise TypeError(f"search_job: space={space!r} must be a jaxpar.auto.JobSearchSpace, e.g. "
+                        "JobSearchSpace(devices=8, memory_budget=16e9)")
     if dry_run not in (None, False) and not callable(dry_run):
-        raise TypeError(f"plan_job: dry_run={dry_run!r} must be a compile function such as "
+        raise TypeError(f"search_job: dry_run={dry_run!r} must be a compile function such as "
                         "jaxpar.train.compile_step, or None for no dry run")
-    for z in zero_levels:
-        if z not in (0, 1, 2, 3):
-            raise ValueError(f"plan_job: zero_levels has {z!r}; ZeRO levels are 0, 1, 2, 3")
-    for name, values in (("zero_levels", zero_levels), ("grad_accum", grad_accum), ("remat", remat),
-                         ("pipeline_stages", pipeline_stages)):
-        if not len(values):
-            raise ValueError(f"plan_job: {name}=() is empty; give at least one option")
-    for r in remat:
-        if r not in REMAT_POLICIES:
-            raise ValueError(f"plan_job: remat has {r!r}; choose policies from {REMAT_POLICIES}")
-        if r == "offload_dots":
-            raise ValueError("plan_job: remat has 'offload_dots'; the planner does not price host transfers, "
-                             "so an offloading policy would look free. Leave it out of remat and set it by hand")
-    schedules = (schedule,) if isinstance(schedule, str) else tuple(schedule)
-    if not schedules or any(s not in SCHEDULES for s in schedules):
-        raise ValueError(f"plan_job: schedule={schedule!r}; choose one or several of {SCHEDULES}")
-    for p in pipeline_stages:
-        if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 1 or devices % p:
-            raise ValueError(f"plan_job: pipeline_stages has {p!r}; use positive divisors of devices={devices}")
-    strategies = (context_strategy,) if isinstance(context_strategy, str) else tuple(context_strategy)
-    for cp in context:
-        if isinstance(cp, bool) or not isinstance(cp, (int, np.integer)) or cp < 1 or devices % cp:
-            raise ValueError(f"plan_job: context has {cp!r}; use positive divisors of devices={devices}")
-    if not len(context) or not strategies:
-        raise ValueError(f"plan_job: context={tuple(context)!r} / context_strategy={context_strategy!r} is empty; "
-                         "give at least one size (1: no context axis) and one strategy")
-    if not moe_imbalance >= 1:
-        raise ValueError(f"plan_job: moe_imbalance={moe_imbalance!r} must be >= 1 (the fullest peer's rows over "
-                         "the balanced load)")
+    devices, memory_budget, remat = space.devices, space.memory_budget, space.remat
     base = base_config or ParallelConfig(mode="auto")
     params = cost_params or CostParams()
     rows = jax.tree.leaves(batch)[0].shape[0]
-    shapes = [dict(m) for m in meshes] if meshes is not None else mesh_shapes(devices)
-    for m in shapes:
-        if math.prod(m.values()) != devices:
-            raise ValueError(f"plan_job: mesh {m} has {math.prod(m.values())} devices, not devices={devices}")
+    shapes = [dict(m) for m in space.meshes] if space.meshes is not None else mesh_shapes(devices)
     options: list[JobOption] = []
     builders = {r: _with_remat(model_fn, r, remat) for r in remat}
 
@@ -295,22 +251,19 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
     @functools.cache
     def model_names(policy: str) -> set[str]:
         return declared_names(base, nnx.state(abstract(policy), nnx.Param))
-    if 1 in pipeline_stages:
-        options += plain_options(JobOption, abstract, loss_fn, batch, base,
-                                 shapes, devices=devices, context=context, strategies=strategies, remat=remat,
-                                 grad_accum=grad_accum, zero_levels=zero_levels, search_name=search_name,
-                                 params=params, memory_budget=memory_budget, plans=_plans, progress=progress,
-                                 imbalance=moe_imbalance)
+    if 1 in space.pipeline_stages:
+        options += plain_options(JobOption, abstract, loss_fn, batch, base, shapes, space, params=params,
+                                 strategies_of=_strategies, progress=progress)
     blocks: set[str] = set()
     pipe_loss = loss_fn if pipeline_loss is None else pipeline_loss
-    staged = [p for p in pipeline_stages if p > 1]
+    staged = [p for p in space.pipeline_stages if p > 1]
     if staged:
         plain = model_fn if tuple(remat) == ("none",) else builders.get("none", model_fn)
-        blocks = _pipeline_options(options, staged, nnx.eval_shape(plain), pipe_loss, batch, base, devices,
-                                   microbatches, schedules, search_name, params, zero_levels, progress)
+        blocks = _pipeline_options(options, staged, nnx.eval_shape(plain), pipe_loss, batch, base, space, params,
+                                   progress)
     if not options:
-        raise ValueError(f"plan_job: no option for devices={devices}: the batch's {rows} rows divide by none of "
-                         f"grad_accum={tuple(grad_accum)} x data sizes of {shapes}, nor the pipeline's micro-batches")
+        raise ValueError(f"search_job: no option for devices={devices}: the batch's {rows} rows divide by none of "
+                         f"grad_accum={space.grad_accum} x data sizes of {shapes}, nor the pipeline's micro-batches")
     options.sort(key=lambda o: (o.memory_bytes > memory_budget, o.time_s, o.memory_bytes))
     done: list[JobOption] = []
     chosen = report = config = None
@@ -324,7 +277,7 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
                 cfg = dataclasses.replace(_pipeline_config(o, base, blocks), optimizer=zero)
                 build = builders.get("none", model_fn) if tuple(remat) != ("none",) else model_fn
             else:
-                cfg = option_config(o, base, search_name, zero, model_names(o.remat))
+                cfg = option_config(o, base, space.search_name, zero, model_names(o.remat))
                 build = with_constraint(builders[o.remat], cfg) if needs_constraint(o) else builders[o.remat]
             report = _dry_run(dry_run, build, pipe_loss if o.pipeline else loss_fn, batch, cfg, tx, memory_budget) \
                 if dry_run not in (None, False) else None
@@ -340,12 +293,12 @@ def plan_job(model_fn: Callable, loss_fn: Callable, batch: Any, *, devices: int,
             chosen = done[-1]
     if chosen is None:
         smallest = min(options, key=lambda o: o.memory_bytes)
-        raise ValueError(f"plan_job: nothing fits memory_budget={memory_budget:,.0f} B per device on {devices} "
+        raise ValueError(f"search_job: nothing fits memory_budget={memory_budget:,.0f} B per device on {devices} "
                          f"devices; the smallest option ({smallest.label()}) needs {smallest.memory_bytes:,} B. "
                          "Raise the budget, add devices, or allow more grad_accum / zero_levels / remat / "
                          "pipeline_stages")
     done.sort(key=lambda o: o.time_s)
-    return JobPlan(chosen, config, tuple(done), report, memory_budget)
+    return JobSearchResult(chosen, config, tuple(done), report, memory_budget)
 
 
 def memory_floor(abstract, batch, devices: int, params: CostParams) -> tuple[int, int, int]:
@@ -373,45 +326,45 @@ def check_memory_floor(abstract, batch, *, devices: int, memory_budget: float, p
         return
     fewest = math.ceil((weights * (1 + params.optimizer_states) + rows) / memory_budget)
     raise ValueError(
-        f"plan_job: nothing can fit a memory budget of {memory_budget:,.0f} B per device on {devices} devices: the "
+        f"search_job: nothing can fit a memory budget of {memory_budget:,.0f} B per device on {devices} devices: the "
         f"parameters ({weights:,} B) with {params.optimizer_states} optimizer state(s) each and the batch "
         f"({rows:,} B) need at least {floor:,} B per device even split evenly over all {devices} devices, before "
-        f"any activation or gradient. Raise the budget (memory_budget, --memory-budget) above {floor:,} B, plan "
-        f"for at least {fewest} devices, or plan a smaller model or batch")
+        f"any activation or gradient. Raise the budget (memory_budget, --memory-budget) above {floor:,} B, use "
+        f"at least {fewest} devices, or a smaller model or batch")
 
 
-def _plans(graph, loss_fn, batch, base, shape, search_name, params, memory_budget) -> list[Plan]:
+def _strategies(graph, loss_fn, batch, base, shape, search_name, params, memory_budget) -> list[Strategy]:
     """The fastest strategy, and the fastest within the budget (once if they agree)."""
     cfg = dataclasses.replace(base, mesh=shape, mode="auto", search=search_name, rules={}, grad_accum=1)
-    plans = {}
+    found = {}
     for budget in (None, memory_budget):
-        p = search(None, loss_fn, batch, cfg, shape, cost_params=params, memory_budget=budget, graph=graph)
-        plans[tuple(a for _, _, a in p.classes)] = p
-    return list(plans.values())
+        s = search(None, loss_fn, batch, cfg, shape, cost_params=params, memory_budget=budget, graph=graph)
+        found[tuple(a for _, _, a in s.classes)] = s
+    return list(found.values())
 
 
-def _pipeline_options(options, stages, abstract, loss_fn, batch, base, devices, microbatches, schedules,
-                      search_name, params, zero_levels, progress) -> set[str]:
-    """Append the pipelined options (every schedule of ``schedules``) to ``options``; return the
+def _pipeline_options(options, stages, abstract, loss_fn, batch, base, space: JobSearchSpace, params,
+                      progress) -> set[str]:
+    """Append the pipelined options (every schedule of ``space.schedule``) to ``options``; return the
     block parameters' paths."""
     from flax import nnx
 
     from jaxpar.pipeline.model import PipelineLoss
 
     if not isinstance(loss_fn, PipelineLoss):
-        raise TypeError(f"plan_job: pipeline_stages={tuple(stages)} needs pipeline_loss= (or loss_fn) as a "
+        raise TypeError(f"search_job: pipeline_stages={tuple(stages)} needs pipeline_loss= (or loss_fn) as a "
                         "jaxpar.pipeline.PipelineLoss "
                         f"(embed / blocks / head / head_loss), got {type(loss_fn).__name__}; see docs/pipeline.md")
     rows = jax.tree.leaves(batch)[0].shape[0]
     layers = jax.tree.leaves(nnx.state(loss_fn.blocks(abstract), nnx.Param))[0].shape[0]
     paths: set[str] = set()
     for p in stages:
-        usable = _usable_schedules(schedules, p, layers)
-        for m in (microbatches or (p, 2 * p, 4 * p)):
+        usable = _usable_schedules(space.schedule, p, layers)
+        for m in (space.microbatches or (p, 2 * p, 4 * p)):
             fits = [name for name in usable if _fits(name, p, m, rows)]
-            if not fits and microbatches:
-                raise ValueError(f"plan_job: microbatches has {m}, which does not divide the batch's {rows} rows "
-                                 f"or does not suit pipe={p} with schedule {schedules} (interleaved needs a "
+            if not fits and space.microbatches:
+                raise ValueError(f"search_job: microbatches has {m}, which does not divide the batch's {rows} rows "
+                                 f"or does not suit pipe={p} with schedule {space.schedule} (interleaved needs a "
                                  f"multiple of pipe, dualpipe-v at least 2 * pipe); use divisors of the batch")
             if not fits:
                 continue
@@ -421,12 +374,12 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, devices, 
             stacked = stacked_params(graph, layers)
             paths |= {path for path, t in graph.params if t in stacked}
             h = jax.eval_shape(loss_fn.embed, abstract, part)
-            for inner in mesh_shapes(devices // p):
+            for inner in mesh_shapes(space.devices // p):
                 if (rows // m) % inner["data"]:
                     continue
-                plan = _plans(graph, loss_fn, part, base, inner, search_name, params, None)[0]
-                axes = [a for _, _, a in plan.classes]
-                for z in zero_levels:
+                strategy = _strategies(graph, loss_fn, part, base, inner, space.search_name, params, None)[0]
+                axes = [a for _, _, a in strategy.classes]
+                for z in space.zero_levels:
                     if z and inner["data"] == 1:
                         continue
                     for name in fits:
@@ -437,7 +390,7 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, devices, 
                                                    threshold_kb=base.optimizer.threshold_kb, flags=flags)
                         if math.isfinite(t):
                             pipe = {"stages": p, "microbatches": m, "schedule": name, "virtual_stages": v}
-                            options.append(JobOption({"pipe": p, **inner}, 1, z, plan, t, a, tmp, pipeline=pipe))
+                            options.append(JobOption({"pipe": p, **inner}, 1, z, strategy, t, a, tmp, pipeline=pipe))
             if progress:
                 progress(f"priced pipe={p}, microbatches={m}")
     return paths
@@ -448,7 +401,7 @@ def _usable_schedules(schedules, p: int, layers: int) -> list[str]:
     chunks = {name: 2 if name in ("interleaved", "zb-v", "dualpipe-v") else 1 for name in schedules}
     usable = [name for name in schedules if layers % (p * chunks[name]) == 0]
     if not usable:
-        raise ValueError(f"plan_job: pipeline_stages has {p}, but the {layers} stacked layers do not divide "
+        raise ValueError(f"search_job: pipeline_stages has {p}, but the {layers} stacked layers do not divide "
                          f"into {p} stages x {max(chunks.values())} chunks for schedule {schedules}; use stage "
                          f"counts that divide {layers // max(chunks.values())}")
     return usable
