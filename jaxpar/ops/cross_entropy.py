@@ -134,7 +134,7 @@ def _fused(chunks: int, tied: bool, constrain: Callable, table_dtype):
         xs = _split(chunks, x, targets, weights)
         # the head's gradient is summed per device over its own tokens, then once across devices
         # after the loop (an all-reduce per chunk would move the whole head `chunks` times)
-        db, dl = _token_split(constrain, xs[0].shape[1:])
+        db, dl, pin = _token_split(constrain, xs[0].shape[1:])
         partial_names = ("batch", "length", *head_names)
 
         def body(carry, xs):
@@ -147,11 +147,11 @@ def _fused(chunks: int, tied: bool, constrain: Callable, table_dtype):
             h6, g6 = (a.reshape(db, a.shape[0] // db, dl, a.shape[1] // dl, a.shape[2]) for a in (h, g))
             step = jnp.einsum("ibjlv,ibjle->ijve" if tied else "ibjle,ibjlv->ijev", *((g6, h6) if tied else (h6, g6)),
                               preferred_element_type=jnp.float32)
-            return (total + loss, constrain(dw + step, partial_names)), dh.astype(x.dtype)
+            return (total + loss, pin(dw + step, partial_names)), dh.astype(x.dtype)
 
         carry = (jnp.zeros(xs[1].shape[1:], jnp.float32), jnp.zeros((db, dl, *table.shape), jnp.float32))
         total0, dw0 = (_varying(c, _varying_axes(x)) for c in carry)
-        (total, dw), dh = jax.lax.scan(body, (total0, constrain(dw0, partial_names)), xs)
+        (total, dw), dh = jax.lax.scan(body, (total0, pin(dw0, partial_names)), xs)
         return total.sum(), (_join(dh, x.shape[1]), constrain(dw.sum((0, 1)), head_names))
 
     def backward(res, ct):
@@ -175,22 +175,28 @@ def _varying_axes(a) -> frozenset:
     return frozenset(getattr(aval, "vma", None) or getattr(getattr(aval, "manual_axis_type", None), "varying", ()))
 
 
-def _token_split(constrain: Callable, shape) -> tuple[int, int]:
-    """Over how many devices ``constrain`` splits a chunk's batch and length dimensions (``shape``
-    is ``[B, c, E]``): read from a `jaxpar.LogicalConstraint` (also inside a `ContextParallel`),
-    ``(1, 1)`` for a constraint that does not say. Axes a ``shard_map`` runs manually split nothing here."""
-    while not hasattr(constrain, "spec") and hasattr(constrain, "constrain"):
-        constrain = constrain.constrain
-    if not (hasattr(constrain, "spec") and hasattr(constrain, "mesh")):
-        return 1, 1
-    sizes, manual = mesh_sizes(constrain.mesh), set(manual_axes())
-    spec = constrain.spec(tuple(shape), ("batch", "length", "embed"))
+def _token_split(constrain: Callable, shape) -> tuple[int, int, Callable]:
+    """Over how many devices a chunk's batch and length dimensions are split (``shape`` is
+    ``[B, c, E]``), and the constraint that pins the per-device partial sums of the head's
+    gradient. Read from a `jaxpar.LogicalConstraint` (also inside a `ContextParallel`); a batch
+    with no ``"batch"`` rule is where jaxpar places it then, on a ``"data"`` axis when the mesh
+    has one. ``(1, 1, constrain)`` for a constraint that does not say. Axes a ``shard_map`` runs
+    manually split nothing here."""
+    base = constrain
+    while not hasattr(base, "spec") and hasattr(base, "constrain"):
+        base = base.constrain
+    if not all(hasattr(base, a) for a in ("spec", "mesh", "rules")):
+        return 1, 1, constrain
+    sizes, manual, rules = mesh_sizes(base.mesh), set(manual_axes()), dict(base.rules)
+    if "batch" not in rules and "data" in sizes:
+        base = type(base)(base.mesh, {**rules, "batch": "data"})
+    spec = base.spec(tuple(shape), ("batch", "length", "embed"))
 
     def size(entry):
         axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
         return math.prod(sizes[a] for a in axes if a not in manual)
 
-    return size(spec[0]), size(spec[1])
+    return size(spec[0]), size(spec[1]), base
 
 
 def _split(chunks: int, *arrays):
