@@ -45,7 +45,7 @@ BATCH = 32
 # (feature, value, feature, value) pairs jaxpar refuses up front, with the reason.
 REFUSED = {
     ("mode", "hybrid", "pipeline"): "the pipeline is itself a shard_map over the pipe axis",
-    ("mode", "auto", "pipeline"): "the strategy search does not place stages; plan_job(pipeline_stages=...) does",
+    ("mode", "auto", "pipeline"): "the strategy search does not place stages; search_job(JobSearchSpace(pipeline_stages=...)) does",
     ("precision", "bf16", "pipeline"): "on CPU only: XLA:CPU aborts widening the pipeline's bf16 collectives",
     ("mode", "hybrid", "context"): "per-device code sees one shard of the sequence and no context attention",
     ("mode", "auto", "context"): "the strategy search does not place the sequence over a context axis",
