@@ -14,6 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
+import jaxpar
 from jaxpar import ps
 from workers.ps_model import DIM, FIELDS, ITEMS, TOKEN, USERS, Tower, loss_fn, make_batches, reference
 from workers.ps_servers import Servers, free_port
@@ -65,6 +66,28 @@ def test_sync_two_servers_equals_in_process_table(servers):
     assert stats["tables"]["items"]["clock"] == 20 and stats["tables"]["items"]["rejected"] == 0
     client.close()
     assert servers.stop() == [0, 0]  # SIGTERM: a final checkpoint, then exit 0
+
+
+def test_trainer_with_server_rows_equals_in_process_table(servers):
+    """The servers' tables as the row source of jaxpar.Trainer, on 8 devices with ZeRO-1 and
+    grad_accum=2: the same losses and tables as the in-process reference on one device."""
+    steps = 8
+    want_losses, want = reference(steps)
+    client = ps.connect([USERS, ITEMS], addresses=servers.addresses, token=TOKEN, timeout=30, worker=0, workers=1)
+    source = ps.ServerRows(client, FIELDS)
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, optimizer={"level": 1, "threshold_kb": 0}, grad_accum=2)
+    trainer = jaxpar.Trainer(Tower(nnx.Rngs(0)), optax.sgd(0.05),
+                             lambda model, batch, rows: loss_fn(model, source.embedded(batch, rows), batch),
+                             config, jaxpar.make_mesh(config), rows=source)
+    got_losses = [float(trainer.step(b)["loss"]) for b in make_batches(steps)]
+    np.testing.assert_allclose(got_losses, want_losses, rtol=0, atol=1e-5)
+    rows = client.pull_many({"users": np.arange(USERS.rows), "items": np.arange(ITEMS.rows)}, step=steps)
+    np.testing.assert_allclose(rows["users"], want["users"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(rows["items"], want["items"], rtol=0, atol=1e-5)
+    assert np.abs(rows["items"] - ps.init_rows(ITEMS, np.arange(ITEMS.rows))).max() > 1e-3  # it trained
+    for g, w in zip(jax.tree.leaves(nnx.state(trainer.model)), jax.tree.leaves(want["tower"])):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+    client.close()
 
 
 def test_bad_input_fails_fast_with_names(servers):

@@ -2,7 +2,8 @@
 
 ``Trainer(..., rows=source)`` trains them with the dense model in the one training loop: the
 source pulls a batch's rows before the compiled step and pushes their gradients after it
-(`jaxpar.ps.rows`). `HostEmbedding` / `HostRows`: a table in this process's host memory.
+(`jaxpar.ps.rows`). `HostEmbedding` / `HostRows`: a table in this process's host memory;
+`ServerRows`: tables on parameter servers.
 Parameter servers (``python -m jaxpar.ps.server``) own hash- or range-partitioned shards of
 each table and apply the row optimizer; workers deduplicate a batch's ids, pull the rows, run
 the dense model as an ordinary jitted step and push the row gradients. See
@@ -21,10 +22,11 @@ from jaxpar.ps.tables import SGD, Adagrad, Adam, TableSpec, init_rows
 
 # The servers' side needs pyzmq, an optional dependency: imported when first named.
 _SERVERS = {"Client": "client", "connect": "client", "BUCKETS": "worker", "Lookup": "worker",
-            "SparseTrainer": "worker", "bucket_size": "worker", "lookup": "worker"}
+            "ServerRows": "worker", "SparseTrainer": "worker", "bucket_size": "worker", "lookup": "worker"}
 
 __all__ = ["Adagrad", "Adam", "BUCKETS", "Client", "HostEmbedding", "HostRows", "Lookup", "RowOptimizer",
-           "RowSource", "SGD", "SparseTrainer", "TableSpec", "bucket_size", "connect", "init_rows", "lookup"]
+           "RowSource", "SGD", "ServerRows", "SparseTrainer", "TableSpec", "bucket_size", "connect", "init_rows",
+           "lookup"]
 
 
 def __getattr__(name: str):

@@ -1,6 +1,11 @@
 """Training glue: a dense Flax NNX model that reads embedding rows kept on parameter servers.
 
-One step of :class:`SparseTrainer`:
+:class:`ServerRows` is the servers' tables as a row source of the one training loop,
+``jaxpar.Trainer(..., rows=ServerRows(client, fields))`` (one process; `jaxpar.ps.rows`), so
+ZeRO, precision and accumulation compose with them. :class:`SparseTrainer` is the worker loop
+of its own that a job of several processes, prefetching and worker-group restores still need.
+
+One step of :class:`SparseTrainer` (and, but for the prefetch, of a Trainer with ``ServerRows``):
 
 1. **look up**: the ids of every categorical field are gathered per table (several fields
    may read one shared table), deduplicated, and each field keeps the index of its ids among
@@ -97,6 +102,63 @@ def lookup(batch: Mapping[str, Any], fields: Mapping[str, str]) -> Lookup:
         for f, p, lo, hi in zip(names, parts, offsets[:-1], offsets[1:]):
             index[f] = inverse[lo:hi].reshape(p.shape).astype(np.int32)
     return Lookup(unique, index)
+
+
+class ServerRows:
+    """Tables on parameter servers as the row source of a `jaxpar.Trainer` (one process).
+
+    ``fields``: batch key of each categorical field -> the table it reads. Before each step the
+    batch's ids are deduplicated per table (`lookup`) and their rows pulled, padded with zero
+    rows to a bucket size (`bucket_size`) so that a handful of shapes get compiled; the step
+    gets the batch with each field's ids replaced by their index into ``rows[table]`` (the
+    Trainer's ``loss_fn(model, batch, rows)``; :meth:`embedded` looks them up). After it the
+    gradients of the unique rows are pushed, divided by the worker count so that the servers'
+    sum is the gradient of the mean over the global batch. Steps are numbered as the servers
+    expect from this worker (``client.next_step()`` at construction: a restarted worker rejoins).
+
+    Example:
+        >>> source = jaxpar.ps.ServerRows(client, {"user": "users", "item": "items"})  # doctest: +SKIP
+        >>> trainer = jaxpar.Trainer(model, tx, lambda m, b, rows: loss_fn(m, source.embedded(b, rows), b),
+        ...                          config, mesh, rows=source)  # doctest: +SKIP
+    """
+
+    def __init__(self, client: Client, fields: Mapping[str, str], *, buckets: tuple[int, ...] = BUCKETS):
+        unknown = sorted(set(fields.values()) - set(client.tables))
+        if unknown:
+            raise ValueError(f"ServerRows: fields read tables {unknown} the client does not know; "
+                             f"its tables are {sorted(client.tables)}")
+        if jax.process_count() > 1:
+            raise ValueError(f"ServerRows: a job of {jax.process_count()} processes: each would pull its own rows "
+                             "into one replicated step; use jaxpar.ps.SparseTrainer(..., mesh=...) there")
+        self.client, self.fields, self.buckets = client, dict(fields), buckets
+        self.step = client.next_step()
+
+    def pull(self, batch: Mapping[str, Any]) -> tuple[dict, dict[str, np.ndarray], tuple[Lookup, int]]:
+        """``(batch with indices for ids, padded rows per table, (lookup, server step))``."""
+        lk = lookup(batch, self.fields)
+        rows = self.client.pull_many(lk.unique, self.step)
+        padded = {t: _pad(r, bucket_size(len(r), self.buckets)) for t, r in rows.items()}
+        step_batch = {k: v for k, v in batch.items() if k not in self.fields} | lk.index
+        return step_batch, padded, (lk, self.step)
+
+    def push(self, handle: tuple[Lookup, int], row_grads: Mapping[str, Any], step: int) -> None:
+        """Pushes the unique rows' gradients (padding cut off) at the server step of the pull."""
+        lk, at = handle
+        scale = np.float32(1.0 / self.client.workers)
+        self.client.push_many({t: (u, np.asarray(row_grads[t])[:len(u)] * scale) for t, u in lk.unique.items()},
+                              at)
+        self.step = at + 1
+
+    def embedded(self, batch: Mapping[str, Any], rows: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
+        """Inside the step: ``{field: the rows of its ids}``, shape ``batch[field].shape + (dim,)``."""
+        return {f: jnp.take(rows[t], batch[f], axis=0) for f, t in self.fields.items()}
+
+
+def _pad(rows: np.ndarray, size: int) -> np.ndarray:
+    """``rows`` followed by zero rows up to ``size``."""
+    out = np.zeros((size, rows.shape[1]), np.float32)
+    out[:len(rows)] = rows
+    return out
 
 
 class SparseTrainer:
@@ -210,10 +272,7 @@ class SparseTrainer:
 
     def _dense_step(self, batch: Mapping[str, Any], lk: Lookup, rows: dict[str, np.ndarray]) -> float:
         sizes = {t: len(u) for t, u in lk.unique.items()}
-        padded = {t: np.zeros((self._bucket(t, sizes[t], batch), r.shape[1]), np.float32)
-                  for t, r in rows.items()}
-        for t, r in rows.items():
-            padded[t][:len(r)] = r
+        padded = {t: _pad(r, self._bucket(t, sizes[t], batch)) for t, r in rows.items()}
         # Several processes: each one's rows are its block of one global rows array, and its
         # indices point into that block.
         offset = {t: jax.process_index() * len(p) for t, p in padded.items()}
