@@ -29,7 +29,7 @@ from jaxpar.auto.search_space import JobSearchSpace
 
 
 def plain_options(job, abstract_of: Callable[[str], Any], loss_fn, batch, base, shapes, space: JobSearchSpace, *,
-                  params, strategies_of: Callable, progress=None) -> list:
+                  params, strategies_of: Callable) -> list:
     """Every priced unpipelined `JobOption` (``job``: the JobOption class) of ``space``;
     ``strategies_of(graph, loss_fn, batch, config, sizes, search_name, params, memory_budget)``
     gives the searched strategies of one mesh."""
@@ -69,8 +69,6 @@ def plain_options(job, abstract_of: Callable[[str], Any], loss_fn, batch, base, 
                                                       threshold_kb=base.optimizer.threshold_kb, cost=cost2)
                                     if math.isfinite(t):
                                         out.append(job(mesh, k, z, strategy, t, a, tmp, remat=policy, **extra))
-                    if progress:
-                        progress(f"priced mesh {mesh}, grad_accum={k}, remat={policy}")
     return out
 
 

@@ -190,8 +190,8 @@ def _pipeline_config(option: JobOption, base, block_paths: set[str]):
 
 
 def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSearchSpace, *, base_config=None,
-               tx=None, cost_params: CostParams | None = None, dry_run: Callable | None = None, pipeline_loss=None,
-               progress: Callable[[str], None] | None = None) -> JobSearchResult:
+               tx=None, cost_params: CostParams | None = None, dry_run: Callable | None = None,
+               pipeline_loss=None) -> JobSearchResult:
     """Choose mesh shape, strategies, ZeRO level, recompute policy, micro-batches and
     pipeline stages from ``space`` (a `JobSearchSpace`: ``space.devices`` devices within
     ``space.memory_budget`` bytes per device), minimising predicted step time; confirm the
@@ -213,7 +213,6 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
         ``memory_analysis`` is compared with the budget. ``None`` or ``False``: no dry run.
       pipeline_loss: the `jaxpar.pipeline.PipelineLoss` for ``space.pipeline_stages`` above 1
         (default: ``loss_fn``, which must then be one).
-      progress: called with a line of text after each priced mesh.
 
     The answer's ``config`` is the chosen ``ParallelConfig``; build the model with
     ``model_fn(remat=job.remat)`` (when several policies were tried) and, for a pipelined
@@ -253,14 +252,13 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
         return declared_names(base, nnx.state(abstract(policy), nnx.Param))
     if 1 in space.pipeline_stages:
         options += plain_options(JobOption, abstract, loss_fn, batch, base, shapes, space, params=params,
-                                 strategies_of=_strategies, progress=progress)
+                                 strategies_of=_strategies)
     blocks: set[str] = set()
     pipe_loss = loss_fn if pipeline_loss is None else pipeline_loss
     staged = [p for p in space.pipeline_stages if p > 1]
     if staged:
         plain = model_fn if tuple(remat) == ("none",) else builders.get("none", model_fn)
-        blocks = _pipeline_options(options, staged, nnx.eval_shape(plain), pipe_loss, batch, base, space, params,
-                                   progress)
+        blocks = _pipeline_options(options, staged, nnx.eval_shape(plain), pipe_loss, batch, base, space, params)
     if not options:
         raise ValueError(f"search_job: no option for devices={devices}: the batch's {rows} rows divide by none of "
                          f"grad_accum={space.grad_accum} x data sizes of {shapes}, nor the pipeline's micro-batches")
@@ -343,8 +341,7 @@ def _strategies(graph, loss_fn, batch, base, shape, search_name, params, memory_
     return list(found.values())
 
 
-def _pipeline_options(options, stages, abstract, loss_fn, batch, base, space: JobSearchSpace, params,
-                      progress) -> set[str]:
+def _pipeline_options(options, stages, abstract, loss_fn, batch, base, space: JobSearchSpace, params) -> set[str]:
     """Append the pipelined options (every schedule of ``space.schedule``) to ``options``; return the
     block parameters' paths."""
     from flax import nnx
@@ -391,8 +388,6 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, space: Jo
                         if math.isfinite(t):
                             pipe = {"stages": p, "microbatches": m, "schedule": name, "virtual_stages": v}
                             options.append(JobOption({"pipe": p, **inner}, 1, z, strategy, t, a, tmp, pipeline=pipe))
-            if progress:
-                progress(f"priced pipe={p}, microbatches={m}")
     return paths
 
 
