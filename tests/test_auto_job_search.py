@@ -261,6 +261,10 @@ def test_a_search_space_is_a_frozen_value():
         a.devices = 4
     with pytest.raises(TypeError):
         JobSearchSpace(8, 1e9)                     # keyword-only: which number is which is never guessed
+    import doctest
+
+    from jaxpar.auto import search_space
+    assert doctest.testmod(search_space).attempted and not doctest.testmod(search_space).failed
 
 
 def test_a_budget_below_the_floor_is_refused_at_once():
