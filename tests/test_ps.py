@@ -90,6 +90,37 @@ def test_trainer_with_server_rows_equals_in_process_table(servers):
     client.close()
 
 
+def test_trainer_checkpoints_take_the_servers_along(servers, tmp_path):
+    """Trainer(checkpoint_dir=...) with ServerRows: the servers snapshot at each checkpoint; a
+    worker restarted after 6 steps (another init) resumes the checkpoint of step 4, the servers
+    go back to step 4, and training goes on equal to the uninterrupted reference."""
+    batches, config = make_batches(8), jaxpar.ParallelConfig(mesh={"data": 1})
+    want_losses, want = reference(8)
+
+    def trainer(seed):
+        client = ps.connect([USERS, ITEMS], addresses=servers.addresses, token=TOKEN, timeout=30, worker=0,
+                            workers=1)
+        source = ps.ServerRows(client, FIELDS)
+        return client, jaxpar.Trainer(
+            Tower(nnx.Rngs(seed)), optax.sgd(0.05), lambda m, b, rows: loss_fn(m, source.embedded(b, rows), b),
+            config, jaxpar.make_mesh(config, devices=jax.devices()[:1]), rows=source,
+            checkpoint_dir=str(tmp_path / "ckpt"), save_every=4)
+
+    client, first = trainer(0)
+    losses = [float(first.step(b)["loss"]) for b in batches[:6]]   # steps 5 and 6: lost with the worker
+    first.close()
+    client.close()
+    client, second = trainer(1)
+    assert second.step_count == 4
+    losses = losses[:4] + [float(second.step(b)["loss"]) for b in batches[4:]]
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-5)
+    rows = client.pull_many({"users": np.arange(USERS.rows), "items": np.arange(ITEMS.rows)}, step=8)
+    np.testing.assert_allclose(rows["items"], want["items"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(rows["users"], want["users"], rtol=0, atol=1e-5)
+    second.close()
+    client.close()
+
+
 def test_bad_input_fails_fast_with_names(servers):
     client = ps.connect([USERS], addresses=servers.addresses, token=TOKEN, timeout=5, worker=0, workers=1)
     with pytest.raises(ValueError, match=r"table 'users': 1 ids outside \[0, 2000\), e.g. 2000"):

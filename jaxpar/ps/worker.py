@@ -115,6 +115,8 @@ class ServerRows:
     gradients of the unique rows are pushed, divided by the worker count so that the servers'
     sum is the gradient of the mean over the global batch. Steps are numbered as the servers
     expect from this worker (``client.next_step()`` at construction: a restarted worker rejoins).
+    With ``Trainer(checkpoint_dir=...)`` the servers snapshot their tables at each checkpoint
+    (`save`) and go back to the step the Trainer resumes from (`restore`).
 
     Example:
         >>> source = jaxpar.ps.ServerRows(client, {"user": "users", "item": "items"})  # doctest: +SKIP
@@ -148,6 +150,20 @@ class ServerRows:
         self.client.push_many({t: (u, np.asarray(row_grads[t])[:len(u)] * scale) for t, u in lk.unique.items()},
                               at)
         self.step = at + 1
+
+    def save(self, step: int) -> None:
+        """The Trainer saved its checkpoint of ``step``: the servers snapshot their tables there."""
+        if step != self.step:
+            raise ValueError(f"ServerRows: the Trainer saves step {step} but the servers are at step {self.step} "
+                             f"for this worker; restore the Trainer's checkpoint of step {self.step} (or start the "
+                             "servers afresh) so that both count the same steps")
+        self.client.save(step)
+
+    def restore(self, step: int) -> None:
+        """The Trainer resumed or restored its checkpoint of ``step``: the servers go back to
+        their snapshot of it."""
+        self.client.restore(step)
+        self.step = step
 
     def embedded(self, batch: Mapping[str, Any], rows: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """Inside the step: ``{field: the rows of its ids}``, shape ``batch[field].shape + (dim,)``."""

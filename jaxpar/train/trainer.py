@@ -75,7 +75,9 @@ class Trainer:
     ``rows``: a row source (`jaxpar.ps.rows`: a `jaxpar.ps.HostRows` table in host memory) for
     embedding rows the model does not hold: each step pulls the batch's rows before the
     compiled step, which differentiates ``loss_fn(model, batch, rows)`` with respect to them
-    too, and pushes their gradients after it; every other option composes with it.
+    too, and pushes their gradients after it; every other option composes with it. A source
+    with ``save(step)`` / ``restore(step)`` keeps its tables with the checkpoints: it saves
+    where the Trainer saves and goes back to the step the Trainer resumes or restores.
     Saves still in flight finish at ``close()`` (or leaving ``with trainer:``), at the end of
     ``fit``, and at interpreter exit.
     The Trainer owns the model's arrays from then on (they are donated to the step): read the
@@ -174,6 +176,7 @@ class Trainer:
             resumed = self.checkpointer.resume(self._state, mesh)     # the newest complete step, if any
             if resumed is not None:
                 self._set(resumed[0])
+                self._rows_at("restore", self._steps)
 
     def _setting(self, rows=None) -> Setting:
         s = self._state
@@ -377,7 +380,8 @@ class Trainer:
 
     def _on_checkpoint(self, step: int, metrics: dict[str, Any]) -> None:
         self.check_finite()          # a step that did not update must not pass silently into a save
-        self.checkpointer.maybe_save(self.plan, self._state, self.mesh)
+        if self.checkpointer.maybe_save(self.plan, self._state, self.mesh) is not None:
+            self._rows_at("save", step)
 
     def _save_and_exit(self, metrics: dict[str, Any]) -> None:
         """Preempted (SIGTERM): save this step, wait for it, and leave with exit code 0 (the
@@ -385,6 +389,7 @@ class Trainer:
         self.check_finite()
         if self._steps not in self.checkpointer.manager.all_steps():
             self.checkpointer.save(self.plan, self._state, self.mesh)
+            self._rows_at("save", self._steps)
         self.checkpointer.close()
         stop = Preempted(self._steps, self.checkpointer.directory)
         stop.metrics = metrics
@@ -596,11 +601,22 @@ class Trainer:
         self.check_finite()
         if data_state is not None:
             self.data_state = data_state
-        if directory is not None:
-            return save_state(directory, self.plan, self._state, self.mesh)
-        if self.checkpointer is None:
+        if directory is None and self.checkpointer is None:
             raise ValueError("Trainer.save: give a directory or construct the Trainer with checkpoint_dir=")
-        return self.checkpointer.save(self.plan, self._state, self.mesh)
+        if directory is not None:
+            step = save_state(directory, self.plan, self._state, self.mesh)
+        else:
+            step = self.checkpointer.save(self.plan, self._state, self.mesh)
+        self._rows_at("save", step)
+        return step
+
+    def _rows_at(self, method: str, step: int) -> None:
+        """The row source's own ``save(step)`` / ``restore(step)``, where it has one (e.g.
+        `jaxpar.ps.ServerRows`: the servers snapshot their tables, or go back to a snapshot),
+        with each checkpoint of the Trainer's state saved, resumed or restored."""
+        fn = getattr(self._rows, method, None)
+        if fn is not None:
+            fn(step)
 
     def restore(self, directory: str | None = None, *, step: int | None = None) -> dict:
         """Restore a checkpoint saved under any layout into this trainer's layout; returns its
@@ -612,6 +628,7 @@ class Trainer:
         else:
             raise ValueError("Trainer.restore: give a directory or construct the Trainer with checkpoint_dir=")
         self._set(state)
+        self._rows_at("restore", self._steps)
         return meta
 
     # ------------------------------------------------------------------ views
