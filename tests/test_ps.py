@@ -70,7 +70,8 @@ def test_sync_two_servers_equals_in_process_table(servers):
 
 def test_trainer_with_server_rows_equals_in_process_table(servers):
     """The servers' tables as the row source of jaxpar.Trainer, on 8 devices with ZeRO-1 and
-    grad_accum=2: the same losses and tables as the in-process reference on one device."""
+    grad_accum=2, each step's rows prefetched while the step before runs: the same losses and
+    tables as the in-process reference on one device."""
     steps = 8
     want_losses, want = reference(steps)
     client = ps.connect([USERS, ITEMS], addresses=servers.addresses, token=TOKEN, timeout=30, worker=0, workers=1)
@@ -79,7 +80,9 @@ def test_trainer_with_server_rows_equals_in_process_table(servers):
     trainer = jaxpar.Trainer(Tower(nnx.Rngs(0)), optax.sgd(0.05),
                              lambda model, batch, rows: loss_fn(model, source.embedded(batch, rows), batch),
                              config, jaxpar.make_mesh(config), rows=source)
-    got_losses = [float(trainer.step(b)["loss"]) for b in make_batches(steps)]
+    history = trainer.fit(source.prefetching(make_batches(steps + 2), steps), steps, progress=False)
+    got_losses = [h["loss"] for h in history]
+    assert source.timings["prefetched"] == steps
     np.testing.assert_allclose(got_losses, want_losses, rtol=0, atol=1e-5)
     rows = client.pull_many({"users": np.arange(USERS.rows), "items": np.arange(ITEMS.rows)}, step=steps)
     np.testing.assert_allclose(rows["users"], want["users"], rtol=0, atol=1e-5)

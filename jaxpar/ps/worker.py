@@ -25,7 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -134,14 +134,53 @@ class ServerRows:
                              "into one replicated step; use jaxpar.ps.SparseTrainer(..., mesh=...) there")
         self.client, self.fields, self.buckets = client, dict(fields), buckets
         self.step = client.next_step()
+        self.timings = {"pull_wait_s": 0.0, "prefetched": 0}
+        self._prefetched = None         # (batch, future of its pull) from `prefetching`
 
     def pull(self, batch: Mapping[str, Any]) -> tuple[dict, dict[str, np.ndarray], tuple[Lookup, int]]:
-        """``(batch with indices for ids, padded rows per table, (lookup, server step))``."""
+        """``(batch with indices for ids, padded rows per table, (lookup, server step))``; a
+        batch `prefetching` yielded takes the pull already under way."""
+        start = time.perf_counter()
+        if self._prefetched is not None and self._prefetched[0] is batch:
+            out = self._prefetched[1].result()
+            self.timings["prefetched"] += 1
+        else:
+            out = self._pull_at(batch, self.step)
+        self._prefetched = None
+        self.timings["pull_wait_s"] += time.perf_counter() - start
+        return out
+
+    def _pull_at(self, batch: Mapping[str, Any], step: int):
         lk = lookup(batch, self.fields)
-        rows = self.client.pull_many(lk.unique, self.step)
+        rows = self.client.pull_many(lk.unique, step)
         padded = {t: _pad(r, bucket_size(len(r), self.buckets)) for t, r in rows.items()}
         step_batch = {k: v for k, v in batch.items() if k not in self.fields} | lk.index
-        return step_batch, padded, (lk, self.step)
+        return step_batch, padded, (lk, step)
+
+    def prefetching(self, batches: Iterable[Mapping[str, Any]], steps: int) -> Iterator[Mapping[str, Any]]:
+        """The first ``steps`` of ``batches``, each batch's rows pulled in a background thread
+        while the step before it runs (a sync server answers as soon as that step's push is
+        applied): ``trainer.fit(source.prefetching(batches, steps), steps)``. Nothing is pulled
+        past ``steps``; a step that fails leaves its prefetched pull behind without waiting."""
+        it, first = iter(batches), self.step
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            batch = next(it, None) if steps > 0 else None
+            future = pool.submit(self._pull_at, batch, first) if batch is not None else None
+            for i in range(steps):
+                if batch is None:
+                    return
+                nxt = next(it, None) if i + 1 < steps else None
+                self._prefetched = (batch, future)
+                # Sent now: its answer waits for the push of the step that takes `batch`.
+                upcoming = pool.submit(self._pull_at, nxt, first + i + 1) if nxt is not None else None
+                yield batch
+                batch, future = nxt, upcoming
+        finally:
+            # A prefetched pull of a step that never ran waits for its reply until the client's
+            # timeout: do not wait for it here.
+            self._prefetched = None
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def push(self, handle: tuple[Lookup, int], row_grads: Mapping[str, Any], step: int) -> None:
         """Pushes the unique rows' gradients (padding cut off) at the server step of the pull."""
