@@ -276,6 +276,10 @@ class HostRows:
     def __init__(self, table: HostEmbedding, *, key: str = "ids", ids: Callable | None = None):
         if not isinstance(table, HostEmbedding):
             raise TypeError(f"HostRows: table must be a jaxpar.ps.HostEmbedding, got {type(table).__name__}")
+        if jax.process_count() > 1:
+            raise ValueError(f"HostRows (table {table.name!r}): a job of {jax.process_count()} processes would train "
+                             "one copy of the table per process; run one process (its devices form the mesh), or "
+                             "keep the table on parameter servers (jaxpar.ps.ServerRows)")
         if ids is not None and not callable(ids):
             raise TypeError(f"HostRows: ids must map batch[{key!r}] to table rows (a callable), "
                             f"got {type(ids).__name__}")

@@ -105,7 +105,7 @@ def lookup(batch: Mapping[str, Any], fields: Mapping[str, str]) -> Lookup:
 
 
 class ServerRows:
-    """Tables on parameter servers as the row source of a `jaxpar.Trainer` (one process).
+    """Tables on parameter servers as the row source of a `jaxpar.Trainer`.
 
     ``fields``: batch key of each categorical field -> the table it reads. Before each step the
     batch's ids are deduplicated per table (`lookup`) and their rows pulled, padded with zero
@@ -118,21 +118,31 @@ class ServerRows:
     With ``Trainer(checkpoint_dir=...)`` the servers snapshot their tables at each checkpoint
     (`save`) and go back to the step the Trainer resumes from (`restore`).
 
+    A job of several processes (one worker each) needs ``mesh`` (the Trainer's): each process
+    pulls the rows of its part of the batch, padded to a size every process finds alike (its
+    ids bound its unique count), and they form one global rows array split over ``batch_axis``
+    (default: the mesh's first axis), process ``p``'s block at ``p * size`` where its indices
+    point; each process pushes its block's gradients, undivided (the loss is already the
+    global batch's mean).
+
     Example:
         >>> source = jaxpar.ps.ServerRows(client, {"user": "users", "item": "items"})  # doctest: +SKIP
         >>> trainer = jaxpar.Trainer(model, tx, lambda m, b, rows: loss_fn(m, source.embedded(b, rows), b),
         ...                          config, mesh, rows=source)  # doctest: +SKIP
     """
 
-    def __init__(self, client: Client, fields: Mapping[str, str], *, buckets: tuple[int, ...] = BUCKETS):
+    def __init__(self, client: Client, fields: Mapping[str, str], *, buckets: tuple[int, ...] = BUCKETS,
+                 mesh: jax.sharding.Mesh | None = None, batch_axis: str | None = None):
         unknown = sorted(set(fields.values()) - set(client.tables))
         if unknown:
             raise ValueError(f"ServerRows: fields read tables {unknown} the client does not know; "
                              f"its tables are {sorted(client.tables)}")
-        if jax.process_count() > 1:
-            raise ValueError(f"ServerRows: a job of {jax.process_count()} processes: each would pull its own rows "
-                             "into one replicated step; use jaxpar.ps.SparseTrainer(..., mesh=...) there")
+        self.processes = jax.process_count()
+        if self.processes > 1 and mesh is None:
+            raise ValueError(f"ServerRows: a job of {self.processes} processes needs mesh= (the Trainer's mesh): "
+                             "each process's rows are its block of one global rows array over it")
         self.client, self.fields, self.buckets = client, dict(fields), buckets
+        self.mesh, self.batch_axis = mesh, batch_axis or (mesh.axis_names[0] if mesh is not None else None)
         self.step = client.next_step()
         self.timings = {"pull_wait_s": 0.0, "prefetched": 0}
         self._prefetched = None         # (batch, future of its pull) from `prefetching`
@@ -153,9 +163,26 @@ class ServerRows:
     def _pull_at(self, batch: Mapping[str, Any], step: int):
         lk = lookup(batch, self.fields)
         rows = self.client.pull_many(lk.unique, step)
-        padded = {t: _pad(r, bucket_size(len(r), self.buckets)) for t, r in rows.items()}
-        step_batch = {k: v for k, v in batch.items() if k not in self.fields} | lk.index
-        return step_batch, padded, (lk, step)
+        if self.processes == 1:
+            padded = {t: _pad(r, bucket_size(len(r), self.buckets)) for t, r in rows.items()}
+            step_batch = {k: v for k, v in batch.items() if k not in self.fields} | lk.index
+            return step_batch, padded, (lk, step)
+        sizes = {t: self._process_bucket(t, batch) for t in rows}
+        at = {t: jax.process_index() * size for t, size in sizes.items()}   # this process's block
+        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.batch_axis))
+        placed = {t: jax.make_array_from_process_local_data(sharding, _pad(r, sizes[t])) for t, r in rows.items()}
+        index = {f: i + np.int32(at[self.fields[f]]) for f, i in lk.index.items()}
+        return {k: v for k, v in batch.items() if k not in self.fields} | index, placed, (lk, step)
+
+    def _process_bucket(self, table: str, batch: Mapping[str, Any]) -> int:
+        """Rows of one process's block: every process pads to the same size without asking the
+        others (the ids of its part of the batch bound its unique count; the parts are alike)."""
+        size = bucket_size(sum(np.size(batch[f]) for f, t in self.fields.items() if t == table), self.buckets)
+        per_process = self.mesh.shape[self.batch_axis] // self.processes
+        if size % per_process:
+            raise ValueError(f"ServerRows: bucket {size} of table {table!r} does not split over the "
+                             f"{per_process} devices each process has on mesh axis {self.batch_axis!r}")
+        return size
 
     def prefetching(self, batches: Iterable[Mapping[str, Any]], steps: int) -> Iterator[Mapping[str, Any]]:
         """The first ``steps`` of ``batches``, each batch's rows pulled in a background thread
@@ -185,9 +212,13 @@ class ServerRows:
     def push(self, handle: tuple[Lookup, int], row_grads: Mapping[str, Any], step: int) -> None:
         """Pushes the unique rows' gradients (padding cut off) at the server step of the pull."""
         lk, at = handle
-        scale = np.float32(1.0 / self.client.workers)
-        self.client.push_many({t: (u, np.asarray(row_grads[t])[:len(u)] * scale) for t, u in lk.unique.items()},
-                              at)
+        if self.processes == 1:
+            scale = np.float32(1.0 / self.client.workers)
+            grads = {t: (u, np.asarray(row_grads[t])[:len(u)] * scale) for t, u in lk.unique.items()}
+        else:   # this process's block of the global gradient; the loss is the global batch's mean
+            grads = {t: (u, _local_rows(row_grads[t], row_grads[t].shape[0] // self.processes)[:len(u)])
+                     for t, u in lk.unique.items()}
+        self.client.push_many(grads, at)
         self.step = at + 1
 
     def save(self, step: int) -> None:
@@ -207,6 +238,19 @@ class ServerRows:
     def embedded(self, batch: Mapping[str, Any], rows: Mapping[str, jax.Array]) -> dict[str, jax.Array]:
         """Inside the step: ``{field: the rows of its ids}``, shape ``batch[field].shape + (dim,)``."""
         return {f: jnp.take(rows[t], batch[f], axis=0) for f, t in self.fields.items()}
+
+
+def _local_rows(g: jax.Array, size: int) -> np.ndarray:
+    """This process's block ``[p * size, (p + 1) * size)`` of a global row-gradient array, from
+    whichever of its shards cover it (the compiler picks the output's sharding)."""
+    lo = jax.process_index() * size
+    out = np.zeros((size, g.shape[1]), np.float32)
+    for shard in g.addressable_shards:
+        start, stop, _ = shard.index[0].indices(g.shape[0])
+        a, b = max(start, lo), min(stop, lo + size)
+        if a < b:
+            out[a - lo:b - lo] = np.asarray(shard.data)[a - start:b - start]
+    return out
 
 
 def _pad(rows: np.ndarray, size: int) -> np.ndarray:
@@ -314,16 +358,7 @@ class SparseTrainer:
     def _local_rows(self, g: jax.Array, size: int) -> np.ndarray:
         """This process's block ``[p * size, (p + 1) * size)`` of a global row-gradient array,
         from whichever of its shards cover it (the compiler picks the output's sharding)."""
-        if self.processes == 1:
-            return np.asarray(g)
-        lo = jax.process_index() * size
-        out = np.zeros((size, g.shape[1]), np.float32)
-        for shard in g.addressable_shards:
-            start, stop, _ = shard.index[0].indices(g.shape[0])
-            a, b = max(start, lo), min(stop, lo + size)
-            if a < b:
-                out[a - lo:b - lo] = np.asarray(shard.data)[a - start:b - start]
-        return out
+        return np.asarray(g) if self.processes == 1 else _local_rows(g, size)
 
     def _dense_step(self, batch: Mapping[str, Any], lk: Lookup, rows: dict[str, np.ndarray]) -> float:
         sizes = {t: len(u) for t, u in lk.unique.items()}

@@ -52,14 +52,20 @@ _is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
 class Setting:
     """What every wrapper may read: the plan, the mesh, the model's graph, and state shapes."""
 
-    def __init__(self, plan, mesh, graphdef, params_like, rest_like, rows_like=None):
+    def __init__(self, plan, mesh, graphdef, params_like, rest_like, rows_like=None, row_specs=None):
         self.plan, self.mesh, self.graphdef = plan, mesh, graphdef
         self.params_like, self.rest_like = params_like, rest_like
         self.zero = plan.zero(params_like)
         self.rest_specs = plan.specs("rest", rest_like)
         self.precision = plan.precision
         self.rows = rows_like       # shapes of the pulled rows (None: the model holds every parameter)
-        self.row_specs = None if rows_like is None else jax.tree.map(lambda _: PartitionSpec(), rows_like)
+        # Replicated unless the source placed them (a job of several processes: each process's block)
+        self.row_specs = row_specs if rows_like is None or row_specs is not None else \
+            jax.tree.map(lambda _: PartitionSpec(), rows_like)
+        if rows_like is not None and plan.loss_runs == "per_device" and any(
+                s != PartitionSpec() for s in jax.tree.leaves(self.row_specs, is_leaf=_is_spec)):
+            raise ValueError(f"mode='hybrid' runs the loss per device, where pulled rows must be replicated; these "
+                             f"are split ({self.row_specs}): use mode='semi_auto' with a row source that splits them")
 
     def join(self, params, rows: tuple):
         """What the chain differentiates: ``params``, or ``(params, rows)`` with pulled rows

@@ -178,9 +178,9 @@ class Trainer:
                 self._set(resumed[0])
                 self._rows_at("restore", self._steps)
 
-    def _setting(self, rows=None) -> Setting:
+    def _setting(self, rows=None, row_specs=None) -> Setting:
         s = self._state
-        return Setting(self.plan, self.mesh, self.graphdef, s.params, s.rest, rows)
+        return Setting(self.plan, self.mesh, self.graphdef, s.params, s.rest, rows, row_specs)
 
     def _set(self, state: TrainState) -> None:
         self._state = state
@@ -229,8 +229,8 @@ class Trainer:
         state_def = self._treedef
         # Pulled rows (a row source): one more input, replicated, and their gradients one more output.
         rows_like = None if rows is None else jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), rows)
-        r_sh = () if rows is None else (jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec()), rows_like),)
-        setting = self._setting(rows_like)
+        r_sh = () if rows is None else (self._row_shardings(rows),)
+        setting = self._setting(rows_like, None if rows is None else jax.tree.map(lambda sh: sh.spec, r_sh[0]))
         if kind == "train":
             step = self._checking_rules(build_step(setting, self.loss_fn, self.tx, shapes,
                                                    skip_nonfinite=self._nonfinite == "skip"))
@@ -338,12 +338,28 @@ class Trainer:
         self._pulled = (batch, rows)
         return self._after(step, metrics)
 
+    def _row_shardings(self, rows):
+        """Where the step takes pulled rows: replicated; in a job of several processes, as the
+        source placed them (global arrays on the mesh, e.g. each process's block)."""
+        if jax.process_count() == 1:
+            return jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec()), rows)
+
+        def placed(x):
+            if not (isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh):
+                raise ValueError(f"Trainer: in a job of {jax.process_count()} processes the row source must pull "
+                                 f"its rows as global jax.Arrays on the Trainer's mesh (got {type(x).__name__} of "
+                                 f"shape {np.shape(x)}); e.g. jaxpar.ps.ServerRows(client, fields, mesh=mesh)")
+            return x.sharding
+
+        return jax.tree.map(placed, rows)
+
     @staticmethod
     def _placed_rows(program: "_Program", rows):
         """Pulled rows for the compiled step: host arrays as they are (the step places them),
-        device arrays put replicated on the mesh."""
+        device arrays put on the mesh as the step takes them (global arrays placed by the
+        source pass as they are)."""
         leaves = jax.tree.leaves(rows)
-        if all(type(x) is np.ndarray for x in leaves):
+        if all(type(x) is np.ndarray for x in leaves) or jax.process_count() > 1:
             return rows
         return jax.device_put(rows, program.row_shardings)
 
@@ -771,9 +787,6 @@ def _check_rows(rows, config: ParallelConfig, plan) -> None:
     if config.mode == "auto" and plan is None:
         raise ValueError("Trainer: rows= with mode='auto': the strategy search runs loss_fn(model, batch) without "
                          "the pulled rows; plan first for the dense model, or use mode='semi_auto'")
-    if jax.process_count() > 1:
-        raise ValueError(f"Trainer: rows= in a job of {jax.process_count()} processes: the rows are pulled and pushed "
-                         "by one process; run one process per job (its devices form the mesh)")
 
 
 def _check_batch(batch) -> None:
