@@ -3,8 +3,8 @@
 The ``Trainer`` applies these from ``ParallelConfig``; the functions here are the same
 pieces for a hand-written loop:
 
->>> plan = jaxpar.optim.zero_specs(jaxpar.OptimizerConfig(level=2), mesh, specs, params)   # doctest: +SKIP
->>> tx = jaxpar.optim.shard_optimizer(optax.adamw(1e-3), mesh, plan, params)             # doctest: +SKIP
+>>> zero = jaxpar.optim.zero_specs(jaxpar.OptimizerConfig(level=2), mesh, specs, params)   # doctest: +SKIP
+>>> tx = jaxpar.optim.shard_optimizer(optax.adamw(1e-3), mesh, zero, params)             # doctest: +SKIP
 """
 
 from jaxpar.optim.accumulate import accumulate_grads, interleave_loss, split_batch

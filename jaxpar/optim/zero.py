@@ -29,13 +29,13 @@ groups) is expressed with the mesh, not by re-slicing devices: ``optimizer.axis`
 the data axes in mesh order, e.g. ``("replica", "data")``, and the ZeRO axes are the
 trailing ones whose sizes multiply to ``shard_size``. A ``NamedSharding`` then shards over
 those axes and replicates over the rest. If no trailing group multiplies to ``shard_size``
-the plan raises ``ValueError`` suggesting the mesh to build.
+``zero_specs`` raises ``ValueError`` suggesting the mesh to build.
 
 Everything here is a pure function of (optimizer config, mesh, specs, abstract params).
 
 Example:
-  >>> plan = zero_specs(OptimizerConfig(level=3, threshold_kb=0), mesh, specs, params)  # doctest: +SKIP
-  >>> plan.params["wte"]                                                              # doctest: +SKIP
+  >>> zero = zero_specs(OptimizerConfig(level=3, threshold_kb=0), mesh, specs, params)  # doctest: +SKIP
+  >>> zero.params["wte"]                                                              # doctest: +SKIP
   PartitionSpec('data', None)
 """
 
@@ -135,7 +135,7 @@ def zero_specs(config: OptimizerConfig, mesh, param_specs, params) -> ZeroSpecs:
       params: the parameters or their abstract shapes (anything with ``shape``/``dtype``).
 
     Example:
-      >>> plan = zero_specs(OptimizerConfig(level=1), mesh, specs, params)   # doctest: +SKIP
+      >>> zero = zero_specs(OptimizerConfig(level=1), mesh, specs, params)   # doctest: +SKIP
     """
     if config.level == 0:
         return ZeroSpecs(param_specs, param_specs, param_specs, param_specs, (), ())
@@ -192,31 +192,31 @@ def _constrain(tree, specs, mesh):
                         tree, specs, is_leaf=lambda x: x is None)
 
 
-def shard_optimizer(tx: optax.GradientTransformation, mesh, plan: ZeroSpecs, params) -> optax.GradientTransformation:
-    """``tx`` whose state lives sharded as ``plan.state`` (and gradients as ``plan.grads``).
+def shard_optimizer(tx: optax.GradientTransformation, mesh, zero: ZeroSpecs, params) -> optax.GradientTransformation:
+    """``tx`` whose state lives sharded as ``zero.state`` (and gradients as ``zero.grads``).
 
     ``init`` and ``update`` pin their state with ``with_sharding_constraint``, so inside
     ``jax.jit`` the state keeps the same shardings after init and after every update, and
     the optimizer arithmetic runs on the shards. ``update`` first pins the gradients to
-    ``plan.state`` (the reduced gradients are needed only as shards; ideally a
+    ``zero.state`` (the reduced gradients are needed only as shards; ideally a
     reduce-scatter) and its updates too (each device updates its shard; applying them to
     parameters stored whole all-gathers them).
 
     For your own loop::
 
-      plan = jaxpar.optim.zero_specs(OptimizerConfig(level=2), mesh, specs, params)
-      tx = jaxpar.optim.shard_optimizer(optax.adamw(1e-3), mesh, plan, params)
+      zero = jaxpar.optim.zero_specs(OptimizerConfig(level=2), mesh, specs, params)
+      tx = jaxpar.optim.shard_optimizer(optax.adamw(1e-3), mesh, zero, params)
       state = jax.jit(tx.init)(params)              # sharded over 'data'
     """
-    state_specs = opt_state_specs(tx, plan.state, params)
+    state_specs = opt_state_specs(tx, zero.state, params)
 
     def init(params):
         return _constrain(tx.init(params), state_specs, mesh)
 
     def update(grads, state, params=None, **extra):
-        grads = _constrain(grads, plan.state, mesh)
+        grads = _constrain(grads, zero.state, mesh)
         updates, state = tx.update(grads, state, params, **extra)
-        return _constrain(updates, plan.state, mesh), _constrain(state, state_specs, mesh)
+        return _constrain(updates, zero.state, mesh), _constrain(state, state_specs, mesh)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
