@@ -34,7 +34,8 @@ from jaxpar.auto.cost import evaluate  # noqa: E402
 from jaxpar.auto.job_search import _pipeline_config  # noqa: E402
 from jaxpar.auto.pricing import stacked_params  # noqa: E402
 from jaxpar.models.data import ArithmeticData  # noqa: E402
-from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss  # noqa: E402
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn  # noqa: E402
+from jaxpar.models.gpt_parallel import pipeline_loss  # noqa: E402
 from jaxpar.report import memory  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -192,7 +192,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def embedding_rows(args) -> list[dict]:
     """Per-device bytes of the compiled training step for each embedding placement."""
     import jaxpar
-    from jaxpar.models.gpt import pipeline_loss as gpt_pipeline
+    from jaxpar.models.gpt_parallel import pipeline_loss as gpt_pipeline
 
     p, m = args.stages, args.microbatches
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, embed=args.embed, heads=4,

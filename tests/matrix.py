@@ -254,13 +254,14 @@ def _trainer(config, gpt, devices):
 
     import jaxpar
     from jaxpar.models import gpt as gpt_module
+    from jaxpar.models import gpt_parallel, llama_parallel
     from jaxpar.models import llama as llama_module
     from jaxpar.ops import ContextParallel
 
     llama = isinstance(gpt, llama_module.LlamaConfig)
     Model = llama_module.Llama if llama else gpt_module.GPT
-    family = llama_module if llama else gpt_module
-    loss_fn, pipeline_loss = family.loss_fn, family.pipeline_loss
+    loss_fn = (llama_module if llama else gpt_module).loss_fn
+    pipeline_loss = (llama_parallel if llama else gpt_parallel).pipeline_loss
 
     mesh = jaxpar.make_mesh(config, devices=jax.devices()[:devices])
     constrain = jaxpar.LogicalConstraint(mesh, config.rules) if config.mode == "semi_auto" else None

@@ -4,10 +4,12 @@ Every import between jaxpar's parts (top-level imports and function-local ones a
 point down the rank table, no part imports a ``_private`` name or module of another, the
 modules of one folder import one another without a cycle, only the command-line modules
 import the package face ``jaxpar``, and only they (``jaxpar/cli/``) parse command lines.
+A model file imports nothing parallel: that lives beside it in ``models/<name>_parallel.py``.
 """
 
 import ast
 import collections
+import fnmatch
 import pathlib
 
 import pytest
@@ -278,6 +280,87 @@ def test_the_argparse_check_sees_every_import_form(tmp_path):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     assert argparse_users(root) == ["pkg/a/x.py:2", "pkg/a/y.py:1"]
+
+
+# What runs a model in parallel lives beside it, in ``models/<name>_parallel.py`` (torchtitan's
+# ``model.py`` / ``parallelize.py``); a model's report under a plan is ``models/<name>_report.py``.
+# Every other file of ``jaxpar/models/`` imports none of these (patterns of module names):
+PARALLEL = (
+    "jaxpar",                                   # the face: it imports every part
+    "jaxpar.auto*", "jaxpar.checkpoint*", "jaxpar.cli*", "jaxpar.config", "jaxpar.distributed",
+    "jaxpar.job*", "jaxpar.launch*", "jaxpar.mesh", "jaxpar.optim*", "jaxpar.pipeline*", "jaxpar.plan*",
+    "jaxpar.ps*", "jaxpar.remat", "jaxpar.shard", "jaxpar.strategy*", "jaxpar.train*",
+    "jaxpar.ops", "jaxpar.ops._common", "jaxpar.ops.context*", "jaxpar.ops.conv", "jaxpar.ops.head_parallel",
+    "jaxpar.ops.linear*", "jaxpar.ops.moe_dispatch", "jaxpar.ops.vocab_parallel",
+    "jaxpar.nn", "jaxpar.nn.blocks", "jaxpar.nn.constraint", "jaxpar.nn.host_*", "jaxpar.nn.init",
+    "jaxpar.nn.plan", "jaxpar.nn.sliced_init", "jaxpar.nn.specs",
+)
+# A model resolves its own config's ``remat`` policy name and applies it to its blocks in its
+# forward (the strategy search prices ``model_fn(remat=policy)`` by tracing the model's loss):
+# the policy vocabulary may be imported, ``jaxpar.remat.remat`` (what ParallelConfig.remat applies) not.
+PARALLEL_NAMES_ALLOWED = {"jaxpar.remat": {"checkpoint_policy", "POLICY_NAMES"}}
+MODEL_SIDE_FILES = ("_parallel.py", "_report.py")
+
+
+def parallel_imports(root: pathlib.Path = ROOT) -> list[str]:
+    """The imports of parallel modules (``PARALLEL``) in ``root/models/``'s model files: every
+    file there but ``*_parallel.py`` and ``*_report.py``; function-local imports count."""
+    paths = module_paths(root)
+    wrong = []
+    for path in sorted((root / "models").glob("*.py")):
+        if path.name.endswith(MODEL_SIDE_FILES):
+            continue
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                pairs = [(f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths else node.module, a.name)
+                         for a in node.names]
+            elif isinstance(node, ast.Import):
+                pairs = [(a.name, None) for a in node.names]
+            else:
+                continue
+            for target, name in pairs:
+                root_name = target.split(".")[0]
+                pattern_target = "jaxpar" + target[len(root_name):] if root_name == root.name else None
+                if pattern_target is None or name in PARALLEL_NAMES_ALLOWED.get(pattern_target, ()):
+                    continue
+                if any(fnmatch.fnmatchcase(pattern_target, p) for p in PARALLEL):
+                    wrong.append((path.relative_to(root.parent).as_posix(), node.lineno,
+                                  target + (f" ({name})" if name else "")))
+    return [f"{file}:{line}: {what}" for file, line, what in sorted(wrong)]
+
+
+def test_model_files_import_nothing_parallel():
+    """``models/llama.py``, ``models/gpt.py``, ... hold the modules, the config, the plain
+    ``loss_fn``, FLOPs and parameter counts; the pipeline's parts (``pipeline_loss``) moved to
+    ``models/llama_parallel.py`` and ``models/gpt_parallel.py``. A model speaks to a runner only
+    through the ``constrain(x, names)`` hook it is given."""
+    wrong = parallel_imports()
+    assert not wrong, ("model files import parallel modules (move that code to models/<name>_parallel.py):\n"
+                       + "\n".join(wrong))
+
+
+def test_the_model_check_sees_every_import_form(tmp_path):
+    root = tmp_path / "pkg"
+    files = {
+        "__init__.py": "", "remat.py": "", "nn/__init__.py": "", "nn/fp8.py": "", "nn/init.py": "",
+        "ops/__init__.py": "", "ops/context.py": "", "ops/cross_entropy.py": "", "pipeline/__init__.py": "",
+        "models/__init__.py": "",
+        "models/a.py": ("from pkg.nn import fp8\nfrom pkg.ops.cross_entropy import x\n"
+                        "from pkg.remat import checkpoint_policy\n"
+                        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.pipeline\n"),
+        "models/b.py": ("def f():\n    from pkg.pipeline import PipelineLoss\nimport pkg.ops.context\n"
+                        "from pkg.nn import init\nfrom pkg.ops import ContextParallel\nfrom pkg.remat import remat\n"
+                        "from pkg import shard\n"),
+        "models/b_parallel.py": "from pkg.pipeline import PipelineLoss\n",
+        "models/b_report.py": "import pkg.plan\n",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert parallel_imports(root) == [
+        "pkg/models/b.py:2: pkg.pipeline (PipelineLoss)", "pkg/models/b.py:3: pkg.ops.context",
+        "pkg/models/b.py:4: pkg.nn.init (init)", "pkg/models/b.py:5: pkg.ops (ContextParallel)",
+        "pkg/models/b.py:6: pkg.remat (remat)", "pkg/models/b.py:7: pkg (shard)"]
 
 
 # "plan" names one thing: the TrainPlan a Trainer runs. Its own files, and the names that are it

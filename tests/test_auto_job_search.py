@@ -17,7 +17,8 @@ from jaxpar.auto import JobSearchSpace, build_graph, search_job
 from jaxpar.auto.assign import hand_axes
 from jaxpar.auto.cost import evaluate
 from jaxpar.auto.job_search import memory_floor
-from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
+from jaxpar.models.gpt_parallel import pipeline_loss
 from jaxpar.report import memory
 from jaxpar.train import compile_step
 

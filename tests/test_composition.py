@@ -12,7 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from helpers import BATCH, MEGATRON, TINY, batches, no_unclosed_files
-from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
+from jaxpar.models.gpt_parallel import pipeline_loss
 from jaxpar.nn.specs import format_specs, itemsize, spec_rows, state_specs
 
 DROPOUT = dataclasses.replace(TINY, dropout=0.1)

@@ -16,7 +16,8 @@ from helpers import TINY, assert_close, assert_losses_close, batches, reference,
 
 import jaxpar
 from jaxpar.models.gpt import GPTConfig
-from jaxpar.models.llama import Llama, LlamaConfig, loss_fn, pipeline_loss
+from jaxpar.models.llama import Llama, LlamaConfig, loss_fn
+from jaxpar.models.llama_parallel import pipeline_loss
 from jaxpar.ops import chunked_cross_entropy
 
 

@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from helpers import assert_close, assert_losses_close, batches
-from jaxpar.models.llama import (Llama, LlamaConfig, RopeScaling, attention, flops_per_token, loss_fn,
-                                 param_count, pipeline_loss)
+from jaxpar.models.llama import Llama, LlamaConfig, RopeScaling, attention, flops_per_token, loss_fn, param_count
+from jaxpar.models.llama_parallel import pipeline_loss
 
 # ----------------------------------------------------------------------------- numpy reference
 # Written from the Llama-3 description alone: it shares no code with jaxpar.models.llama and

@@ -28,9 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 import jaxpar
 from helpers import assert_close, assert_losses_close, batches
-from jaxpar.models import gpt
+from jaxpar.models import gpt, gpt_parallel
 from jaxpar.models.llama import Llama
-from jaxpar.models.llama import pipeline_loss as llama_pipeline_loss
+from jaxpar.models.llama_parallel import pipeline_loss as llama_pipeline_loss
 from jaxpar.nn import MoEConfig, moe_metrics
 from jaxpar.ops import ContextParallel
 from jaxpar.report import collectives
@@ -57,7 +57,7 @@ def train_gpt(config, cfg: gpt.GPTConfig, steps: int = 5):
     if config.context is not None:
         constrain = ContextParallel(constrain, mesh, config)
     model = jaxpar.init(lambda: gpt.GPT(cfg, rngs=nnx.Rngs(0), constrain=constrain), config, mesh)
-    loss = gpt.pipeline_loss() if config.pipeline.stages > 1 else gpt.loss_fn
+    loss = gpt_parallel.pipeline_loss() if config.pipeline.stages > 1 else gpt.loss_fn
     trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss, config, mesh)
     losses = [float(trainer.step(batch)["loss"]) for batch in batches(steps)]
     return losses, _params(trainer), trainer
@@ -116,18 +116,18 @@ def test_a_pipeline_loss_that_cannot_carry_positions_or_aux_losses_is_refused_na
     constrain = ContextParallel(jaxpar.LogicalConstraint(mesh, config.rules), mesh, config)
     model = gpt.GPT(MOE_GPT, rngs=nnx.Rngs(0), constrain=constrain)
     tx = optax.adamw(1e-3)
-    no_positions = dataclasses.replace(gpt.pipeline_loss(), block_call=None)
+    no_positions = dataclasses.replace(gpt_parallel.pipeline_loss(), block_call=None)
     with pytest.raises(ValueError, match=r"context=.*pipeline\.stages=2.*block_call="):
         jaxpar.Trainer(model, tx, no_positions, config, mesh)
     plain = dataclasses.replace(config, context=None)
-    no_aux = dataclasses.replace(gpt.pipeline_loss(), aux_loss=None)
+    no_aux = dataclasses.replace(gpt_parallel.pipeline_loss(), aux_loss=None)
     with pytest.raises(ValueError, match=r"pipeline\.stages=2 with a mixture-of-experts model.*aux_loss="):
         jaxpar.Trainer(gpt.GPT(MOE_GPT, rngs=nnx.Rngs(0)), tx, no_aux, plain, mesh)
     # experts split over an axis, but blocks run as block(h): they would not see the constraint
     with pytest.raises(ValueError, match=r"mixture-of-experts.*rules\['expert'\]='data'.*block_call="):
         jaxpar.Trainer(gpt.GPT(MOE_GPT, rngs=nnx.Rngs(0)), tx, no_positions, plain, mesh)
     with pytest.raises(TypeError, match=r"aux_loss=.*must be callable"):
-        dataclasses.replace(gpt.pipeline_loss(), aux_loss=0.05)
+        dataclasses.replace(gpt_parallel.pipeline_loss(), aux_loss=0.05)
 
 
 def test_logical_constraints_pin_the_automatic_axes_inside_a_pipeline_stage():

@@ -8,7 +8,8 @@ from flax import nnx
 
 import jaxpar
 from helpers import batches
-from jaxpar.models.gpt import GPT, GPTConfig, pipeline_loss
+from jaxpar.models.gpt import GPT, GPTConfig
+from jaxpar.models.gpt_parallel import pipeline_loss
 
 GPT4 = GPTConfig(vocab_size=16, seq_len=16, embed=32, heads=8, mlp=64, layers=4, scan_layers=True)
 RULES = {"layers": "pipe", "batch": "data", "heads": "model", "mlp": "model"}
@@ -91,3 +92,15 @@ def test_restore_into_another_stage_count(tmp_path, reference):
         trainer.restore(str(tmp_path))
         assert trainer.step_count == 5
         np.testing.assert_allclose(float(trainer.step(nxt)["loss"]), expected, rtol=1e-5)
+
+
+def test_the_models_parallel_modules_run_their_examples():
+    """The pipeline parts beside each model (`jaxpar.models.gpt_parallel`, `llama_parallel`):
+    their docstring examples run."""
+    import doctest
+
+    from jaxpar.models import gpt_parallel, llama_parallel
+
+    for module in (gpt_parallel, llama_parallel):
+        result = doctest.testmod(module)
+        assert result.attempted and not result.failed, module.__name__

@@ -8,9 +8,10 @@ from flax import nnx
 import jaxpar
 from conftest import requires_devices
 from helpers import batches
-from jaxpar.models import llama
-from jaxpar.models.gpt import GPT, GPTConfig, pipeline_loss
-from jaxpar.models.llama import Llama, LlamaConfig
+from jaxpar.models import llama_parallel
+from jaxpar.models.gpt import GPT, GPTConfig
+from jaxpar.models.gpt_parallel import pipeline_loss
+from jaxpar.models.llama import Llama, LlamaConfig, loss_fn as llama_loss_fn
 from jaxpar.pipeline import pipelined
 
 GPT4 = GPTConfig(vocab_size=16, seq_len=16, embed=32, heads=4, mlp=64, layers=4, scan_layers=True)
@@ -115,7 +116,7 @@ def test_only_token_ids_enter_the_pipeline():
 @pytest.fixture(scope="module")
 def tied_reference():
     cfg = LlamaConfig.named("tiny", layers=2, tie_embeddings=True, scan_layers=True)
-    return cfg, _train(lambda: Llama(cfg, rngs=nnx.Rngs(0)), llama.loss_fn, jaxpar.ParallelConfig(mesh={"data": 1}))
+    return cfg, _train(lambda: Llama(cfg, rngs=nnx.Rngs(0)), llama_loss_fn, jaxpar.ParallelConfig(mesh={"data": 1}))
 
 
 @requires_devices(4)
@@ -126,7 +127,7 @@ def test_tied_embeddings_train_like_one_device(tied_reference, schedule="1f1b"):
     and the same psum adds them)."""
     cfg, reference = tied_reference
     rules = {"layers": "pipe", "batch": "data"}
-    trained = _train(lambda: Llama(cfg, rngs=nnx.Rngs(0)), llama.pipeline_loss(),
+    trained = _train(lambda: Llama(cfg, rngs=nnx.Rngs(0)), llama_parallel.pipeline_loss(),
                      _pipe(schedule, rules, {"pipe": 2, "data": 2}))
     assert "head" not in trained[1]
     _assert_trained_alike(trained, reference)

@@ -11,7 +11,8 @@ from flax import nnx
 import jaxpar
 from conftest import requires_devices
 from helpers import batches
-from jaxpar.models.gpt import GPT, GPTConfig, pipeline_loss
+from jaxpar.models.gpt import GPT, GPTConfig
+from jaxpar.models.gpt_parallel import pipeline_loss
 from jaxpar.pipeline import schedules as S
 from jaxpar.pipeline import vshape
 from jaxpar.pipeline import forward_only, lower

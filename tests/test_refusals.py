@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 import jaxpar
-from jaxpar.models.gpt import GPT, GPTConfig, loss_fn, pipeline_loss
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
+from jaxpar.models.gpt_parallel import pipeline_loss
 from jaxpar.nn.moe import MoEConfig
 from jaxpar.plan import make_train_plan
 

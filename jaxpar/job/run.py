@@ -102,14 +102,16 @@ def build_model(job: JobConfig, mesh, vocab: int | None = None):
     cfg = model_config(job, vocab)
     if m.name == "llama":
         from jaxpar.models import llama as module
+        from jaxpar.models import llama_parallel as parallel
 
         make = lambda: module.Llama(cfg, rngs=rngs(), constrain=constrain)  # noqa: E731
     else:
         from jaxpar.models import gpt as module
+        from jaxpar.models import gpt_parallel as parallel
 
         make = lambda: module.GPT(cfg, rngs=rngs(), constrain=constrain)  # noqa: E731
     # pipelined: the loss in the parts the stages run (segment ids reach every stage's blocks)
-    loss = module.pipeline_loss() if config.pipeline.stages > 1 else module.loss_fn
+    loss = parallel.pipeline_loss() if config.pipeline.stages > 1 else module.loss_fn
     return jaxpar.init(make, config, mesh), loss, cfg
 
 

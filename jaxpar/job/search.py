@@ -72,7 +72,8 @@ def _search_job(s: SearchSettings, job: JobConfig, space, batch):
     from flax import nnx
 
     from jaxpar.auto import search_job
-    from jaxpar.models.gpt import GPT, loss_fn, pipeline_loss
+    from jaxpar.models.gpt import GPT, loss_fn
+    from jaxpar.models.gpt_parallel import pipeline_loss
     from jaxpar.train import compile_step
 
     gpt = _gpt(job)

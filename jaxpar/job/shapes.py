@@ -40,13 +40,15 @@ def plan_of_job(job: JobConfig, sizes: dict[str, int]):
     tx, _ = make_optimizer(job.optimizer, job.train.steps)
     if job.model.name == "llama":
         from jaxpar.models import llama as module
+        from jaxpar.models import llama_parallel as parallel
         make = module.Llama
     else:
         from jaxpar.models import gpt as module
+        from jaxpar.models import gpt_parallel as parallel
         make = module.GPT
     constrain = model_constraint(AbstractMesh(tuple(sizes.values()), tuple(sizes)), job.parallel)
     model = abstract_model(lambda: make(cfg, rngs=nnx.Rngs(0), constrain=constrain))
-    loss = module.pipeline_loss() if job.parallel.pipeline.stages > 1 else module.loss_fn
+    loss = parallel.pipeline_loss() if job.parallel.pipeline.stages > 1 else module.loss_fn
     plan = make_train_plan(job.parallel, sizes, model, tx, loss_fn=loss)
     memory = None
     if job.model.name == "llama":

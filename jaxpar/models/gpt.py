@@ -3,7 +3,8 @@
 It knows nothing about parallelism. Every parameter names its dimensions with logical axes
 (``"vocab"``, ``"embed"``, ``"heads"``, ``"kv"``, ``"mlp"``, and ``"layers"`` when the blocks
 are stacked for ``scan``); a rules table elsewhere maps them to mesh axes. An optional
-``constrain(x, names)`` hook lets the runner pin activations by logical names too.
+``constrain(x, names)`` hook lets the runner pin activations by logical names too. What runs
+it in parallel (the parts a pipeline's stages run) is `jaxpar.models.gpt_parallel`.
 
     >>> cfg = GPTConfig(vocab_size=16, seq_len=8, embed=32, heads=4, mlp=64, layers=2)
     >>> model = GPT(cfg, rngs=nnx.Rngs(0))
@@ -130,7 +131,7 @@ class Block(nnx.Module):
         self.drop = nnx.Dropout(cfg.dropout, rngs=rngs) if cfg.dropout is not None else None
 
     def __call__(self, x, constrain=no_constraint, positions=None):
-        if positions is None:   # called as block(h) (a PipelineLoss without block_call): tokens in their own order
+        if positions is None:   # called as block(h): tokens in their own order
             positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
         drop = self.drop if self.drop is not None else (lambda h: h)
         x = constrain(x + drop(self.attn(self.ln1(x), positions, constrain)), ("batch", "length", "embed"))
@@ -232,56 +233,3 @@ def _xent(ln_f, w, h, batch, chunks: int, constrain=no_constraint) -> jax.Array:
     if chunks:
         return chunked_cross_entropy(ln_f(h), w[...], batch["targets"], chunks=chunks, constrain=constrain)
     return optax.softmax_cross_entropy_with_integer_labels(ln_f(h) @ w[...], batch["targets"]).mean()
-
-
-class _Head(nnx.Module):
-    """What the pipeline's last stage needs: the final norm, the head and how to chunk the loss."""
-
-    def __init__(self, model: GPT):
-        self.ln_f, self.head, self.chunks = model.ln_f, model.head, model.cfg.loss_chunks
-
-
-def _head_loss(head: _Head, h, batch):
-    return _xent(head.ln_f, head.head, h, batch, head.chunks)
-
-
-def _pipeline_embed(model: GPT, batch) -> jax.Array:
-    return model.embed(batch["inputs"], batch.get("positions"))
-
-
-def _pipeline_embedding(model: GPT):
-    return model.wte, model.wpe
-
-
-def _embed_inputs(embedding, batch) -> jax.Array:
-    wte, wpe = embedding
-    tokens, positions = batch["inputs"], batch.get("positions")
-    return wte[...][tokens] + (wpe[...][: tokens.shape[1]] if positions is None else wpe[...][positions])
-
-
-def _block_call(model: GPT):
-    """A block with the model's ``constrain`` (context attention) and the batch's positions."""
-    constrain = model.constrain
-    return lambda block, h, batch: block(h, constrain, batch.get("positions"))
-
-
-def pipeline_loss():
-    """``loss_fn`` in the three parts a pipeline needs (embedding, stacked blocks, head).
-
-    Equal to ``loss_fn`` for a model built with ``scan_layers=True``; pass it to the
-    ``Trainer`` when ``ParallelConfig.pipeline.stages > 1``. Each stage's blocks get the
-    micro-batch's positions (a context-parallel reorder) and the model's ``constrain``; MoE
-    blocks' auxiliary losses join the loss per micro-batch.
-    """
-    from jaxpar.pipeline.model import PipelineLoss  # the model itself stays parallelism-free
-
-    return PipelineLoss(
-        embed=_pipeline_embed,
-        blocks=lambda model: model.blocks,
-        head=_Head,
-        head_loss=_head_loss,
-        embedding=_pipeline_embedding,
-        embed_inputs=_embed_inputs,
-        block_call=_block_call,
-        aux_loss=moe_aux_loss,
-    )

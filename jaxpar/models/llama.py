@@ -4,6 +4,7 @@ Like the example GPT it knows nothing about parallelism: every parameter names i
 with logical axes (``"vocab"``, ``"embed"``, ``"heads"``, ``"kv_heads"``, ``"head_dim"``,
 ``"mlp"``, and ``"layers"`` when the blocks are stacked for ``scan``), and an optional
 ``constrain(x, names)`` pins the activations by ``"batch"``, ``"length"`` and the same names.
+What runs it in parallel (the parts a pipeline's stages run) is `jaxpar.models.llama_parallel`.
 
     >>> cfg = LlamaConfig.named("tiny")
     >>> model = Llama(cfg, rngs=nnx.Rngs(0))
@@ -31,7 +32,7 @@ from jaxpar.nn.moe import MoE, moe_aux_loss
 from jaxpar.ops.cross_entropy import chunked_cross_entropy
 
 __all__ = ["SIZES", "Llama", "LlamaConfig", "RopeScaling", "attention", "attention_implementation", "describe",
-           "flops_per_token", "loss_fn", "param_count", "pipeline_loss", "rope_frequencies", "segment_positions"]
+           "flops_per_token", "loss_fn", "param_count", "rope_frequencies", "segment_positions"]
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -235,7 +236,7 @@ class Block(nnx.Module):
                     if cfg.is_moe(layer) else MLP(cfg, rngs))
 
     def __call__(self, x, positions=None, segment_ids=None, constrain=no_constraint):
-        if positions is None:   # called as block(h) (a PipelineLoss without block_call): one unpacked sequence per row
+        if positions is None:   # called as block(h): one unpacked sequence per row
             positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
         x = constrain(x + self.attn(self.attn_norm(x), positions, segment_ids, constrain),
                       ("batch", "length", "embed"))
@@ -372,61 +373,3 @@ def loss_fn(model: Llama, batch: dict) -> jax.Array:
                       tied=model.head is None, chunks=model.cfg.loss_chunks, constrain=model.constrain)
     # MoE layers recorded their load-balancing and z-losses during the forward pass
     return loss + moe_aux_loss(model) if model.cfg.moe is not None else loss
-
-
-def _pipeline_embed(model: Llama, batch) -> jax.Array:
-    return model.embed(batch["inputs"])
-
-
-def _block_call(model: Llama):
-    """A block with the model's ``constrain`` (context attention), the micro-batch's positions
-    and its segment ids (packed sequences: attention stays inside a segment, positions restart)."""
-    constrain = model.constrain
-
-    def call(block, h, batch):
-        segment_ids = batch.get("segment_ids")
-        return block(h, _positions(h, segment_ids, batch.get("positions")), segment_ids, constrain)
-
-    return call
-
-
-class _Table(nnx.Module):
-    """The token table and what reading it needs, for the pipeline's first and last stages."""
-
-    def __init__(self, model: Llama, norm=None):
-        self.table = model.embedding if norm is None or model.head is None else model.head
-        self.norm, self.tied, self.dtype = norm, norm is not None and model.head is None, model.cfg.dtype
-        self.chunks = model.cfg.loss_chunks
-
-
-def _pipeline_embedding(model: Llama) -> _Table:
-    return _Table(model)
-
-
-def _embed_inputs(part: _Table, batch) -> jax.Array:
-    x = part.table[...][batch["inputs"]]
-    return x if part.dtype is None else x.astype(jnp.dtype(part.dtype))
-
-
-def _head_loss(head: _Table, h, batch):
-    return _head_xent(head.norm, head.table, h, batch, tied=head.tied, chunks=head.chunks)
-
-
-def pipeline_loss():
-    """``loss_fn`` in the three parts a pipeline needs (embedding, stacked blocks, head).
-
-    Equal to ``loss_fn`` for a model built with ``scan_layers=True``; pass it to the
-    ``Trainer`` when ``ParallelConfig.pipeline.stages > 1``. With tied embeddings the table
-    is read by the first stage and by the last, and its gradient is the sum of both uses.
-    Each stage's blocks get the micro-batch's positions (a context-parallel reorder), its
-    segment ids (packed batches) and the model's ``constrain``; MoE blocks' auxiliary losses
-    join the loss per micro-batch. The loss is the mean over micro-batches of each one's
-    mean over its kept (non-padding) tokens, as with ``grad_accum=m``: equal to ``loss_fn``
-    when every micro-batch keeps as many tokens (no padding).
-    """
-    from jaxpar.pipeline.model import PipelineLoss  # the model itself stays parallelism-free
-
-    return PipelineLoss(embed=_pipeline_embed, blocks=lambda model: model.blocks,
-                        head=lambda model: _Table(model, model.norm), head_loss=_head_loss,
-                        embedding=_pipeline_embedding, embed_inputs=_embed_inputs, block_call=_block_call,
-                        aux_loss=moe_aux_loss)
