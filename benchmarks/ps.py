@@ -4,8 +4,8 @@ share of a worker's step time spent waiting for pulls, with prefetch on and off.
 Each configuration has its 2 servers (``python -m jaxpar.ps.server``); 2 worker processes
 (this script with ``--role worker``) run every configuration in turn, on loopback. A worker trains a small click model (3
 categorical fields over two tables: 100k x 32 rows with Adagrad and 20k x 32 with SGD, read by
-a 2-layer dense tower) on its own half of the global batch: dedup, pull, jitted dense step,
-push. After ``--warmup`` steps (compiles), it times ``--steps`` steps and reports:
+a 2-layer dense tower) on its own half of the global batch with ``jaxpar.Trainer`` and
+``jaxpar.ps.ServerRows``: dedup, pull, the Trainer's compiled step, push. After ``--warmup`` steps (compiles), it times ``--steps`` steps and reports:
 
 * **lookups/s**: ids looked up (batch x fields, duplicates included) per second, both workers;
 * **rows pulled/s**, **rows pushed/s**: unique rows moved per second, both workers;
@@ -74,6 +74,7 @@ def run_worker(args) -> None:
     import optax
     from flax import nnx
 
+    import jaxpar
     from jaxpar import ps
 
     class Tower(nnx.Module):
@@ -89,20 +90,30 @@ def run_worker(args) -> None:
 
     plan = json.loads(pathlib.Path(args.plan).read_text())
     data = list(batches(args.worker, args.warmup + args.steps, BATCH // 2))
+    config = jaxpar.ParallelConfig(mesh={"data": 1})
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:1])
     for k, run in enumerate(plan):
         barrier(pathlib.Path(args.plan).parent, k, args.worker)  # both workers start a run together
         client = ps.connect(tables(), mode=run["mode"], staleness=run["staleness"],
                             addresses=run["addresses"], worker=args.worker, workers=2, timeout=120)
-        trainer = ps.SparseTrainer(client, Tower(nnx.Rngs(0)), optax.sgd(0.05), loss_fn, FIELDS,
-                                   prefetch=run["prefetch"])
-        trainer.fit(data[:args.warmup])
+        source = ps.ServerRows(client, FIELDS)
+        trainer = jaxpar.Trainer(Tower(nnx.Rngs(0)), optax.sgd(0.05),
+                                 lambda model, batch, rows: loss_fn(model, source.embedded(batch, rows), batch),
+                                 config, mesh, rows=source)
+
+        def fit(part):   # the Trainer's loop, the rows prefetched or not
+            return trainer.fit(source.prefetching(part, len(part)) if run["prefetch"] else part, len(part),
+                               progress=False)
+
+        fit(data[:args.warmup])
         before = client.stats()["worker"]
-        trainer.timings = {"pull_wait_s": 0.0, "step_s": 0.0}
+        source.timings = {"pull_wait_s": 0.0, "prefetched": 0}
         start = time.perf_counter()
-        history = trainer.fit(data[args.warmup:])
+        history = fit(data[args.warmup:])
         wall = time.perf_counter() - start
         after = client.stats()
-        out = {"worker": args.worker, "wall_s": wall, "steps": len(history), **trainer.timings,
+        out = {"worker": args.worker, "wall_s": wall, "steps": len(history),
+               "pull_wait_s": source.timings["pull_wait_s"], "step_s": wall,
                "lookups": len(history) * (BATCH // 2) * len(FIELDS),
                "rows_pulled": after["worker"]["rows_pulled"] - before["rows_pulled"],
                "rows_pushed": after["worker"]["rows_pushed"] - before["rows_pushed"],

@@ -16,7 +16,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar import ps
-from workers.ps_model import DIM, FIELDS, ITEMS, TOKEN, USERS, Tower, loss_fn, make_batches, reference
+from workers.ps_model import DIM, FIELDS, ITEMS, TOKEN, USERS, make_batches, reference, trainer_for
 from workers.ps_servers import Servers, free_port
 
 from jaxpar.ps.wire import encode
@@ -52,8 +52,8 @@ def test_sync_two_servers_equals_in_process_table(servers):
     want_losses, want = reference(20)
     client = ps.connect([USERS, ITEMS], addresses=servers.addresses, token=TOKEN, timeout=30,
                         worker=0, workers=1)
-    trainer = ps.SparseTrainer(client, Tower(nnx.Rngs(0)), optax.sgd(0.05), loss_fn, FIELDS, prefetch=True)
-    got_losses = [h["loss"] for h in trainer.fit(batches)]
+    source, trainer = trainer_for(client)
+    got_losses = [h["loss"] for h in trainer.fit(source.prefetching(batches, 20), 20, progress=False)]
     np.testing.assert_allclose(got_losses, want_losses, rtol=0, atol=1e-6)
     rows = client.pull_many({"users": np.arange(USERS.rows), "items": np.arange(ITEMS.rows)}, step=20)
     np.testing.assert_allclose(rows["users"], want["users"], rtol=0, atol=1e-6)
@@ -75,11 +75,8 @@ def test_trainer_with_server_rows_equals_in_process_table(servers):
     steps = 8
     want_losses, want = reference(steps)
     client = ps.connect([USERS, ITEMS], addresses=servers.addresses, token=TOKEN, timeout=30, worker=0, workers=1)
-    source = ps.ServerRows(client, FIELDS)
-    config = jaxpar.ParallelConfig(mesh={"data": 8}, optimizer={"level": 1, "threshold_kb": 0}, grad_accum=2)
-    trainer = jaxpar.Trainer(Tower(nnx.Rngs(0)), optax.sgd(0.05),
-                             lambda model, batch, rows: loss_fn(model, source.embedded(batch, rows), batch),
-                             config, jaxpar.make_mesh(config), rows=source)
+    source, trainer = trainer_for(client, jaxpar.ParallelConfig(
+        mesh={"data": 8}, optimizer={"level": 1, "threshold_kb": 0}, grad_accum=2))
     history = trainer.fit(source.prefetching(make_batches(steps + 2), steps), steps, progress=False)
     got_losses = [h["loss"] for h in history]
     assert source.timings["prefetched"] == steps
@@ -97,17 +94,13 @@ def test_trainer_checkpoints_take_the_servers_along(servers, tmp_path):
     """Trainer(checkpoint_dir=...) with ServerRows: the servers snapshot at each checkpoint; a
     worker restarted after 6 steps (another init) resumes the checkpoint of step 4, the servers
     go back to step 4, and training goes on equal to the uninterrupted reference."""
-    batches, config = make_batches(8), jaxpar.ParallelConfig(mesh={"data": 1})
+    batches = make_batches(8)
     want_losses, want = reference(8)
 
     def trainer(seed):
         client = ps.connect([USERS, ITEMS], addresses=servers.addresses, token=TOKEN, timeout=30, worker=0,
                             workers=1)
-        source = ps.ServerRows(client, FIELDS)
-        return client, jaxpar.Trainer(
-            Tower(nnx.Rngs(seed)), optax.sgd(0.05), lambda m, b, rows: loss_fn(m, source.embedded(b, rows), b),
-            config, jaxpar.make_mesh(config, devices=jax.devices()[:1]), rows=source,
-            checkpoint_dir=str(tmp_path / "ckpt"), save_every=4)
+        return client, trainer_for(client, seed=seed, checkpoint_dir=str(tmp_path / "ckpt"), save_every=4)[1]
 
     client, first = trainer(0)
     losses = [float(first.step(b)["loss"]) for b in batches[:6]]   # steps 5 and 6: lost with the worker

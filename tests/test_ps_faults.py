@@ -1,6 +1,6 @@
 """Parameter servers across processes: a SIGKILLed server restarts from its shard checkpoint and
 write-ahead log and sync training goes on equal to the run without the kill; a worker group
-restored from its orbax checkpoint of step s brings the servers back to s; two worker processes
+resumed from its Trainer checkpoint of step s brings the servers back to s; two worker processes
 of one jax.distributed job train equal to one device."""
 
 import json
@@ -8,31 +8,27 @@ import os
 import subprocess
 import sys
 
-import jax
 import numpy as np
-import optax
-import orbax.checkpoint as ocp
 import pytest
-from flax import nnx
 
 from jaxpar import ps
-from workers.ps_model import FIELDS, ITEMS, TOKEN, USERS, Tower, loss_fn, make_batches, reference
+from workers.ps_model import ITEMS, TOKEN, USERS, make_batches, reference, trainer_for
 from workers.ps_servers import ROOT, Servers, free_port
 
 WORKER = os.path.join(ROOT, "tests", "workers", "ps_worker.py")
 
 
-def _trainer(servers, seed=0):
+def _trainer(servers, checkpoints, seed=0):
     client = ps.connect([USERS, ITEMS], addresses=servers.addresses, token=TOKEN, timeout=60,
                         worker=0, workers=1)
-    return ps.SparseTrainer(client, Tower(nnx.Rngs(seed)), optax.sgd(0.05), loss_fn, FIELDS)
+    return client, trainer_for(client, seed=seed, checkpoint_dir=str(checkpoints))[1]
 
 
 def test_server_sigkill_and_worker_restore_keep_sync_training_exact(tmp_path, tag):
     servers = Servers(tmp_path, tag, count=2, token=TOKEN, every=3)
     try:
         batches = make_batches(20)
-        trainer = _trainer(servers)
+        client, trainer = _trainer(servers, tmp_path / "worker")
 
         def feed():
             for i, batch in enumerate(batches[:10]):
@@ -41,24 +37,23 @@ def test_server_sigkill_and_worker_restore_keep_sync_training_exact(tmp_path, ta
                     servers.start(1)
                 yield batch
 
-        losses = [h["loss"] for h in trainer.fit(feed())]
-        assert trainer.client.stats()["server_restarts"] == 1
-        # The workers' orbax checkpoint of step 10, aligned with the servers' snapshot of step 10.
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(tmp_path / "worker" / "10", trainer.save())
-        checkpointer.wait_until_finished()
-        trainer.fit(batches[10:14])  # progress the worker group loses when it is killed
-        trainer.client.close()
+        losses = [h["loss"] for h in trainer.fit(feed(), 10, progress=False)]
+        assert client.stats()["server_restarts"] == 1
+        # The worker's checkpoint of step 10, with the servers' snapshot of step 10.
+        assert trainer.save() == 10
+        trainer.fit(batches[10:14], 4, progress=False)  # progress the worker group loses when it is killed
+        trainer.close()
+        client.close()
 
-        restarted = _trainer(servers, seed=1)  # another init: the restore must replace it
-        target = jax.tree.map(np.asarray, restarted.save() | {"step": 0})
-        restarted.restore(checkpointer.restore(tmp_path / "worker" / "10", target))
-        losses += [h["loss"] for h in restarted.fit(batches[10:])]
+        client, restarted = _trainer(servers, tmp_path / "worker", seed=1)  # another init: the resume replaces it
+        assert restarted.step_count == 10
+        losses += [h["loss"] for h in restarted.fit(batches[10:], 10, progress=False)]
         want_losses, want = reference(20)
         np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-6)
-        rows = restarted.client.pull("items", np.arange(ITEMS.rows), step=20)
+        rows = client.pull("items", np.arange(ITEMS.rows), step=20)
         np.testing.assert_allclose(rows, want["items"], rtol=0, atol=1e-6)
-        restarted.client.close()
+        restarted.close()
+        client.close()
     finally:
         codes = servers.stop()
     assert codes == [0, 0]

@@ -5,8 +5,8 @@ source pulls a batch's rows before the compiled step and pushes their gradients 
 (`jaxpar.ps.rows`). `HostEmbedding` / `HostRows`: a table in this process's host memory;
 `ServerRows`: tables on parameter servers.
 Parameter servers (``python -m jaxpar.ps.server``) own hash- or range-partitioned shards of
-each table and apply the row optimizer; workers deduplicate a batch's ids, pull the rows, run
-the dense model as an ordinary jitted step and push the row gradients. See
+each table and apply the row optimizer; each worker's Trainer pulls a batch's rows before its step and
+pushes their gradients after it (`ServerRows`). See
 docs/recommendation.md and docs/parameter_server.md.
 
 Example:
@@ -22,10 +22,10 @@ from jaxpar.ps.tables import SGD, Adagrad, Adam, TableSpec, init_rows
 
 # The servers' side needs pyzmq, an optional dependency: imported when first named.
 _SERVERS = {"Client": "client", "connect": "client", "BUCKETS": "worker", "Lookup": "worker",
-            "ServerRows": "worker", "SparseTrainer": "worker", "bucket_size": "worker", "lookup": "worker"}
+            "ServerRows": "worker", "bucket_size": "worker", "lookup": "worker"}
 
 __all__ = ["Adagrad", "Adam", "BUCKETS", "Client", "HostEmbedding", "HostRows", "Lookup", "RowOptimizer",
-           "RowSource", "SGD", "ServerRows", "SparseTrainer", "TableSpec", "bucket_size", "connect", "init_rows",
+           "RowSource", "SGD", "ServerRows", "TableSpec", "bucket_size", "connect", "init_rows",
            "lookup"]
 
 

@@ -1,21 +1,16 @@
-"""Training glue: a dense Flax NNX model that reads embedding rows kept on parameter servers.
+"""Training glue: embedding rows kept on parameter servers, as a row source of `jaxpar.Trainer`.
 
-:class:`ServerRows` is the servers' tables as a row source of the one training loop,
-``jaxpar.Trainer(..., rows=ServerRows(client, fields))`` (one process; `jaxpar.ps.rows`), so
-ZeRO, precision and accumulation compose with them. :class:`SparseTrainer` is the worker loop
-of its own that a job of several processes, prefetching and worker-group restores still need.
-
-One step of :class:`SparseTrainer` (and, but for the prefetch, of a Trainer with ``ServerRows``):
+One step of ``Trainer(..., rows=ServerRows(client, fields))`` (`jaxpar.ps.rows`):
 
 1. **look up**: the ids of every categorical field are gathered per table (several fields
    may read one shared table), deduplicated, and each field keeps the index of its ids among
    the table's unique ids;
-2. **pull** the unique rows (for step t+1 in a background thread while step t computes,
-   when ``prefetch``); they are padded with zero rows to a bucket size so that a handful of
+2. **pull** the unique rows (for step t+1 in a background thread while step t computes, with
+   ``prefetching``); they are padded with zero rows to a bucket size so that a handful of
    shapes, not one per batch, get compiled;
-3. **dense step**: one jitted function gathers each field's rows, evaluates
-   ``loss_fn(model, embedded, batch)``, differentiates with respect to the dense parameters
-   and the pulled rows, and applies ``tx`` to the dense parameters;
+3. **the Trainer's compiled step** gathers each field's rows (``ServerRows.embedded``),
+   differentiates ``loss_fn(model, batch, rows)`` with respect to the dense parameters and the
+   pulled rows, and updates the dense parameters (ZeRO, precision, accumulation as configured);
 4. **push** the gradients of the unique rows (the padding is cut off), divided by the worker
    count so that the servers' sum is the gradient of the mean over the global batch.
 """
@@ -25,13 +20,11 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
 
 from jaxpar.ps.client import Client
 
@@ -49,23 +42,6 @@ def bucket_size(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
         if n <= b:
             return b
     return -(-n // buckets[-1]) * buckets[-1]
-
-
-def _replicate(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Every array of ``tree`` replicated over ``mesh``, whose devices may span processes.
-
-    Built from host values on each process: ``jax.device_put`` onto devices of other processes
-    gives arrays that jit accepts but whose shards orbax cannot read before a first step.
-    """
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    def put(x):
-        if jax.process_count() == 1 or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            return jax.device_put(x, replicated)  # (random keys have no plain host value)
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
-
-    return jax.tree.map(put, tree)
 
 
 @dataclasses.dataclass
@@ -258,190 +234,3 @@ def _pad(rows: np.ndarray, size: int) -> np.ndarray:
     out = np.zeros((size, rows.shape[1]), np.float32)
     out[:len(rows)] = rows
     return out
-
-
-class SparseTrainer:
-    """Trains ``model`` (dense, on this worker's devices) with embedding tables on servers.
-
-    Args:
-        client: from :func:`jaxpar.ps.connect`.
-        model: a Flax NNX module holding the dense parameters.
-        tx: the optax optimizer of the dense parameters.
-        loss_fn: ``loss_fn(model, embedded, batch) -> scalar``; ``embedded[field]`` holds the
-            rows of ``batch[field]``'s ids, shape ``batch[field].shape + (dim,)``.
-        fields: batch key of each categorical field -> the table it reads.
-        mesh, batch_axis: when given, batch arrays are split over ``batch_axis`` of ``mesh``
-            (dense parameters and rows replicated): data parallel over the worker's devices.
-        prefetch: pull step t+1's rows in a background thread while step t runs.
-
-    Example:
-        >>> trainer = jaxpar.ps.SparseTrainer(client, model, optax.sgd(0.1), loss_fn,
-        ...                                   {"user": "users", "item": "items"})  # doctest: +SKIP
-        >>> history = trainer.fit(batches)  # doctest: +SKIP
-    """
-
-    def __init__(self, client: Client, model: nnx.Module, tx: optax.GradientTransformation,
-                 loss_fn: Callable, fields: Mapping[str, str], *, mesh: jax.sharding.Mesh | None = None,
-                 batch_axis: str | None = None, prefetch: bool = True, buckets: tuple[int, ...] = BUCKETS):
-        unknown = sorted(set(fields.values()) - set(client.tables))
-        if unknown:
-            raise ValueError(f"SparseTrainer: fields read tables {unknown} the client does not know; "
-                             f"its tables are {sorted(client.tables)}")
-        self.client, self.tx, self.fields = client, tx, dict(fields)
-        self.mesh, self.batch_axis = mesh, batch_axis or (mesh.axis_names[0] if mesh else None)
-        self.prefetch, self.buckets = prefetch, buckets
-        self.processes = jax.process_count()
-        if self.processes > 1 and mesh is None:
-            raise ValueError(f"SparseTrainer: a job of {self.processes} processes needs mesh= (a mesh over "
-                             "every process's devices): the dense step is data parallel across them")
-        self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
-        self.opt_state = tx.init(self.params)
-        if mesh is not None:  # dense state replicated over the mesh (every process's devices)
-            # The optimizer state too: a counter left on one device would come back from a
-            # checkpoint committed to that device, which the jitted step then refuses.
-            self.params, self.rest, self.opt_state = _replicate((self.params, self.rest, self.opt_state), mesh)
-        # A worker restarted into a running job rejoins at the step the servers expect from it.
-        self.step_count = client.next_step()
-        self.timings = {"pull_wait_s": 0.0, "step_s": 0.0}
-        self._train = jax.jit(self._make_train(loss_fn))
-
-    @property
-    def model(self) -> nnx.Module:
-        """The dense model with the current parameters."""
-        return nnx.merge(self.graphdef, self.params, self.rest)
-
-    def _make_train(self, loss_fn: Callable) -> Callable:
-        fields, graphdef = self.fields, self.graphdef
-
-        def train(params, rest, opt_state, rows, index, batch):
-            def loss(params, rows):
-                model = nnx.merge(graphdef, params, rest)
-                embedded = {f: jnp.take(rows[t], index[f], axis=0) for f, t in fields.items()}
-                return loss_fn(model, embedded, batch)
-
-            value, (g_params, g_rows) = jax.value_and_grad(loss, argnums=(0, 1))(params, rows)
-            updates, opt_state = self.tx.update(g_params, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, value, g_rows
-
-        return train
-
-    def _pull(self, batch: Mapping[str, Any], step: int) -> tuple[Lookup, dict[str, np.ndarray]]:
-        lk = lookup(batch, self.fields)
-        return lk, self.client.pull_many(lk.unique, step)
-
-    def _place(self, x: np.ndarray) -> Any:
-        """This process's part of a batch-split array: a global array over the mesh."""
-        if self.mesh is None:
-            return x
-        sharding = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(self.batch_axis))
-        if self.processes > 1:
-            return jax.make_array_from_process_local_data(sharding, x)
-        split = self.mesh.shape[self.batch_axis]
-        if x.shape[0] % split:
-            raise ValueError(f"SparseTrainer: a batch leaf of shape {x.shape} does not split over mesh axis "
-                             f"{self.batch_axis!r} of size {split}; make the batch's rows a multiple of {split}")
-        return jax.device_put(x, sharding)
-
-    def _bucket(self, table: str, unique: int, batch: Mapping[str, Any]) -> int:
-        if self.processes == 1:
-            return bucket_size(unique, self.buckets)
-        # Every process must pad to the same size without asking the others: the ids of its
-        # part of the batch bound its unique count, and the parts have equal shapes.
-        bound = sum(np.size(batch[f]) for f, t in self.fields.items() if t == table)
-        size = bucket_size(bound, self.buckets)
-        per_process = self.mesh.shape[self.batch_axis] // self.processes
-        if size % per_process:
-            raise ValueError(f"SparseTrainer: bucket {size} of table {table!r} does not split over the "
-                             f"{per_process} devices each process has on mesh axis {self.batch_axis!r}")
-        return size
-
-    def _local_rows(self, g: jax.Array, size: int) -> np.ndarray:
-        """This process's block ``[p * size, (p + 1) * size)`` of a global row-gradient array,
-        from whichever of its shards cover it (the compiler picks the output's sharding)."""
-        return np.asarray(g) if self.processes == 1 else _local_rows(g, size)
-
-    def _dense_step(self, batch: Mapping[str, Any], lk: Lookup, rows: dict[str, np.ndarray]) -> float:
-        sizes = {t: len(u) for t, u in lk.unique.items()}
-        padded = {t: _pad(r, self._bucket(t, sizes[t], batch)) for t, r in rows.items()}
-        # Several processes: each one's rows are its block of one global rows array, and its
-        # indices point into that block.
-        offset = {t: jax.process_index() * len(p) for t, p in padded.items()}
-        dense = {k: self._place(np.asarray(v)) for k, v in batch.items() if k not in self.fields}
-        index = {f: self._place(i + np.int32(offset[self.fields[f]])) for f, i in lk.index.items()}
-        rows_in = {t: self._place(p) if self.processes > 1 else p for t, p in padded.items()}
-        self.params, self.opt_state, loss, g_rows = self._train(
-            self.params, self.rest, self.opt_state, rows_in, index, dense)
-        # One process: its loss is its part's mean, and the servers sum the workers' pushes.
-        # Several in one jax job: the loss is already the global batch's mean.
-        scale = np.float32(1.0 / self.client.workers if self.processes == 1 else 1.0)
-        grads = {t: (lk.unique[t], self._local_rows(g_rows[t], len(padded[t]))[:sizes[t]] * scale)
-                 for t in sizes}
-        self.client.push_many(grads, self.step_count)
-        return float(loss.addressable_data(0)) if self.processes > 1 else float(loss)
-
-    def save(self) -> dict[str, Any]:
-        """Makes the servers snapshot the tables at this step; returns the worker's state (dense
-        parameters, optimizer state, step) for the worker's own orbax checkpoint of this step.
-
-        Example:
-            >>> orbax_checkpointer.save(path, trainer.save())  # doctest: +SKIP
-        """
-        self.client.save(self.step_count)
-        return {"params": self.params, "opt_state": self.opt_state, "step": self.step_count}
-
-    def restore(self, state: Mapping[str, Any]) -> None:
-        """Takes back a state :meth:`save` returned (e.g. read from orbax) and brings the
-        servers back to their snapshot of the same step.
-
-        Example:
-            >>> trainer.restore(orbax_checkpointer.restore(path))  # doctest: +SKIP
-        """
-        self.params, self.opt_state = state["params"], state["opt_state"]
-        self.step_count = int(state["step"])
-        self.client.restore(self.step_count)
-
-    def step(self, batch: Mapping[str, Any]) -> dict[str, float]:
-        """One training step on ``batch`` (no prefetch); returns ``{"loss": ...}``."""
-        start = time.perf_counter()
-        lk, rows = self._pull(batch, self.step_count)
-        self.timings["pull_wait_s"] += time.perf_counter() - start
-        loss = self._dense_step(batch, lk, rows)
-        self.step_count += 1
-        self.timings["step_s"] += time.perf_counter() - start
-        return {"loss": loss}
-
-    def fit(self, batches: Iterable[Mapping[str, Any]], steps: int | None = None) -> list[dict[str, float]]:
-        """Trains on ``batches`` (at most ``steps`` of them), prefetching when enabled."""
-        batches = iter(batches)
-        history: list[dict[str, float]] = []
-        if not self.prefetch:
-            for batch in batches:
-                if steps is not None and len(history) >= steps:
-                    break
-                history.append(self.step(batch))
-            return history
-        pool = concurrent.futures.ThreadPoolExecutor(1)
-        try:
-            self._fit_prefetching(pool, batches, steps, history)
-        except BaseException:
-            # A prefetched pull of a step that will never be pushed waits for its reply until
-            # the client's timeout: do not wait for it to raise this step's error.
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown()
-        return history
-
-    def _fit_prefetching(self, pool, batches, steps, history) -> None:
-        batch = next(batches, None)
-        future = pool.submit(self._pull, batch, self.step_count) if batch is not None else None
-        while future is not None and (steps is None or len(history) < steps):
-            start = time.perf_counter()
-            lk, rows = future.result()
-            self.timings["pull_wait_s"] += time.perf_counter() - start
-            nxt = next(batches, None) if steps is None or len(history) + 1 < steps else None
-            # Sent now: a sync server answers it as soon as this step's push is applied.
-            future = pool.submit(self._pull, nxt, self.step_count + 1) if nxt is not None else None
-            history.append({"loss": self._dense_step(batch, lk, rows)})
-            self.step_count += 1
-            self.timings["step_s"] += time.perf_counter() - start
-            batch = nxt

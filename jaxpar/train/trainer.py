@@ -77,7 +77,8 @@ class Trainer:
     compiled step, which differentiates ``loss_fn(model, batch, rows)`` with respect to them
     too, and pushes their gradients after it; every other option composes with it. A source
     with ``save(step)`` / ``restore(step)`` keeps its tables with the checkpoints: it saves
-    where the Trainer saves and goes back to the step the Trainer resumes or restores.
+    where the Trainer saves (just before, so a complete checkpoint always has its tables) and
+    goes back to the step the Trainer resumes or restores.
     Saves still in flight finish at ``close()`` (or leaving ``with trainer:``), at the end of
     ``fit``, and at interpreter exit.
     The Trainer owns the model's arrays from then on (they are donated to the step): read the
@@ -396,16 +397,17 @@ class Trainer:
 
     def _on_checkpoint(self, step: int, metrics: dict[str, Any]) -> None:
         self.check_finite()          # a step that did not update must not pass silently into a save
-        if self.checkpointer.maybe_save(self.plan, self._state, self.mesh) is not None:
+        if self.checkpointer.due(step):     # the source's tables first: a complete checkpoint has them
             self._rows_at("save", step)
+        self.checkpointer.maybe_save(self.plan, self._state, self.mesh)
 
     def _save_and_exit(self, metrics: dict[str, Any]) -> None:
         """Preempted (SIGTERM): save this step, wait for it, and leave with exit code 0 (the
         step's ``metrics`` go with the exit, for ``fit`` to log)."""
         self.check_finite()
         if self._steps not in self.checkpointer.manager.all_steps():
-            self.checkpointer.save(self.plan, self._state, self.mesh)
             self._rows_at("save", self._steps)
+            self.checkpointer.save(self.plan, self._state, self.mesh)
         self.checkpointer.close()
         stop = Preempted(self._steps, self.checkpointer.directory)
         stop.metrics = metrics
@@ -619,12 +621,10 @@ class Trainer:
             self.data_state = data_state
         if directory is None and self.checkpointer is None:
             raise ValueError("Trainer.save: give a directory or construct the Trainer with checkpoint_dir=")
+        self._rows_at("save", self._steps)   # the source's tables first: a complete checkpoint has them
         if directory is not None:
-            step = save_state(directory, self.plan, self._state, self.mesh)
-        else:
-            step = self.checkpointer.save(self.plan, self._state, self.mesh)
-        self._rows_at("save", step)
-        return step
+            return save_state(directory, self.plan, self._state, self.mesh)
+        return self.checkpointer.save(self.plan, self._state, self.mesh)
 
     def _rows_at(self, method: str, step: int) -> None:
         """The row source's own ``save(step)`` / ``restore(step)``, where it has one (e.g.

@@ -8,6 +8,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import jaxpar
 from jaxpar import ps
 
 DIM = 8
@@ -77,3 +78,13 @@ def reference(n=20):
         state, opt, value = step(state, opt, batch)
         losses.append(float(value))
     return losses, state
+
+
+def trainer_for(client, config=None, **options):
+    """A jaxpar.Trainer of the tower whose tables are the servers' (one device without ``config``)."""
+    config = config or jaxpar.ParallelConfig(mesh={"data": 1})
+    source = ps.ServerRows(client, FIELDS)
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:int(np.prod(list(config.mesh.values())))])
+    return source, jaxpar.Trainer(Tower(nnx.Rngs(options.pop("seed", 0))), optax.sgd(0.05),
+                                  lambda model, batch, rows: loss_fn(model, source.embedded(batch, rows), batch),
+                                  config, mesh, rows=source, **options)
