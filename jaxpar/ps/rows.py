@@ -17,7 +17,12 @@ the Trainer calls
    (a host row optimizer, a server's) applies them.
 
 A skipped step (``Trainer(nonfinite="skip")``) pushes zero row gradients. Sources hold their
-tables themselves: ``Trainer`` checkpoints hold the dense state only.
+tables themselves; a source with ``save(step)`` / ``restore(step)`` (`jaxpar.ps.ServerRows`)
+saves them just before each of the Trainer's checkpoints and goes back to the step the
+Trainer resumes or restores (without them, checkpoints hold the dense state only). In one
+process the rows are replicated over the mesh; in a job of several processes the source pulls
+them as global ``jax.Array``s on the Trainer's mesh, placed as the step takes them (e.g. each
+process's block split over the batch axis).
 """
 
 from __future__ import annotations
