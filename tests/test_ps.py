@@ -378,3 +378,21 @@ def test_lazy_adam_rows_and_partition_independent_init():
             for i in range(count):
                 table[s.shard_ids(i, count)] = TableShard(s, i, count, "sync", 0, 1).weights
             np.testing.assert_array_equal(table, ps.init_rows(s, np.arange(10)))
+
+
+class _Client:
+    """What ServerRows asks of a client before any pull: its tables, the worker count, the next step."""
+
+    tables, workers = {"users": USERS, "items": ITEMS}, 1
+
+    def next_step(self):
+        return 3
+
+
+def test_server_rows_refuse_unknown_tables_and_misaligned_saves():
+    with pytest.raises(ValueError, match=r"fields read tables \['ads'\] the client does not know"):
+        ps.ServerRows(_Client(), {"ad": "ads"})
+    source = ps.ServerRows(_Client(), FIELDS)
+    assert source.step == 3       # a worker rejoins where the servers expect it
+    with pytest.raises(ValueError, match="the Trainer saves step 0 but the servers are at step 3"):
+        source.save(0)
