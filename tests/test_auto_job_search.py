@@ -252,10 +252,25 @@ def test_a_search_space_refuses_a_wrong_choice_when_built(options, message):
         JobSearchSpace(**{"devices": 8, "memory_budget": 1e9, **options})
 
 
+@pytest.mark.parametrize("options, message", [
+    (dict(zero_levels=1), r"zero_levels=1 must be a sequence of choices, e.g. \(1, 2\)"),
+    (dict(context=2), "context=2 must be a sequence of choices"),
+    (dict(microbatches=4), "microbatches=4 must be a sequence of choices"),
+    (dict(meshes={"data": 8}), r"meshes=\{'data': 8\} is one mesh; give a list of them, e.g. meshes=\[\{'data': 8\}\]"),
+    (dict(meshes=[8]), "meshes has 8; each mesh is a mapping of axis sizes"),
+])
+def test_a_search_space_refuses_one_bare_choice_by_name(options, message):
+    """A bare number (or one mesh) where a list of choices goes is refused naming the field,
+    not iterated into a Python error."""
+    with pytest.raises(TypeError, match=f"JobSearchSpace: {message}"):
+        JobSearchSpace(**{"devices": 8, "memory_budget": 1e9, **options})
+
+
 def test_a_search_space_is_a_frozen_value():
     a = JobSearchSpace(devices=8, memory_budget=1e9, schedule="zb-h1", remat=["none", "full"],
                        meshes=[{"data": 4, "model": 2}])
     assert a.schedule == ("zb-h1",) and a.remat == ("none", "full") and a.context_strategy == ("ring",)
+    assert JobSearchSpace(devices=8, memory_budget=1e9, remat="full").remat == ("full",)   # one name, as schedule
     assert a == JobSearchSpace(devices=8, memory_budget=1e9, schedule=("zb-h1",), remat=("none", "full"),
                                meshes=({"data": 4, "model": 2},))
     with pytest.raises(dataclasses.FrozenInstanceError):

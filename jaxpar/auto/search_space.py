@@ -27,6 +27,13 @@ def _names(value) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
+def _choices(name: str, value, example: str) -> tuple:
+    """``value`` (a sequence of choices) as a tuple; one bare value is refused with the fix."""
+    if isinstance(value, (str, Mapping)) or not isinstance(value, Sequence | np.ndarray):
+        raise TypeError(f"JobSearchSpace: {name}={value!r} must be a sequence of choices, {example}")
+    return tuple(value)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class JobSearchSpace:
     """The choices `jaxpar.auto.search_job` searches over, for ``devices`` devices within
@@ -41,7 +48,7 @@ class JobSearchSpace:
       zero_levels: ZeRO levels to try.
       grad_accum: micro-batch counts to try without a pipeline (those that do not divide the
         batch are skipped).
-      remat: recompute policies to try (`jaxpar.remat` names; other than ``("none",)`` the
+      remat: recompute policies to try (`jaxpar.remat` names, one or several; other than ``("none",)`` the
         model function must take ``remat=``; pipelined options use the model as built, the
         pipeline's executor already recomputes each stage's forward).
       pipeline_stages: stage counts to try (1: no pipeline).
@@ -78,14 +85,21 @@ class JobSearchSpace:
 
     def __post_init__(self):
         # tuples, so the value reads and compares the same however it was given
-        for name in ("zero_levels", "grad_accum", "remat", "pipeline_stages", "context"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
-        for name in ("schedule", "context_strategy"):
+        for name in ("zero_levels", "grad_accum", "pipeline_stages", "context", "microbatches"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _choices(name, getattr(self, name), "e.g. (1, 2)"))
+        for name in ("remat", "schedule", "context_strategy"):      # one name, or several
             object.__setattr__(self, name, _names(getattr(self, name)))
-        if self.microbatches is not None:
-            object.__setattr__(self, "microbatches", tuple(self.microbatches))
         if self.meshes is not None:
-            object.__setattr__(self, "meshes", tuple(dict(m) for m in self.meshes))
+            if isinstance(self.meshes, Mapping):
+                raise TypeError(f"JobSearchSpace: meshes={self.meshes!r} is one mesh; give a list of them, "
+                                f"e.g. meshes=[{dict(self.meshes)!r}]")
+            meshes = _choices("meshes", self.meshes, "e.g. [{'data': 8}]")
+            for m in meshes:
+                if not isinstance(m, Mapping):
+                    raise TypeError(f"JobSearchSpace: meshes has {m!r}; each mesh is a mapping of axis sizes, "
+                                    "e.g. {'data': 4, 'model': 2}")
+            object.__setattr__(self, "meshes", tuple(dict(m) for m in meshes))
         self._check()
 
     def _check(self) -> None:
