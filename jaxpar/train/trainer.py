@@ -10,6 +10,7 @@ plan and the state (`jaxpar.checkpoint.Checkpointer`); the Trainer assigns what 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -49,7 +50,8 @@ class Trainer:
     >>> trainer.plan, trainer.state             # the TrainPlan and the TrainState
 
     ``plan``: the `TrainPlan` to train under (from `jaxpar.train.plan_for`, or loaded with
-    ``TrainPlan.from_json``); without one, ``plan_for`` makes it from ``config`` before
+    ``TrainPlan.from_json``), made from ``config`` (a searched one: from mode ``"auto"``) and
+    carrying its offload; without one, ``plan_for`` makes it from ``config`` before
     anything else. ``offload``: ``"opt_state"`` and/or ``"params"`` kept in host memory
     between steps. ``example_batch``: in mode ``"auto"`` without ``plan``, the batch the
     strategy search runs on, at construction (required: the Trainer never plans later).
@@ -140,6 +142,11 @@ class Trainer:
         self.global_batch = jax.process_count() == 1 if global_batch is None else global_batch
         self._donate = donate
         self._offload = host.check_targets(offload)
+        if plan is not None:       # the plan carries what it offloads: offload= may only repeat it
+            if self._offload and set(self._offload) != set(plan.offload):
+                raise ValueError(f"Trainer: offload={self._offload} but the plan offloads {plan.offload}; drop "
+                                 "offload= (the plan's is used) or make the plan with this offload")
+            self._offload = tuple(plan.offload)
         if self._offload and not host.host_memory_available(mesh):
             raise ValueError(f"Trainer: offload={self._offload} needs a '{host.HOST}' memory space, which "
                              f"{mesh.devices.flat[0].platform} devices here do not have; drop offload")
@@ -772,6 +779,13 @@ def _check_args(model, tx, loss_fn, config, mesh, plan) -> None:
         if dict(plan.mesh) != {a: int(s) for a, s in mesh.shape.items()}:
             raise ValueError(f"Trainer: plan is for mesh {dict(plan.mesh)} but the mesh is {dict(mesh.shape)}; "
                              "build the mesh with jaxpar.make_mesh(plan.config)")
+        # a searched plan realises mode "auto" as a semi_auto config; any other plan is its config's
+        if config.mode != "auto" and plan.config != config:
+            differ = {f.name: (getattr(config, f.name), getattr(plan.config, f.name)) for f in dataclasses.fields(config)
+                      if getattr(config, f.name) != getattr(plan.config, f.name)}
+            raise ValueError("Trainer: plan was made for another config than config= (field: (config, plan's): "
+                             f"{differ}); pass config=plan.config, or make the plan from this config "
+                             "(jaxpar.train.plan_for / jaxpar.make_train_plan)")
 
 
 def _check_rows(rows, config: ParallelConfig, plan) -> None:
