@@ -108,7 +108,8 @@ BAD = [
     (["train", "--devices", "0"], "--devices 0"),
     (["train", "--devices", "-4"], "--devices -4"),
     (["train", "--devices", "64"], "--devices 64: only 8 cpu devices are available"),
-    (["train", "--config", "missing.yaml"], "--config 'missing.yaml': does not exist"),
+    (["train", "--config", "missing.yaml"], "--config 'missing.yaml': does not exist; give a job file (train, plan: "
+                                                 "e.g. examples/configs/tiny.yaml) or a YAML file of ParallelConfig"),
     (["train", "--config", "adir"], "--config 'adir': a directory, not a file"),
     (["train", "--config", "bad.yaml"], "--config 'bad.yaml': not valid YAML at line 2"),
     (["train", "--config", "list.yaml"], "holds a YAML list, not a mapping"),

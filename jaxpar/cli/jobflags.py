@@ -20,7 +20,8 @@ def config_file(text: str) -> str:
     """``--config``: an existing file holding a YAML mapping (its fields are checked later)."""
     import yaml
 
-    example = "a YAML file of ParallelConfig fields such as 'mesh: {data: 2, model: 4}'"
+    example = ("a job file (train, plan: e.g. examples/configs/tiny.yaml) or a YAML file of ParallelConfig fields "
+               "such as 'mesh: {data: 2, model: 4}'")
     head = f"--config {text!r}:"
     if not os.path.exists(text):
         raise argparse.ArgumentTypeError(f"{head} does not exist; give {example}")
@@ -50,7 +51,8 @@ def add_job_args(p: argparse.ArgumentParser, *, train: bool) -> None:
     """The flags of the job that ``train``, ``plan`` and ``report`` build (``--steps``, ``--lr`` and
     ``--seed`` only for ``train``: nothing else depends on them)."""
     g = p.add_argument_group("parallelism")
-    g.add_argument("--config", type=config_file, help="YAML file with ParallelConfig fields")
+    g.add_argument("--config", type=config_file, help="YAML file with ParallelConfig fields; for train and plan "
+                   "also a job file (model, data, parallel, ... sections: see docs/jobs.md)")
     g.add_argument("--mesh", help="mesh axes, e.g. data=2,model=4 (one may be -1)")
     g.add_argument("--rules", help="logical axis rules, e.g. mlp=model,heads=model,batch=data")
     g.add_argument("--mode", help="data | semi_auto | hybrid")
