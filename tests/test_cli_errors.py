@@ -116,6 +116,8 @@ BAD = [
     (["train", "--config", "typo.yaml"], "unknown ParallelConfig fields ['mesg']"),
     (["train", "--config", "binary.yaml"], "--config 'binary.yaml': is not a text file (byte 0x89 at offset 0"),
     (["plan", "--config", "binary.yaml"], "--config 'binary.yaml': is not a text file"),
+    (["plan", "--config", "arith.yaml", "--parallel.mode", "auto"],
+     "parallel.mode 'auto' is planned by the strategy search on a batch, which jaxpar train runs"),
     (["train", "--config", "job.yaml", "--checkpoint.dir", "afile/ckpt"],
      "checkpoint.dir='afile/ckpt' cannot be written ("),
     (["train", "--config", "job.yaml", "--logging.dir", "afile"], "logging.dir='afile' cannot be written ("),

@@ -31,6 +31,10 @@ def plan_of_job(job: JobConfig, sizes: dict[str, int]):
     if job.model.factory is not None:
         raise ValueError("jaxpar plan --config: a model.factory job is planned when it runs (jaxpar train); "
                          "plan covers the named models")
+    if job.parallel.mode == "auto":
+        raise ValueError("jaxpar plan --config: parallel.mode 'auto' is planned by the strategy search on a batch, "
+                         "which jaxpar train runs before the first step; plan from shapes covers the other modes: "
+                         "give --parallel.mode semi_auto with --parallel.rules, or train the job")
     vocab = None
     if job.data.source == "arithmetic":
         from jaxpar.job.example import ARITHMETIC_VOCAB
