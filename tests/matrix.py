@@ -32,6 +32,7 @@ FEATURES = {
     "context": ("none", "ring", "ulysses"),
     "moe": ("none", "ep"),
     "embedding": ("outside", "first"),   # where a pipeline runs the embedding (only with a pipeline)
+    "loss": ("full", "chunked"),         # GPTConfig.loss_chunks: 0, or 4 (jaxpar.ops.chunked_cross_entropy)
 }
 STEPS = 5
 # (loss, parameter) relative tolerances against one device, by precision. bf16 runs that sum in
@@ -120,7 +121,7 @@ def all_pairs() -> set:
 
 BASE = {"layout": "data", "pipeline": "none", "zero": 0, "accum": 1, "interleave": 1, "remat": "none",
         "mode": "given", "ckpt": "no", "precision": "none", "context": "none",
-        "moe": "none", "embedding": "outside"}
+        "moe": "none", "embedding": "outside", "loss": "full"}
 PRODUCT = [dict(BASE, layout="megatron", pipeline=p, zero=z)
            for p in FEATURES["pipeline"] for z in (0, 1)]
 
@@ -235,7 +236,8 @@ def gpt_config(cell: dict | None = None):
     moe = (MoEConfig(experts=8, top_k=2, expert_mlp=16, bucket_growth=2.0, aux_loss_weight=0.0)
            if cell and cell["moe"] != "none" else None)
     return GPTConfig(vocab_size=16, seq_len=16, embed=32, heads=8, mlp=64, layers=4, scan_layers=True,
-                     dropout=0.0, fused_qkv=bool(cell and cell["layout"] == "fused"), moe=moe)
+                     dropout=0.0, fused_qkv=bool(cell and cell["layout"] == "fused"), moe=moe,
+                     loss_chunks=4 if cell and cell.get("loss") == "chunked" else 0)
 
 
 def model_config(cell: dict | None = None):

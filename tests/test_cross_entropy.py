@@ -158,14 +158,13 @@ def test_llama_pipeline_head_loss_follows_the_switch():
 
 @requires_devices(8)
 @pytest.mark.parametrize("config", [
-    jaxpar.ParallelConfig(mesh={"data": 8}, rules={"batch": "data"}),
+    jaxpar.ParallelConfig(mesh={"data": 8}),
     jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules={"batch": "data", "vocab": "model"}),
 ], ids=["data=8", "data=2,vocab=model=4"])
 def test_trainer_with_loss_chunks_equals_one_device(config):
     """The GPT with its loss in 4 chunks, trained on 8 devices (batch split; and the head split
-    by vocabulary), equals the materialised loss trained on one. The batch rule tells the loss
-    how the tokens are split (without one, XLA's while-loop all-reduce code motion, which the
-    GPU and TPU compilers run and the CPU one does not, moves the sum out of the loop)."""
+    by vocabulary), equals the materialised loss trained on one. Without a "batch" rule the loss
+    takes the batch to be where jaxpar places it then, on the "data" axis."""
     losses, params, trainer = train_gpt(config, gpt=dataclasses.replace(TINY, loss_chunks=4), steps=3)
     want_losses, want_params = reference(steps=3)
     assert_losses_close(losses, want_losses)
