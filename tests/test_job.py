@@ -240,6 +240,20 @@ def test_example_job_files_load_and_name_a_model(name):
     assert cfg.max_seq_len >= job.data.seq_len and cfg.vocab_size >= 257
 
 
+def test_plan_of_a_job_file_has_the_vocabulary_of_its_token_store(tmp_path):
+    """`run_job` grows the model's vocabulary to the token store's; the plan from shapes does too
+    (from the store's index), so it plans the parameters the run trains."""
+    from jaxpar.data.store import FORMAT, INDEX, VERSION
+    from jaxpar.job.shapes import plan_of_job
+
+    (tmp_path / INDEX).write_text(json.dumps({"format": FORMAT, "version": VERSION,
+                                              "tokenizer": {"kind": "byte", "vocab_size": 257, "eos_id": 256}}))
+    job = JobConfig.from_dict({"model": {"size": "tiny"}, "data": {"path": str(tmp_path), "seq_len": 16},
+                               "parallel": {"mesh": {"data": 8}}})
+    plan, _ = plan_of_job(job, {"data": 8})
+    assert plan.shapes["embedding"][0][0] == 257          # tiny's own vocabulary is 64
+
+
 def test_plan_of_a_job_file_on_64_planned_devices(capsys):
     assert main(["plan", "--config", os.path.join(CONFIGS, "llama3_8b.yaml")]) == 0
     out = capsys.readouterr().out

@@ -6,6 +6,9 @@ devices): the model is built abstractly and planned for mesh *sizes*.
 
 from __future__ import annotations
 
+import os
+
+from jaxpar.data.store import INDEX, read_index
 from jaxpar.job.config import JobConfig
 
 
@@ -40,6 +43,9 @@ def plan_of_job(job: JobConfig, sizes: dict[str, int]):
         from jaxpar.job.example import ARITHMETIC_VOCAB
 
         vocab = ARITHMETIC_VOCAB
+    elif job.data.path is not None and os.path.isfile(os.path.join(job.data.path, INDEX)):
+        # the vocabulary grows to the store's as in `run_job` (its index alone is read)
+        vocab = int(read_index(job.data.path)["tokenizer"]["vocab_size"])
     cfg = model_config(job, vocab)
     tx, _ = make_optimizer(job.optimizer, job.train.steps)
     if job.model.name == "llama":
