@@ -117,3 +117,27 @@ def test_the_fp8_preset_is_refused_without_fp8_matmuls_naming_both():
     with pytest.raises(ValueError, match="Precision.matmuls='int4' is not one of"):
         Precision(compute="bfloat16", matmuls="int4")
     assert Precision.named("fp8").label == "fp8"
+
+
+def test_fp8_einsum_inside_a_shard_map_with_a_weight_that_does_not_vary():
+    """Hybrid's per-device loss and pipeline stages run the model in a ``shard_map``, where the
+    activations vary over the manual axis and a replicated weight does not: the weight's gradient
+    is the sum of each device's (as an einsum's), each device quantising its own operands."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(4, 8, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(16, 32)) * 0.1, jnp.float32)
+    spec = "bse,ef->bsf"
+
+    def local(x, w):
+        return jax.lax.psum(jnp.sum(fp8.fp8_einsum(spec, x, w) ** 2), "data")
+
+    got = jax.jit(jax.value_and_grad(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P()), out_specs=P()),
+                                     argnums=(0, 1)))(x, w)
+    shard = jax.value_and_grad(lambda x, w: jnp.sum(fp8.fp8_einsum(spec, x, w) ** 2), argnums=(0, 1))
+    parts = [shard(x[:2], w), shard(x[2:], w)]
+    np.testing.assert_allclose(got[0], parts[0][0] + parts[1][0], rtol=1e-6)
+    np.testing.assert_allclose(got[1][0], jnp.concatenate([parts[0][1][0], parts[1][1][0]]), rtol=1e-6)
+    np.testing.assert_allclose(got[1][1], parts[0][1][1] + parts[1][1][1], rtol=1e-5, atol=1e-6)
