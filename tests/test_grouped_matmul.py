@@ -128,3 +128,25 @@ def test_mosaic_kernels_equal_xla_on_a_hopper_gpu():
     for a, b in zip(got[1], want[1]):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.abs(a - b).max() <= 2e-2 * np.abs(b).max()
+
+
+def test_the_mosaic_path_inside_a_shard_map_sums_a_replicated_weights_gradient(monkeypatch):
+    """In moe_dispatch's shard_map the rows vary over the token axes and an expert weight may
+    not: the Mosaic path's custom_vjp gets both varying alike, and equals ragged_dot there."""
+    from jax.sharding import PartitionSpec as P
+
+    monkeypatch.setattr(gm, "_kernels", lambda: (_ragged_kernel, _transposed_kernel))
+    monkeypatch.setattr(gm, "mosaic_unavailable", lambda x, w, device=None: None)
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:2])
+    x, w, _, _ = _problem(m=512, k=128, n=128, g=2, total=400)
+    sizes = jnp.array([[150, 50], [100, 100]], jnp.int32)      # each device's groups
+
+    def run(f):
+        local = lambda x, w, s: jax.lax.psum(jnp.sum(f(x, w, s[0]) ** 2), "data")  # noqa: E731
+        return jax.jit(jax.value_and_grad(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P(), P("data")),
+                                                        out_specs=P()), argnums=(0, 1)))(x, w, sizes)
+
+    got = run(lambda x, w, s: gm.grouped_matmul(x, w, s, kernel="mosaic"))
+    want = run(jax.lax.ragged_dot)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

@@ -197,6 +197,8 @@ TRAIN = LlamaConfig.named("tiny", heads=8, kv_heads=4, scan_layers=True)
 MEGATRON = {"batch": "data", "heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
 PARALLEL = {
     "data=8": jaxpar.ParallelConfig(mesh={"data": 8}, mode="data"),
+    # the loss per device in a shard_map: the head's custom_vjp sees per-device hidden states
+    "hybrid data=8": jaxpar.ParallelConfig(mesh={"data": 8}, mode="hybrid"),
     "megatron data=2,model=4": jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON),
     "2D x=2,y=4 remat": jaxpar.ParallelConfig(
         mesh={"x": 2, "y": 4},

@@ -28,6 +28,8 @@ import re
 import jax
 import jax.numpy as jnp
 
+from jaxpar.strategy import match_varying
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 KINDS = ("compute", "fp8")
@@ -98,18 +100,7 @@ def fp8_einsum(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     # inside a shard_map (hybrid's per-device loss, pipeline stages) both operands vary over the
     # manual axes either does: the custom_vjp's cotangents then have their inputs' types, and a
     # weight that did not vary gets its gradient summed over them by pcast's transpose (as an einsum's)
-    axes = _varying_axes(x) | _varying_axes(w)
-    return _fp8(spec, _varying(x, axes), _varying(w, axes))
-
-
-def _varying_axes(a) -> frozenset:
-    aval = jax.typeof(a)   # the set is ``vma`` in some JAX versions, ``manual_axis_type.varying`` in others
-    return frozenset(getattr(aval, "vma", None) or getattr(getattr(aval, "manual_axis_type", None), "varying", ()))
-
-
-def _varying(a, axes):
-    missing = tuple(sorted(set(axes) - _varying_axes(a)))
-    return jax.lax.pcast(a, missing, to="varying") if missing else a
+    return _fp8(spec, *match_varying(x, w))
 
 
 def _product(spec, a, sa, b, sb, dtype):

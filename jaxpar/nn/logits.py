@@ -16,6 +16,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxpar.strategy import match_varying
+
 
 def head_logits(x: jax.Array, table: jax.Array, *, tied: bool) -> jax.Array:
     """fp32 logits ``[..., vocab]`` of hidden states ``x [..., embed]``.
@@ -27,7 +29,9 @@ def head_logits(x: jax.Array, table: jax.Array, *, tied: bool) -> jax.Array:
     >>> head_logits(x, jnp.ones((4, 10)), tied=False).dtype
     dtype('float32')
     """
-    return _head(bool(tied), x, table.astype(x.dtype))
+    # inside a shard_map (hybrid's per-device loss, a pipeline's last stage) both operands vary
+    # alike, so the custom_vjp returns each gradient with its input's type (jaxpar.strategy.match_varying)
+    return _head(bool(tied), *match_varying(x, table.astype(x.dtype)))
 
 
 def _spec(tied: bool) -> str:

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpar.strategy import match_varying
+
 KERNELS = ("auto", "xla", "mosaic")
 
 # Tile shapes measured on an H200 (benchmarks/gpu_probe.py): the fastest of those tried per matmul.
@@ -51,6 +53,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, kernel
         raise ValueError(f"grouped_matmul: kernel='mosaic' cannot run here: {why}; use kernel='auto' or 'xla'")
     if kernel == "xla" or why:
         return jax.lax.ragged_dot(x, w, group_sizes)
+    x, w = match_varying(x, w)   # in moe_dispatch's shard_map: w's gradient summed over the token axes
     return _mosaic(x, w, group_sizes)
 
 

@@ -6,12 +6,14 @@ from jaxpar.strategy.resolve import (
     is_integer_strategy,
     logical_axes,
     manual_axes,
+    match_varying,
     mesh_sizes,
     recording_rules,
     shard_count,
     spec_axes,
     spec_entry,
     to_partition_spec,
+    varying_axes,
 )
 
 __all__ = [
@@ -21,10 +23,12 @@ __all__ = [
     "is_integer_strategy",
     "logical_axes",
     "manual_axes",
+    "match_varying",
     "mesh_sizes",
     "recording_rules",
     "shard_count",
     "spec_axes",
     "spec_entry",
     "to_partition_spec",
+    "varying_axes",
 ]

@@ -58,6 +58,30 @@ def manual_axes() -> tuple[str, ...]:
     return tuple(a for a, t in zip(abstract.axis_names, abstract.axis_types) if t == jax.sharding.AxisType.Manual)
 
 
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes over which ``x`` varies (inside a ``shard_map``); empty outside one."""
+    aval = jax.typeof(x)   # the set is ``vma`` in some JAX versions, ``manual_axis_type.varying`` in others
+    return frozenset(getattr(aval, "vma", None) or getattr(getattr(aval, "manual_axis_type", None), "varying", ()))
+
+
+def match_varying(*arrays):
+    """``arrays``, each made to vary over the manual axes any one of them varies over.
+
+    What a ``jax.custom_vjp`` over per-device operands needs: its backward must return each
+    cotangent with its input's type, and an operand that does not vary (a replicated weight
+    beside per-device activations) would get a varying gradient. Made varying first, its
+    gradient is summed over those axes by ``pcast``'s transpose, as a plain einsum's is.
+    Outside a ``shard_map`` the arrays come back as they are.
+    """
+    axes = frozenset().union(*(varying_axes(a) for a in arrays))
+
+    def one(a):
+        missing = tuple(sorted(axes - varying_axes(a)))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    return tuple(one(a) for a in arrays)
+
+
 def _where(shape, strategy) -> str:
     return f"strategy {strategy!r} for a tensor of shape {tuple(shape) if shape is not None else '?'}"
 
