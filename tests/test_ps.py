@@ -396,3 +396,34 @@ def test_server_rows_refuse_unknown_tables_and_misaligned_saves():
     assert source.step == 3       # a worker rejoins where the servers expect it
     with pytest.raises(ValueError, match="the Trainer saves step 0 but the servers are at step 3"):
         source.save(0)
+
+
+def test_a_non_finite_step_pushes_an_empty_set_that_the_servers_count():
+    """ServerRows.push(handle, None, step) (the Trainer's word for a non-finite step): every table
+    of the pull gets an empty push at the pull's step, so sync servers count the step and a lazy
+    optimizer on the servers moves no row."""
+    from jaxpar.ps.tables import TableSpec
+    from jaxpar.ps.worker import ServerRows
+
+    class Client:
+        tables = {"users": TableSpec("users", 10, 4, ps.SGD(0.1)), "items": TableSpec("items", 20, 3, ps.SGD(0.1))}
+        workers, pushed = 2, []
+
+        def next_step(self):
+            return 5
+
+        def pull_many(self, unique, step):
+            return {t: np.ones((len(u), self.tables[t].dim), np.float32) for t, u in unique.items()}
+
+        def push_many(self, grads, step):
+            self.pushed.append((step, {t: (ids.tolist(), g.shape) for t, (ids, g) in grads.items()}))
+
+    client = Client()
+    source = ServerRows(client, {"user": "users", "item": "items"})
+    batch = {"user": np.array([[1], [3]]), "item": np.array([[2], [2]]), "label": np.zeros(2)}
+    _, rows, handle = source.pull(batch)
+    source.push(handle, None, 6)
+    assert client.pushed == [(5, {"users": ([], (0, 4)), "items": ([], (0, 3))})]
+    assert source.step == 6
+    source.push(source.pull(batch)[2], {t: np.ones_like(r) for t, r in rows.items()}, 7)
+    assert client.pushed[1][0] == 6 and client.pushed[1][1] == {"users": ([1, 3], (2, 4)), "items": ([2], (1, 3))}

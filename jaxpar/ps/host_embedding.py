@@ -296,8 +296,10 @@ class HostRows:
         return {**batch, self.key: prepared.inverse}, self.table.pull(prepared), prepared
 
     def push(self, handle: PreparedIds, row_grads, step: int) -> None:
-        """The row optimizer's update of the pulled rows (``step`` is not needed here)."""
-        self.table.apply(handle, row_grads)
+        """The row optimizer's update of the pulled rows (``step`` is not needed here); nothing
+        for a non-finite step (``row_grads`` None)."""
+        if row_grads is not None:
+            self.table.apply(handle, row_grads)
 
 def _row_normal(ids: np.ndarray, *, seed: int, scale: float, dim: int) -> np.ndarray:
     """Initial rows of a file table: normal values fixed by (seed, row, column), drawn on

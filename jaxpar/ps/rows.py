@@ -50,5 +50,7 @@ class RowSource(Protocol):
         """``(step_batch, rows, handle)`` for ``batch`` (on the host, before the step)."""
 
     def push(self, handle: Any, row_grads: Any, step: int) -> None:
-        """Applies the gradients of the rows ``pull`` gave with ``handle`` (after step ``step``)."""
+        """Applies the gradients of the rows ``pull`` gave with ``handle`` (after step ``step``).
+        ``row_grads`` is None when the step was not finite (its update skipped, or the run about
+        to stop): apply nothing, but count the step as done."""
 

@@ -188,7 +188,9 @@ class ServerRows:
     def push(self, handle: tuple[Lookup, int], row_grads: Mapping[str, Any], step: int) -> None:
         """Pushes the unique rows' gradients (padding cut off) at the server step of the pull."""
         lk, at = handle
-        if self.processes == 1:
+        if row_grads is None:   # a non-finite step: an empty push, so that the servers count the step
+            grads = {t: (u[:0], np.zeros((0, self.client.tables[t].dim), np.float32)) for t, u in lk.unique.items()}
+        elif self.processes == 1:
             scale = np.float32(1.0 / self.client.workers)
             grads = {t: (u, np.asarray(row_grads[t])[:len(u)] * scale) for t, u in lk.unique.items()}
         else:   # this process's block of the global gradient; the loss is the global batch's mean

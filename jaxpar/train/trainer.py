@@ -342,7 +342,9 @@ class Trainer:
             self._profile.after(step, metrics)
         else:
             self._leaves, metrics, row_grads = program.fn(self._leaves, placed, rows_in)
-        self._rows.push(handle, row_grads, step)
+        # a non-finite step updates no row (skipped or about to stop): the source is told so and
+        # applies nothing, keeping its count of steps (the pushed gradients are read here anyway)
+        self._rows.push(handle, row_grads if bool(metrics["finite"]) else None, step)
         self._pulled = (batch, rows)
         return self._after(step, metrics)
 
