@@ -33,6 +33,27 @@ def test_auto_without_a_batch_is_refused_at_construction():
         jaxpar.Trainer(GPT(TINY, rngs=nnx.Rngs(0)), optax.adamw(1e-3), loss_fn, config, jaxpar.make_mesh(config))
 
 
+
+def test_a_refused_plan_leaves_no_checkpointer_open(tmp_path, monkeypatch):
+    """The checkpoint directory is opened before planning (a bad one is refused first); a plan
+    refused after it closes it again."""
+    import jaxpar.train.trainer as trainer_module
+
+    closed = []
+
+    class Recording(trainer_module.Checkpointer):
+        def close(self):
+            closed.append(True)
+            super().close()
+
+    monkeypatch.setattr(trainer_module, "Checkpointer", Recording)
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="auto", search="recursive_programming")
+    with pytest.raises(ValueError, match="example_batch="):
+        jaxpar.Trainer(GPT(TINY, rngs=nnx.Rngs(0)), optax.adamw(1e-3), loss_fn, config, jaxpar.make_mesh(config),
+                       checkpoint_dir=str(tmp_path / "ckpt"))
+    assert closed == [True]
+
+
 def test_plan_for_from_a_batch_or_a_saved_search(tmp_path):
     """``plan_for`` on a batch, the search saved and read back, and the Trainer given the plan:
     the same plan each way, and the Trainer trains it without searching."""

@@ -166,8 +166,13 @@ class Trainer:
             self.add_hook(self._on_checkpoint, every=self.checkpointer.save_every)
         self.searched = None
         if plan is None:     # the planner runs up front; the Trainer itself never plans
-            plan, self.searched = plan_for(model, tx, loss_fn, config, mesh, example_batch=example_batch,
-                                           offload=self._offload)
+            try:
+                plan, self.searched = plan_for(model, tx, loss_fn, config, mesh, example_batch=example_batch,
+                                               offload=self._offload)
+            except BaseException:       # a refused plan leaves no checkpointer open behind it
+                if self.checkpointer is not None:
+                    self.checkpointer.close()
+                raise
         self.plan = plan
         self._leaves, self._treedef, self._data, self._state_view = None, None, {}, None
         self._steps = 0
