@@ -16,7 +16,10 @@ the Trainer calls
 3. ``source.push(handle, row_grads, step)`` on the host, after the step: the rows' optimizer
    (a host row optimizer, a server's) applies them.
 
-A skipped step (``Trainer(nonfinite="skip")``) pushes zero row gradients. Sources hold their
+A step that is not finite (skipped with ``Trainer(nonfinite="skip")``, or the one a run stops
+at) pushes ``None``: the source applies nothing and counts the step. The logged ``grad_norm``
+counts the rows' gradients with the parameters'; an optax clipping in ``tx`` sees the
+parameters' alone (the rows' optimizer is the source's). Sources hold their
 tables themselves; a source with ``save(step)`` / ``restore(step)`` (`jaxpar.ps.ServerRows`)
 saves them just before each of the Trainer's checkpoints and goes back to the step the
 Trainer resumes or restores (without them, checkpoints hold the dense state only). In one
