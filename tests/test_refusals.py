@@ -58,6 +58,10 @@ CASES = {
         r"pipeline\.stages=2 with a mixture-of-experts.*block_call"),
     "moe-hybrid": (dict(mesh={"data": 8}, mode="hybrid"), lambda c, m: GPT(MOE_CFG, rngs=nnx.Rngs(0)), loss_fn,
                    r"mode='hybrid' with a mixture-of-experts"),
+    "pipeline-layers-not-divisible": (dict(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe", "batch": "data"},
+                                           pipeline=PIPE),
+                                      lambda c, m: GPT(dataclasses.replace(GPT_CFG, layers=3), rngs=nnx.Rngs(0)),
+                                      pipeline_loss(), r"3 layers, not divisible by stages × chunks per stage = 2 × 1"),
 }
 
 
@@ -117,3 +121,21 @@ def test_offload_that_cannot_pay_on_a_gpu_is_refused_there_with_what_to_use():
     with pytest.raises(ValueError, match="Trainer: remat='offload_dots' cannot pay on a GPU"):
         check_combination(jaxpar.ParallelConfig(remat="offload_dots"), platform="gpu", who="Trainer")
     check_combination(jaxpar.ParallelConfig(remat="offload_dots"), platform="cpu", offload=("opt_state",))
+
+
+def test_the_plan_carries_the_pipeline_schedule():
+    """The schedule is built once per pipeline setting and carried by the plan; the step runs
+    the plan's (not one re-derived when it is traced)."""
+    from jaxpar.pipeline.schedules import build
+
+    config = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe", "batch": "data"},
+                                   pipeline=PIPE)
+    mesh = jaxpar.make_mesh(config)
+    model = nnx.eval_shape(lambda: GPT(GPT_CFG, rngs=nnx.Rngs(0)))
+    plan = make_train_plan(config, mesh, model, optax.adamw(1e-3), loss_fn=pipeline_loss())
+    pipe = config.pipeline
+    assert plan.schedule.ticks == build(pipe.schedule, pipe.stages, pipe.microbatches).ticks
+    assert make_train_plan(config, mesh, model, optax.adamw(1e-3), loss_fn=pipeline_loss()).schedule is plan.schedule
+    flat = make_train_plan(jaxpar.ParallelConfig(mesh={"data": 8}), jaxpar.make_mesh(jaxpar.ParallelConfig(
+        mesh={"data": 8})), model, optax.adamw(1e-3))
+    assert flat.schedule is None

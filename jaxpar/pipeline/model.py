@@ -128,6 +128,24 @@ def _run_layers(graphdef, params, rest, h, call=None, batch=None, unrolled: bool
 _RECORDED = nnx.All(nnx.Not(nnx.Param), nnx.Not(nnx.RngState))
 
 
+def check_layers(config: ParallelConfig, n_layers: int, virtual_stages: int, who: str = "pipeline") -> None:
+    """The stacked blocks' ``n_layers`` split evenly into stages × chunks per stage: what
+    `jaxpar.plan.check_combination` refuses up front for a `PipelineLoss` and model."""
+    pipe = config.pipeline
+    chunks = pipe.stages * virtual_stages
+    if n_layers % chunks:
+        raise ValueError(
+            f"{who}: the stacked blocks have {n_layers} layers, not divisible by stages × chunks per stage = "
+            f"{pipe.stages} × {virtual_stages} (schedule {pipe.schedule!r}); use a layer count that is a "
+            f"multiple of {chunks}"
+        )
+
+
+def stacked_layers(loss: "PipelineLoss", model: nnx.Module) -> int:
+    """The layer count of ``loss.blocks(model)`` (a concrete or an abstract model)."""
+    return jax.tree.leaves(nnx.state(loss.blocks(model), nnx.Param))[0].shape[0]
+
+
 def _check(config: ParallelConfig, mesh, n_layers: int, batch_rows: int, virtual_stages: int) -> None:
     pipe = config.pipeline
     if mesh.shape.get(pipe.axis) != pipe.stages:
@@ -135,13 +153,7 @@ def _check(config: ParallelConfig, mesh, n_layers: int, batch_rows: int, virtual
             f"pipeline.stages={pipe.stages} but mesh axis {pipe.axis!r} has size "
             f"{mesh.shape.get(pipe.axis)} (mesh {dict(mesh.shape)}); make them equal"
         )
-    chunks = pipe.stages * virtual_stages
-    if n_layers % chunks:
-        raise ValueError(
-            f"the stacked blocks have {n_layers} layers, not divisible by stages × chunks per stage = "
-            f"{pipe.stages} × {virtual_stages} (schedule {pipe.schedule!r}); use a layer count that is a "
-            f"multiple of {chunks}"
-        )
+    check_layers(config, n_layers, virtual_stages)
     if batch_rows % pipe.microbatches:
         raise ValueError(
             f"global batch {batch_rows} is not divisible by pipeline.microbatches={pipe.microbatches}; "
@@ -149,8 +161,8 @@ def _check(config: ParallelConfig, mesh, n_layers: int, batch_rows: int, virtual
         )
 
 
-def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Module | None = None
-              ) -> Callable[[nnx.Module, Any], jax.Array]:
+def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Module | None = None,
+              schedule=None) -> Callable[[nnx.Module, Any], jax.Array]:
     """The pipelined ``loss_fn(model, batch)`` for ``config.pipeline`` on ``mesh``.
 
     ``specs``: the model with a ``PartitionSpec`` in place of every value (the plan's compute
@@ -162,6 +174,9 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
     the micro-batches of one step share its keys, and the streams advance once per step, as
     in the unpipelined model (the stages return the advanced counts). What the blocks record
     (MoE metrics) comes back from the stages too.
+
+    ``schedule``: the built schedule (a `jaxpar.TrainPlan` carries it: ``plan.schedule``);
+    default: built here from ``config.pipeline``.
     """
     from jaxpar.pipeline.stages import StagedLoss, staged   # stages.py builds on this module
 
@@ -174,7 +189,8 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
             f"{type(loss).__name__}; see docs/pipeline.md"
         )
     pipe = config.pipeline
-    schedule = build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages)
+    if schedule is None:
+        schedule = build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages)
     pins = None if specs is None else _pins(loss, specs, config, mesh)
 
     embed_first = pipe.embedding == "first"

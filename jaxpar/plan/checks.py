@@ -20,6 +20,8 @@ from jaxpar.nn.moe import MoE
 from jaxpar.optim.offload import unpaid_on
 from jaxpar.ops import ContextParallel
 from jaxpar.pipeline import PipelineLoss, StagedLoss
+from jaxpar.pipeline.model import check_layers, stacked_layers
+from jaxpar.pipeline.schedules import build
 
 
 def check_combination(config: ParallelConfig, model: nnx.Module | None = None, loss_fn: Any = None, *,
@@ -41,6 +43,10 @@ def check_combination(config: ParallelConfig, model: nnx.Module | None = None, l
             f"{who}: pipeline.stages={config.pipeline.stages} needs loss_fn as a jaxpar.pipeline.PipelineLoss "
             f"(embed / blocks / head / head_loss) or StagedLoss (modules by path), got {type(loss_fn).__name__}; "
             "see docs/pipeline.md")
+    if model is not None and isinstance(loss_fn, PipelineLoss) and config.pipeline.stages > 1:
+        pipe = config.pipeline
+        virtual = build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages).virtual_stages
+        check_layers(config, stacked_layers(loss_fn, model), virtual, who)
     if model is not None:
         _check_context(model, config, loss_fn, who, loss_fn is not None)
         _check_experts(model, config, loss_fn, who, loss_fn is not None)

@@ -21,6 +21,7 @@ paths.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -34,6 +35,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig, to_plain, from_plain
+from jaxpar.pipeline.schedules import build as _build_schedule
 from jaxpar.data import batch_axes, batch_specs
 from jaxpar.nn.specs import check_plan_covers, is_variable, itemsize, path_str, state_specs
 from jaxpar.optim.zero import ZeroSpecs, opt_state_specs, zero_specs
@@ -107,6 +109,15 @@ class TrainPlan:
     @property
     def pipeline(self):
         return self.config.pipeline
+
+    @property
+    def schedule(self):
+        """The built pipeline schedule (`jaxpar.pipeline.Schedule`: the ticks, each stage's
+        actions and where each chunk of layers lives), or None without a pipeline. Built once
+        per pipeline setting; the step runs it and lays the stages out by it."""
+        pipe = self.config.pipeline
+        return None if pipe.stages == 1 else _schedule(pipe.schedule, pipe.stages, pipe.microbatches,
+                                                       pipe.virtual_stages)
 
     @property
     def remat(self) -> str:
@@ -334,3 +345,8 @@ def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.Grad
         opt_state=_flat_specs(opt), rest=_flat_specs(rest_specs),
         zero_axes=tuple(zero.axes), unsharded=tuple(zero.unsharded), offload=tuple(offload), shapes=shapes,
     )
+
+
+@functools.cache
+def _schedule(name: str, stages: int, microbatches: int, virtual: int):
+    return _build_schedule(name, stages, microbatches, virtual)

@@ -181,7 +181,7 @@ def pipeline(s: Setting, loss_fn: Callable) -> Callable:
     if s.plan.pipeline.stages == 1:
         return loss_fn
     specs = nnx.merge(s.graphdef, s.plan.specs("params", s.params_like), s.rest_specs)
-    return pipelined(loss_fn, s.plan.config, s.mesh, specs=specs)
+    return pipelined(loss_fn, s.plan.config, s.mesh, specs=specs, schedule=s.plan.schedule)
 
 
 def merge(s: Setting, loss_fn: Callable, batch) -> Callable:
