@@ -14,6 +14,8 @@ Each is a plain function, usable eagerly and inside ``jax.jit``, that takes its 
   ring × Ulysses); `ContextParallel` hands it to a model; `context_order` balances causal
   work (zigzag / striped).
 * `moe_dispatch`: tokens to their experts over an expert axis (two all-to-alls), dropless.
+* `grouped_matmul`: ``jax.lax.ragged_dot`` semantics for the experts' matmuls, with JAX's
+  Mosaic GPU kernels on Hopper GPUs (a plain function, per device).
 * `chunked_cross_entropy`: LM head + cross-entropy in token chunks, never holding the full
   ``[tokens, vocab]`` logits (a plain function: no mesh, it keeps whatever split it is given).
 
@@ -26,6 +28,7 @@ from jaxpar.ops.context_model import ContextParallel
 from jaxpar.ops.context_order import describe_balance
 from jaxpar.ops.conv import conv2d
 from jaxpar.ops.cross_entropy import chunked_cross_entropy
+from jaxpar.ops.grouped_matmul import grouped_matmul
 from jaxpar.ops.head_parallel import attention
 from jaxpar.ops.linear import dense, matmul
 from jaxpar.ops.linear_2d import matmul_2d
@@ -42,6 +45,7 @@ __all__ = [
     "describe_balance",
     "dense",
     "embedding",
+    "grouped_matmul",
     "matmul",
     "matmul_2d",
     "moe_dispatch",
