@@ -224,12 +224,14 @@ def loss_fn(model: GPT, batch: dict) -> jax.Array:
     ``cfg.loss_chunks=N`` the head and the loss run in N token groups (fp32 logits per group)."""
     positions = batch.get("positions")
     h = model.run_blocks(model.embed(batch["inputs"], positions), positions)
-    loss = _xent(model.ln_f, model.head, h, batch, model.cfg.loss_chunks, model.constrain)
+    loss = head_loss(model.ln_f, model.head, h, batch, model.cfg.loss_chunks, model.constrain)
     # MoE layers recorded their load-balancing and z-losses during the forward pass
     return loss + moe_aux_loss(model) if model.cfg.moe is not None else loss
 
 
-def _xent(ln_f, w, h, batch, chunks: int, constrain=no_constraint) -> jax.Array:
+def head_loss(ln_f, w, h, batch, chunks: int, constrain=no_constraint) -> jax.Array:
+    """The loss of the last hidden states ``h``: final norm, head ``w`` and cross-entropy, from the
+    full logits (``chunks=0``) or by `jaxpar.ops.chunked_cross_entropy` in ``chunks`` token groups."""
     if chunks:
         return chunked_cross_entropy(ln_f(h), w[...], batch["targets"], chunks=chunks, constrain=constrain)
     return optax.softmax_cross_entropy_with_integer_labels(ln_f(h) @ w[...], batch["targets"]).mean()

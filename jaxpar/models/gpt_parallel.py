@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jaxpar.models.gpt import GPT, _xent
+from jaxpar.models.gpt import GPT, head_loss
 from jaxpar.nn.moe import moe_aux_loss
 from jaxpar.pipeline.model import PipelineLoss
 
@@ -30,7 +30,7 @@ class _Head(nnx.Module):
 
 
 def _head_loss(head: _Head, h, batch):
-    return _xent(head.ln_f, head.head, h, batch, head.chunks)
+    return head_loss(head.ln_f, head.head, h, batch, head.chunks)
 
 
 def _pipeline_embed(model: GPT, batch) -> jax.Array:

@@ -32,7 +32,8 @@ from jaxpar.nn.moe import MoE, moe_aux_loss
 from jaxpar.ops.cross_entropy import chunked_cross_entropy
 
 __all__ = ["SIZES", "Llama", "LlamaConfig", "RopeScaling", "attention", "attention_implementation", "describe",
-           "flops_per_token", "loss_fn", "param_count", "rope_frequencies", "segment_positions"]
+           "flops_per_token", "head_loss", "loss_fn", "param_count", "rope_frequencies", "segment_positions",
+           "token_positions"]
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -75,7 +76,7 @@ def _rotate(x: jax.Array, positions: jax.Array, freqs: np.ndarray) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _positions(x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None) -> jax.Array:
+def token_positions(x: jax.Array, segment_ids: jax.Array | None, positions: jax.Array | None) -> jax.Array:
     """The tokens' positions: given (a reordered sequence), restarting at every segment
     (packed), or ``0..S-1`` per row."""
     if positions is not None:
@@ -295,7 +296,7 @@ class Llama(nnx.Module):
         return self.constrain(x, ("batch", "length", "embed"))
 
     def run_blocks(self, x, segment_ids=None, positions=None):
-        positions = _positions(x, segment_ids, positions)
+        positions = token_positions(x, segment_ids, positions)
         block_fn = _remat(lambda block, h: block(h, positions, segment_ids, self.constrain), self.cfg.remat)
         if self.cfg.scan_layers:
             @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
@@ -333,7 +334,7 @@ def _logits(norm, table, x, *, tied: bool, constrain=no_constraint):
     return constrain(head_logits(norm(x), table[...], tied=tied), ("batch", "length", "vocab"))
 
 
-def _head_xent(norm, table, x, batch, *, tied: bool, chunks: int, constrain=no_constraint) -> jax.Array:
+def head_loss(norm, table, x, batch, *, tied: bool, chunks: int, constrain=no_constraint) -> jax.Array:
     """The loss of the last hidden states ``x``: from the materialised logits (``chunks=0``) or
     by `jaxpar.ops.chunked_cross_entropy` in ``chunks`` token groups (equal, in less memory)."""
     if not chunks:
@@ -369,7 +370,7 @@ def loss_fn(model: Llama, batch: dict) -> jax.Array:
         if key not in batch:
             raise ValueError(f"Llama loss_fn needs batch[{key!r}] [batch, length]; the batch has {sorted(batch)}")
     h = model.hidden(batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
-    loss = _head_xent(model.norm, model.embedding if model.head is None else model.head, h, batch,
+    loss = head_loss(model.norm, model.embedding if model.head is None else model.head, h, batch,
                       tied=model.head is None, chunks=model.cfg.loss_chunks, constrain=model.constrain)
     # MoE layers recorded their load-balancing and z-losses during the forward pass
     return loss + moe_aux_loss(model) if model.cfg.moe is not None else loss

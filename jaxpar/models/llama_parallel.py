@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.models.llama import Llama, _head_xent, _positions
+from jaxpar.models.llama import Llama, head_loss, token_positions
 from jaxpar.nn.moe import moe_aux_loss
 from jaxpar.pipeline.model import PipelineLoss
 
@@ -34,7 +34,7 @@ def _block_call(model: Llama):
 
     def call(block, h, batch):
         segment_ids = batch.get("segment_ids")
-        return block(h, _positions(h, segment_ids, batch.get("positions")), segment_ids, constrain)
+        return block(h, token_positions(h, segment_ids, batch.get("positions")), segment_ids, constrain)
 
     return call
 
@@ -58,7 +58,7 @@ def _embed_inputs(part: _Table, batch) -> jax.Array:
 
 
 def _head_loss(head: _Table, h, batch):
-    return _head_xent(head.norm, head.table, h, batch, tied=head.tied, chunks=head.chunks)
+    return head_loss(head.norm, head.table, h, batch, tied=head.tied, chunks=head.chunks)
 
 
 def pipeline_loss() -> PipelineLoss:

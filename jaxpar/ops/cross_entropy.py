@@ -33,7 +33,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxpar.strategy import manual_axes, mesh_sizes
+from jaxpar.strategy import manual_axes, match_varying, mesh_sizes
 
 __all__ = ["chunked_cross_entropy"]
 
@@ -72,8 +72,7 @@ def chunked_cross_entropy(x: jax.Array, table: jax.Array, targets: jax.Array, *,
     weights = jax.lax.stop_gradient(keep / jnp.maximum(keep.sum(), 1.0))
     # inside a shard_map every input varies over the manual axes any one does (so the gradient of a
     # table that does not is summed over them by pcast's transpose, as for a plain einsum)
-    axes = set().union(*(_varying_axes(a) for a in (x, table, targets, weights)))
-    x, table, targets, weights = (_varying(a, axes) for a in (x, table, targets, weights))
+    x, table, targets, weights = match_varying(x, table, targets, weights)
     return _fused(chunks, tied, constrain, jnp.dtype(table.dtype))(x, table, targets, weights)
 
 
@@ -126,7 +125,7 @@ def _fused(chunks: int, tied: bool, constrain: Callable, table_dtype):
             return total + chunk_loss(h, w, t, wt)[0], None
 
         xs = _split(chunks, x, targets, weights)
-        total0 = _varying(jnp.zeros(xs[1].shape[1:], jnp.float32), _varying_axes(x))
+        _, total0 = match_varying(x, jnp.zeros(xs[1].shape[1:], jnp.float32))   # a scan carry keeps its type
         return jax.lax.scan(body, total0, xs)[0].sum()
 
     def forward(x, table, targets, weights):
@@ -150,7 +149,7 @@ def _fused(chunks: int, tied: bool, constrain: Callable, table_dtype):
             return (total + loss, pin(dw + step, partial_names)), dh.astype(x.dtype)
 
         carry = (jnp.zeros(xs[1].shape[1:], jnp.float32), jnp.zeros((db, dl, *table.shape), jnp.float32))
-        total0, dw0 = (_varying(c, _varying_axes(x)) for c in carry)
+        _, total0, dw0 = match_varying(x, *carry)
         (total, dw), dh = jax.lax.scan(body, (total0, pin(dw0, partial_names)), xs)
         return total.sum(), (_join(dh, x.shape[1]), constrain(dw.sum((0, 1)), head_names))
 
@@ -161,18 +160,6 @@ def _fused(chunks: int, tied: bool, constrain: Callable, table_dtype):
     fused = jax.custom_vjp(primal)
     fused.defvjp(forward, backward)
     return fused
-
-
-def _varying(a: jax.Array, axes) -> jax.Array:
-    """``a`` marked as varying over the manual mesh ``axes`` (inside a ``shard_map``: a pipeline
-    stage, per-device code): a scan carry must keep its type, a custom_vjp's cotangents their input's."""
-    missing = tuple(sorted(set(axes) - _varying_axes(a)))
-    return jax.lax.pcast(a, missing, to="varying") if missing else a
-
-
-def _varying_axes(a) -> frozenset:
-    aval = jax.typeof(a)   # the set is ``vma`` in some JAX versions, ``manual_axis_type.varying`` in others
-    return frozenset(getattr(aval, "vma", None) or getattr(getattr(aval, "manual_axis_type", None), "varying", ()))
 
 
 def _token_split(constrain: Callable, shape) -> tuple[int, int, Callable]:

@@ -131,7 +131,7 @@ class Trainer:
                  nonfinite: str = "stop", resume: str = "newest", preemption: bool = True,
                  metrics: MetricsConfig | None = None, profile_steps: tuple[int, int] | str | None = None,
                  rows: Any = None):
-        _check_args(model, tx, loss_fn, config, mesh, plan)    # refused combinations included
+        _check_args(model, tx, loss_fn, config, mesh, plan, offload)    # refused combinations included
         _check_rows(rows, config, plan)
         self._rows, self._pulled = rows, None
         self._metrics, self._profile = watchers(metrics, profile_steps)
@@ -150,8 +150,6 @@ class Trainer:
         if self._offload and not host.host_memory_available(mesh):
             raise ValueError(f"Trainer: offload={self._offload} needs a '{host.HOST}' memory space, which "
                              f"{mesh.devices.flat[0].platform} devices here do not have; drop offload")
-        if host.unpaid_on(mesh.devices.flat[0].platform, self._offload):
-            raise ValueError(f"Trainer: {host.unpaid_on(mesh.devices.flat[0].platform, self._offload)}")
         self.checkpointer = None       # opened first: a bad directory is refused before any planning
         if checkpoint_dir is not None:
             self.checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep, resume=resume)
@@ -762,7 +760,7 @@ def _stack(*flags):
     return jnp.stack(flags)
 
 
-def _check_args(model, tx, loss_fn, config, mesh, plan) -> None:
+def _check_args(model, tx, loss_fn, config, mesh, plan, offload) -> None:
     """The Trainer's arguments: their types, the mesh against the config and the plan, and the
     combinations `check_combination` refuses (the same check `make_train_plan` runs)."""
     if not isinstance(model, nnx.Module):
@@ -779,7 +777,8 @@ def _check_args(model, tx, loss_fn, config, mesh, plan) -> None:
         if axis not in mesh.shape or (size != -1 and mesh.shape[axis] != size):
             raise ValueError(f"Trainer: config.mesh {config.mesh} does not match the mesh {dict(mesh.shape)}; "
                              "build the mesh with jaxpar.make_mesh(config)")
-    check_combination(config, model, loss_fn, platform=mesh.devices.flat[0].platform, who="Trainer")
+    offload = tuple(plan.offload) if isinstance(plan, TrainPlan) else host.check_targets(offload)
+    check_combination(config, model, loss_fn, platform=mesh.devices.flat[0].platform, offload=offload, who="Trainer")
     if plan is not None:
         if not isinstance(plan, TrainPlan):
             raise TypeError(f"Trainer: plan must be a jaxpar.TrainPlan, got {type(plan).__name__}")
