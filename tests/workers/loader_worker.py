@@ -63,8 +63,11 @@ def main():
     result = {"rank": rank, "processes": jax.process_count(), "local_devices": jax.local_device_count(),
               "rows": [loader.rows.start, loader.rows.stop], "local": local, "global": full, "resumed": again,
               "state": loader.state()}
-    with open(os.path.join(args.out, f"rank_{rank}.json"), "w") as f:
+    # written whole, then renamed: a test polling for reports never reads a half-written one
+    path = os.path.join(args.out, f"rank_{rank}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(result, f)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

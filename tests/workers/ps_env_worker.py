@@ -23,8 +23,11 @@ def main() -> None:
         with socket.create_connection((host, int(port)), timeout=5):
             reached.append(address)
     record = {"addresses": addresses, "reached": reached, "token": os.environ["JAXPAR_PS_TOKEN"]}
-    with open(os.path.join(args.out, f"rank_{rank}.json"), "w") as f:
+    # written whole, then renamed: a test polling for reports never reads a half-written one
+    path = os.path.join(args.out, f"rank_{rank}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(record, f)
+    os.replace(path + ".tmp", path)
     if args.fail and rank == 1:
         sys.exit(3)
     deadline = time.monotonic() + 60

@@ -100,8 +100,11 @@ def main():
         step_fn()
         print(f"rank {rank}: step {step}", flush=True)
         time.sleep(args.step_sleep)
-    with open(os.path.join(args.out, f"rank_{rank}.json"), "w") as f:
+    # written whole, then renamed: a test polling for reports never reads a half-written one
+    path = os.path.join(args.out, f"rank_{rank}.json")
+    with open(path + ".tmp", "w") as f:
         json.dump(result, f)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":
