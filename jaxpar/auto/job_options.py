@@ -87,8 +87,9 @@ def _expert_sizes(moe, d: int, cp: int = 1) -> list:
 
 
 def _pinned(base, moe, ep: int):
-    """``base`` whose parameter plan places the expert weights (on ``data`` when ``ep > 1``)."""
-    return dataclasses.replace(base, parameter_plan={**base.parameter_plan, **pins(moe, "data" if ep > 1 else None)})
+    """``base`` whose parameter strategy places the expert weights (on ``data`` when ``ep > 1``)."""
+    return dataclasses.replace(base, parameter_strategy={**base.parameter_strategy,
+                                                         **pins(moe, "data" if ep > 1 else None)})
 
 
 def _variants(cost, graph, axes, sizes, flags, cp, seq, strategies, moe, ep, part, d, k, shape, params, imbalance):
@@ -142,7 +143,7 @@ def option_config(option, base, search_name: str, zero, model_names: set[str] | 
         rules.update({n: "model" for n in ("heads", "kv_heads") if model_names is None or n in model_names})
     opt = dataclasses.replace(zero, axis=("data", "context")) if zero.level else zero
     return dataclasses.replace(cfg, mesh=dict(option.mesh), rules=rules, dataset_strategy=None, optimizer=opt,
-                               parameter_plan={p: _widen(s) for p, s in cfg.parameter_plan.items()},
+                               parameter_strategy={p: _widen(s) for p, s in cfg.parameter_strategy.items()},
                                context=ContextConfig(strategy=option.context["strategy"]))
 
 

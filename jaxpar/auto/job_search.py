@@ -183,7 +183,7 @@ def _pipeline_config(option: JobOption, base, block_paths: set[str]):
     specs = {glob_escape(path): PartitionSpec("pipe", *tuple(spec)[1:]) if path in block_paths else spec
              for path, _, spec, _ in option.strategy.params}
     return dataclasses.replace(
-        base, mode="semi_auto", mesh=dict(option.mesh), rules={}, grad_accum=1, parameter_plan=specs,
+        base, mode="semi_auto", mesh=dict(option.mesh), rules={}, grad_accum=1, parameter_strategy=specs,
         dataset_strategy=option.strategy.dataset_strategy(),
         pipeline=PipelineConfig(stages=pipe["stages"], microbatches=pipe["microbatches"],
                                 schedule=pipe["schedule"], virtual_stages=pipe["virtual_stages"]))
@@ -205,7 +205,7 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
       loss_fn, batch: as for `jaxpar.auto.search` (``batch``: the whole step's global batch).
       space: the choices to search over, checked when it was built.
       base_config: ``ParallelConfig`` whose other settings (``optimizer.threshold_kb``,
-        ``dataset_strategy``, annotations in ``parameter_plan``) are kept.
+        ``dataset_strategy``, annotations in ``parameter_strategy``) are kept.
       tx: the optimizer the dry run compiles with.
       cost_params: the `CostParams` to price with (default ``CostParams()``).
       dry_run: ``compile_fn(model_fn, loss_fn, batch, config, tx) -> jax.stages.Compiled``

@@ -88,8 +88,8 @@ def _search_job(s: SearchSettings, job: JobConfig, space, batch):
         extra = {} if constrain is None else {"constrain": constrain}
         return GPT(dataclasses.replace(gpt, remat=remat), rngs=nnx.Rngs(job.train.seed), **extra)
 
-    # --annotate reaches the job search through the base config, whose parameter_plan it keeps.
-    base = dataclasses.replace(s.config, parameter_plan={**s.config.parameter_plan, **dict(s.annotate)})
+    # --annotate reaches the job search through the base config, whose parameter_strategy it keeps.
+    base = dataclasses.replace(s.config, parameter_strategy={**s.config.parameter_strategy, **dict(s.annotate)})
     found = search_job(model_fn, loss_fn, batch, space, base_config=base, cost_params=s.costs,
                        pipeline_loss=pipeline_loss(), dry_run=compile_step)
     print(found.explain())
