@@ -40,6 +40,8 @@ FUSION_MODES = ("size", "auto")
 CONTEXT_STRATEGIES = ("all_gather", "ring", "ulysses", "hybrid")
 CONTEXT_ORDERS = ("contiguous", "zigzag", "striped")
 OPTIMIZER_LEVELS = (0, 1, 2, 3)
+# Former field name -> field: `ParallelConfig.from_dict` reads files saved before a rename.
+RENAMED_FIELDS = {"parameter_plan": "parameter_strategy"}
 
 
 def _fail(field: str, value: Any, valid: str) -> ValueError:
@@ -247,8 +249,10 @@ class ParallelConfig:
         ``"semi_auto"`` (user strategies + XLA propagation; the default), ``"auto"``
         (strategy search) or ``"hybrid"`` (the loss runs inside ``shard_map``).
       rules: logical axis name -> mesh axis, tuple of mesh axes, or None (replicated).
-      parameter_plan: parameter-path glob pattern -> strategy (any strategy form), for
-        models whose code carries no annotations, e.g. ``{"*/mlp/up/kernel": (1, 4)}``.
+      parameter_strategy: parameter-path glob pattern -> strategy (any strategy form), for
+        models whose code carries no annotations, e.g. ``{"*/mlp/up/kernel": (1, 4)}``
+        (the parameters' counterpart of ``dataset_strategy``). ``from_dict`` also reads it
+        under its former key ``"parameter_plan"``, as configs saved before the rename have it.
       dataset_strategy: how batches are split. ``None``: dimension 0 over the batch axes
         (the ``"batch"`` rule, else the ``"data"`` axis, else every axis in mode
         ``"data"``); ``"full_batch"``: replicated; or one strategy (any form) for every
@@ -276,7 +280,7 @@ class ParallelConfig:
     mesh: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"data": -1})
     mode: str = "semi_auto"
     rules: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    parameter_plan: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    parameter_strategy: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     dataset_strategy: Any = None
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     grad_accum: int = 1
@@ -296,9 +300,9 @@ class ParallelConfig:
             raise _fail("mode", self.mode, f"choose one of {MODES}")
         setf("rules", _normalize_rules(self.rules))
         self._check_rule_axes()
-        if not isinstance(self.parameter_plan, Mapping):
-            raise _fail("parameter_plan", self.parameter_plan, "give a mapping glob pattern -> strategy")
-        setf("parameter_plan", {str(k): from_plain(v) for k, v in self.parameter_plan.items()})
+        if not isinstance(self.parameter_strategy, Mapping):
+            raise _fail("parameter_strategy", self.parameter_strategy, "give a mapping glob pattern -> strategy")
+        setf("parameter_strategy", {str(k): from_plain(v) for k, v in self.parameter_strategy.items()})
         setf("dataset_strategy", from_plain(self.dataset_strategy))
         if isinstance(self.dataset_strategy, str) and self.dataset_strategy != "full_batch":
             raise _fail("dataset_strategy", self.dataset_strategy, "use None, 'full_batch' or a strategy")
@@ -370,14 +374,24 @@ class ParallelConfig:
     # ----------------------------------------------------------------- loading
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ParallelConfig":
-        """Build from a plain dict (e.g. parsed YAML or JSON)."""
+        """Build from a plain dict (e.g. parsed YAML or JSON). Keys a field had before it was
+        renamed (`RENAMED_FIELDS`, e.g. ``"parameter_plan"``) are read as that field, so files
+        saved earlier (checkpoint metadata, strategy files, job files) still load."""
         if not isinstance(d, Mapping):
             raise TypeError(f"ParallelConfig.from_dict expects a mapping, got {type(d).__name__}")
+        d = dict(d)
+        for old, new in RENAMED_FIELDS.items():
+            if old in d:
+                if new in d:
+                    raise ValueError(
+                        f"ParallelConfig.from_dict: both {old!r} and {new!r} are given ({old!r} is the "
+                        f"former name of {new!r}); keep only {new!r}")
+                d[new] = d.pop(old)
         known = {f.name for f in dataclasses.fields(cls)}
         extra = set(d) - known
         if extra:
             raise ValueError(f"unknown ParallelConfig fields {sorted(extra)}; known: {sorted(known)}")
-        return cls(**dict(d))
+        return cls(**d)
 
     @classmethod
     def from_yaml(cls, path: str) -> "ParallelConfig":

@@ -88,7 +88,7 @@ def test_dynamic_programming_is_the_optimum_of_the_model(model, graph):
 
 
 def test_propagation_from_first_matmuls_recovers_megatron(model, graph):
-    cfg = jaxpar.ParallelConfig(mesh=MESH, mode="auto", search="sharding_propagation", parameter_plan=FIRST_MATMULS)
+    cfg = jaxpar.ParallelConfig(mesh=MESH, mode="auto", search="sharding_propagation", parameter_strategy=FIRST_MATMULS)
     plan = search(model, loss_fn, BATCH, cfg, MESH, cost_params=COSTS, graph=graph)
     megatron = hand_strategy(model, loss_fn, BATCH, HANDS["data=2,model=4"], MESH, cost_params=COSTS, graph=graph)
     assert plan.param_specs == megatron.param_specs
@@ -100,7 +100,7 @@ def test_propagation_from_first_matmuls_recovers_megatron(model, graph):
 
 def test_conflicting_annotations_are_resolved_and_reported(model, graph):
     cfg = jaxpar.ParallelConfig(mesh=MESH, mode="auto", search="sharding_propagation",
-                                parameter_plan={"blocks/0/mlp/up": (None, "model"), "blocks/0/mlp/down": ("data", None)})
+                                parameter_strategy={"blocks/0/mlp/up": (None, "model"), "blocks/0/mlp/down": ("data", None)})
     plan = search(model, loss_fn, BATCH, cfg, MESH, cost_params=COSTS, graph=graph)
     notes = [n for n in plan.notes if n.startswith("conflict")]
     assert len(notes) == 1 and "blocks/0/mlp/up" in notes[0] and "blocks/0/mlp/down" in notes[0]
@@ -127,7 +127,7 @@ def test_strategy_is_a_value_saved_and_loaded(model, graph, tmp_path):
         text = a.table()
     assert "blocks/0/mlp/up" in text and "predicted per device" in text
     semi = loaded.to_config(cfg)
-    assert semi.mode == "semi_auto" and set(semi.parameter_plan) == {p for p, *_ in a.params}
+    assert semi.mode == "semi_auto" and set(semi.parameter_strategy) == {p for p, *_ in a.params}
     # a saved strategy starts a semi_auto run: its layouts are what the Trainer's TrainPlan gives
     from jaxpar.auto.assign import config_specs
 

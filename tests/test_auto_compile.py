@@ -61,7 +61,7 @@ def test_each_search_trains_like_one_device(graph, algorithm):
     mesh_sizes = {"data": 2, "model": 4}
     annotate = {"blocks/*/attn/wq": (None, "model", None), "blocks/*/mlp/up": (None, "model")} \
         if algorithm == "sharding_propagation" else {}
-    config = jaxpar.ParallelConfig(mesh=mesh_sizes, mode="auto", search=algorithm, parameter_plan=annotate)
+    config = jaxpar.ParallelConfig(mesh=mesh_sizes, mode="auto", search=algorithm, parameter_strategy=annotate)
     plan = search(None, loss_fn, BATCH, config, mesh_sizes, cost_params=COSTS, graph=graph)
     ref_losses, _ = reference()
     losses, _, trainer = train_gpt(plan.to_config(config))

@@ -19,6 +19,7 @@ from jaxpar.auto.cost import evaluate
 from jaxpar.auto.job_search import memory_floor
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
 from jaxpar.models.gpt_parallel import pipeline_loss
+from jaxpar.nn.blocks import recompute_paths, recomputed_loss
 from jaxpar.report import memory
 from jaxpar.train import compile_step
 
@@ -27,9 +28,16 @@ BASE = jaxpar.ParallelConfig(mode="auto", optimizer=jaxpar.OptimizerConfig(thres
 
 
 def gpt_fn(gpt=SCANNED):
-    def build(remat="none"):
-        return GPT(dataclasses.replace(gpt, remat=remat), rngs=nnx.Rngs(0))
+    def build():
+        return GPT(gpt, rngs=nnx.Rngs(0))
     return build
+
+
+def remat_loss(policy: str):
+    """``loss_fn`` with ``ParallelConfig.remat=policy`` on each block, as the step applies it."""
+    if policy == "none":
+        return loss_fn
+    return recomputed_loss(loss_fn, recompute_paths(nnx.eval_shape(gpt_fn()), policy), policy)
 
 
 def _losses(model_fn, loss, config, steps=3, rows=32):
@@ -49,7 +57,7 @@ def test_recompute_regions_in_the_graph_and_their_price():
     batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
     costs = {}
     for remat in ("none", "full", "dots_saveable"):
-        graph = build_graph(nnx.eval_shape(lambda: gpt_fn()(remat)), loss_fn, batch)
+        graph = build_graph(nnx.eval_shape(gpt_fn()), remat_loss(remat), batch)
         assert len(graph.regions) == (0 if remat == "none" else 1)         # one block body, scanned
         keeps = {op.keep for op in graph.ops}
         assert keeps == ({"device"} if remat == "none" else {"device", "recompute"})
@@ -62,7 +70,7 @@ def test_recompute_regions_in_the_graph_and_their_price():
     megatron = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
     comm = {}
     for remat in ("none", "full"):
-        graph = build_graph(nnx.eval_shape(lambda: gpt_fn()(remat)), loss_fn, batch)
+        graph = build_graph(nnx.eval_shape(gpt_fn()), remat_loss(remat), batch)
         sizes = {"data": 2, "model": 4}
         comm[remat] = evaluate(graph, hand_axes(graph, megatron, sizes), sizes, COSTS).comm_bytes
     assert comm["full"] > comm["none"]           # the recomputed forward all-reduces again
@@ -123,11 +131,12 @@ def test_region_results_read_later_are_saved_and_nested_regions_follow_the_outer
 
 @pytest.mark.parametrize("remat", ["none", "full", "dots_saveable"])
 def test_scanned_recompute_temp_matches_the_compiled_step(remat):
-    """Predicted temp of the scanned GPT under each policy, against memory_analysis (15%)."""
+    """Predicted temp of the scanned GPT under each policy (each block recomputed, as the job
+    search prices it), against memory_analysis of the step with ``ParallelConfig.remat`` (15%)."""
     batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
-    model_fn = lambda: gpt_fn()(remat)  # noqa: E731
-    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
-    graph = build_graph(nnx.eval_shape(model_fn), loss_fn, batch)
+    model_fn = gpt_fn()
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", remat=remat)
+    graph = build_graph(nnx.eval_shape(model_fn), remat_loss(remat), batch)
     cost = evaluate(graph, hand_axes(graph, config, {"data": 8}), {"data": 8}, COSTS)
     mesh = jaxpar.make_mesh(config)
     trainer = jaxpar.Trainer(jaxpar.init(model_fn, config, mesh), optax.adamw(1e-3), loss_fn, config, mesh)
@@ -149,10 +158,10 @@ def test_job_search_chooses_recompute_to_fit_and_trains_like_one_device(one_devi
     budget = (by["full"].memory_bytes + by["dots_saveable"].memory_bytes) / 2 * 1.05
     job = search_job(gpt_fn(), loss_fn, batch, dataclasses.replace(space, memory_budget=budget),
                      dry_run=compile_step, **common)
-    assert job.remat == "full" and job.dry_run["fits"]
+    assert job.remat == "full" and job.config.remat == "full" and job.dry_run["fits"]   # the Trainer applies it
     assert 0.85 <= job.chosen.memory_bytes / job.dry_run["total"] <= 1.15
     assert "remat=full" in job.explain() and "over budget" in job.explain()
-    losses = _losses(lambda: gpt_fn()(job.remat), loss_fn, job.config)
+    losses = _losses(gpt_fn(), loss_fn, job.config)
     np.testing.assert_allclose(losses, one_device, rtol=1e-5)
 
 
@@ -175,7 +184,7 @@ def test_job_search_chooses_pipeline_stages_to_fit_and_trains_like_one_device(on
     assert job.chosen.pipeline and pipe.stages == job.chosen.mesh["pipe"] > 1
     assert job.dry_run["fits"] and job.dry_run["total"] <= budget
     assert 0.8 <= job.chosen.memory_bytes / job.dry_run["total"] <= 1.25
-    spec = job.config.parameter_plan["blocks/mlp/up"]
+    spec = job.config.parameter_strategy["blocks/mlp/up"]
     assert tuple(spec)[0] == "pipe"                         # each stage holds its layers
     losses = _losses(gpt_fn(), pipeline_loss(), job.config)
     np.testing.assert_allclose(losses, one_device, rtol=1e-5)
@@ -211,9 +220,6 @@ def test_pipeline_price_follows_the_schedule():
 
 def test_job_search_errors_name_the_fix():
     batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
-    with pytest.raises(TypeError, match="remat= keyword"):
-        search_job(lambda: GPT(SCANNED, rngs=nnx.Rngs(0)), loss_fn, batch,
-                   JobSearchSpace(devices=8, memory_budget=1e9, remat=("none", "full")), dry_run=False)
     with pytest.raises(TypeError, match="PipelineLoss"):
         search_job(gpt_fn(), loss_fn, batch, JobSearchSpace(devices=8, memory_budget=1e9, pipeline_stages=(2,)),
                    dry_run=False)

@@ -92,7 +92,7 @@ def test_search_on_the_scanned_model_trains_like_one_device(scanned, algorithm):
     # sharding propagation from Megatron-like annotations: stacked parameters split on heads / mlp
     annotate = {"blocks/attn/wq": (None, None, "model", None), "blocks/mlp/up": (None, None, "model")} \
         if algorithm == "sharding_propagation" else {}
-    config = jaxpar.ParallelConfig(mesh=sizes, mode="auto", search=algorithm, parameter_plan=annotate)
+    config = jaxpar.ParallelConfig(mesh=sizes, mode="auto", search=algorithm, parameter_strategy=annotate)
     plan = search(None, loss_fn, BATCH, config, sizes, cost_params=COSTS, graph=scanned)
     stacked = {path: tuple(spec) for path, _, spec, _ in plan.params if path.startswith("blocks/")}
     assert all(spec[:1] in ((), (None,)) for spec in stacked.values()), stacked     # the layers stay whole

@@ -177,7 +177,11 @@ def test_strategy_file_reproduces_the_layout(tmp_path):
         assert json.load(f) == strategy
     config = ckpt.strategy_config(strategy)
     assert config.mesh == {"data": 2, "model": 4}
-    # Without any rules, the pinned parameter_plan alone reproduces every parameter's spec.
+    # A strategy file written before the rename holds its config under "parameter_plan".
+    old = {("parameter_plan" if k == "parameter_strategy" else k): v for k, v in strategy["config"].items()}
+    assert "parameter_plan" in old and "parameter_strategy" not in old
+    assert ckpt.strategy_config({**strategy, "config": old}) == config
+    # Without any rules, the pinned parameter_strategy alone reproduces every parameter's spec.
     config = jaxpar.ParallelConfig(**{**config.to_dict(), "rules": {}})
     abstract = nnx.state(nnx.eval_shape(lambda: GPT(common.TINY, rngs=nnx.Rngs(0))), nnx.Param)
     planned = state_specs(config, trainer.mesh, abstract)

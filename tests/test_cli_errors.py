@@ -337,11 +337,11 @@ def test_flags_in_the_generic_test_that_are_refused_alone_say_why(files, recorde
 
 
 def test_annotations_reach_the_job_search(files, recorded, capsys, monkeypatch):
-    """--annotate with --memory-budget goes to search_job through the base config's parameter_plan."""
+    """--annotate with --memory-budget goes to search_job through the base config's parameter_strategy."""
     seen = {}
 
     def search_job(*args, base_config, **kwargs):
-        seen["plan"] = dict(base_config.parameter_plan)
+        seen["parameter_strategy"] = dict(base_config.parameter_strategy)
         raise Stop("search_job")
 
     import jaxpar.auto
@@ -355,7 +355,7 @@ def test_annotations_reach_the_job_search(files, recorded, capsys, monkeypatch):
         job_search._search_job(settings, job, job_search.search_space(settings, len(devices)), batch=None)
     from jax.sharding import PartitionSpec
 
-    assert seen["plan"] == {"blocks/*/mlp/up": PartitionSpec(None, "model")}
+    assert seen["parameter_strategy"] == {"blocks/*/mlp/up": PartitionSpec(None, "model")}
 
 
 # -- output streams, --debug, help --------------------------------------------------------------

@@ -54,7 +54,7 @@ def test_megatron_block_one_all_reduce_per_sublayer():
 
 
 def test_parameter_split_8_ways_takes_one_eighth_of_argument_bytes():
-    cfg = jaxpar.ParallelConfig(mesh={"model": 8}, parameter_plan={"w": (8, 1)})
+    cfg = jaxpar.ParallelConfig(mesh={"model": 8}, parameter_strategy={"w": (8, 1)})
 
     class Wide(nnx.Module):
         def __init__(self):

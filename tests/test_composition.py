@@ -132,11 +132,11 @@ def test_a_prng_key_is_its_key_data_in_every_byte_count(impl):
         itemsize("key<nope>")
 
 
-def test_save_with_partition_spec_and_layout_in_the_parameter_plan(tmp_path):
-    """orbax's JSON writer raised on a PartitionSpec or Layout in parameter_plan."""
+def test_save_with_partition_spec_and_layout_in_the_parameter_strategy(tmp_path):
+    """orbax's JSON writer raised on a PartitionSpec or Layout in parameter_strategy."""
     layout = jaxpar.Layout((2, 4), ("data", "model"))
     config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules={"batch": "data"},
-                                   parameter_plan={"blocks/*/mlp/up": P(None, "model"),
+                                   parameter_strategy={"blocks/*/mlp/up": P(None, "model"),
                                                    "blocks/*/mlp/down": layout("model", "None")})
     trainer = _trainer(config, gpt=TINY)
     trainer.step(batches(1)[0])

@@ -25,7 +25,7 @@ def test_frozen_and_keyword_only():
 
 def test_round_trip_dict_and_yaml(tmp_path):
     cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules={"mlp": "model", "embed": None, "x": ("data", "model")},
-                                parameter_plan={"*/up": (1, 4)}, dataset_strategy=(2, 1), grad_accum=2, remat="full")
+                                parameter_strategy={"*/up": (1, 4)}, dataset_strategy=(2, 1), grad_accum=2, remat="full")
     assert jaxpar.ParallelConfig.from_dict(cfg.to_dict()) == cfg
     import yaml
 
@@ -69,3 +69,24 @@ def test_bad_values_name_field_value_and_fix(kwargs, words):
 def test_unknown_field_from_dict():
     with pytest.raises(ValueError, match="unknown ParallelConfig fields.*meshes"):
         jaxpar.ParallelConfig.from_dict({"meshes": {"data": 8}})
+
+
+def test_the_former_name_parameter_plan_still_loads(tmp_path):
+    """Files saved before the rename hold ``parameter_plan``: read as ``parameter_strategy``."""
+    new = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, parameter_strategy={"*/up": (1, 4)})
+    old = {("parameter_plan" if k == "parameter_strategy" else k): v for k, v in new.to_dict().items()}
+    assert "parameter_strategy" not in old and old["parameter_plan"] == {"*/up": [1, 4]}
+    assert jaxpar.ParallelConfig.from_dict(old) == new
+    import yaml
+
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(old))
+    assert jaxpar.ParallelConfig.from_yaml(str(path)) == new
+    assert "parameter_plan" not in new.to_dict()     # written under the new name only
+
+
+def test_both_names_of_parameter_strategy_are_refused():
+    with pytest.raises(ValueError, match="both 'parameter_plan' and 'parameter_strategy'.*keep only 'parameter_strategy'"):
+        jaxpar.ParallelConfig.from_dict({"parameter_plan": {"*/up": (1, 4)}, "parameter_strategy": {}})
+    with pytest.raises(TypeError):                   # the old name is no keyword of the dataclass
+        jaxpar.ParallelConfig(parameter_plan={"*/up": (1, 4)})

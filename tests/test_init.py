@@ -1,4 +1,4 @@
-"""jaxpar.init: sharded from the start; parameter plans by logical names or by path."""
+"""jaxpar.init: sharded from the start; parameter strategies by logical names or by path."""
 
 import jax
 import jax.numpy as jnp
@@ -49,14 +49,14 @@ class Wide(nnx.Module):
 
 def test_no_device_holds_a_full_replica():
     """Every device holds 1/8 of a parameter split 8 ways — also inside each init program."""
-    cfg = jaxpar.ParallelConfig(mesh={"model": 8}, parameter_plan={"up/kernel": (1, 8), "down/kernel": (8, 1)})
+    cfg = jaxpar.ParallelConfig(mesh={"model": 8}, parameter_strategy={"up/kernel": (1, 8), "down/kernel": (8, 1)})
     mesh = jaxpar.make_mesh(cfg)
     model = jaxpar.init(lambda: ThirdPartyMLP(nnx.Rngs(0)), cfg, mesh)
     kernel = model.up.kernel.get_value()
     assert {s.data.shape for s in kernel.addressable_shards} == {(16, 8)}
 
-    plan = {"up/kernel": (1, 8), "down/kernel": (8, 1), "table": (8, 1)}
-    cfg = jaxpar.ParallelConfig(mesh={"model": 8}, parameter_plan=plan)
+    patterns = {"up/kernel": (1, 8), "down/kernel": (8, 1), "table": (8, 1)}
+    cfg = jaxpar.ParallelConfig(mesh={"model": 8}, parameter_strategy=patterns)
     _, program = init_program(lambda: Wide(nnx.Rngs(0)), cfg, mesh)
     programs = program.programs()
     # Only the computed variables have a program; the closed-over table and the scalar are
@@ -146,7 +146,7 @@ def test_init_refuses_a_side_effect_on_initializer_values():
         jaxpar.init(lambda: PrintsAParameter(nnx.Rngs(0)), jaxpar.ParallelConfig(mesh={"data": 8}), mesh)
 
 
-def test_parameter_plan_trains_third_party_model_like_one_device():
+def test_parameter_strategy_trains_third_party_model_like_one_device():
     x = np.random.default_rng(0).normal(size=(16, 16)).astype(np.float32)
     batch = {"x": x, "y": np.tanh(x)}
 
@@ -159,20 +159,20 @@ def test_parameter_plan_trains_third_party_model_like_one_device():
         trainer = jaxpar.Trainer(model, optax.adam(1e-2), mse, cfg, mesh)
         return [float(trainer.step(batch)["loss"]) for _ in range(4)]
 
-    plan = {"up/kernel": (1, 4), "up/bias": (4,), "down/kernel": (4, 1)}
-    sharded = run(jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, parameter_plan=plan), 8)
+    patterns = {"up/kernel": (1, 4), "up/bias": (4,), "down/kernel": (4, 1)}
+    sharded = run(jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, parameter_strategy=patterns), 8)
     np.testing.assert_allclose(sharded, run(jaxpar.ParallelConfig(mesh={"data": 1}), 1), rtol=1e-5)
 
 
-def test_parameter_plan_errors():
+def test_parameter_strategy_errors():
     mesh = jaxpar.make_mesh({"model": 8})
     fn = lambda: ThirdPartyMLP(nnx.Rngs(0))  # noqa: E731
     with pytest.raises(ValueError, match=r"patterns \['upp/\*'\] match no parameter"):
-        jaxpar.init(fn, jaxpar.ParallelConfig(mesh={"model": 8}, parameter_plan={"upp/*": (1, 8)}), mesh)
-    with pytest.raises(ValueError, match="matches several parameter_plan patterns"):
-        jaxpar.init(fn, jaxpar.ParallelConfig(mesh={"model": 8}, parameter_plan={"up/*": (1,), "*/bias": (1,)}), mesh)
+        jaxpar.init(fn, jaxpar.ParallelConfig(mesh={"model": 8}, parameter_strategy={"upp/*": (1, 8)}), mesh)
+    with pytest.raises(ValueError, match="matches several parameter_strategy patterns"):
+        jaxpar.init(fn, jaxpar.ParallelConfig(mesh={"model": 8}, parameter_strategy={"up/*": (1,), "*/bias": (1,)}), mesh)
     with pytest.raises(ValueError, match=r"parameter 'down/bias'.*factor 3 does not divide dimension 0 of size 16"):
-        jaxpar.init(fn, jaxpar.ParallelConfig(mesh={"model": 8}, parameter_plan={"down/bias": (3,)}), mesh)
+        jaxpar.init(fn, jaxpar.ParallelConfig(mesh={"model": 8}, parameter_strategy={"down/bias": (3,)}), mesh)
 
 
 def test_init_type_errors():

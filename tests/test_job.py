@@ -27,6 +27,19 @@ def test_sections_overrides_and_round_trip():
     assert JobConfig.from_dict(job.to_dict()) == job
 
 
+def test_a_job_file_saved_with_parameter_plan_loads():
+    """Job files saved before the rename hold ``parallel.parameter_plan``; an override under the
+    new name replaces it; both names in one section are refused."""
+    old = {"parallel": {"mesh": {"data": 2, "model": 4}, "parameter_plan": {"blocks/*/mlp/up": [1, 4]}}}
+    job = JobConfig.from_dict(old)
+    assert job.parallel.parameter_strategy == {"blocks/*/mlp/up": (1, 4)}
+    assert "parameter_plan" not in job.to_dict()["parallel"]
+    job = JobConfig.from_dict(old, ["--parallel.parameter_strategy", "{blocks/*/mlp/down: [4, 1]}"])
+    assert job.parallel.parameter_strategy == {"blocks/*/mlp/down": (4, 1)}
+    with pytest.raises(ValueError, match="both 'parameter_plan' and 'parameter_strategy'"):
+        JobConfig.from_dict({"parallel": {**old["parallel"], "parameter_strategy": {}}})
+
+
 @pytest.mark.parametrize("d, overrides, error, words", [
     ({"optimzer": {"lr": 1.0}}, [], ValueError, "unknown key 'optimzer'; did you mean 'optimizer'"),
     ({}, ["--optimizer.lrr", "1"], ValueError, "unknown key 'optimizer.lrr'; did you mean 'optimizer.lr'"),

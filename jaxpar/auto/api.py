@@ -23,11 +23,11 @@ from jaxpar.strategy import mesh_sizes, to_partition_spec
 
 
 def annotations(graph: Graph, config, sizes: Mapping[str, int], extra: Mapping[str, Any] | None = None):
-    """``{path: PartitionSpec}`` the user fixed: ``config.parameter_plan`` patterns,
+    """``{path: PartitionSpec}`` the user fixed: ``config.parameter_strategy`` patterns,
     ``config.dataset_strategy`` (every batch leaf) and ``extra`` (path glob -> strategy)."""
     specs: dict[str, PartitionSpec] = {}
     by: dict[str, str] = {}
-    for patterns in (config.parameter_plan, extra or {}):
+    for patterns in (config.parameter_strategy, extra or {}):
         for pattern, strategy in patterns.items():
             hits = [(p, t) for p, t in (*graph.params, *graph.batch) if fnmatch.fnmatchcase(p, pattern)]
             if not hits:
@@ -55,7 +55,7 @@ def search(model, loss_fn: Callable, batch: Any, config, mesh, *, cost_params: C
       loss_fn: ``loss_fn(model, batch)`` → scalar loss or ``(loss, aux)``.
       batch: the global batch (arrays or ``jax.ShapeDtypeStruct``s).
       config: ``ParallelConfig``; ``config.search`` picks the algorithm (default
-        ``"dynamic_programming"``); its ``parameter_plan`` and ``dataset_strategy`` are
+        ``"dynamic_programming"``); its ``parameter_strategy`` and ``dataset_strategy`` are
         annotations the search keeps.
       mesh: a ``Mesh`` or a mapping axis name -> size (simulated meshes of any size work).
       cost_params: machine numbers (`CostParams`); defaults when ``None``.

@@ -84,7 +84,7 @@ def moe_layers(model) -> list[MoELayer]:
 
 
 def pins(layers: list[MoELayer], ep_axis: str | None) -> dict[str, PartitionSpec]:
-    """Parameter-plan entries placing every expert weight: its expert dimension on ``ep_axis``
+    """``parameter_strategy`` entries placing every expert weight: its expert dimension on ``ep_axis``
     (``None``: replicated, so the search cannot split experts without pricing the exchange)."""
     out = {}
     for layer in layers:

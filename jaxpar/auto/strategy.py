@@ -83,11 +83,11 @@ class Strategy:
         return spec if len(tuple(spec)) else "full_batch"
 
     def to_config(self, config):
-        """A ``mode="semi_auto"`` config whose ``parameter_plan`` (exact paths) and
+        """A ``mode="semi_auto"`` config whose ``parameter_strategy`` (exact paths) and
         ``dataset_strategy`` reproduce this strategy; every other field is kept."""
         specs = {glob_escape(p): s for p, _, s, _ in self.params}
-        return dataclasses.replace(config, mode="semi_auto", mesh=dict(self.mesh), parameter_plan=specs,
-                                   dataset_strategy=self.dataset_strategy())
+        return dataclasses.replace(config, mode="semi_auto", mesh=dict(self.mesh),
+                                   parameter_strategy=specs, dataset_strategy=self.dataset_strategy())
 
     # ----------------------------------------------------------------- show
     def table(self, *, operators: bool = True, width: int = 150) -> str:

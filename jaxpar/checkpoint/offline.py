@@ -2,7 +2,7 @@
 
 These need no model code: the strategy file of each step records every leaf's shape, dtype,
 logical axis names and ``PartitionSpec``. ``transform`` plans the leaves under another
-``ParallelConfig`` (``parameter_plan`` patterns, then logical names through ``rules``; optimizer
+``ParallelConfig`` (``parameter_strategy`` patterns, then logical names through ``rules``; optimizer
 moments follow their parameter) and rewrites the checkpoint in that layout — MindSpore's
 ``transform_checkpoints``. ``merge`` is a transform to one device with everything replicated:
 one unsharded checkpoint that plain orbax / Flax code loads.

@@ -14,6 +14,7 @@ axes and sizes, the ``ParallelConfig`` and the jaxpar version — into each chec
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -85,16 +86,16 @@ def strategy_config(strategy: dict[str, Any]) -> ParallelConfig:
     """A ``ParallelConfig`` that lays parameters out exactly as recorded.
 
     The saved config, with every parameter's recorded ``PartitionSpec`` pinned in
-    ``parameter_plan`` (exact paths), so the layout no longer depends on the model's
+    ``parameter_strategy`` (exact paths), so the layout no longer depends on the model's
     annotations or the rules.
 
     >>> config = strategy_config(load_strategy("ckpt"))
     >>> mesh = jaxpar.make_mesh(config)
     """
-    saved = dict(strategy["config"])
-    if saved.get("mode") == "data":
-        return ParallelConfig.from_dict(saved)
-    plan = {path.split("/", 1)[1]: spec_from_json(e["spec"])
-            for path, e in strategy["leaves"].items() if path.startswith(("params/", "rest/"))
-            and not any(ch in path for ch in "*?[")}
-    return ParallelConfig.from_dict({**saved, "parameter_plan": plan})
+    saved = ParallelConfig.from_dict(strategy["config"])   # files saved earlier: "parameter_plan"
+    if saved.mode == "data":
+        return saved
+    pinned = {path.split("/", 1)[1]: spec_from_json(e["spec"])
+              for path, e in strategy["leaves"].items() if path.startswith(("params/", "rest/"))
+              and not any(ch in path for ch in "*?[")}
+    return dataclasses.replace(saved, parameter_strategy=pinned)

@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 
 from jaxpar.config import ParallelConfig
-from jaxpar.nn.specs import check_plan_covers, state_specs, to_shardings
+from jaxpar.nn.specs import check_strategy_covers, state_specs, to_shardings
 from jaxpar.nn.sliced_init import SlicedInit
 
 
@@ -47,7 +47,7 @@ def init_program(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mes
         raise TypeError(f"init expects a ParallelConfig, got {type(config).__name__}")
     graphdef, traced, (abs_params, abs_rest) = _trace(model_fn)
     param_specs = state_specs(config, mesh, abs_params, check_unused=False)
-    check_plan_covers(config, abs_params, abs_rest)
+    check_strategy_covers(config, abs_params, abs_rest)
     if config.optimizer.level == 3:
         # FSDP: parameters are stored sharded over the data axis from the start.
         from jaxpar.optim.zero import zero_specs

@@ -3,7 +3,7 @@
 A pure function: the same inputs always give the same specs, which can be printed and saved.
 Where a parameter's strategy comes from, first match wins in this order:
 
-1. ``config.parameter_plan``: glob pattern on the parameter path (``"blocks/*/mlp/up"``) →
+1. ``config.parameter_strategy``: glob pattern on the parameter path (``"blocks/*/mlp/up"``) →
    strategy. For models you did not write. A path matching two patterns is an error, and so
    is a pattern matching nothing (a typo would otherwise replicate silently).
 2. ``mode="data"``: replicated.
@@ -55,7 +55,7 @@ def logical_names(var: nnx.Variable) -> tuple | None:
 
 
 def matching_patterns(path: str, plan: dict[str, Any]) -> list[str]:
-    """The ``parameter_plan`` glob patterns that match ``path``."""
+    """The ``parameter_strategy`` glob patterns that match ``path``."""
     return [p for p in plan if fnmatch.fnmatchcase(path, p)]
 
 
@@ -67,15 +67,16 @@ def resolve_spec(config: ParallelConfig, mesh, path: str, shape: tuple[int, ...]
     search and checkpoint transforms all call it. ``mesh``: a ``Mesh``, ``AbstractMesh`` or
     ``{axis: size}``; ``logical``: the variable's logical axis names or ``None``.
     """
-    patterns = matching_patterns(path, config.parameter_plan)
+    patterns = matching_patterns(path, config.parameter_strategy)
     if len(patterns) > 1:
         raise ValueError(
-            f"parameter {path!r} {tuple(shape)} matches several parameter_plan patterns {patterns}; "
-            "make the patterns disjoint"
+            f"parameter {path!r} {tuple(shape)} matches several parameter_strategy patterns "
+            f"{patterns}; make the patterns disjoint"
         )
     try:
         if patterns:
-            return to_partition_spec(config.parameter_plan[patterns[0]], mesh, shape, rules=config.rules)
+            strategy = config.parameter_strategy[patterns[0]]
+            return to_partition_spec(strategy, mesh, shape, rules=config.rules)
         if config.mode == "data" or logical is None or not shape:
             return PartitionSpec()
         return to_partition_spec(logical, mesh, shape, rules=config.rules)
@@ -91,8 +92,8 @@ def variable_spec(config: ParallelConfig, mesh, path: str, var: nnx.Variable) ->
 def state_specs(config: ParallelConfig, mesh, state, *, check_unused: bool = True) -> Any:
     """A tree like ``state`` (an ``nnx.State``) whose variables hold ``PartitionSpec`` values.
 
-    ``check_unused``: raise if a ``parameter_plan`` pattern matches no variable of ``state``
-    (turn off when giving the specs of one part of a model; see ``check_plan_covers``).
+    ``check_unused``: raise if a ``parameter_strategy`` pattern matches no variable of ``state``
+    (turn off when giving the specs of one part of a model; see ``check_strategy_covers``).
     """
 
     def one(path, var):
@@ -100,7 +101,7 @@ def state_specs(config: ParallelConfig, mesh, state, *, check_unused: bool = Tru
 
     specs = jax.tree_util.tree_map_with_path(one, state, is_leaf=is_variable)
     if check_unused:
-        check_plan_covers(config, state)
+        check_strategy_covers(config, state)
     return specs
 
 
@@ -108,14 +109,14 @@ def _paths(state) -> list[str]:
     return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_variable)[0]]
 
 
-def check_plan_covers(config: ParallelConfig, *states) -> None:
-    """Raise ``ValueError`` for ``parameter_plan`` patterns that match no variable of ``states``."""
+def check_strategy_covers(config: ParallelConfig, *states) -> None:
+    """Raise ``ValueError`` for ``parameter_strategy`` patterns matching no variable of ``states``."""
     paths = [p for state in states for p in _paths(state)]
-    used = {pat for p in paths for pat in matching_patterns(p, config.parameter_plan)}
-    unused = sorted(set(config.parameter_plan) - used)
+    used = {pat for p in paths for pat in matching_patterns(p, config.parameter_strategy)}
+    unused = sorted(set(config.parameter_strategy) - used)
     if unused:
         raise ValueError(
-            f"parameter_plan patterns {unused} match no parameter; paths look like {paths[:4]}..."
+            f"parameter_strategy patterns {unused} match no parameter; paths look like {paths[:4]}..."
         )
 
 
@@ -128,7 +129,7 @@ def _strategy_names(strategy: Any) -> set[str]:
 
 
 def declared_names(config: ParallelConfig, *states) -> set[str]:
-    """Logical names that parameters, ``parameter_plan`` / ``dataset_strategy`` entries and the
+    """Logical names that parameters, ``parameter_strategy`` / ``dataset_strategy`` entries and the
     default batch split consult (activation constraints are recorded when the step is traced)."""
     names: set[str] = set()
     for state in states:
@@ -136,7 +137,7 @@ def declared_names(config: ParallelConfig, *states) -> set[str]:
             if is_variable(var):
                 for entry in logical_names(var) or ():
                     names |= _strategy_names(entry)
-    for strategy in (*config.parameter_plan.values(), config.dataset_strategy):
+    for strategy in (*config.parameter_strategy.values(), config.dataset_strategy):
         names |= _strategy_names(strategy)
     if config.dataset_strategy is None:
         names.add("batch")      # the default batch split reads the "batch" rule

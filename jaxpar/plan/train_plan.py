@@ -37,7 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.config import ParallelConfig, to_plain, from_plain
 from jaxpar.pipeline.schedules import build as _build_schedule
 from jaxpar.data import batch_axes, batch_specs
-from jaxpar.nn.specs import check_plan_covers, is_variable, itemsize, path_str, state_specs
+from jaxpar.nn.specs import check_strategy_covers, is_variable, itemsize, path_str, state_specs
 from jaxpar.optim.zero import ZeroSpecs, opt_state_specs, zero_specs
 from jaxpar.plan.checks import check_combination
 from jaxpar.precision import cast_floats
@@ -330,7 +330,7 @@ def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.Grad
         params, rest = model_or_state
     param_specs = state_specs(config, sizes, params, check_unused=False)
     rest_specs = state_specs(config, sizes, rest, check_unused=False)
-    check_plan_covers(config, params, rest)
+    check_strategy_covers(config, params, rest)
     abstract = jax.tree.map(_abstract, params, is_leaf=is_variable)
     if config.precision is not None:     # the plan's shapes and bytes are those of the stored dtype
         abstract = cast_floats(abstract, config.precision.params)

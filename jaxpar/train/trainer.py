@@ -719,7 +719,7 @@ class Trainer:
 
     @property
     def compute_specs(self):
-        """The parameter plan as a spec tree (where parameters are used)."""
+        """The plan's compute specs of the parameters, as a spec tree (where parameters are used)."""
         return self.plan.specs("params", self.params)
 
     @property
