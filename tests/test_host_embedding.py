@@ -33,13 +33,13 @@ def rows_loss(model, batch, rows):
     return loss_fn(model, batch, rows, batch["ids"])
 
 
-def host_trainer(table, config=None, tx=None):
+def host_trainer(table, config=None, tx=None, **kwargs):
     """A Trainer of the dense DLRM whose rows come from ``table`` (one device without ``config``)."""
     config = config or jaxpar.ParallelConfig(mesh={"data": 1})
     mesh = jaxpar.make_mesh(config, devices=jax.devices()[:int(np.prod(list(config.mesh.values())))])
     model = jaxpar.init(lambda: DLRM(CONFIG, rngs=nnx.Rngs(0), table=False), config, mesh)
-    return jaxpar.Trainer(model, tx or optax.adam(LR), rows_loss, config, mesh,
-                          rows=HostRows(table, ids=CONFIG.table_ids))
+    rows = HostRows(table, ids=CONFIG.table_ids) if isinstance(table, HostEmbedding) else table
+    return jaxpar.Trainer(model, tx or optax.adam(LR), rows_loss, config, mesh, rows=rows, **kwargs)
 
 
 def dense_params(trainer):
@@ -234,16 +234,16 @@ def test_docstring_examples_run(module):
 
 class _Recording:
     """A row source over a whole numpy table that records what it pushes; its first pull hands
-    over a NaN row."""
+    over a NaN row (unless ``nan=False``)."""
 
-    def __init__(self):
+    def __init__(self, nan: bool = True):
         self.table = np.full((CONFIG.rows, CONFIG.embed), 0.01, np.float32)
-        self.pushed, self.pulls = [], 0
+        self.pushed, self.pulls, self.nan = [], 0, nan
 
     def pull(self, batch):
         unique, inverse = np.unique(CONFIG.table_ids(batch["ids"]), return_inverse=True)
         rows = self.table[unique].copy()
-        if self.pulls == 0:
+        if self.pulls == 0 and self.nan:
             rows[0] = np.nan
         self.pulls += 1
         return {**batch, "ids": inverse.reshape(batch["ids"].shape).astype(np.int32)}, rows, unique
@@ -281,3 +281,196 @@ def test_row_sources_refuse_what_cannot_run_them():
     with pytest.raises(ValueError, match="rows= with mode='auto'"):
         jaxpar.Trainer(DLRM(CONFIG, rngs=nnx.Rngs(0), table=False), optax.adam(LR), rows_loss, config, mesh,
                        rows=_Recording())
+
+
+# --------------------------------------------------------------------------- refused in a job of several processes
+# Each check reads jax.process_count() where it decides; the tests give it 2 there, and the step
+# runs the same path as in a job of two processes up to the refusal.
+
+
+def test_host_rows_refuse_a_job_of_several_processes(monkeypatch):
+    table = HostEmbedding("clicks", CONFIG.rows, CONFIG.embed, RowOptimizer(), storage="callback")
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError) as err:
+        HostRows(table)
+    assert ("HostRows (table 'clicks'): a job of 2 processes would train one copy of the table per process; run "
+            "one process (its devices form the mesh), or keep the table on parameter servers "
+            "(jaxpar.ps.ServerRows)") in str(err.value)
+
+
+class _Placed:
+    """A row source whose rows are the whole table, as ``place(table)`` gives them."""
+
+    def __init__(self, place):
+        self.place = place
+
+    def pull(self, batch):
+        ids = CONFIG.table_ids(batch["ids"]).astype(np.int32)
+        return {**batch, "ids": ids}, self.place(np.full((CONFIG.rows, CONFIG.embed), 0.01, np.float32)), None
+
+    def push(self, handle, row_grads, step):
+        pass
+
+
+@pytest.mark.parametrize("where, got", [("host", "ndarray of shape (100, 8)"),
+                                        ("one device", "ArrayImpl of shape (100, 8)")])
+def test_rows_of_several_processes_must_be_global_arrays_on_the_mesh(monkeypatch, where, got):
+    """In a job of several processes each process pulls its own rows: the step takes them only
+    as global arrays on the Trainer's mesh; host rows or rows on one device are refused."""
+    place = (lambda x: x) if where == "host" else (lambda x: jax.device_put(x, jax.devices()[0]))
+    trainer = host_trainer(_Placed(place))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError) as err:
+        trainer.step(DATA.batch(0, BATCH))
+    assert (f"Trainer: in a job of 2 processes the row source must pull its rows as global jax.Arrays on the "
+            f"Trainer's mesh (got {got}); e.g. jaxpar.ps.ServerRows(client, fields, mesh=mesh)") in str(err.value)
+
+
+def test_hybrid_mode_refuses_rows_split_over_the_mesh(monkeypatch):
+    """Hybrid mode runs the loss per device: rows a job of several processes pulled as blocks
+    split over the batch axis (what ServerRows(mesh=...) gives) are refused, naming the specs."""
+    config = jaxpar.ParallelConfig(mesh={"data": 2}, mode="hybrid")
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:2])
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    trainer = host_trainer(_Placed(lambda x: jax.device_put(x, split)), config)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError) as err:
+        trainer.step(DATA.batch(0, BATCH))
+    assert ("mode='hybrid' runs the loss per device, where pulled rows must be replicated; these are split "
+            "(P('data',)): use mode='semi_auto' with a row source that splits them") in str(err.value)
+
+
+# --------------------------------------------------------------------------- checkpoints keep the tables
+K, MORE = 2, 2      # steps before the save, steps compared after it
+
+
+def _table(storage, row_kind, path=None):
+    initial = None if storage == "file" else np.asarray(DLRM(CONFIG, rngs=nnx.Rngs(0)).table[...])
+    return HostEmbedding("clicks", CONFIG.rows, CONFIG.embed, ROWS[row_kind][0], init=initial, storage=storage,
+                         path=None if path is None else str(path))
+
+
+def _steps(trainer, first, count):
+    return [float(trainer.step(DATA.batch(s, BATCH))["loss"]) for s in range(first, first + count)]
+
+
+def _uninterrupted(storage, row_kind, tmp_path):
+    table = _table(storage, row_kind, tmp_path / "straight.rows" if storage == "file" else None)
+    trainer = host_trainer(table)
+    _steps(trainer, 0, K)
+    losses = _steps(trainer, K, MORE)
+    return losses, table.numpy(), dense_params(trainer)
+
+
+STORAGES = [("callback", "sgd"), ("pinned_host", "adagrad"), ("file", "adagrad")]
+
+
+@pytest.mark.parametrize("storage, row_kind", STORAGES)
+def test_a_checkpoint_holds_the_host_tables(storage, row_kind, tmp_path):
+    """Train K steps, save, train on; a fresh Trainer and table restored from the save then
+    trains as the uninterrupted run: the same losses, table and dense parameters (the table's
+    optimizer state came back too: Adagrad's sums change every later update)."""
+    want_losses, want_table, want_dense = _uninterrupted(storage, row_kind, tmp_path)
+    path = lambda name: tmp_path / name if storage == "file" else None  # noqa: E731
+    first = host_trainer(_table(storage, row_kind, path("first.rows")))
+    _steps(first, 0, K)
+    assert first.save(str(tmp_path / "ckpt")) == K
+    _steps(first, K, 2)         # the table moves on after the save
+    table = _table(storage, row_kind, path("again.rows"))
+    again = host_trainer(table)
+    assert again.restore(str(tmp_path / "ckpt"))["step"] == K
+    assert _steps(again, K, MORE) == want_losses
+    np.testing.assert_array_equal(table.numpy(), want_table)
+    jax.tree.map(np.testing.assert_array_equal, dense_params(again), want_dense)
+
+
+@pytest.mark.parametrize("storage, row_kind", [("callback", "adagrad"), ("file", "adagrad")])
+def test_asynchronous_saves_hold_the_tables_of_their_step(storage, row_kind, tmp_path):
+    """checkpoint_dir= saves every K steps in the background while the next steps update the
+    table in place: the step's tables are the ones of that step. Trainer.restore() goes back
+    to them (a file table's rows written since then back to their initial values), and a new
+    Trainer on the directory resumes with them."""
+    want_losses, want_table, _ = _uninterrupted(storage, row_kind, tmp_path)
+    path = lambda name: tmp_path / name if storage == "file" else None  # noqa: E731
+    directory = str(tmp_path / "ckpt")
+    table = _table(storage, row_kind, path("first.rows"))
+    first = host_trainer(table, checkpoint_dir=directory, save_every=K)
+    _steps(first, 0, K + 1)     # step K is saved in the background while step K + 1 updates the table
+    first.checkpointer.wait()
+    fresh = _table(storage, row_kind, path("again.rows"))
+    resumed = host_trainer(fresh, checkpoint_dir=directory, save_every=100)
+    assert resumed.step_count == K
+    assert _steps(resumed, K, MORE) == want_losses
+    np.testing.assert_array_equal(fresh.numpy(), want_table)
+    resumed.close()
+    assert first.restore()["step"] == K
+    assert _steps(first, K, MORE) == want_losses
+    np.testing.assert_array_equal(table.numpy(), want_table)
+    first.close()
+
+
+def test_a_checkpoint_without_tables_is_refused_naming_the_way_out(tmp_path):
+    """A step saved without row tables (a source that keeps none in the checkpoint, or an older
+    jaxpar) does not restore into HostRows, whose tables would silently start afresh: refused,
+    with nothing changed; the message's way out takes the dense state alone."""
+    directory = str(tmp_path / "old")
+    old = host_trainer(_Recording(nan=False))
+    _steps(old, 0, 1)
+    old.save(directory)
+    table = _table("callback", "sgd")
+    before = table.numpy()
+    trainer = host_trainer(table)
+    with pytest.raises(ValueError) as err:
+        trainer.restore(directory)
+    assert (f"checkpoint {directory} step 1 holds no row tables, but the row source HostRows keeps its tables in "
+            "the Trainer's checkpoints") in str(err.value)
+    assert (f"trainer.state = jaxpar.checkpoint.restore_state({directory!r}, trainer.state, trainer.mesh, "
+            "step=1)[0]") in str(err.value)
+    assert trainer.step_count == 0
+    np.testing.assert_array_equal(table.numpy(), before)
+    with pytest.raises(ValueError, match="holds no row tables"):      # resuming from it: the same
+        host_trainer(_table("callback", "sgd"), checkpoint_dir=directory)
+    trainer.state = jaxpar.checkpoint.restore_state(directory, trainer.state, trainer.mesh, step=1)[0]
+    assert trainer.step_count == 1
+    jax.tree.map(np.testing.assert_array_equal, dense_params(trainer), dense_params(old))
+
+
+def test_merged_checkpoints_keep_the_tables(tmp_path):
+    """The offline tools rewrite a step with its row tables."""
+    table = _table("callback", "adagrad")
+    trainer = host_trainer(table)
+    _steps(trainer, 0, 1)
+    trainer.save(str(tmp_path / "ckpt"))
+    jaxpar.checkpoint.merge(str(tmp_path / "ckpt"), str(tmp_path / "merged"))
+    saved = table.snapshot()
+    merged = jaxpar.checkpoint.restore_rows(str(tmp_path / "merged"), 1)
+    assert sorted(merged) == ["slot", "table"]
+    for name in saved:
+        np.testing.assert_array_equal(merged[name], saved[name])
+
+
+@pytest.mark.parametrize("saved, restored, words", [
+    (dict(optimizer=ROWS["adagrad"][0]), dict(optimizer=ROWS["sgd"][0]),
+     "the checkpoint holds arrays {'table': (10, 4), 'slot': (10, 4)}, this table (num_rows=10, dim=4, optimizer "
+     "kind='sgd', storage='callback') takes {'table': (10, 4)}; restore into a HostEmbedding made as the saved one"),
+    (dict(), dict(num_rows=12), "holds arrays {'table': (10, 4)}, this table (num_rows=12"),
+    (dict(storage="file"), dict(), "the checkpoint holds only the 2 rows a file table (storage='file') wrote; "
+                                   "this table (num_rows=10, dim=4, optimizer kind='sgd', storage='callback') "
+                                   "needs the whole table"),
+    (dict(storage="file", seed=1), dict(storage="file"), "drew its rows with seed=1, init_scale=0.01, this table "
+                                                         "(num_rows=10, dim=4, optimizer kind='sgd', storage='file') "
+                                                         "with seed=0"),
+])
+def test_snapshots_of_another_table_are_refused(saved, restored, words, tmp_path):
+    def make(name, optimizer=ROWS["sgd"][0], num_rows=10, storage="callback", seed=0):
+        path = str(tmp_path / name) if storage == "file" else None
+        return HostEmbedding("clicks", num_rows, 4, optimizer, storage=storage, path=path, seed=seed)
+
+    source = make("saved.rows", **saved)
+    source.apply(source.prepare(np.array([1, 3])), np.ones((2, 4), np.float32))
+    target = make("restored.rows", **restored)
+    before = target.numpy()
+    with pytest.raises(ValueError) as err:
+        target.load_snapshot(source.snapshot())
+    assert words in str(err.value)
+    np.testing.assert_array_equal(target.numpy(), before)

@@ -8,7 +8,7 @@ See ``docs/checkpoint.md``; ``jaxpar ckpt {inspect,transform,merge,import-hf,exp
 """
 
 from jaxpar.checkpoint.manager import (CheckpointDamagedError, Checkpointer, CheckpointWriteError, latest_step,
-                                       restore, restore_state, save, save_state)
+                                       restore, restore_rows, restore_state, save, save_state)
 from jaxpar.checkpoint.offline import format_inspect, inspect, load_strategy, merge, leaf_specs, transform
 from jaxpar.checkpoint.state import CheckpointMismatchError
 from jaxpar.checkpoint.strategy import strategy_config, strategy_specs
@@ -25,6 +25,7 @@ __all__ = [
     "merge",
     "leaf_specs",
     "restore",
+    "restore_rows",
     "restore_state",
     "save",
     "save_state",

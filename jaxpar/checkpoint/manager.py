@@ -11,7 +11,11 @@ has three items:
 - ``meta``: ``{"step", "data_state", "jaxpar_version", "checksums"}`` — the step counter is
   the data position of step-indexed data; ``data_state`` is any JSON-able dict of the caller's;
   ``checksums`` two per leaf, checked at restore (see ``jaxpar.checkpoint.checksum``);
-- ``strategy``: the strategy file (see ``jaxpar.checkpoint.strategy``).
+- ``strategy``: the strategy file (see ``jaxpar.checkpoint.strategy``);
+- ``rows`` (only with a row source that keeps its tables in the checkpoint, such as
+  `jaxpar.ps.HostRows`): its tables and their optimizer state, a dict of numpy arrays copied
+  when the save starts, so the step's commit holds the tables of that very step even when the
+  files are written in the background (`restore_rows` reads them back).
 
 Restoring reads every array straight into the shards of the *target* state's layout
 (``jax.ShapeDtypeStruct(..., sharding=...)`` targets), so any layout restores into any other.
@@ -43,7 +47,7 @@ from jaxpar.checkpoint.strategy import build_strategy
 from jaxpar.plan import TrainPlan, TrainState, check_data
 from jaxpar.version import __version__
 
-ITEMS = ("state", "meta", "strategy")
+ITEMS = ("state", "meta", "strategy", "rows")
 RESUME = ("newest", "newest_intact")
 
 
@@ -57,22 +61,22 @@ def open_manager(directory: str, *, keep: int | None = None, read_only: bool = F
         cleanup_tmp_directories=not read_only,
     )
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
-                "strategy": ocp.JsonCheckpointHandler()}
+                "strategy": ocp.JsonCheckpointHandler(), "rows": ocp.StandardCheckpointHandler()}
     return ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options, item_handlers=handlers)
 
 
-def _save_args(plan, state, mesh, model: dict | None = None) -> ocp.args.Composite:
+def _save_args(plan, state, mesh, model: dict | None = None, rows: dict | None = None) -> ocp.args.Composite:
     flat = st.savable(st.flat_state(state))
     meta = {"step": int(state.step), "data_state": state.data, "jaxpar_version": __version__,
             checksum.KEY: checksum.checksums(flat)}
     strategy = build_strategy(plan, state, mesh)
     if model is not None:
         strategy["model"] = model          # what the parameters are (e.g. a Llama config): export needs it
-    return ocp.args.Composite(
-        state=ocp.args.StandardSave(st.nest(flat)),
-        meta=ocp.args.JsonSave(meta),
-        strategy=ocp.args.JsonSave(strategy),
-    )
+    items = {"state": ocp.args.StandardSave(st.nest(flat)), "meta": ocp.args.JsonSave(meta),
+             "strategy": ocp.args.JsonSave(strategy)}
+    if rows is not None:
+        items["rows"] = ocp.args.StandardSave(rows)
+    return ocp.args.Composite(**items)
 
 
 def saved_leaves(manager: ocp.CheckpointManager, step: int) -> dict[str, st.Leaf]:
@@ -240,12 +244,32 @@ def restore_from(manager: ocp.CheckpointManager, step: int, state, mesh, directo
 
 
 def save_state(directory, plan, state, mesh, *, keep: int | None = None, force: bool = False,
-               model: dict | None = None) -> int:
+               model: dict | None = None, rows: dict | None = None) -> int:
     """Save ``state`` (laid out by ``plan`` on ``mesh``) as step ``state.step`` of ``directory``
     and wait; returns the step. ``keep``: delete all but the newest ``keep`` steps. ``model``:
-    a JSON-able description of the model, kept in the strategy file under ``"model"``."""
+    a JSON-able description of the model, kept in the strategy file under ``"model"``.
+    ``rows``: a row source's tables (a dict of numpy arrays), saved as the step's ``rows`` item."""
     with Checkpointer(directory, keep=keep, asynchronous=False) as ckpt:
-        return ckpt.save(plan, state, mesh, force=force, model=model)
+        return ckpt.save(plan, state, mesh, force=force, model=model, rows=rows)
+
+
+def read_rows(manager: ocp.CheckpointManager, step: int, directory: str = "") -> dict | None:
+    """The ``rows`` item of ``step`` (a dict of numpy arrays), or None when the step has none."""
+    with reading(directory, step):
+        if manager.item_metadata(step).get("rows") is None:
+            return None
+        return manager.restore(step, args=ocp.args.Composite(rows=ocp.args.StandardRestore()))["rows"]
+
+
+def restore_rows(directory, step: int) -> dict | None:
+    """A row source's tables saved with step ``step`` of ``directory`` (the ``rows`` item: a
+    dict of numpy arrays), or None when that step was saved without them.
+
+    >>> jaxpar.checkpoint.restore_rows("ckpt", 5)["table"].shape    # doctest: +SKIP
+    (1000, 16)
+    """
+    with open_manager(directory, read_only=True) as manager:
+        return read_rows(manager, complete_step(manager, directory, step), directory)
 
 
 def restore_state(directory, state, mesh, *, step: int | None = None):
@@ -394,9 +418,11 @@ class Checkpointer:
         """Whether ``maybe_save`` would save at ``step``."""
         return bool(self.save_every) and step % self.save_every == 0
 
-    def save(self, plan: TrainPlan, state: TrainState, mesh, *, force: bool = False, model: dict | None = None) -> int:
+    def save(self, plan: TrainPlan, state: TrainState, mesh, *, force: bool = False, model: dict | None = None,
+             rows: dict | None = None) -> int:
         """Start saving ``state`` (laid out by ``plan`` on ``mesh``) as step ``state.step``;
-        returns the step. ``force``: replace a step already saved. ``model``: see `save_state`."""
+        returns the step. ``force``: replace a step already saved. ``model``, ``rows``: see
+        `save_state` (``rows`` must not change after the call: the files may be written later)."""
         _check_plan_state("save", plan, state)
         step = int(state.step)
         self.wait()         # a failed earlier save is reported as itself, before this one starts
@@ -404,7 +430,7 @@ class Checkpointer:
             if not force:
                 raise FileExistsError(f"{self.directory} already holds step {step}; pass force=True to replace it")
             self.manager.delete(step)
-        args = _save_args(plan, state, mesh, model)
+        args = _save_args(plan, state, mesh, model, rows)
         self._saving = step
         with writing(self.manager, self.directory, step, self._echoes):
             self.manager.save(step, args=args, force=True)
@@ -426,6 +452,11 @@ class Checkpointer:
         self.wait()
         return restore_from(self.manager, complete_step(self.manager, self.directory, step), state, mesh,
                             self.directory)
+
+    def restore_rows(self, step: int) -> dict | None:
+        """The row tables saved with ``step`` (see `restore_rows`), or None when it has none."""
+        self.wait()
+        return read_rows(self.manager, complete_step(self.manager, self.directory, step), self.directory)
 
     def resume(self, state: TrainState, mesh) -> tuple[TrainState, dict[str, Any]] | None:
         """``(TrainState, meta)`` of the newest complete step in ``state``'s layout; ``None`` if

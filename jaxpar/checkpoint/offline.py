@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.checkpoint import state as st
 from jaxpar.checkpoint.checksum import KEY as CHECKSUMS
-from jaxpar.checkpoint.manager import (check_values, complete_step, complete_steps, open_manager, reading, saved_leaves,
-                                       writing)
+from jaxpar.checkpoint.manager import (check_values, complete_step, complete_steps, open_manager, read_rows, reading,
+                                       saved_leaves, writing)
 from jaxpar.checkpoint.strategy import spec_from_json, spec_to_json, strategy_file
 from jaxpar.config import ParallelConfig
 from jaxpar.mesh import make_mesh
@@ -187,14 +187,17 @@ def transform(directory, out, config: ParallelConfig, *, step: int | None = None
             meta = dict(restored["meta"])
         # the checksums are kept in the new step's meta: they hold in any layout
         check_values(directory, step, st.unnest(restored["state"]), meta, _advice(manager, directory, step))
+        rows = read_rows(manager, step, directory)      # a row source's tables travel as they are
     leaves = {p: {**e, "spec": spec_to_json(specs[p])} for p, e in strategy["leaves"].items()}
     new_strategy = strategy_file(leaves, mesh, config)
     if "model" in strategy:
         new_strategy["model"] = strategy["model"]      # the model description travels with the arrays
+    items = {"state": ocp.args.StandardSave(restored["state"]), "meta": ocp.args.JsonSave(meta),
+             "strategy": ocp.args.JsonSave(new_strategy)}
+    if rows is not None:
+        items["rows"] = ocp.args.StandardSave(rows)
     with open_manager(out, asynchronous=False) as writer, writing(writer, out, step):
-        writer.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(restored["state"]), meta=ocp.args.JsonSave(meta),
-            strategy=ocp.args.JsonSave(new_strategy)))
+        writer.save(step, force=True, args=ocp.args.Composite(**items))
     return step
 
 

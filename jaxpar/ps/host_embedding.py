@@ -18,6 +18,10 @@ with the dense model in the one training loop (`jaxpar.ps.rows`):
 4. ``apply(prepared, row_grads)`` (after the step) updates those rows, and their optimizer
    slots, in host memory.
 
+``snapshot()`` / ``load_snapshot(tables)`` copy the table and its optimizer state out and back
+in: a `jaxpar.Trainer` writes them into each of its checkpoint steps (``HostRows`` hands them
+over), so a resumed run goes on with the tables of the step it resumes from.
+
 The row optimizers follow optax's dense ones exactly: a row absent from a batch has a zero
 gradient, which changes neither SGD nor Adagrad, so training the table sparsely equals
 training it as an ordinary parameter with ``optax.sgd`` / ``optax.adagrad``.
@@ -171,6 +175,7 @@ class HostEmbedding:
             raise ValueError(f"table {name!r}: storage='file' takes a file path (path=...), "
                              f"and only it does; got storage={storage!r}, path={path!r}.")
         self.name, self.num_rows, self.dim, self.optimizer = name, num_rows, dim, optimizer
+        self._initial_draw = np.array([seed, init_scale], np.float64)   # what a file table's unwritten rows hold
         self.device = device or jax.devices()[0]
         self.storage = _pick_storage(storage, self.device)
         table = self._initial(init, init_scale, seed, path)
@@ -254,6 +259,84 @@ class HostEmbedding:
         """A numpy copy of the whole table (small tables: tests, export)."""
         return np.array(self._table)
 
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """The table and its optimizer state as numpy copies taken now (later updates leave them
+        as they are): ``{"table": [num_rows, dim]}`` and, with Adagrad, ``"slot"`` (its sums).
+        A file table (``storage="file"``) gives ``"initial"`` (``[seed, init_scale]``, which
+        draw the rows never written) and the rows written so far, if any: ``"ids"`` (int64) and
+        their ``"table"`` / ``"slot"`` rows; its size grows with the rows trained, not the table.
+
+        Example:
+            >>> table = HostEmbedding("t", 4, 2, RowOptimizer(kind="adagrad"), storage="callback")
+            >>> {k: v.shape for k, v in table.snapshot().items()}
+            {'table': (4, 2), 'slot': (4, 2)}
+        """
+        if isinstance(self._table, RowFile):
+            out = {"initial": self._initial_draw.copy()}
+            ids = self._table.written()
+            if ids.size:        # (a checkpoint stores no empty array)
+                out |= {"ids": ids.astype(np.int64), "table": self._table[ids]}
+                if self._slot is not None:
+                    out["slot"] = self._slot[ids]
+            return out
+        out = {"table": np.array(self._table, np.float32, copy=True)}   # waits for a pinned_host update
+        if self._slot is not None:
+            out["slot"] = np.array(self._slot, np.float32, copy=True)
+        return out
+
+    def load_snapshot(self, tables: Mapping[str, Any]) -> None:
+        """Sets the table and its optimizer state to a `snapshot` (of a table made alike: the
+        same ``num_rows``, ``dim`` and optimizer kind; a file table's, into a file table drawn
+        with the same seed and ``init_scale``). Anything else is refused before a row changes."""
+        tables = {k: np.asarray(v) for k, v in dict(tables).items()}
+        self._check_snapshot(tables)
+        if isinstance(self._table, RowFile):
+            if "initial" not in tables:     # a whole table's
+                tables["ids"] = np.arange(self.num_rows)
+            ids = tables.get("ids", np.zeros(0, np.int64))
+            empty = np.zeros((0, self.dim), np.float32)
+            self._table.load(ids, tables.get("table", empty))
+            if self._slot is not None:
+                self._slot.load(ids, tables.get("slot", empty))
+        elif self.storage == "pinned_host":
+            self._table = jax.device_put(tables["table"].astype(np.float32), self._host)
+            if self._slot is not None:
+                self._slot = jax.device_put(tables["slot"].astype(np.float32), self._host)
+        else:
+            self._table[...] = tables["table"]
+            if self._slot is not None:
+                self._slot[...] = tables["slot"]
+
+    def _check_snapshot(self, tables: dict[str, np.ndarray]) -> None:
+        sparse = "initial" in tables        # the rows a file table wrote
+        n = (len(tables["ids"]) if np.ndim(tables["ids"]) == 1 else -1) if "ids" in tables else 0
+        n = n if sparse else self.num_rows
+        want = {"initial": (2,)} if sparse else {}
+        if n:
+            want |= {"ids": (n,)} if sparse else {}
+            want["table"] = (n, self.dim)
+            if self._slot is not None:
+                want["slot"] = (n, self.dim)
+        got = {k: v.shape for k, v in tables.items()}
+        this = (f"this table (num_rows={self.num_rows}, dim={self.dim}, optimizer kind={self.optimizer.kind!r}, "
+                f"storage={self.storage!r})")
+        fix = ("restore into a HostEmbedding made as the saved one was (the same num_rows, dim and optimizer kind; "
+               "the rows a file table wrote: storage='file' with the same seed and init_scale)")
+        if sparse and self.storage != "file":
+            raise ValueError(f"table {self.name!r}: the checkpoint holds only the {n} rows a file table "
+                             f"(storage='file') wrote; {this} needs the whole table; {fix}")
+        if got != want:
+            raise ValueError(f"table {self.name!r}: the checkpoint holds arrays {got}, {this} takes {want}; {fix}")
+        if sparse:
+            ids = tables.get("ids", np.zeros(0, np.int64))
+            if ids.size and (ids.min() < 0 or ids.max() >= self.num_rows):
+                raise ValueError(f"table {self.name!r}: the checkpoint holds rows up to {int(ids.max())}, "
+                                 f"{this} has rows 0..{self.num_rows - 1}; {fix}")
+            if not np.array_equal(tables["initial"], self._initial_draw):
+                seed, scale = tables["initial"].tolist()
+                raise ValueError(f"table {self.name!r}: the checkpoint's file table drew its rows with seed="
+                                 f"{int(seed)}, init_scale={scale}, {this} with seed={int(self._initial_draw[0])}, "
+                                 f"init_scale={self._initial_draw[1]}: its unwritten rows would differ; {fix}")
 
 
 class HostRows:
@@ -300,6 +383,17 @@ class HostRows:
         for a non-finite step (``row_grads`` None)."""
         if row_grads is not None:
             self.table.apply(handle, row_grads)
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """The table and its optimizer state, copied now (`HostEmbedding.snapshot`): the Trainer
+        writes them into the checkpoint step it saves."""
+        return self.table.snapshot()
+
+    def load_snapshot(self, tables: Mapping[str, Any]) -> None:
+        """The tables of the checkpoint step the Trainer restores or resumes from
+        (`HostEmbedding.load_snapshot`)."""
+        self.table.load_snapshot(tables)
+
 
 def _row_normal(ids: np.ndarray, *, seed: int, scale: float, dim: int) -> np.ndarray:
     """Initial rows of a file table: normal values fixed by (seed, row, column), drawn on

@@ -79,6 +79,16 @@ class RowFile:
             os.pwrite(self._fd, values[k].tobytes(), int(row) * self._row_bytes)
         self._written[ids] = True
 
+    def written(self) -> np.ndarray:
+        """The ids of the rows written so far (the others still hold their initial values)."""
+        return np.flatnonzero(self._written)
+
+    def load(self, ids: np.ndarray, values: np.ndarray) -> None:
+        """The rows ``ids`` set to ``values`` and every other row back to its initial value (a
+        snapshot of `written` rows read back)."""
+        self._written[:] = False
+        self[ids] = values
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         whole = self[np.arange(self.shape[0])]
         return whole if dtype is None else whole.astype(dtype)

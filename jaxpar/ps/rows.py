@@ -19,11 +19,26 @@ the Trainer calls
 A step that is not finite (skipped with ``Trainer(nonfinite="skip")``, or the one a run stops
 at) pushes ``None``: the source applies nothing and counts the step. The logged ``grad_norm``
 counts the rows' gradients with the parameters'; an optax clipping in ``tx`` sees the
-parameters' alone (the rows' optimizer is the source's). Sources hold their
-tables themselves; a source with ``save(step)`` / ``restore(step)`` (`jaxpar.ps.ServerRows`)
-saves them just before each of the Trainer's checkpoints and goes back to the step the
-Trainer resumes or restores (without them, checkpoints hold the dense state only). In one
-process the rows are replicated over the mesh; in a job of several processes the source pulls
+parameters' alone (the rows' optimizer is the source's).
+
+Sources hold their tables themselves; the Trainer's checkpoints keep them in one of two ways,
+each optional (a source with neither: checkpoints hold the dense state only):
+
+- ``snapshot() -> dict`` and ``load_snapshot(tables)`` (`jaxpar.ps.HostRows`): tables the
+  Trainer's own checkpoint holds. When the Trainer saves step ``s`` it takes ``snapshot()``
+  (a dict of numpy arrays, copies of this moment: later pushes must not change them) and
+  writes it as item ``rows`` of the same step directory, in the same commit as the state, so a
+  complete step always has its tables, also when the files are written in the background.
+  Restoring or resuming step ``s`` gives its ``rows`` item to ``load_snapshot`` before the
+  Trainer takes the state. A step saved without that item (by a Trainer without ``rows=``,
+  or by an older jaxpar) is refused with a ``ValueError`` naming the directory and the step,
+  and how to take its dense state alone (`jaxpar.checkpoint.restore_state`). Such tables are
+  one process's (``HostRows`` runs in one process);
+- ``save(step)`` and ``restore(step)`` (`jaxpar.ps.ServerRows`): tables kept elsewhere (on
+  servers), snapshotted there just before each of the Trainer's checkpoints, and put back to
+  the step the Trainer resumes or restores.
+
+In one process the rows are replicated over the mesh; in a job of several processes the source pulls
 them as global ``jax.Array``s on the Trainer's mesh, placed as the step takes them (e.g. each
 process's block split over the batch axis).
 """
@@ -56,4 +71,7 @@ class RowSource(Protocol):
         """Applies the gradients of the rows ``pull`` gave with ``handle`` (after step ``step``).
         ``row_grads`` is None when the step was not finite (its update skipped, or the run about
         to stop): apply nothing, but count the step as done."""
+
+    # Optional (not part of the runtime check): ``snapshot() -> dict`` / ``load_snapshot(tables)``,
+    # or ``save(step)`` / ``restore(step)``; see the module's docstring.
 

@@ -22,7 +22,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.checkpoint import Checkpointer, restore_state, save_state
+from jaxpar.checkpoint import Checkpointer, restore_rows, restore_state, save_state
 from jaxpar.config import ParallelConfig
 from jaxpar.data import place_batch
 from jaxpar.data.sequence import reorder_batch
@@ -35,6 +35,7 @@ from jaxpar.plan import TrainPlan, TrainState, check_combination, check_data, in
 from jaxpar.strategy import recording_rules
 from jaxpar.train.hooks import Preempted, Preemption, watchers
 from jaxpar.train.planning import plan_for
+from jaxpar.train.rows import RowPath, check_rows
 from jaxpar.train.step import Setting, build_eval, build_grads, build_step
 
 
@@ -77,10 +78,12 @@ class Trainer:
     ``rows``: a row source (`jaxpar.ps.rows`: a `jaxpar.ps.HostRows` table in host memory) for
     embedding rows the model does not hold: each step pulls the batch's rows before the
     compiled step, which differentiates ``loss_fn(model, batch, rows)`` with respect to them
-    too, and pushes their gradients after it; every other option composes with it. A source
-    with ``save(step)`` / ``restore(step)`` keeps its tables with the checkpoints: it saves
-    where the Trainer saves (just before, so a complete checkpoint always has its tables) and
-    goes back to the step the Trainer resumes or restores.
+    too, and pushes their gradients after it; every other option composes with it (the row
+    path is `jaxpar.train.rows`). Checkpoints keep the source's tables: a source with
+    ``snapshot()`` / ``load_snapshot(tables)`` (`jaxpar.ps.HostRows`) has them written into
+    each checkpoint step with the state, in the same commit, and read back with it; one with
+    ``save(step)`` / ``restore(step)`` (`jaxpar.ps.ServerRows`) saves them itself just before
+    the Trainer saves, and goes back to the step the Trainer resumes or restores.
     Saves still in flight finish at ``close()`` (or leaving ``with trainer:``), at the end of
     ``fit``, and at interpreter exit.
     The Trainer owns the model's arrays from then on (they are donated to the step): read the
@@ -110,8 +113,7 @@ class Trainer:
     _flops_per_token: Any           # model FLOPs per token for MFU (None: unknown)
     _rule_names: set                # the logical names the model declares (for check_rules_used)
     _model_name: str
-    _rows: Any                      # the row source (None: the model holds every parameter)
-    _pulled: Any                    # (step batch, rows) of the last step with rows, for the metrics' first read
+    _rows: RowPath | None           # the row source's path (None: the model holds every parameter)
     # Loop services: checkpoints, preemption, non-finite checks, metrics, profiling. The first
     # three, and the user's, are hooks the step calls (`add_hook`); metrics are written where
     # `fit` reads them, and the profile window wraps the dispatch itself.
@@ -132,8 +134,8 @@ class Trainer:
                  metrics: MetricsConfig | None = None, profile_steps: tuple[int, int] | str | None = None,
                  rows: Any = None):
         _check_args(model, tx, loss_fn, config, mesh, plan, offload)    # refused combinations included
-        _check_rows(rows, config, plan)
-        self._rows, self._pulled = rows, None
+        check_rows(rows, config, plan)
+        self._rows = None if rows is None else RowPath(rows, mesh)
         self._metrics, self._profile = watchers(metrics, profile_steps)
         if nonfinite not in ("stop", "skip"):
             raise ValueError(f"Trainer: nonfinite={nonfinite!r}; choose 'stop' (raise naming the step) or 'skip' "
@@ -186,8 +188,8 @@ class Trainer:
         if self.checkpointer is not None:
             resumed = self.checkpointer.resume(self._state, mesh)     # the newest complete step, if any
             if resumed is not None:
+                self._restore_rows(int(resumed[1]["step"]), None)
                 self._set(resumed[0])
-                self._rows_at("restore", self._steps)
 
     def _setting(self, rows=None, row_specs=None) -> Setting:
         s = self._state
@@ -220,7 +222,7 @@ class Trainer:
         leaves, treedef = jax.tree.flatten(batch)
         key = (kind, treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves))
         if rows is not None:
-            key += (jax.tree.structure(rows), tuple((x.shape, x.dtype) for x in jax.tree.leaves(rows)))
+            key += self._rows.key(rows)
         program = self._compiled.get(key)
         if program is None:
             _check_batch(batch)
@@ -238,10 +240,9 @@ class Trainer:
         s_sh = jax.tree.leaves(state_shardings(self.plan, self.mesh, self._state.detach()[0]),
                                is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
         state_def = self._treedef
-        # Pulled rows (a row source): one more input, replicated, and their gradients one more output.
-        rows_like = None if rows is None else jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), rows)
-        r_sh = () if rows is None else (self._row_shardings(rows),)
-        setting = self._setting(rows_like, None if rows is None else jax.tree.map(lambda sh: sh.spec, r_sh[0]))
+        # Pulled rows (a row source): one more input, and their gradients one more output.
+        r_sh = () if rows is None else (self._rows.shardings(rows),)
+        setting = self._setting(*(self._rows.abstract(rows, r_sh[0]) if r_sh else ()))
         if kind == "train":
             step = self._checking_rules(build_step(setting, self.loss_fn, self.tx, shapes,
                                                    skip_nonfinite=self._nonfinite == "skip"))
@@ -319,62 +320,32 @@ class Trainer:
         if self._rows is not None:
             return self._step_rows(batch)
         program, leaves = self._program(batch)
-        placed = self._placed(program, batch, leaves)
         step = self._steps + 1
-        if self._profile is not None:
-            self._profile.before(step)
-            with self._profile.annotate(step):
-                self._leaves, metrics = program.fn(self._leaves, placed)
-            self._profile.after(step, metrics)
-        else:
-            self._leaves, metrics = program.fn(self._leaves, placed)
+        metrics, = self._run(program, step, self._placed(program, batch, leaves))
         return self._after(step, metrics)
 
     def _step_rows(self, batch) -> dict[str, Any]:
-        """`step` with a row source: pull the batch's rows (host), run the step on them, push
-        their gradients (host), then the services."""
+        """`step` with a row source (`jaxpar.train.rows`): pull the batch's rows (host), run the
+        step on them, push their gradients (host), then the services."""
         batch, rows, handle = self._rows.pull(batch)
         program, leaves = self._program(batch, rows=rows)
-        placed = self._placed(program, batch, leaves)
-        rows_in = self._placed_rows(program, rows)
         step = self._steps + 1
+        metrics, row_grads = self._run(program, step, self._placed(program, batch, leaves),
+                                       self._rows.placed(program.row_shardings, rows))
+        self._rows.push(handle, row_grads, metrics["finite"], step, batch, rows)
+        return self._after(step, metrics)
+
+    def _run(self, program: "_Program", step: int, *inputs) -> list:
+        """Dispatch the compiled step on the state and ``inputs`` (inside the profile window when
+        there is one); the state is kept, the rest (metrics, row gradients) returned."""
         if self._profile is not None:
             self._profile.before(step)
             with self._profile.annotate(step):
-                self._leaves, metrics, row_grads = program.fn(self._leaves, placed, rows_in)
-            self._profile.after(step, metrics)
+                self._leaves, *out = program.fn(self._leaves, *inputs)
+            self._profile.after(step, out[0])
         else:
-            self._leaves, metrics, row_grads = program.fn(self._leaves, placed, rows_in)
-        # a non-finite step updates no row (skipped or about to stop): the source is told so and
-        # applies nothing, keeping its count of steps (the pushed gradients are read here anyway)
-        self._rows.push(handle, row_grads if bool(metrics["finite"]) else None, step)
-        self._pulled = (batch, rows)
-        return self._after(step, metrics)
-
-    def _row_shardings(self, rows):
-        """Where the step takes pulled rows: replicated; in a job of several processes, as the
-        source placed them (global arrays on the mesh, e.g. each process's block)."""
-        if jax.process_count() == 1:
-            return jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec()), rows)
-
-        def placed(x):
-            if not (isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh):
-                raise ValueError(f"Trainer: in a job of {jax.process_count()} processes the row source must pull "
-                                 f"its rows as global jax.Arrays on the Trainer's mesh (got {type(x).__name__} of "
-                                 f"shape {np.shape(x)}); e.g. jaxpar.ps.ServerRows(client, fields, mesh=mesh)")
-            return x.sharding
-
-        return jax.tree.map(placed, rows)
-
-    @staticmethod
-    def _placed_rows(program: "_Program", rows):
-        """Pulled rows for the compiled step: host arrays as they are (the step places them),
-        device arrays put on the mesh as the step takes them (global arrays placed by the
-        source pass as they are)."""
-        leaves = jax.tree.leaves(rows)
-        if all(type(x) is np.ndarray for x in leaves) or jax.process_count() > 1:
-            return rows
-        return jax.device_put(rows, program.row_shardings)
+            self._leaves, *out = program.fn(self._leaves, *inputs)
+        return out
 
     def _after(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """What follows a dispatched step: the host's step count, the finite flag, the hooks."""
@@ -409,17 +380,15 @@ class Trainer:
 
     def _on_checkpoint(self, step: int, metrics: dict[str, Any]) -> None:
         self.check_finite()          # a step that did not update must not pass silently into a save
-        if self.checkpointer.due(step):     # the source's tables first: a complete checkpoint has them
-            self._rows_at("save", step)
-        self.checkpointer.maybe_save(self.plan, self._state, self.mesh)
+        if self.checkpointer.due(step) and step not in self.checkpointer.manager.all_steps():
+            self._save_now()
 
     def _save_and_exit(self, metrics: dict[str, Any]) -> None:
         """Preempted (SIGTERM): save this step, wait for it, and leave with exit code 0 (the
         step's ``metrics`` go with the exit, for ``fit`` to log)."""
         self.check_finite()
         if self._steps not in self.checkpointer.manager.all_steps():
-            self._rows_at("save", self._steps)
-            self.checkpointer.save(self.plan, self._state, self.mesh)
+            self._save_now()
         self.checkpointer.close()
         stop = Preempted(self._steps, self.checkpointer.directory)
         stop.metrics = metrics
@@ -458,7 +427,7 @@ class Trainer:
             rows = (pulled,)
         program, leaves = self._program(batch, kind, *rows)
         return program.fn.lower(self._leaves, self._placed(program, batch, leaves),
-                                *(self._placed_rows(program, r) for r in rows))
+                                *(self._rows.placed(program.row_shardings, r) for r in rows))
 
     def lower_grads(self, batch) -> jax.stages.Lowered:
         """The step up to the update for ``batch``: its outputs are the gradients as the update
@@ -490,7 +459,7 @@ class Trainer:
                 rows = (pulled,)
             program, leaves = self._program(batch, "eval", *rows)
             total += float(program.fn(self._leaves, self._placed(program, batch, leaves),
-                                      *(self._placed_rows(program, r) for r in rows)))
+                                      *(self._rows.placed(program.row_shardings, r) for r in rows)))
             n += 1
         if n == 0:
             raise ValueError("Trainer.evaluate got no batches; pass an iterable with at least one batch")
@@ -610,11 +579,12 @@ class Trainer:
         FLOPs (read once: the step is already compiled, so this compiles nothing). With ``rows``:
         of the batch and rows the last step pulled (pulling again would read the rows anew)."""
         if self._rows is not None:
-            batch, rows = self._pulled
+            batch, rows = self._rows.pulled
             program, leaves = self._program(batch, rows=rows)
             placed = jax.tree.unflatten(program.batch_def, jax.device_put(self._placed(program, batch, leaves),
                                                                           program.shardings))
-            lowered = lambda: program.fn.lower(self._leaves, placed, self._placed_rows(program, rows))  # noqa: E731
+            lowered = lambda: program.fn.lower(self._leaves, placed,  # noqa: E731
+                                               self._rows.placed(program.row_shardings, rows))
         else:
             placed = self.place(batch)   # global arrays: a process's host batch may hold only its rows
             lowered = lambda: self.lower(batch)  # noqa: E731
@@ -633,18 +603,26 @@ class Trainer:
             self.data_state = data_state
         if directory is None and self.checkpointer is None:
             raise ValueError("Trainer.save: give a directory or construct the Trainer with checkpoint_dir=")
-        self._rows_at("save", self._steps)   # the source's tables first: a complete checkpoint has them
-        if directory is not None:
-            return save_state(directory, self.plan, self._state, self.mesh)
-        return self.checkpointer.save(self.plan, self._state, self.mesh)
+        return self._save_now(directory)
 
-    def _rows_at(self, method: str, step: int) -> None:
-        """The row source's own ``save(step)`` / ``restore(step)``, where it has one (e.g.
-        `jaxpar.ps.ServerRows`: the servers snapshot their tables, or go back to a snapshot),
-        with each checkpoint of the Trainer's state saved, resumed or restored."""
-        fn = getattr(self._rows, method, None)
-        if fn is not None:
-            fn(step)
+    def _save_now(self, directory: str | None = None) -> int:
+        """Save this step (blocking to ``directory``, else asynchronously with the checkpointer)
+        with the row source's tables: those it saves itself first, so a complete checkpoint
+        always has them, and those it hands over (a copy taken now) in the step's own commit."""
+        tables = None if self._rows is None else self._rows.save(self._steps)
+        if directory is not None:
+            return save_state(directory, self.plan, self._state, self.mesh, rows=tables)
+        return self.checkpointer.save(self.plan, self._state, self.mesh, rows=tables)
+
+    def _restore_rows(self, step: int, directory: str | None) -> None:
+        """The row source goes back to checkpoint ``step`` (of ``directory``, else of the
+        checkpointer) before the Trainer takes its state: a refusal changes nothing."""
+        if self._rows is None:
+            return
+        if directory is not None:
+            self._rows.restore(step, lambda: restore_rows(directory, step), str(directory))
+        else:
+            self._rows.restore(step, lambda: self.checkpointer.restore_rows(step), self.checkpointer.directory)
 
     def restore(self, directory: str | None = None, *, step: int | None = None) -> dict:
         """Restore a checkpoint saved under any layout into this trainer's layout; returns its
@@ -655,8 +633,8 @@ class Trainer:
             state, meta = self.checkpointer.restore(self._state, self.mesh, step)
         else:
             raise ValueError("Trainer.restore: give a directory or construct the Trainer with checkpoint_dir=")
+        self._restore_rows(int(meta["step"]), directory)
         self._set(state)
-        self._rows_at("restore", self._steps)
         return meta
 
     # ------------------------------------------------------------------ views
@@ -745,7 +723,7 @@ class _Program:
 
     def __init__(self, fn, shardings: list, batch_def, fast: bool, row_shardings=None):
         self.fn, self.shardings, self.batch_def, self.fast = fn, shardings, batch_def, fast
-        self.row_shardings = row_shardings      # pulled rows, replicated (None: no row source)
+        self.row_shardings = row_shardings      # where the step takes pulled rows (None: no row source)
 
 
 def _stacked(flags: list) -> jax.Array:
@@ -792,21 +770,6 @@ def _check_args(model, tx, loss_fn, config, mesh, plan, offload) -> None:
             raise ValueError("Trainer: plan was made for another config than config= (field: (config, plan's): "
                              f"{differ}); pass config=plan.config, or make the plan from this config "
                              "(jaxpar.train.plan_for / jaxpar.make_train_plan)")
-
-
-def _check_rows(rows, config: ParallelConfig, plan) -> None:
-    """A row source has ``pull`` and ``push``; the combinations it cannot run are refused by name."""
-    if rows is None:
-        return
-    if not (callable(getattr(rows, "pull", None)) and callable(getattr(rows, "push", None))):
-        raise TypeError(f"Trainer: rows must be a row source with pull(batch) and push(handle, row_grads, step) "
-                        f"(e.g. jaxpar.ps.HostRows(table)), got {type(rows).__name__}")
-    if config.pipeline.stages > 1:
-        raise ValueError(f"Trainer: rows= with pipeline.stages={config.pipeline.stages}: the pipeline's stages take "
-                         "no pulled rows; train the embedding rows with pipeline.stages=1")
-    if config.mode == "auto" and plan is None:
-        raise ValueError("Trainer: rows= with mode='auto': the strategy search runs loss_fn(model, batch) without "
-                         "the pulled rows; plan first for the dense model, or use mode='semi_auto'")
 
 
 def _check_batch(batch) -> None:
