@@ -74,10 +74,10 @@ class Case:
     """One model shape: a hand-written step and the jaxpar variants, timed in turns."""
 
     name: str
-    cfg: LlamaConfig                 # remat "none": a case's recompute is `remat`
+    cfg: LlamaConfig
     seq: int
     batch: int                       # per device
-    remat: str = "none"
+    remat: str = "none"              # recompute of each block: by hand, and ParallelConfig.remat in jaxpar
     variants: tuple = (("jaxpar", {}),)   # (label, Trainer/ParallelConfig options)
     one_device: bool = False
     hf: bool = False                 # the torch peer instead of the jaxpar variants
@@ -91,8 +91,13 @@ class HandStep:
 
     label = "hand-written jax.jit"
 
-    def __init__(self, cfg: LlamaConfig, mesh, batch: dict):
-        graphdef, params, rest = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    def __init__(self, cfg: LlamaConfig, mesh, batch: dict, remat: str = "none"):
+        model = Llama(cfg, rngs=nnx.Rngs(0))
+        # recompute by hand: each block (the scan body, or each layer) under jax.checkpoint with
+        # the policy (jaxpar.remat on the module: nnx.remat around its __call__, kept by the graphdef)
+        for block in [model.blocks] if cfg.scan_layers else list(model.blocks):
+            jaxpar.remat(block, remat)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         tx = make_tx()
         repl, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
         leaves, p_def = jax.tree.flatten(params)
@@ -292,13 +297,12 @@ def run_case(case: Case, devices: list, opts) -> list[dict]:
         return init_rows(case, devices, opts)
     batches = make_batches(case.cfg, case.seq, case.batch * len(devices))
     mesh = jax.make_mesh((len(devices),), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
-    hand_cfg = dataclasses.replace(case.cfg, remat=case.remat)
     runs, rows, t0 = [], [], time.perf_counter()
     why_not = hf_unavailable(opts.mode) if case.hf else None
     if why_not is not None:
         return [skipped(case, HFStep.label, why_not)]
     try:
-        runs.append(HandStep(hand_cfg, mesh, batches[0]))
+        runs.append(HandStep(case.cfg, mesh, batches[0], case.remat))
     except Exception as e:   # noqa: BLE001  (out of memory on a small device: the row says so)
         return [skipped(case, HandStep.label, reason(e))]
     for label, options in ((HFStep.label, None),) if case.hf else case.variants:

@@ -36,15 +36,15 @@ from jaxpar.auto.pricing import stacked_params  # noqa: E402
 from jaxpar.models.data import ArithmeticData  # noqa: E402
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 from jaxpar.models.gpt_parallel import pipeline_loss  # noqa: E402
+from jaxpar.nn.blocks import remat_loss  # noqa: E402
 from jaxpar.report import memory  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COSTS = CostParams(flops_per_s=1e9, default_bandwidth=1e9, latency=1e-6)
 
 
-def gpt(layers: int, remat: str = "none") -> GPTConfig:
-    return GPTConfig(vocab_size=16, seq_len=32, embed=64, heads=4, mlp=256, layers=layers, scan_layers=True,
-                     remat=remat)
+def gpt(layers: int) -> GPTConfig:
+    return GPTConfig(vocab_size=16, seq_len=32, embed=64, heads=4, mlp=256, layers=layers, scan_layers=True)
 
 
 def compiled(model_fn, loss, config, batch):
@@ -61,11 +61,12 @@ def main():
     rows = []
     print("recompute, scanned GPT (embed 64, seq 32, batch 32), data=8: predicted / compiled temp")
     print(f"{'layers':>6} {'remat':<16} {'pred temp':>12} {'compiled':>12} {'ratio':>7} {'pred step ms':>13}")
-    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
     for layers in (2, 4, 8):
+        model_fn = lambda: GPT(gpt(layers), rngs=nnx.Rngs(0))  # noqa: E731
         for remat in ("none", "full", "dots_saveable"):
-            model_fn = lambda: GPT(gpt(layers, remat), rngs=nnx.Rngs(0))  # noqa: E731
-            graph = build_graph(nnx.eval_shape(model_fn), loss_fn, batch)
+            # the policy on each block, as the job search prices it and the Trainer applies it
+            config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", remat=remat)
+            graph = build_graph(nnx.eval_shape(model_fn), remat_loss(nnx.eval_shape(model_fn), loss_fn, remat), batch)
             cost = evaluate(graph, hand_axes(graph, config, {"data": 8}), {"data": 8}, COSTS)
             mem = compiled(model_fn, loss_fn, config, batch)
             rows.append({"kind": "recompute", "layers": layers, "remat": remat, "temp_pred": cost.temp_bytes,

@@ -38,8 +38,8 @@ def closed_form(level: int, p: int) -> dict[str, float]:
 
 
 def row(level: int, remat: str) -> dict:
-    cfg = LlamaConfig.named("llama3_8b", scan_layers=True, dtype="bfloat16", remat=remat)
-    config = jaxpar.ParallelConfig(mesh=MESH, rules=RULES, optimizer={"level": level})
+    cfg = LlamaConfig.named("llama3_8b", scan_layers=True, dtype="bfloat16")
+    config = jaxpar.ParallelConfig(mesh=MESH, rules=RULES, optimizer={"level": level}, remat=remat)
     r = llama_report(cfg, config, batch=8, seq_len=8192, backend="gpu")
     r = dataclasses.replace(r, name="llama3_8b")
     expected = closed_form(level, param_count(cfg))

@@ -109,12 +109,12 @@ def traffic_rows():
 
 
 def remat_rows():
-    gpt = dict(vocab_size=16, seq_len=32, embed=32, heads=4, mlp=128, layers=4, scan_layers=True)
-    cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    gpt = GPTConfig(vocab_size=16, seq_len=32, embed=32, heads=4, mlp=128, layers=4, scan_layers=True)
     batch = ArithmeticData(32).batch(128, 0)
     rows = []
-    for policy in ("none", "dots_saveable", "full"):
-        c = trainer_for(cfg, GPTConfig(**gpt, remat=policy), 8).lower(batch).compile()
+    for policy in ("none", "dots_saveable", "full"):     # ParallelConfig.remat: on each block (the scan body)
+        cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", remat=policy)
+        c = trainer_for(cfg, gpt, 8).lower(batch).compile()
         rows.append({"policy": policy, "temp": memory(c).temp_bytes, "flops": flops(c)})
     for r in rows:
         r["temp_vs_none"] = rows[0]["temp"] / r["temp"]

@@ -70,10 +70,12 @@ def test_accumulation_memory_well_under_the_big_batch():
 
 
 def _remat_step(policy: str, *, scan: bool = True):
-    gpt = GPTConfig(vocab_size=16, seq_len=32, embed=32, heads=4, mlp=128, layers=4, scan_layers=scan, remat=policy)
-    mesh = jaxpar.make_mesh(DP)
-    trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0)), DP, mesh), optax.sgd(0.1), loss_fn,
-                             DP, mesh)
+    """The compiled step with ``ParallelConfig.remat=policy`` (on each block: the scan body)."""
+    gpt = GPTConfig(vocab_size=16, seq_len=32, embed=32, heads=4, mlp=128, layers=4, scan_layers=scan)
+    cfg = _with(DP, remat=policy)
+    mesh = jaxpar.make_mesh(cfg)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0)), cfg, mesh), optax.sgd(0.1), loss_fn,
+                             cfg, mesh)
     return trainer.lower(ArithmeticData(gpt.seq_len).batch(128, 0)).compile()
 
 

@@ -295,10 +295,8 @@ PARALLEL = (
     "jaxpar.nn", "jaxpar.nn.blocks", "jaxpar.nn.constraint", "jaxpar.nn.init",
     "jaxpar.nn.sliced_init", "jaxpar.nn.specs",
 )
-# A model resolves its own config's ``remat`` policy name and applies it to its blocks in its
-# forward (the strategy search prices ``model_fn(remat=policy)`` by tracing the model's loss):
-# the policy vocabulary may be imported, ``jaxpar.remat.remat`` (what ParallelConfig.remat applies) not.
-PARALLEL_NAMES_ALLOWED = {"jaxpar.remat": {"checkpoint_policy", "POLICY_NAMES"}}
+# Recompute included: ``ParallelConfig.remat`` alone sets it, and the step (and the job search)
+# applies it to the model's blocks from outside, so a model file imports nothing of jaxpar.remat.
 MODEL_SIDE_FILES = ("_parallel.py", "_report.py")
 
 
@@ -321,7 +319,7 @@ def parallel_imports(root: pathlib.Path = ROOT) -> list[str]:
             for target, name in pairs:
                 root_name = target.split(".")[0]
                 pattern_target = "jaxpar" + target[len(root_name):] if root_name == root.name else None
-                if pattern_target is None or name in PARALLEL_NAMES_ALLOWED.get(pattern_target, ()):
+                if pattern_target is None:
                     continue
                 if any(fnmatch.fnmatchcase(pattern_target, p) for p in PARALLEL):
                     wrong.append((path.relative_to(root.parent).as_posix(), node.lineno,
@@ -361,7 +359,7 @@ def test_the_model_check_sees_every_import_form(tmp_path):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     assert parallel_imports(root) == [
-        "pkg/models/b.py:2: pkg.pipeline (PipelineLoss)", "pkg/models/b.py:3: pkg.ops.context",
+        "pkg/models/a.py:3: pkg.remat (checkpoint_policy)", "pkg/models/b.py:2: pkg.pipeline (PipelineLoss)", "pkg/models/b.py:3: pkg.ops.context",
         "pkg/models/b.py:4: pkg.nn.init (init)", "pkg/models/b.py:5: pkg.ops (ContextParallel)",
         "pkg/models/b.py:6: pkg.remat (remat)", "pkg/models/b.py:7: pkg (shard)"]
 

@@ -26,7 +26,7 @@ def space(**choices) -> JobSearchSpace:
 
 
 def llama_fn(cfg):
-    def build(remat="none", constrain=no_constraint):
+    def build(constrain=no_constraint):
         return Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain)
     return build
 

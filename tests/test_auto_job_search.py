@@ -19,7 +19,7 @@ from jaxpar.auto.cost import evaluate
 from jaxpar.auto.job_search import memory_floor
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
 from jaxpar.models.gpt_parallel import pipeline_loss
-from jaxpar.nn.blocks import recompute_paths, recomputed_loss
+from jaxpar.nn.blocks import remat_loss
 from jaxpar.report import memory
 from jaxpar.train import compile_step
 
@@ -33,11 +33,9 @@ def gpt_fn(gpt=SCANNED):
     return build
 
 
-def remat_loss(policy: str):
+def policy_loss(policy: str):
     """``loss_fn`` with ``ParallelConfig.remat=policy`` on each block, as the step applies it."""
-    if policy == "none":
-        return loss_fn
-    return recomputed_loss(loss_fn, recompute_paths(nnx.eval_shape(gpt_fn()), policy), policy)
+    return remat_loss(nnx.eval_shape(gpt_fn()), loss_fn, policy)
 
 
 def _losses(model_fn, loss, config, steps=3, rows=32):
@@ -57,7 +55,7 @@ def test_recompute_regions_in_the_graph_and_their_price():
     batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
     costs = {}
     for remat in ("none", "full", "dots_saveable"):
-        graph = build_graph(nnx.eval_shape(gpt_fn()), remat_loss(remat), batch)
+        graph = build_graph(nnx.eval_shape(gpt_fn()), policy_loss(remat), batch)
         assert len(graph.regions) == (0 if remat == "none" else 1)         # one block body, scanned
         keeps = {op.keep for op in graph.ops}
         assert keeps == ({"device"} if remat == "none" else {"device", "recompute"})
@@ -70,7 +68,7 @@ def test_recompute_regions_in_the_graph_and_their_price():
     megatron = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
     comm = {}
     for remat in ("none", "full"):
-        graph = build_graph(nnx.eval_shape(gpt_fn()), remat_loss(remat), batch)
+        graph = build_graph(nnx.eval_shape(gpt_fn()), policy_loss(remat), batch)
         sizes = {"data": 2, "model": 4}
         comm[remat] = evaluate(graph, hand_axes(graph, megatron, sizes), sizes, COSTS).comm_bytes
     assert comm["full"] > comm["none"]           # the recomputed forward all-reduces again
@@ -136,7 +134,7 @@ def test_scanned_recompute_temp_matches_the_compiled_step(remat):
     batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
     model_fn = gpt_fn()
     config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", remat=remat)
-    graph = build_graph(nnx.eval_shape(model_fn), remat_loss(remat), batch)
+    graph = build_graph(nnx.eval_shape(model_fn), policy_loss(remat), batch)
     cost = evaluate(graph, hand_axes(graph, config, {"data": 8}), {"data": 8}, COSTS)
     mesh = jaxpar.make_mesh(config)
     trainer = jaxpar.Trainer(jaxpar.init(model_fn, config, mesh), optax.adamw(1e-3), loss_fn, config, mesh)
@@ -220,6 +218,10 @@ def test_pipeline_price_follows_the_schedule():
 
 def test_job_search_errors_name_the_fix():
     batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
+    with pytest.raises(ValueError, match=r"base_config.remat='full', but the search chooses the recompute policy "
+                                         r"itself.*JobSearchSpace\(remat=\('full',\)\)"):
+        search_job(gpt_fn(), loss_fn, batch, JobSearchSpace(devices=8, memory_budget=1e9),
+                   base_config=dataclasses.replace(BASE, remat="full"), dry_run=False)
     with pytest.raises(TypeError, match="PipelineLoss"):
         search_job(gpt_fn(), loss_fn, batch, JobSearchSpace(devices=8, memory_budget=1e9, pipeline_stages=(2,)),
                    dry_run=False)

@@ -152,6 +152,7 @@ BAD = [
     (["plan", *DP, "--memory-budget", "1e6", "--zero-levels", "x"], "--zero-levels 'x': not a list of integers"),
     (["plan", *DP, "--memory-budget", "1e6", "--accum-options", "0,1"], "--accum-options '0,1'"),
     (["plan", *DP, "--memory-budget", "1e6", "--remat-options", "some"], "unknown policies ['some']"),
+    (["plan", *DP, "--memory-budget", "1e6", "--remat", "full"], "--remat full is chosen by the job search"),
     (["plan", *DP, "--flops", "-1"], "--flops -1"),
     (["plan", *DP, "--latency", "-1"], "--latency -1: out of range; expected a finite number >= 0"),
     (["plan", *DP, "--annotate", "blocks"], "--annotate 'blocks': not GLOB=SPEC"),

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import doctest
 import math
 
@@ -218,8 +217,9 @@ def test_checkpoint_from_cp4_continues_at_cp1(tmp_path):
     # recomputes every block: the same numbers, and a checkpoint in yet another layout
     data = batches(5, seq=TRAIN.max_seq_len)
     config = jaxpar.ParallelConfig(mesh={"data": 2, "context": 4}, rules={"batch": "data", "length": "context"},
-                                   context={"strategy": "all_gather"}, optimizer={"level": 3, "threshold_kb": 0})
-    first = trainer_for(config, cfg=dataclasses.replace(TRAIN, remat="full"))
+                                   context={"strategy": "all_gather"}, optimizer={"level": 3, "threshold_kb": 0},
+                                   remat="full")
+    first = trainer_for(config)
     losses = [float(first.step(b)["loss"]) for b in data[:3]]
     assert "data" in str(first.params["blocks"]["mlp"]["up"].get_value().sharding.spec)   # ZeRO-3 storage
     first.save(str(tmp_path))

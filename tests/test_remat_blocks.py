@@ -13,6 +13,7 @@ from flax import nnx
 import jaxpar
 from helpers import assert_close, assert_losses_close
 from jaxpar.models.data import ArithmeticData
+from jaxpar.models.gpt import GPTConfig
 from jaxpar.models.llama import Llama, LlamaConfig, loss_fn
 from jaxpar.nn.blocks import find_blocks
 from jaxpar.report import memory
@@ -94,19 +95,21 @@ BATCHES = [ArithmeticData(WIDE.max_seq_len).batch(16, i) for i in range(2)]
 
 @pytest.fixture(scope="module")
 def scanned():
-    """Scanned-layer trainers recomputing every block: by the model's own policy, by
-    ``ParallelConfig.remat``, and by ``ParallelConfig.remat`` around the whole loss (the model
-    names no blocks: the step of before)."""
-    return {"model": _trainer(dataclasses.replace(SCANNED, remat="full")), "config": _trainer(SCANNED, "full"),
-            "whole loss": _trainer(SCANNED, "full", blocks=())}
+    """Scanned-layer trainers: without recompute, recomputing every block by hand
+    (``jaxpar.remat`` on the scan body), by ``ParallelConfig.remat``, and by
+    ``ParallelConfig.remat`` around the whole loss (the model names no blocks)."""
+    return {"none": _trainer(SCANNED), "by hand": _trainer(SCANNED, edit=lambda m: jaxpar.remat(m.blocks, "full")),
+            "config": _trainer(SCANNED, "full"), "whole loss": _trainer(SCANNED, "full", blocks=())}
 
 
 def test_scanned_model_recomputes_each_block_not_the_whole_loss(scanned):
-    """``ParallelConfig.remat`` costs what the model's own per-block policy does, well under the
-    whole-loss wrap (XLA keeps the scan's stacked activations there)."""
+    """``ParallelConfig.remat`` costs what recomputing each block by hand does, well under the
+    step without recompute and under the whole-loss wrap (XLA keeps the scan's stacked
+    activations there)."""
     temp = {name: memory(t.lower(BATCHES[0]).compile()).temp_bytes for name, t in scanned.items()}
     print("scanned temp: " + "  ".join(f"{name} {b:,}" for name, b in temp.items()))
-    assert temp["config"] <= 1.05 * temp["model"]
+    assert temp["config"] <= 1.05 * temp["by hand"]
+    assert temp["config"] < 0.5 * temp["none"]
     assert temp["config"] < 0.5 * temp["whole loss"]
 
 
@@ -115,7 +118,7 @@ def test_scanned_block_recompute_keeps_numerics(scanned):
         losses = [float(trainer.step(b)["loss"]) for b in BATCHES]
         return losses, jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param)))
 
-    ref_losses, ref_params = run(_trainer(SCANNED))
+    ref_losses, ref_params = run(scanned["none"])
     losses, params = run(scanned["config"])
     assert_losses_close(losses, ref_losses)
     assert_close(params, ref_params, what="remat per block")
@@ -169,10 +172,36 @@ def test_model_without_blocks_recomputes_the_whole_loss_with_a_warning():
 def test_policy_on_both_the_config_and_the_blocks_is_refused():
     cfg = LlamaConfig.named("tiny", scan_layers=True)
     batch = ArithmeticData(cfg.max_seq_len).batch(8, 0)
-    with pytest.raises(ValueError, match=r"ParallelConfig.remat='full' and LlamaConfig.remat='dots_saveable' both"):
-        _trainer(dataclasses.replace(cfg, remat="dots_saveable"), "full").step(batch)
-    with pytest.raises(ValueError, match=r"and jaxpar.remat\(model.blocks, 'dots_saveable'\) both"):
+    with pytest.raises(ValueError, match=r"ParallelConfig.remat='full' and jaxpar.remat\(model.blocks, "
+                                         r"'dots_saveable'\) both"):
         _trainer(cfg, "full", edit=lambda m: jaxpar.remat(m.blocks, "dots_saveable")).step(batch)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: LlamaConfig(remat="full"),
+    lambda: LlamaConfig.named("tiny", remat="full"),
+    lambda: dataclasses.replace(LlamaConfig.named("tiny"), remat="full"),
+    lambda: GPTConfig(layers=2, remat="full"),
+    lambda: dataclasses.replace(GPTConfig(), remat="full"),
+], ids=["LlamaConfig", "LlamaConfig.named", "replace Llama", "GPTConfig", "replace GPT"])
+def test_model_configs_refuse_remat_naming_parallel_config(build):
+    """Recompute is ``ParallelConfig.remat`` alone: a model config given ``remat=`` names it."""
+    with pytest.raises(TypeError, match=r"\(remat='full'\): a model config has no recompute policy; set "
+                                        r"ParallelConfig\(remat='full'\) \(in a job file: parallel.remat: full\)"):
+        build()
+
+
+@pytest.mark.parametrize("model", [{"name": "gpt"}, {"name": "llama", "size": "tiny"}])
+def test_job_file_model_field_remat_names_parallel_remat(model):
+    from jaxpar.job.config import JobConfig
+    from jaxpar.job.run import model_config
+
+    job = JobConfig.from_dict({"model": {**model, "fields": {"layers": 2, "remat": "full"}}})
+    with pytest.raises(ValueError, match=r"model.fields.remat='full': a model has no recompute policy; set it "
+                                         r"under parallel \(parallel.remat: full, i.e. ParallelConfig.remat\)"):
+        model_config(job)
+    fixed = JobConfig.from_dict({"model": {**model, "fields": {"layers": 2}}, "parallel": {"remat": "full"}})
+    assert model_config(fixed).layers == 2 and fixed.parallel.remat == "full"
 
 
 def test_blocks_doctests():

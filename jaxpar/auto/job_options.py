@@ -2,9 +2,10 @@
 ZeRO levels, recompute policies and, for MoE models, the experts' placement.
 
 `plain_options` enumerates and prices them (`jaxpar.auto.pricing.price` on the graph of one
-micro-batch, corrected by `jaxpar.auto.context` for a context axis and by
-`jaxpar.auto.experts` for MoE layers); `option_config` turns the chosen one into the
-``ParallelConfig`` the dry run compiles and the user trains. Without a context axis and
+micro-batch of the loss with each recompute policy on the model's blocks, corrected by
+`jaxpar.auto.context` for a context axis and by `jaxpar.auto.experts` for MoE layers);
+`option_config` turns the chosen one into the ``ParallelConfig`` (its ``remat`` included)
+the dry run compiles and the user trains. Without a context axis and
 without MoE layers both do exactly what the job search always did.
 """
 
@@ -14,7 +15,7 @@ import dataclasses
 import functools
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -28,16 +29,18 @@ from jaxpar.auto.pricing import micro_batch, price
 from jaxpar.auto.search_space import JobSearchSpace
 
 
-def plain_options(job, abstract_of: Callable[[str], Any], loss_fn, batch, base, shapes, space: JobSearchSpace, *,
+def plain_options(job, abstract, loss_of: Mapping[str, Callable], batch, base, shapes, space: JobSearchSpace, *,
                   params, strategies_of: Callable) -> list:
-    """Every priced unpipelined `JobOption` (``job``: the JobOption class) of ``space``;
+    """Every priced unpipelined `JobOption` (``job``: the JobOption class) of ``space``, for the
+    abstract model ``abstract``; ``loss_of[policy]``: the loss with ``ParallelConfig.remat=policy``
+    applied as the step applies it (`jaxpar.nn.blocks.remat_loss`);
     ``strategies_of(graph, loss_fn, batch, config, sizes, search_name, params, memory_budget)``
     gives the searched strategies of one mesh."""
     rows = jax.tree.leaves(batch)[0].shape[0]
     devices, strategies, out = space.devices, space.context_strategy, []
+    moe = moe_layers(abstract)
     for policy in space.remat:
-        abstract = abstract_of(policy)
-        moe = moe_layers(abstract)
+        loss_fn = loss_of[policy]
         for cp in space.context:
             seq = max(check_sequence(batch, cp, s) for s in strategies) if cp > 1 else 0
             for k in space.grad_accum:
@@ -125,14 +128,16 @@ def _widen(spec: PartitionSpec) -> PartitionSpec:
 
 
 def option_config(option, base, search_name: str, zero, model_names: set[str] | None = None):
-    """The semi-auto ``ParallelConfig`` of an unpipelined option (``zero``: its OptimizerConfig;
+    """The semi-auto ``ParallelConfig`` of an unpipelined option, its recompute policy in ``remat``
+    (which the Trainer applies to each block, as it was priced) (``zero``: its OptimizerConfig;
     ``model_names``: the logical names the model's parameters use, so that the head rules a
     context option adds are only those the model reads)."""
     from jaxpar.config import ContextConfig
 
     sizes = dict(option.strategy.mesh)
     cfg = option.strategy.to_config(dataclasses.replace(base, mesh=sizes, mode="auto", search=search_name, rules={},
-                                                        grad_accum=option.grad_accum, optimizer=zero))
+                                                        grad_accum=option.grad_accum, optimizer=zero,
+                                                        remat=option.remat))
     rules: dict[str, Any] = {}
     if option.experts and option.experts["size"] > 1:
         rules.update({"batch": "data", "expert": "data"})
@@ -169,7 +174,7 @@ def with_constraint(builder: Callable, config) -> Callable:
 
     if not takes_keyword(builder, "constrain"):
         raise TypeError("search_job: the chosen option has a context axis or places MoE experts, so model_fn must take "
-                        "a constrain= keyword (the activation constraint, e.g. lambda remat='none', constrain=None: "
+                        "a constrain= keyword (the activation constraint, e.g. lambda constrain=None: "
                         "Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain or no_constraint)); or leave context=(1,)")
     n = math.prod(config.mesh.values())
     if len(jax.devices()) < n:

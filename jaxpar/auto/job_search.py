@@ -11,11 +11,13 @@ and its compiled memory (``memory_analysis``: arguments + outputs + temp − ali
 against the budget; if it does not fit, the next one is tried. What it may choose from is one
 value, a `jaxpar.auto.JobSearchSpace`.
 
-Recompute: with ``remat=("none", "full", ...)`` the search builds the model once per
-policy (``model_fn(remat=policy)``, e.g. `GPTConfig.remat` for each block) and prices it
-like any other option: the graph marks each ``jax.checkpoint`` region, values its policy
-does not keep live only during that region's backward (`jaxpar.auto.cost.temp_parts`) and
-its forward runs twice (``+1/3`` of its FLOPs, its forward collectives again).
+Recompute: with ``remat=("none", "full", ...)`` the search builds the model once and
+prices each policy the way the Trainer applies ``ParallelConfig.remat``: on the loss with
+each of the model's blocks recomputed (`jaxpar.nn.blocks.remat_loss`, the functions the
+step uses, so both recompute the same blocks). The graph marks each ``jax.checkpoint``
+region, values its policy does not keep live only during that region's backward
+(`jaxpar.auto.cost.temp_parts`) and its forward runs twice (``+1/3`` of its FLOPs, its
+forward collectives again). The chosen policy is the chosen config's ``remat``.
 
 Pipeline stages: with ``pipeline_stages=(1, 2, ...)`` and a `jaxpar.pipeline.PipelineLoss`
 (``pipeline_loss``, or ``loss_fn`` itself), a stage count ``p`` adds meshes
@@ -27,9 +29,8 @@ unpipelined loss, blocks in a scan), then priced by `jaxpar.auto.pricing.price_p
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -38,11 +39,13 @@ import numpy as np
 from jaxpar.auto.api import search
 from jaxpar.auto.cost import CostParams, analyse
 from jaxpar.auto.graph import build_graph
-from jaxpar.auto.job_options import needs_constraint, option_config, plain_options, takes_keyword, with_constraint
+from jaxpar.auto.job_options import needs_constraint, option_config, plain_options, with_constraint
 from jaxpar.auto.pricing import micro_batch, price_pipeline, stacked_params
 from jaxpar.auto.search_space import JobSearchSpace
 from jaxpar.auto.strategy import Strategy, glob_escape
+from jaxpar.nn.blocks import remat_loss
 from jaxpar.nn.specs import declared_names
+from jaxpar.pipeline.stages import StagedLoss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +112,7 @@ class JobSearchResult:
 
     @property
     def remat(self) -> str:
-        """The recompute policy chosen: build the model with ``model_fn(remat=job.remat)``."""
+        """The recompute policy chosen: ``config.remat``, which the Trainer applies to each block."""
         return self.chosen.remat
 
     def explain(self, top: int = 12) -> str:
@@ -161,17 +164,6 @@ def mesh_shapes(devices: int) -> list[dict[str, int]]:
     return [{"data": devices // m, "model": m} for m in range(1, devices + 1) if devices % m == 0]
 
 
-def _with_remat(model_fn: Callable, policy: str, policies: Sequence[str]) -> Callable:
-    """``model_fn`` building the model with recompute ``policy`` (``model_fn(remat=policy)``)."""
-    if tuple(policies) == ("none",):
-        return model_fn
-    if not takes_keyword(model_fn, "remat"):
-        raise TypeError(f"search_job: remat={tuple(policies)} needs model_fn to take a remat= keyword (the policy for "
-                        "its repeated blocks, e.g. lambda remat='none': GPT(dataclasses.replace(cfg, remat=remat), "
-                        "rngs=nnx.Rngs(0))); or give JobSearchSpace(remat=('none',))")
-    return functools.partial(model_fn, remat=policy)
-
-
 def _pipeline_config(option: JobOption, base, block_paths: set[str]):
     """The semi-auto config of a pipelined option: its strategy's specs, with the blocks' leading
     (layers) dimension on the pipe axis."""
@@ -183,7 +175,8 @@ def _pipeline_config(option: JobOption, base, block_paths: set[str]):
     specs = {glob_escape(path): PartitionSpec("pipe", *tuple(spec)[1:]) if path in block_paths else spec
              for path, _, spec, _ in option.strategy.params}
     return dataclasses.replace(
-        base, mode="semi_auto", mesh=dict(option.mesh), rules={}, grad_accum=1, parameter_strategy=specs,
+        base, mode="semi_auto", mesh=dict(option.mesh), rules={}, grad_accum=1, remat=option.remat,
+        parameter_strategy=specs,
         dataset_strategy=option.strategy.dataset_strategy(),
         pipeline=PipelineConfig(stages=pipe["stages"], microbatches=pipe["microbatches"],
                                 schedule=pipe["schedule"], virtual_stages=pipe["virtual_stages"]))
@@ -198,14 +191,14 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
     winner by compiling it (``dry_run``).
 
     Args:
-      model_fn: builds the model (called abstractly for the search, for real in the dry run);
-        with ``space.remat`` other than ``("none",)`` it must take ``remat=`` (the policy of
-        its repeated blocks, e.g. `GPTConfig.remat`); with a context size or MoE layers it is
-        built with ``model_fn(constrain=...)``.
+      model_fn: builds the model (called abstractly once for the search, for real in the dry
+        run); with a context size or MoE layers it is built with ``model_fn(constrain=...)``.
+        Recompute policies are applied to its blocks from outside, as ``ParallelConfig.remat``.
       loss_fn, batch: as for `jaxpar.auto.search` (``batch``: the whole step's global batch).
       space: the choices to search over, checked when it was built.
       base_config: ``ParallelConfig`` whose other settings (``optimizer.threshold_kb``,
-        ``dataset_strategy``, annotations in ``parameter_strategy``) are kept.
+        ``dataset_strategy``, annotations in ``parameter_strategy``) are kept; its ``remat``
+        must be ``"none"`` (the search chooses it from ``space.remat``).
       tx: the optimizer the dry run compiles with.
       cost_params: the `CostParams` to price with (default ``CostParams()``).
       dry_run: ``compile_fn(model_fn, loss_fn, batch, config, tx) -> jax.stages.Compiled``
@@ -214,9 +207,10 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
       pipeline_loss: the `jaxpar.pipeline.PipelineLoss` for ``space.pipeline_stages`` above 1
         (default: ``loss_fn``, which must then be one).
 
-    The answer's ``config`` is the chosen ``ParallelConfig``; build the model with
-    ``model_fn(remat=job.remat)`` (when several policies were tried) and, for a pipelined
-    config, train with the ``PipelineLoss``.
+    The answer's ``config`` is the chosen ``ParallelConfig``, its recompute policy in
+    ``config.remat`` (``job.remat``), which the Trainer applies to each of the model's blocks;
+    build the model with ``model_fn()`` and, for a pipelined config, train with the
+    ``PipelineLoss``.
 
     >>> space = JobSearchSpace(devices=8, memory_budget=16e9, remat=("none", "full"))   # doctest: +SKIP
     >>> job = search_job(model_fn, loss_fn, batch, space, dry_run=compile_step)          # doctest: +SKIP
@@ -232,33 +226,29 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
     if dry_run not in (None, False) and not callable(dry_run):
         raise TypeError(f"search_job: dry_run={dry_run!r} must be a compile function such as "
                         "jaxpar.train.compile_step, or None for no dry run")
-    devices, memory_budget, remat = space.devices, space.memory_budget, space.remat
+    devices, memory_budget = space.devices, space.memory_budget
     base = base_config or ParallelConfig(mode="auto")
+    if base.remat != "none":
+        raise ValueError(f"search_job: base_config.remat={base.remat!r}, but the search chooses the recompute "
+                         f"policy itself, from space.remat={space.remat}; give JobSearchSpace(remat=({base.remat!r},)) "
+                         f"(jaxpar plan: --remat-options {base.remat}) and leave base_config.remat at 'none'")
     params = cost_params or CostParams()
     rows = jax.tree.leaves(batch)[0].shape[0]
     shapes = [dict(m) for m in space.meshes] if space.meshes is not None else mesh_shapes(devices)
     options: list[JobOption] = []
-    builders = {r: _with_remat(model_fn, r, remat) for r in remat}
-
-    @functools.cache
-    def abstract(policy: str):
-        return nnx.eval_shape(builders[policy])
-
-    # every policy has the same parameters: a budget below the floor is refused before any search
-    check_memory_floor(abstract(remat[0]), batch, devices=devices, memory_budget=memory_budget, params=params)
-
-    @functools.cache
-    def model_names(policy: str) -> set[str]:
-        return declared_names(base, nnx.state(abstract(policy), nnx.Param))
+    abstract = nnx.eval_shape(model_fn)      # one model: recompute goes on its blocks from outside
+    check_memory_floor(abstract, batch, devices=devices, memory_budget=memory_budget, params=params)
     if 1 in space.pipeline_stages:
-        options += plain_options(JobOption, abstract, loss_fn, batch, base, shapes, space, params=params,
+        # each policy on the blocks the Trainer's step recomputes (a StagedLoss names them)
+        order = loss_fn.order if isinstance(loss_fn, StagedLoss) else None
+        loss_of = {r: remat_loss(abstract, loss_fn, r, order) for r in space.remat}
+        options += plain_options(JobOption, abstract, loss_of, batch, base, shapes, space, params=params,
                                  strategies_of=_strategies)
     blocks: set[str] = set()
     pipe_loss = loss_fn if pipeline_loss is None else pipeline_loss
     staged = [p for p in space.pipeline_stages if p > 1]
     if staged:
-        plain = model_fn if tuple(remat) == ("none",) else builders.get("none", model_fn)
-        blocks = _pipeline_options(options, staged, nnx.eval_shape(plain), pipe_loss, batch, base, space, params)
+        blocks = _pipeline_options(options, staged, abstract, pipe_loss, batch, base, space, params)
     if not options:
         raise ValueError(f"search_job: no option for devices={devices}: the batch's {rows} rows divide by none of "
                          f"grad_accum={space.grad_accum} x data sizes of {shapes}, nor the pipeline's micro-batches")
@@ -273,10 +263,11 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
                     else OptimizerConfig(level=0))
             if o.pipeline:
                 cfg = dataclasses.replace(_pipeline_config(o, base, blocks), optimizer=zero)
-                build = builders.get("none", model_fn) if tuple(remat) != ("none",) else model_fn
+                build = model_fn
             else:
-                cfg = option_config(o, base, space.search_name, zero, model_names(o.remat))
-                build = with_constraint(builders[o.remat], cfg) if needs_constraint(o) else builders[o.remat]
+                names = declared_names(base, nnx.state(abstract, nnx.Param))
+                cfg = option_config(o, base, space.search_name, zero, names)
+                build = with_constraint(model_fn, cfg) if needs_constraint(o) else model_fn
             report = _dry_run(dry_run, build, pipe_loss if o.pipeline else loss_fn, batch, cfg, tx, memory_budget) \
                 if dry_run not in (None, False) else None
             if report is None or report["fits"]:

@@ -48,9 +48,10 @@ class JobSearchSpace:
       zero_levels: ZeRO levels to try.
       grad_accum: micro-batch counts to try without a pipeline (those that do not divide the
         batch are skipped).
-      remat: recompute policies to try (`jaxpar.remat` names, one or several; other than ``("none",)`` the
-        model function must take ``remat=``; pipelined options use the model as built, the
-        pipeline's executor already recomputes each stage's forward).
+      remat: recompute policies to try (`jaxpar.remat` names, one or several), each priced on
+        the model's blocks as ``ParallelConfig.remat`` applies it (the chosen one is the
+        config's ``remat``); pipelined options are priced without one, the pipeline's
+        executor already recomputes each stage's forward.
       pipeline_stages: stage counts to try (1: no pipeline).
       microbatches: the pipeline's micro-batch counts (``None``: ``p, 2p, 4p``).
       schedule: the pipeline schedule, or several to choose from (``"gpipe"``, ``"1f1b"``,

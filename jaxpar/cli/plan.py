@@ -147,6 +147,10 @@ def check_plan_flags(args) -> None:
     if given(args, "rules"):
         refuse(f"--rules {args.rules} is replaced by the search under --search (it plans every parameter); pin "
                "parameters with --annotate PATH=STRATEGY instead, or leave --rules out")
+    if args.memory_budget is not None and given(args, "remat"):
+        refuse(f"--remat {args.remat} is chosen by the job search under --memory-budget (it prices each policy "
+               f"on the model's blocks); offer it with --remat-options {args.remat} (or none,{args.remat}), or "
+               "leave --remat out")
     if args.memory_budget is None:
         budget_only = [f for f in ("zero_levels", "accum_options", "remat_options", "pipeline_options",
                                    "microbatch_options", "schedule") if given(args, f)]

@@ -55,6 +55,10 @@ def model_config(job: JobConfig, vocab: int | None = None):
         grow = {"seq_len": max(cfg.seq_len, job.data.seq_len)}
     if vocab is not None and "vocab_size" not in m.fields:
         grow["vocab_size"] = max(cfg.vocab_size, vocab)
+    if "remat" in m.fields:     # recompute is a parallel setting, applied to the model's blocks from outside
+        raise ValueError(f"job config model.fields.remat={m.fields['remat']!r}: a model has no recompute policy; "
+                         f"set it under parallel (parallel.remat: {m.fields['remat']}, i.e. ParallelConfig.remat), "
+                         f"which the Trainer applies to each of the model's blocks")
     known = {f.name for f in dataclasses.fields(cfg)}
     unknown = sorted(set(m.fields) - known)
     if unknown:

@@ -83,10 +83,10 @@ def _search_job(s: SearchSettings, job: JobConfig, space, batch):
               "paths are those of GPTConfig(scan_layers=True)")
         gpt = dataclasses.replace(gpt, scan_layers=True)
 
-    def model_fn(remat="none", constrain=None):
+    def model_fn(constrain=None):
         # a context-parallel option is built with its constraint: attention across the context axis
         extra = {} if constrain is None else {"constrain": constrain}
-        return GPT(dataclasses.replace(gpt, remat=remat), rngs=nnx.Rngs(job.train.seed), **extra)
+        return GPT(gpt, rngs=nnx.Rngs(job.train.seed), **extra)
 
     # --annotate reaches the job search through the base config, whose parameter_strategy it keeps.
     base = dataclasses.replace(s.config, parameter_strategy={**s.config.parameter_strategy, **dict(s.annotate)})
@@ -94,7 +94,7 @@ def _search_job(s: SearchSettings, job: JobConfig, space, batch):
                        pipeline_loss=pipeline_loss(), dry_run=compile_step)
     print(found.explain())
     if found.remat != "none":
-        print(f"recompute: build the model with GPTConfig(remat={found.remat!r})")
+        print(f"recompute: remat={found.remat!r} in the config (parallel.remat), on each block of the model")
     if found.config.context is not None:
         print(f"context: the sequence split over {found.config.context.axis!r} "
               f"({found.config.context.strategy} attention, {found.config.context.order} order)")

@@ -22,11 +22,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar.models.llama_config import check_loss_chunks
+from jaxpar.models.llama_config import check_loss_chunks, refuse_remat
 from jaxpar.nn.moe import MoE, MoEConfig, moe_aux_loss
 from jaxpar.ops.cross_entropy import chunked_cross_entropy
 
 
+@refuse_remat    # recompute is ParallelConfig.remat, applied to the blocks from outside
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GPTConfig:
     vocab_size: int = 16
@@ -36,7 +37,6 @@ class GPTConfig:
     mlp: int = 256
     layers: int = 2
     scan_layers: bool = False   # stack blocks on a "layers" axis and run them with scan
-    remat: str = "none"         # jax.checkpoint policy name for each block ("none" = keep all)
     dtype: str = "float32"
     dropout: float | None = None  # residual dropout rate; None = no Dropout modules (no RNG state)
     fused_qkv: bool = False     # one [embed, 3 * heads * head_dim] projection for q, k and v
@@ -139,14 +139,6 @@ class Block(nnx.Module):
         return constrain(x + drop(mlp), ("batch", "length", "embed"))
 
 
-def _remat(fn, policy: str):
-    if policy == "none":
-        return fn
-    from jaxpar.remat import checkpoint_policy  # policies by name (jax.checkpoint's, and a few more)
-
-    return nnx.remat(fn, policy=checkpoint_policy(policy))
-
-
 class GPT(nnx.Module):
     """Token embedding → ``layers`` transformer blocks → final norm and vocabulary head."""
 
@@ -173,7 +165,7 @@ class GPT(nnx.Module):
         return self.constrain(self.wte[...][tokens] + pos, ("batch", "length", "embed"))
 
     def run_blocks(self, x, positions=None):
-        block_fn = _remat(lambda block, h: block(h, self.constrain, positions), self.cfg.remat)
+        block_fn = lambda block, h: block(h, self.constrain, positions)  # noqa: E731
         if self.cfg.scan_layers:
             @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
             def scan_fn(block, h):

@@ -244,14 +244,6 @@ class Block(nnx.Module):
         return constrain(x + self.mlp(self.mlp_norm(x), constrain), ("batch", "length", "embed"))
 
 
-def _remat(fn, policy: str):
-    if policy == "none":
-        return fn
-    from jaxpar.remat import checkpoint_policy  # policies by name (jax.checkpoint's, and a few more)
-
-    return nnx.remat(fn, policy=checkpoint_policy(policy))
-
-
 def _check_tokens(tokens, segment_ids, name: str = "segment_ids") -> None:
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise TypeError(f"Llama takes integer token ids [batch, length], got {tokens.dtype} {tuple(tokens.shape)}; "
@@ -297,7 +289,7 @@ class Llama(nnx.Module):
 
     def run_blocks(self, x, segment_ids=None, positions=None):
         positions = token_positions(x, segment_ids, positions)
-        block_fn = _remat(lambda block, h: block(h, positions, segment_ids, self.constrain), self.cfg.remat)
+        block_fn = lambda block, h: block(h, positions, segment_ids, self.constrain)  # noqa: E731
         if self.cfg.scan_layers:
             @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
             def scan_fn(block, h):

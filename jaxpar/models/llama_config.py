@@ -13,6 +13,7 @@ A frozen keyword-only dataclass, checked when it is built; the model in
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 ATTENTION = ("auto", "xla", "cudnn", "reference")
@@ -65,6 +66,32 @@ def check_loss_chunks(owner: str, chunks: Any, seq_len: int, seq_field: str) -> 
                          f"loss_chunks-th position of a sequence; use loss_chunks <= {seq_len} (e.g. 8), or 0")
 
 
+def refuse_remat(cls: type) -> type:
+    """``cls`` (a model config) whose constructor refuses ``remat=`` with the setting to use:
+    recompute is a parallel-training technique, set once in ``ParallelConfig.remat``, which
+    the step applies to each of the model's blocks from outside (a model carries no policy).
+
+    >>> LlamaConfig(remat="full")      # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: LlamaConfig(remat='full'): a model config has no recompute policy; set ParallelConfig(remat='full') ...
+    """
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        if "remat" in kwargs:
+            policy = kwargs["remat"]
+            raise TypeError(f"{cls.__name__}(remat={policy!r}): a model config has no recompute policy; set "
+                            f"ParallelConfig(remat={policy!r}) (in a job file: parallel.remat: {policy}), which "
+                            f"the Trainer applies to each of the model's blocks")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+@refuse_remat
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
     """The shape and options of a Llama-3 model. ``LlamaConfig.named(name)`` gives the sizes.
@@ -86,7 +113,6 @@ class LlamaConfig:
     norm_eps: float = 1e-5        # RMSNorm epsilon
     tie_embeddings: bool = False  # the output head reuses the token embedding table
     scan_layers: bool = False     # stack blocks on a "layers" axis and run them with scan
-    remat: str = "none"           # jax.checkpoint policy name for each block ("none" = keep all)
     attention: str = "auto"       # "auto" | "xla" | "cudnn" | "reference" (plain einsum softmax)
     dtype: str | None = None      # compute dtype of activations; None = the parameters' dtype as used
                                   # (param_dtype, or the compute dtype of a jaxpar.Precision)
@@ -118,10 +144,6 @@ class LlamaConfig:
         self._check_options()
 
     def _check_options(self) -> None:
-        from jaxpar.remat import POLICY_NAMES  # recompute policies by name
-
-        if self.remat not in POLICY_NAMES:
-            raise ValueError(f"LlamaConfig.remat={self.remat!r} is not one of {POLICY_NAMES}")
         if self.attention not in ATTENTION:
             raise ValueError(f"LlamaConfig.attention={self.attention!r} is not one of {ATTENTION}")
         for name in ("dtype", "param_dtype"):

@@ -109,7 +109,7 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
     ``heads`` / ``kv_heads`` / ``mlp``; tokens by the batch axes. The fp32 logits
     (vocab per token, split as ``vocab``) are added once; with ``loss_chunks`` instead the
     gradients the chunked loss keeps (embed per token, and the head's in fp32). With recompute ``"full"`` /
-    ``"nothing_saveable"`` (the config's or the model's) a layer keeps only its input, plus one
+    ``"nothing_saveable"`` (``ParallelConfig.remat``) a layer keeps only its input, plus one
     layer's full set while it is recomputed; other policies are reported at the
     no-recompute bound.
 
@@ -123,7 +123,7 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
     layer = (4 * cfg.embed + (2 * cfg.heads * cfg.head_dim + probs) / heads
              + 2 * cfg.kv_heads * cfg.head_dim / kv + 3 * cfg.mlp / mlp)
     itemsize = np.dtype(compute_dtype or cfg.dtype or cfg.param_dtype).itemsize
-    recompute = {plan.remat, cfg.remat} & set(_SAVE_INPUTS)
+    recompute = plan.remat in _SAVE_INPUTS
     kept = cfg.layers * cfg.embed + layer if recompute else cfg.layers * layer
     vocab = cfg.vocab_size / _degree(plan, "vocab")
     # chunked loss: the gradients its forward computed (dh per token, the head's in fp32), not logits
@@ -292,7 +292,7 @@ def llama_report(model: LlamaConfig | str, config: ParallelConfig, *, batch: int
     name = model if isinstance(model, str) else "custom"
     return ModelReport(name=name, description=describe(cfg), mesh=sizes, zero_level=plan.zero_level, batch=batch,
                        seq_len=seq, attention=attention, attention_setting=cfg.attention, backend=backend,
-                       remat=cfg.remat if cfg.remat != "none" else plan.remat, flops=flops, memory=est,
+                       remat=plan.remat, flops=flops, memory=est,
                        compiled=compiled, compiled_note="compiled" if compiled is not None else compiled_note,
                        throughput=speed)
 

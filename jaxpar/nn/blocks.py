@@ -4,19 +4,23 @@ Around the whole loss, ``jax.checkpoint`` makes XLA keep the stacked activations
 layers (on an H100, a Llama 1B took 70.6 GiB that way against 43.4 GiB with the same policy
 on each block). So the step applies the policy to each block ``find_blocks`` returns (the
 scan body of stacked layers, or each unrolled layer) with ``jaxpar.remat`` on the module,
-and to the whole loss only for a model without blocks.
+and to the whole loss only for a model without blocks. The job search prices a policy with
+the same functions (`remat_loss`), so it recomputes the blocks the Trainer will. Models carry
+no recompute setting of their own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 from flax import nnx
 
 from jaxpar.nn.specs import logical_names
 from jaxpar.remat import remat
 
-__all__ = ["BLOCKS_HOOK", "block_policy", "find_blocks", "remat_blocks"]
+__all__ = ["BLOCKS_HOOK", "block_policy", "find_blocks", "recompute_paths", "recomputed_loss", "remat_blocks",
+           "remat_loss"]
 
 BLOCKS_HOOK = "jaxpar_blocks"
 """The model attribute that names its blocks: module paths, as ``StagedLoss.order``."""
@@ -67,8 +71,7 @@ def find_blocks(model: nnx.Module, order: Sequence[str] | None = None) -> tuple[
 
 def block_policy(model: nnx.Module, paths: Sequence[str]) -> str | None:
     """The recompute policy ``model`` already puts on its blocks, as a setting to name, or ``None``:
-    a config field ``cfg.remat`` / ``config.remat`` (``LlamaConfig``, ``GPTConfig``), or a block
-    recomputed by ``jaxpar.remat(block, policy)``.
+    a block recomputed by ``jaxpar.remat(block, policy)``.
 
     Example:
         >>> class M(nnx.Module):
@@ -81,15 +84,56 @@ def block_policy(model: nnx.Module, paths: Sequence[str]) -> str | None:
         >>> block_policy(m, find_blocks(m))
         "jaxpar.remat(model.layers.1, 'dots_saveable')"
     """
-    for name in ("cfg", "config"):
-        own = getattr(getattr(model, name, None), "remat", "none")
-        if isinstance(own, str) and own != "none":
-            return f"{type(getattr(model, name)).__name__}.remat={own!r}"
     for path in paths:
         own = getattr(type(_resolve(model, path)), "_jaxpar_remat_policy", None)
         if own is not None:
             return f"jaxpar.remat(model.{path.replace('/', '.')}, {own!r})"
     return None
+
+
+def recompute_paths(model: nnx.Module, policy: str, order: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The blocks ``ParallelConfig.remat=policy`` recomputes in ``model`` (`find_blocks`; ``order``:
+    a ``StagedLoss``'s module paths), for the step and the job search alike. ``()`` when there
+    are none, so the policy wraps the whole loss (with a ``UserWarning`` unless the model names
+    no blocks on purpose, ``jaxpar_blocks = ()``). A model whose blocks carry their own policy
+    too (`block_policy`) is refused with a ``ValueError`` naming both.
+
+    Example:
+        >>> class M(nnx.Module):
+        ...     def __init__(self):
+        ...         self.layers = nnx.List([nnx.Linear(2, 2, rngs=nnx.Rngs(0)) for _ in range(2)])
+        >>> recompute_paths(M(), "full")
+        ('layers/0', 'layers/1')
+    """
+    paths = find_blocks(model, order)
+    name = type(model).__name__
+    if not paths:
+        if getattr(model, BLOCKS_HOOK, None) is None:
+            warnings.warn(
+                f"ParallelConfig.remat={policy!r}: found no repeated blocks in {name} (no module stacked on a "
+                f"'layers' axis, no nnx.List of two or more modules of one class), so the policy wraps the whole "
+                f"loss, where XLA keeps scanned layers' stacked activations. Name the blocks with a "
+                f"{BLOCKS_HOOK} = ('layers',) attribute on {name} (module paths), or {BLOCKS_HOOK} = () to keep "
+                f"the whole-loss recompute", UserWarning, stacklevel=3)
+        return ()
+    own = block_policy(model, paths)
+    if own is not None:
+        raise ValueError(f"ParallelConfig.remat={policy!r} and {own} both set a recompute policy for the blocks "
+                         f"of {name} ({', '.join(paths)}); set one of them (ParallelConfig.remat applies its "
+                         f"policy to each block, as jaxpar.remat on a block does)")
+    return paths
+
+
+def recomputed_loss(loss_fn: Callable, paths: Sequence[str], policy: str) -> Callable:
+    """``loss_fn(model, batch, *rest)`` run on the model with each block at ``paths`` recomputed
+    with ``policy`` (`remat_blocks` on the model it gets: a model merged inside the traced
+    function, so the caller's model keeps its classes)."""
+    paths = tuple(paths)
+
+    def with_recomputed_blocks(model, batch, *rows):
+        return loss_fn(remat_blocks(model, paths, policy), batch, *rows)
+
+    return with_recomputed_blocks
 
 
 def remat_blocks(model: nnx.Module, paths: Sequence[str], policy: str) -> nnx.Module:
@@ -98,6 +142,33 @@ def remat_blocks(model: nnx.Module, paths: Sequence[str], policy: str) -> nnx.Mo
     for path in paths:
         remat(_resolve(model, path), policy)
     return model
+
+
+def remat_loss(model: nnx.Module, loss_fn: Callable, policy: str, order: Sequence[str] | None = None) -> Callable:
+    """``loss_fn`` as the step runs it for ``model`` under ``ParallelConfig.remat=policy``: each
+    block recomputed (`recompute_paths`, `recomputed_loss`), or, for a model without blocks, the
+    whole loss (``jaxpar.remat`` on the function). What the job search traces to price a policy.
+
+    Example:
+        >>> class M(nnx.Module):
+        ...     def __init__(self):
+        ...         self.layers = nnx.List([nnx.Linear(2, 2, rngs=nnx.Rngs(0)) for _ in range(2)])
+        >>> def loss(m, x):
+        ...     for layer in m.layers:
+        ...         x = layer(x)
+        ...     return (x ** 2).sum()
+        >>> remat_loss(M(), loss, "none") is loss
+        True
+        >>> import jax.numpy as jnp
+        >>> m = M()
+        >>> _ = remat_loss(m, loss, "full")(m, jnp.ones((1, 2)))   # recomputes the blocks of the model it runs
+        >>> [type(layer)._jaxpar_remat_policy for layer in m.layers]
+        ['full', 'full']
+    """
+    if policy == "none":
+        return loss_fn
+    paths = recompute_paths(model, policy, order)
+    return recomputed_loss(loss_fn, paths, policy) if paths else remat(loss_fn, policy)
 
 
 def _order(path: tuple) -> tuple:

@@ -23,7 +23,6 @@ rows as it treats parameters.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.data import part_shapes
 from jaxpar.nn import fp8
-from jaxpar.nn.blocks import BLOCKS_HOOK, block_policy, find_blocks, remat_blocks
+from jaxpar.nn.blocks import recompute_paths, recomputed_loss
 from jaxpar.optim import accumulate, fusion
 from jaxpar.optim.offload import to_device
 from jaxpar.optim.zero import gather_params, reduce_gradients
@@ -238,31 +237,13 @@ def recompute_blocks(s: Setting, loss_fn: Callable, policy: str, order=None) -> 
     the model loss with the blocks' classes swapped for recomputed ones on the model it gets,
     and ``"none"`` left for ``recompute``. A model without blocks gets it back unchanged with
     ``policy`` (the whole loss) and a warning; one whose blocks carry their own policy too is
-    refused."""
+    refused (`jaxpar.nn.blocks.recompute_paths`, which the job search prices with too)."""
     if policy == "none":
         return loss_fn, policy
-    model = nnx.merge(s.graphdef, s.params_like, s.rest_like)
-    paths = find_blocks(model, order)
-    name = type(model).__name__
+    paths = recompute_paths(nnx.merge(s.graphdef, s.params_like, s.rest_like), policy, order)
     if not paths:
-        if getattr(model, BLOCKS_HOOK, None) is None:
-            warnings.warn(
-                f"ParallelConfig.remat={policy!r}: found no repeated blocks in {name} (no module stacked on a "
-                f"'layers' axis, no nnx.List of two or more modules of one class), so the policy wraps the whole "
-                f"loss, where XLA keeps scanned layers' stacked activations. Name the blocks with a "
-                f"{BLOCKS_HOOK} = ('layers',) attribute on {name} (module paths), or {BLOCKS_HOOK} = () to keep "
-                f"the whole-loss recompute", UserWarning, stacklevel=2)
         return loss_fn, policy
-    own = block_policy(model, paths)
-    if own is not None:
-        raise ValueError(f"ParallelConfig.remat={policy!r} and {own} both set a recompute policy for the blocks "
-                         f"of {name} ({', '.join(paths)}); set one of them (ParallelConfig.remat applies its "
-                         f"policy to each block, as the model's own setting does)")
-
-    def with_recomputed_blocks(model, batch, *rows):
-        return loss_fn(remat_blocks(model, paths, policy), batch, *rows)
-
-    return with_recomputed_blocks, "none"
+    return recomputed_loss(loss_fn, paths, policy), "none"
 
 
 def recompute(loss: Callable, policy: str) -> Callable:
