@@ -204,6 +204,25 @@ def test_job_file_model_field_remat_names_parallel_remat(model):
     assert model_config(fixed).layers == 2 and fixed.parallel.remat == "full"
 
 
+def test_remat_loss_recomputes_what_the_step_does():
+    """What the job search traces to price a policy (`remat_loss`): one recompute region per
+    block the step finds, or, for a model without blocks, one around the whole loss with the
+    step's warning."""
+    from jaxpar.auto import build_graph
+    from jaxpar.nn.blocks import block_policy, remat_loss
+
+    batch = ArithmeticData(8).batch(4, 0)
+    for cfg in (LlamaConfig.named("tiny", layers=3), LlamaConfig.named("tiny", scan_layers=True)):
+        model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))    # noqa: B023
+        assert len(build_graph(model, loss_fn, batch).regions) == 0
+        assert len(build_graph(model, remat_loss(model, loss_fn, "full"), batch).regions) == len(find_blocks(model))
+        assert block_policy(model, find_blocks(model)) is None      # traced on a merged copy: its classes stay
+    plain = {"x": np.ones((4, 2), np.float32), "y": np.zeros((4, 2), np.float32)}
+    with pytest.warns(UserWarning, match=r"found no repeated blocks in Plain"):
+        whole = remat_loss(Plain(), _plain_loss, "full")
+    assert len(build_graph(Plain(), whole, plain).regions) == 1
+
+
 def test_blocks_doctests():
     from jaxpar.nn import blocks
 
