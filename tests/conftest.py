@@ -44,7 +44,7 @@ def tag():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Long tests first (a stable sort on the ``slow`` mark): the xdist workers hand out tests in
-    this order, so the short ones fill the end of the run instead of one worker finishing a
-    minutes-long test while the other idles."""
+    """Long tests first (a stable sort on the ``slow`` mark): the xdist workers are handed tests
+    one at a time in this order (``--maxschedchunk 1`` in pyproject.toml), so the short ones fill
+    the end of the run instead of one worker finishing a minutes-long test while the other idles."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -4,6 +4,7 @@ Cells run in child processes (a few cells each) under a timeout, so a cell that 
 process or hangs fails its test by name instead of taking the suite down.
 """
 
+import fcntl
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 import jaxpar
 import matrix
 
-GROUP = 4
+GROUP = 6
 GROUPS = [matrix.CELLS[i:i + GROUP] for i in range(0, len(matrix.CELLS), GROUP)]
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "matrix_worker.py")
 # Cells compile fresh: XLA:CPU executables loaded from the persistent compilation cache can
@@ -38,8 +39,18 @@ def _references(cells, path) -> str:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    return _references(matrix.CELLS, tmp_path_factory.mktemp("matrix") / "reference.npz")
+def references(tmp_path_factory, worker_id):
+    """The references file, computed once per run: under xdist the first worker to need it
+    writes it to the run's shared temporary folder (under a lock) and the others read it."""
+    if worker_id == "master":
+        return _references(matrix.CELLS, tmp_path_factory.mktemp("matrix") / "reference.npz")
+    shared = tmp_path_factory.getbasetemp().parent     # one folder per run, shared by its workers
+    path = shared / "matrix_reference.npz"
+    with open(shared / "matrix_reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            os.replace(_references(matrix.CELLS, shared / "matrix_reference.partial.npz"), path)
+    return str(path)
 
 
 def _run_worker(cells, references, tmp_path) -> list[dict]:
