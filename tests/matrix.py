@@ -172,9 +172,10 @@ def _cover(seed: int = COVER_SEED) -> list[dict]:
     the dearest first (never a `PRODUCT` cell). Pair sets are bit masks (one bit a pair), so a
     score is one ``&`` and a popcount.
 
-    Pricing the cells cuts the cover's time by 40 % against taking the most pairs alone (42 cells
-    at 411 estimated CPU seconds against 41 cells at 693): every pair is still covered, with fewer
-    costly features stacked in one cell (triples of feature values covered: 3,774 against 4,096)."""
+    Pricing the cells cut the cover's time by 38 % against taking the most pairs alone: 42 cells,
+    411 estimated and 406 measured CPU seconds, against 41 cells, 693 estimated and 650 measured
+    (`tests/workers/matrix_costs.py`, 2 cores). Every pair is still covered, with fewer costly
+    features stacked in one cell (triples of feature values covered: 3,774 against 4,096)."""
     import random
 
     rng = random.Random(seed)
