@@ -186,6 +186,20 @@ def test_import_export_bit_exact(untied, tmp_path):
     _same_files(directory, tmp_path / "hf")
 
 
+def test_export_reads_a_checkpoint_whose_llama_config_has_remat(untied, tmp_path):
+    """Checkpoints written while LlamaConfig had a ``remat`` field record it in their model
+    description; export drops it (the parameters do not depend on it) instead of refusing it."""
+    directory, _, _ = untied
+    import_hf(directory, str(tmp_path / "ckpt"), scan_layers=True)
+    path = tmp_path / "ckpt" / "0" / "strategy" / "metadata"       # the strategy item of step 0, as JSON
+    strategy = json.loads(path.read_text())
+    assert "remat" not in strategy["model"]["config"]
+    strategy["model"]["config"]["remat"] = "full"       # as a jaxpar from before the field's removal wrote it
+    path.write_text(json.dumps(strategy))
+    export_hf(str(tmp_path / "ckpt"), None, str(tmp_path / "hf"))
+    _same_files(directory, tmp_path / "hf")
+
+
 def test_cli_round_trip_sharded_bf16(tied_bf16, tmp_path):
     """`jaxpar ckpt import-hf / export-hf`: a bf16 tied model from an index, one file back, bit-exact."""
     directory, _, _ = tied_bf16

@@ -44,6 +44,9 @@ from jaxpar.shard import LogicalConstraint
 from jaxpar.strategy import recording_rules
 
 MODEL_FAMILY = "llama"
+# LlamaConfig fields a checkpoint's model description may hold from before they were removed:
+# "remat" (recompute is ParallelConfig.remat now), which the parameters do not depend on.
+FORMER_LLAMA_FIELDS = ("remat",)
 _ONE_DEVICE = ParallelConfig(mesh={"data": 1}, mode="data")
 
 
@@ -256,7 +259,7 @@ def _resolve(source, cfg: LlamaConfig | None, step: int | None):
             if model.get("family") != MODEL_FAMILY:
                 raise ValueError(f"checkpoint {source} does not record a Llama config (it was not written by "
                                  "import_hf); pass cfg=LlamaConfig(...), or --hf-config on the command line")
-            cfg = LlamaConfig(**model["config"])
+            cfg = LlamaConfig(**{k: v for k, v in model["config"].items() if k not in FORMER_LLAMA_FIELDS})
         base = model.get("hf_config")
     else:
         params = _flat_params(source)
