@@ -416,6 +416,8 @@ class ParallelConfig:
                 raw = next(it, None)
                 if raw is None:
                     raise ValueError(f"override {flag!r} needs a value")
+            top, dot, sub = key.partition(".")
+            key = RENAMED_FIELDS.get(top, top) + dot + sub      # a field's former name, as from_dict reads it
             _apply_override(d, key, raw)
         return cls.from_dict(d)
 

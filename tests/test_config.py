@@ -83,6 +83,9 @@ def test_the_former_name_parameter_plan_still_loads(tmp_path):
     path.write_text(yaml.safe_dump(old))
     assert jaxpar.ParallelConfig.from_yaml(str(path)) == new
     assert "parameter_plan" not in new.to_dict()     # written under the new name only
+    # an override under the former name sets the field (not "both names given")
+    assert jaxpar.ParallelConfig.from_overrides(["--parameter_plan", "{'*/up': [1, 4]}"],
+                                                base=jaxpar.ParallelConfig(mesh={"data": 2, "model": 4})) == new
 
 
 def test_both_names_of_parameter_strategy_are_refused():
