@@ -42,6 +42,7 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "typo.yaml").write_text("mesg: {data: 8}\n")
     (tmp_path / "dp.yaml").write_text("mesh: {data: 8}\nrules: {batch: data}\n")
     (tmp_path / "tp.yaml").write_text("mesh: {data: 2, model: 4}\nrules: {mlp: model}\n")
+    (tmp_path / "remat.yaml").write_text("mesh: {data: 8}\nremat: full\n")
     (tmp_path / "afile").write_text("x")
     (tmp_path / "adir").mkdir()
     (tmp_path / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
@@ -153,6 +154,8 @@ BAD = [
     (["plan", *DP, "--memory-budget", "1e6", "--accum-options", "0,1"], "--accum-options '0,1'"),
     (["plan", *DP, "--memory-budget", "1e6", "--remat-options", "some"], "unknown policies ['some']"),
     (["plan", *DP, "--memory-budget", "1e6", "--remat", "full"], "--remat full is chosen by the job search"),
+    (["plan", *DP, "--config", "remat.yaml", "--memory-budget", "1e6"],
+     "--config 'remat.yaml' sets remat 'full', which the job search under --memory-budget chooses itself"),
     (["plan", *DP, "--flops", "-1"], "--flops -1"),
     (["plan", *DP, "--latency", "-1"], "--latency -1: out of range; expected a finite number >= 0"),
     (["plan", *DP, "--annotate", "blocks"], "--annotate 'blocks': not GLOB=SPEC"),

@@ -171,6 +171,10 @@ def cmd_plan(args) -> int:
         if args.config and job.parallel.rules:
             refuse(f"--config {args.config!r} sets rules {dict(job.parallel.rules)}, which --search replaces (it "
                    "plans every parameter); drop them from the file, or pin parameters with --annotate")
+        if args.memory_budget is not None and job.parallel.remat != "none":
+            refuse(f"--config {args.config!r} sets remat {job.parallel.remat!r}, which the job search under "
+                   f"--memory-budget chooses itself (it prices each policy on the model's blocks); drop it from the "
+                   f"file and offer it with --remat-options {job.parallel.remat} (or none,{job.parallel.remat})")
         if args.plan_out:
             check_writable("--plan-out", args.plan_out)
         return search.run_plan_search(search_settings(args, job), job, devices)
