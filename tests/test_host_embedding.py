@@ -474,3 +474,28 @@ def test_snapshots_of_another_table_are_refused(saved, restored, words, tmp_path
         target.load_snapshot(source.snapshot())
     assert words in str(err.value)
     np.testing.assert_array_equal(target.numpy(), before)
+
+
+def test_a_damaged_table_is_a_damaged_step_when_resuming(tmp_path):
+    """Resuming reads a step's tables as part of the step: a damaged ``rows`` item is named like
+    a damaged state, and ``resume="newest_intact"`` passes the step over for the one before."""
+    from jaxpar.checkpoint import CheckpointDamagedError
+
+    directory = tmp_path / "ckpt"
+    table = _table("callback", "sgd")
+    first = host_trainer(table, checkpoint_dir=str(directory), save_every=1)
+    _steps(first, 0, 1)
+    at_step_1 = table.numpy()
+    _steps(first, 1, 1)
+    first.close()
+    # the file of the table's values (the largest): the item's metadata still reads
+    largest = max((p for p in (directory / "2" / "rows").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    largest.write_bytes(b"\0" * 7)
+    with pytest.raises(CheckpointDamagedError, match=r"step 2 in .* is damaged"):
+        host_trainer(_table("callback", "sgd"), checkpoint_dir=str(directory))
+    fresh = _table("callback", "sgd")
+    with pytest.warns(UserWarning, match=r"resuming from the previous step 1"):
+        resumed = host_trainer(fresh, checkpoint_dir=str(directory), resume="newest_intact")
+    assert resumed.step_count == 1
+    np.testing.assert_array_equal(fresh.numpy(), at_step_1)
+    resumed.close()

@@ -458,9 +458,11 @@ class Checkpointer:
         self.wait()
         return read_rows(self.manager, complete_step(self.manager, self.directory, step), self.directory)
 
-    def resume(self, state: TrainState, mesh) -> tuple[TrainState, dict[str, Any]] | None:
+    def resume(self, state: TrainState, mesh, *, rows: bool = False) -> tuple | None:
         """``(TrainState, meta)`` of the newest complete step in ``state``'s layout; ``None`` if
-        there is none. The caller assigns it (``trainer.state = resumed[0]``).
+        there is none. The caller assigns it (``trainer.state = resumed[0]``). ``rows=True``:
+        ``(TrainState, meta, tables)``, the step's row tables too (`restore_rows`; None when it
+        has none), read as part of the step, so a damaged ``rows`` item is a damaged step.
 
         A newest step that does not read back whole raises `CheckpointDamagedError` naming it,
         or, with ``resume="newest_intact"``, is passed over (with a warning) for the newest
@@ -474,6 +476,8 @@ class Checkpointer:
         for i, step in enumerate(steps):
             try:
                 restored = self.restore(state, mesh, step)
+                if rows:
+                    restored = (*restored, read_rows(self.manager, step, self.directory))
             except CheckpointDamagedError as e:
                 if self.resume_policy != "newest_intact" or i + 1 == len(steps):
                     raise

@@ -186,9 +186,10 @@ class Trainer:
         self.graphdef, state = init_state(plan, mesh, model, tx)
         self._set(state)
         if self.checkpointer is not None:
-            resumed = self.checkpointer.resume(self._state, mesh)     # the newest complete step, if any
+            # the newest complete step, if any (with its row tables: a damaged table is a damaged step)
+            resumed = self.checkpointer.resume(self._state, mesh, rows=self._rows is not None)
             if resumed is not None:
-                self._restore_rows(int(resumed[1]["step"]), None)
+                self._restore_rows(int(resumed[1]["step"]), None, *resumed[2:])
                 self._set(resumed[0])
 
     def _setting(self, rows=None, row_specs=None) -> Setting:
@@ -614,12 +615,15 @@ class Trainer:
             return save_state(directory, self.plan, self._state, self.mesh, rows=tables)
         return self.checkpointer.save(self.plan, self._state, self.mesh, rows=tables)
 
-    def _restore_rows(self, step: int, directory: str | None) -> None:
+    def _restore_rows(self, step: int, directory: str | None, *read: Any) -> None:
         """The row source goes back to checkpoint ``step`` (of ``directory``, else of the
-        checkpointer) before the Trainer takes its state: a refusal changes nothing."""
+        checkpointer) before the Trainer takes its state: a refusal changes nothing. ``read``:
+        the step's tables, when they were read already (resuming)."""
         if self._rows is None:
             return
-        if directory is not None:
+        if read:
+            self._rows.restore(step, lambda: read[0], self.checkpointer.directory)
+        elif directory is not None:
             self._rows.restore(step, lambda: restore_rows(directory, step), str(directory))
         else:
             self._rows.restore(step, lambda: self.checkpointer.restore_rows(step), self.checkpointer.directory)
