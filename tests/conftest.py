@@ -43,8 +43,18 @@ def tag():
     assert not left, f"processes left behind: {left}"
 
 
+def pytest_configure(config):
+    """Under ``-n``, xdist hands a worker one test at a time as it frees up (``--maxschedchunk 1``;
+    its default hands each worker a quarter of its share up front: the slow tests, sorted first,
+    all went to one worker, which ran 8 minutes after the other had finished). Set here rather
+    than in pyproject's addopts, so that pytest runs without xdist too (``-p no:xdist``, or an
+    install without the dev extra); a ``--maxschedchunk`` on the command line wins."""
+    if getattr(config.option, "maxschedchunk", 0) is None:     # xdist is loaded, the flag not given
+        config.option.maxschedchunk = 1
+
+
 def pytest_collection_modifyitems(config, items):
     """Long tests first (a stable sort on the ``slow`` mark): the xdist workers are handed tests
-    one at a time in this order (``--maxschedchunk 1`` in pyproject.toml), so the short ones fill
+    one at a time in this order (``--maxschedchunk 1``, `pytest_configure`), so the short ones fill
     the end of the run instead of one worker finishing a minutes-long test while the other idles."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -39,10 +39,10 @@ def _references(cells, path) -> str:
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory, worker_id):
+def references(tmp_path_factory):
     """The references file, computed once per run: under xdist the first worker to need it
     writes it to the run's shared temporary folder (under a lock) and the others read it."""
-    if worker_id == "master":
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:       # one process (no xdist, or no -n)
         return _references(matrix.CELLS, tmp_path_factory.mktemp("matrix") / "reference.npz")
     shared = tmp_path_factory.getbasetemp().parent     # one folder per run, shared by its workers
     path = shared / "matrix_reference.npz"
