@@ -44,6 +44,19 @@ OPTIMIZER_LEVELS = (0, 1, 2, 3)
 RENAMED_FIELDS = {"parameter_plan": "parameter_strategy"}
 
 
+def current_names(d: Mapping[str, Any]) -> dict[str, Any]:
+    """``d`` (a config as plain data) with the former names of renamed fields (`RENAMED_FIELDS`)
+    replaced by the current ones; a ValueError when both names are given."""
+    d = dict(d)
+    for old, new in RENAMED_FIELDS.items():
+        if old in d:
+            if new in d:
+                raise ValueError(f"ParallelConfig: both {old!r} and {new!r} are given ({old!r} is the former name "
+                                 f"of {new!r}); keep only {new!r}")
+            d[new] = d.pop(old)
+    return d
+
+
 def _fail(field: str, value: Any, valid: str) -> ValueError:
     return ValueError(f"ParallelConfig.{field}={value!r} is invalid: {valid}")
 
@@ -379,14 +392,7 @@ class ParallelConfig:
         saved earlier (checkpoint metadata, strategy files, job files) still load."""
         if not isinstance(d, Mapping):
             raise TypeError(f"ParallelConfig.from_dict expects a mapping, got {type(d).__name__}")
-        d = dict(d)
-        for old, new in RENAMED_FIELDS.items():
-            if old in d:
-                if new in d:
-                    raise ValueError(
-                        f"ParallelConfig.from_dict: both {old!r} and {new!r} are given ({old!r} is the "
-                        f"former name of {new!r}); keep only {new!r}")
-                d[new] = d.pop(old)
+        d = current_names(d)
         known = {f.name for f in dataclasses.fields(cls)}
         extra = set(d) - known
         if extra:

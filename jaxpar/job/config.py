@@ -31,7 +31,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from jaxpar.config import RENAMED_FIELDS, ParallelConfig
+from jaxpar.config import ParallelConfig, current_names
 
 SCHEDULES = ("cosine", "linear", "constant")
 
@@ -277,6 +277,8 @@ class JobConfig:
                             f"{sorted(SECTIONS)}")
         merged = {k: dict(v) if isinstance(v, Mapping) else v for k, v in d.items()}
         _unknown("", merged, SECTIONS)
+        if isinstance(merged.get("parallel"), dict):    # a file saved before a field's rename
+            merged["parallel"] = current_names(merged["parallel"])
         for key, raw in _pairs(overrides):
             section, _, field = key.partition(".")
             if not field:
@@ -287,9 +289,6 @@ class JobConfig:
             target = merged.setdefault(section, {})
             if not isinstance(target, dict):
                 raise _fail(section, target, "a section is a mapping of fields")
-            old = {new: old for old, new in RENAMED_FIELDS.items()}.get(field) if section == "parallel" else None
-            if old in target and field not in target:     # a file saved before the rename
-                target[field] = target.pop(old)
             if sub:
                 target = target.setdefault(field, {})
                 if not isinstance(target, dict):
@@ -337,19 +336,13 @@ def _unknown(prefix: str, given: Mapping[str, Any], known: Mapping[str, Any]) ->
                              f"{', '.join(prefix + k for k in known)}")
 
 
-def _current(cls, given: Mapping[str, Any]) -> dict[str, Any]:
-    """``given`` less the former names of renamed ``ParallelConfig`` fields (job files saved
-    before a rename), which `ParallelConfig.from_dict` reads as the field itself."""
-    return {k: v for k, v in given.items() if not (cls is ParallelConfig and k in RENAMED_FIELDS)}
-
-
 def _section(name: str, cls, value: Any):
     if value is None:
         return cls()
     if not isinstance(value, Mapping):
         raise _fail(name, value, f"a section is a mapping of fields: {sorted(_fields(cls))}")
     fields = _fields(cls)
-    _unknown(f"{name}.", _current(cls, value), fields)
+    _unknown(f"{name}.", value, fields)
     if cls is ParallelConfig:
         return ParallelConfig.from_dict(value)
     return cls(**{k: _typed(f"{name}.{k}", v, fields[k]) for k, v in value.items()})
