@@ -58,6 +58,12 @@ def test_quick_run_has_every_row_measured_or_skipped_with_a_reason(tmp_path):
         (c.name, gpu.HFStep.label) for c in gpu.cases("quick") if c.hf]
     moe = next(r for (case, entry), r in rows.items() if "MoE" in case and entry == "jaxpar")
     assert moe["tokens_per_s_over_dense_twin"] > 0
+    offloaded = [r for (case, entry), r in rows.items() if "offload" in entry]
+    assert len(offloaded) == 4       # opt_state, params, offload_dots; opt_state with grad_accum
+    for r in offloaded:              # each against its case's jaxpar row without offload
+        assert r["ratio_to_jaxpar"] > 0 and isinstance(r["pays"], bool) and "peak_saved_gib" in r
+    # the state offload modes move what the placed arrays hold in pinned_host (CPU has the memory kind)
+    assert all(r["host_gib"] > 0 for r in offloaded if "remat" not in r["entry"])
     meta = result["meta"]
     assert meta["device_kind"] == "cpu" and meta["jax"] and meta["mode"] == "quick"
 

@@ -1,6 +1,7 @@
 """Communication fusion and host offload: collective counts from the HLO, placements, numerics."""
 
 import math
+import re
 
 import jax
 import numpy as np
@@ -84,3 +85,26 @@ def test_offload_rejects_unknown_targets():
     mesh = mesh_for(cfg)
     with pytest.raises(ValueError, match="unknown targets"):
         jaxpar.Trainer(GPT(TINY, rngs=nnx.Rngs(0)), optax.sgd(0.1), loss_fn, cfg, mesh, offload=("grads",))
+
+
+def test_offloaded_state_moves_to_the_device_after_the_gradients():
+    """What a GPU compiles (lowered for "cuda" here): each host-resident optimizer-state leaf is
+    moved to device memory from an optimization barrier that also takes every gradient, so the
+    copies cannot start before the backward ends (with grad_accum: after every micro-batch)."""
+    cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", optimizer={"level": 1, "threshold_kb": 0},
+                                grad_accum=2)
+    mesh = mesh_for(cfg)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), cfg, mesh), optax.adamw(1e-3),
+                             loss_fn, cfg, mesh, offload=("opt_state",))
+    text = trainer.lower(batches(1)[0], platform="cuda").as_text()
+    n_grads, n_state = len(jax.tree.leaves(trainer.params)), len(jax.tree.leaves(trainer.opt_state))
+    barriers = re.findall(r"(%\d+):(\d+) = stablehlo\.optimization_barrier", text)
+    assert len(barriers) == 1 and int(barriers[0][1]) == n_grads + n_state, barriers
+    name = barriers[0][0]
+    # barrier output -> sharding constraint -> annotate_device_placement(... "device")
+    constrained = dict(re.findall(rf"(%\d+) = sdy\.sharding_constraint {name}#(\d+) ", text))
+    moved = {int(constrained[v]) for v in re.findall(
+        r"annotate_device_placement\((%\d+)\) \{[^}]*_xla_buffer_placement = \"device\"", text) if v in constrained}
+    assert moved == set(range(n_grads, n_grads + n_state))
+    with pytest.raises(ValueError, match="platform='gpu' is not one of"):
+        trainer.lower(batches(1)[0], platform="gpu")

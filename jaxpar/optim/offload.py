@@ -6,21 +6,29 @@ and its ``out_shardings`` write the new values back to the host. On CPU, ``pinne
 ``device`` are the same RAM: the placement is exact and checkable (the tests), but nothing is
 saved.
 
-On a GPU none of the three modes pays, so each is refused there (`unpaid_on`) with what to use
-instead. Measured on one H200 (jax 0.11.2, Llama 125m shape, 8 x 2048 tokens, bf16 on fp32
-master weights, adamw; ``python benchmarks/gpu.py --cases "125m-shape: offload modes"``,
+The optimizer state comes into device memory only once the gradients exist (`arrive_after` in
+the step: an optimization barrier with the gradients), so the device does not hold it through the
+forward and backward, where the peak is; the update runs on the device and the new state leaves
+through the step's ``out_shardings``. ``Trainer.lower(batch, platform="cuda")`` shows the order in
+the program a GPU compiles (tested on CPU).
+
+On a GPU the three modes are refused (`unpaid_on`) with what to use instead, because none paid
+when measured on one H200 (jax 0.11.2, Llama 125m shape, 8 x 2048 tokens, bf16 on fp32 master
+weights, adamw; ``python benchmarks/gpu.py --cases "125m-shape: offload modes"``,
 ``benchmarks/results/gpu_nvidia_h200.json``), against the same step without offload
 (32.99 ms, 9.67 GiB compiled):
 
-- ``offload="opt_state"``: 65.36 ms (1.99x) and 9.64 GiB: XLA brings the whole state in at the
-  start of the step, so the device holds it while the step runs and nothing is freed;
-- ``offload="params"``: 44.83 ms (1.36x), 9.67 GiB: the same;
+- ``offload="opt_state"``: 65.36 ms (1.99x) and 9.64 GiB: the state's copies had no order
+  against the backward, and the device held the state while the step ran;
+- ``offload="params"``: 44.83 ms (1.36x), 9.67 GiB;
 - ``remat="offload_dots"``: 87.84 ms (2.67x), 7.69 GiB.
 
-The issue's bar for a mode that pays is a peak lower by at least 80 % of the bytes moved at no
-more than 1.25x the step (1.3x for activations). Streaming the state per layer with the copies
-overlapped is what would pay; until then ZeRO over more devices, bf16 optimizer state or a
-chunked loss free memory without the transfers.
+The state's copies have waited for the gradients since (not measured on a GPU yet: the same
+command measures it, with the refusal lifted in the benchmark, and with ``grad_accum=4``, which
+pays the round trip once per four micro-batches). The issue's bar for a mode that pays is a peak
+lower by at least 80 % of the bytes moved at no more than 1.25x the step (1.3x for
+activations). Until a measurement shows one paying, ZeRO over more devices, bf16 optimizer state
+or a chunked loss free memory without the transfers.
 """
 
 from __future__ import annotations
@@ -45,9 +53,9 @@ def unpaid_on(platform: str, offload: tuple[str, ...] = (), remat: str | None = 
     if platform != "gpu":
         return None
     if offload:
-        return (f"offload={tuple(offload)} cannot pay on a GPU: measured on an H200 the step brings the whole "
-                f"offloaded state into device memory at its start, so the peak is not lower, and the copies make "
-                f"the step 1.36x (params) to 1.99x (opt_state) slower (docs/offload.md); to free device memory use "
+        return (f"offload={tuple(offload)} cannot pay on a GPU: measured on an H200 the peak was not lower and "
+                f"the copies made the step 1.36x (params) to 1.99x (opt_state) slower (docs/offload.md); to free "
+                f"device memory use "
                 f"ZeRO over more devices (ParallelConfig(optimizer={{'level': 1}}) or 3), precision='bf16-pure' "
                 f"(bf16 optimizer state) or a chunked loss (LlamaConfig(loss_chunks=8)), and drop offload")
     if remat == "offload_dots":

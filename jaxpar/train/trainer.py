@@ -38,6 +38,8 @@ from jaxpar.train.planning import plan_for
 from jaxpar.train.rows import RowPath, check_rows
 from jaxpar.train.step import Setting, build_eval, build_grads, build_step
 
+LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")   # what Trainer.lower(platform=) may lower for
+
 
 class Trainer:
     """Compiles and runs training of an NNX ``model`` with an optax ``tx``.
@@ -412,23 +414,33 @@ class Trainer:
                 "checkpoint holds finite values and a restart resumes from the newest one. Inspect that batch, "
                 "lower the learning rate, or pass Trainer(nonfinite='skip') to skip such updates and go on")
 
-    def lower(self, batch) -> jax.stages.Lowered:
+    def lower(self, batch, *, platform: str | None = None) -> jax.stages.Lowered:
         """The lowered step for ``batch`` (``.compile()`` gives the program for reports; with
-        ``rows``, the batch's rows are pulled for it and nothing is pushed)."""
-        return self._lowered(batch, "train")
+        ``rows``, the batch's rows are pulled for it and nothing is pushed).
+
+        ``platform`` (e.g. ``"cuda"``) lowers it for that backend instead of the mesh's: the
+        StableHLO a GPU would compile, readable on a CPU machine (``.as_text()``); it compiles
+        only where that backend is."""
+        if platform is not None and platform not in LOWERING_PLATFORMS:
+            raise ValueError(f"Trainer.lower: platform={platform!r} is not one of {LOWERING_PLATFORMS}; "
+                             "e.g. platform='cuda' for the program an NVIDIA GPU would compile")
+        return self._lowered(batch, "train", platform)
 
     def lower_eval(self, batch) -> jax.stages.Lowered:
         """The lowered evaluation for ``batch`` (what ``evaluate`` runs), for reports."""
         return self._lowered(batch, "eval")
 
-    def _lowered(self, batch, kind: str) -> jax.stages.Lowered:
+    def _lowered(self, batch, kind: str, platform: str | None = None) -> jax.stages.Lowered:
         rows = ()
         if self._rows is not None:
             batch, pulled, _ = self._rows.pull(batch)
             rows = (pulled,)
         program, leaves = self._program(batch, kind, *rows)
-        return program.fn.lower(self._leaves, self._placed(program, batch, leaves),
-                                *(self._rows.placed(program.row_shardings, r) for r in rows))
+        args = (self._leaves, self._placed(program, batch, leaves),
+                *(self._rows.placed(program.row_shardings, r) for r in rows))
+        if platform is None:
+            return program.fn.lower(*args)
+        return program.fn.trace(*args).lower(lowering_platforms=(platform,))
 
     def lower_grads(self, batch) -> jax.stages.Lowered:
         """The step up to the update for ``batch``: its outputs are the gradients as the update
