@@ -44,6 +44,33 @@ def build(cfg: LlamaConfig, precision: str):
     return jaxpar.Trainer(model, optax.adamw(3e-4, weight_decay=0.1), loss_fn, config, mesh)
 
 
+def report(a, cfg: LlamaConfig, device, runs: dict, losses: dict, times: dict, compiled: dict, path: str):
+    """The rows and the summary from the rounds so far, written to ``path``."""
+    tokens = a.batch * a.seq
+    fpt = flops_per_token(cfg, a.seq)
+    peak = peak_flops(device.device_kind, "bfloat16")
+    rows = {}
+    for name in runs:
+        s = float(np.median(times[name][1:]))
+        rows[name] = {"ms_per_step": 1e3 * s, "tokens_per_s": tokens / s,
+                      "mfu_bf16_peak": fpt * tokens / s / (peak * jax.device_count()) if peak else None,
+                      "final_loss": float(np.mean(losses[name][-20:])), "first_loss": losses[name][0],
+                      "compiled_gib": compiled[name], "steps": len(losses[name])}
+    base, other = a.precisions
+    summary = {"tokens_per_s_ratio": rows[other]["tokens_per_s"] / rows[base]["tokens_per_s"],
+               "final_loss_rel_diff": rows[other]["final_loss"] / rows[base]["final_loss"] - 1}
+    meta = {"device_kind": device.device_kind, "devices": jax.device_count(), "jax": jax.__version__,
+            "jaxpar": jaxpar.__version__, "date": time.strftime("%Y-%m-%d"), "size": a.size, "steps": a.steps,
+            "steps_done": len(losses[base]), "batch": a.batch, "seq": a.seq, "loss_chunks": a.loss_chunks,
+            "round": a.round, "data": "jaxpar.models.data.ArithmeticData(seed=0)",
+            "optimizer": "adamw(3e-4, weight_decay=0.1)",
+            "command": " ".join(["python", "benchmarks/fp8.py", *(a.argv or [])])}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows, "summary": summary, "losses": losses,
+                   "round_ms": {n: [1e3 * t for t in ts] for n, ts in times.items()}}, f, indent=1)
+    return rows, summary
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="1b", help="a LlamaConfig.named size (default 1b)")
@@ -55,6 +82,7 @@ def main(argv=None) -> int:
     p.add_argument("--precisions", nargs=2, default=["bf16", "fp8"], metavar=("BASE", "OTHER"))
     p.add_argument("--out", help="JSON path")
     a = p.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
     if a.steps < 2 * a.round or a.steps % a.round:
         p.error(f"--steps {a.steps} must be a multiple of --round {a.round} and at least two rounds")
     cfg = LlamaConfig.named(a.size, max_seq_len=max(a.seq, 128), loss_chunks=a.loss_chunks)
@@ -67,7 +95,13 @@ def main(argv=None) -> int:
     batches = [data.batch(a.batch, step=i) for i in range(a.steps)]
     losses = {n: [] for n in runs}
     times = {n: [] for n in runs}
-    for r in range(a.steps // a.round):
+    device = jax.devices()[0]
+    out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
+    path = a.out or os.path.join(out_dir, f"fp8_{device.device_kind.lower().replace(' ', '_')}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    compiled = {}
+    rounds = a.steps // a.round
+    for r in range(rounds):
         order = list(runs) if r % 2 == 0 else list(runs)[::-1]
         for name in order:
             t0 = time.perf_counter()
@@ -75,36 +109,17 @@ def main(argv=None) -> int:
             jax.block_until_ready(metrics)
             times[name].append((time.perf_counter() - t0) / a.round)
             losses[name].extend(float(m["loss"]) for m in metrics)
-    tokens = a.batch * a.seq
-    fpt = flops_per_token(cfg, a.seq)
-    device = jax.devices()[0]
-    peak = peak_flops(device.device_kind, "bfloat16")
-    rows = {}
-    for name in runs:
-        s = float(np.median(times[name][1:]))
-        rows[name] = {"ms_per_step": 1e3 * s, "tokens_per_s": tokens / s,
-                      "mfu_bf16_peak": fpt * tokens / s / (peak * jax.device_count()) if peak else None,
-                      "final_loss": float(np.mean(losses[name][-20:])), "first_loss": losses[name][0],
-                      "compiled_gib": memory(runs[name].lower(batches[0]).compile()).total / 2**30}
+        if r == 0:   # the programs are compiled by now: their memory, once
+            compiled = {n: memory(run.lower(batches[0]).compile()).total / 2**30 for n, run in runs.items()}
+        if r >= 1 and (r % 5 == 0 or r == rounds - 1):   # written as it goes: a run cut short keeps its rounds
+            rows, summary = report(a, cfg, device, runs, losses, times, compiled, path)
+    for name, row in rows.items():
+        mfu = "" if row["mfu_bf16_peak"] is None else f"  MFU {100 * row['mfu_bf16_peak']:.1f}% (bf16 peak)"
+        print(f"{name:10s} {row['ms_per_step']:8.1f} ms/step  {row['tokens_per_s']:10,.0f} tokens/s{mfu}  loss "
+              f"{row['first_loss']:.3f} -> {row['final_loss']:.4f}  compiled {row['compiled_gib']:.1f} GiB")
     base, other = a.precisions
-    summary = {"tokens_per_s_ratio": rows[other]["tokens_per_s"] / rows[base]["tokens_per_s"],
-               "final_loss_rel_diff": rows[other]["final_loss"] / rows[base]["final_loss"] - 1}
-    meta = {"device_kind": device.device_kind, "devices": jax.device_count(), "jax": jax.__version__,
-            "jaxpar": jaxpar.__version__, "date": time.strftime("%Y-%m-%d"), "size": a.size, "steps": a.steps,
-            "batch": a.batch, "seq": a.seq, "loss_chunks": a.loss_chunks, "round": a.round,
-            "data": "jaxpar.models.data.ArithmeticData(seed=0)", "optimizer": "adamw(3e-4, weight_decay=0.1)"}
-    for name, r in rows.items():
-        mfu = "" if r["mfu_bf16_peak"] is None else f"  MFU {100 * r['mfu_bf16_peak']:.1f}% (bf16 peak)"
-        print(f"{name:10s} {r['ms_per_step']:8.1f} ms/step  {r['tokens_per_s']:10,.0f} tokens/s{mfu}  loss "
-              f"{r['first_loss']:.3f} -> {r['final_loss']:.4f}  compiled {r['compiled_gib']:.1f} GiB")
     print(f"{other} / {base}: tokens/s x{summary['tokens_per_s_ratio']:.3f}, final loss "
           f"{100 * summary['final_loss_rel_diff']:+.2f} %")
-    out_dir = os.environ.get("OUT") or os.path.join(HERE, "results")
-    path = a.out or os.path.join(out_dir, f"fp8_{device.device_kind.lower().replace(' ', '_')}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": rows, "summary": summary, "losses": losses,
-                   "round_ms": {n: [1e3 * t for t in ts] for n, ts in times.items()}}, f, indent=1)
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -300,8 +300,8 @@ def cases(mode: str) -> list[Case]:
         Case(f"1b-shape, {long_seq} tokens (scanned, recompute)", dataclasses.replace(big, scan_layers=True),
              long_seq, 1, remat=REMAT),
         Case("125m-shape: offload modes", mid, seq, mid_batch, variants=offload),
-        Case("125m-shape, 4 micro-batches: offload", mid, seq, 4 * mid_batch, variants=accum),
         Case("125m-shape MoE 8 x top-2", dataclasses.replace(mid, moe=moe), seq, mid_batch, variants=kernels),
+        Case("125m-shape, 4 micro-batches: offload", mid, seq, 4 * mid_batch, variants=accum),
         Case("jaxpar.init, 1b-shape", big, seq, batch, init=True),
     ]
 

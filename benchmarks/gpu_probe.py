@@ -9,7 +9,8 @@ Sections (each guarded: one failing prints its error and the rest run):
 - fp8: an 8192^3 e4m3 x e4m3 -> bf16 product against bf16, and the same with per-tensor scaling
   (quantise inside the jitted function) to see whether XLA keeps the fp8 GEMM;
 - LM head + cross-entropy (16,384 tokens x 128,256 vocab x 2048) materialised: time, temp bytes;
-- a Llama-1B step through jaxpar.Trainer (batch 8 x 2048, bf16, adamw, ``--loss-chunks``): ms, MFU, peak memory,
+- a Llama-1B step through jaxpar.Trainer (batch 8 x 2048, ``--precision`` (bf16), adamw, ``--loss-chunks``): ms,
+  MFU, peak memory,
   and the top device ops by time from a ``jax.profiler`` trace of three steps.
 """
 
@@ -191,16 +192,16 @@ def head_ce():
 
 
 @section("1b step")
-def step_1b(trace_dir, loss_chunks=0):
+def step_1b(trace_dir, loss_chunks=0, precision="bf16"):
     import optax
     from flax import nnx
     import jaxpar
     from jaxpar.models.llama import Llama, LlamaConfig, flops_per_token, loss_fn
     out = {}
     cfg = LlamaConfig.named("1b", loss_chunks=loss_chunks)
-    out["loss_chunks"] = loss_chunks
+    out["loss_chunks"], out["precision"] = loss_chunks, precision
     seq, batch = 2048, 8
-    config = jaxpar.ParallelConfig(mesh={"data": -1}, precision="bf16")
+    config = jaxpar.ParallelConfig(mesh={"data": -1}, precision=precision)
     mesh = jaxpar.make_mesh(config)
     t0 = time.perf_counter()
     model = jaxpar.init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), config, mesh)
@@ -264,11 +265,13 @@ def main():
     p.add_argument("--out", default="probe.json")
     p.add_argument("--only", nargs="*")
     p.add_argument("--loss-chunks", type=int, default=0, help="the 1b step's LlamaConfig.loss_chunks")
+    p.add_argument("--precision", default="bf16", help="the 1b step's ParallelConfig.precision (e.g. fp8: its "
+                                                        "top ops show what the fp8 casts and scales cost)")
     a = p.parse_args()
     RESULTS["devices"] = [str(d) for d in jax.devices()]
     RESULTS["jax"] = jax.__version__
     todo = {"grouped": grouped, "fp8": fp8, "ce": head_ce,
-            "1b": lambda: step_1b("/tmp/jaxpar_trace", a.loss_chunks)}
+            "1b": lambda: step_1b("/tmp/jaxpar_trace", a.loss_chunks, a.precision)}
     for k, f in todo.items():
         if not a.only or k in a.only:
             f()

@@ -68,6 +68,37 @@ def test_quick_run_has_every_row_measured_or_skipped_with_a_reason(tmp_path):
     assert meta["device_kind"] == "cpu" and meta["jax"] and meta["mode"] == "quick"
 
 
+def test_fp8_benchmark_runs_its_cpu_check_and_writes_as_it_goes(tmp_path):
+    fp8 = load("fp8")
+    out = tmp_path / "fp8.json"
+    args = ["--size", "tiny", "--steps", "20", "--round", "5", "--batch", "8", "--seq", "16",
+            "--precisions", "bf16", "fp32", "--out", str(out)]
+    assert fp8.main(args) == 0
+    result = json.loads(out.read_text())
+    assert result["meta"]["steps_done"] == 20 and result["meta"]["command"].endswith(str(out))
+    assert set(result["rows"]) == {"bf16", "fp32"} and all(len(v) == 20 for v in result["losses"].values())
+    assert result["summary"]["tokens_per_s_ratio"] > 0
+
+
+def test_the_pending_gpu_script_names_cases_and_flags_that_exist():
+    """benchmarks/gpu_pending.sh is run on a lent GPU with no time to spare: a case renamed or a
+    flag dropped here must fail on CPU first."""
+    import shlex
+
+    gpu, probe_text = load("gpu"), open(os.path.join(ROOT, "benchmarks", "gpu_probe.py")).read()
+    script = open(os.path.join(ROOT, "benchmarks", "gpu_pending.sh")).read().replace("\\\n", " ")
+    calls = [shlex.split(line.split("step ", 1)[1]) for line in script.splitlines() if line.startswith("step ")]
+    assert [c[1] for c in calls] == ["benchmarks/gpu.py", "benchmarks/fp8.py", "benchmarks/gpu_probe.py"]
+    args = gpu.parse_args(calls[0][2:])
+    names = {c.name for c in gpu.cases("gpu")}
+    assert args.cases and set(args.cases) <= names, set(args.cases) - names
+    fp8 = load("fp8")
+    with pytest.raises(SystemExit):      # parses the flags, then stops at --help
+        fp8.main([a.replace("$fp8_batch", "4").replace('"', "") for a in calls[1][2:]] + ["--help"])
+    for flag in (a for a in calls[2][2:] if a.startswith("--")):
+        assert f'"{flag}"' in probe_text, flag
+
+
 def test_every_example_config_runs_on_any_device_count():
     for path in sorted(glob.glob(os.path.join(CONFIGS, "*.yaml"))):
         job = JobConfig.load(path)
