@@ -4,6 +4,7 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -14,6 +15,7 @@ from helpers import TINY, assert_close, assert_losses_close, batches, mesh_for, 
 from jaxpar.models.gpt import GPT, loss_fn
 from jaxpar.optim import compiler_options
 from jaxpar.report import collectives
+from jaxpar.train.step import waiting_for
 
 
 def _all_reduce_buffers(config):
@@ -87,10 +89,11 @@ def test_offload_rejects_unknown_targets():
         jaxpar.Trainer(GPT(TINY, rngs=nnx.Rngs(0)), optax.sgd(0.1), loss_fn, cfg, mesh, offload=("grads",))
 
 
-def test_offloaded_state_moves_to_the_device_after_the_gradients():
+def test_offloaded_state_moves_to_the_device_as_the_gradients_come():
     """What a GPU compiles (lowered for "cuda" here): each host-resident optimizer-state leaf is
-    moved to device memory from an optimization barrier that also takes every gradient, so the
-    copies cannot start before the backward ends (with grad_accum: after every micro-batch)."""
+    moved to device memory from an optimization barrier with its parameter's gradient (Adam's
+    two moments per parameter) or, for the step counter, with every gradient; so no copy can
+    start before the backward has produced what it waits for (with grad_accum: the sum)."""
     cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", optimizer={"level": 1, "threshold_kb": 0},
                                 grad_accum=2)
     mesh = mesh_for(cfg)
@@ -99,12 +102,29 @@ def test_offloaded_state_moves_to_the_device_after_the_gradients():
     text = trainer.lower(batches(1)[0], platform="cuda").as_text()
     n_grads, n_state = len(jax.tree.leaves(trainer.params)), len(jax.tree.leaves(trainer.opt_state))
     barriers = re.findall(r"(%\d+):(\d+) = stablehlo\.optimization_barrier", text)
-    assert len(barriers) == 1 and int(barriers[0][1]) == n_grads + n_state, barriers
-    name = barriers[0][0]
-    # barrier output -> sharding constraint -> annotate_device_placement(... "device")
-    constrained = dict(re.findall(rf"(%\d+) = sdy\.sharding_constraint {name}#(\d+) ", text))
-    moved = {int(constrained[v]) for v in re.findall(
-        r"annotate_device_placement\((%\d+)\) \{[^}]*_xla_buffer_placement = \"device\"", text) if v in constrained}
-    assert moved == set(range(n_grads, n_grads + n_state))
+    assert sorted(int(n) for _, n in barriers) == [2] * (2 * n_grads) + [n_grads + 1], barriers
+    # a barrier's state output -> sharding constraint -> annotate_device_placement(... "device")
+    outputs = {name for name, _ in barriers}
+    constrained = {v for v, name in re.findall(r"(%\d+) = sdy\.sharding_constraint (%\d+)#\d+ ", text)
+                   if name in outputs}
+    moved = [v for v in re.findall(r"annotate_device_placement\((%\d+)\) \{[^}]*_xla_buffer_placement = "
+                                   r"\"device\"", text) if v in constrained]
+    assert len(moved) == n_state
     with pytest.raises(ValueError, match="platform='gpu' is not one of"):
         trainer.lower(batches(1)[0], platform="gpu")
+
+
+def test_each_moment_waits_for_its_own_parameters_gradient():
+    params = {"a": {"w": jnp.ones((3, 2))}, "b": {"w": jnp.ones((2, 3)), "bias": jnp.ones(3)}}
+    state = optax.adamw(1e-3).init(params)
+    state_leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    grad_leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    jaxpr = jax.make_jaxpr(waiting_for)(state, params).jaxpr
+    name = {v: jax.tree_util.keystr(p) for v, (p, _) in zip(jaxpr.invars, state_leaves + grad_leaves)}
+    pairs = sorted(tuple(name[v] for v in e.invars) for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"
+                   and len(e.invars) == 2)
+    expected = sorted((jax.tree_util.keystr(g), jax.tree_util.keystr(p)) for p, _ in state_leaves
+                      for g, _ in grad_leaves if jax.tree_util.keystr(p).endswith(jax.tree_util.keystr(g)))
+    assert pairs == expected and len(pairs) == 2 * len(grad_leaves)       # mu and nu of each parameter
+    counters = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier" and len(e.invars) != 2]
+    assert [len(e.invars) for e in counters] == [len(grad_leaves) + 1]    # the count waits for every gradient

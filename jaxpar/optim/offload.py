@@ -6,10 +6,10 @@ and its ``out_shardings`` write the new values back to the host. On CPU, ``pinne
 ``device`` are the same RAM: the placement is exact and checkable (the tests), but nothing is
 saved.
 
-The optimizer state comes into device memory only once the gradients exist (`arrive_after` in
-the step: an optimization barrier with the gradients), so the device does not hold it through the
-forward and backward, where the peak is; the update runs on the device and the new state leaves
-through the step's ``out_shardings``. ``Trainer.lower(batch, platform="cuda")`` shows the order in
+The optimizer state comes into device memory as the gradients come (`arrive_after` in the step:
+each moment behind an optimization barrier with its parameter's gradient), so the device does
+not hold it through the forward and backward, where the peak is; the update runs on the device
+and the new state leaves through the step's ``out_shardings``. ``Trainer.lower(batch, platform="cuda")`` shows the order in
 the program a GPU compiles (tested on CPU).
 
 On a GPU the three modes are refused (`unpaid_on`) with what to use instead, because none paid
@@ -23,7 +23,7 @@ weights, adamw; ``python benchmarks/gpu.py --cases "125m-shape: offload modes"``
 - ``offload="params"``: 44.83 ms (1.36x), 9.67 GiB;
 - ``remat="offload_dots"``: 87.84 ms (2.67x), 7.69 GiB.
 
-The state's copies have waited for the gradients since (not measured on a GPU yet: the same
+The state's copies have waited for their gradients since (not measured on a GPU yet: the same
 command measures it, with the refusal lifted in the benchmark, and with ``grad_accum=4``, which
 pays the round trip once per four micro-batches). The issue's bar for a mode that pays is a peak
 lower by at least 80 % of the bytes moved at no more than 1.25x the step (1.3x for
