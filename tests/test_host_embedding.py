@@ -499,3 +499,36 @@ def test_a_damaged_table_is_a_damaged_step_when_resuming(tmp_path):
     assert resumed.step_count == 1
     np.testing.assert_array_equal(fresh.numpy(), at_step_1)
     resumed.close()
+
+
+def test_a_table_that_reads_back_changed_is_a_damaged_step(tmp_path):
+    """Bytes of a table's file that decode to other values raise no error in orbax: the CRC-32
+    saved with each table names it, restoring is refused, and resuming passes over the step."""
+    import tensorstore as ts
+
+    from jaxpar.checkpoint import CheckpointDamagedError
+
+    directory = tmp_path / "ckpt"
+    table = _table("callback", "sgd")
+    first = host_trainer(table, checkpoint_dir=str(directory), save_every=1)
+    _steps(first, 0, 1)
+    at_step_1 = table.numpy()
+    _steps(first, 1, 1)
+    first.close()
+    stored = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{directory}/2/rows/"},
+                      "path": "table/"}).result()
+    changed = stored.read().result().copy()
+    changed[0, 0] += 1.0
+    stored.write(changed).result()          # well-formed files, other values
+    damaged = (r"step 2 in .* is damaged \(ValueError: 1 row table\(s\) read back without an error but with other "
+               r"values than were saved \(their checksums differ\): \['table'\]\)")
+    with pytest.raises(CheckpointDamagedError, match=damaged):
+        host_trainer(_table("callback", "sgd")).restore(str(directory))
+    with pytest.raises(CheckpointDamagedError, match=damaged):
+        jaxpar.checkpoint.restore_rows(str(directory), 2)
+    fresh = _table("callback", "sgd")
+    with pytest.warns(UserWarning, match=r"step 2 .*\['table'\].*resuming from the previous step 1"):
+        resumed = host_trainer(fresh, checkpoint_dir=str(directory), resume="newest_intact")
+    assert resumed.step_count == 1
+    np.testing.assert_array_equal(fresh.numpy(), at_step_1)
+    resumed.close()

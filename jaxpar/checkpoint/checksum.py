@@ -9,10 +9,15 @@ restore computes them again on the arrays it read and names every leaf whose che
 The checksums depend only on the values, not on the layout: the sums wrap modulo 2**32, so
 any order of reduction (any mesh, any sharding) gives the same numbers, and a step saved under
 one layout is checked when restored under another.
+
+A row source's tables (the ``rows`` item: NumPy arrays that live on the host because they need
+not fit on a device) get one CRC-32 each, computed on the host (`host_checksums`), under the
+``meta`` entry ``row_checksums``.
 """
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import jax
@@ -21,6 +26,7 @@ import numpy as np
 from jax import lax
 
 KEY = "checksums"       # the entry of the ``meta`` item that holds them
+ROWS_KEY = "row_checksums"   # ... and the one that holds the row tables' (host arrays)
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -79,3 +85,18 @@ def differing(flat: dict[str, Any], saved: dict[str, list[int]]) -> list[str]:
     """The paths of ``flat`` whose checksums differ from ``saved`` (paths ``saved`` lacks are skipped)."""
     now = checksums({path: x for path, x in flat.items() if path in saved})
     return sorted(path for path, pair in now.items() if pair != list(saved[path]))
+
+
+def host_checksums(tables: Any) -> dict[str, int]:
+    """``{path: crc32}`` of a tree of host arrays (a row source's tables), on the host.
+
+    >>> host_checksums({"table": np.zeros((2, 2), np.float32)})
+    {"['table']": 3971697493}
+    """
+    return {jax.tree_util.keystr(path): zlib.crc32(np.ascontiguousarray(x))
+            for path, x in jax.tree_util.tree_flatten_with_path(tables)[0]}
+
+
+def host_differing(tables: Any, saved: dict[str, int]) -> list[str]:
+    """The paths of ``tables`` whose CRC-32 differs from ``saved`` (paths ``saved`` lacks are skipped)."""
+    return sorted(path for path, crc in host_checksums(tables).items() if path in saved and crc != saved[path])

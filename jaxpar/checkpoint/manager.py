@@ -10,7 +10,8 @@ has three items:
   array per leaf, every process writing only the shards it holds;
 - ``meta``: ``{"step", "data_state", "jaxpar_version", "checksums"}`` — the step counter is
   the data position of step-indexed data; ``data_state`` is any JSON-able dict of the caller's;
-  ``checksums`` two per leaf, checked at restore (see ``jaxpar.checkpoint.checksum``);
+  ``checksums`` two per leaf, checked at restore (see ``jaxpar.checkpoint.checksum``), and
+  ``row_checksums`` one per row table when there is a ``rows`` item;
 - ``strategy``: the strategy file (see ``jaxpar.checkpoint.strategy``);
 - ``rows`` (only with a row source that keeps its tables in the checkpoint, such as
   `jaxpar.ps.HostRows`): its tables and their optimizer state, a dict of numpy arrays copied
@@ -76,6 +77,7 @@ def _save_args(plan, state, mesh, model: dict | None = None, rows: dict | None =
              "strategy": ocp.args.JsonSave(strategy)}
     if rows is not None:
         items["rows"] = ocp.args.StandardSave(rows)
+        meta[checksum.ROWS_KEY] = checksum.host_checksums(rows)
     return ocp.args.Composite(**items)
 
 
@@ -238,6 +240,7 @@ def restore_from(manager: ocp.CheckpointManager, step: int, state, mesh, directo
     flat = st.unnest(restored["state"])
     check_values(directory, step, flat, meta)
     meta.pop(checksum.KEY, None)
+    meta.pop(checksum.ROWS_KEY, None)
     new = st.install(state, flat)
     step_value = jax.device_put(jnp.asarray(int(meta["step"]), jnp.int32), state.step.sharding)
     return new.replace(step=step_value, data=dict(meta.get("data_state") or {})), meta
@@ -254,11 +257,21 @@ def save_state(directory, plan, state, mesh, *, keep: int | None = None, force: 
 
 
 def read_rows(manager: ocp.CheckpointManager, step: int, directory: str = "") -> dict | None:
-    """The ``rows`` item of ``step`` (a dict of numpy arrays), or None when the step has none."""
+    """The ``rows`` item of ``step`` (a dict of numpy arrays), or None when the step has none;
+    checked against the CRC-32 of each table saved in ``meta`` (`CheckpointDamagedError` names
+    the tables that read back with other values; a step saved without them: nothing to check)."""
     with reading(directory, step):
         if manager.item_metadata(step).get("rows") is None:
             return None
-        return manager.restore(step, args=ocp.args.Composite(rows=ocp.args.StandardRestore()))["rows"]
+        read = manager.restore(step, args=ocp.args.Composite(rows=ocp.args.StandardRestore(),
+                                                             meta=ocp.args.JsonRestore()))
+    rows, saved = read["rows"], dict(read["meta"]).get(checksum.ROWS_KEY) or {}
+    bad = checksum.host_differing(rows, saved)
+    if bad:
+        raise CheckpointDamagedError(str(directory), step, ValueError(
+            f"{len(bad)} row table(s) read back without an error but with other values than were saved (their "
+            f"checksums differ): {', '.join(bad)}"))
+    return rows
 
 
 def restore_rows(directory, step: int) -> dict | None:

@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.checkpoint import state as st
-from jaxpar.checkpoint.checksum import KEY as CHECKSUMS
+from jaxpar.checkpoint.checksum import KEY as CHECKSUMS, ROWS_KEY as ROW_CHECKSUMS
 from jaxpar.checkpoint.manager import (check_values, complete_step, complete_steps, open_manager, read_rows, reading,
                                        saved_leaves, writing)
 from jaxpar.checkpoint.strategy import spec_from_json, spec_to_json, strategy_file
@@ -74,6 +74,7 @@ def inspect(directory, *, step: int | None = None) -> dict[str, Any]:
             strategy = read_strategy(manager, step)
             meta = dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
             meta.pop(CHECKSUMS, None)       # two numbers per leaf: checked by restore, not shown
+            meta.pop(ROW_CHECKSUMS, None)   # one per row table: the same
             stored = saved_leaves(manager, step)
     axes = strategy["mesh"]["axes"]
     rows = {}
