@@ -245,6 +245,9 @@ def test_job_search_errors_name_the_fix():
     (dict(context=(1, 3)), r"context has 3; use positive divisors of devices=8"),
     (dict(remat=("sometimes",)), "remat has 'sometimes'"),
     (dict(remat=("none", "offload_dots")), "remat has .offload_dots.; the search does not price host transfers"),
+    (dict(remat=("none", "full"), pipeline_stages=(2, 4)),
+     r"remat=\('none', 'full'\) with pipeline_stages=\(2, 4\): recompute policies are priced for options without "
+     r"a pipeline only .* add 1 to pipeline_stages or leave remat at \('none',\)"),
     (dict(zero_levels=()), r"zero_levels=\(\) is empty"),
     (dict(zero_levels=(0, 4)), "zero_levels has 4; ZeRO levels are 0, 1, 2, 3"),
     (dict(grad_accum=(1, 0)), "grad_accum has 0; use positive micro-batch counts"),

@@ -51,7 +51,8 @@ class JobSearchSpace:
       remat: recompute policies to try (`jaxpar.remat` names, one or several), each priced on
         the model's blocks as ``ParallelConfig.remat`` applies it (the chosen one is the
         config's ``remat``); pipelined options are priced without one, the pipeline's
-        executor already recomputes each stage's forward.
+        executor already recomputes each stage's forward (so with no 1 in
+        ``pipeline_stages`` a policy other than ``"none"`` is refused: nothing would use it).
       pipeline_stages: stage counts to try (1: no pipeline).
       microbatches: the pipeline's micro-batch counts (``None``: ``p, 2p, 4p``).
       schedule: the pipeline schedule, or several to choose from (``"gpipe"``, ``"1f1b"``,
@@ -130,6 +131,11 @@ class JobSearchSpace:
                 raise ValueError("JobSearchSpace: remat has 'offload_dots'; the search does not price host "
                                  "transfers, so an offloading policy would look free. Leave it out of remat and "
                                  "set it by hand")
+        if 1 not in self.pipeline_stages and set(self.remat) != {"none"}:
+            raise ValueError(f"JobSearchSpace: remat={tuple(self.remat)} with pipeline_stages="
+                             f"{tuple(self.pipeline_stages)}: recompute policies are priced for options without a "
+                             "pipeline only (a pipeline's executor recomputes each stage's forward itself), and "
+                             "these stage counts leave none; add 1 to pipeline_stages or leave remat at ('none',)")
         for s in self.schedule:
             if s not in SCHEDULES:
                 raise ValueError(f"JobSearchSpace: schedule has {s!r}; choose one or several of {SCHEDULES}")
