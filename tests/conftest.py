@@ -1,5 +1,6 @@
 """Test set-up: 8 simulated CPU devices, fixed before JAX starts its backend."""
 import os
+import signal
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the run: this process, the xdist workers and every child
@@ -58,3 +59,23 @@ def pytest_collection_modifyitems(config, items):
     one at a time in this order (``--maxschedchunk 1``, `pytest_configure`), so the short ones fill
     the end of the run instead of one worker finishing a minutes-long test while the other idles."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture
+def default_sigterm():
+    """SIGTERM at its default action for the test, so that a Trainer installs its handler, with
+    no Trainer of an earlier test listening (one never closed would until garbage collected);
+    after it, the same cleared and SIGTERM's handler put back."""
+    from jaxpar.train import hooks
+
+    def quiet():
+        for listener in list(hooks._listening):
+            listener.close()
+
+    quiet()
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        quiet()
+        signal.signal(signal.SIGTERM, previous)

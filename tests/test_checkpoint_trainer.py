@@ -1,6 +1,13 @@
 """Trainer(checkpoint_dir=..., save_every=N): periodic asynchronous saves and automatic resume."""
 
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+
 import optax
+import pytest
 from flax import nnx
 
 import jaxpar
@@ -31,5 +38,66 @@ def test_periodic_save_and_resume(tmp_path):
     nxt = batches(7)[6]
     a, b = float(first.step(nxt)["loss"]), float(resumed.step(nxt)["loss"])
     assert abs(a - b) <= 1e-5 * abs(a)
-    first.checkpointer.close()
-    resumed.checkpointer.close()
+    first.close()
+    resumed.close()
+
+
+def test_closing_the_trainers_gives_sigterm_back(tmp_path, default_sigterm):
+    """One handler serves every open Trainer: a SIGTERM reaches each; the last to close restores
+    the default action, so the process is not left deaf to SIGTERM once training is over."""
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    mesh = jaxpar.make_mesh(config)
+    first, second = _trainer(config, mesh, str(tmp_path / "a")), _trainer(config, mesh, str(tmp_path / "b"))
+    handler = signal.getsignal(signal.SIGTERM)
+    assert handler not in (signal.SIG_DFL, None)
+    handler(signal.SIGTERM, None)              # what the signal does, without sending one to pytest
+    assert first._preemption.reached(0) and second._preemption.reached(0)
+    first.close()
+    assert signal.getsignal(signal.SIGTERM) is handler
+    second.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_a_refused_construction_leaves_nothing_open(tmp_path, default_sigterm, monkeypatch):
+    """Refused after its checkpoint directory and SIGTERM handler were opened (here: the
+    directory holds another model's checkpoint), a Trainer closes them again."""
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    mesh = jaxpar.make_mesh(config)
+    with _trainer(config, mesh, str(tmp_path)) as saved:
+        saved.save()
+    closed = []
+    close = jaxpar.checkpoint.Checkpointer.close
+    monkeypatch.setattr(jaxpar.checkpoint.Checkpointer, "close", lambda self: closed.append(self) or close(self))
+    other = dataclasses.replace(TINY, embed=2 * TINY.embed)
+    with pytest.raises(ValueError, match="shape"):
+        jaxpar.Trainer(jaxpar.init(lambda: GPT(other, rngs=nnx.Rngs(0)), config, mesh), optax.adamw(1e-3), loss_fn,
+                       config, mesh, checkpoint_dir=str(tmp_path))
+    assert len(closed) == 1
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+SIGTERMED = """
+import os, signal, sys, time
+import optax
+from flax import nnx
+import jaxpar
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
+config = jaxpar.ParallelConfig(mesh={"data": 1})
+mesh = jaxpar.make_mesh(config)
+gpt = GPTConfig(vocab_size=16, seq_len=8, embed=16, heads=2, mlp=32, layers=1)
+trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0)), config, mesh), optax.sgd(0.1), loss_fn,
+                         config, mesh, checkpoint_dir=sys.argv[1])
+os.kill(os.getpid(), signal.SIGTERM)    # noticed: the Trainer would save and leave at its next step
+time.sleep(0.5)
+print("still running", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)    # a second one before any step: the default action
+time.sleep(5)
+print("not reached", flush=True)
+"""
+
+
+def test_a_second_sigterm_before_any_step_ends_the_process(tmp_path):
+    done = subprocess.run([sys.executable, "-c", SIGTERMED, str(tmp_path / "ckpt")], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "XLA_FLAGS": ""})
+    assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["still running"]

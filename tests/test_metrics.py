@@ -148,32 +148,28 @@ def test_jsonl_survives_a_torn_last_line(tmp_path):
         read_jsonl(path)
 
 
-def test_a_sigterm_preemption_logs_the_saved_step(tmp_path):
+def test_a_sigterm_preemption_logs_the_saved_step(tmp_path, default_sigterm):
     # SIGTERM lands before step 5 ends: the Trainer saves step 5 and exits, and metrics.jsonl
     # holds step 5's record (the mean of steps 4 and 5), not only the logging steps before it
     import os
     import signal
 
-    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)     # so that the Trainer installs its own handler
-    try:
-        config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
-        mesh = jaxpar.make_mesh(config)
-        model = jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh)
-        trainer = jaxpar.Trainer(model, optax.adamw(SCHEDULE), loss_fn, config, mesh, checkpoint_dir=str(tmp_path / "ckpt"),
-                                 metrics=MetricsConfig(dir=str(tmp_path / "log"), every=3))
-        assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)   # never SIGTERM pytest itself
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
+    mesh = jaxpar.make_mesh(config)
+    model = jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh)
+    trainer = jaxpar.Trainer(model, optax.adamw(SCHEDULE), loss_fn, config, mesh, checkpoint_dir=str(tmp_path / "ckpt"),
+                             metrics=MetricsConfig(dir=str(tmp_path / "log"), every=3))
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None)   # never SIGTERM pytest itself
 
-        def preempted(n=7, at=4):
-            for i, batch in enumerate(batches(n)):
-                if i == at:
-                    os.kill(os.getpid(), signal.SIGTERM)
-                yield batch
+    def preempted(n=7, at=4):
+        for i, batch in enumerate(batches(n)):
+            if i == at:
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield batch
 
-        with pytest.raises(SystemExit) as stop:
-            trainer.fit(preempted(), steps=7, progress=False)
-        trainer.close()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with pytest.raises(SystemExit) as stop:
+        trainer.fit(preempted(), steps=7, progress=False)
+    trainer.close()
     assert stop.value.code == 0 and jaxpar.checkpoint.latest_step(str(tmp_path / "ckpt")) == 5
     records = read_jsonl(tmp_path / "log" / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 3, 5]

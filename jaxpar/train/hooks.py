@@ -6,9 +6,11 @@ every process stops at the same step.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
+import weakref
 
 import jax
 
@@ -24,17 +26,40 @@ class Preempted(SystemExit):
         print(f"jaxpar: preempted (SIGTERM): saved step {step} to {directory}; restart to resume", file=sys.stderr)
 
 
+_listening: "weakref.WeakSet[Preemption]" = weakref.WeakSet()    # the open ones the handler tells
+
+
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM while Trainers listen: each saves and leaves at its next step. With none
+    listening any more (closed, or garbage), or a second SIGTERM before one of them acted on the
+    first, the default action: the process ends, as it would without jaxpar."""
+    listening = list(_listening)
+    if not listening or any(p.flag.is_set() for p in listening):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    for p in listening:
+        p.flag.set()
+
+
 class Preemption:
     """Where a SIGTERM is noticed: a flag set by a signal handler (one process), or JAX's
-    preemption sync point, which makes every process stop at the same step (several)."""
+    preemption sync point, which makes every process stop at the same step (several).
+
+    In one process the handler is installed where SIGTERM had its default action (a handler of
+    the user's is left alone) and shared by every open Trainer; ``close`` stops listening, and
+    the last one to close gives SIGTERM its default action back."""
 
     def __init__(self):
         self.flag = threading.Event()
         self.multi = jax.process_count() > 1
+        self.listening = False
         if not self.multi and threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGTERM)
-            if previous in (signal.SIG_DFL, None):
-                signal.signal(signal.SIGTERM, lambda *_: self.flag.set())
+            current = signal.getsignal(signal.SIGTERM)
+            if current is _on_sigterm or current in (signal.SIG_DFL, None):
+                signal.signal(signal.SIGTERM, _on_sigterm)
+                _listening.add(self)
+                self.listening = True
 
     def reached(self, step: int) -> bool:
         if self.multi:
@@ -42,6 +67,16 @@ class Preemption:
 
             return multihost_utils.reached_preemption_sync_point(step)
         return self.flag.is_set()
+
+    def close(self) -> None:
+        """Stop listening for SIGTERM (the last listener restores its default action)."""
+        if not self.listening:
+            return
+        self.listening = False
+        _listening.discard(self)
+        if (not _listening and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) is _on_sigterm):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def watchers(metrics, profile_steps) -> tuple[MetricsLogger | None, ProfileWindow | None]:

@@ -10,6 +10,7 @@ plan and the state (`jaxpar.checkpoint.Checkpointer`); the Trainer assigns what 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -136,63 +137,63 @@ class Trainer:
                  metrics: MetricsConfig | None = None, profile_steps: tuple[int, int] | str | None = None,
                  rows: Any = None):
         _check_args(model, tx, loss_fn, config, mesh, plan, offload)    # refused combinations included
-        check_rows(rows, config, plan)
-        self._rows = None if rows is None else RowPath(rows, mesh)
-        self._metrics, self._profile = watchers(metrics, profile_steps)
-        if nonfinite not in ("stop", "skip"):
-            raise ValueError(f"Trainer: nonfinite={nonfinite!r}; choose 'stop' (raise naming the step) or 'skip' "
-                             "(count the skipped updates and go on)")
-        self.mesh, self.tx, self.loss_fn = mesh, tx, loss_fn
-        self.global_batch = jax.process_count() == 1 if global_batch is None else global_batch
-        self._donate = donate
-        self._offload = host.check_targets(offload)
-        if plan is not None:       # the plan carries what it offloads: offload= may only repeat it
-            if self._offload and set(self._offload) != set(plan.offload):
-                raise ValueError(f"Trainer: offload={self._offload} but the plan offloads {plan.offload}; drop "
-                                 "offload= (the plan's is used) or make the plan with this offload")
-            self._offload = tuple(plan.offload)
-        if self._offload and not host.host_memory_available(mesh):
-            raise ValueError(f"Trainer: offload={self._offload} needs a '{host.HOST}' memory space, which "
-                             f"{mesh.devices.flat[0].platform} devices here do not have; drop offload")
-        self.checkpointer = None       # opened first: a bad directory is refused before any planning
-        if checkpoint_dir is not None:
-            self.checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep, resume=resume)
-        self._preemption = Preemption() if checkpoint_dir is not None and preemption else None
-        self._hooks = []
-        # In this order: a preempted step is saved and the run leaves before anything else; the
-        # finite flags are read at least every 100 steps; a due checkpoint is saved.
-        if self._preemption is not None:
-            self.add_hook(self._on_preemption)
-        self.add_hook(self._on_finite_window, every=100)
-        if self.checkpointer is not None and self.checkpointer.save_every:
-            self.add_hook(self._on_checkpoint, every=self.checkpointer.save_every)
-        self.searched = None
-        if plan is None:     # the planner runs up front; the Trainer itself never plans
-            try:
+        try:     # a refused or failed construction leaves nothing open behind it (files, threads, handlers)
+            check_rows(rows, config, plan)
+            self._rows = None if rows is None else RowPath(rows, mesh)
+            self._metrics, self._profile = watchers(metrics, profile_steps)
+            if nonfinite not in ("stop", "skip"):
+                raise ValueError(f"Trainer: nonfinite={nonfinite!r}; choose 'stop' (raise naming the step) or 'skip' "
+                                 "(count the skipped updates and go on)")
+            self.mesh, self.tx, self.loss_fn = mesh, tx, loss_fn
+            self.global_batch = jax.process_count() == 1 if global_batch is None else global_batch
+            self._donate = donate
+            self._offload = host.check_targets(offload)
+            if plan is not None:       # the plan carries what it offloads: offload= may only repeat it
+                if self._offload and set(self._offload) != set(plan.offload):
+                    raise ValueError(f"Trainer: offload={self._offload} but the plan offloads {plan.offload}; drop "
+                                     "offload= (the plan's is used) or make the plan with this offload")
+                self._offload = tuple(plan.offload)
+            if self._offload and not host.host_memory_available(mesh):
+                raise ValueError(f"Trainer: offload={self._offload} needs a '{host.HOST}' memory space, which "
+                                 f"{mesh.devices.flat[0].platform} devices here do not have; drop offload")
+            self.checkpointer = None       # opened first: a bad directory is refused before any planning
+            if checkpoint_dir is not None:
+                self.checkpointer = Checkpointer(checkpoint_dir, save_every=save_every, keep=keep, resume=resume)
+            self._preemption = Preemption() if checkpoint_dir is not None and preemption else None
+            self._hooks = []
+            # In this order: a preempted step is saved and the run leaves before anything else; the
+            # finite flags are read at least every 100 steps; a due checkpoint is saved.
+            if self._preemption is not None:
+                self.add_hook(self._on_preemption)
+            self.add_hook(self._on_finite_window, every=100)
+            if self.checkpointer is not None and self.checkpointer.save_every:
+                self.add_hook(self._on_checkpoint, every=self.checkpointer.save_every)
+            self.searched = None
+            if plan is None:     # the planner runs up front; the Trainer itself never plans
                 plan, self.searched = plan_for(model, tx, loss_fn, config, mesh, example_batch=example_batch,
                                                offload=self._offload)
-            except BaseException:       # a refused plan leaves no checkpointer open behind it
-                if self.checkpointer is not None:
-                    self.checkpointer.close()
-                raise
-        self.plan = plan
-        self._leaves, self._treedef, self._data, self._state_view = None, None, {}, None
-        self._steps = 0
-        self._compiled = {}
-        self._flops_per_token = getattr(model, "flops_per_token", None)
-        self._rule_names = declared_names(plan.config, nnx.state(model))
-        self._model_name = type(model).__name__
-        self._nonfinite = nonfinite
-        self._finite = []
-        self.skipped_steps = []
-        self.graphdef, state = init_state(plan, mesh, model, tx)
-        self._set(state)
-        if self.checkpointer is not None:
-            # the newest complete step, if any (with its row tables: a damaged table is a damaged step)
-            resumed = self.checkpointer.resume(self._state, mesh, rows=self._rows is not None)
-            if resumed is not None:
-                self._restore_rows(int(resumed[1]["step"]), None, *resumed[2:])
-                self._set(resumed[0])
+            self.plan = plan
+            self._leaves, self._treedef, self._data, self._state_view = None, None, {}, None
+            self._steps = 0
+            self._compiled = {}
+            self._flops_per_token = getattr(model, "flops_per_token", None)
+            self._rule_names = declared_names(plan.config, nnx.state(model))
+            self._model_name = type(model).__name__
+            self._nonfinite = nonfinite
+            self._finite = []
+            self.skipped_steps = []
+            self.graphdef, state = init_state(plan, mesh, model, tx)
+            self._set(state)
+            if self.checkpointer is not None:
+                # the newest complete step, if any (with its row tables: a damaged table is a damaged step)
+                resumed = self.checkpointer.resume(self._state, mesh, rows=self._rows is not None)
+                if resumed is not None:
+                    self._restore_rows(int(resumed[1]["step"]), None, *resumed[2:])
+                    self._set(resumed[0])
+        except BaseException:
+            with contextlib.suppress(Exception):     # the construction's error is the one to see
+                self.close()
+            raise
 
     def _setting(self, rows=None, row_specs=None) -> Setting:
         s = self._state
@@ -545,14 +546,13 @@ class Trainer:
         return iter(batches)
 
     def close(self) -> None:
-        """Finish the saves in flight, close the checkpoint directory and the metric writers, and
-        stop a profile trace still running."""
-        if self._profile is not None:
-            self._profile.close()
-        if self._metrics is not None:
-            self._metrics.close()
-        if self.checkpointer is not None:
-            self.checkpointer.close()
+        """Finish the saves in flight, close the checkpoint directory and the metric writers, stop
+        a profile trace still running, and give SIGTERM back (`Preemption.close`). Safe on a
+        Trainer whose construction failed part way (what was opened is closed)."""
+        for part in ("_profile", "_metrics", "checkpointer", "_preemption"):
+            opened = getattr(self, part, None)
+            if opened is not None:
+                opened.close()
 
     def __enter__(self) -> "Trainer":
         return self
