@@ -375,14 +375,18 @@ def arrive_after(s: Setting, opt_state, grads):
     no lower peak than without offload). Here each state leaf that mirrors a parameter (Adam's
     moments) goes through an optimization barrier with that parameter's gradient, so its copy
     starts once the backward has produced it (the last layers' first, while the backward goes on)
-    and its update can follow at once; the other leaves (step counters) wait for every gradient.
-    The updated state leaves through the step's ``out_shardings``."""
+    and its update can follow at once. Scalars (step counters) come in unordered: they free no
+    memory by waiting, and every parameter's update reads them (Adam's bias correction), so one
+    behind every gradient would hold every update back until the backward ends. Other leaves
+    that mirror no parameter (e.g. factored statistics) wait for every gradient. The updated
+    state leaves through the step's ``out_shardings``."""
     return to_device(waiting_for(opt_state, grads), s.plan.shardings("opt_state", opt_state, s.mesh))
 
 
 def waiting_for(opt_state, grads):
     """``opt_state`` with each leaf behind an optimization barrier with its parameter's gradient
-    (found by path and shape), or with every gradient where it mirrors no parameter."""
+    (found by path and shape), or with every gradient where it mirrors no parameter; scalars
+    that mirror no parameter (step counters) as they are (see `arrive_after`)."""
     by_path = {tuple(path): g for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
 
     def arrive(path, x):
@@ -392,6 +396,8 @@ def waiting_for(opt_state, grads):
             g = by_path.get(tuple(path[k:]))
             if g is not None and g.shape == x.shape:
                 return jax.lax.optimization_barrier((g, x))[1]
+        if jnp.ndim(x) == 0:      # a counter: every update reads it, and holding it back frees nothing
+            return x
         return jax.lax.optimization_barrier((grads, x))[1]
 
     return jax.tree_util.tree_map_with_path(arrive, opt_state)
