@@ -71,7 +71,8 @@ def report(a, cfg: LlamaConfig, device, runs: dict, losses: dict, times: dict, c
     return rows, summary
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line (``argv``: default ``sys.argv[1:]``), checked; ``.argv`` keeps it for the JSON."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="1b", help="a LlamaConfig.named size (default 1b)")
     p.add_argument("--steps", type=int, default=300)
@@ -85,6 +86,11 @@ def main(argv=None) -> int:
     a.argv = list(sys.argv[1:] if argv is None else argv)
     if a.steps < 2 * a.round or a.steps % a.round:
         p.error(f"--steps {a.steps} must be a multiple of --round {a.round} and at least two rounds")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     cfg = LlamaConfig.named(a.size, max_seq_len=max(a.seq, 128), loss_chunks=a.loss_chunks)
     try:
         runs = {name: build(cfg, name) for name in a.precisions}

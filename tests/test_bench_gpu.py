@@ -92,9 +92,8 @@ def test_the_pending_gpu_script_names_cases_and_flags_that_exist():
     args = gpu.parse_args(calls[0][2:])
     names = {c.name for c in gpu.cases("gpu")}
     assert args.cases and set(args.cases) <= names, set(args.cases) - names
-    fp8 = load("fp8")
-    with pytest.raises(SystemExit):      # parses the flags, then stops at --help
-        fp8.main([a.replace("$fp8_batch", "4").replace('"', "") for a in calls[1][2:]] + ["--help"])
+    # an unknown flag or a bad value: argparse's SystemExit fails the test
+    assert load("fp8").parse_args([a.replace("$fp8_batch", "4") for a in calls[1][2:]]).batch == 4
     for flag in (a for a in calls[2][2:] if a.startswith("--")):
         assert f'"{flag}"' in probe_text, flag
 
