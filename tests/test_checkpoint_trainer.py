@@ -101,3 +101,55 @@ def test_a_second_sigterm_before_any_step_ends_the_process(tmp_path):
                           timeout=120, env={**os.environ, "XLA_FLAGS": ""})
     assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["still running"]
+
+
+SIGTERMED_WHILE_SAVING = """
+import os, signal, sys
+import optax
+from flax import nnx
+import jaxpar
+from jaxpar.models.data import ArithmeticData
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
+config = jaxpar.ParallelConfig(mesh={"data": 1})
+mesh = jaxpar.make_mesh(config)
+gpt = GPTConfig(vocab_size=16, seq_len=8, embed=16, heads=2, mlp=32, layers=1)
+trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0)), config, mesh), optax.sgd(0.1), loss_fn,
+                         config, mesh, checkpoint_dir=sys.argv[1])
+save = trainer.checkpointer.save
+
+def save_while_sigtermed(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)    # a second SIGTERM while the Trainer saves for the first
+    return save(*args, **kwargs)
+
+trainer.checkpointer.save = save_while_sigtermed
+os.kill(os.getpid(), signal.SIGTERM)
+data = ArithmeticData(8)
+trainer.fit([data.batch(2, i) for i in range(3)], steps=3, progress=False)
+print("not reached", flush=True)
+"""
+
+
+def test_a_sigterm_while_the_trainer_saves_for_the_first_does_not_end_it(tmp_path):
+    """The save a SIGTERM asked for is not cut short by another SIGTERM (a launcher and the
+    scheduler both signalling, say): the step is saved and the process leaves with code 0."""
+    done = subprocess.run([sys.executable, "-c", SIGTERMED_WHILE_SAVING, str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "XLA_FLAGS": ""})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "not reached" not in done.stdout and jaxpar.checkpoint.latest_step(str(tmp_path / "ckpt")) == 1
+
+
+def test_a_checkpointer_that_fails_to_close_still_gives_sigterm_back(tmp_path, default_sigterm, monkeypatch):
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    trainer = _trainer(config, jaxpar.make_mesh(config), str(tmp_path))
+    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+
+    close = jaxpar.checkpoint.Checkpointer.close
+
+    def fail(self):
+        raise OSError("the save in flight failed")
+
+    monkeypatch.setattr(jaxpar.checkpoint.Checkpointer, "close", fail)
+    with pytest.raises(OSError, match="the save in flight failed"):
+        trainer.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    close(trainer.checkpointer)

@@ -32,9 +32,10 @@ _listening: "weakref.WeakSet[Preemption]" = weakref.WeakSet()    # the open ones
 def _on_sigterm(signum, frame) -> None:
     """SIGTERM while Trainers listen: each saves and leaves at its next step. With none
     listening any more (closed, or garbage), or a second SIGTERM before one of them acted on the
-    first, the default action: the process ends, as it would without jaxpar."""
+    first, the default action: the process ends, as it would without jaxpar. One that comes
+    while a Trainer saves for the first (``acting``) changes nothing: that save is the point."""
     listening = list(_listening)
-    if not listening or any(p.flag.is_set() for p in listening):
+    if not listening or (any(p.flag.is_set() for p in listening) and not any(p.acting for p in listening)):
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
         return
@@ -54,6 +55,7 @@ class Preemption:
         self.flag = threading.Event()
         self.multi = jax.process_count() > 1
         self.listening = False
+        self.acting = False      # a step noticed the SIGTERM: its Trainer saves and leaves
         if not self.multi and threading.current_thread() is threading.main_thread():
             current = signal.getsignal(signal.SIGTERM)
             if current is _on_sigterm or current in (signal.SIG_DFL, None):
@@ -66,7 +68,9 @@ class Preemption:
             from jax.experimental import multihost_utils
 
             return multihost_utils.reached_preemption_sync_point(step)
-        return self.flag.is_set()
+        noticed = self.flag.is_set()       # read once: the Trainer acts on exactly what this returns
+        self.acting = self.acting or noticed
+        return noticed
 
     def close(self) -> None:
         """Stop listening for SIGTERM (the last listener restores its default action)."""

@@ -394,6 +394,7 @@ class Trainer:
         if self._steps not in self.checkpointer.manager.all_steps():
             self._save_now()
         self.checkpointer.close()
+        self._preemption.close()      # saved: a SIGTERM from now on gets its default action
         stop = Preempted(self._steps, self.checkpointer.directory)
         stop.metrics = metrics
         raise stop
@@ -548,11 +549,19 @@ class Trainer:
     def close(self) -> None:
         """Finish the saves in flight, close the checkpoint directory and the metric writers, stop
         a profile trace still running, and give SIGTERM back (`Preemption.close`). Safe on a
-        Trainer whose construction failed part way (what was opened is closed)."""
+        Trainer whose construction failed part way (what was opened is closed). A part that
+        fails to close (a save in flight that failed) does not keep the others open: its error
+        is raised once they are closed."""
+        failed = None
         for part in ("_profile", "_metrics", "checkpointer", "_preemption"):
             opened = getattr(self, part, None)
             if opened is not None:
-                opened.close()
+                try:
+                    opened.close()
+                except Exception as e:    # noqa: BLE001  (raised below, after the rest)
+                    failed = failed or e
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> "Trainer":
         return self
