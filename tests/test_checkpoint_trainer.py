@@ -88,15 +88,20 @@ gpt = GPTConfig(vocab_size=16, seq_len=8, embed=16, heads=2, mlp=32, layers=1)
 trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0)), config, mesh), optax.sgd(0.1), loss_fn,
                          config, mesh, checkpoint_dir=sys.argv[1])
 os.kill(os.getpid(), signal.SIGTERM)    # noticed: the Trainer would save and leave at its next step
-time.sleep(0.5)
+time.sleep(0.1)
+os.kill(os.getpid(), signal.SIGTERM)    # the same request again (a launcher and the scheduler): nothing more
+time.sleep(0.1)
 print("still running", flush=True)
-os.kill(os.getpid(), signal.SIGTERM)    # a second one before any step: the default action
+time.sleep(1.2)                          # past jaxpar.train.hooks.SAME_REQUEST_S, and no step acted on it:
+os.kill(os.getpid(), signal.SIGTERM)    # the default action
 time.sleep(5)
 print("not reached", flush=True)
 """
 
 
 def test_a_second_sigterm_before_any_step_ends_the_process(tmp_path):
+    """A SIGTERM repeated at once is one request; one that comes later while no Trainer has
+    stepped (none will act on the first) ends the process, as without jaxpar."""
     done = subprocess.run([sys.executable, "-c", SIGTERMED, str(tmp_path / "ckpt")], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "XLA_FLAGS": ""})
     assert done.returncode == -signal.SIGTERM, done.stderr[-2000:]

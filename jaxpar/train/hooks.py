@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import weakref
 
 import jax
@@ -29,18 +30,35 @@ class Preempted(SystemExit):
 _listening: "weakref.WeakSet[Preemption]" = weakref.WeakSet()    # the open ones the handler tells
 
 
+SAME_REQUEST_S = 1.0    # SIGTERMs this soon after the first are the same request (a scheduler and a launcher both sending it)
+
+
 def _on_sigterm(signum, frame) -> None:
     """SIGTERM while Trainers listen: each saves and leaves at its next step. With none
-    listening any more (closed, or garbage), or a second SIGTERM before one of them acted on the
-    first, the default action: the process ends, as it would without jaxpar. One that comes
+    listening any more (closed, or garbage), or a second SIGTERM over ``SAME_REQUEST_S`` after
+    the first while no Trainer acted on it (none is stepping), the default action: the process
+    ends, as it would without jaxpar. One sooner than that is the same request again, and one
     while a Trainer saves for the first (``acting``) changes nothing: that save is the point."""
     listening = list(_listening)
-    if not listening or (any(p.flag.is_set() for p in listening) and not any(p.acting for p in listening)):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+    if not listening:
+        _default_action()
+        return
+    if any(p.acting for p in listening):
+        return
+    now = time.monotonic()
+    pending = [p.noticed_at for p in listening if p.flag.is_set()]
+    if pending:
+        if now - min(pending) >= SAME_REQUEST_S:
+            _default_action()
         return
     for p in listening:
+        p.noticed_at = now
         p.flag.set()
+
+
+def _default_action() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Preemption:
@@ -56,6 +74,7 @@ class Preemption:
         self.multi = jax.process_count() > 1
         self.listening = False
         self.acting = False      # a step noticed the SIGTERM: its Trainer saves and leaves
+        self.noticed_at = 0.0    # time.monotonic() of the SIGTERM that set the flag
         if not self.multi and threading.current_thread() is threading.main_thread():
             current = signal.getsignal(signal.SIGTERM)
             if current is _on_sigterm or current in (signal.SIG_DFL, None):
