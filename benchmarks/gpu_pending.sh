@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures issue #30 still lacks, most telling first, in one device call of under ten
-# minutes (each step under its own time limit; every script writes its JSON as it goes):
+# minutes (each step under its own time limit, 520 s in all; every script writes its JSON as it goes):
 #
 #   PYTHONPATH=. bash benchmarks/gpu_pending.sh        # results in $OUT, else benchmarks/results/
 #
@@ -23,7 +23,7 @@ step() {   # step LIMIT_S SCRIPT ARGS...: run one measurement under a time limit
 memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 fp8_batch=8
 if [ -n "$memory_mib" ] && [ "$memory_mib" -lt 100000 ]; then fp8_batch=4; fi
-step 260 benchmarks/gpu.py --cases "125m-shape: offload modes" "125m-shape MoE 8 x top-2" \
-    "125m-shape, 4 micro-batches: offload" --budget-s 200 --out "$out/gpu_pending.json"
-step 220 benchmarks/fp8.py --steps 300 --batch "$fp8_batch" --out "$out/fp8.json"
-step 90 benchmarks/gpu_probe.py --only 1b --loss-chunks 8 --precision fp8 --out "$out/probe_fp8.json"
+step 240 benchmarks/gpu.py --cases "125m-shape: offload modes" "125m-shape MoE 8 x top-2" \
+    "125m-shape, 4 micro-batches: offload" --budget-s 180 --out "$out/gpu_pending.json"
+step 200 benchmarks/fp8.py --steps 300 --batch "$fp8_batch" --out "$out/fp8.json"
+step 80 benchmarks/gpu_probe.py --only 1b --loss-chunks 8 --precision fp8 --out "$out/probe_fp8.json"
