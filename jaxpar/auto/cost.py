@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 
 from jaxpar.auto.comm import GRAD, NORM, SERIAL, TAIL, Comm, combined_time, comm_share, derivations, levels
 from jaxpar.auto.derivatives import FREE, LINEAR, derivative_reads
-from jaxpar.auto.graph import Graph, Op
+from jaxpar.auto.graph import Graph, Op, materialised
 
 # XLA's GPU all-reduce / reduce-scatter combine threshold (kDefaultAllReduceCombineThreshold)
 XLA_GPU_COMBINE_BYTES = 30 * 1024 * 1024 + 7
@@ -267,7 +267,7 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
     inputs = params | {t for _, t in (*graph.batch, *graph.others)}
     base = set()
     for op in graph.ops:
-        if op.prim in _PRODUCTS or op.prim == "gather" or op.prim.startswith("reduce_"):
+        if materialised(op.prim):
             base.update(t for t in (*op.ins, *op.outs) if t >= 0)
     keep = {t: op.keep for op in graph.ops for t in op.outs}
     region_of = {t: op.region for op in graph.ops for t in op.outs}
@@ -278,8 +278,8 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
     residual = {t for r in graph.regions for t in r.inputs}
     grad = needs_grad(graph)
     for op in graph.ops:    # XLA does not fuse across a loop's iterations: what the derivative
-        if loops and op.repeat > 1 and op.region < 0 and op.prim not in LINEAR:   # of a body reads is stacked
-            base.update(derivative_reads(op, grad))
+        if loops and op.repeat > 1 and op.region < 0 and op.prim not in LINEAR and not op.get("recomputed"):
+            base.update(derivative_reads(op, grad))    # of a body reads is stacked (not one recomputed)
 
     def real(t):
         return t not in inputs and graph.tensors[t].itemsize >= 4 and len(graph.tensors[t].shape) > 0

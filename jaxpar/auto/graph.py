@@ -69,6 +69,12 @@ class Tensor:
         return math.prod(self.shape) * self.itemsize
 
 
+def materialised(prim: str) -> bool:
+    """Whether XLA writes the values ``prim`` makes to memory rather than fusing them into their
+    readers: matmuls, convolutions, gathers and reductions (the rest is elementwise work)."""
+    return prim in ("dot_general", "conv_general_dilated", "gather") or prim.startswith("reduce_")
+
+
 @dataclasses.dataclass(frozen=True)
 class Op:
     """One primitive: its name, input and output tensor ids and the few parameters the cost
@@ -306,6 +312,15 @@ class _Builder:
             self.inline(jaxpr, env)
         finally:
             self.region, self.policy = -1, None
+        if not any(materialised(op.prim) for op in self.ops[first:]):
+            # elementwise work alone (an activation recomputed from its inputs, `jaxpar.ops.swiglu`):
+            # outside loops the model counts such values as fused, saved or not, so no region; in
+            # a loop body its derivative's reads are not stacked either (``recomputed``)
+            self.ops[first:] = [dataclasses.replace(op, region=-1, keep="device",
+                                                    info=(*op.info, ("recomputed", True)))
+                                for op in self.ops[first:]]
+            self.regions.pop()
+            return
         name = getattr(policy, "__name__", None) or ("nothing_saveable" if policy is None else repr(policy))
         inputs = tuple(dict.fromkeys(t for t in args if t >= 0))
         self.regions[idx] = Region(first, len(self.ops) - 1, inputs, self.repeat, name)

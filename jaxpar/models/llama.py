@@ -27,6 +27,7 @@ from flax import nnx
 
 from jaxpar.models.llama_config import SIZES, LlamaConfig, RopeScaling, describe, flops_per_token, param_count
 from jaxpar.nn import fp8
+from jaxpar.ops.activations import swiglu
 from jaxpar.nn.logits import head_logits
 from jaxpar.nn.moe import MoE, moe_aux_loss
 from jaxpar.ops.cross_entropy import chunked_cross_entropy
@@ -217,8 +218,8 @@ class MLP(nnx.Module):
     def __call__(self, x, constrain=no_constraint):
         dtype = x.dtype
         # projections through jaxpar.nn.fp8.einsum: plain einsums, fp8 under precision="fp8"
-        h = jax.nn.silu(fp8.einsum("bse,ef->bsf", x, self.gate[...].astype(dtype)))
-        h = h * fp8.einsum("bse,ef->bsf", x, self.up[...].astype(dtype))
+        h = swiglu(fp8.einsum("bse,ef->bsf", x, self.gate[...].astype(dtype)),
+                   fp8.einsum("bse,ef->bsf", x, self.up[...].astype(dtype)))
         return fp8.einsum("bsf,fe->bse", constrain(h, ("batch", "length", "mlp")), self.down[...].astype(dtype))
 
 

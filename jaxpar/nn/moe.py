@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxpar.ops.activations import swiglu
 from jaxpar.ops.grouped_matmul import KERNELS
 from jaxpar.ops.moe_dispatch import TRANSPORTS, moe_dispatch
 from jaxpar.strategy import logical_axes, manual_axes, mesh_sizes
@@ -168,7 +169,7 @@ class MoE(nnx.Module):
                                 transport=cfg.transport, kernel=cfg.kernel, **axes)
         y = restore(y)
         if cfg.shared_experts:
-            h = jax.nn.silu(x @ self.shared_gate[...].astype(dtype)) * (x @ self.shared_up[...].astype(dtype))
+            h = swiglu(x @ self.shared_gate[...].astype(dtype), x @ self.shared_up[...].astype(dtype))
             y = y + h @ self.shared_down[...].astype(dtype)
         self.aux_loss.set_value(cfg.aux_loss_weight * load_balance + cfg.z_loss_weight * z_loss)
         self.load_balance.set_value(load_balance)

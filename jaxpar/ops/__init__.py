@@ -18,11 +18,14 @@ Each is a plain function, usable eagerly and inside ``jax.jit``, that takes its 
   Mosaic GPU kernels on Hopper GPUs (a plain function, per device).
 * `chunked_cross_entropy`: LM head + cross-entropy in token chunks, never holding the full
   ``[tokens, vocab]`` logits (a plain function: no mesh, it keeps whatever split it is given).
+* `swiglu`: the models' MLP activation, recomputed in the backward from its inputs instead of
+  keeping its intermediates (a plain function).
 
 See docs/operators.md.
 """
 
 from jaxpar.ops import context_order
+from jaxpar.ops.activations import swiglu
 from jaxpar.ops.context import context_attention
 from jaxpar.ops.context_model import ContextParallel
 from jaxpar.ops.context_order import describe_balance
@@ -51,5 +54,6 @@ __all__ = [
     "moe_dispatch",
     "pad_for_manual_split",
     "ragged_all_to_all_supported",
+    "swiglu",
     "unpad",
 ]

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxpar.ops.activations import swiglu
 from jaxpar.ops.grouped_matmul import KERNELS, grouped_matmul
 from jaxpar.ops._common import AnyMesh, axes_of, axes_size, axis_position, inner_shard_map, resolve_mesh
 from jaxpar.strategy import mesh_sizes, spec_entry
@@ -196,8 +197,7 @@ def _experts(rows, group_sizes, gate, up, down, mlp_axes, mm):
     """SwiGLU of rows grouped by local expert (rows past the groups come out zero); ``mm`` is the
     grouped matmul (`grouped_matmul` with the kernel asked for)."""
     dtype = rows.dtype
-    h = jax.nn.silu(mm(rows, gate.astype(dtype), group_sizes))
-    h = h * mm(rows, up.astype(dtype), group_sizes)
+    h = swiglu(mm(rows, gate.astype(dtype), group_sizes), mm(rows, up.astype(dtype), group_sizes))
     return _psum(mm(h, down.astype(dtype), group_sizes), mlp_axes)
 
 
@@ -300,8 +300,8 @@ def _dropping(rows, sorted_e, hist, gate, up, down, ep_axes, mlp_axes, n, slots)
     recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True) if ep_axes else send
     grouped = recv.reshape(n, el, slots, d).transpose(1, 0, 2, 3).reshape(el, n * slots, d)
     dtype = rows.dtype
-    h = jax.nn.silu(jnp.einsum("esd,edf->esf", grouped, gate.astype(dtype)))
-    h = h * jnp.einsum("esd,edf->esf", grouped, up.astype(dtype))
+    h = swiglu(jnp.einsum("esd,edf->esf", grouped, gate.astype(dtype)), jnp.einsum("esd,edf->esf", grouped,
+                                                                                up.astype(dtype)))
     y = _psum(jnp.einsum("esf,efd->esd", h, down.astype(dtype)), mlp_axes)
     back = y.reshape(el, n, slots, d).transpose(1, 0, 2, 3).reshape(e * slots, d)
     back = jax.lax.all_to_all(back, ep_axes, 0, 0, tiled=True) if ep_axes else back
