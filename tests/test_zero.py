@@ -206,3 +206,25 @@ def test_level3_parameters_are_sharded_from_init():
     up = model.blocks[0].mlp.up.get_value()
     assert "data" in str(up.sharding.spec)
     assert up.addressable_shards[0].data.size == up.size // 8
+
+
+@pytest.mark.parametrize("level", [0, 1])
+def test_the_trainer_takes_an_optimizer_that_masks_parameters(level):
+    """``optax.multi_transform`` over an NNX model (Adam for the matrices, the vectors frozen):
+    a masked-out parameter's state is optax's MaskedNode inside its Variable, which holds no
+    array and is left as it is; the rest is placed by the plan and trains as on one device."""
+    from helpers import LR, TINY
+
+    def tx():
+        kind = lambda params: jax.tree.map(lambda x: "matrix" if x.ndim >= 2 else "frozen", params)  # noqa: E731
+        return optax.multi_transform({"matrix": optax.adamw(LR), "frozen": optax.set_to_zero()}, kind)
+
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", optimizer={"level": level, "threshold_kb": 0})
+    losses, params, _ = train_gpt(config, tx=tx())
+    ref_losses, ref_params, _ = train_gpt(jaxpar.ParallelConfig(mesh={"data": 1}), tx=tx())
+    assert_losses_close(losses, ref_losses)
+    assert_close(params, ref_params)
+    initial = nnx.to_pure_dict(nnx.state(GPT(TINY, rngs=nnx.Rngs(0)), nnx.Param))
+    moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), params, initial)
+    kinds = jax.tree.map(lambda x: x.ndim >= 2, initial)
+    assert jax.tree.leaves(moved) == jax.tree.leaves(kinds)     # the matrices trained, the vectors did not

@@ -157,6 +157,8 @@ class TrainPlan:
         table = getattr(self, section)
 
         def one(path, x):
+            if is_variable(x) and not jax.tree.leaves(x):
+                return x        # holds no array (optax.masked's MaskedNode for a masked-out parameter)
             key = path_str(path)
             if key not in table:
                 known = list(table)[:4]
