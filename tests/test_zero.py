@@ -228,3 +228,21 @@ def test_the_trainer_takes_an_optimizer_that_masks_parameters(level):
     moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), params, initial)
     kinds = jax.tree.map(lambda x: x.ndim >= 2, initial)
     assert jax.tree.leaves(moved) == jax.tree.leaves(kinds)     # the matrices trained, the vectors did not
+
+
+def test_the_trainer_takes_optax_multisteps():
+    """``optax.MultiSteps`` is not an ``optax.GradientTransformation`` itself (it has
+    ``gradient_transformation()``): the Trainer takes it as written in optax's docs, and with
+    ZeRO 1 its every-2nd-step update equals one device's."""
+    from helpers import TINY
+    tx = lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2)  # noqa: E731
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", optimizer={"level": 1, "threshold_kb": 0})
+    losses, params, _ = train_gpt(config, tx=tx(), steps=4)
+    ref_losses, ref_params, _ = train_gpt(jaxpar.ParallelConfig(mesh={"data": 1}), tx=tx(), steps=4)
+    assert_losses_close(losses, ref_losses)
+    assert_close(params, ref_params)
+    _, after_one, _ = train_gpt(config, tx=tx(), steps=1)
+    initial = nnx.to_pure_dict(nnx.state(GPT(TINY, rngs=nnx.Rngs(0)), nnx.Param))
+    assert_close(after_one, initial, rtol=1e-6)                 # the first micro-step applies nothing
+    with pytest.raises(AssertionError):
+        assert_close(params, initial, rtol=1e-3)                # the second one does

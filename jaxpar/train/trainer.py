@@ -136,6 +136,7 @@ class Trainer:
                  nonfinite: str = "stop", resume: str = "newest", preemption: bool = True,
                  metrics: MetricsConfig | None = None, profile_steps: tuple[int, int] | str | None = None,
                  rows: Any = None):
+        tx = _transformation(tx)
         _check_args(model, tx, loss_fn, config, mesh, plan, offload)    # refused combinations included
         try:     # a refused or failed construction leaves nothing open behind it (files, threads, handlers)
             check_rows(rows, config, plan)
@@ -763,13 +764,22 @@ def _stack(*flags):
     return jnp.stack(flags)
 
 
+def _transformation(tx):
+    """``tx`` as an ``optax.GradientTransformation``: an ``optax.MultiSteps`` (which is not one
+    itself) becomes its ``gradient_transformation()``; anything else is returned as it is."""
+    if isinstance(tx, optax.MultiSteps):
+        return tx.gradient_transformation()
+    return tx
+
+
 def _check_args(model, tx, loss_fn, config, mesh, plan, offload) -> None:
     """The Trainer's arguments: their types, the mesh against the config and the plan, and the
     combinations `check_combination` refuses (the same check `make_train_plan` runs)."""
     if not isinstance(model, nnx.Module):
         raise TypeError(f"Trainer: model must be a flax.nnx.Module, got {type(model).__name__}")
     if not isinstance(tx, optax.GradientTransformation):
-        raise TypeError(f"Trainer: tx must be an optax.GradientTransformation, got {type(tx).__name__}")
+        raise TypeError(f"Trainer: tx must be an optax.GradientTransformation (optax.adamw(1e-3), optax.chain(...), "
+                        f"optax.MultiSteps(...)), got {type(tx).__name__}")
     if not callable(loss_fn):
         raise TypeError(f"Trainer: loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(config, ParallelConfig):
