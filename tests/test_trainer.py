@@ -140,6 +140,47 @@ def test_rng_state_advances_inside_the_step():
     assert int(counts[0]) == 3
 
 
+class BatchNormMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(8, 32, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs)
+        self.down = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.relu(self.norm(self.up(x))))
+
+
+def test_hybrid_averages_batch_statistics_over_the_batch_axes():
+    """mode='hybrid' with ``nnx.BatchNorm``: each device's running mean comes back averaged over
+    the batch axes, which for equal rows per device is the global batch's mean (what mode
+    'data' computes); it was returned per device and refused by ``shard_map``."""
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+    means = {}
+    for mode in ("data", "hybrid"):
+        config = jaxpar.ParallelConfig(mesh={"data": 8}, mode=mode)
+        mesh = jaxpar.make_mesh(config)
+        trainer = jaxpar.Trainer(jaxpar.init(lambda: BatchNormMLP(nnx.Rngs(0)), config, mesh), optax.sgd(0.1),
+                                 lambda m, b: jnp.mean(m(b["x"]) ** 2), config, mesh)
+        trainer.step({"x": x})
+        means[mode] = np.asarray(trainer.model.norm.mean.get_value())
+    assert np.abs(means["data"]).max() > 1e-3                  # the statistics moved
+    np.testing.assert_allclose(means["hybrid"], means["data"], rtol=1e-5, atol=1e-7)
+
+
+def test_hybrid_refuses_a_loss_left_partial_over_a_model_axis():
+    """A model written for whole tensors, its matrices split over 'model' in mode='hybrid',
+    returns a loss that differs per 'model' shard: a ValueError names the axis and the fixes
+    (it was a pytree structure error from inside ``shard_map``'s own message)."""
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, mode="hybrid", rules={"batch": "data"},
+                                   parameter_strategy={"up/kernel": (1, 4), "up/bias": (4,), "down/kernel": (4, 1)})
+    mesh = jaxpar.make_mesh(config)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: DropoutMLP(nnx.Rngs(0)), config, mesh), optax.sgd(0.1),
+                             lambda m, b: jnp.mean(m(b["x"]) ** 2), config, mesh)
+    with pytest.raises(ValueError, match=r"mode='hybrid': the loss returned by loss_fn differs across the mesh "
+                                         r"axes \('model',\).*jax.lax.psum.*mode='semi_auto'"):
+        trainer.step({"x": np.ones((8, 8), np.float32)})
+
+
 def test_hooks_run_at_their_steps_after_the_services(tmp_path):
     """``add_hook(fn, every=N)`` calls ``fn(step, metrics)`` after steps N, 2N, ...; the Trainer's
     own checkpoint service is such a hook and runs first, so a hook at a save step sees it saved."""

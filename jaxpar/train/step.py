@@ -43,7 +43,7 @@ from jaxpar.pipeline.stages import StagedLoss
 from jaxpar.plan.state import TrainState, sharded_tx
 from jaxpar.precision import cast_floats, cast_like
 from jaxpar.remat import checkpoint_policy
-from jaxpar.strategy import spec_axes
+from jaxpar.strategy import spec_axes, varying_axes
 
 _is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
 
@@ -208,8 +208,10 @@ def per_device(s: Setting, loss_fn: Callable, batch) -> Callable:
         params, rows = s.split(params)
         model = nnx.merge(s.graphdef, params, _fresh(rest))
         loss, aux = split_loss_output(loss_fn(model, batch, *rows))
-        return _mean(loss, axes), jax.tree.map(lambda x: _mean(x, axes), aux), \
-            _agree(nnx.state(model, nnx.Not(nnx.Param)), axes)
+        loss = _same_everywhere(_mean(loss, axes), "the loss", axes)
+        aux = jax.tree_util.tree_map_with_path(
+            lambda path, x: _same_everywhere(_mean(x, axes), f"aux{jax.tree_util.keystr(path)}", axes), aux)
+        return loss, aux, _agree(nnx.state(model, nnx.Not(nnx.Param)), axes)
 
     def compute(params, rest, batch):
         loss, aux, rest = jax.shard_map(
@@ -454,6 +456,19 @@ def _mean(x, axes):
     return jax.lax.pmean(x, axes) if axes else x
 
 
+def _same_everywhere(x, what: str, axes):
+    """``x`` (already averaged over the batch axes), refused with a ValueError naming the mesh
+    axes it still varies over: the per-device loss and aux leave ``shard_map`` as one value."""
+    varying = tuple(sorted(a for a in varying_axes(x) if a not in axes))
+    if varying:
+        raise ValueError(f"mode='hybrid': {what} returned by loss_fn differs across the mesh axes {varying} "
+                         f"(after its mean over the batch axes {tuple(axes)}): parameters split over those axes "
+                         "reach loss_fn as shards, so model code written for whole tensors computes partial "
+                         "results. Reduce over them in the model or loss (jax.lax.psum, or the jaxpar.ops "
+                         "operators, which work per device), or use mode='semi_auto', where XLA adds the collectives")
+    return x
+
+
 def _agree(rest, axes):
     """Per-device non-parameter state made equal across the batch axes: float statistics are
     averaged (as the loss is); integer state (RNG keys and counts) must already agree."""
@@ -461,7 +476,7 @@ def _agree(rest, axes):
         return rest
 
     def one(x):
-        varying = tuple(a for a in axes if a in getattr(jax.typeof(x), "vma", ()))
+        varying = tuple(a for a in axes if a in varying_axes(x))
         if not varying:
             return x
         if jnp.issubdtype(x.dtype, jnp.inexact):
