@@ -30,8 +30,22 @@ def _context_model(config, mesh):
     return GPT(GPT_CFG, rngs=nnx.Rngs(0), constrain=constrain)
 
 
+class CountingLinear(nnx.Module):
+    """A linear layer that keeps a step counter as an nnx.Param by mistake (an integer parameter)."""
+
+    def __init__(self):
+        self.kernel = nnx.Param(jax.numpy.ones((16, 16)))
+        self.calls = nnx.Param(jax.numpy.zeros((), jax.numpy.int32))
+
+    def __call__(self, x):
+        return x @ self.kernel
+
+
 # name: (config fields, model builder, loss, what the message names)
 CASES = {
+    "integer-parameter": (dict(mesh={"data": 8}), lambda c, m: CountingLinear(),
+                          lambda model, batch: (model(batch["x"]) ** 2).mean(),
+                          r"parameter 'calls' has dtype int32.*nnx\.Variable \(not nnx\.Param\)"),
     "pipeline-plain-loss": (dict(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe", "batch": "data"},
                                  pipeline=PIPE),
                             lambda c, m: GPT(GPT_CFG, rngs=nnx.Rngs(0)), loss_fn, r"pipeline\.stages=2.*PipelineLoss"),

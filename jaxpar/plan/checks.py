@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxpar.config import ParallelConfig
 from jaxpar.nn.fp8 import fp8_unavailable
 from jaxpar.nn.moe import MoE
+from jaxpar.nn.specs import is_variable, path_str
 from jaxpar.optim.offload import unpaid_on
 from jaxpar.ops import ContextParallel
 from jaxpar.pipeline import PipelineLoss, StagedLoss
@@ -48,8 +51,20 @@ def check_combination(config: ParallelConfig, model: nnx.Module | None = None, l
         virtual = build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages).virtual_stages
         check_layers(config, stacked_layers(loss_fn, model), virtual, who)
     if model is not None:
+        _check_param_dtypes(model, who)
         _check_context(model, config, loss_fn, who, loss_fn is not None)
         _check_experts(model, config, loss_fn, who, loss_fn is not None)
+
+
+def _check_param_dtypes(model, who: str) -> None:
+    """Every ``nnx.Param`` is differentiated, so each must hold floating-point values."""
+    flat = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=is_variable)[0]
+    for path, var in flat:
+        dtype = getattr(var.get_value() if is_variable(var) else var, "dtype", None)
+        if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(f"{who}: parameter '{path_str(path)}' has dtype {dtype}, but every nnx.Param is "
+                            "differentiated and gradients need floating-point values; keep integer or boolean "
+                            "state in an nnx.Variable (not nnx.Param), or give the parameter a float dtype")
 
 
 def _check_platform(config: ParallelConfig, platform: str) -> None:
