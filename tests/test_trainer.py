@@ -181,6 +181,24 @@ def test_hybrid_refuses_a_loss_left_partial_over_a_model_axis():
         trainer.step({"x": np.ones((8, 8), np.float32)})
 
 
+def test_malformed_batches_are_refused_naming_the_leaf():
+    """A batch leaf that is a scalar, has another row count, or holds strings is refused with the
+    leaf's path before anything is compiled."""
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    mesh = jaxpar.make_mesh(config)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: DropoutMLP(nnx.Rngs(0)), config, mesh), optax.sgd(0.1),
+                             lambda m, b: jnp.mean(m(b["x"]) ** 2), config, mesh)
+    x = np.ones((8, 8), np.float32)
+    with pytest.raises(ValueError, match=r"batch\['scale'\] is a scalar"):
+        trainer.step({"x": x, "scale": np.float32(2)})
+    with pytest.raises(ValueError, match=r"batch\['y'\] has 16 rows but batch\['x'\] has 8"):
+        trainer.step({"x": x, "y": np.ones((16, 8), np.float32)})
+    with pytest.raises(TypeError, match=r"batch\['name'\] has dtype <U1: batch leaves must be numeric.*ids"):
+        trainer.step({"x": x, "name": np.array(["a"] * 8)})
+    with pytest.raises(ValueError, match=r"batch has no arrays"):
+        trainer.step({})
+
+
 def test_hooks_run_at_their_steps_after_the_services(tmp_path):
     """``add_hook(fn, every=N)`` calls ``fn(step, metrics)`` after steps N, 2N, ...; the Trainer's
     own checkpoint service is such a hook and runs first, so a hook at a save step sees it saved."""

@@ -225,7 +225,7 @@ class Trainer:
         Everything a step needs that depends only on the batch's shapes is found once per shape,
         not once per step; the batch is flattened once, here."""
         leaves, treedef = jax.tree.flatten(batch)
-        key = (kind, treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves))
+        key = (kind, treedef, tuple((np.shape(x), _dtype_of(x)) for x in leaves))
         if rows is not None:
             key += self._rows.key(rows)
         program = self._compiled.get(key)
@@ -819,6 +819,10 @@ def _check_batch(batch) -> None:
         if not shape:
             raise ValueError(f"{where} is a scalar; every batch leaf needs a leading batch dimension "
                              "(broadcast it to [batch, ...] or close over it in loss_fn)")
+        dtype = np.result_type(x)
+        if not (np.issubdtype(dtype, np.number) or np.issubdtype(dtype, np.bool_)):
+            raise TypeError(f"{where} has dtype {dtype}: batch leaves must be numeric or boolean arrays (they "
+                            "are placed on the devices); encode strings as ids, or keep them out of the batch")
         if rows is None:
             rows, first = shape[0], where
         elif shape[0] != rows:
@@ -829,3 +833,9 @@ def _check_batch(batch) -> None:
 def _keeps_position(batches) -> bool:
     """Whether ``batches`` is a loader with ``state()`` / ``restore(state)`` (e.g. `jaxpar.data.TokenLoader`)."""
     return callable(getattr(batches, "state", None)) and callable(getattr(batches, "restore", None))
+
+
+def _dtype_of(x) -> np.dtype:
+    """An array's dtype, or the one NumPy gives a Python value (``np.result_type`` of an array
+    object itself is deprecated)."""
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
