@@ -819,7 +819,7 @@ def _check_batch(batch) -> None:
         if not shape:
             raise ValueError(f"{where} is a scalar; every batch leaf needs a leading batch dimension "
                              "(broadcast it to [batch, ...] or close over it in loss_fn)")
-        dtype = np.result_type(x)
+        dtype = _dtype_of(x)
         if not (np.issubdtype(dtype, np.number) or np.issubdtype(dtype, np.bool_)):
             raise TypeError(f"{where} has dtype {dtype}: batch leaves must be numeric or boolean arrays (they "
                             "are placed on the devices); encode strings as ids, or keep them out of the batch")
