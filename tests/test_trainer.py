@@ -167,6 +167,39 @@ def test_hybrid_averages_batch_statistics_over_the_batch_axes():
     np.testing.assert_allclose(means["hybrid"], means["data"], rtol=1e-5, atol=1e-7)
 
 
+class DropoutBatchNormMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.up = nnx.Linear(8, 32, rngs=rngs)
+        self.norm = nnx.BatchNorm(32, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.down = nnx.Linear(32, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(self.drop(jax.nn.relu(self.norm(self.up(x)))))
+
+
+@pytest.mark.parametrize("mode", ["data", "hybrid"])
+def test_evaluate_runs_the_model_in_evaluation_mode(mode):
+    """``Trainer.evaluate``: dropout off and batch norm on its running statistics (what
+    ``model.eval()`` does), so the same batch gives the same loss each time, equal to the
+    model's own evaluation; training still draws masks and updates the statistics."""
+    loss = lambda m, b: jnp.mean(m(b["x"]) ** 2)  # noqa: E731
+    x = np.random.default_rng(0).normal(size=(16, 8)).astype(np.float32)
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode=mode)
+    mesh = jaxpar.make_mesh(config)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: DropoutBatchNormMLP(nnx.Rngs(0)), config, mesh), optax.sgd(0.1),
+                             loss, config, mesh)
+    trainer.step({"x": x})
+    model = nnx.clone(trainer.model)
+    model.eval()
+    want = float(loss(model, {"x": x}))
+    got = [trainer.evaluate([{"x": x}]) for _ in range(2)]
+    assert got[0] == got[1]
+    np.testing.assert_allclose(got[0], want, rtol=1e-5)
+    trained = [float(trainer.step({"x": x})["loss"]) for _ in range(2)]
+    assert trained[0] != got[0] and trained[0] != trained[1]       # training mode: masks, batch statistics
+
+
 def test_hybrid_refuses_a_loss_left_partial_over_a_model_axis():
     """A model written for whole tensors, its matrices split over 'model' in mode='hybrid',
     returns a loss that differs per 'model' shard: a ValueError names the axis and the fixes

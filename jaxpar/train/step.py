@@ -23,6 +23,7 @@ rows as it treats parameters.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,16 @@ class Setting:
                 s != PartitionSpec() for s in jax.tree.leaves(self.row_specs, is_leaf=_is_spec)):
             raise ValueError(f"mode='hybrid' runs the loss per device, where pulled rows must be replicated; these "
                              f"are split ({self.row_specs}): use mode='semi_auto' with a row source that splits them")
+
+    def evaluating(self) -> "Setting":
+        """This setting with the model in evaluation mode: ``nnx.Module.eval()`` sets every
+        ``deterministic`` (dropout) and ``use_running_average`` (batch norm) attribute, which
+        the graph carries; a model with neither is unchanged."""
+        model = nnx.merge(self.graphdef, self.params_like, self.rest_like)
+        model.eval()
+        out = copy.copy(self)
+        out.graphdef = nnx.graphdef(model)
+        return out
 
     def join(self, params, rows: tuple):
         """What the chain differentiates: ``params``, or ``(params, rows)`` with pulled rows
@@ -163,7 +174,9 @@ def build_step(s: Setting, loss_fn: Callable, tx: optax.GradientTransformation, 
 
 
 def build_eval(s: Setting, loss_fn: Callable, batch) -> Callable:
-    """``(TrainState, batch) -> loss``: the forward of the chain, no gradients."""
+    """``(TrainState, batch) -> loss``: the forward of the chain, no gradients, the model in
+    evaluation mode (`Setting.evaluating`: dropout off, batch norm on its running statistics)."""
+    s = s.evaluating()
     loss = cast(s, gather(s, merge(s, pipeline(s, loss_fn), batch)))
 
     def evaluate(state: TrainState, batch, *rows):

@@ -464,7 +464,8 @@ class Trainer:
         return fn.lower(self._state.params, self._state.rest, placed)
 
     def evaluate(self, batches: Iterable, steps: int | None = None) -> float:
-        """Mean loss over ``batches`` (the first ``steps`` of them), without updating."""
+        """Mean loss over ``batches`` (the first ``steps`` of them), without updating, the model
+        in evaluation mode (``model.eval()``: dropout off, batch norm on its running statistics)."""
         total, n = 0.0, 0
         for i, batch in enumerate(batches):
             if steps is not None and i >= steps:
