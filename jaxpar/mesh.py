@@ -66,10 +66,18 @@ def make_mesh(config_or_axes: ParallelConfig | Mapping[str, int], devices: Seque
         from jaxpar.distributed import initialize
 
         initialize()
+    chosen = devices is not None
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh: the device list is empty")
-    sizes = resolve_axes(axes, len(devices))
+    try:
+        sizes = resolve_axes(axes, len(devices))
+    except ValueError as e:
+        fixed = normalize_mesh(axes)
+        fewer = math.prod(fixed.values()) if -1 not in fixed.values() else None
+        if chosen or fewer is None or fewer > len(devices):
+            raise
+        raise ValueError(f"{e}; or, to run on {fewer} of them, pass devices=jax.devices()[:{fewer}]") from None
     names, shape = tuple(sizes), tuple(sizes.values())
     types = (AxisType.Auto,) * len(names)
     if jax.process_count() > 1 and len(devices) == jax.device_count():

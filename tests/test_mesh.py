@@ -30,6 +30,15 @@ def test_wrong_product(axes, n, words):
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
+def test_a_smaller_mesh_than_the_devices_names_the_subset_to_pass():
+    with pytest.raises(ValueError, match=r"has 4 devices but 8 are available.*; or, to run on 4 of them, pass "
+                                         r"devices=jax.devices\(\)\[:4\]"):
+        jaxpar.make_mesh({"data": 2, "model": 2})
+    with pytest.raises(ValueError) as e:                 # more than there are: no subset to offer
+        jaxpar.make_mesh({"data": 16})
+    assert "devices=" not in str(e.value)
+
+
 def test_type_error():
     with pytest.raises(TypeError, match="ParallelConfig or a mapping"):
         jaxpar.make_mesh([2, 4])
