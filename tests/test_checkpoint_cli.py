@@ -59,6 +59,13 @@ def test_inspect_transform_merge(tmp_path, capsys):
     plain = ocp.StandardCheckpointer().restore(tmp_path / "merged" / "2" / "state")   # no jaxpar needed
     np.testing.assert_array_equal(plain["params"]["up"], np.asarray(trainer.params["up"].get_value()))
     assert len(plain["params"]["up"].sharding.device_set) == 1
+    # an output that already holds the step: one line naming it and the way out, nothing rewritten
+    assert main(["merge", str(tmp_path / "tp"), str(tmp_path / "merged")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"already holds step 2 ({tmp_path / 'merged' / '2'}); give another" in err, err
+    with pytest.raises(ValueError, match="already holds step 2"):
+        ckpt.transform(tmp_path / "src", tmp_path / "tp", ckpt.strategy_config(ckpt.load_strategy(tmp_path / "tp")))
+
 
     assert main(["inspect", str(tmp_path / "missing")]) == 2     # a user error: exit 2, one line
 

@@ -165,6 +165,14 @@ def mesh_for(config: ParallelConfig, devices=None):
     return make_mesh(config, devices=devices)
 
 
+def _check_free(out, step: int) -> None:
+    """Refuse, before anything is read, an ``out`` that already holds ``step``."""
+    where = os.path.join(os.path.abspath(os.fspath(out)), str(step))
+    if os.path.exists(where):
+        raise ValueError(f"out {os.fspath(out)!r} already holds step {step} ({where}); give another output "
+                         f"directory, or delete {where} to write it again")
+
+
 def transform(directory, out, config: ParallelConfig, *, step: int | None = None, devices=None) -> int:
     """Rewrite step ``step`` (default newest) of ``directory`` into ``out`` laid out for ``config``.
 
@@ -175,6 +183,7 @@ def transform(directory, out, config: ParallelConfig, *, step: int | None = None
     mesh = mesh_for(config, devices)
     with open_manager(directory, read_only=True) as manager:
         step = complete_step(manager, directory, step)
+        _check_free(out, step)
         with reading_step(manager, directory, step):
             strategy = read_strategy(manager, step)
             stored = saved_leaves(manager, step)
