@@ -66,6 +66,13 @@ def test_inspect_transform_merge(tmp_path, capsys):
     with pytest.raises(ValueError, match="already holds step 2"):
         ckpt.transform(tmp_path / "src", tmp_path / "tp", ckpt.strategy_config(ckpt.load_strategy(tmp_path / "tp")))
 
+    # --to a checkpoint directory in a fresh process: its mesh's 8 simulated devices are asked for
+    # before the directory is read (reading it with orbax started JAX on 1 device: refused)
+    done = subprocess.run([sys.executable, "-m", "jaxpar.cli", "ckpt", "transform", str(tmp_path / "src"), "--to",
+                           str(tmp_path / "tp"), str(tmp_path / "copied")], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0 and "WARNING" not in done.stderr, done.stderr
+    assert ckpt.inspect(tmp_path / "copied")["mesh"]["axes"] == {"data": 2, "model": 4}
 
     assert main(["inspect", str(tmp_path / "missing")]) == 2     # a user error: exit 2, one line
 

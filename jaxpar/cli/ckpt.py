@@ -123,11 +123,29 @@ def _devices_needed(args) -> int:
         return args.ckpt_devices
     if args.to is None:
         return 1
+    import os
+
+    if os.path.isdir(args.to):
+        return _saved_devices(args.to)
     try:
         sizes = _load_config(args.to).mesh.values()
     except Exception:  # reported properly when the handler loads it again
         return 8
     return math.prod(sizes) if -1 not in sizes else 8
+
+
+def _saved_devices(directory: str) -> int:
+    """The device count in the newest step's strategy file of ``directory``, read as plain JSON:
+    opening it with orbax would start JAX before the simulated devices are asked for."""
+    import os
+
+    try:
+        steps = [int(n) for n in os.listdir(directory)
+                 if n.isdigit() and os.path.isfile(os.path.join(directory, n, "strategy", "metadata"))]
+        with open(os.path.join(directory, str(max(steps)), "strategy", "metadata")) as f:
+            return int(json.load(f)["mesh"]["devices"])
+    except Exception:  # reported properly when the handler loads it again
+        return 8
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
