@@ -230,6 +230,11 @@ def test_malformed_batches_are_refused_naming_the_leaf():
         trainer.step({"x": x, "name": np.array(["a"] * 8)})
     with pytest.raises(ValueError, match=r"batch has no arrays"):
         trainer.step({})
+    with pytest.raises(TypeError, match=r"batch\['key'\] has dtype key<fry>: batch leaves must be numeric"):
+        trainer.step({"x": x, "key": jax.random.split(jax.random.key(0), 8)})
+    # bfloat16 and float8 are numbers to JAX, not to NumPy's np.issubdtype: taken as any float
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn):
+        assert np.isfinite(float(trainer.step({"x": x, "extra": np.ones((8, 2), dtype)})["loss"]))
 
 
 def test_hooks_run_at_their_steps_after_the_services(tmp_path):

@@ -820,8 +820,8 @@ def _check_batch(batch) -> None:
         if not shape:
             raise ValueError(f"{where} is a scalar; every batch leaf needs a leading batch dimension "
                              "(broadcast it to [batch, ...] or close over it in loss_fn)")
-        dtype = _dtype_of(x)
-        if not (np.issubdtype(dtype, np.number) or np.issubdtype(dtype, np.bool_)):
+        dtype = _dtype_of(x)      # jnp: NumPy counts bfloat16 and the float8 types as no numbers
+        if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
             raise TypeError(f"{where} has dtype {dtype}: batch leaves must be numeric or boolean arrays (they "
                             "are placed on the devices); encode strings as ids, or keep them out of the batch")
         if rows is None:
@@ -836,7 +836,8 @@ def _keeps_position(batches) -> bool:
     return callable(getattr(batches, "state", None)) and callable(getattr(batches, "restore", None))
 
 
-def _dtype_of(x) -> np.dtype:
+def _dtype_of(x):
     """An array's dtype, or the one NumPy gives a Python value (``np.result_type`` of an array
-    object itself is deprecated)."""
-    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.result_type(x)
+    object itself is deprecated); a JAX key array's ``key<...>`` dtype as it is (NumPy reads
+    no such dtype)."""
+    return x.dtype if hasattr(x, "dtype") else np.result_type(x)
