@@ -4,6 +4,7 @@ fewer bytes kept for the backward in the compiled program."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxpar.ops import swiglu
 
@@ -42,3 +43,54 @@ def test_the_backward_keeps_fewer_tensors():
     activations wait for the backward (all but the last: the backward starts with it)."""
     saved = _temp_bytes(_plain_swiglu) - _temp_bytes(swiglu)
     assert saved >= (LAYERS - 1) * T * F * 2, saved / (T * F * 2)
+
+
+class _Dense(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones((8, 8)))
+        self.v = nnx.Param(jnp.ones((8, 8)))
+
+
+def _graph(loss):
+    from jaxpar.auto import build_graph
+    return build_graph(nnx.eval_shape(_Dense), loss, jax.ShapeDtypeStruct((4, 8), np.float32))
+
+
+def test_the_strategy_search_reads_swiglu_as_fused_work_and_an_outer_checkpoint_as_a_region():
+    """jaxpar.auto: the checkpoint of ``swiglu`` alone (elementwise work) is no recompute region,
+    its operators marked ``recomputed``; a checkpoint of the user's around a block with a matmul
+    and ``swiglu`` is still one region holding the SwiGLU's operators, under its policy; in a
+    scan, what silu computes is not kept per iteration, the matmuls' values are."""
+    from jaxpar.auto.cost import analyse
+
+    def alone(model, x):
+        return (swiglu(x @ model.w[...], x @ model.v[...]) @ model.v[...]).sum()
+
+    graph = _graph(alone)
+    assert not graph.regions
+    act = [op for op in graph.ops if op.get("recomputed")]
+    assert act and all(op.region == -1 and op.keep == "device" for op in act)
+    assert all(op.prim != "dot_general" for op in act)
+
+    def block(model, x):
+        return jax.checkpoint(lambda x: swiglu(x @ model.w[...], x @ model.v[...]) @ model.v[...],
+                              policy=jax.checkpoint_policies.dots_saveable)(x).sum()
+
+    graph = _graph(block)
+    (region,) = graph.regions
+    inside = graph.ops[region.first:region.last + 1]
+    assert sum(op.prim == "dot_general" for op in inside) == 3
+    assert all(not op.get("recomputed") for op in graph.ops)
+    assert {op.keep for op in inside if op.prim == "logistic"} == {"recompute"}
+
+    def scanned(act):
+        def loss(model, x):
+            def body(h, _):
+                return act(h @ model.w[...], h @ model.v[...]) @ model.v[...], None
+            return jax.lax.scan(body, x, None, length=3)[0].sum()
+        graph = _graph(loss)
+        flags = analyse(graph)
+        return {op.prim: flags.saved[op.outs[0]] for op in graph.ops if op.prim in ("logistic", "dot_general")}
+
+    assert scanned(_plain_swiglu) == {"logistic": True, "dot_general": True}     # stacked for the backward
+    assert scanned(swiglu) == {"logistic": False, "dot_general": True}           # recomputed from g and u
