@@ -36,9 +36,11 @@ SAME_REQUEST_S = 1.0    # SIGTERMs this soon after the first are the same reques
 def _on_sigterm(signum, frame) -> None:
     """SIGTERM while Trainers listen: each saves and leaves at its next step. With none
     listening any more (closed, or garbage), or a second SIGTERM over ``SAME_REQUEST_S`` after
-    the first while no Trainer acted on it (none is stepping), the default action: the process
-    ends, as it would without jaxpar. One sooner than that is the same request again, and one
-    while a Trainer saves for the first (``acting``) changes nothing: that save is the point."""
+    the first while no Trainer acted on it (none reached a step boundary since: none is stepping,
+    or one is inside a step longer than that, a first step's compile included), the default
+    action: the process ends, as it would without jaxpar. One sooner than that is the same
+    request again, and one while a Trainer saves for the first (``acting``) changes nothing:
+    that save is the point."""
     listening = list(_listening)
     if not listening:
         _default_action()
