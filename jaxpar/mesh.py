@@ -70,13 +70,14 @@ def make_mesh(config_or_axes: ParallelConfig | Mapping[str, int], devices: Seque
     devices = list(jax.devices() if devices is None else devices)
     if not devices:
         raise ValueError("make_mesh: the device list is empty")
+    fixed = normalize_mesh(axes)
+    fewer = math.prod(fixed.values()) if -1 not in fixed.values() else None
     try:
-        sizes = resolve_axes(axes, len(devices))
+        sizes = resolve_axes(fixed, len(devices))
     except ValueError as e:
-        fixed = normalize_mesh(axes)
-        fewer = math.prod(fixed.values()) if -1 not in fixed.values() else None
-        if chosen or fewer is None or fewer > len(devices):
+        if chosen or fewer is None or fewer > len(devices) or jax.process_count() > 1:
             raise
+        # one process: the first devices are a mesh of that size (a one-device baseline, say)
         raise ValueError(f"{e}; or, to run on {fewer} of them, pass devices=jax.devices()[:{fewer}]") from None
     names, shape = tuple(sizes), tuple(sizes.values())
     types = (AxisType.Auto,) * len(names)
