@@ -22,9 +22,12 @@ from jax.sharding import PartitionSpec as P
 pytest.importorskip("safetensors")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
+from flax import nnx  # noqa: E402
+
 import jaxpar  # noqa: E402
 from jaxpar.cli import main as jaxpar_main  # noqa: E402
 from jaxpar.interop.hf import export_hf, import_hf, llama_model  # noqa: E402
+from jaxpar.models.llama import LlamaConfig  # noqa: E402
 
 
 def ckpt_main(argv):
@@ -284,6 +287,10 @@ def test_bad_input_names_the_tensor_or_file(untied, tmp_path, capsys):
         import_hf(gpt2)
     with pytest.raises(FileNotFoundError, match="config.json"):
         import_hf(str(tmp_path))
+    # exporting what is not a Llama names the source and what it holds (it was KeyError: 'embedding')
+    with pytest.raises(ValueError, match=r"export_hf: the Linear given holds no 'embedding' .* but \['bias', 'kernel'\]"):
+        export_hf(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), LlamaConfig(), str(tmp_path / "linear"))
+    assert not (tmp_path / "linear").exists()
     # the command: one line, exit code 2, no traceback
     assert ckpt_main(["import-hf", gpt2, "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err

@@ -265,7 +265,16 @@ def _resolve(source, cfg: LlamaConfig | None, step: int | None):
         params = _flat_params(source)
     if not isinstance(cfg, LlamaConfig):
         raise TypeError(f"export_hf: cfg must be a LlamaConfig, got {type(cfg).__name__}")
+    if "embedding" not in params:
+        raise ValueError(f"export_hf: {_describe(source)} holds no 'embedding' (HF tensor 'model.embed_tokens.weight') "
+                         f"but {sorted(params)[:6]}{' ...' if len(params) > 6 else ''}: export_hf writes the "
+                         "parameters of a jaxpar.models.llama.Llama; give a checkpoint, state or model of one")
     return params, dataclasses.replace(cfg, scan_layers="blocks/attn/wq" in params), base
+
+
+def _describe(source) -> str:
+    return f"checkpoint {os.fspath(source)}" if isinstance(source, (str, os.PathLike)) else \
+        f"the {type(source).__name__} given"
 
 
 def _hf_tensor(t: Tensor, params: Mapping[str, Any], dtype) -> np.ndarray:
