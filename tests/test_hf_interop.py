@@ -291,6 +291,8 @@ def test_bad_input_names_the_tensor_or_file(untied, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"export_hf: the Linear given holds no 'embedding' .* but \['bias', 'kernel'\]"):
         export_hf(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), LlamaConfig(), str(tmp_path / "linear"))
     assert not (tmp_path / "linear").exists()
+    assert ckpt_main(["export-hf", directory, "--out", str(tmp_path / "o"), "--hf-config", str(tmp_path / "no.json")]) == 2
+    assert f"--hf-config {tmp_path / 'no.json'}: no such file; give the model's HF config.json" in capsys.readouterr().err
     # the command: one line, exit code 2, no traceback
     assert ckpt_main(["import-hf", gpt2, "--out", str(tmp_path / "c")]) == 2
     err = capsys.readouterr().err

@@ -107,9 +107,14 @@ def _export_hf(args) -> int:
 
     cfg = base = None
     if args.hf_config is not None:
+        import os
+
         from jaxpar.interop.hf_files import read_config
         from jaxpar.interop.hf_layout import llama_config
 
+        if not os.path.exists(args.hf_config):
+            raise FileNotFoundError(f"--hf-config {args.hf_config}: no such file; give the model's HF config.json "
+                                    "(or the folder holding it)")
         base = read_config(args.hf_config)
         cfg = llama_config(base, where=args.hf_config)
     written = export_hf(args.dir, cfg, args.out, max_shard_bytes=args.max_shard_size, dtype=args.dtype,
