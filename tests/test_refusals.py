@@ -72,6 +72,12 @@ CASES = {
         r"pipeline\.stages=2 with a mixture-of-experts.*block_call"),
     "moe-hybrid": (dict(mesh={"data": 8}, mode="hybrid"), lambda c, m: GPT(MOE_CFG, rngs=nnx.Rngs(0)), loss_fn,
                    r"mode='hybrid' with a mixture-of-experts"),
+    "pipeline-layers-not-split-over-the-stages": (
+        dict(mesh={"pipe": 2, "data": 4}, rules={"batch": "data"}, pipeline=PIPE),
+        lambda c, m: GPT(GPT_CFG, rngs=nnx.Rngs(0)), pipeline_loss(),
+        r"pipeline\.stages=2 gives each stage its own layers, but the leading \(layer\) axis of the pipeline blocks' "
+        r"parameter 'blocks/.*' \(logical names \('layers', .*\)\) is not split over mesh axis 'pipe'.*add the rule "
+        r"'layers': 'pipe'"),
     "pipeline-layers-not-divisible": (dict(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe", "batch": "data"},
                                            pipeline=PIPE),
                                       lambda c, m: GPT(dataclasses.replace(GPT_CFG, layers=3), rngs=nnx.Rngs(0)),

@@ -19,7 +19,7 @@ from flax import nnx
 from jaxpar.config import ParallelConfig
 from jaxpar.nn.fp8 import fp8_unavailable
 from jaxpar.nn.moe import MoE
-from jaxpar.nn.specs import is_variable, path_str
+from jaxpar.nn.specs import is_variable, logical_names, matching_patterns, path_str
 from jaxpar.optim.offload import unpaid_on
 from jaxpar.ops import ContextParallel
 from jaxpar.pipeline import PipelineLoss, StagedLoss
@@ -50,10 +50,35 @@ def check_combination(config: ParallelConfig, model: nnx.Module | None = None, l
         pipe = config.pipeline
         virtual = build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages).virtual_stages
         check_layers(config, stacked_layers(loss_fn, model), virtual, who)
+        _check_stage_layers(config, model, loss_fn, who)
     if model is not None:
         _check_param_dtypes(model, who)
         _check_context(model, config, loss_fn, who, loss_fn is not None)
         _check_experts(model, config, loss_fn, who, loss_fn is not None)
+
+
+def _check_stage_layers(config: ParallelConfig, model, loss: PipelineLoss, who: str) -> None:
+    """Each pipeline stage holds its own layers: the stacked blocks' leading (layer) axis must
+    map to the pipe axis (a rule for its logical name, or a ``parameter_strategy`` entry for the
+    parameter), or every stage would hold and update every layer, silently."""
+    pipe = config.pipeline
+    blocks = {id(v) for v in jax.tree.leaves(nnx.state(loss.blocks(model), nnx.Param), is_leaf=is_variable)}
+    rules = dict(config.rules or {})
+    for path, var in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=is_variable)[0]:
+        if id(var) not in blocks or matching_patterns(path_str(path), config.parameter_strategy or {}):
+            continue
+        names = logical_names(var)
+        name = names[0] if names else None
+        rule = rules.get(name) if name is not None else None
+        if pipe.axis in ((rule,) if isinstance(rule, str) else tuple(rule or ())):
+            continue
+        fix = (f"add the rule {name!r}: {pipe.axis!r} (the logical name of that axis)" if name is not None else
+               f"name the stacked axis (nnx.vmap(..., transform_metadata={{nnx.PARTITION_NAME: 'layers'}})) and "
+               f"add the rule 'layers': {pipe.axis!r}")
+        raise ValueError(f"{who}: pipeline.stages={pipe.stages} gives each stage its own layers, but the leading "
+                         f"(layer) axis of the pipeline blocks' parameter '{path_str(path)}' (logical names "
+                         f"{names}) is not split over mesh axis {pipe.axis!r} by rules={rules}, so every stage would "
+                         f"hold every layer; {fix}, or give the parameter a parameter_strategy entry")
 
 
 def _check_param_dtypes(model, who: str) -> None:
