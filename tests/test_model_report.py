@@ -131,3 +131,36 @@ def test_docstring_examples_run(module):
     mod = importlib.import_module(f"jaxpar.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS, extraglobs={"LlamaConfig": LlamaConfig})
     assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.slow     # two compiles of the tiny step
+def test_llama_report_with_a_context_section_builds_the_model_training_builds(tmp_path, capsys):
+    # the report's plan and compiled step give the Llama the constraint `jaxpar train` gives it
+    # (a ContextParallel here); they built it without one, so a context section was refused and
+    # the compiled memory was that of a step without the activation constraints
+    import numpy as np
+    from flax import nnx
+
+    from jaxpar.job.reports import compiled_llama_memory
+    from jaxpar.models.llama import Llama, loss_fn
+    from jaxpar.models.llama_report import DEFAULT_TX, llama_config
+    from jaxpar.report import memory
+
+    path = tmp_path / "cp.yaml"
+    path.write_text("mesh: {data: 2, context: 4}\nrules: {batch: data, length: context}\n"
+                    "context: {strategy: ring, order: zigzag}\n")
+    code = main(["report", "--config", str(path), "--model", "llama", "--size", "tiny", "--batch", "4", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["compiled_note"] == "compiled"
+    assert "causal balance at seq_len=16, cp=4" in err and "zigzag      1.000" in err
+
+    config = jaxpar.ParallelConfig(mesh={"data": 4, "model": 2}, rules=RULES)
+    mesh = jaxpar.make_mesh(config)
+    cfg = llama_config("tiny")
+    constrain = jaxpar.nn.model_constraint(mesh, config)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain), config, mesh),
+                             DEFAULT_TX, loss_fn, config, mesh)
+    tokens = np.zeros((8, cfg.max_seq_len), np.int32)
+    trained = memory(trainer.lower({"inputs": tokens, "targets": tokens}).compile())
+    assert compiled_llama_memory("tiny", config, batch=8) == trained

@@ -74,10 +74,23 @@ def llama_report(args) -> int:
     report = llama_size_report(args.size or "tiny", config, devices, args.batch or DEFAULT_BATCH, dtype=args.dtype,
                                seq_len=args.seq_len, step_time=args.step_time, peak_flops=args.peak_flops,
                                backend=args.backend)
-    print_text(report.format(), file=sys.stderr if args.json else sys.stdout)
+    tables = sys.stderr if args.json else sys.stdout
+    print_text(report.format(), file=tables)
+    if config.context is not None:
+        _print_balance(config, report.seq_len, tables)
     if args.json:
         print_text(json.dumps(report.summary(), indent=2))
     return 0
+
+
+def _print_balance(config, seq_len: int, file) -> None:
+    """With a context axis: the causal work per device of each sequence order."""
+    if config.context is None:
+        return
+    from jaxpar.ops import describe_balance
+
+    cp = math.prod(config.mesh[a] for a in config.context.axes)
+    print_text(describe_balance(seq_len, cp), file=file)
 
 
 def cmd_report(args) -> int:
@@ -98,11 +111,7 @@ def cmd_report(args) -> int:
         from jaxpar.report import format_schedule
 
         print_text(format_schedule(config), file=tables)
-    if config.context is not None:   # the causal work per device of each sequence order
-        from jaxpar.ops import describe_balance
-
-        cp = math.prod(config.mesh[a] for a in config.context.axes)
-        print_text(describe_balance(job.data.seq_len, cp), file=tables)
+    _print_balance(config, job.data.seq_len, tables)
     if args.json:
         print_text(json.dumps(report.summary(), indent=2, default=str))
     return 0

@@ -34,23 +34,30 @@ def compiled_llama_memory(model: LlamaConfig | str, config: ParallelConfig, *, b
     """``memory_analysis()`` of the Llama training step compiled on the first devices.
 
     Builds the model (sharded), so keep it for models that fit: the report's estimate needs no
-    devices at all.
+    devices at all. The model gets the activation constraint ``jaxpar train`` gives it
+    (``jaxpar.nn.model_constraint``: with a ``context`` section a ``ContextParallel``), so the
+    step compiled here is the one training runs.
 
     >>> compiled_llama_memory("tiny", jaxpar.ParallelConfig(mesh={"data": 2}), batch=4).argument_bytes  # doctest: +SKIP
     """
+    import jax
     import numpy as np
     from flax import nnx
 
+    from jaxpar.mesh import make_mesh
     from jaxpar.models.llama import Llama, loss_fn
     from jaxpar.models.llama_report import DEFAULT_TX, llama_config
+    from jaxpar.nn import model_constraint
     from jaxpar.report import memory
     from jaxpar.train import compile_step
 
     cfg = llama_config(model)
     seq = cfg.max_seq_len if seq_len is None else seq_len
     tokens = np.zeros((batch, seq), np.int32)
-    compiled = compile_step(lambda: Llama(cfg, rngs=nnx.Rngs(0)), loss_fn, {"inputs": tokens, "targets": tokens},
-                            config, tx or DEFAULT_TX)
+    # the mesh compile_step makes (the first devices): a mesh of the same devices and axes is equal
+    constrain = model_constraint(make_mesh(config, devices=jax.devices()[:math.prod(config.mesh.values())]), config)
+    compiled = compile_step(lambda: Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain), loss_fn,
+                            {"inputs": tokens, "targets": tokens}, config, tx or DEFAULT_TX)
     return memory(compiled)
 
 

@@ -212,12 +212,15 @@ def _sizes(config: ParallelConfig, mesh: Mapping[str, int] | None) -> dict[str, 
 
 def _plan(cfg: LlamaConfig, config: ParallelConfig, sizes: dict[str, int], tx):
     from flax import nnx
+    from jax.sharding import AbstractMesh
 
     from jaxpar.models.llama import Llama
-    from jaxpar.nn import abstract_model
+    from jaxpar.nn import abstract_model, model_constraint
     from jaxpar.plan.train_plan import make_train_plan
 
-    abstract = abstract_model(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    # the constraint training gives the model (with a context section: ContextParallel), on mesh sizes
+    constrain = model_constraint(AbstractMesh(tuple(sizes.values()), tuple(sizes)), config)
+    abstract = abstract_model(lambda: Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain))
     return make_train_plan(config, sizes, abstract, tx)
 
 
