@@ -164,3 +164,19 @@ def test_llama_report_with_a_context_section_builds_the_model_training_builds(tm
     tokens = np.zeros((8, cfg.max_seq_len), np.int32)
     trained = memory(trainer.lower({"inputs": tokens, "targets": tokens}).compile())
     assert compiled_llama_memory("tiny", config, batch=8) == trained
+
+
+@pytest.mark.slow     # one compile of the tiny pipelined step
+def test_llama_report_of_a_pipeline_compiles_the_pipeline_loss(capsys):
+    # the compiled step and the plan take the Llama pipeline loss, as `jaxpar train` does; they
+    # took the plain loss_fn, which the Trainer refuses with stages ("needs a PipelineLoss")
+    code = main(["report", "--model", "llama", "--size", "tiny", "--mesh", "pipe=2,data=4", "--rules",
+                 "batch=data,layers=pipe", "--pipeline", "stages=2,microbatches=4,schedule=1f1b", "--batch", "8",
+                 "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    report = json.loads(out)
+    est, compiled = report["memory_per_device"], report["compiled_memory_per_device"]
+    batch_bytes = 2 * 8 * 16 * 4 // 4                                 # inputs and targets, split over data
+    extra = compiled["argument_bytes"] - est["params"] - est["opt_state"]   # each stage: its own layer
+    assert batch_bytes <= extra <= batch_bytes + 64
