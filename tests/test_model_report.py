@@ -180,3 +180,17 @@ def test_llama_report_of_a_pipeline_compiles_the_pipeline_loss(capsys):
     batch_bytes = 2 * 8 * 16 * 4 // 4                                 # inputs and targets, split over data
     extra = compiled["argument_bytes"] - est["params"] - est["opt_state"]   # each stage: its own layer
     assert batch_bytes <= extra <= batch_bytes + 64
+
+
+def test_activation_estimate_counts_one_micro_batch_and_the_sequence_shard():
+    # grad_accum runs one micro-batch at a time and a context axis splits the sequence: the
+    # estimate counted the whole batch shard and the whole sequence on every device
+    def activations(**fields):
+        mesh = fields.pop("mesh", {"data": 2})
+        config = jaxpar.ParallelConfig(mesh=mesh, rules={"batch": "data", **fields.pop("rules", {})}, **fields)
+        return llama_report("tiny", config, batch=8).memory.activations
+
+    whole = activations()
+    assert activations(grad_accum=2) * 2 == whole
+    assert activations(mesh={"data": 2, "context": 4}, rules={"length": "context"},
+                       context={"strategy": "ring", "order": "zigzag"}) * 4 == whole

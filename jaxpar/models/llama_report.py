@@ -106,7 +106,8 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
     values (2 × kv_heads × d_head), the SwiGLU gate, up and product (3 × mlp), and the
     attention probabilities (heads × seq) — or, for cuDNN's fused kernel, one log-sum-exp per
     head. Head-, kv- and mlp-sized values are divided by the ways the plan's rules split
-    ``heads`` / ``kv_heads`` / ``mlp``; tokens by the batch axes. The fp32 logits
+    ``heads`` / ``kv_heads`` / ``mlp``; tokens by the batch axes, the context axes and
+    ``grad_accum`` (one micro-batch is alive at a time). The fp32 logits
     (vocab per token, split as ``vocab``) are added once; with ``loss_chunks`` instead the
     gradients the chunked loss keeps (embed per token, and the head's in fp32). With recompute ``"full"`` /
     ``"nothing_saveable"`` (``ParallelConfig.remat``) a layer keeps only its input, plus one
@@ -117,7 +118,11 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
     """
     seq = _positive("seq_len", cfg.max_seq_len if seq_len is None else seq_len)
     replicas = math.prod(plan.mesh[a] for a in plan.batch_axes())
-    tokens = -(-_positive("batch", batch) // replicas) * seq
+    # one micro-batch's tokens (grad_accum runs the micro-batches one after another), the
+    # sequence split over the context axes
+    context = plan.config.context
+    cp = math.prod(plan.mesh[a] for a in context.axes) if context is not None else 1
+    tokens = -(-_positive("batch", batch) // (replicas * plan.grad_accum)) * -(-seq // cp)
     heads, kv, mlp = (_degree(plan, name) for name in ("heads", "kv_heads", "mlp"))
     probs = cfg.heads if attention == "cudnn" else cfg.heads * seq
     layer = (4 * cfg.embed + (2 * cfg.heads * cfg.head_dim + probs) / heads
