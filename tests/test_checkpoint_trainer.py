@@ -76,7 +76,8 @@ def test_a_refused_construction_leaves_nothing_open(tmp_path, default_sigterm, m
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
 
 
-SIGTERMED = """
+# a child process's Trainer with a checkpoint directory (argv[1]), its SIGTERM handler installed
+CHILD_TRAINER = """
 import os, signal, sys, time
 import optax
 from flax import nnx
@@ -87,6 +88,9 @@ mesh = jaxpar.make_mesh(config)
 gpt = GPTConfig(vocab_size=16, seq_len=8, embed=16, heads=2, mlp=32, layers=1)
 trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0)), config, mesh), optax.sgd(0.1), loss_fn,
                          config, mesh, checkpoint_dir=sys.argv[1])
+"""
+
+SIGTERMED = CHILD_TRAINER + """
 os.kill(os.getpid(), signal.SIGTERM)    # noticed: the Trainer would save and leave at its next step
 time.sleep(0.1)
 os.kill(os.getpid(), signal.SIGTERM)    # the same request again (a launcher and the scheduler): nothing more
@@ -108,18 +112,8 @@ def test_a_second_sigterm_before_any_step_ends_the_process(tmp_path):
     assert done.stdout.splitlines() == ["still running"]
 
 
-SIGTERMED_WHILE_SAVING = """
-import os, signal, sys
-import optax
-from flax import nnx
-import jaxpar
+SIGTERMED_WHILE_SAVING = CHILD_TRAINER + """
 from jaxpar.models.data import ArithmeticData
-from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
-config = jaxpar.ParallelConfig(mesh={"data": 1})
-mesh = jaxpar.make_mesh(config)
-gpt = GPTConfig(vocab_size=16, seq_len=8, embed=16, heads=2, mlp=32, layers=1)
-trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0)), config, mesh), optax.sgd(0.1), loss_fn,
-                         config, mesh, checkpoint_dir=sys.argv[1])
 save = trainer.checkpointer.save
 
 def save_while_sigtermed(*args, **kwargs):

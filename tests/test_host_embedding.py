@@ -476,11 +476,8 @@ def test_snapshots_of_another_table_are_refused(saved, restored, words, tmp_path
     np.testing.assert_array_equal(target.numpy(), before)
 
 
-def test_a_damaged_table_is_a_damaged_step_when_resuming(tmp_path):
-    """Resuming reads a step's tables as part of the step: a damaged ``rows`` item is named like
-    a damaged state, and ``resume="newest_intact"`` passes the step over for the one before."""
-    from jaxpar.checkpoint import CheckpointDamagedError
-
+def _two_saved_steps(tmp_path):
+    """Steps 1 and 2 saved with their tables: ``(directory, the table at step 1)``."""
     directory = tmp_path / "ckpt"
     table = _table("callback", "sgd")
     first = host_trainer(table, checkpoint_dir=str(directory), save_every=1)
@@ -488,17 +485,31 @@ def test_a_damaged_table_is_a_damaged_step_when_resuming(tmp_path):
     at_step_1 = table.numpy()
     _steps(first, 1, 1)
     first.close()
+    return directory, at_step_1
+
+
+def _resumes_step_1(directory, at_step_1, warning: str) -> None:
+    """``resume="newest_intact"`` passes step 2 over (warning ``warning``) for step 1 and its table."""
+    fresh = _table("callback", "sgd")
+    with pytest.warns(UserWarning, match=warning):
+        resumed = host_trainer(fresh, checkpoint_dir=str(directory), resume="newest_intact")
+    assert resumed.step_count == 1
+    np.testing.assert_array_equal(fresh.numpy(), at_step_1)
+    resumed.close()
+
+
+def test_a_damaged_table_is_a_damaged_step_when_resuming(tmp_path):
+    """Resuming reads a step's tables as part of the step: a damaged ``rows`` item is named like
+    a damaged state, and ``resume="newest_intact"`` passes the step over for the one before."""
+    from jaxpar.checkpoint import CheckpointDamagedError
+
+    directory, at_step_1 = _two_saved_steps(tmp_path)
     # the file of the table's values (the largest): the item's metadata still reads
     largest = max((p for p in (directory / "2" / "rows").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     largest.write_bytes(b"\0" * 7)
     with pytest.raises(CheckpointDamagedError, match=r"step 2 in .* is damaged"):
         host_trainer(_table("callback", "sgd"), checkpoint_dir=str(directory))
-    fresh = _table("callback", "sgd")
-    with pytest.warns(UserWarning, match=r"resuming from the previous step 1"):
-        resumed = host_trainer(fresh, checkpoint_dir=str(directory), resume="newest_intact")
-    assert resumed.step_count == 1
-    np.testing.assert_array_equal(fresh.numpy(), at_step_1)
-    resumed.close()
+    _resumes_step_1(directory, at_step_1, r"resuming from the previous step 1")
 
 
 def test_a_table_that_reads_back_changed_is_a_damaged_step(tmp_path):
@@ -508,13 +519,7 @@ def test_a_table_that_reads_back_changed_is_a_damaged_step(tmp_path):
 
     from jaxpar.checkpoint import CheckpointDamagedError
 
-    directory = tmp_path / "ckpt"
-    table = _table("callback", "sgd")
-    first = host_trainer(table, checkpoint_dir=str(directory), save_every=1)
-    _steps(first, 0, 1)
-    at_step_1 = table.numpy()
-    _steps(first, 1, 1)
-    first.close()
+    directory, at_step_1 = _two_saved_steps(tmp_path)
     stored = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{directory}/2/rows/"},
                       "path": "table/"}).result()
     changed = stored.read().result().copy()
@@ -526,9 +531,4 @@ def test_a_table_that_reads_back_changed_is_a_damaged_step(tmp_path):
         host_trainer(_table("callback", "sgd")).restore(str(directory))
     with pytest.raises(CheckpointDamagedError, match=damaged):
         jaxpar.checkpoint.restore_rows(str(directory), 2)
-    fresh = _table("callback", "sgd")
-    with pytest.warns(UserWarning, match=r"step 2 .*\['table'\].*resuming from the previous step 1"):
-        resumed = host_trainer(fresh, checkpoint_dir=str(directory), resume="newest_intact")
-    assert resumed.step_count == 1
-    np.testing.assert_array_equal(fresh.numpy(), at_step_1)
-    resumed.close()
+    _resumes_step_1(directory, at_step_1, r"step 2 .*\['table'\].*resuming from the previous step 1")
