@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 from collections.abc import Iterator
 
 from jaxpar.cli.common import UserError, set_simulated_devices
@@ -35,8 +36,6 @@ def _inspect(args) -> int:
 
 def _load_config(spec: str):
     """A YAML/JSON config file, or a strategy file / checkpoint directory to copy the layout of."""
-    import os
-
     from jaxpar.checkpoint.strategy import strategy_config
     from jaxpar.config import ParallelConfig
 
@@ -107,8 +106,6 @@ def _export_hf(args) -> int:
 
     cfg = base = None
     if args.hf_config is not None:
-        import os
-
         from jaxpar.interop.hf_files import read_config
         from jaxpar.interop.hf_layout import llama_config
 
@@ -128,8 +125,6 @@ def _devices_needed(args) -> int:
         return args.ckpt_devices
     if args.to is None:
         return 1
-    import os
-
     if os.path.isdir(args.to):
         return _saved_devices(args.to)
     try:
@@ -142,8 +137,6 @@ def _devices_needed(args) -> int:
 def _saved_devices(directory: str) -> int:
     """The device count in the newest step's strategy file of ``directory``, read as plain JSON:
     opening it with orbax would start JAX before the simulated devices are asked for."""
-    import os
-
     try:
         steps = [int(n) for n in os.listdir(directory)
                  if n.isdigit() and os.path.isfile(os.path.join(directory, n, "strategy", "metadata"))]

@@ -45,8 +45,8 @@ def compiled_llama_memory(model: LlamaConfig | str, config: ParallelConfig, *, b
     from flax import nnx
 
     from jaxpar.mesh import make_mesh
-    from jaxpar.models.llama import Llama, loss_fn
-    from jaxpar.models.llama_parallel import pipeline_loss
+    from jaxpar.models.llama import Llama
+    from jaxpar.models.llama_parallel import training_loss
     from jaxpar.models.llama_report import DEFAULT_TX, llama_config
     from jaxpar.nn import model_constraint
     from jaxpar.report import memory
@@ -57,8 +57,7 @@ def compiled_llama_memory(model: LlamaConfig | str, config: ParallelConfig, *, b
     tokens = np.zeros((batch, seq), np.int32)
     # the mesh compile_step makes (the first devices): a mesh of the same devices and axes is equal
     constrain = model_constraint(make_mesh(config, devices=jax.devices()[:math.prod(config.mesh.values())]), config)
-    loss = pipeline_loss() if config.pipeline.stages > 1 else loss_fn    # the loss `jaxpar train` picks
-    compiled = compile_step(lambda: Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain), loss,
+    compiled = compile_step(lambda: Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain), training_loss(config),
                             {"inputs": tokens, "targets": tokens}, config, tx or DEFAULT_TX)
     return memory(compiled)
 

@@ -115,7 +115,7 @@ def build_model(job: JobConfig, mesh, vocab: int | None = None):
 
         make = lambda: module.GPT(cfg, rngs=rngs(), constrain=constrain)  # noqa: E731
     # pipelined: the loss in the parts the stages run (segment ids reach every stage's blocks)
-    loss = parallel.pipeline_loss() if config.pipeline.stages > 1 else module.loss_fn
+    loss = parallel.training_loss(config)
     return jaxpar.init(make, config, mesh), loss, cfg
 
 

@@ -58,7 +58,7 @@ def plan_of_job(job: JobConfig, sizes: dict[str, int]):
         make = module.GPT
     constrain = model_constraint(AbstractMesh(tuple(sizes.values()), tuple(sizes)), job.parallel)
     model = abstract_model(lambda: make(cfg, rngs=nnx.Rngs(0), constrain=constrain))
-    loss = parallel.pipeline_loss() if job.parallel.pipeline.stages > 1 else module.loss_fn
+    loss = parallel.training_loss(job.parallel)
     plan = make_train_plan(job.parallel, sizes, model, tx, loss_fn=loss)
     memory = None
     if job.model.name == "llama":

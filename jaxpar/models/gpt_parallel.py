@@ -15,11 +15,11 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jaxpar.models.gpt import GPT, head_loss
+from jaxpar.models.gpt import GPT, head_loss, loss_fn
 from jaxpar.nn.moe import moe_aux_loss
 from jaxpar.pipeline.model import PipelineLoss
 
-__all__ = ["pipeline_loss"]
+__all__ = ["pipeline_loss", "training_loss"]
 
 
 class _Head(nnx.Module):
@@ -71,3 +71,9 @@ def pipeline_loss() -> PipelineLoss:
         block_call=_block_call,
         aux_loss=moe_aux_loss,
     )
+
+
+def training_loss(config):
+    """The loss a ``GPT`` trains with under ``config`` (a ``ParallelConfig``): `pipeline_loss`
+    with pipeline stages, else ``loss_fn`` (what ``jaxpar train`` and its reports use)."""
+    return pipeline_loss() if config.pipeline.stages > 1 else loss_fn

@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxpar.models.llama import Llama, head_loss, token_positions
+from jaxpar.models.llama import Llama, head_loss, loss_fn, token_positions
 from jaxpar.nn.moe import moe_aux_loss
 from jaxpar.pipeline.model import PipelineLoss
 
-__all__ = ["pipeline_loss"]
+__all__ = ["pipeline_loss", "training_loss"]
 
 
 def _pipeline_embed(model: Llama, batch) -> jax.Array:
@@ -77,3 +77,9 @@ def pipeline_loss() -> PipelineLoss:
                         head=lambda model: _Table(model, model.norm), head_loss=_head_loss,
                         embedding=_pipeline_embedding, embed_inputs=_embed_inputs, block_call=_block_call,
                         aux_loss=moe_aux_loss)
+
+
+def training_loss(config):
+    """The loss a ``Llama`` trains with under ``config`` (a ``ParallelConfig``): `pipeline_loss`
+    with pipeline stages, else ``loss_fn`` (what ``jaxpar train`` and its reports use)."""
+    return pipeline_loss() if config.pipeline.stages > 1 else loss_fn

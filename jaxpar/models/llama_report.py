@@ -220,21 +220,14 @@ def _plan(cfg: LlamaConfig, config: ParallelConfig, sizes: dict[str, int], tx):
     from jax.sharding import AbstractMesh
 
     from jaxpar.models.llama import Llama
+    from jaxpar.models.llama_parallel import training_loss
     from jaxpar.nn import abstract_model, model_constraint
     from jaxpar.plan.train_plan import make_train_plan
 
     # the constraint training gives the model (with a context section: ContextParallel), on mesh sizes
     constrain = model_constraint(AbstractMesh(tuple(sizes.values()), tuple(sizes)), config)
     abstract = abstract_model(lambda: Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain))
-    return make_train_plan(config, sizes, abstract, tx, loss_fn=_loss(config))
-
-
-def _loss(config: ParallelConfig):
-    """The loss `jaxpar train` trains a Llama with under ``config``: the pipeline loss with stages."""
-    from jaxpar.models.llama import loss_fn
-    from jaxpar.models.llama_parallel import pipeline_loss
-
-    return pipeline_loss() if config.pipeline.stages > 1 else loss_fn
+    return make_train_plan(config, sizes, abstract, tx, loss_fn=training_loss(config))
 
 
 def llama_report(model: LlamaConfig | str, config: ParallelConfig, *, batch: int, seq_len: int | None = None,

@@ -172,19 +172,33 @@ def opt_state_specs(tx: optax.GradientTransformation, state_param_specs, params)
     ``optax.MultiSteps``, ``optax.masked`` (masked-out leaves are absent) and
     ``inject_hyperparams``."""
     abstract = jax.eval_shape(tx.init, params)
-    flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
-    flat_specs = jax.tree.leaves(state_param_specs, is_leaf=_is_spec)
-    by_path = {tuple(path): (x.shape, spec) for (path, x), spec in zip(flat_params, flat_specs)}
+    index = param_index(params, jax.tree.leaves(state_param_specs, is_leaf=_is_spec))
 
     def one(path, leaf):
-        path = tuple(path)
-        for start in range(len(path)):
-            hit = by_path.get(path[start:])
-            if hit is not None and tuple(hit[0]) == tuple(leaf.shape):
-                return hit[1]
-        return PartitionSpec()
+        spec = mirrored(path, leaf.shape, index)
+        return PartitionSpec() if spec is None else spec
 
     return jax.tree_util.tree_map_with_path(one, abstract)
+
+
+def param_index(params, values) -> dict:
+    """``{parameter key path: (shape, value)}``: ``values`` one per leaf of ``params``, in order
+    (their specs, their gradients...), for `mirrored`."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {tuple(path): (tuple(x.shape), v) for (path, x), v in zip(flat, values)}
+
+
+def mirrored(path, shape, index: dict):
+    """The value (from `param_index`) of the parameter an optimizer-state leaf at ``path`` of
+    ``shape`` mirrors, or None: the parameter whose key path is the longest suffix of ``path``
+    and whose shape it has (optax keeps per-parameter state in trees shaped like the
+    parameters, ``mu['blocks'][0]['w']``)."""
+    path = tuple(path)
+    for start in range(len(path)):
+        hit = index.get(path[start:])
+        if hit is not None and hit[0] == tuple(shape):
+            return hit[1]
+    return None
 
 
 def _constrain(tree, specs, mesh):

@@ -46,25 +46,27 @@ def check_combination(config: ParallelConfig, model: nnx.Module | None = None, l
             f"{who}: pipeline.stages={config.pipeline.stages} needs loss_fn as a jaxpar.pipeline.PipelineLoss "
             f"(embed / blocks / head / head_loss) or StagedLoss (modules by path), got {type(loss_fn).__name__}; "
             "see docs/pipeline.md")
-    if model is not None and isinstance(loss_fn, PipelineLoss) and config.pipeline.stages > 1:
+    if model is None:
+        return
+    params = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=is_variable)[0]
+    if isinstance(loss_fn, PipelineLoss) and config.pipeline.stages > 1:
         pipe = config.pipeline
         virtual = build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages).virtual_stages
         check_layers(config, stacked_layers(loss_fn, model), virtual, who)
-        _check_stage_layers(config, model, loss_fn, who)
-    if model is not None:
-        _check_param_dtypes(model, who)
-        _check_context(model, config, loss_fn, who, loss_fn is not None)
-        _check_experts(model, config, loss_fn, who, loss_fn is not None)
+        _check_stage_layers(config, model, params, loss_fn, who)
+    _check_param_dtypes(params, who)
+    _check_context(model, config, loss_fn, who, loss_fn is not None)
+    _check_experts(model, config, loss_fn, who, loss_fn is not None)
 
 
-def _check_stage_layers(config: ParallelConfig, model, loss: PipelineLoss, who: str) -> None:
+def _check_stage_layers(config: ParallelConfig, model, params: list, loss: PipelineLoss, who: str) -> None:
     """Each pipeline stage holds its own layers: the stacked blocks' leading (layer) axis must
     map to the pipe axis (a rule for its logical name, or a ``parameter_strategy`` entry for the
     parameter), or every stage would hold and update every layer, silently."""
     pipe = config.pipeline
     blocks = {id(v) for v in jax.tree.leaves(nnx.state(loss.blocks(model), nnx.Param), is_leaf=is_variable)}
     rules = dict(config.rules or {})
-    for path, var in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=is_variable)[0]:
+    for path, var in params:
         if id(var) not in blocks or matching_patterns(path_str(path), config.parameter_strategy or {}):
             continue
         names = logical_names(var)
@@ -81,10 +83,10 @@ def _check_stage_layers(config: ParallelConfig, model, loss: PipelineLoss, who: 
                          f"hold every layer; {fix}, or give the parameter a parameter_strategy entry")
 
 
-def _check_param_dtypes(model, who: str) -> None:
-    """Every ``nnx.Param`` is differentiated, so each must hold floating-point values."""
-    flat = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param), is_leaf=is_variable)[0]
-    for path, var in flat:
+def _check_param_dtypes(params: list, who: str) -> None:
+    """Every ``nnx.Param`` (``params``: ``(path, Variable)`` pairs) is differentiated, so each
+    must hold floating-point values."""
+    for path, var in params:
         dtype = getattr(var.get_value() if is_variable(var) else var, "dtype", None)
         if dtype is not None and not jnp.issubdtype(dtype, jnp.inexact):
             raise TypeError(f"{who}: parameter '{path_str(path)}' has dtype {dtype}, but every nnx.Param is "

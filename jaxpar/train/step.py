@@ -38,7 +38,7 @@ from jaxpar.nn import fp8
 from jaxpar.nn.blocks import recompute_paths, recomputed_loss
 from jaxpar.optim import accumulate, fusion
 from jaxpar.optim.offload import to_device
-from jaxpar.optim.zero import gather_params, reduce_gradients
+from jaxpar.optim.zero import gather_params, mirrored, param_index, reduce_gradients
 from jaxpar.pipeline.model import pipelined
 from jaxpar.pipeline.stages import StagedLoss
 from jaxpar.plan.state import TrainState, sharded_tx
@@ -402,15 +402,12 @@ def waiting_for(opt_state, grads):
     """``opt_state`` with each leaf behind an optimization barrier with its parameter's gradient
     (found by path and shape), or with every gradient where it mirrors no parameter; scalars
     that mirror no parameter (step counters) as they are (see `arrive_after`)."""
-    by_path = {tuple(path): g for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
+    index = param_index(grads, jax.tree.leaves(grads))
 
     def arrive(path, x):
-        # the state's copy of a parameter's tree ends with the parameter's path (optax maps over
-        # the parameters); the longest suffix that is a gradient's path of the same shape is its
-        for k in range(len(path)):
-            g = by_path.get(tuple(path[k:]))
-            if g is not None and g.shape == x.shape:
-                return jax.lax.optimization_barrier((g, x))[1]
+        g = mirrored(path, jnp.shape(x), index)
+        if g is not None:
+            return jax.lax.optimization_barrier((g, x))[1]
         if jnp.ndim(x) == 0:      # a counter: every update reads it, and holding it back frees nothing
             return x
         return jax.lax.optimization_barrier((grads, x))[1]
