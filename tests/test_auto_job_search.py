@@ -127,6 +127,39 @@ def test_region_results_read_later_are_saved_and_nested_regions_follow_the_outer
         _graph(odd)
 
 
+def test_grouped_matmuls_and_sorts_make_a_region_elementwise_work_alone_does_not():
+    """A checkpoint around an expert FFN of grouped matmuls (``ragged_dot``, SwiGLU inside) or
+    around a sort holds work to recompute: a region, whose matmul values are recomputed.
+    SwiGLU's own checkpoint (elementwise work alone) is no region."""
+    from jaxpar.auto.cost import analyse
+    from jaxpar.ops import swiglu
+
+    jnp, groups = jax.numpy, np.array([1, 3], np.int32)
+
+    def experts(model, x):
+        w = jnp.stack([model.w[...], model.v[...]])          # two experts [2, 8, 8]
+        def ffn(x):
+            h = swiglu(jax.lax.ragged_dot(x, w, groups), jax.lax.ragged_dot(x, w, groups))
+            return jax.lax.ragged_dot(h, w, groups)
+        return jax.checkpoint(ffn)(x).sum()
+
+    graph = _graph(experts)
+    (region,) = graph.regions
+    grouped = [op for op in graph.ops[region.first:region.last + 1] if op.prim == "ragged_dot_general"]
+    assert len(grouped) == 3 and analyse(graph).recomputed[grouped[0].outs[0]]
+
+    def sort(model, x):
+        return jax.checkpoint(lambda h: jnp.sort(jnp.sin(h), axis=0))(x @ model.w[...]).sum()
+
+    assert len(_graph(sort).regions) == 1
+
+    def plain(model, x):
+        return (swiglu(x @ model.w[...], x @ model.v[...]) @ model.w[...]).sum()
+
+    graph = _graph(plain)
+    assert graph.regions == () and any(op.get("recomputed") for op in graph.ops)
+
+
 @pytest.mark.parametrize("remat", ["none", "full", "dots_saveable"])
 def test_scanned_recompute_temp_matches_the_compiled_step(remat):
     """Predicted temp of the scanned GPT under each policy (each block recomputed, as the job

@@ -69,10 +69,33 @@ class Tensor:
         return math.prod(self.shape) * self.itemsize
 
 
+# primitives whose results XLA writes to memory rather than fusing them into their readers, or
+# that run as a kernel or a transfer of their own: matmuls (grouped ones too: an MoE layer's
+# experts), convolutions, gathers, reductions (running and windowed ones), sorts and top-k,
+# collectives, custom calls and Pallas kernels, linear algebra. A loop's operators are inlined
+# into the graph, so a scan or while loop holding one of these holds a materialised operator.
+_MATERIALISED = frozenset({
+    "dot_general", "ragged_dot_general", "conv_general_dilated", "gather",
+    "reduce", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
+    "select_and_scatter_add", "select_and_gather_add",
+    "sort", "top_k", "approx_top_k",
+    "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant", "all_to_all",
+    "ragged_all_to_all", "ppermute", "reduce_scatter",
+    "ffi_call", "custom_call", "pallas_call",
+    "fft", "cholesky", "triangular_solve", "lu", "qr", "svd", "eig", "eigh", "schur", "hessenberg",
+    "householder_product", "tridiagonal", "tridiagonal_solve",
+})
+
+
 def materialised(prim: str) -> bool:
-    """Whether XLA writes the values ``prim`` makes to memory rather than fusing them into their
-    readers: matmuls, convolutions, gathers and reductions (the rest is elementwise work)."""
-    return prim in ("dot_general", "conv_general_dilated", "gather") or prim.startswith("reduce_")
+    """Whether ``prim`` costs real work of its own: XLA writes the values it makes to memory
+    rather than fusing them into their readers (`_MATERIALISED`; every ``reduce_*`` but
+    ``reduce_precision``, which rounds element by element). The rest is elementwise work.
+
+    >>> materialised("ragged_dot_general"), materialised("sort"), materialised("mul")
+    (True, True, False)
+    """
+    return prim in _MATERIALISED or (prim.startswith("reduce_") and prim != "reduce_precision")
 
 
 @dataclasses.dataclass(frozen=True)
