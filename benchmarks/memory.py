@@ -11,7 +11,8 @@ Reads compiled steps of the example GPT (``jaxpar.report``) on simulated CPU dev
    reduce-scatter (g-1)/g × size) relative to plain data parallel, in mode "hybrid"
    (jaxpar reduces gradients itself) and mode "data" (XLA's partitioner chooses).
 3. Recompute: temp bytes and FLOPs of the scanned GPT per policy.
-4. Accumulation: temp bytes of grad_accum=4 vs one step on the same (4x) batch.
+4. Accumulation: temp bytes of grad_accum=4 vs one step on the same (4x) batch, and the
+   gradient reductions each runs (per ZeRO level 0-2).
 
     python benchmarks/memory.py            # writes benchmarks/results/memory_cpu.{json,png}
 """
@@ -125,13 +126,26 @@ def remat_rows():
 
 
 def accum_rows():
+    """grad_accum=4 against one step on the same batch, per ZeRO level: temp bytes, and the
+    gradient reductions (all-reduce / reduce-scatter) each step runs, counted with their loop
+    trip counts: the partitioner reduces each micro-batch's gradient inside the scan."""
     gpt = GPTConfig(vocab_size=16, seq_len=32, embed=32, heads=4, mlp=128, layers=2)
     batch = ArithmeticData(32).batch(256, 0)
     rows = []
-    for k in (1, 4):
-        cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", grad_accum=k)
-        rows.append({"grad_accum": k, "temp": memory(trainer_for(cfg, gpt, 8).lower(batch).compile()).temp_bytes})
-        print(f"grad_accum={k}: temp {rows[-1]['temp']:,}", flush=True)
+    for level in (0, 1, 2):
+        for k in (1, 4):
+            cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", grad_accum=k,
+                                        optimizer={"level": level, "threshold_kb": 0})
+            trainer = trainer_for(cfg, gpt, 8)
+            compiled = trainer.lower(batch).compile()
+            reductions = [c for c in collectives(compiled, trainer.mesh) if c.kind in ("all-reduce", "reduce-scatter")]
+            rows.append({"level": level, "grad_accum": k, "temp": memory(compiled).temp_bytes,
+                         "reductions_run": sum(c.executions for c in reductions),
+                         "reductions_in_loop": sum(c.executions for c in reductions if c.in_loop),
+                         "reduced_bytes": sum(c.bytes * c.executions for c in reductions)})
+            r = rows[-1]
+            print(f"level {level} grad_accum={k}: temp {r['temp']:,}  reductions run {r['reductions_run']} "
+                  f"({r['reductions_in_loop']} in the loop), {r['reduced_bytes']:,} B", flush=True)
     return rows
 
 
