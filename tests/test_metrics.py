@@ -61,6 +61,7 @@ def test_jsonl_holds_the_logged_steps(run):
     m = memory(run["compiled"])
     assert train[0]["memory_temp_bytes"] == m.temp_bytes and train[0]["memory_total_bytes"] == m.total
     assert not any(k.startswith("memory_") for r in train[1:] for k in r)         # read once
+    assert not any(k.startswith("moe_") for r in records + run["history"] for k in r)    # a dense model
     assert evals[0]["step"] == 7 and evals[0]["eval_loss"] == pytest.approx(run["eval"])
     assert evals[0]["eval_perplexity"] == pytest.approx(math.exp(run["eval"]))
 

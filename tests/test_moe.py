@@ -14,7 +14,7 @@ from flax import nnx
 import jaxpar
 from helpers import assert_close, assert_losses_close, batches
 from jaxpar.models.llama import Llama, LlamaConfig, flops_per_token, loss_fn, param_count
-from jaxpar.nn import MoE, MoEConfig, moe_aux_loss, route
+from jaxpar.nn import MoE, MoEConfig, moe_aux_loss, moe_metrics, route
 from jaxpar.ops import moe_dispatch, ragged_all_to_all_supported
 
 D, F = 8, 8
@@ -263,6 +263,56 @@ def test_checkpoint_saved_at_ep4_restores_at_ep2(tmp_path):
     assert_close(jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, saved), rtol=0, what="params")
     gate = ep2.model.blocks.mlp.gate.get_value()
     assert gate.sharding.spec[1] == "data" and gate.sharding.shard_shape(gate.shape)[1] == 4   # 8 experts / 2
+
+
+class RoutedLayer(nnx.Module):
+    """One dropping MoE layer (Zipf router, 4 experts, top-2, capacity factor 0.5): a model for the Trainer."""
+
+    def __init__(self):
+        self.moe = zipf_layer(4, 2, capacity_factor=0.5)
+
+    def __call__(self, x):
+        return self.moe(x)
+
+
+def routed_loss(model, batch):
+    return jnp.mean(model(batch["x"]) ** 2) + moe_aux_loss(model)
+
+
+def test_step_metrics_and_metrics_jsonl_carry_the_routing(tmp_path):
+    """An MoE model's step returns its routing, computed in the step: with grad_accum=2 the mean
+    over the two micro-batches (moe_metrics(trainer.model) keeps only the last one's) and the
+    dropped assignments of both; fit writes them to its history and metrics.jsonl."""
+    import optax
+
+    from jaxpar.metrics import MetricsConfig, read_jsonl
+
+    x = np.stack([np.asarray(tokens(16, seed)) for seed in range(8)])          # [8, 16, D]
+    layer = RoutedLayer().moe
+    expected = []
+    for part in (x[0::2], x[1::2]):                                            # the micro-batches (split_rows)
+        ids, _, balance, z = route(jnp.asarray(part.reshape(-1, D)) @ layer.router[...], layer.cfg)
+        slots = int(np.ceil(0.5 * ids.size / 4))                               # ceil(cf * tokens * k / E)
+        dropped = np.maximum(np.bincount(np.asarray(ids).ravel(), minlength=4) - slots, 0).sum()
+        expected.append((float(balance), float(z), int(dropped)))
+    (balance, z, _), dropped = np.mean(expected, 0), sum(e[2] for e in expected)
+    assert dropped > 0 and expected[0][0] != pytest.approx(expected[1][0], rel=1e-3)
+    config = jaxpar.ParallelConfig(mesh={"data": 1}, grad_accum=2)
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:1])
+    with jaxpar.Trainer(RoutedLayer(), optax.sgd(0.0), routed_loss, config, mesh,
+                        metrics=MetricsConfig(dir=str(tmp_path))) as trainer:
+        step = trainer.step({"x": x})
+        assert int(step["moe_dropped"]) == dropped
+        assert float(step["moe_load_balance"]) == pytest.approx(balance, rel=1e-5)
+        assert float(step["moe_z_loss"]) == pytest.approx(z, rel=1e-5)
+        assert float(moe_metrics(trainer.model)["moe_load_balance"]) == pytest.approx(expected[1][0], rel=1e-5)
+        history = trainer.fit(iter([{"x": x}] * 2), steps=2, log_every=1, progress=False)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [2, 3]
+    for record, row in zip(records, history):          # lr 0: every step routes as the first did
+        assert record["moe_dropped"] == row["moe_dropped"] == dropped
+        assert record["moe_load_balance"] == pytest.approx(balance, rel=1e-5)
+        assert record["moe_z_loss"] == pytest.approx(z, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -20,6 +20,10 @@ from jaxpar.metrics.writers import JsonlWriter, TensorBoardWriter
 from jaxpar.report.flops import flops
 from jaxpar.report.memory import memory
 
+# The routing a model with MoE layers adds to each step's metrics (`jaxpar.nn.moe_metrics`),
+# logged like the loss: the mean over the steps since the previous log.
+ROUTING = ("moe_load_balance", "moe_z_loss", "moe_dropped")
+
 
 def read(tree: Any) -> Any:
     """``jax.device_get(tree)``, marked as a read the caller means: it is allowed even inside
@@ -125,7 +129,8 @@ class MetricsLogger:
     def scalars(self, step: int, records: Sequence[Mapping[str, float]], window_s: float,
                 opt_state: Any = None) -> dict[str, float | None]:
         """The logged values for ``step``: loss and grad norm averaged over ``records`` (the steps
-        since the last log, which took ``window_s`` seconds together), lr, speed, MFU, memory."""
+        since the last log, which took ``window_s`` seconds together), lr, speed, MFU, memory;
+        an MoE model's routing (``ROUTING``) averaged like the loss."""
         n = len(records)
         out: dict[str, float | None] = {
             "loss": float(np.mean([r["loss"] for r in records])),
@@ -133,6 +138,9 @@ class MetricsLogger:
             "lr": self.learning_rate(step, opt_state),
             "step_time_s": window_s / n,
         }
+        for key in ROUTING:
+            if key in records[-1]:
+                out[key] = float(np.mean([r[key] for r in records]))
         out["tokens_per_s"] = self.tokens_per_step * n / window_s if self.tokens_per_step and window_s > 0 else None
         out["mfu"] = self.mfu(window_s / n)
         if self.mfu_source != "xla":

@@ -18,13 +18,14 @@ PERF = ("step_time_s", "tokens_per_s", "mfu", "hfu", "flops_per_step")
 
 
 def tensorboard_tag(key: str) -> str:
-    """The TensorBoard tag of a metric key: ``eval_loss`` -> ``eval/loss``, ``loss`` -> ``train/loss``.
+    """The TensorBoard tag of a metric key: ``eval_loss`` -> ``eval/loss``, ``moe_dropped`` ->
+    ``moe/dropped``, ``loss`` -> ``train/loss``.
 
     Example:
       >>> tensorboard_tag("memory_temp_bytes"), tensorboard_tag("tokens_per_s")
       ('memory/temp_bytes', 'perf/tokens_per_s')
     """
-    for prefix in ("eval", "memory"):
+    for prefix in ("eval", "memory", "moe"):
         if key.startswith(prefix + "_"):
             return f"{prefix}/{key[len(prefix) + 1:]}"
     return f"perf/{key}" if key in PERF else f"train/{key}"

@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.data import part_shapes
 from jaxpar.nn import fp8
 from jaxpar.nn.blocks import recompute_paths, recomputed_loss
+from jaxpar.nn.moe import MoEMetric, moe_metrics
 from jaxpar.optim import accumulate, fusion
 from jaxpar.optim.offload import to_device
 from jaxpar.optim.zero import gather_params, mirrored, param_index, reduce_gradients
@@ -58,6 +59,8 @@ class Setting:
         self.zero = plan.zero(params_like)
         self.rest_specs = plan.specs("rest", rest_like)
         self.precision = plan.precision
+        # MoE layers record routing figures the step returns with its metrics (`record_moe`)
+        self.moe = bool(jax.tree.leaves(nnx.state(nnx.merge(graphdef, params_like, rest_like), MoEMetric)))
         self.rows = rows_like       # shapes of the pulled rows (None: the model holds every parameter)
         # Replicated unless the source placed them (a job of several processes: each process's block)
         self.row_specs = row_specs if rows_like is None or row_specs is not None else \
@@ -139,6 +142,9 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
     # pipeline's stages too: around the whole loss XLA keeps a scan's stacked activations.
     # A model without blocks keeps the whole-loss recompute below (`whole`: its policy).
     loss_fn, whole = recompute_blocks(s, loss_fn, plan.remat, order)
+    # MoE routing figures leave the model loss beside its aux: every wrapper below carries
+    # them as it carries aux (accumulation and multi-copy average them over the parts).
+    loss_fn = record_moe(s, loss_fn)
     if plan.loss_runs == "per_device" and (plan.config.comm_fusion is not None or plan.zero_level):
         # Per-device gradients reduced by jaxpar: bucketed all-reduces and reduce-scatters
         # to the ZeRO shards, inside the same shard_map as the loss.
@@ -259,6 +265,22 @@ def recompute_blocks(s: Setting, loss_fn: Callable, policy: str, order=None) -> 
     if not paths:
         return loss_fn, policy
     return recomputed_loss(loss_fn, paths, policy), "none"
+
+
+def record_moe(s: Setting, loss_fn: Callable) -> Callable:
+    """A model with MoE layers: the model loss returns ``(loss, (aux, routing))``, ``routing`` its
+    `jaxpar.nn.moe_metrics`, read in the step (no wait of its own). The dropped count travels as
+    a float, so accumulation averages it with the rest and `update` turns the mean back into the
+    step's sum. A model without MoE layers gets ``loss_fn`` back unchanged."""
+    if not s.moe:
+        return loss_fn
+
+    def with_routing(model, batch, *rows):
+        loss, aux = split_loss_output(loss_fn(model, batch, *rows))
+        routing = moe_metrics(model)
+        return loss, (aux, routing | {"moe_dropped": routing["moe_dropped"].astype(jnp.float32)})
+
+    return with_routing
 
 
 def recompute(loss: Callable, policy: str) -> Callable:
@@ -420,7 +442,8 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, ski
     """One optimizer update after ``grads``; the step counter advances on the device.
 
     ``metrics["finite"]`` says whether the loss and the gradient norm were finite (two scalars:
-    free). With ``skip_nonfinite`` a step that was not keeps the previous parameters and
+    free). A model with MoE layers adds ``moe_load_balance``, ``moe_z_loss`` and ``moe_dropped``
+    (`record_moe`). With ``skip_nonfinite`` a step that was not keeps the previous parameters and
     optimizer state; the select costs the step temporary memory (old and new state side by
     side), so it is the Trainer's ``nonfinite="skip"`` only.
 
@@ -432,6 +455,7 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, ski
         params = enter(s, state.params)
         opt_state = state.opt_state
         loss, aux, rest, g = grads(s.join(params, rows), state.rest, batch)
+        aux, routing = aux if s.moe else (aux, None)
         norm = optax.tree.norm(g)
         g, row_grads = s.split(g)
         if offload_state:
@@ -445,6 +469,9 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, ski
             row_grads = tuple(jax.tree.map(lambda x: jnp.where(finite, x, 0), r) for r in row_grads)
         params, opt_state = new_params, new_opt_state
         metrics = {"loss": loss, "grad_norm": norm, "finite": finite}
+        if routing is not None:    # means over the grad_accum x interleave parts; dropped: their sum (exact)
+            parts = s.plan.grad_accum * s.plan.interleave
+            metrics |= routing | {"moe_dropped": jnp.round(routing["moe_dropped"] * parts).astype(jnp.int32)}
         if aux is not None:
             metrics["aux"] = aux
         return (state.replace(params=params, rest=rest, opt_state=opt_state, step=state.step + 1), metrics,

@@ -28,7 +28,7 @@ from jaxpar.config import ParallelConfig
 from jaxpar.data import place_batch
 from jaxpar.data.sequence import reorder_batch
 from jaxpar.metrics import MetricsConfig, progress_text, read, tokens_per_example
-from jaxpar.metrics.logger import examples_per_step
+from jaxpar.metrics.logger import ROUTING, examples_per_step
 from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
 from jaxpar.nn.specs import check_rules_used, declared_names
@@ -50,6 +50,7 @@ class Trainer:
 
     >>> trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh)
     >>> metrics = trainer.step(batch)          # {"loss": ..., "grad_norm": ...} (device arrays)
+    >>> # with MoE layers also "moe_load_balance", "moe_z_loss", "moe_dropped" (see ``step``)
     >>> history = trainer.fit(batches, steps=100)
     >>> trainer.plan, trainer.state             # the TrainPlan and the TrainState
 
@@ -313,6 +314,9 @@ class Trainer:
     def step(self, batch) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns metrics (``"loss"``, ``"grad_norm"``, ...) as
         device arrays: reading one (``float(m["loss"])``) waits for the step, nothing else does.
+        A model with MoE layers adds its routing, computed in the step: ``"moe_load_balance"``
+        and ``"moe_z_loss"`` (means over the layers and the step's micro-batches) and
+        ``"moe_dropped"`` (the assignments dropped in the step; 0 when dropless).
 
         The per-step host path is kept thin (a step is dispatched in about the time of a
         hand-written ``jax.jit`` loop): the compiled program and the batch shardings are found
@@ -576,12 +580,14 @@ class Trainer:
         if not pending:
             return since
         self.check_finite()
-        values = read([(m["loss"], m["grad_norm"]) for _, _, m, _ in pending])
+        values = read([{k: m[k] for k in ("loss", "grad_norm", *ROUTING) if k in m} for _, _, m, _ in pending])
         now = time.perf_counter()
         per_step = (now - since) / len(pending)
         records = []
-        for (i, step, _, _), (loss, grad_norm) in zip(pending, values):
-            record = {"step": step, "loss": float(loss), "grad_norm": float(grad_norm), "time_s": per_step}
+        for (i, step, _, _), value in zip(pending, values):
+            record = {"step": step, "loss": float(value["loss"]), "grad_norm": float(value["grad_norm"]),
+                      "time_s": per_step}
+            record |= {k: value[k].item() for k in ROUTING if k in value}     # an MoE model's routing
             records.append(record)
             history.append(record)
             if callback is not None:
