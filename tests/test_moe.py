@@ -326,6 +326,9 @@ def test_bad_input_names_the_numbers():
     with pytest.raises(ValueError, match=r"moe_every=2 with scan_layers=True.*moe_every=1"):
         LlamaConfig.named("tiny", scan_layers=True, moe={"experts": 4}, moe_every=2)
     layer = MoE(D, F, MoEConfig(experts=12, top_k=2), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"MoE: x has shape \(3, 5\): its last dimension \(5\) must be the layer's "
+                                         r"embed width 8; pass activations shaped \[\.\.\., 8\].*MoE\(5, \.\.\.\)"):
+        layer(jnp.ones((3, 5)))                                # not XLA's dot_general shape error
     with pytest.raises(ValueError, match=r"12 experts are not divisible by 8, the size of expert_axis \('data',\).*"
                                          r"multiple of 8"):
         nnx.eval_shape(lambda m, x: m(x, ep_constraint(8)), layer, tokens(64))   # refused while tracing

@@ -158,6 +158,7 @@ class MoE(nnx.Module):
         self.dropped = MoEMetric(jnp.zeros((), jnp.int32))
 
     def __call__(self, x: jax.Array, constrain: Callable = _no_constraint) -> jax.Array:
+        _check_width(jnp.shape(x), self.router.shape[0])
         cfg, shape, dtype = self.cfg, x.shape, x.dtype
         axes = _axes(constrain)
         tokens, restore = _token_order(x, axes)
@@ -176,6 +177,16 @@ class MoE(nnx.Module):
         self.z_loss.set_value(z_loss)
         self.dropped.set_value(stats["dropped"].astype(jnp.int32))
         return y
+
+
+def _check_width(shape: tuple, embed: int) -> None:
+    """The activations' last dimension is the layer's embed width (else the router's matmul
+    would fail with XLA's shape error, naming neither)."""
+    width = shape[-1] if shape else None
+    if width != embed:
+        rebuild = f", or build the layer for inputs of width {width} (MoE({width}, ...))" if width else ""
+        raise ValueError(f"MoE: x has shape {tuple(shape)}: its last dimension ({width}) must be the layer's embed "
+                         f"width {embed}; pass activations shaped [..., {embed}]{rebuild}")
 
 
 def _axes(constrain) -> dict:
