@@ -140,6 +140,32 @@ def test_bad_settings_name_the_fix(run, tmp_path):
         jaxpar.Trainer(trained.model, optax.adam(1e-3), loss_fn, trained.config, trained.mesh, profile_steps=(1, 2))
 
 
+def test_fit_refuses_a_profile_window_it_would_not_trace_whole(run, tmp_path):
+    """Before its first step, fit refuses a window it would never reach or stop short of (step
+    numbers over the Trainer's life, so a resumed one too), the rule --profile-steps follows."""
+    trained = run["trainer"]
+    with jaxpar.Trainer(trained.model, optax.adam(1e-3), loss_fn, trained.config, trained.mesh,
+                        metrics=MetricsConfig(dir=str(tmp_path)), profile_steps=(10, 13)) as t:
+        with pytest.raises(ValueError, match=r"profile_steps=\(10, 13\) traces steps 10 to 12, but this fit runs "
+                                             r"steps 1 to 5 \(steps=5 after step 0\), so nothing would be traced; "
+                                             r"run to step 12 \(fit steps=12, or until=.*profile_steps=\(5, 6\)"):
+            t.fit(iter(batches(5)), steps=5, progress=False)
+        t.step_count = 7                                            # as if resumed at step 7
+        with pytest.raises(ValueError, match=r"runs steps 8 to 10 \(steps=3 after step 7\), so the trace would "
+                                             r"stop short of step 12; run to step 12 \(fit steps=5.*\(10, 11\)"):
+            t.fit(iter(batches(3)), steps=3, progress=False)
+        with pytest.raises(ValueError, match=r"profile_steps=\(10, 13\).* of a run until step 11"):
+            t.fit(iter(batches(3)), steps=3, until=11, progress=False)
+        with pytest.raises(ValueError, match="the batches ran out after 0 of 3 steps"):   # the run reaches step 12
+            t.fit(iter([]), steps=3, until=20, progress=False)
+        t.step_count = 12                                           # resumed past the window: the old run's
+        with pytest.raises(ValueError, match="the batches ran out after 0 of 3 steps"):
+            t.fit(iter([]), steps=3, progress=False)
+        with pytest.raises(ValueError, match=r"until=13 must be an int >= 15, the last step this fit runs"):
+            t.fit(iter([]), steps=3, until=13, progress=False)
+        assert t.step_count == 12 and not (tmp_path / "profile").exists()     # no step ran, nothing traced
+
+
 def test_jsonl_survives_a_torn_last_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')

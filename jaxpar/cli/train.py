@@ -74,17 +74,18 @@ def add_parser(sub) -> None:
 
 def watch_mistake(args: argparse.Namespace, steps: int) -> str | None:
     """The paragraph for a combination of the watch flags that cannot work, or None."""
-    from jaxpar.metrics import require_tensorboard
+    from jaxpar.metrics import profile_window_outside, require_tensorboard
 
     if not args.log_dir:
         named = [f for f, on in (("--tensorboard", args.tensorboard), ("--profile-steps", args.profile_steps)) if on]
         if named:
             verb = "writes" if len(named) == 1 else "write"
             return f"{' and '.join(named)} {verb} into the run directory, but --log-dir is ''; give --log-dir DIR"
-    if args.profile_steps and args.profile_steps[1] - 1 > steps:
+    inside = profile_window_outside(args.profile_steps, 1, steps) if args.profile_steps else None
+    if inside:
         start, stop = args.profile_steps
         return (f"--profile-steps {start}:{stop} traces steps {start} to {stop - 1}, but the run has --steps {steps}; "
-                f"choose a window inside it, e.g. --profile-steps {min(start, steps)}:{min(start, steps) + 1}")
+                f"choose a window inside it, e.g. --profile-steps {inside[0]}:{inside[1]}")
     if args.tensorboard:
         try:
             require_tensorboard("--tensorboard")

@@ -5,7 +5,7 @@ logs loss, eval loss and perplexity, learning rate, gradient norm, tokens/s, MFU
 reading the device only at logging steps. See docs/metrics.md.
 """
 
-from jaxpar.metrics.config import MetricsConfig, check_profile_steps, require_tensorboard
+from jaxpar.metrics.config import MetricsConfig, check_profile_steps, profile_window_outside, require_tensorboard
 from jaxpar.metrics.logger import MetricsLogger, progress_text, read, tokens_per_example
 from jaxpar.metrics.profile import ProfileWindow
 from jaxpar.metrics.writers import JsonlWriter, TensorBoardWriter, read_jsonl, tensorboard_tag
@@ -17,6 +17,7 @@ __all__ = [
     "TensorBoardWriter",
     "ProfileWindow",
     "check_profile_steps",
+    "profile_window_outside",
     "progress_text",
     "read",
     "read_jsonl",

@@ -106,6 +106,23 @@ def check_profile_steps(steps: Any) -> tuple[int, int] | None:
     return int(start), int(stop)
 
 
+def profile_window_outside(window: tuple[int, int], first: int, last: int) -> tuple[int, int] | None:
+    """None when a run of steps ``first`` to ``last`` reaches the end of ``window`` (steps
+    ``start`` to ``stop - 1``); else a one-step window inside the run to suggest instead. The one
+    rule of ``jaxpar train --profile-steps`` (the run: steps 1 to ``--steps``) and ``Trainer.fit``
+    (the steps that call runs).
+
+    Example:
+      >>> profile_window_outside((10, 13), 1, 5), profile_window_outside((3, 5), 1, 5)
+      ((5, 6), None)
+    """
+    start, stop = window
+    if stop - 1 <= last:
+        return None
+    inside = min(max(start, first), last)
+    return inside, inside + 1
+
+
 def _positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"MetricsConfig: {name}={value!r} must be an int >= 1")

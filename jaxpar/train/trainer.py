@@ -27,7 +27,7 @@ from jaxpar.checkpoint import Checkpointer, restore_rows, restore_state, save_st
 from jaxpar.config import ParallelConfig
 from jaxpar.data import place_batch
 from jaxpar.data.sequence import reorder_batch
-from jaxpar.metrics import MetricsConfig, progress_text, read, tokens_per_example
+from jaxpar.metrics import MetricsConfig, profile_window_outside, progress_text, read, tokens_per_example
 from jaxpar.metrics.logger import ROUTING, examples_per_step
 from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
@@ -78,7 +78,8 @@ class Trainer:
     tokens/s, MFU and memory at its logging steps (``metrics.jsonl``, and TensorBoard event
     files with ``tensorboard=True``) and ``evaluate`` the eval loss and perplexity.
     ``profile_steps=(10, 13)`` (with ``metrics``): a ``jax.profiler`` trace of steps 10 to 12
-    under ``metrics.dir/profile``.
+    under ``metrics.dir/profile``; a ``fit`` that would start the window and not reach its end
+    (or never reach it) is refused before its first step.
     ``rows``: a row source (`jaxpar.ps.rows`: a `jaxpar.ps.HostRows` table in host memory) for
     embedding rows the model does not hold: each step pulls the batch's rows before the
     compiled step, which differentiates ``loss_fn(model, batch, rows)`` with respect to them
@@ -489,7 +490,8 @@ class Trainer:
         return total / n
 
     def fit(self, batches: Iterable, steps: int, *, log_every: int | None = None, progress: bool = True,
-            callback: Callable[[int, dict], None] | None = None) -> list[dict[str, float]]:
+            callback: Callable[[int, dict], None] | None = None,
+            until: int | None = None) -> list[dict[str, float]]:
         """Run ``steps`` steps with a progress bar (loss, tokens/s, ETA); returns one metrics dict
         per step.
 
@@ -501,7 +503,12 @@ class Trainer:
         A loader that keeps its position (``state()`` and ``restore(state)``, such as
         `jaxpar.data.TokenLoader`) continues from the data position of the TrainState (restored
         from a checkpoint), and its position is stored there before every step, so checkpoints
-        save it."""
+        save it.
+
+        ``profile_steps`` are step numbers over the Trainer's life (a resumed one continues
+        them): a window not yet traced must end by the fit's last step, else ``ValueError``
+        before the first step. ``until``: the last step of the whole run when this fit is one
+        part of it (fits between evaluations); the window must then end by ``until``."""
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         if log_every is None:
@@ -510,6 +517,7 @@ class Trainer:
             raise ValueError(f"Trainer.fit: steps={steps!r} must be a positive int")
         if not isinstance(log_every, int) or isinstance(log_every, bool) or log_every < 1:
             raise ValueError(f"Trainer.fit: log_every={log_every!r} must be a positive int")
+        self._check_profile_window(steps, until)
         history: list[dict[str, float]] = []
         pending: list[tuple[int, int, dict, float]] = []
         resumable = _keeps_position(batches)
@@ -544,6 +552,32 @@ class Trainer:
         if self.checkpointer is not None:
             self.checkpointer.wait()     # the run is over: every save started is committed
         return history
+
+    def _check_profile_window(self, steps: int, until: int | None) -> None:
+        """A profile window not yet traced must end by the last step of this fit (steps
+        ``self._steps + 1`` to ``self._steps + steps``) or of the run it is part of (``until``):
+        `profile_window_outside`, the rule ``--profile-steps`` follows. Else the fit would trace
+        nothing, or stop short of the window's end, without a word. A window the Trainer resumed
+        past is left alone: it was the interrupted run's to trace."""
+        first, last = self._steps + 1, self._steps + steps
+        if until is not None and (not isinstance(until, int) or isinstance(until, bool) or until < last):
+            raise ValueError(f"Trainer.fit: until={until!r} must be an int >= {last}, the last step this fit "
+                             f"runs (steps={steps} after step {self._steps}): the last step of the whole run")
+        window = self._profile
+        if window is None or window.active or window.done or window.stop - 1 < first:
+            return
+        end = last if until is None else until
+        inside = profile_window_outside((window.start, window.stop), first, end)
+        if inside is None:
+            return
+        start, stop = window.start, window.stop
+        what = "nothing would be traced" if start > end else f"the trace would stop short of step {stop - 1}"
+        runs = f"this fit runs steps {first} to {last} (steps={steps} after step {self._steps})"
+        runs += f" of a run until step {until}" if until is not None else ""
+        fix = f"run to step {stop - 1} (fit steps={stop - 1 - self._steps}"
+        fix += ", or until=<the run's last step> when later fit calls continue it)" if until is None else ")"
+        raise ValueError(f"Trainer.fit: profile_steps=({start}, {stop}) traces steps {start} to {stop - 1}, but "
+                         f"{runs}, so {what}; {fix}, or choose a window inside the run, e.g. profile_steps={inside}")
 
     def _resume_loader(self, batches) -> Iterator:
         """Iterate a loader that keeps its position from the TrainState's data position (restored
