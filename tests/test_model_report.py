@@ -171,15 +171,19 @@ def test_llama_report_of_a_pipeline_compiles_the_pipeline_loss(capsys):
     # the compiled step and the plan take the Llama pipeline loss, as `jaxpar train` does; they
     # took the plain loss_fn, which the Trainer refuses with stages ("needs a PipelineLoss")
     code = main(["report", "--model", "llama", "--size", "tiny", "--mesh", "pipe=2,data=4", "--rules",
-                 "batch=data,layers=pipe", "--pipeline", "stages=2,microbatches=4,schedule=1f1b", "--batch", "8",
+                 "batch=data,layers=pipe", "--pipeline", "stages=2,microbatches=8,schedule=1f1b", "--batch", "32",
                  "--json"])
     out, err = capsys.readouterr()
     assert code == 0, err
     report = json.loads(out)
     est, compiled = report["memory_per_device"], report["compiled_memory_per_device"]
-    batch_bytes = 2 * 8 * 16 * 4 // 4                                 # inputs and targets, split over data
+    batch_bytes = 2 * 32 * 16 * 4 // 4                                # inputs and targets, split over data
     extra = compiled["argument_bytes"] - est["params"] - est["opt_state"]   # each stage: its own layer
     assert batch_bytes <= extra <= batch_bytes + 64
+    # the activations of one micro-batch's chunk and the chunk inputs in flight (90,112 B) within
+    # the compiled temp (200,832 B, with the gradients and XLA's scratch); every layer on the
+    # whole batch shard (524,288 B) was more than the step holds
+    assert est["activations"] <= compiled["temp_bytes"] <= 2.5 * (est["activations"] + est["grads"])
 
 
 def test_activation_estimate_counts_one_micro_batch_and_the_sequence_shard():
@@ -194,3 +198,33 @@ def test_activation_estimate_counts_one_micro_batch_and_the_sequence_shard():
     assert activations(grad_accum=2) * 2 == whole
     assert activations(mesh={"data": 2, "context": 4}, rules={"length": "context"},
                        context={"strategy": "ring", "order": "zigzag"}) * 4 == whole
+
+
+def test_pipeline_activation_estimate_counts_one_chunk_and_the_micro_batches_in_flight():
+    # under pipeline stages the estimate counted every layer on the whole batch shard; a device
+    # runs its chunk's layers on one micro-batch at a time (the backward recomputes the chunk from
+    # its input) and keeps the chunk inputs of the micro-batches in flight (GPipe all, 1F1B fewer)
+    from jaxpar.pipeline import build, lower
+
+    def activations(layers=4, **pipeline):
+        config = jaxpar.ParallelConfig(mesh={"data": 4}, rules={"batch": "data"})
+        if pipeline:
+            config = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 4}, rules={"batch": "data", "layers": "pipe"},
+                                           pipeline={"stages": 2, **pipeline})
+        cfg = LlamaConfig.named("tiny", layers=layers, scan_layers=True)
+        return llama_report(cfg, config, batch=32).memory.activations
+
+    m = 8
+    gpipe, one_f = activations(microbatches=m, schedule="gpipe"), activations(microbatches=m, schedule="1f1b")
+    held = {s: lower(build(s, 2, m)).x_slots + lower(build(s, 2, m)).g_slots for s in ("gpipe", "1f1b")}
+    micro_input = 32 // (4 * m) * 16 * 32 * 4                          # rows x seq x embed x fp32
+    assert held["gpipe"] > held["1f1b"] and gpipe - one_f == (held["gpipe"] - held["1f1b"]) * micro_input
+    # two more layers per stage on one micro-batch (1/m of the shard) against four more on the shard
+    plain_layers = activations(layers=8) - activations(layers=4)
+    stage_layers = activations(layers=8, microbatches=m) - activations(layers=4, microbatches=m)
+    assert plain_layers == 2 * m * stage_layers > 0
+    # interleaved: two chunks of L / 4 layers per stage, one of them alive in a backward
+    chunk = (activations(layers=8, microbatches=m, schedule="interleaved", virtual_stages=2)
+             - activations(layers=4, microbatches=m, schedule="interleaved", virtual_stages=2))
+    assert 2 * chunk == stage_layers
+    assert one_f < activations() / 4

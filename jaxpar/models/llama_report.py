@@ -37,8 +37,10 @@ from rich.table import Table
 
 from jaxpar.config import ParallelConfig
 from jaxpar.models.llama_config import LlamaConfig, describe, matmul_params, param_count
+from jaxpar.pipeline.program import lower
 from jaxpar.plan.train_plan import TrainPlan
 from jaxpar.report import MemoryEstimate, MemoryReport, Throughput, estimate_memory, format_bytes, format_memory
+from jaxpar.report import schedule_of
 from jaxpar.report import throughput as measure_throughput
 
 COUNTS = ("matmul", "all")
@@ -114,26 +116,47 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
     layer's full set while it is recomputed; other policies are reported at the
     no-recompute bound.
 
+    Under ``pipeline.stages = S`` a device runs ``L / (S·v)`` layers per chunk (``v`` chunks
+    per stage: interleaved and V schedules) on micro-batches of ``1 / M`` of its batch shard,
+    and the executor keeps only each micro-batch's chunk input (``embed`` per token) until its
+    backward: its buffers (`jaxpar.pipeline.lower`) hold ``x_slots`` chunk inputs, the
+    micro-batches in flight at the schedule's peak (GPipe all ``M``, 1F1B ``S``), and
+    ``g_slots`` output gradients. A backward recomputes the chunk's forward for one
+    micro-batch, so one micro-batch's chunk activations (as above, for the chunk's layers)
+    and logits are alive at a time. With ``pipeline.embedding="outside"`` the embedding output, its micro-batch
+    view and its gradient (``3·M`` micro-batches of ``embed`` per token) are alive too.
+
     >>> llama_activation_bytes(cfg, plan, batch=8, seq_len=2048)      # doctest: +SKIP
     """
     seq = _positive("seq_len", cfg.max_seq_len if seq_len is None else seq_len)
-    replicas = math.prod(plan.mesh[a] for a in plan.batch_axes())
-    # one micro-batch's tokens (grad_accum runs the micro-batches one after another), the
-    # sequence split over the context axes
+    pipe = plan.config.pipeline
+    pipelined = pipe.stages > 1
+    # the executor splits each micro-batch over the batch axes but the stages' axis
+    replicas = math.prod(plan.mesh[a] for a in plan.batch_axes() if not (pipelined and a == pipe.axis))
+    # one micro-batch's tokens (grad_accum and the pipeline's micro-batches run one after
+    # another), the sequence split over the context axes
     context = plan.config.context
     cp = math.prod(plan.mesh[a] for a in context.axes) if context is not None else 1
-    tokens = -(-_positive("batch", batch) // (replicas * plan.grad_accum)) * -(-seq // cp)
+    micro = plan.grad_accum * (pipe.microbatches if pipelined else 1)
+    tokens = -(-_positive("batch", batch) // (replicas * micro)) * -(-seq // cp)
     heads, kv, mlp = (_degree(plan, name) for name in ("heads", "kv_heads", "mlp"))
     probs = cfg.heads if attention == "cudnn" else cfg.heads * seq
     layer = (4 * cfg.embed + (2 * cfg.heads * cfg.head_dim + probs) / heads
              + 2 * cfg.kv_heads * cfg.head_dim / kv + 3 * cfg.mlp / mlp)
     itemsize = np.dtype(compute_dtype or cfg.dtype or cfg.param_dtype).itemsize
+    layers, inputs = cfg.layers, 0
+    if pipelined:
+        schedule = schedule_of(plan.config)      # the V schedules run two chunks per stage
+        program = lower(schedule)
+        layers = cfg.layers // (pipe.stages * schedule.virtual_stages)
+        outside = 3 * pipe.microbatches if pipe.embedding == "outside" else 0
+        inputs = (program.x_slots + program.g_slots + outside) * cfg.embed
     recompute = plan.remat in _SAVE_INPUTS
-    kept = cfg.layers * cfg.embed + layer if recompute else cfg.layers * layer
+    kept = layers * cfg.embed + layer if recompute else layers * layer
     vocab = cfg.vocab_size / _degree(plan, "vocab")
     # chunked loss: the gradients its forward computed (dh per token, the head's in fp32), not logits
     logits = tokens * cfg.embed * itemsize + cfg.embed * vocab * 4 if cfg.loss_chunks else tokens * vocab * 4
-    return int(tokens * kept * itemsize + logits)
+    return int(tokens * (kept + inputs) * itemsize + logits)
 
 
 @dataclasses.dataclass(frozen=True)
