@@ -315,6 +315,38 @@ def test_step_metrics_and_metrics_jsonl_carry_the_routing(tmp_path):
         assert record["moe_z_loss"] == pytest.approx(z, rel=1e-5)
 
 
+class DroplessLayer(nnx.Module):
+    """One dropless MoE layer called without a constrain, as a model in mode="data" (no rules) is."""
+
+    def __init__(self):
+        self.moe = zipf_layer(4, 2)
+
+    def __call__(self, x):
+        return self.moe(x)
+
+
+def test_layer_without_constraint_routes_the_tokens_each_device_holds():
+    """mode="data" takes no rules, so an MoE layer gets no mesh from a constrain: it reads the
+    step's batch axes (jaxpar.strategy.step_batch). Routed as one global set, each of 8 devices
+    ran the whole batch's experts (compiled temp as large as on one device); now each routes its
+    own tokens, and the step equals one device's."""
+    import optax
+
+    from jaxpar.report import memory
+
+    batch = {"x": np.stack([np.asarray(tokens(16, seed)) for seed in range(8)])}      # [8, 16, D]
+    runs = {}
+    for n in (1, 8):
+        config = jaxpar.ParallelConfig(mesh={"data": n}, mode="data")
+        mesh = jaxpar.make_mesh(config, devices=jax.devices()[:n])
+        trainer = jaxpar.Trainer(DroplessLayer(), optax.adam(1e-2), routed_loss, config, mesh)
+        temp = memory(trainer.lower(batch).compile()).temp_bytes
+        losses = [float(trainer.step(batch)["loss"]) for _ in range(2)]
+        runs[n] = temp, losses
+    assert_losses_close(runs[8][1], runs[1][1], rtol=1e-5)
+    assert runs[8][0] * 4 < runs[1][0], runs
+
+
 # ----------------------------------------------------------------------------- bad input
 
 def test_bad_input_names_the_numbers():

@@ -12,7 +12,9 @@ from jaxpar.strategy.resolve import (
     shard_count,
     spec_axes,
     spec_entry,
+    step_batch,
     to_partition_spec,
+    tracing_step,
     varying_axes,
 )
 
@@ -29,6 +31,8 @@ __all__ = [
     "shard_count",
     "spec_axes",
     "spec_entry",
+    "step_batch",
     "to_partition_spec",
+    "tracing_step",
     "varying_axes",
 ]
