@@ -183,9 +183,16 @@ def test_the_example_flags_are_refused_with_the_field_to_use(job_file, tmp_path,
 @pytest.mark.timeout(300)
 def test_a_job_resumes_with_the_same_losses_on_one_or_two_processes(job_file, tmp_path, tag):
     whole, part = tmp_path / "whole", tmp_path / "part"
-    assert _train(job_file, whole) == 0
+    # the uninterrupted run also evaluates every 5 steps (four fits, one run) and traces steps 7-8,
+    # a profile window inside the second fit; neither changes the training losses
+    store = str(job_file.parent / "store")
+    assert _train(job_file, whole, "--data.eval_path", store, "--eval.every", "5", "--eval.steps", "1",
+                  "--logging.profile_steps", "7:9") == 0
     expected = _losses(whole)
     assert sorted(expected) == list(range(1, 21))
+    evals = [r["step"] for r in map(json.loads, (whole / "log" / "metrics.jsonl").read_text().splitlines())
+             if "eval_loss" in r]
+    assert evals == [5, 10, 15, 20] and list((whole / "log").glob("profile/plugins/profile/*/*.xplane.pb"))
     assert (whole / "ckpt" / "job.yaml").exists()                       # the resolved job beside the steps
 
     assert _train(job_file, part, "--train.steps", "10") == 0

@@ -265,7 +265,7 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
         while trainer.step_count < job.train.steps:
             chunk = min(every - trainer.step_count % every, job.train.steps - trainer.step_count)
             t0 = time.perf_counter()
-            history += trainer.fit(train, chunk, log_every=log.every, progress=progress)
+            history += trainer.fit(train, chunk, log_every=log.every, progress=progress, until=job.train.steps)
             fit_s += time.perf_counter() - t0
             if held_out is not None:
                 held_out.restore({**held_out.state(), "next_batch": 0})     # the same batches each time
