@@ -2,6 +2,8 @@
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -48,6 +50,47 @@ def test_graph_finds_the_logical_axes(graph):
     assert cls("blocks/0/mlp/up", 0) == cls("head", 0) == cls("wte", 1)  # the residual width
     seq = graph.tensors[dict(graph.batch)["['inputs']"]].classes[1]
     assert seq in graph.unsplittable                                      # attention scores: seq x seq
+
+
+class Experts(nnx.Module):
+    """Grouped matmuls as an MoE layer runs them: rows [m, k] x expert weights [g, k, n]."""
+
+    def __init__(self, g=4, k=8, n=8):
+        self.w = nnx.Param(jnp.ones((g, k, n)))
+
+
+def test_ragged_dot_ties_rows_widths_and_experts_and_counts_its_products():
+    """jax.lax.ragged_dot [m, k] x [g, k, n] -> [m, n]: rows to rows, k to the weights' k, n to
+    n, the experts to group_sizes, and k kept apart from n (equal widths here: read as
+    elementwise, the product tied them). FLOPs 2·m·k·n, not g times that; the ragged-k form
+    (the weights' gradient, [m, k] x [m, n] -> [g, k, n]) too."""
+    from jax.lax import RaggedDotDimensionNumbers
+
+    from jaxpar.auto.cost import analyse, op_terms
+
+    m, g, k, n = 32, 4, 8, 8
+    ragged_k = RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=())
+
+    def loss(model, batch):
+        y = jax.lax.ragged_dot(batch["x"], model.w[...], batch["sizes"])
+        dw = jax.lax.ragged_dot_general(batch["x"], y, batch["sizes"], ragged_k)
+        return y.sum() + dw.sum()
+
+    batch = {"x": jnp.ones((m, k)), "sizes": jnp.full((g,), m // g, jnp.int32)}
+    graph = build_graph(Experts(g, k, n), loss, batch)
+    dot, grad = [op for op in graph.ops if op.prim == "ragged_dot_general"]
+    x, w, sizes, y = (graph.tensors[t].classes for t in (*dot.ins, *dot.outs))
+    assert x[0] == y[0] and w[2] == y[1] and x[1] == w[1] and w[0] == sizes[0]
+    assert x[1] != y[1] and len({x[0], x[1], y[1], w[0]}) == 4
+    assert graph.tensors[grad.outs[0]].classes == (w[0], x[1], y[1])      # [g, k, n]: the weights' classes
+
+    flags, free = analyse(graph), [()] * graph.num_classes
+    assert [op_terms(graph, op, free, {}, flags)[0] for op in (dot, grad)] == [3 * 2 * m * k * n] * 2
+    # experts split, rows whole: each device runs a quarter of the rows, its partial output is summed
+    split = [("model",) if c == w[0] else () for c in range(graph.num_classes)]
+    flops, comms, _, invalid = op_terms(graph, dot, split, {"model": 4}, flags)
+    assert flops == 3 * 2 * m * k * n / 4 and not invalid
+    assert comms[0].kind == "all-reduce" and comms[0].axes == ("model",) and comms[0].nbytes == m * n * 4
 
 
 @pytest.mark.parametrize("algorithm", ["dynamic_programming", "recursive_programming", "sharding_propagation"])

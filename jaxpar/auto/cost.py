@@ -6,8 +6,9 @@ is divided by the product of the sizes of its class's axes. For every operator o
 forward program, with ``A(t)`` = the set of mesh axes splitting tensor ``t``:
 
 * **compute**: ``flops × 3 / (product of the sizes of every axis in A(op))`` for matmuls,
-  gathers and convolutions (forward + two backward products), ``elements × 3 / shards`` for
-  the rest; time = flops / ``CostParams.flops_per_s``.
+  grouped matmuls (``ragged_dot``: ``2·m·k·n``, the groups cut the rows, they multiply
+  nothing), gathers and convolutions (forward + two backward products),
+  ``elements × 3 / shards`` for the rest; time = flops / ``CostParams.flops_per_s``.
 * **forward communication**: an operator whose inputs are split over axes its output is not
   (``A(inputs) − A(output)``: a split contracting dimension, a reduction over a split
   dimension, a gather from a split table) leaves partial sums → an **all-reduce** of the
@@ -45,7 +46,7 @@ from jaxpar.auto.graph import Graph, Op, materialised
 # XLA's GPU all-reduce / reduce-scatter combine threshold (kDefaultAllReduceCombineThreshold)
 XLA_GPU_COMBINE_BYTES = 30 * 1024 * 1024 + 7
 
-_PRODUCTS = ("dot_general", "conv_general_dilated")
+_PRODUCTS = ("dot_general", "ragged_dot_general", "conv_general_dilated")
 _GATHER_LIKE = ("reshape", "concatenate", "slice", "dynamic_slice", "pad")
 
 
@@ -224,11 +225,15 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
 def _iteration_space(graph: Graph, op: Op) -> float:
     sizes: dict[int, int] = {}
     fixed = 1
-    for t in (*op.ins, *op.outs):
+    tensors = [(t, ()) for t in (*op.ins, *op.outs)]
+    if op.prim == "ragged_dot_general":     # lhs, rhs, out less their group dims; not group_sizes
+        rhs_group, out_group = op.get("group")
+        tensors = [(op.ins[0], ()), (op.ins[1], rhs_group), (op.outs[0], out_group)]
+    for t, skip in tensors:
         if t < 0:
             continue
-        for c, n in zip(graph.tensors[t].classes, graph.tensors[t].shape):
-            if c >= 0:
+        for d, (c, n) in enumerate(zip(graph.tensors[t].classes, graph.tensors[t].shape)):
+            if c >= 0 and d not in skip:
                 sizes[c] = max(sizes.get(c, 1), n)
     if op.prim == "conv_general_dilated":
         rhs = graph.tensors[op.ins[1]]
@@ -253,13 +258,15 @@ class Flags:
 def analyse(graph: Graph, loops: bool = True) -> Flags:
     """The per-tensor flags the cost model reads (computed once per graph).
 
-    Saved for the backward pass: the inputs and outputs of matmuls, gathers and reductions
-    (what XLA materialises rather than fuses); in a loop body (``repeat > 1``), also the
-    operands a nonlinear operator's derivative reads (`derivative_reads`: JAX stacks a scan's
-    residuals, and XLA cannot fuse them away across iterations; ``loops=False``: a loop of
-    one iteration, which XLA removes). Inside a recompute region only what its policy keeps
-    on the device is saved, plus the region's inputs and any of its values read after it;
-    the rest is *recomputed*: it lives only while the region's backward runs."""
+    Saved for the backward pass: the inputs and outputs of the operators XLA materialises
+    rather than fuses (`jaxpar.auto.graph.materialised`: matmuls, grouped ones too,
+    convolutions, gathers, reductions, sorts and top-k, collectives, custom calls and
+    kernels, linear algebra); in a loop body (``repeat > 1``), also the operands a nonlinear
+    operator's derivative reads (`derivative_reads`: JAX stacks a scan's residuals, and XLA
+    cannot fuse them away across iterations; ``loops=False``: a loop of one iteration, which
+    XLA removes). Inside a recompute region only what its policy keeps on the device is saved,
+    plus the region's inputs and any of its values read after it; the rest is *recomputed*:
+    it lives only while the region's backward runs."""
     params = {t for _, t in graph.params}
     for op in graph.ops:      # a loop's slice of a stacked parameter is that parameter, per iteration
         if op.prim == "copy" and op.get("scan") == "xs" and op.ins[0] in params:
@@ -361,14 +368,14 @@ def temp_peak(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, 
 
     Backward step ``i`` (operator ``i``'s backward; they run from the last operator to the
     first) holds: every saved forward value produced at or after ``i`` (``flags.saved``: the
-    inputs and outputs of matmuls, gathers and reductions, the values XLA materialises rather
-    than fuses), the cotangents of saved values still being summed (produced before ``i``,
-    last read at or after it), and the gradients of parameters whose last reader is at or
-    after ``i``. After the backward pass, gradients that are all-reduced exist twice (the
-    sum is a new buffer) until the optimizer update reads them. The peak is the larger of
-    the two. Values inside a loop are saved once per iteration (``Op.repeat``). A value a
-    recompute region redoes (``flags.recomputed``) is live only from the start of that
-    region's backward (its last operator) down to its producer, once per call.
+    inputs and outputs of the operators XLA materialises rather than fuses, `analyse`), the
+    cotangents of saved values still being summed (produced before ``i``, last read at or
+    after it), and the gradients of parameters whose last reader is at or after ``i``. After
+    the backward pass, gradients that are all-reduced exist twice (the sum is a new buffer)
+    until the optimizer update reads them. The peak is the larger of the two. Values inside a
+    loop are saved once per iteration (``Op.repeat``). A value a recompute region redoes
+    (``flags.recomputed``) is live only from the start of that region's backward (its last
+    operator) down to its producer, once per call.
     """
     return _peak(temp_parts(graph, axes, sizes, flags), params)
 

@@ -54,6 +54,53 @@ def _dot(b: Any, ins, outs, params):
     return (("contract", (tuple(lc), tuple(rc))), ("free", (tuple(lf), tuple(rf))))
 
 
+def _ragged_dot(b: Any, ins, outs, params):
+    # jax.lax.ragged_dot_general: a dot_general whose lhs has one ragged dimension cut into
+    # groups by group_sizes' sizes. Its three modes (lax.ragged_dot_general's docstring):
+    #   ragged m (plain ragged_dot): [b, m, k] x [g, b, k, n] -> [b, m, n], the rhs group dim dropped
+    #   ragged k: [b, m, k] x [b, k, n] -> [g, b, m, n], one partial product per group
+    #   ragged b: [b, m, k] x [b, k, n] -> [b, m, n], no group dim anywhere
+    # group_sizes is [g] or [prefix..., g], its prefix being lhs dims (`_ragged_prefix`)
+    dn = params["ragged_dot_dimension_numbers"]
+    (lc, rc), (lb, rb) = dn.dot_dimension_numbers
+    (ragged,) = dn.lhs_ragged_dimensions
+    rg = tuple(dn.rhs_group_dimensions)
+    lhs, rhs, sizes, out = ins[0], ins[1], ins[2], outs[0]
+    lf = [d for d in range(len(b.shapes[lhs])) if d not in lc and d not in lb]
+    rf = [d for d in range(len(b.shapes[rhs])) if d not in rc and d not in rb and d not in rg]
+    lead = 1 if ragged in lc else 0          # the ragged-k mode's output leads with the groups
+    for x, y in zip(lc, rc):
+        b.link(lhs, x, rhs, y)
+    for k, (x, y) in enumerate(zip(lb, rb)):
+        b.link(lhs, x, rhs, y)
+        b.link(lhs, x, out, lead + k)
+    for k, d in enumerate(lf):
+        b.link(lhs, d, out, lead + len(lb) + k)
+    for k, d in enumerate(rf):
+        b.link(rhs, d, out, lead + len(lb) + len(lf) + k)
+    if sizes >= 0:
+        g = len(b.shapes[sizes]) - 1
+        for k, d in enumerate(_ragged_prefix(ragged, lc, lb, lf)[:g]):
+            b.link(lhs, d, sizes, k)
+        for d in rg:
+            b.link(rhs, d, sizes, g)
+        if lead:
+            b.link(out, 0, sizes, g)
+    # the group dims index which rows a product reads, not more products: FLOPs 2·m·k·n
+    return (("contract", (tuple(lc), tuple(rc))), ("free", (tuple(lf), tuple(rf))),
+            ("group", (rg, (0,) if lead else ())))
+
+
+def _ragged_prefix(ragged: int, lc, lb, lf) -> list[int]:
+    """The lhs dims a ``[prefix..., g]`` group_sizes leads with: the batch dims and the dims of
+    the ragged one's kind (free or contracting) before it; for a ragged batch dim, the batch
+    dims before it."""
+    if ragged in lb:
+        return list(lb[: list(lb).index(ragged)])
+    kind = list(lc) if ragged in lc else lf
+    return [*lb, *kind[: kind.index(ragged)]]
+
+
 def _gather(b: Any, ins, outs, params):
     dn = params["dimension_numbers"]
     operand, indices, out = ins[0], ins[1], outs[0]
@@ -158,7 +205,8 @@ def _conv(b: Any, ins, outs, params):
 RULES = {
     "broadcast_in_dim": _broadcast, "reduce_sum": _reduce, "reduce_max": _reduce, "reduce_min": _reduce,
     "reduce_prod": _reduce, "argmax": _reduce, "argmin": _reduce, "reduce_and": _reduce, "reduce_or": _reduce,
-    "transpose": _transpose, "dot_general": _dot, "gather": _gather, "reshape": _reshape,
+    "transpose": _transpose, "dot_general": _dot, "ragged_dot_general": _ragged_dot,
+    "gather": _gather, "reshape": _reshape,
     "concatenate": _concat, "slice": _same_size, "dynamic_slice": _same_size, "pad": _same_size,
     "squeeze": _squeeze, "expand_dims": _expand, "iota": _nothing, "rng_bit_generator": _nothing,
     "conv_general_dilated": _conv, "random_bits": _nothing, "random_wrap": _nothing,
