@@ -117,7 +117,7 @@ def _operator_rows(graph: Graph, axes, sizes):
     names = {t: p for p, t in graph.params}
     rows = []
     for i, op in enumerate(graph.ops):
-        if op.prim not in ("dot_general", "gather", "conv_general_dilated"):
+        if op.prim not in ("dot_general", "ragged_dot_general", "gather", "conv_general_dilated"):
             continue
         flops, comms, _, _ = op_terms(graph, op, axes, sizes, flags)
         label = next((names[t] for t in op.ins if t in names), "")

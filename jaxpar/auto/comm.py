@@ -42,7 +42,7 @@ from jaxpar.auto.derivatives import LINEAR, derivative_reads
 SERIAL, GRAD, TAIL, NORM = "", "grad", "tail", "norm"
 _GROUP = {GRAD: GRAD, TAIL: GRAD, NORM: NORM}       # tails ride with the gradients
 # operators whose derivative does not read their result (with `derivatives.LINEAR`)
-_OUTPUT_FREE = ("dot_general", "conv_general_dilated", "gather", "mul", "div")
+_OUTPUT_FREE = ("dot_general", "ragged_dot_general", "conv_general_dilated", "gather", "mul", "div")
 
 
 class Comm(NamedTuple):

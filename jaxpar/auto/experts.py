@@ -1,4 +1,4 @@
-"""The price of expert parallel: the MoE layers' all-to-alls, expert FLOPs and expert memory.
+"""The price of expert parallel: the MoE layers' all-to-alls and expert memory.
 
 `jaxpar.auto.job_search.search_job` reads a model's `jaxpar.nn.MoE` layers (`moe_layers`) and, for
 each ``data × model`` mesh, prices two layouts of their stacked expert weights: replicated
@@ -6,12 +6,12 @@ each ``data × model`` mesh, prices two layouts of their stacked expert weights:
 (``ep = d``: the rule ``"expert": "data"``, EP inside DP). The strategy search sees the
 layer's one-device path (sort, gather, ``ragged_dot``, scatter) and keeps the expert weights
 where `pins` put them, so their memory is exact per device (``1 / ep`` of them, and ZeRO
-shards only what is not split already). `experts_cost` adds what the graph does not show:
+shards only what is not split already). The graph prices the experts' FLOPs itself: its
+``ragged_dot`` products, ``2 · a · embed · mlp`` each over the strategy's splits, with
+``a = t · top_k`` token-expert rows per device (``t`` tokens per device); balanced routing
+gives every device ``a`` rows whatever ``ep`` is, so EP trades the all-to-alls for expert
+memory. `experts_cost` adds what the graph does not show:
 
-* **expert FLOPs** by active tokens: ``3 × 2 · a · embed · mlp`` per layer forward, three times
-  that forward + backward, with ``a = t · top_k`` token-expert rows per device (``t`` tokens
-  per device). Balanced routing gives every device ``a`` rows whatever ``ep`` is, so EP
-  does not change them; it trades the all-to-alls for expert memory.
 * **all-to-alls** (``ep > 1``): two per MoE layer forward (to the experts and back) and their
   two transposes in the backward, each of the dispatch's padded buffer
   ``ep · c · embed · itemsize`` bytes, ``c`` the rung of the dropless capacity ladder
@@ -120,19 +120,17 @@ def exchange_bytes(layers: list[MoELayer], tokens: int, ep: int, imbalance: floa
 
 
 def experts_cost(cost: Cost, layers: list[MoELayer], tokens: int, ep: int, params: CostParams, *,
-                 axis: str = "data", imbalance: float = 1.0, sizes: Mapping[str, int] | None = None,
-                 tp: int = 1) -> tuple[Cost, float]:
-    """``cost`` plus the experts' FLOPs and, for ``ep > 1``, the all-to-alls over ``axis``
-    (module docstring); and the step's all-to-all bytes per device."""
-    flops = sum(3 * 3 * 2 * tokens * layer.top_k * layer.embed * layer.mlp * layer.layers / tp for layer in layers)
-    compute = flops / params.flops_per_s
+                 axis: str = "data", imbalance: float = 1.0,
+                 sizes: Mapping[str, int] | None = None) -> tuple[Cost, float]:
+    """``cost`` plus, for ``ep > 1``, the all-to-alls over ``axis`` (module docstring); and the
+    step's all-to-all bytes per device."""
     nbytes = exchange_bytes(layers, tokens, ep, imbalance)
     comm = 0.0
     if ep > 1:
         bw = params.bandwidth.get(axis, params.default_bandwidth)
         count = sum(4 * layer.layers for layer in layers)
         comm = count * params.latency_of((axis,)) + nbytes * (ep - 1) / ep / bw
-    return dataclasses.replace(cost, compute_s=cost.compute_s + compute, comm_s=cost.comm_s + comm,
+    return dataclasses.replace(cost, comm_s=cost.comm_s + comm,
                                comm_bytes=cost.comm_bytes + int(nbytes)), nbytes
 
 

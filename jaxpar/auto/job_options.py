@@ -101,7 +101,7 @@ def _variants(cost, graph, axes, sizes, flags, cp, seq, strategies, moe, ep, par
     extra: dict[str, Any] = {}
     if moe:
         tokens = tokens_per_device(part, d, context=cp)
-        cost, nbytes = experts_cost(cost, moe, tokens, ep, params, imbalance=imbalance, tp=1)
+        cost, nbytes = experts_cost(cost, moe, tokens, ep, params, imbalance=imbalance)
         extra["experts"] = {"axis": "data", "size": ep, "bytes": int(nbytes)}
     if cp == 1:
         return [(cost, extra)]
