@@ -140,7 +140,7 @@ def test_bad_settings_name_the_fix(run, tmp_path):
         jaxpar.Trainer(trained.model, optax.adam(1e-3), loss_fn, trained.config, trained.mesh, profile_steps=(1, 2))
 
 
-def test_fit_refuses_a_profile_window_it_would_not_trace_whole(run, tmp_path):
+def test_fit_refuses_a_profile_window_it_would_not_trace_whole(run, tmp_path, capsys):
     """Before its first step, fit refuses a window it would never reach or stop short of (step
     numbers over the Trainer's life, so a resumed one too), the rule --profile-steps follows."""
     trained = run["trainer"]
@@ -164,6 +164,9 @@ def test_fit_refuses_a_profile_window_it_would_not_trace_whole(run, tmp_path):
         with pytest.raises(ValueError, match=r"until=13 must be an int >= 15, the last step this fit runs"):
             t.fit(iter([]), steps=3, until=13, progress=False)
         assert t.step_count == 12 and not (tmp_path / "profile").exists()     # no step ran, nothing traced
+        capsys.readouterr()
+        t.fit(iter(batches(2, batch=BATCH)), steps=2, until=20)      # part of a run: its bar counts the run's steps
+        assert "step 14/20" in capsys.readouterr().out
 
 
 def test_jsonl_survives_a_torn_last_line(tmp_path):

@@ -525,7 +525,9 @@ class Trainer:
         columns = (TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn())
         with Progress(*columns, disable=not progress or jax.process_index() != 0) as bar:
-            task = bar.add_task("train", total=steps, info="")
+            # part of a longer run (``until``): the bar counts the run's steps, not this part's
+            task = bar.add_task("train", total=steps if until is None else until,
+                                completed=0 if until is None else self._steps, info="")
             last = time.perf_counter()
             for i in range(steps):
                 try:
