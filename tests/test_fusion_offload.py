@@ -83,6 +83,34 @@ def test_offload_places_state_on_host_and_matches():
     assert_close(jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param))), ref_params)
 
 
+class Counted(nnx.Module):
+    """A small MLP that overwrites an int32 counter each call (as an MoE layer's dropped count)."""
+
+    def __init__(self):
+        rngs = nnx.Rngs(0)
+        self.up, self.down = nnx.Linear(16, 32, rngs=rngs), nnx.Linear(32, 16, rngs=rngs)
+        self.positive = nnx.Variable(jnp.zeros((), jnp.int32))
+
+    def __call__(self, x):
+        y = self.down(jax.nn.gelu(self.up(x)))
+        self.positive.set_value(jnp.sum(y > 0).astype(jnp.int32))
+        return y
+
+
+def test_offloaded_state_beside_a_counter_the_step_overwrites():
+    """The counter's input is unused, so the program would prune it, and donation aliased Adam's
+    count (pinned_host) to the counter's output (device): 'Memory kind mismatch' on step 1."""
+    loss = lambda m, b: jnp.mean((m(b["x"]) - b["y"]) ** 2)   # noqa: E731
+    rng = np.random.default_rng(0)
+    data = [{"x": (x := rng.normal(size=(16, 16)).astype(np.float32)), "y": np.tanh(x)} for _ in range(2)]
+    runs = []
+    for offload in ((), ("opt_state",)):
+        cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+        trainer = jaxpar.Trainer(Counted(), optax.adam(1e-2), loss, cfg, mesh_for(cfg), offload=offload)
+        runs.append([float(trainer.step(b)["loss"]) for b in data] + [int(trainer.model.positive[...])])
+    assert runs[1] == runs[0]
+
+
 def test_offload_rejects_unknown_targets():
     cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
     mesh = mesh_for(cfg)

@@ -259,8 +259,12 @@ class Trainer:
                                                   jax.tree.unflatten(batch_def, batch_leaves), *rows)
                 return state_def.flatten_up_to(state), metrics, *row_grads
 
+            # keep_unused: a state leaf the step only overwrites (a counter of the model's) would be
+            # pruned from the program's inputs, and donation would then alias the next input of the
+            # same shape and dtype to its output, whatever its memory kind: with the optimizer state
+            # on the host, Adam's count (pinned_host) to that leaf's output (device), a runtime error
             fn = jax.jit(flat_step, in_shardings=(s_sh, b_sh, *r_sh), out_shardings=(s_sh, None, *r_sh),
-                         donate_argnums=(0,) if self._donate else (),
+                         donate_argnums=(0,) if self._donate else (), keep_unused=True,
                          compiler_options=fusion.compiler_options(self.plan.config.comm_fusion,
                                                                   self.mesh.devices.flat[0].platform) or None)
         else:
