@@ -68,11 +68,23 @@ def _default_spec(config: ParallelConfig, mesh, shape) -> PartitionSpec:
     if shape[0] % n:
         raise ValueError(
             f"batch leaf of shape {tuple(shape)}: the batch dimension {shape[0]} is not divisible by "
-            f"{n}, the size of the batch axes {axes} of mesh {sizes}; use a global batch "
-            f"that is a multiple of {n}"
-        )
+            f"{n}, the size of the batch axes {axes} of mesh {sizes}; " + _batch_fix(config, n))
     check_spec(spec, mesh, shape)
     return spec
+
+
+def _batch_fix(config: ParallelConfig, n: int) -> str:
+    """How to size the global batch: a training step cuts it into grad_accum × interleave parts
+    (`split_rows`) and splits each part over the batch axes, so a leaf that fails may be one part."""
+    parts = {k: v for k, v in (("grad_accum", config.grad_accum), ("interleave", config.interleave)) if v > 1}
+    if not parts:
+        return f"use a global batch that is a multiple of {n}"
+    k = math.prod(parts.values())
+    names = " × ".join(f"{name} {v}" for name, v in parts.items())
+    return (f"a training step cuts the global batch into {k} parts ({names}) of global batch / {k} rows "
+            f"and splits each part over the batch axes (this leaf is the global batch or one part), so the "
+            f"global batch must be a multiple of {n * k} = {n} × {names}; use such a global batch, or a "
+            f"smaller {' or '.join(parts)}")
 
 
 def part_shapes(batch, k: int) -> Any:
