@@ -82,6 +82,12 @@ CASES = {
                                            pipeline=PIPE),
                                       lambda c, m: GPT(dataclasses.replace(GPT_CFG, layers=3), rngs=nnx.Rngs(0)),
                                       pipeline_loss(), r"3 layers, not divisible by stages × chunks per stage = 2 × 1"),
+    "hybrid-parameter-split-over-the-batch-axis": (
+        dict(mesh={"data": 8}, mode="hybrid", rules={"mlp": "data"}), lambda c, m: GPT(GPT_CFG, rngs=nnx.Rngs(0)),
+        loss_fn, r"mode='hybrid' runs loss_fn per device and averages it over the batch axes \{'data': 8\}, but "
+                 r"parameter 'blocks/mlp/down' \(2, 64, 32\) has the compute spec P\(None, 'data', None\) from "
+                 r"rules \{'mlp': 'data'\}.*"
+                 r"mode='semi_auto'.*optimizer=\{'level': 3\}.*map 'mlp' to a mesh axis that is not a batch axis"),
 }
 
 
@@ -159,3 +165,22 @@ def test_the_plan_carries_the_pipeline_schedule():
     flat = make_train_plan(jaxpar.ParallelConfig(mesh={"data": 8}), jaxpar.make_mesh(jaxpar.ParallelConfig(
         mesh={"data": 8})), model, optax.adamw(1e-3))
     assert flat.schedule is None
+
+
+def test_hybrid_mode_plans_parameters_split_over_data_only_where_zero_stores_them():
+    """In mode='hybrid' the loss runs per device and is averaged over the batch axes, so a
+    compute layout over a batch axis is refused (above, and for a parameter_strategy entry
+    here); ZeRO-3 stores parameters split over 'data' and gathers them in the loss, so it is
+    planned, as are rules on a non-batch axis (the model's own collectives) and a size-1 data axis."""
+    model = nnx.eval_shape(lambda: GPT(GPT_CFG, rngs=nnx.Rngs(0)))
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="hybrid", parameter_strategy={"*/mlp/up": (1, 1, 8)})
+    with pytest.raises(ValueError, match=r"parameter 'blocks/mlp/up' \(2, 32, 64\) has the compute spec "
+                                         r"P\(None, None, 'data'\) from parameter_strategy\['\*/mlp/up'\]"):
+        make_train_plan(config, {"data": 8}, model, optax.sgd(0.1))
+    zero3 = jaxpar.ParallelConfig(mesh={"data": 8}, mode="hybrid", optimizer={"level": 3, "threshold_kb": 0})
+    plan = make_train_plan(zero3, {"data": 8}, model, optax.sgd(0.1))
+    assert any("data" in str(spec) for spec in plan.stored.values())
+    assert not any("data" in str(spec) for spec in plan.params.values())
+    for mesh, rules in (({"data": 4, "model": 2}, {"batch": "data", "mlp": "model"}),
+                        ({"data": 1, "model": 8}, {"mlp": "data"})):
+        make_train_plan(jaxpar.ParallelConfig(mesh=mesh, mode="hybrid", rules=rules), mesh, model, optax.sgd(0.1))

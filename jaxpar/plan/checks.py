@@ -14,17 +14,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxpar.config import ParallelConfig
+from jaxpar.data import batch_axes
+from jaxpar.mesh import resolve_axes
 from jaxpar.nn.fp8 import fp8_unavailable
 from jaxpar.nn.moe import MoE
-from jaxpar.nn.specs import is_variable, logical_names, matching_patterns, path_str
+from jaxpar.nn.specs import is_variable, logical_names, matching_patterns, path_str, variable_spec
 from jaxpar.optim.offload import unpaid_on
 from jaxpar.ops import ContextParallel
 from jaxpar.pipeline import PipelineLoss, StagedLoss
 from jaxpar.pipeline.model import check_layers, stacked_layers
 from jaxpar.pipeline.schedules import build
+from jaxpar.strategy import spec_axes
 
 
 def check_combination(config: ParallelConfig, model: nnx.Module | None = None, loss_fn: Any = None, *,
@@ -57,6 +61,7 @@ def check_combination(config: ParallelConfig, model: nnx.Module | None = None, l
     _check_param_dtypes(params, who)
     _check_context(model, config, loss_fn, who, loss_fn is not None)
     _check_experts(model, config, loss_fn, who, loss_fn is not None)
+    _check_hybrid_params(config, params, who)
 
 
 def _check_stage_layers(config: ParallelConfig, model, params: list, loss: PipelineLoss, who: str) -> None:
@@ -81,6 +86,58 @@ def _check_stage_layers(config: ParallelConfig, model, params: list, loss: Pipel
                          f"(layer) axis of the pipeline blocks' parameter '{path_str(path)}' (logical names "
                          f"{names}) is not split over mesh axis {pipe.axis!r} by rules={rules}, so every stage would "
                          f"hold every layer; {fix}, or give the parameter a parameter_strategy entry")
+
+
+def _check_hybrid_params(config: ParallelConfig, params: list, who: str) -> None:
+    """``mode="hybrid"`` runs ``loss_fn`` per device and averages its value over the batch axes.
+    A parameter whose compute layout splits it over a batch axis reaches each device's loss as a
+    shard, and that mean hides the partial results (the loss then differs across no axis the
+    step could check): the model would train silently wrong, or fail inside JAX. ZeRO is how
+    hybrid mode splits parameters over the batch axes: stored split, gathered to the compute
+    layout inside the loss, so only the compute layout (the rules) is checked here."""
+    if config.mode != "hybrid":
+        return
+    sizes = _mesh_sizes(config)
+    axes = batch_axes(config, sizes)
+    split = tuple(a for a in axes if sizes[a] != 1)      # a size-1 axis splits nothing
+    for path, var in params:
+        key = path_str(path)
+        spec = variable_spec(config, sizes, key, var)
+        on = tuple(a for a in split if a in {b for entry in spec for b in spec_axes(entry)})
+        if not on:
+            continue
+        patterns = matching_patterns(key, config.parameter_strategy)
+        if patterns:
+            source = f"parameter_strategy[{patterns[0]!r}]={config.parameter_strategy[patterns[0]]!r}"
+            fix = ("give it a strategy over a mesh axis that is not a batch axis and write the collectives "
+                   "over it in the model (jax.lax.psum, or the jaxpar.ops operators)")
+        else:
+            rules = dict(config.rules)
+            names = [n for n in logical_names(var) or () if n in rules and set(on) & set(spec_axes(rules[n]))]
+            source = ("rules {" + ", ".join(f"{n!r}: {rules[n]!r}" for n in names) + "}" if names else
+                      f"its logical names {logical_names(var)}, which name the mesh axes themselves")
+            fix = (f"map {' and '.join(repr(n) for n in names or logical_names(var))} to a mesh axis that is not a "
+                   "batch axis and write the collectives over it in the model (jax.lax.psum, or the jaxpar.ops "
+                   "operators)")
+        shape = tuple(np.shape(var.get_value()))
+        sized = "{" + ", ".join(f"{a!r}: {sizes[a]}" for a in axes) + "}"
+        raise ValueError(
+            f"{who}: mode='hybrid' runs loss_fn per device and averages it over the batch axes {sized}, but "
+            f"parameter '{key}' {shape} has the compute spec {spec} from {source}, which splits it over the batch "
+            f"axes {on}: each device's loss would see a shard of it, and the mean over {on} would hide the partial "
+            "results. Use mode='semi_auto' (XLA inserts the collectives); or drop that split and set "
+            f"optimizer={{'level': 3}} (ZeRO-3 stores the parameters split over {on} and gathers them where the loss "
+            f"uses them); or {fix}")
+
+
+def _mesh_sizes(config: ParallelConfig) -> dict[str, int]:
+    """``config.mesh`` with a ``-1`` taken as the rest of this process's devices, as
+    ``jaxpar.make_mesh(config)`` resolves it. Where it cannot be (a mesh for other devices),
+    the ``-1`` axis counts as split (size 2): only which axes a spec names is read from it."""
+    try:
+        return resolve_axes(config.mesh, jax.device_count())
+    except ValueError:
+        return {a: 2 if s == -1 else s for a, s in config.mesh.items()}
 
 
 def _check_param_dtypes(params: list, who: str) -> None:
