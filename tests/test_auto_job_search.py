@@ -221,6 +221,33 @@ def test_job_search_chooses_pipeline_stages_to_fit_and_trains_like_one_device(on
     np.testing.assert_allclose(losses, one_device, rtol=1e-5)
 
 
+def test_explain_says_when_the_batch_is_replicated():
+    """A winner that leaves the batch unsplit on data=4 read as a data-parallel option
+    ("pipe=2 x data=4"): its label and explain() now say the batch is replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.auto.job_search import JobOption, JobSearchResult
+    from jaxpar.auto.strategy import Strategy
+
+    cost = dict(compute_s=1e-7, comm_s=0.0, comm_bytes=0, comm_by_axes={}, time_s=1e-7, argument_bytes=8, temp_bytes=8)
+
+    def option(batch_spec, mesh):
+        strategy = Strategy("dynamic_programming", {"data": 4, "model": 1}, (("w", (2,), P(), 8),),
+                            (("['x']", batch_spec),), (), cost)
+        return JobOption(mesh=mesh, grad_accum=1, zero=0, strategy=strategy, time_s=1e-4, argument_bytes=8,
+                         temp_bytes=8, pipeline={"stages": 2, "microbatches": 2, "schedule": "1f1b",
+                                                 "virtual_stages": 1} if "pipe" in mesh else None)
+
+    replicated, split = option(P(), {"pipe": 2, "data": 4}), option(P("data"), {"pipe": 2, "data": 4})
+    assert replicated.label() == "pipe=2 x data=4, zero=0, 1f1b m=2, batch replicated"
+    assert split.label() == "pipe=2 x data=4, zero=0, 1f1b m=2"
+    config = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 4}, dataset_strategy="full_batch")
+    text = JobSearchResult(replicated, config, (replicated, split), None, 1e9).explain()
+    assert ("the batch dimension is not split (dataset_strategy='full_batch'): the 4 devices of data=4 each "
+            "run the whole micro-batch") in text
+    assert "not split" not in JobSearchResult(split, config, (split,), None, 1e9).explain()
+
+
 def test_pipeline_price_follows_the_schedule():
     """More micro-batches: a smaller bubble per micro-batch and fewer activations in flight;
     the head runs in the last stage's backward (its F is idle), so the table's length rules."""

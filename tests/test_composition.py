@@ -132,6 +132,25 @@ def test_a_prng_key_is_its_key_data_in_every_byte_count(impl):
         itemsize("key<nope>")
 
 
+def test_plan_summary_says_how_the_batch_is_split():
+    """The summary named the default batch axes ("batch over ('data',)") whatever
+    dataset_strategy said, so a replicated batch read as split over data."""
+    abstract = nnx.eval_shape(lambda: GPT(TINY, rngs=nnx.Rngs(0)))
+    shapes = {"x": jax.ShapeDtypeStruct((8, 4), np.float32), "y": jax.ShapeDtypeStruct((8,), np.int32)}
+    for strategy, text, specs in (
+            (None, "batch over ('data',);", {"x": P("data"), "y": P("data")}),
+            ("full_batch", "batch replicated (dataset_strategy='full_batch');", {"x": P(), "y": P()}),
+            ((4, 2), "batch by dataset_strategy (4, 2);", {"x": P("data", "model"), "y": None}),
+            ({"x": "full_batch", "y": None}, "batch per key: x replicated (full_batch), y over ('data',);",
+             {"x": P(), "y": P("data")})):
+        config = jaxpar.ParallelConfig(mesh={"data": 4, "model": 2}, dataset_strategy=strategy)
+        plan = jaxpar.make_train_plan(config, {"data": 4, "model": 2}, abstract, optax.sgd(0.1))
+        assert text in plan.summary(), (strategy, plan.summary())
+        got = plan.batch_specs({k: v for k, v in shapes.items() if specs[k] is not None})
+        assert got == {k: v for k, v in specs.items() if v is not None}
+    assert plan.batch_axes() == ("data",)      # the default axes, for the step, whatever the strategy
+
+
 def test_save_with_partition_spec_and_layout_in_the_parameter_strategy(tmp_path):
     """orbax's JSON writer raised on a PartitionSpec or Layout in parameter_strategy."""
     layout = jaxpar.Layout((2, 4), ("data", "model"))

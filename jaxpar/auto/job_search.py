@@ -81,7 +81,15 @@ class JobOption:
             text += f", {self.context['strategy']}"
         if self.experts:
             text += f", experts on {self.experts['axis']}" if self.experts["size"] > 1 else ", experts replicated"
+        if self._batch_replicated():
+            text += ", batch replicated"
         return text + (f", remat={self.remat}" if self.remat != "none" else "")
+
+    def _batch_replicated(self) -> bool:
+        """Whether the searched strategy leaves the batch dimension unsplit on a mesh of several
+        devices (besides the pipeline stages): its replicas then run the same rows."""
+        replicas = math.prod(self.strategy.mesh.values())
+        return replicas > 1 and all(not tuple(s) or tuple(s)[0] is None for _, s in self.strategy.batch)
 
     def collective_bytes(self) -> int:
         """Per-device bytes of the context attention's and the experts' collectives per step."""
@@ -148,6 +156,12 @@ class JobSearchResult:
             lines.append(f"the table below is the strategy of the folded graph ([B x {c.context['size']}, S / "
                          f"{c.context['size']}] tokens): its 'data' axis is data x context; {c.context['strategy']} "
                          f"attention moves {c.context['bytes']:,} B per device and step over 'context'")
+        if c._batch_replicated():
+            n = math.prod(c.strategy.mesh.values())
+            axes = " x ".join(f"{k}={v}" for k, v in c.strategy.mesh.items() if v > 1)
+            lines.append(f"the batch dimension is not split (dataset_strategy={self.config.dataset_strategy!r}): the {n} "
+                         f"devices of {axes} each run the whole {'micro-' if c.pipeline else ''}batch, "
+                         f"as the searched strategy below predicts is fastest")
         if c.experts and c.experts["size"] > 1:
             lines.append(f"experts split over '{c.experts['axis']}' ({c.experts['size']} ways): "
                          f"{c.experts['bytes']:,} B of all-to-alls per device and step (predicted)")

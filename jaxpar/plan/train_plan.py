@@ -216,7 +216,7 @@ class TrainPlan:
 
     def summary(self) -> str:
         c = self.config
-        parts = [f"loss runs {self.loss_runs}", f"batch over {self.batch_axes() or 'nothing'}",
+        parts = [f"loss runs {self.loss_runs}", self._batch_text(),
                  f"ZeRO-{c.optimizer.level}" + (f" over {self.zero_axes}" if self.zero_axes else ""),
                  f"remat {c.remat}", f"grad_accum {c.grad_accum}", f"interleave {c.interleave}"]
         if c.pipeline.stages > 1:
@@ -229,6 +229,24 @@ class TrainPlan:
         if self.offload:
             parts.append(f"offload {list(self.offload)}")
         return "; ".join(parts)
+
+    def _batch_text(self) -> str:
+        """How batches are split, as `batch_specs` splits them: the default batch axes only
+        where ``dataset_strategy`` leaves the split to them."""
+        strategy = self.config.dataset_strategy
+
+        def one(s) -> str:
+            if s == "full_batch":
+                return "replicated (full_batch)"
+            if s is None:
+                return f"over {self.batch_axes()}" if self.batch_axes() else "replicated (no batch axes)"
+            return f"by strategy {tuple(s)}"
+
+        if isinstance(strategy, dict):
+            return "batch per key: " + ", ".join(f"{k} {one(v)}" for k, v in strategy.items())
+        if strategy == "full_batch":
+            return "batch replicated (dataset_strategy='full_batch')"
+        return f"batch {one(strategy)}" if strategy is None else f"batch by dataset_strategy {tuple(strategy)}"
 
     def __str__(self) -> str:
         return self.table()
