@@ -365,12 +365,36 @@ class ParallelConfig:
                 "ParallelConfig: pipeline.stages > 1 with mode='auto' is not supported (the strategy search does "
                 "not place pipeline stages); search the job with jaxpar.auto.search_job over a "
                 "JobSearchSpace(pipeline_stages=...) and train its config, or use mode='semi_auto' with rules {'layers': 'pipe'}")
+        if self.context is not None:
+            self._check_batch_off_context()
         if self.context is not None and self.mode in ("hybrid", "auto"):
             why = ("per-device code sees one shard of the sequence and no context attention" if self.mode == "hybrid"
                    else "the strategy search does not place the sequence over a context axis")
             raise ValueError(f"ParallelConfig: context={self.context} with mode={self.mode!r} is not supported "
                              f"({why}); use mode='semi_auto' with the context axis (jaxpar.auto.search_job over a "
                              "JobSearchSpace(context=(1, 2, 4, 8)) finds one and returns such a config), or drop context")
+
+    def _check_batch_off_context(self) -> None:
+        """The batch and the sequence are two dimensions of every [B, S, ...] tensor: a mesh axis
+        that splits the sequence (context parallel) cannot split the batch too."""
+        context = self.context.axes
+        if "batch" in self.rules:
+            target = self.rules["batch"]
+            shared = [a for a in ((target,) if isinstance(target, str) else target or ()) if a in context]
+            setting = f"rules['batch']={target!r}"
+        elif self.mode != "data" and self.dataset_strategy is None and "data" in context:
+            shared, setting = ["data"], "the default batch axis 'data' (there is no 'batch' rule)"
+        else:
+            return
+        if shared:
+            others = [a for a in self.mesh if a not in context and a != self.pipeline.axis]
+            fix = (f"put the batch on another axis (e.g. rules['batch']={others[0]!r})" if others
+                   else "add a mesh axis for the batch and name it in rules['batch']")
+            raise ValueError(
+                f"ParallelConfig: {setting} splits the batch over mesh axis {shared[0]!r}, which "
+                f"context.axis={self.context.axis!r} (strategy {self.context.strategy!r}) splits the sequence "
+                f"over; one mesh axis cannot split both dimensions of a [batch, sequence] tensor: {fix}, "
+                f"or context parallel on another axis")
 
     def _check_rule_axes(self) -> None:
         for logical, target in self.rules.items():

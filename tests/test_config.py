@@ -58,6 +58,13 @@ def test_overrides():
     ({"pipeline": {"schedule": "best"}}, ["pipeline.schedule", "1f1b"]),
     ({"mode": "data", "rules": {"mlp": "data"}, "mesh": {"data": 8}}, ["mode='data'", "semi_auto"]),
     ({"dataset_strategy": "half"}, ["dataset_strategy", "full_batch"]),
+    # the batch on the axis that splits the sequence: refused naming both settings
+    ({"mesh": {"data": 4, "context": 2}, "rules": {"batch": "context", "length": "context"}, "context": {}},
+     ["rules['batch']='context'", "context.axis='context'", "put the batch on another axis (e.g. rules['batch']='data')"]),
+    ({"mesh": {"data": 4, "context": 2}, "rules": {"batch": ("data", "context")}, "context": {}},
+     ["rules['batch']=('data', 'context')", "mesh axis 'context'"]),
+    ({"mesh": {"data": 8}, "context": {"axis": "data"}},
+     ["default batch axis 'data'", "context.axis='data'", "add a mesh axis for the batch"]),
 ])
 def test_bad_values_name_field_value_and_fix(kwargs, words):
     with pytest.raises(ValueError) as e:
