@@ -66,14 +66,21 @@ def test_batch_not_divisible_names_the_fix():
         leaf_spec(jaxpar.ParallelConfig(mesh={"data": 8}), mesh, (12, 3))
     # grad_accum / interleave: the step splits a global batch of 16 (a multiple of 8) into 4
     # parts of 4 rows, which do not divide over 8: the fix is a multiple of 32, not of 8.
-    for extra, name in ((dict(grad_accum=4), "grad_accum 4"), (dict(grad_accum=2, interleave=2),
-                                                               "grad_accum 2 × interleave 2")):
+    # The step names the global batch before it cuts it.
+    for extra, name, smaller in ((dict(grad_accum=4), "grad_accum=4", "grad_accum"),
+                                 (dict(grad_accum=2, interleave=2), "grad_accum=2 x interleave=2",
+                                  "grad_accum or interleave")):
         config = jaxpar.ParallelConfig(mesh={"data": 8}, **extra)
         model = jaxpar.init(lambda: nnx.Linear(3, 3, rngs=nnx.Rngs(0)), config, mesh)
         trainer = jaxpar.Trainer(model, optax.sgd(0.1), lambda m, b: jnp.mean(m(b["x"]) ** 2), config, mesh)
-        with pytest.raises(ValueError, match=rf"shape \(4, 3\).*not divisible by 8.*multiple of 32 = 8 × {name};"
-                                             r" use such a global batch, or a smaller grad_accum"):
+        with pytest.raises(ValueError, match=rf"batch\['x'\] has 16 rows: {name} cuts it into 4 parts of 4 rows, "
+                                             rf"and each part is split over the batch axes \('data',\) \(8 devices\), "
+                                             rf"so the global batch must be a multiple of 32 = 8 x 4; use a global "
+                                             rf"batch of 32, or a smaller {smaller}"):
             trainer.step({"x": np.ones((16, 3), np.float32)})
+    # a part's own spec (what the step's constraint asks for) says the same fix
+    with pytest.raises(ValueError, match=r"shape \(4, 3\).*not divisible by 8.*multiple of 32 = 8 × grad_accum 4;"):
+        leaf_spec(jaxpar.ParallelConfig(mesh={"data": 8}, grad_accum=4), mesh, (4, 3))
     with pytest.raises(ValueError, match="factor 2 does not divide dimension 1 of size 15"):
         leaf_spec(jaxpar.ParallelConfig(mesh={"data": 2, "h": 4}, dataset_strategy=(2, 2, 1)),
                   jaxpar.make_mesh({"data": 2, "h": 4}), (4, 15, 3))

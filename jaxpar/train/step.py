@@ -24,6 +24,7 @@ rows as it treats parameters.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -129,10 +130,34 @@ def split_loss_output(out) -> tuple[jax.Array, Any]:
 # --------------------------------------------------------------------------- the chain
 
 
+def _check_parts(s: Setting, batch, k: int, n: int) -> None:
+    """Every part of ``grad_accum=k`` x ``interleave=n`` keeps the batch split over the devices
+    its leaf is split over: the global batch is a multiple of their count x k x n."""
+    if k * n == 1:
+        return
+    sizes = dict(s.mesh.shape)
+    cut = " x ".join(f"{name}={v}" for name, v in (("grad_accum", k), ("interleave", n)) if v > 1)
+    specs = jax.tree.leaves(s.plan.batch_specs(batch), is_leaf=lambda v: isinstance(v, PartitionSpec))
+    for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(batch), specs):
+        axes = spec_axes(spec[0]) if len(spec) else ()
+        devices = math.prod(sizes[a] for a in axes)
+        rows = x.shape[0] if x.shape else 0
+        need = devices * k * n
+        if rows % need:
+            near = " or ".join(str(b) for b in (rows // need * need, (rows // need + 1) * need) if b)
+            smaller = " or ".join(name for name, v in (("grad_accum", k), ("interleave", n)) if v > 1)
+            raise ValueError(
+                f"batch{jax.tree_util.keystr(path)} has {rows} rows: {cut} cuts it into {k * n} parts of "
+                f"{rows / (k * n):g} rows, and each part is split over the batch axes {axes} ({devices} devices), so "
+                f"the global batch must be a multiple of {need} = {devices} x {k * n}; use a global batch of "
+                f"{near}, or a smaller {smaller}")
+
+
 def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
     """``(params as stored, rest, batch) -> (loss, aux, rest, grads)`` for a global ``batch`` shape."""
     plan = s.plan
     k, n = plan.grad_accum, plan.interleave
+    _check_parts(s, batch, k, n)
     micro, part = part_shapes(batch, k), part_shapes(batch, k * n)
     # A pipeline is a model loss too: its stages run the blocks as the schedule over the
     # pipe axis, so every wrapper below applies to it unchanged.
