@@ -333,3 +333,23 @@ def test_import_refuses_a_rule_nothing_uses(untied, tmp_path, capsys):
     sequence = jaxpar.ParallelConfig(mesh={"data": 4, "model": 2}, rules={"mlp": "model", "length": "model"})
     _, params = import_hf(directory, config=sequence)
     assert params["blocks"][0]["mlp"]["up"].get_value().sharding.spec == P(None, "model")
+
+
+def test_resuming_an_imported_checkpoint_says_it_holds_parameters_only(untied, tmp_path):
+    """An import-hf checkpoint has no optimizer state: restoring a Trainer from it says so and
+    how to fine-tune the weights, instead of listing every optimizer leaf as missing."""
+    import optax
+
+    from jaxpar.models.llama import loss_fn
+
+    directory, _, _ = untied
+    config = jaxpar.ParallelConfig(mesh={"data": 1}, mode="data")
+    cfg, params = import_hf(directory, str(tmp_path / "ckpt"), config=config)
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:1])
+    trainer = jaxpar.Trainer(llama_model(cfg, params), optax.adam(1e-3), loss_fn, config, mesh)
+    with pytest.raises(jaxpar.checkpoint.CheckpointMismatchError) as err:
+        jaxpar.checkpoint.restore(trainer, str(tmp_path / "ckpt"))
+    text = str(err.value)
+    assert err.value.params_only
+    assert "holds parameters only" in text and "import-hf" in text and "llama_model(cfg, params" in text, text
+    assert "missing opt_state" not in text and "does not fit this trainer" not in text, text

@@ -231,7 +231,9 @@ def restore_from(manager: ocp.CheckpointManager, step: int, state, mesh, directo
         saved = saved_leaves(manager, step)
     problems = st.differences(saved, {p: st.leaf_info(t) for p, t in target.items()})
     if problems:
-        raise st.CheckpointMismatchError(str(directory), step, problems)
+        params_only = (not any(p.startswith("opt_state/") for p in saved)
+                       and any(p.startswith("opt_state/") for p in target))
+        raise st.CheckpointMismatchError(str(directory), step, problems, params_only=params_only)
     with reading(directory, step):
         restored = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))

@@ -141,8 +141,23 @@ def unnest(tree: Any, prefix: str = "") -> dict[str, Any]:
 class CheckpointMismatchError(ValueError):
     """The checkpoint does not fit the model: each difference listed by parameter path."""
 
-    def __init__(self, directory: str, step: int, problems: list[str]):
+    def __init__(self, directory: str, step: int, problems: list[str], *, params_only: bool = False):
         self.problems = problems
+        self.params_only = params_only
+        if params_only:     # no optimizer state at all: what `import_hf` writes, not a training run's save
+            others = [p for p in problems if not p.startswith("missing opt_state/")]
+            listing = "".join(f"\n  {p}" for p in others)
+            super().__init__(
+                f"checkpoint {directory} step {step} holds parameters only (no optimizer state: it was written by "
+                f"`jaxpar ckpt import-hf` / jaxpar.interop.hf.import_hf), so a trainer cannot resume from it "
+                f"(nothing was restored){f'; its parameters differ too ({len(others)}):' if others else ''}"
+                f"{listing}\nTo fine-tune these weights, start a new run from them: in Python, "
+                "cfg, params = import_hf(HF_DIR, config=parallel_config) and build the Trainer from "
+                "llama_model(cfg, params, constrain=...) with that ParallelConfig (docs/interop.md, \"Training "
+                "from imported weights\"); give the run's checkpoint.dir another directory, where it saves its "
+                "own steps."
+            )
+            return
         listing = "\n  ".join(problems)
         super().__init__(
             f"checkpoint {directory} step {step} does not fit this trainer ({len(problems)} "
