@@ -100,7 +100,7 @@ def test_model_fields_are_applied_as_llama_config_named_does():
 JOB = """
 model: {{name: llama, size: tiny}}
 data: {{path: {store}, seq_len: 16, batch: 16, seed: 3}}
-optimizer: {{lr: 1.0e-2, warmup_steps: 2, schedule: constant}}   # one schedule for 10 and 20 steps
+optimizer: {{lr: 1.0e-2, warmup_steps: 1, schedule: constant}}   # one schedule for 2, 10 and 20 steps
 parallel: {{mesh: {{data: 8}}}}
 train: {{steps: 20}}
 checkpoint: {{every: 10}}
@@ -136,6 +136,16 @@ def test_a_refused_resume_keeps_the_job_yaml_of_the_saved_steps(job_file, tmp_pa
         assert words in capsys.readouterr().err
         # the record of the job that made the checkpoints is still there, beside them and the logs
         assert (tmp_path / "ckpt" / "job.yaml").read_text() == (tmp_path / "log" / "job.yaml").read_text() == saved
+    # the same command again, or fewer steps than were saved: the finished run's records stay
+    summary = (tmp_path / "log" / "summary.json").read_text()
+    assert json.loads(summary)["loss"] is not None
+    assert _train(job_file, tmp_path, "--train.steps", "2") == 0
+    assert "already at step 2 = train.steps" in capsys.readouterr().out
+    assert _train(job_file, tmp_path, "--train.steps", "1") == 2
+    assert ("holds step 2, past train.steps=1: a run cannot train back to step 1; give --train.steps 2 or more"
+            in capsys.readouterr().err)
+    assert (tmp_path / "log" / "summary.json").read_text() == summary
+    assert (tmp_path / "ckpt" / "job.yaml").read_text() == saved
 
 
 def test_a_damaged_newest_step_is_passed_over_quietly(job_file, tmp_path, capfd):

@@ -214,6 +214,8 @@ def train_file(args: argparse.Namespace, overrides: list[str]) -> int:
         return 0
     for text in result["samples"]:
         print("--- sample ---\n" + text, flush=True)
+    if not result["trained"]:       # already at train.steps: the finished run's summary stays
+        return 0
     last = result["history"][-1]["loss"] if result["history"] else float("nan")
     first = result["history"][0]["loss"] if result["history"] else float("nan")
     evals = " ".join(f"{e['eval_loss']:.3f}@{e['step']}" for e in result["eval"])

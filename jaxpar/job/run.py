@@ -230,8 +230,9 @@ def build(job: JobConfig, *, devices=None) -> Built:
 def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int = 0,
             print_fn: Callable[[str], None] = print,
             before_fit: Callable[[Built], None] | None = None) -> dict[str, Any]:
-    """Train ``job``; returns ``{"history", "eval", "samples", "step", "fit_s"}`` (``fit_s``: the
-    seconds spent in the training steps).
+    """Train ``job``; returns ``{"history", "eval", "samples", "step", "fit_s", "trained"}``
+    (``fit_s``: the seconds spent in the training steps; ``trained``: False when the checkpoint
+    was already at ``train.steps``, which leaves ``job.yaml`` alone; one past it is refused).
 
     Evaluation runs every ``eval.every`` steps and at the end when there is held-out data
     (``data.eval_path``, or the arithmetic source's own); ``samples`` greedy continuations of
@@ -254,9 +255,15 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
     with trainer, contextlib.closing(train):
         if trainer.data_state:           # resumed: the saved data position must be this store and batch
             train.restore(trainer.data_state)
+        start = trainer.step_count
+        finished = _check_resume_step(start, job)
+        if finished:     # nothing runs: the job.yaml and the summary of the run that got there stay
+            print_fn(f"already at step {start} = train.steps in {ck.dir}; nothing to train (give a larger "
+                     "--train.steps to train on)")
+            texts = _samples(trainer, built.store, samples, job.data.seq_len) if samples else []
+            return {"history": [], "eval": [], "samples": texts, "step": start, "fit_s": 0.0, "trained": False}
         if jax.process_index() == 0:     # the resume is accepted: a refused one keeps the saved job.yaml
             save_resolved(job, log.dir, ck.dir)
-        start = trainer.step_count
         if start:
             print_fn(f"resumed at step {start} from {ck.dir}")
         if before_fit is not None:
@@ -277,7 +284,19 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
         if ck.dir is not None and trainer.step_count not in trainer.checkpointer.manager.all_steps():
             trainer.save()
         texts = _samples(trainer, built.store, samples, job.data.seq_len) if samples else []
-    return {"history": history, "eval": evals, "samples": texts, "step": trainer.step_count, "fit_s": fit_s}
+    return {"history": history, "eval": evals, "samples": texts, "step": trainer.step_count, "fit_s": fit_s,
+            "trained": True}
+
+
+def _check_resume_step(start: int, job: JobConfig) -> bool:
+    """Whether the checkpoint is already at ``train.steps`` (nothing to train); a checkpoint past
+    it is refused: training cannot go back, and rewriting the run's records would lose them."""
+    steps = job.train.steps
+    if start > steps:
+        raise ValueError(f"checkpoint.dir={job.checkpoint.dir!r} holds step {start}, past train.steps={steps}: a run "
+                         f"cannot train back to step {steps}; give --train.steps {start} or more to resume it, or "
+                         "another --checkpoint.dir to start a new run")
+    return start == steps
 
 
 PROMPTS = ("def ", "import ", "class ", "    return ")
