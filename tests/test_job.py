@@ -49,6 +49,9 @@ def test_a_job_file_saved_with_parameter_plan_loads():
     ({"model": {"factory": "pkg.mod:make"}}, [], ValueError, "give both"),
     ({"logging": {"dir": "runs/x", "profile_steps": "13:10"}}, [], ValueError, "logging.profile_steps='13:10'"),
     ({"logging": {"profile_steps": "10:13"}}, [], ValueError, "set logging.dir"),
+    ({"logging": {"dir": "runs/x"}}, ["--train.steps", "4", "--logging.profile_steps", "6:8"], ValueError,
+     "logging.profile_steps='6:8': the window traces steps 6 to 7, but the run ends at train.steps=4; choose a "
+     "window inside it, e.g. --logging.profile_steps 4:5, or give --train.steps 7 or more"),
     ({"checkpoint": {"every": 10}}, [], ValueError, "saving needs checkpoint.dir"),
     ({"eval": {"every": 10}}, [], ValueError, "evaluation reads data.eval_path"),
     ({"data": "x"}, [], ValueError, "a section is a mapping"),

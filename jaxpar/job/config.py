@@ -267,6 +267,22 @@ class JobConfig:
                         "jaxpar data prepare from held-out text), or drop eval.every")
         if self.model.name == "gpt" and self.model.size != "tiny":
             raise _fail("model.size", self.model.size, "sizes name Llama models; the GPT takes model.fields")
+        self._check_profile_window()
+
+    def _check_profile_window(self) -> None:
+        """The trace window must end inside the run (steps 1 to train.steps), as ``jaxpar train
+        --profile-steps`` is checked against ``--steps``: refused before anything is built."""
+        from jaxpar.metrics.config import check_profile_steps, profile_window_outside
+
+        if self.logging.profile_steps is None:
+            return
+        start, stop = check_profile_steps(self.logging.profile_steps)
+        inside = profile_window_outside((start, stop), 1, self.train.steps)
+        if inside:
+            raise _fail("logging.profile_steps", self.logging.profile_steps,
+                        f"the window traces steps {start} to {stop - 1}, but the run ends at train.steps="
+                        f"{self.train.steps}; choose a window inside it, e.g. --logging.profile_steps "
+                        f"{inside[0]}:{inside[1]}, or give --train.steps {stop - 1} or more")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, overrides: Sequence[str] = ()) -> "JobConfig":
