@@ -353,3 +353,42 @@ def test_resuming_an_imported_checkpoint_says_it_holds_parameters_only(untied, t
     assert err.value.params_only
     assert "holds parameters only" in text and "import-hf" in text and "llama_model(cfg, params" in text, text
     assert "missing opt_state" not in text and "does not fit this trainer" not in text, text
+
+
+def test_export_into_a_folder_holding_a_model_is_refused_or_replaced(untied, tmp_path, capsys):
+    """An old index or old shards left beside new files would be read instead of them (import_hf
+    follows the index first): export refuses such a folder, and --force replaces its model files."""
+    directory, hf, tensors = untied
+    ckpt, out = str(tmp_path / "ckpt"), tmp_path / "hf"
+    import_hf(directory, ckpt)
+    assert ckpt_main(["export-hf", ckpt, "--out", str(out), "--max-shard-size", "4KB"]) == 0
+    shards = [n for n in os.listdir(out) if n.startswith("model-")]
+    assert len(shards) > 2 and (out / "model.safetensors.index.json").exists()
+    (out / "tokenizer.json").write_text("{}")
+    capsys.readouterr()
+    assert ckpt_main(["export-hf", ckpt, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"already holds a Hugging Face model (config.json, model.safetensors.index.json, {len(shards)} " in err
+    assert "--force" in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(FileExistsError, match="pass force=True"):
+        export_hf(ckpt, None, str(out))
+    # replaced: the new single file alone, the tokenizer kept, and reading the folder gives the new weights
+    half = {"embedding": np.asarray(tensors["model.embed_tokens.weight"]) / 2}
+    cfg, params = import_hf(directory)
+    params["embedding"].set_value(params["embedding"].get_value() / 2)
+    assert export_hf(params, cfg, str(out), force=True) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer.json"]
+    _, again = import_hf(str(out))
+    np.testing.assert_array_equal(np.asarray(again["embedding"].get_value()), half["embedding"])
+
+
+def test_import_into_a_folder_holding_step_0_names_force(untied, tmp_path, capsys):
+    directory, _, _ = untied
+    out = str(tmp_path / "ckpt")
+    assert ckpt_main(["import-hf", directory, "--out", out]) == 0
+    capsys.readouterr()
+    assert ckpt_main(["import-hf", directory, "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "already holds step 0" in err and "--force" in err and len(err.strip().splitlines()) == 1, err
+    assert ckpt_main(["import-hf", directory, "--out", out, "--force", "--dtype", "bfloat16"]) == 0
+    assert jaxpar.checkpoint.load_strategy(out)["leaves"]["params/embedding"]["dtype"] == "bfloat16"

@@ -3,8 +3,8 @@
     jaxpar ckpt inspect DIR [--step N] [--json]
     jaxpar ckpt transform DIR --to CONFIG.yaml OUT [--step N] [--devices N]
     jaxpar ckpt merge DIR OUT [--step N]
-    jaxpar ckpt import-hf HF_DIR --out DIR [--to CONFIG.yaml] [--devices N] [--dtype D] [--scan-layers]
-    jaxpar ckpt export-hf DIR --out HF_DIR [--step N] [--dtype D] [--max-shard-size 5GB] [--hf-config FILE]
+    jaxpar ckpt import-hf HF_DIR --out DIR [--to CONFIG.yaml] [--devices N] [--dtype D] [--scan-layers] [--force]
+    jaxpar ckpt export-hf DIR --out HF_DIR [--step N] [--dtype D] [--max-shard-size 5GB] [--hf-config FILE] [--force]
 
 A mistake in the paths or files given is one line on stderr and exit code 2.
 """
@@ -96,7 +96,7 @@ def _import_hf(args) -> int:
 
     config = ParallelConfig(mesh={"data": 1}, mode="data") if args.to is None else _load_config(args.to)
     cfg, _ = import_hf(args.dir, args.out, config=config, devices=_target_devices(args.ckpt_devices),
-                       dtype=args.dtype, scan_layers=args.scan_layers)
+                       dtype=args.dtype, scan_layers=args.scan_layers, force=args.force)
     print(f"{args.dir} -> {args.out} step 0 ({cfg.layers} layers, {cfg.param_dtype}) laid out on mesh {config.mesh}")
     return 0
 
@@ -115,7 +115,7 @@ def _export_hf(args) -> int:
         base = read_config(args.hf_config)
         cfg = llama_config(base, where=args.hf_config)
     written = export_hf(args.dir, cfg, args.out, max_shard_bytes=args.max_shard_size, dtype=args.dtype,
-                        step=args.step, hf_base=base)
+                        step=args.step, hf_base=base, force=args.force)
     print(f"{args.dir} -> {args.out}: {', '.join(written)}")
     return 0
 
@@ -195,6 +195,11 @@ def _add_hf_parsers(sub) -> None:
     for name in ("import-hf", "export-hf"):
         sub.choices[name].add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                                        help="convert the weights (default: keep the stored dtype)")
+    sub.choices["import-hf"].add_argument("--force", action="store_true",
+                                          help="replace the step 0 that --out already holds")
+    sub.choices["export-hf"].add_argument("--force", action="store_true",
+                                          help="replace the HF model files (config.json, safetensors, index) "
+                                               "that --out already holds; other files are kept")
 
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}

@@ -159,7 +159,8 @@ def _install(abstract, values: Mapping[str, Any]):
 
 
 def import_hf(directory: str, out: str | None = None, *, config: ParallelConfig | None = None, mesh=None,
-              devices=None, dtype: str | None = None, scan_layers: bool = False) -> tuple[LlamaConfig, Any]:
+              devices=None, dtype: str | None = None, scan_layers: bool = False,
+              force: bool = False) -> tuple[LlamaConfig, Any]:
     """Read an HF Llama directory into ``(LlamaConfig, params)``; with ``out``, also save it there
     as a jaxpar checkpoint (step 0, parameters only) laid out for ``config``.
 
@@ -170,6 +171,7 @@ def import_hf(directory: str, out: str | None = None, *, config: ParallelConfig 
       mesh: the mesh for ``config`` (default: built on ``devices``, or the first devices that fit).
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); default the file's.
       scan_layers: stack the blocks on a ``layers`` axis (``LlamaConfig.scan_layers``).
+      force: replace the step 0 that ``out`` already holds (refused without it, before anything is read).
 
     Returns the config and an ``nnx.State`` of ``nnx.Param`` s; ``llama_model(cfg, params)`` is the model.
     Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming the tensor or the
@@ -178,6 +180,10 @@ def import_hf(directory: str, out: str | None = None, *, config: ParallelConfig 
     >>> cfg, params = import_hf("tiny-llama", config=jaxpar.ParallelConfig(mesh={"data": 8}, mode="data"))  # doctest: +SKIP
     """
     files.safetensors()
+    if out is not None and not force and os.path.isdir(os.path.join(os.fspath(out), "0")):
+        raise FileExistsError(f"import_hf: out {os.fspath(out)!r} already holds step 0 "
+                              f"({os.path.join(os.fspath(out), '0')}); give another output directory, or pass "
+                              "force=True (--force on the command line) to replace it")
     hf = files.read_config(directory)
     check_architecture(hf, os.path.join(directory, files.CONFIG))    # before looking for Llama tensors
     config = _ONE_DEVICE if config is None else config
@@ -197,17 +203,17 @@ def import_hf(directory: str, out: str | None = None, *, config: ParallelConfig 
         shardings = {path: NamedSharding(mesh, spec) for path, spec in plan.stored.items()}
         params = _install(abstract, _read_all(reader, cfg, shardings))
     if out is not None:
-        _save(out, plan, params, rest, mesh, cfg, hf)
+        _save(out, plan, params, rest, mesh, cfg, hf, force)
     return cfg, params
 
 
-def _save(out: str, plan, params, rest, mesh, cfg: LlamaConfig, hf: dict) -> None:
+def _save(out: str, plan, params, rest, mesh, cfg: LlamaConfig, hf: dict, force: bool) -> None:
     from jaxpar.checkpoint.manager import save_state
     from jaxpar.plan.state import TrainState
 
     step = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(mesh, PartitionSpec()))
     model = {"family": MODEL_FAMILY, "config": dataclasses.asdict(cfg), "hf_config": hf}
-    save_state(out, plan, TrainState(params, rest, (), step), mesh, model=model)
+    save_state(out, plan, TrainState(params, rest, (), step), mesh, model=model, force=force)
 
 
 def llama_model(cfg: LlamaConfig, params, *, constrain=no_constraint) -> Llama:
@@ -289,15 +295,32 @@ def _hf_tensor(t: Tensor, params: Mapping[str, Any], dtype) -> np.ndarray:
     return np.ascontiguousarray(t.to_hf(x).astype(dtype or x.dtype, copy=False))
 
 
+def _check_out_free(out_dir: str, force: bool) -> list[str]:
+    """The model files already in ``out_dir``; refused unless ``force`` (nothing is written yet)."""
+    old = files.model_files(out_dir)
+    if old and not force:
+        shards = [n for n in old if n not in (files.CONFIG, files.INDEX)]
+        listing = ", ".join([n for n in old if n in (files.CONFIG, files.INDEX)]
+                            + ([f"{len(shards)} model*.safetensors file(s)"] if shards else []))
+        raise FileExistsError(f"export_hf: out {out_dir!r} already holds a Hugging Face model ({listing}); give "
+                              "another output directory, or pass force=True (--force on the command line) to "
+                              "replace its model files (the old config.json, safetensors and index are removed; "
+                              "other files such as the tokenizer's are kept)")
+    return old
+
+
 def export_hf(source, cfg: LlamaConfig | None, out_dir: str, *, max_shard_bytes: int = 5 * 2**30,
-              dtype: str | None = None, step: int | None = None, hf_base: dict | None = None) -> list[str]:
+              dtype: str | None = None, step: int | None = None, hf_base: dict | None = None,
+              force: bool = False) -> list[str]:
     """Write an HF Llama directory (``config.json`` + safetensors, sharded with an index when
     larger than ``max_shard_bytes``) from a checkpoint directory, a parameter state or a model.
 
     ``cfg``: the model's ``LlamaConfig`` (``None`` for a checkpoint written by ``import_hf``,
     which records it, and its original ``config.json``: the fields jaxpar does not model are
-    written back unchanged). ``dtype``: convert the tensors (default: as stored). Returns the
-    files written.
+    written back unchanged). ``dtype``: convert the tensors (default: as stored). ``force``:
+    replace the model files an ``out_dir`` already holds (refused without it: an old index or
+    old shards left beside the new files would be read instead of them). Returns the files
+    written.
 
     >>> export_hf(model, model.cfg, "out-dir", max_shard_bytes=2**30)       # doctest: +SKIP
     ['config.json', 'model.safetensors']
@@ -305,6 +328,8 @@ def export_hf(source, cfg: LlamaConfig | None, out_dir: str, *, max_shard_bytes:
     files.safetensors()
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"export_hf: max_shard_bytes={max_shard_bytes!r} must be a positive int (e.g. 5 * 2**30)")
+    out_dir = os.fspath(out_dir)
+    old = _check_out_free(out_dir, force)
     params, cfg, base = _resolve(source, cfg, step)
     dtype = None if dtype is None else jnp.dtype(dtype)
     out_dtype = str(dtype) if dtype is not None else str(jnp.dtype(params["embedding"].dtype))
@@ -313,6 +338,11 @@ def export_hf(source, cfg: LlamaConfig | None, out_dir: str, *, max_shard_bytes:
     groups = files.plan_files(sizes, max_shard_bytes)
     names = files.file_names(len(groups))
     os.makedirs(out_dir, exist_ok=True)
+    written = [files.CONFIG, *names, *([files.INDEX] if len(names) > 1 else [])]
+    # force: the old index goes first (readers follow it before model.safetensors), old shards last
+    for name in old:
+        if name == files.INDEX:
+            os.remove(os.path.join(out_dir, name))
     by_name = {t.hf_name: t for t in order}
     for group, name in zip(groups, names):
         files.write_file(os.path.join(out_dir, name), {n: _hf_tensor(by_name[n], params, dtype) for n in group})
@@ -320,4 +350,7 @@ def export_hf(source, cfg: LlamaConfig | None, out_dir: str, *, max_shard_bytes:
         files.write_index(out_dir, {n: name for group, name in zip(groups, names) for n in group},
                           sum(size for _, size in sizes))
     files.write_config(out_dir, hf_config(cfg, hf_base or base, dtype=out_dtype))
-    return [files.CONFIG, *names, *([files.INDEX] if len(names) > 1 else [])]
+    for name in old:
+        if name not in written and os.path.exists(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
+    return written

@@ -170,6 +170,15 @@ def file_names(count: int) -> list[str]:
     return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
 
 
+def model_files(directory: str) -> list[str]:
+    """The files of an HF model already in ``directory`` (``config.json``, ``model*.safetensors``,
+    the index), sorted; tokenizer and other files are not among them."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(n for n in os.listdir(directory)
+                  if n in (CONFIG, INDEX) or (n.startswith("model") and n.endswith(".safetensors")))
+
+
 def write_file(path: str, tensors: dict[str, np.ndarray]) -> None:
     safetensors()
     from safetensors.numpy import save_file
