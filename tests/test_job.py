@@ -295,3 +295,19 @@ def test_plan_of_a_job_file_on_64_planned_devices(capsys):
     params, per_device = (int(x.replace(",", "")) for x in total.split("│")[-3:-1])
     assert per_device == pytest.approx(params / 64, rel=0.01)           # ZeRO-3 x TP: every parameter / 64
     assert main(["plan", "--config", os.path.join(CONFIGS, "llama3_8b.yaml"), "--samples", "2"]) == 2
+
+
+def test_a_warmup_that_does_not_end_inside_the_run_is_refused(job_file, tmp_path, capsys):
+    from jaxpar.job import make_optimizer
+    from jaxpar.job.config import OptimizerSection
+
+    with pytest.raises(ValueError, match=re.escape(
+            "optimizer.warmup_steps=50 with train.steps=10: the warmup must end before the run does (the rate reaches "
+            "optimizer.lr at step 50); give --optimizer.warmup_steps 2 (below 10; 0 for none), or --train.steps 51")):
+        make_optimizer(OptimizerSection(warmup_steps=50), 10)
+    _, schedule = make_optimizer(OptimizerSection(lr=1.0, warmup_steps=9, schedule="constant"), 10)
+    assert [float(schedule(i)) for i in (8, 9)] == pytest.approx([8 / 9, 1.0])     # the last warmup that fits
+    # the job refuses it before the model is built or job.yaml written
+    assert _train(job_file, tmp_path, "--train.steps", "3", "--optimizer.warmup_steps", "3") == 2
+    assert "optimizer.warmup_steps=3 with train.steps=3" in capsys.readouterr().err
+    assert not (tmp_path / "ckpt" / "job.yaml").exists()

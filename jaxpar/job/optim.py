@@ -10,13 +10,19 @@ from jaxpar.job.config import OptimizerSection
 
 def learning_rate(section: OptimizerSection, steps: int) -> optax.Schedule:
     """Linear warmup to ``lr`` over ``warmup_steps``, then cosine / linear decay to
-    ``lr * min_lr_ratio`` at ``steps``, or constant.
+    ``lr * min_lr_ratio`` at ``steps``, or constant. A warmup of ``steps`` or more is refused
+    (``ValueError``): it would not end inside the run.
 
     >>> sched = learning_rate(OptimizerSection(lr=1.0, warmup_steps=2, schedule="linear", min_lr_ratio=0.0), 4)
     >>> [round(float(sched(i)), 2) for i in range(5)]
     [0.0, 0.5, 1.0, 0.5, 0.0]
     """
-    warmup = min(section.warmup_steps, max(steps - 1, 0))
+    warmup = section.warmup_steps
+    if warmup and warmup >= steps:      # cut short, the rate would jump to its peak late in the run
+        raise ValueError(f"job config optimizer.warmup_steps={warmup} with train.steps={steps}: the warmup must end "
+                         f"before the run does (the rate reaches optimizer.lr at step {warmup}); give "
+                         f"--optimizer.warmup_steps {steps // 5} (below {steps}; 0 for none), or --train.steps "
+                         f"{warmup + 1} or more")
     peak, end = section.lr, section.lr * section.min_lr_ratio
     if section.schedule == "constant":
         after = optax.constant_schedule(peak)

@@ -196,21 +196,22 @@ def build(job: JobConfig, *, devices=None) -> Built:
 
     log, ck = job.logging, job.checkpoint
     mesh = jaxpar.make_mesh(job.parallel, devices)
+    store = None
+    if job.data.source == "store":
+        from jaxpar.data import TokenStore
+
+        store = TokenStore(job.data.path)      # a damaged store is named first
+    tx, schedule = make_optimizer(job.optimizer, job.train.steps)     # the schedule is checked before the model
     if job.data.source == "arithmetic":
         from jaxpar.job.example import ARITHMETIC_VOCAB, EVAL_START, ArithmeticLoader
 
-        store = None
         model, loss, _ = build_model(job, mesh, vocab=ARITHMETIC_VOCAB)
         d = job.data
         train = ArithmeticLoader(seq_len=d.seq_len, batch=d.batch, seed=d.seed)
         held_out = ArithmeticLoader(seq_len=d.seq_len, batch=d.batch, seed=d.seed, start=EVAL_START)
     else:
-        from jaxpar.data import TokenStore
-
-        store = TokenStore(job.data.path)
         model, loss, model_cfg = build_model(job, mesh, vocab=store.vocab_size)
         train, held_out = _loaders(job, store, model_cfg)
-    tx, schedule = make_optimizer(job.optimizer, job.train.steps)
     metrics = None
     if log.dir is not None:
         compute = job.parallel.precision.compute if job.parallel.precision is not None else "float32"
