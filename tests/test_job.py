@@ -311,3 +311,20 @@ def test_a_warmup_that_does_not_end_inside_the_run_is_refused(job_file, tmp_path
     assert _train(job_file, tmp_path, "--train.steps", "3", "--optimizer.warmup_steps", "3") == 2
     assert "optimizer.warmup_steps=3 with train.steps=3" in capsys.readouterr().err
     assert not (tmp_path / "ckpt" / "job.yaml").exists()
+
+
+def test_a_factory_that_returns_no_module_is_named(tmp_path, monkeypatch):
+    from jaxpar.job.run import build_model
+
+    config = jaxpar.ParallelConfig(mesh={"data": 8})
+    mesh = jaxpar.make_mesh(config)
+    with pytest.raises(TypeError, match=re.escape("init: the model function returned a value of type int, not an "
+                                                  "nnx.Module; it must build the model and return it")):
+        jaxpar.init(lambda: 42, config, mesh)
+    (tmp_path / "nomodule.py").write_text("def factory(rngs):\n    return 42\ndef loss(model, batch):\n    return 0.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    job = JobConfig.from_dict({"model": {"factory": "nomodule:factory", "loss": "nomodule:loss"}})
+    with pytest.raises(TypeError, match=re.escape("job config model.factory='nomodule:factory' returned a value of "
+                                                  "type int, not an nnx.Module; the factory is called as "
+                                                  "factory(rngs)")):
+        build_model(job, mesh)

@@ -35,6 +35,17 @@ def _import(spec: str, where: str) -> Callable:
     return obj
 
 
+def _built(model, spec: str):
+    """The model a ``model.factory`` returned, refused unless it is an ``nnx.Module``."""
+    from flax import nnx
+
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"job config model.factory={spec!r} returned a value of type {type(model).__name__}, "
+                        "not an nnx.Module; the factory is called as factory(rngs) and must build the model and "
+                        "return it, e.g. 'def factory(rngs): return MyModel(rngs=rngs)'")
+    return model
+
+
 def model_config(job: JobConfig, vocab: int | None = None):
     """The named model's config (``LlamaConfig`` / ``GPTConfig``) with the job's fields; its
     vocabulary grows to the data's and its ``max_seq_len`` to ``data.seq_len`` when smaller.
@@ -102,7 +113,7 @@ def build_model(job: JobConfig, mesh, vocab: int | None = None):
                                 f"parallel.pipeline.stages={config.pipeline.stages} it must name a "
                                 "jaxpar.pipeline.PipelineLoss (or StagedLoss) defined in that module, e.g. "
                                 "'loss = PipelineLoss(embed=..., blocks=..., head=..., head_loss=...)'")
-        return jaxpar.init(lambda: factory(rngs()), config, mesh), loss, None
+        return jaxpar.init(lambda: _built(factory(rngs()), m.factory), config, mesh), loss, None
     cfg = model_config(job, vocab)
     if m.name == "llama":
         from jaxpar.models import llama as module

@@ -64,7 +64,12 @@ def _trace(model_fn):
 
     def make():
         with _no_eager_sharding():
-            graphdef, params, rest = nnx.split(model_fn(), nnx.Param, ...)
+            model = model_fn()
+            if not isinstance(model, nnx.Module):
+                raise TypeError(f"init: the model function returned a value of type {type(model).__name__}, "
+                                "not an nnx.Module; it must build the model and return it, e.g. jaxpar.init(lambda: "
+                                "MyModel(rngs=nnx.Rngs(0)), config, mesh)")
+            graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         graphdefs.append(graphdef)
         return params, rest
 
