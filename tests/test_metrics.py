@@ -140,33 +140,41 @@ def test_bad_settings_name_the_fix(run, tmp_path):
         jaxpar.Trainer(trained.model, optax.adam(1e-3), loss_fn, trained.config, trained.mesh, profile_steps=(1, 2))
 
 
-def test_fit_refuses_a_profile_window_it_would_not_trace_whole(run, tmp_path, capsys):
-    """Before its first step, fit refuses a window it would never reach or stop short of (step
-    numbers over the Trainer's life, so a resumed one too), the rule --profile-steps follows."""
+def test_profile_window_over_several_fits_and_a_run_that_ends_before_it(run, tmp_path, capsys):
+    """Fits without ``until`` may reach the window later (three fits of 2 steps trace steps 3-4);
+    with ``until`` (the run's last step) fit refuses, before its first step, a window the run
+    would never reach or stop short of; a Trainer that closes before the window's end warns."""
     trained = run["trainer"]
-    with jaxpar.Trainer(trained.model, optax.adam(1e-3), loss_fn, trained.config, trained.mesh,
-                        metrics=MetricsConfig(dir=str(tmp_path)), profile_steps=(10, 13)) as t:
-        with pytest.raises(ValueError, match=r"profile_steps=\(10, 13\) traces steps 10 to 12, but this fit runs "
-                                             r"steps 1 to 5 \(steps=5 after step 0\), so nothing would be traced; "
-                                             r"run to step 12 \(fit steps=12, or until=.*profile_steps=\(5, 6\)"):
-            t.fit(iter(batches(5)), steps=5, progress=False)
-        t.step_count = 7                                            # as if resumed at step 7
-        with pytest.raises(ValueError, match=r"runs steps 8 to 10 \(steps=3 after step 7\), so the trace would "
-                                             r"stop short of step 12; run to step 12 \(fit steps=5.*\(10, 11\)"):
-            t.fit(iter(batches(3)), steps=3, progress=False)
-        with pytest.raises(ValueError, match=r"profile_steps=\(10, 13\).* of a run until step 11"):
-            t.fit(iter(batches(3)), steps=3, until=11, progress=False)
-        with pytest.raises(ValueError, match="the batches ran out after 0 of 3 steps"):   # the run reaches step 12
-            t.fit(iter([]), steps=3, until=20, progress=False)
-        t.step_count = 12                                           # resumed past the window: the old run's
-        with pytest.raises(ValueError, match="the batches ran out after 0 of 3 steps"):
-            t.fit(iter([]), steps=3, progress=False)
-        with pytest.raises(ValueError, match=r"until=13 must be an int >= 15, the last step this fit runs"):
-            t.fit(iter([]), steps=3, until=13, progress=False)
-        assert t.step_count == 12 and not (tmp_path / "profile").exists()     # no step ran, nothing traced
-        capsys.readouterr()
-        t.fit(iter(batches(2, batch=BATCH)), steps=2, until=20)      # part of a run: its bar counts the run's steps
-        assert "step 14/20" in capsys.readouterr().out
+
+    def trainer(name, window):   # a model of its own: a step donates the arrays it starts from
+        model = jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), trained.config, trained.mesh)
+        return jaxpar.Trainer(model, optax.adam(1e-3), loss_fn, trained.config, trained.mesh,
+                              metrics=MetricsConfig(dir=str(tmp_path / name)), profile_steps=window)
+
+    with trainer("epochs", (3, 5)) as t:
+        for _ in range(3):
+            t.fit(iter(batches(2, batch=BATCH)), steps=2, progress=False)
+    assert list((tmp_path / "epochs").glob("profile/plugins/profile/*/*.xplane.pb"))
+    with pytest.warns(UserWarning, match=r"profile_steps=\(10, 13\) \(steps 10 to 12\): the run ended at step 4, "
+                                         r"before the window: nothing was traced; run to step 12, or choose a "
+                                         r"window inside steps 1 to 4"):
+        with trainer("short", (10, 13)) as t:
+            with pytest.raises(ValueError, match=r"profile_steps=\(10, 13\) traces steps 10 to 12, but the run this "
+                                                 r"fit is part of ends at step until=5, so nothing would be traced; "
+                                                 r"run to step 12 \(until=12 and the fits to reach it\), or choose "
+                                                 r"a window inside the run, e.g. profile_steps=\(5, 6\)"):
+                t.fit(iter(batches(5)), steps=5, until=5, progress=False)
+            t.step_count = 7                                          # as if resumed at step 7
+            with pytest.raises(ValueError, match=r"until=11, so the trace would stop short of step 12"):
+                t.fit(iter(batches(3)), steps=3, until=11, progress=False)
+            with pytest.raises(ValueError, match=r"until=9 must be an int >= 10, the last step this fit runs"):
+                t.fit(iter([]), steps=3, until=9, progress=False)
+            t.step_count = 0
+            capsys.readouterr()
+            t.fit(iter(batches(2, batch=BATCH)), steps=2, until=20)  # part of a run: its bar counts the run's steps
+            assert "step 2/20" in capsys.readouterr().out
+            t.fit(iter(batches(2, batch=BATCH)), steps=2, progress=False)
+    assert not (tmp_path / "short" / "profile").exists()
 
 
 def test_jsonl_survives_a_torn_last_line(tmp_path):

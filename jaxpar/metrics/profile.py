@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -30,9 +31,12 @@ class ProfileWindow:
         self.start, self.stop = steps
         self.active = False
         self.done = False
+        self.first = self.last = None    # the first and last steps dispatched since
 
     def before(self, step: int) -> None:
         """Call before dispatching step ``step``: starts the trace at the window's first step."""
+        self.first = step if self.first is None else self.first
+        self.last = step
         if not self.active and not self.done and self.start <= step < self.stop:
             os.makedirs(self.directory, exist_ok=True)
             jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
@@ -51,11 +55,28 @@ class ProfileWindow:
             self.close()
 
     def close(self) -> None:
-        """Stop a trace still running (a run that ended inside the window)."""
+        """Stop a trace still running (a run that ended inside the window). A window the run did
+        not trace whole is said, with a warning: steps ran, but it ended before the window's end
+        (a window the run started past, resumed after it, was the interrupted run's)."""
+        note = self.shortfall()
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
             self.done = True
+        if note is not None:
+            self.done = True    # said once
+            warnings.warn(note, stacklevel=2)
+
+    def shortfall(self) -> str | None:
+        """What the window misses of its steps when the run ends now, or None."""
+        if self.done or self.first is None or self.first >= self.stop or self.last >= self.stop - 1:
+            return None
+        window = f"profile_steps=({self.start}, {self.stop}) (steps {self.start} to {self.stop - 1})"
+        fix = f"run to step {self.stop - 1}, or choose a window inside steps {self.first} to {self.last}"
+        if self.active:
+            return (f"{window}: the run ended at step {self.last}, so the trace holds steps "
+                    f"{max(self.start, self.first)} to {self.last} only; {fix}")
+        return f"{window}: the run ended at step {self.last}, before the window: nothing was traced; {fix}"
 
     def files(self) -> list[str]:
         """The trace files written so far."""

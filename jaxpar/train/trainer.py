@@ -510,9 +510,10 @@ class Trainer:
         save it.
 
         ``profile_steps`` are step numbers over the Trainer's life (a resumed one continues
-        them): a window not yet traced must end by the fit's last step, else ``ValueError``
-        before the first step. ``until``: the last step of the whole run when this fit is one
-        part of it (fits between evaluations); the window must then end by ``until``."""
+        them). ``until``: the last step of the whole run when this fit is one part of it (fits
+        between evaluations): the progress bar counts the run's steps, and a profile window not
+        yet traced must end by ``until``, else ``ValueError`` before the first step. Without it
+        a later fit may reach the window; a Trainer that closes before the window's end warns."""
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         if log_every is None:
@@ -560,30 +561,29 @@ class Trainer:
         return history
 
     def _check_profile_window(self, steps: int, until: int | None) -> None:
-        """A profile window not yet traced must end by the last step of this fit (steps
-        ``self._steps + 1`` to ``self._steps + steps``) or of the run it is part of (``until``):
-        `profile_window_outside`, the rule ``--profile-steps`` follows. Else the fit would trace
-        nothing, or stop short of the window's end, without a word. A window the Trainer resumed
-        past is left alone: it was the interrupted run's to trace."""
+        """With ``until`` (the last step of the run this fit is part of), a profile window not yet
+        traced must end by it: `profile_window_outside`, the rule ``--profile-steps`` follows.
+        Without, later fit calls may reach the window: a run that ends before the window's end
+        says so when the Trainer closes (`ProfileWindow.close`). A window the Trainer resumed past
+        is left alone: it was the interrupted run's to trace."""
         first, last = self._steps + 1, self._steps + steps
-        if until is not None and (not isinstance(until, int) or isinstance(until, bool) or until < last):
+        if until is None:
+            return
+        if not isinstance(until, int) or isinstance(until, bool) or until < last:
             raise ValueError(f"Trainer.fit: until={until!r} must be an int >= {last}, the last step this fit "
                              f"runs (steps={steps} after step {self._steps}): the last step of the whole run")
         window = self._profile
         if window is None or window.active or window.done or window.stop - 1 < first:
             return
-        end = last if until is None else until
-        inside = profile_window_outside((window.start, window.stop), first, end)
+        inside = profile_window_outside((window.start, window.stop), first, until)
         if inside is None:
             return
         start, stop = window.start, window.stop
-        what = "nothing would be traced" if start > end else f"the trace would stop short of step {stop - 1}"
-        runs = f"this fit runs steps {first} to {last} (steps={steps} after step {self._steps})"
-        runs += f" of a run until step {until}" if until is not None else ""
-        fix = f"run to step {stop - 1} (fit steps={stop - 1 - self._steps}"
-        fix += ", or until=<the run's last step> when later fit calls continue it)" if until is None else ")"
+        what = "nothing would be traced" if start > until else f"the trace would stop short of step {stop - 1}"
         raise ValueError(f"Trainer.fit: profile_steps=({start}, {stop}) traces steps {start} to {stop - 1}, but "
-                         f"{runs}, so {what}; {fix}, or choose a window inside the run, e.g. profile_steps={inside}")
+                         f"the run this fit is part of ends at step until={until}, so {what}; run to step "
+                         f"{stop - 1} (until={stop - 1} and the fits to reach it), or choose a window inside the "
+                         f"run, e.g. profile_steps={inside}")
 
     def _resume_loader(self, batches) -> Iterator:
         """Iterate a loader that keeps its position from the TrainState's data position (restored
