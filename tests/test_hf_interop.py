@@ -5,6 +5,7 @@ rotate_half RoPE), and the logits are checked against a numpy forward of that la
 here too, independent of jaxpar's model code.
 """
 
+import dataclasses
 import gc
 import json
 import os
@@ -392,3 +393,56 @@ def test_import_into_a_folder_holding_step_0_names_force(untied, tmp_path, capsy
     assert "already holds step 0" in err and "--force" in err and len(err.strip().splitlines()) == 1, err
     assert ckpt_main(["import-hf", directory, "--out", out, "--force", "--dtype", "bfloat16"]) == 0
     assert jaxpar.checkpoint.load_strategy(out)["leaves"]["params/embedding"]["dtype"] == "bfloat16"
+
+
+def test_export_refuses_an_hf_config_that_contradicts_the_checkpoint(untied, tmp_path, capsys):
+    """Only shapes were checked: a config.json with another rope_theta / rms_norm_eps, or
+    tie_word_embeddings=true over a trained head, was written as given (the head dropped)."""
+    directory, hf, _ = untied
+    ckpt = str(tmp_path / "ckpt")
+    import_hf(directory, ckpt)
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({**hf, "rope_theta": 500000.0, "rms_norm_eps": 1e-6}))
+    assert ckpt_main(["export-hf", ckpt, "--out", str(tmp_path / "a"), "--hf-config", str(wrong)]) == 2
+    err = capsys.readouterr().err
+    assert "rope_theta: given 500000.0, recorded 10000.0; rms_norm_eps: given 1e-06, recorded 1e-05" in err, err
+    assert "leave --hf-config out" in err and len(err.strip().splitlines()) == 1, err
+    tied = tmp_path / "tied.json"
+    tied.write_text(json.dumps({**hf, "tie_word_embeddings": True}))
+    assert ckpt_main(["export-hf", ckpt, "--out", str(tmp_path / "b"), "--hf-config", str(tied)]) == 2
+    assert "tie_word_embeddings: given true, recorded false" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    # a state carries no record: its own head under a tied config is refused all the same
+    cfg, params = import_hf(directory)
+    with pytest.raises(ValueError, match="has its own output head 'head' .* tie_word_embeddings=true"):
+        export_hf(params, dataclasses.replace(cfg, tie_embeddings=True), str(tmp_path / "c"))
+
+
+def test_export_of_a_training_checkpoint_reads_its_job_yaml(untied, tmp_path, capsys):
+    """A checkpoint a job saved records its model in the job.yaml beside it: export derives
+    config.json from it without --hf-config, and checks a given --hf-config against it."""
+    directory, hf, tensors = untied
+    ckpt = tmp_path / "ckpt"
+    import_hf(directory, str(ckpt))
+    path = ckpt / "0" / "strategy" / "metadata"          # as a Trainer saves it: no model description
+    strategy = json.loads(path.read_text())
+    del strategy["model"]
+    path.write_text(json.dumps(strategy))
+    scaling = {"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_positions": 64}
+    (ckpt / "job.yaml").write_text(json.dumps({"model": {"name": "llama", "size": "tiny", "fields": {
+        "mlp": 48, "rope_theta": 10000.0, "rope_scaling": scaling}}, "data": {"seq_len": 64}}))
+    assert ckpt_main(["export-hf", str(ckpt), "--out", str(tmp_path / "hf")]) == 0
+    again = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(again) == sorted(tensors) and all(np.array_equal(again[n], t) for n, t in tensors.items())
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert {k: written[k] for k in ("rope_theta", "rms_norm_eps", "intermediate_size", "tie_word_embeddings",
+                                    "max_position_embeddings")} == {
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "intermediate_size": 48, "tie_word_embeddings": False,
+        "max_position_embeddings": 64}
+    assert written["rope_scaling"]["factor"] == 4.0
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({**hf, "num_key_value_heads": 4}))
+    capsys.readouterr()
+    assert ckpt_main(["export-hf", str(ckpt), "--out", str(tmp_path / "x"), "--hf-config", str(wrong)]) == 2
+    err = capsys.readouterr().err
+    assert f"recorded in {ckpt / 'job.yaml'} (num_key_value_heads: given 4, recorded 2)" in err, err

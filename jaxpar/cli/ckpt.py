@@ -191,7 +191,9 @@ def _add_hf_parsers(sub) -> None:
                    help="largest safetensors file, e.g. 5GB, 500MB or bytes (default 5GB); larger models "
                         "are split with model.safetensors.index.json")
     q.add_argument("--hf-config", default=None, metavar="FILE",
-                   help="the HF config.json of the model (needed when the checkpoint was not made by import-hf)")
+                   help="the HF config.json of the model (default: written from the model config recorded "
+                        "with the checkpoint: import-hf's, or the job.yaml a training job saved beside it; a "
+                        "given FILE is checked against that record)")
     for name in ("import-hf", "export-hf"):
         sub.choices[name].add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                                        help="convert the weights (default: keep the stored dtype)")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -255,18 +256,108 @@ def _flat_params(source) -> dict[str, Any]:
     return {path_str(p): (v.get_value() if is_variable(v) else v) for p, v in flat}
 
 
-def _resolve(source, cfg: LlamaConfig | None, step: int | None):
-    """``(flat params, LlamaConfig, HF config to start from)`` of any export source."""
+# LlamaConfig fields the weights and config.json depend on, with their config.json names
+COMPARED = {"vocab_size": "vocab_size", "embed": "hidden_size", "heads": "num_attention_heads",
+            "kv_heads": "num_key_value_heads", "head_dim": "head_dim", "mlp": "intermediate_size",
+            "layers": "num_hidden_layers", "rope_theta": "rope_theta", "rope_scaling": "rope_scaling",
+            "norm_eps": "rms_norm_eps", "tie_embeddings": "tie_word_embeddings"}
+
+
+def _job_llama_config(job_file: str, params: Mapping[str, Any]) -> LlamaConfig | None:
+    """The ``LlamaConfig`` a training job built, from the ``job.yaml`` it saved beside its
+    checkpoint (its vocabulary grown to the saved table's, as the job grew it to the data's);
+    None when the job built its model with a factory (jaxpar cannot tell what it is)."""
+    import yaml
+
+    from jaxpar.job.config import JobConfig
+    from jaxpar.job.run import model_config
+
+    try:
+        with open(job_file) as f:
+            saved = yaml.safe_load(f) or {}
+        model, data = saved.get("model") or {}, saved.get("data") or {}
+        job = JobConfig.from_dict({"model": model, **({"data": {"seq_len": data["seq_len"]}}
+                                                      if "seq_len" in data else {})})
+    except (OSError, yaml.YAMLError, TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"export_hf: {job_file}, the job saved with the checkpoint, cannot be read ({e}); fix or "
+                         "remove it (it gives the model's config), and pass --hf-config FILE (cfg= in Python)") from None
+    if job.model.factory is not None:
+        return None
+    if job.model.name != MODEL_FAMILY:
+        raise ValueError(f"export_hf: {job_file} says this checkpoint holds a {job.model.name!r} model "
+                         f"(model.name={job.model.name!r}), not a Llama; export_hf writes Hugging Face Llama "
+                         "checkpoints only")
+    return model_config(job, vocab=int(params["embedding"].shape[0]))
+
+
+def _recorded_config(directory: str, strategy: dict, params: Mapping[str, Any]) -> tuple[LlamaConfig | None, str]:
+    """``(LlamaConfig, where it is recorded)`` of a checkpoint: the model description
+    ``import_hf`` keeps in the strategy file, or the ``job.yaml`` a training job saves beside its
+    checkpoint; ``(None, "")`` when neither records one."""
+    model = strategy.get("model") or {}
+    if model.get("family") == MODEL_FAMILY:
+        cfg = LlamaConfig(**{k: v for k, v in model["config"].items() if k not in FORMER_LLAMA_FIELDS})
+        return cfg, f"the strategy file of checkpoint {directory} (written by import_hf)"
+    job_file = os.path.join(directory, "job.yaml")
+    if os.path.isfile(job_file):
+        return _job_llama_config(job_file, params), job_file
+    return None, ""
+
+
+def _show(value) -> str:
+    return "none" if value is None else json.dumps(dataclasses.asdict(value)) if dataclasses.is_dataclass(value) \
+        else json.dumps(value)
+
+
+def _check_against(cfg: LlamaConfig, given: str, recorded: LlamaConfig, where: str) -> None:
+    """Refuse a ``cfg`` whose weight-defining fields contradict the model the checkpoint recorded."""
+    wrong = [(name, hf, getattr(cfg, name), getattr(recorded, name)) for name, hf in COMPARED.items()
+             if getattr(cfg, name) != getattr(recorded, name)]
+    if wrong:
+        listing = "; ".join(f"{hf}: given {_show(mine)}, recorded {_show(theirs)}" for _, hf, mine, theirs in wrong)
+        fix = ", ".join(f"{hf}: {_show(theirs)}" for _, hf, _, theirs in wrong)
+        raise ValueError(f"export_hf: {given} contradicts the model recorded in {where} ({listing}); the exported "
+                         f"config.json would not describe these weights. Set {fix} in the HF config, or leave "
+                         "--hf-config out (cfg=None in Python): the recorded config then gives config.json")
+
+
+def _check_head(params: Mapping[str, Any], cfg: LlamaConfig, source, given: str) -> None:
+    """A trained ``head`` must be written (untied), and an untied config needs one."""
+    if cfg.tie_embeddings and "head" in params:
+        raise ValueError(f"export_hf: {_describe(source)} has its own output head 'head' {tuple(params['head'].shape)} "
+                         f"(trained apart from the embedding), but {given} says tie_word_embeddings=true: the "
+                         "exported model would use the embedding as its head and drop the trained one. Set "
+                         "tie_word_embeddings to false in the HF config (lm_head.weight is then written)")
+    if not cfg.tie_embeddings and "head" not in params:
+        raise ValueError(f"export_hf: {_describe(source)} has no output head 'head' (its head is the embedding), "
+                         f"but {given} says tie_word_embeddings=false, which needs an lm_head.weight; set "
+                         "tie_word_embeddings to true in the HF config")
+
+
+def _resolve(source, cfg: LlamaConfig | None, step: int | None, given: str = "cfg"):
+    """``(flat params, LlamaConfig, HF config to start from)`` of any export source; a ``cfg``
+    that contradicts the model a checkpoint records (``given`` names where it came from) is refused."""
     base = None
+    if cfg is not None and not isinstance(cfg, LlamaConfig):
+        raise TypeError(f"export_hf: cfg must be a LlamaConfig, got {type(cfg).__name__}")
     if isinstance(source, (str, os.PathLike)):
         params, strategy = _checkpoint_params(os.fspath(source), step)
-        model = strategy.get("model") or {}
+        if "embedding" in params:
+            recorded, where = _recorded_config(os.fspath(source), strategy, params)
+        else:
+            recorded, where = None, ""      # not a Llama: refused below, naming what it holds
+        if recorded is not None and recorded.moe is not None:
+            raise ValueError(f"export_hf: the model recorded in {where} has mixture-of-experts layers (moe="
+                             f"{recorded.moe!r}); export_hf writes dense LlamaForCausalLM checkpoints only")
         if cfg is None:
-            if model.get("family") != MODEL_FAMILY:
-                raise ValueError(f"checkpoint {source} does not record a Llama config (it was not written by "
-                                 "import_hf); pass cfg=LlamaConfig(...), or --hf-config on the command line")
-            cfg = LlamaConfig(**{k: v for k, v in model["config"].items() if k not in FORMER_LLAMA_FIELDS})
-        base = model.get("hf_config")
+            if recorded is None:
+                raise ValueError(f"checkpoint {source} does not record a Llama config (neither import_hf's model "
+                                 "description nor a job.yaml beside it); pass cfg=LlamaConfig(...), or --hf-config "
+                                 "on the command line")
+            cfg = recorded
+        elif recorded is not None:
+            _check_against(cfg, given, recorded, where)
+        base = (strategy.get("model") or {}).get("hf_config")
     else:
         params = _flat_params(source)
     if not isinstance(cfg, LlamaConfig):
@@ -275,6 +366,7 @@ def _resolve(source, cfg: LlamaConfig | None, step: int | None):
         raise ValueError(f"export_hf: {_describe(source)} holds no 'embedding' (HF tensor 'model.embed_tokens.weight') "
                          f"but {sorted(params)[:6]}{' ...' if len(params) > 6 else ''}: export_hf writes the "
                          "parameters of a jaxpar.models.llama.Llama; give a checkpoint, state or model of one")
+    _check_head(params, cfg, source, given)
     return params, dataclasses.replace(cfg, scan_layers="blocks/attn/wq" in params), base
 
 
@@ -330,7 +422,8 @@ def export_hf(source, cfg: LlamaConfig | None, out_dir: str, *, max_shard_bytes:
         raise ValueError(f"export_hf: max_shard_bytes={max_shard_bytes!r} must be a positive int (e.g. 5 * 2**30)")
     out_dir = os.fspath(out_dir)
     old = _check_out_free(out_dir, force)
-    params, cfg, base = _resolve(source, cfg, step)
+    params, cfg, base = _resolve(source, cfg, step, "the HF config given (--hf-config / hf_base)"
+                                 if hf_base is not None else "cfg")
     dtype = None if dtype is None else jnp.dtype(dtype)
     out_dtype = str(dtype) if dtype is not None else str(jnp.dtype(params["embedding"].dtype))
     order = tensors(cfg)
