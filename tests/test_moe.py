@@ -316,35 +316,38 @@ def test_step_metrics_and_metrics_jsonl_carry_the_routing(tmp_path):
 
 
 class DroplessLayer(nnx.Module):
-    """One dropless MoE layer called without a constrain, as a model in mode="data" (no rules) is."""
+    """One dropless MoE layer holding the constraint a model built for ``config`` holds."""
 
-    def __init__(self):
-        self.moe = zipf_layer(4, 2)
+    def __init__(self, constrain=None):
+        self.moe, self.constrain = zipf_layer(4, 2), constrain
 
     def __call__(self, x):
-        return self.moe(x)
+        return self.moe(x) if self.constrain is None else self.moe(x, self.constrain)
 
 
-def test_layer_without_constraint_routes_the_tokens_each_device_holds():
-    """mode="data" takes no rules, so an MoE layer gets no mesh from a constrain: it reads the
-    step's batch axes (jaxpar.strategy.step_batch). Routed as one global set, each of 8 devices
-    ran the whole batch's experts (compiled temp as large as on one device); now each routes its
-    own tokens, and the step equals one device's."""
+def test_model_constraint_routes_the_tokens_each_device_holds():
+    """The default ParallelConfig (semi_auto) and mode="data" have no "batch" rule: the
+    constraint of jaxpar.nn.model_constraint says where the step puts the batch. With
+    LogicalConstraint(mesh, config.rules) the layer routed the global batch as one set, and
+    each of 8 devices ran the whole batch's experts (compiled temp as on one device); with
+    model_constraint each routes its own tokens, and the step equals one device's."""
     import optax
 
+    from jaxpar.nn import model_constraint
     from jaxpar.report import memory
 
     batch = {"x": np.stack([np.asarray(tokens(16, seed)) for seed in range(8)])}      # [8, 16, D]
     runs = {}
-    for n in (1, 8):
-        config = jaxpar.ParallelConfig(mesh={"data": n}, mode="data")
+    for n, mode in ((1, "semi_auto"), (8, "semi_auto"), (8, "data")):
+        config = jaxpar.ParallelConfig(mesh={"data": n}, mode=mode)
         mesh = jaxpar.make_mesh(config, devices=jax.devices()[:n])
-        trainer = jaxpar.Trainer(DroplessLayer(), optax.adam(1e-2), routed_loss, config, mesh)
+        trainer = jaxpar.Trainer(DroplessLayer(model_constraint(mesh, config)), optax.adam(1e-2), routed_loss,
+                                 config, mesh)
         temp = memory(trainer.lower(batch).compile()).temp_bytes
-        losses = [float(trainer.step(batch)["loss"]) for _ in range(2)]
-        runs[n] = temp, losses
-    assert_losses_close(runs[8][1], runs[1][1], rtol=1e-5)
-    assert runs[8][0] * 4 < runs[1][0], runs
+        runs[n, mode] = temp, [float(trainer.step(batch)["loss"]) for _ in range(2)]
+    for key in ((8, "semi_auto"), (8, "data")):
+        assert_losses_close(runs[key][1], runs[1, "semi_auto"][1], rtol=1e-5)
+        assert runs[key][0] * 4 < runs[1, "semi_auto"][0], runs
 
 
 # ----------------------------------------------------------------------------- bad input

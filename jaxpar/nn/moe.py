@@ -29,7 +29,7 @@ from flax import nnx
 from jaxpar.ops.activations import swiglu
 from jaxpar.ops.grouped_matmul import KERNELS
 from jaxpar.ops.moe_dispatch import TRANSPORTS, moe_dispatch
-from jaxpar.strategy import logical_axes, manual_axes, mesh_sizes, step_batch
+from jaxpar.strategy import logical_axes, manual_axes, mesh_sizes
 
 SCORES = ("softmax", "sigmoid")
 
@@ -192,16 +192,9 @@ def _check_width(shape: tuple, embed: int) -> None:
 def _axes(constrain) -> dict:
     """The dispatch's mesh axes, from the rules a ``LogicalConstraint`` carries (none without one)."""
     mesh = getattr(constrain, "mesh", None)
-    rules = dict(getattr(constrain, "rules", ())) if mesh is not None else {}
-    step = step_batch()
-    if step is not None and mesh in (None, step[0]) and "batch" not in rules:
-        # no constrain, or one without a "batch" rule (mode="data" has no rules): the tokens are
-        # where the Trainer's step put the batch; routed as one global set, every device would
-        # run the whole batch's experts
-        mesh, rules["batch"] = step
     if mesh is None:
         return {}   # no mesh: every expert runs where the tokens are
-    sizes = mesh_sizes(mesh)
+    rules, sizes = dict(getattr(constrain, "rules", ())), mesh_sizes(mesh)
     axes = {name: logical_axes(name, sizes, rules) or None for name in ("expert", "batch", "mlp")}
     # a sequence split over a context axis ("length" / "seq" rule) splits the tokens too
     seq = tuple(a for name in ("length", "seq") if name in rules for a in logical_axes(name, sizes, rules))

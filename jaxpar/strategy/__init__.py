@@ -12,9 +12,7 @@ from jaxpar.strategy.resolve import (
     shard_count,
     spec_axes,
     spec_entry,
-    step_batch,
     to_partition_spec,
-    tracing_step,
     varying_axes,
 )
 
@@ -31,8 +29,6 @@ __all__ = [
     "shard_count",
     "spec_axes",
     "spec_entry",
-    "step_batch",
     "to_partition_spec",
-    "tracing_step",
     "varying_axes",
 ]

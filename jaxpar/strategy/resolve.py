@@ -58,34 +58,6 @@ def manual_axes() -> tuple[str, ...]:
     return tuple(a for a, t in zip(abstract.axis_names, abstract.axis_types) if t == jax.sharding.AxisType.Manual)
 
 
-_STEP = threading.local()
-
-
-@contextlib.contextmanager
-def tracing_step(mesh: Mesh, batch: tuple[str, ...]) -> Iterator[None]:
-    """While a Trainer traces its model loss: the step's mesh and the axes its batch is split
-    over, for layers whose routing depends on where the tokens are (`step_batch`)."""
-    stack = _STEP.__dict__.setdefault("stack", [])
-    stack.append((mesh, tuple(batch)))
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-def step_batch() -> tuple[Mesh, tuple[str, ...]] | None:
-    """``(mesh, batch axes)`` of the Trainer step being traced (`tracing_step`), or None.
-
-    What an MoE layer called without a mesh-carrying ``constrain`` reads: without it, the
-    layer's token dispatch would run over every token of the global batch on every device.
-
-    >>> step_batch() is None
-    True
-    """
-    stack = getattr(_STEP, "stack", None)
-    return stack[-1] if stack else None
-
-
 def varying_axes(x) -> frozenset:
     """The manual mesh axes over which ``x`` varies (inside a ``shard_map``); empty outside one."""
     aval = jax.typeof(x)   # the set is ``vma`` in some JAX versions, ``manual_axis_type.varying`` in others

@@ -46,7 +46,7 @@ from jaxpar.pipeline.stages import StagedLoss
 from jaxpar.plan.state import TrainState, sharded_tx
 from jaxpar.precision import cast_floats, cast_like
 from jaxpar.remat import checkpoint_policy
-from jaxpar.strategy import spec_axes, tracing_step, varying_axes
+from jaxpar.strategy import spec_axes, varying_axes
 
 _is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
 
@@ -235,8 +235,7 @@ def merge(s: Setting, loss_fn: Callable, batch) -> Callable:
     def compute(params, rest, batch):
         params, rows = s.split(params)
         model = nnx.merge(s.graphdef, params, _fresh(rest))
-        with tracing_step(s.mesh, s.plan.batch_axes()):   # where the tokens are (an MoE layer's dispatch)
-            loss, aux = split_loss_output(loss_fn(model, batch, *rows))
+        loss, aux = split_loss_output(loss_fn(model, batch, *rows))
         return loss, (aux, nnx.state(model, nnx.Not(nnx.Param)))
 
     return compute
