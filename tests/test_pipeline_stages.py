@@ -242,3 +242,30 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(stages)
     assert result.failed == 0 and result.attempted >= 5
+
+
+@requires_devices(8)
+def test_micro_batches_smaller_than_the_data_axis_are_refused_naming_the_sizes():
+    """A micro-batch is split over the batch axes like the unpipelined step's batch: 16 rows
+    under grad_accum=2 and 4 micro-batches leave 2 rows for data=4 (and 16 micro-batches 1 row
+    for data=2), which trained with the rows shared and no data parallelism, without an error.
+    Refused where the pipeline loss is traced, before anything compiles."""
+    config = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe", "batch": "data"},
+                                   pipeline={"stages": 2, "microbatches": 4}, grad_accum=2)
+    mesh = jaxpar.make_mesh(config)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(GPT4, rngs=nnx.Rngs(0)), config, mesh), optax.sgd(0.1),
+                             pipeline_loss(), config, mesh)
+    with pytest.raises(ValueError, match=r"pipeline.microbatches=4 cuts the batch of 8 rows the pipeline runs \(in a "
+                                         r"training step: the global batch / \(grad_accum=2\), a global batch of 16\) "
+                                         r"into micro-batches of 2 rows, but each micro-batch is split over the batch "
+                                         r"axes \{'data': 4\}, 4 devices.*a global batch that is a multiple of 32.*"
+                                         r"at most 2 micro-batches.*a smaller grad_accum"):
+        trainer.step(batches(1)[0])
+    config = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 2}, rules={"batch": "data"},
+                                   pipeline={"stages": 2, "microbatches": 16})
+    loss = pipelined(_staged({r"layers/[0-3]": 0, r"layers/[4-7]": 1}), config,
+                     jaxpar.make_mesh(config, devices=jax.devices()[:4]))
+    with pytest.raises(ValueError, match=r"pipeline.microbatches=16 cuts the batch of 16 rows the pipeline runs into "
+                                         r"micro-batches of 1 row, but .* \{'data': 2\}, 2 devices: its rows must be "
+                                         r"a multiple of 2.*at most 8 micro-batches"):
+        jax.eval_shape(lambda b: loss(_Uneven(), b), batches(1)[0])

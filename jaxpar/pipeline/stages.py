@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ParallelConfig
 from jaxpar.data import batch_axes, split_rows
 from jaxpar.pipeline.executor import pipeline_loss, to_stage_layout
+from jaxpar.pipeline.model import check_microbatch_rows
 from jaxpar.pipeline.schedules import build
 
 __all__ = ["StagedLoss", "assign", "best_split", "module_paths", "named_modules", "stage_costs", "staged"]
@@ -190,10 +191,7 @@ def staged(loss: StagedLoss, config: ParallelConfig, mesh, *, specs: nnx.Module 
     pins = None if specs is None else _pins(loss, specs, config, mesh)
 
     def staged_loss(model: nnx.Module, batch: Any) -> jax.Array:
-        rows = jax.tree.leaves(batch)[0].shape[0]
-        if rows % pipe.microbatches:
-            raise ValueError(f"global batch {rows} is not divisible by pipeline.microbatches={pipe.microbatches}; "
-                             f"use a batch that is a multiple of {pipe.microbatches}")
+        check_microbatch_rows(config, mesh, jax.tree.leaves(batch)[0].shape[0])
         modules = named_modules(model, loss.order)
         where = assign([path for path, _ in modules], loss.stages, p * v)
         graphs, parts = [[] for _ in range(p * v)], [[] for _ in range(p * v)]
