@@ -483,3 +483,23 @@ def test_the_example_data_keeps_its_position_for_a_resume():
     again.restore(state)
     assert state == {"next_batch": 2} and (next(iter(again))["inputs"] == third["inputs"]).all()
     assert (again.batch(0)["inputs"] == loader.batch(0)["inputs"]).all()
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--parallel.mesh", "{data: 4}"], "parallel.mesh: mesh {'data': 4} has 4 devices but 8 are available; make the "
+     "sizes multiply to 8, or set one axis to -1 to take the rest; or give --devices 4 to run on the first 4"),
+    (["--checkpoint.keep", "0"], "job config checkpoint.keep=0: the number of newest steps to keep must be 1 or more"),
+    (["--devices", "0"], "error: --devices 0: out of range; expected an integer >= 1"),
+    (["--samples", "-1"], "error: --samples -1: out of range; expected an integer >= 0"),
+])
+def test_a_job_files_mistakes_are_named_in_the_command_lines_terms(files, recorded, capsys, flags, words):
+    # the job file's fields and flags, not the Python API's arguments (devices=..., Checkpointer keep=)
+    assert main(["train", "--config", "job.yaml", *flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "devices=jax.devices()" not in err and "Checkpointer" not in err, err
+    assert "--samples" not in err or "--devices" not in err, err           # only the flag given
+    assert not recorded
+    if flags[0] != "--parallel.mesh":
+        return
+    assert main(["train", "--mesh", "data=4"]) == 2      # the example's flags: the same fix
+    assert "--mesh: mesh {'data': 4} has 4 devices" in capsys.readouterr().err

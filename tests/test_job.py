@@ -328,3 +328,12 @@ def test_a_factory_that_returns_no_module_is_named(tmp_path, monkeypatch):
                                                   "type int, not an nnx.Module; the factory is called as "
                                                   "factory(rngs)")):
         build_model(job, mesh)
+
+
+def test_a_missing_eval_store_is_named_as_data_eval_path(tmp_path):
+    from jaxpar.job.run import _eval_store
+
+    job = JobConfig.from_dict({"data": {"path": "train", "eval_path": str(tmp_path / "none")}})
+    with pytest.raises(ValueError, match=re.escape(f"job config data.eval_path='{tmp_path}/none': no token store "
+                                                   f"index at '{tmp_path}/none/index.json'")):
+        _eval_store(job)

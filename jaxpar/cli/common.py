@@ -121,3 +121,22 @@ def check_writable(flag: str, path: str) -> None:
     except OSError as e:
         refuse(f"{flag} {path!r} cannot be written ({e.strerror or e}); choose a path in a folder you can write, "
                f"e.g. {flag} runs/{os.path.basename(full) or 'out.json'}")
+
+
+def check_mesh(config, devices, *, flag: str) -> None:
+    """Refuse a mesh (``flag`` names where it was set) that does not fit ``devices``, with the
+    command line's fix: ``--devices N`` runs on the first N of them (the Python API's fix,
+    ``devices=jax.devices()[:N]``, is not one a command can take)."""
+    import jax
+
+    import jaxpar
+
+    try:
+        jaxpar.make_mesh(config, devices)
+    except ValueError as e:
+        sizes = list(config.mesh.values())
+        fewer = math.prod(sizes) if -1 not in sizes else None
+        hint = ""
+        if fewer is not None and fewer < len(devices) and jax.process_count() == 1:
+            hint = f"; or give --devices {fewer} to run on the first {fewer} of them"
+        raise ValueError(f"{flag}: {e}{hint}") from None

@@ -92,7 +92,9 @@ def parse_job_command(command: str, argv: Sequence[str]) -> tuple[argparse.Names
     if unknown:
         raise ValueError(f"unrecognized arguments {' '.join(unknown)}; 'jaxpar {command}' of a job file takes "
                          f"{', '.join(FILE_FLAGS[command])} and --section.field value overrides")
-    if args.samples < 0 or (args.devices is not None and args.devices < 1):
-        raise ValueError(f"--samples {args.samples} / --devices {args.devices}: use --samples >= 0 and "
-                         "--devices >= 1")
+    if args.samples < 0:
+        raise ValueError(f"--samples {args.samples}: out of range; expected an integer >= 0 (0: no samples)")
+    if args.devices is not None and args.devices < 1:
+        raise ValueError(f"--devices {args.devices}: out of range; expected an integer >= 1 (leave it out to use "
+                         "every device)")
     return args, overrides

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import os
 
-from jaxpar.cli.common import DEFAULT_BATCH, DEFAULT_DEVICES, JOB_ERRORS, UserError, number, refuse
+from jaxpar.cli.common import DEFAULT_BATCH, DEFAULT_DEVICES, JOB_ERRORS, UserError, check_mesh, number, refuse
 
 
 def config_file(text: str) -> str:
@@ -127,13 +127,13 @@ def config_of(args, devices):
 def resolve_job(args, logging=None):
     """``(JobConfig, devices)`` of the flags; a mistake in them raises `UserError` (exit 2).
     ``logging``: the job's `jaxpar.job.config.LoggingSection` (``jaxpar train``'s watch flags)."""
-    import jaxpar
     from jaxpar.job.example import example_job
 
     try:
         devices = devices_of(args)
         config = config_of(args, devices)
-        jaxpar.make_mesh(config, devices)      # the mesh must fit the devices
+        where = "--mesh" if args.mesh or not args.config else f"--config {args.config!r}"
+        check_mesh(config, devices, flag=where)      # the mesh must fit the devices
         if args.embed % args.heads:
             refuse(f"--embed {args.embed} is not divisible by --heads {args.heads}; use an embed that is a "
                    f"multiple of the heads, e.g. --embed {args.heads * max(1, args.embed // args.heads)}")

@@ -15,7 +15,8 @@ import math
 import os
 from collections.abc import Callable
 
-from jaxpar.cli.common import DEFAULT_DEVICES, check_writable, print_text, refuse, set_simulated_devices
+from jaxpar.cli.common import (DEFAULT_DEVICES, check_mesh, check_writable, print_text, refuse,
+                               set_simulated_devices)
 from jaxpar.cli.jobflags import add_job_args, resolve_job
 
 DEFAULT_LOG_DIR = "runs/train"
@@ -206,6 +207,7 @@ def train_file(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ValueError(f"--devices {args.devices}: a multi-process job uses every process's devices; leave "
                          "--devices out and choose the mesh with --parallel.mesh")
     devices = jax.devices()[: args.devices] if args.devices else None
+    check_mesh(job.parallel, devices or jax.devices(), flag="parallel.mesh")
     lead = jax.process_index() == 0
     if lead:
         print(job.to_yaml(), flush=True)            # the resolved job, as saved beside the checkpoints

@@ -200,6 +200,9 @@ class CheckpointSection:
     def __post_init__(self):
         if self.every < 0:
             raise _fail("checkpoint.every", self.every, "use 0 (only at the end) or a step count")
+        if self.keep is not None and self.keep < 1:
+            raise _fail("checkpoint.keep", self.keep, "the number of newest steps to keep must be 1 or more, or "
+                        "null to keep every step")
         if self.resume not in ("newest", "newest_intact"):
             raise _fail("checkpoint.resume", self.resume, "choose 'newest' or 'newest_intact'")
         if self.dir is None and self.every:

@@ -130,8 +130,24 @@ def build_model(job: JobConfig, mesh, vocab: int | None = None):
     return jaxpar.init(make, config, mesh), loss, cfg
 
 
-def _loaders(job: JobConfig, store, model_cfg):
-    from jaxpar.data import TokenLoader, TokenStore, load_tokenizer
+def _eval_store(job: JobConfig):
+    """The held-out store of ``data.eval_path`` (None without one); a missing or damaged one is
+    refused naming ``data.eval_path``, not as if it were ``data.path``."""
+    from jaxpar.data import TokenStore
+
+    path = job.data.eval_path
+    if path is None:
+        return None
+    try:
+        return TokenStore(path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"job config data.eval_path={path!r}: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"job config data.eval_path={path!r}: {e}") from None
+
+
+def _loaders(job: JobConfig, store, eval_store, model_cfg):
+    from jaxpar.data import TokenLoader, load_tokenizer
 
     d = job.data
     tokenizer = load_tokenizer(d.tokenizer) if d.tokenizer is not None else None
@@ -139,8 +155,8 @@ def _loaders(job: JobConfig, store, model_cfg):
                   tokenizer=tokenizer)
     train = TokenLoader(store, seed=d.seed, prefetch=d.prefetch, **common)
     held_out = None
-    if d.eval_path is not None:       # built now: a store too small for a batch fails before training
-        held_out = TokenLoader(TokenStore(d.eval_path), seed=0, shuffle=False, prefetch=0, **common)
+    if eval_store is not None:       # built now: a store too small for a batch fails before training
+        held_out = TokenLoader(eval_store, seed=0, shuffle=False, prefetch=0, **common)
     return train, held_out
 
 
@@ -207,11 +223,12 @@ def build(job: JobConfig, *, devices=None) -> Built:
 
     log, ck = job.logging, job.checkpoint
     mesh = jaxpar.make_mesh(job.parallel, devices)
-    store = None
+    store = eval_store = None
     if job.data.source == "store":
         from jaxpar.data import TokenStore
 
         store = TokenStore(job.data.path)      # a damaged store is named first
+        eval_store = _eval_store(job)
     tx, schedule = make_optimizer(job.optimizer, job.train.steps)     # the schedule is checked before the model
     if job.data.source == "arithmetic":
         from jaxpar.job.example import ARITHMETIC_VOCAB, EVAL_START, ArithmeticLoader
@@ -222,7 +239,7 @@ def build(job: JobConfig, *, devices=None) -> Built:
         held_out = ArithmeticLoader(seq_len=d.seq_len, batch=d.batch, seed=d.seed, start=EVAL_START)
     else:
         model, loss, model_cfg = build_model(job, mesh, vocab=store.vocab_size)
-        train, held_out = _loaders(job, store, model_cfg)
+        train, held_out = _loaders(job, store, eval_store, model_cfg)
     metrics = None
     if log.dir is not None:
         compute = job.parallel.precision.compute if job.parallel.precision is not None else "float32"
