@@ -160,6 +160,51 @@ def test_grouped_matmuls_and_sorts_make_a_region_elementwise_work_alone_does_not
     assert graph.regions == () and any(op.get("recomputed") for op in graph.ops)
 
 
+def test_scatters_make_a_region_and_linear_operators_save_nothing():
+    """An MoE dispatch's ``.at[order].set`` (scatter), ``jnp.bincount`` (scatter-add) and
+    ``lax.dynamic_update_slice`` are work of their own: a checkpoint around one alone is a
+    region. What the backward reads of them is kept: a scatter's indices, nothing of a
+    running sum or of a linear collective (psum, ppermute, all-to-all, ...), whose
+    derivatives read neither operand nor result; a pmax's are kept."""
+    from jaxpar.auto.cost import analyse
+
+    jnp = jax.numpy
+
+    def dispatch(model, x):
+        order = jnp.argsort(x[:, 0])
+        return jax.checkpoint(lambda h, o: jnp.zeros_like(h).at[o].set(jnp.sin(h)))(x @ model.w[...], order).sum()
+
+    def bincount(model, x):
+        ids = (x[:, 0] > 0).astype(jnp.int32)
+        return jax.checkpoint(lambda h, i: jnp.sin(h) * jnp.bincount(i, length=8))(x @ model.w[...], ids).sum()
+
+    def update(model, x):
+        return jax.checkpoint(lambda h: jax.lax.dynamic_update_slice(h, jnp.sin(h[:2]), (1, 0)))(x @ model.w[...]).sum()
+
+    for loss in (dispatch, bincount, update):
+        assert len(_graph(loss).regions) == 1, loss.__name__
+
+    def plain(model, x):
+        return jnp.sin(jnp.zeros_like(x).at[jnp.argsort(x[:, 0])].set(x @ model.w[...])).sum()
+
+    graph = _graph(plain)
+    (scatter,) = [op for op in graph.ops if op.prim == "scatter"]
+    saved = analyse(graph).saved
+    assert saved[scatter.ins[1]] and not saved[scatter.outs[0]]      # its indices, not its result
+
+    def running(model, x):
+        return jnp.sin(jnp.cumsum(x @ model.w[...], axis=0)).sum()
+
+    graph = _graph(running)
+    (i,) = [k for k, op in enumerate(graph.ops) if op.prim == "cumsum"]
+    out = graph.ops[i].outs[0]
+    assert not analyse(graph).saved[out]
+    for prim, kept in (("psum", False), ("ppermute", False), ("all_to_all", False), ("all_gather", False),
+                       ("pmax", True)):    # the same graph with a collective in the cumsum's place
+        ops = (*graph.ops[:i], dataclasses.replace(graph.ops[i], prim=prim), *graph.ops[i + 1:])
+        assert analyse(dataclasses.replace(graph, ops=ops)).saved[out] == kept, prim
+
+
 @pytest.mark.parametrize("remat", ["none", "full", "dots_saveable"])
 def test_scanned_recompute_temp_matches_the_compiled_step(remat):
     """Predicted temp of the scanned GPT under each policy (each block recomputed, as the job

@@ -40,7 +40,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from jaxpar.auto.comm import GRAD, NORM, SERIAL, TAIL, Comm, combined_time, comm_share, derivations, levels
-from jaxpar.auto.derivatives import FREE, LINEAR, derivative_reads
+from jaxpar.auto.derivatives import FREE, LINEAR, LINEAR_COLLECTIVES, derivative_reads, saved_reads
 from jaxpar.auto.graph import Graph, Op, materialised
 
 # XLA's GPU all-reduce / reduce-scatter combine threshold (kDefaultAllReduceCombineThreshold)
@@ -258,10 +258,11 @@ class Flags:
 def analyse(graph: Graph, loops: bool = True) -> Flags:
     """The per-tensor flags the cost model reads (computed once per graph).
 
-    Saved for the backward pass: the inputs and outputs of the operators XLA materialises
-    rather than fuses (`jaxpar.auto.graph.materialised`: matmuls, grouped ones too,
-    convolutions, gathers, reductions, sorts and top-k, collectives, custom calls and
-    kernels, linear algebra); in a loop body (``repeat > 1``), also the operands a nonlinear
+    Saved for the backward pass: of the operators XLA materialises rather than fuses
+    (`jaxpar.auto.graph.materialised`: matmuls, grouped ones too, convolutions, gathers,
+    scatters, reductions, sorts and top-k, collectives, custom calls and kernels, linear
+    algebra), the inputs and outputs their derivatives read (`saved_reads`: none of a
+    running sum's, an in-place update's or a linear collective's, a scatter's indices); in a loop body (``repeat > 1``), also the operands a nonlinear
     operator's derivative reads (`derivative_reads`: JAX stacks a scan's residuals, and XLA
     cannot fuse them away across iterations; ``loops=False``: a loop of one iteration, which
     XLA removes). Inside a recompute region only what its policy keeps on the device is saved,
@@ -275,7 +276,7 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
     base = set()
     for op in graph.ops:
         if materialised(op.prim):
-            base.update(t for t in (*op.ins, *op.outs) if t >= 0)
+            base.update(t for t in saved_reads(op) if t >= 0)
     keep = {t: op.keep for op in graph.ops for t in op.outs}
     region_of = {t: op.region for op in graph.ops for t in op.outs}
     for op in graph.ops:      # a region's result read after it is saved like any value
@@ -284,8 +285,9 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
                 keep[t] = "device"
     residual = {t for r in graph.regions for t in r.inputs}
     grad = needs_grad(graph)
+    linear = (*LINEAR, *LINEAR_COLLECTIVES)
     for op in graph.ops:    # XLA does not fuse across a loop's iterations: what the derivative
-        if loops and op.repeat > 1 and op.region < 0 and op.prim not in LINEAR and not op.get("recomputed"):
+        if loops and op.repeat > 1 and op.region < 0 and op.prim not in linear and not op.get("recomputed"):
             base.update(derivative_reads(op, grad))    # of a body reads is stacked (not one recomputed)
 
     def real(t):

@@ -20,6 +20,34 @@ FREE = ("broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "c
 # operators whose derivative needs none of their operands (the rest save their inputs in a loop)
 LINEAR = ("add", "add_any", "sub", "neg", "reduce_sum", "select_n", "concatenate", "pad", "slice",
           "dynamic_slice", "dynamic_update_slice", "cumsum", *FREE)
+# collectives that are linear maps of their operand: their derivative is another collective of
+# the cotangent and reads neither their operands nor their results
+LINEAR_COLLECTIVES = ("psum", "psum_invariant", "all_gather", "all_gather_invariant", "all_to_all",
+                      "ragged_all_to_all", "ppermute", "reduce_scatter")
+# scatters whose derivative reads their indices alone (linear in the operand and the updates)
+INDEX_READS = ("scatter", "scatter-add", "scatter_add")
+
+
+def saved_reads(op: Op) -> tuple[int, ...]:
+    """The operands and results of a materialised operator that the cost model keeps for the
+    backward pass: none for a linear one (`LINEAR`: a running sum, an in-place update;
+    `LINEAR_COLLECTIVES`), the indices of a scatter that sets or adds (`INDEX_READS`), all of
+    them for the rest. A sum (``reduce_sum``) keeps its operand though its own derivative
+    reads nothing: outside loops the model does not follow elementwise operators, and a sum's
+    operand stands for what the softmax or norm around it reads (the exponentials, the
+    centred values).
+
+    >>> from jaxpar.auto.graph import Op
+    >>> saved_reads(Op("ppermute", (0,), (1,))), saved_reads(Op("scatter-add", (0, 1, 2), (3,)))
+    ((), (1,))
+    >>> saved_reads(Op("dot_general", (0, 1), (2,))), saved_reads(Op("reduce_sum", (0,), (1,)))
+    ((0, 1, 2), (0, 1))
+    """
+    if (op.prim in LINEAR and op.prim != "reduce_sum") or op.prim in LINEAR_COLLECTIVES:
+        return ()
+    if op.prim in INDEX_READS:
+        return op.ins[1:2]
+    return (*op.ins, *op.outs)
 
 
 def derivative_reads(op: Op, grad: Sequence[bool]) -> list[int]:

@@ -71,11 +71,12 @@ class Tensor:
 
 # primitives whose results XLA writes to memory rather than fusing them into their readers, or
 # that run as a kernel or a transfer of their own: matmuls (grouped ones too: an MoE layer's
-# experts), convolutions, gathers, reductions (running and windowed ones), sorts and top-k,
-# collectives, custom calls and Pallas kernels, linear algebra. A loop's operators are inlined
-# into the graph, so a scan or while loop holding one of these holds a materialised operator.
+# experts), convolutions, gathers and scatters (an MoE dispatch's ``.at[order].set``,
+# ``jnp.bincount``) and in-place updates, reductions (running and windowed ones), sorts and
+# top-k, collectives, custom calls and Pallas kernels, linear algebra. A loop's operators are
+# inlined into the graph, so a scan or while loop holding one of these holds a materialised operator.
 _MATERIALISED = frozenset({
-    "dot_general", "ragged_dot_general", "conv_general_dilated", "gather",
+    "dot_general", "ragged_dot_general", "conv_general_dilated", "gather", *_OPAQUE, "dynamic_update_slice",
     "reduce", "argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp",
     "select_and_scatter_add", "select_and_gather_add",
     "sort", "top_k", "approx_top_k",
@@ -92,7 +93,7 @@ def materialised(prim: str) -> bool:
     rather than fusing them into their readers (`_MATERIALISED`; every ``reduce_*`` but
     ``reduce_precision``, which rounds element by element). The rest is elementwise work.
 
-    >>> materialised("ragged_dot_general"), materialised("sort"), materialised("mul")
+    >>> materialised("ragged_dot_general"), materialised("scatter-add"), materialised("mul")
     (True, True, False)
     """
     return prim in _MATERIALISED or (prim.startswith("reduce_") and prim != "reduce_precision")
