@@ -106,6 +106,42 @@ def test_experts_that_do_not_fit_go_on_the_data_axis_with_the_predicted_all_to_a
     assert 4 * layers * min(sizes) == job.chosen.experts["bytes"] == 4 * layers * 8 * 4 * 64 * 4
 
 
+def test_the_graph_prices_the_experts_flops_and_experts_cost_adds_only_the_all_to_alls():
+    """The graph prices the grouped matmuls itself (three ``ragged_dot`` per MoE layer, each
+    ``2 · a · embed · mlp`` forward and twice that backward, ``a`` = tokens x top-2 rows);
+    `experts_cost` must not add them again: it leaves ``compute_s`` as it is and adds the
+    all-to-alls for ``ep > 1``. Each candidate's step time is the graph's cost with those."""
+    from jaxpar.auto.cost import analyse, evaluate, op_terms
+    from jaxpar.auto.graph import build_graph
+    from jaxpar.auto.pricing import price
+
+    cfg = LlamaConfig.named("tiny", embed=64, mlp=256, moe={"experts": 8, "top_k": 2, "bucket_growth": 2.0})
+    model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    batch = tokens(8, 16)
+    graph = build_graph(model, loss_fn, batch)
+    flags, moe = analyse(graph), auto_experts.moe_layers(model)
+    whole = [()] * graph.num_classes
+    grouped = [op for op in graph.ops if op.prim == "ragged_dot_general"]
+    rows = 8 * 16 * 2
+    assert sum(op_terms(graph, op, whole, {}, flags)[0] for op in grouped) == \
+        cfg.layers * 3 * 3 * 2 * rows * cfg.embed * cfg.mlp
+    cost = evaluate(graph, whole, {}, COSTS, flags=flags)
+    for ep in (1, 8):
+        priced, nbytes = auto_experts.experts_cost(cost, moe, 8 * 16, ep, COSTS)
+        assert priced.compute_s == cost.compute_s and (priced.comm_s > cost.comm_s) == (ep > 1) == (nbytes > 0)
+
+    job = search_job(llama_fn(cfg), loss_fn, batch, space(memory_budget=1e9, meshes=[{"data": 8}]), dry_run=False,
+                     **COMMON)
+    assert {o.experts["size"] for o in job.candidates} == {1, 8}
+    for option in job.candidates:
+        axes, sizes = [a for _, _, a in option.strategy.classes], dict(option.strategy.mesh)
+        own = evaluate(graph, axes, sizes, COSTS, flags=flags)
+        assert option.strategy.cost["compute_s"] == own.compute_s
+        with_experts, _ = auto_experts.experts_cost(own, moe, auto_experts.tokens_per_device(batch, 8),
+                                                    option.experts["size"], COSTS)
+        assert option.time_s == pytest.approx(price(graph, axes, sizes, COSTS, cost=with_experts)[0], rel=1e-12)
+
+
 def test_attention_is_found_by_its_sequence_dimensions_not_their_length():
     """A folded sequence as long as the head width (32 / 4 = 8 = head_dim) or the heads
     (16 / 4 = 4) used to make every [B, S, H, D] activation count as attention scores: twice
