@@ -44,6 +44,7 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "tp.yaml").write_text("mesh: {data: 2, model: 4}\nrules: {mlp: model}\n")
     (tmp_path / "remat.yaml").write_text("mesh: {data: 8}\nremat: full\n")
     (tmp_path / "afile").write_text("x")
+    (tmp_path / "t.py").write_text("")                  # the script `jaxpar launch` is given
     (tmp_path / "adir").mkdir()
     (tmp_path / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
     (tmp_path / "job.yaml").write_text("model: {size: tiny}\ndata: {path: store}\n")     # a job file
@@ -179,6 +180,8 @@ BAD = [
     (["launch", "--cluster-time-out", "-1", "t.py"], "cluster_time_out=-1.0"),
     (["launch", "--exit-time-out", "0", "t.py"], "exit_time_out"),
     (["launch", "adir"], "script 'adir' is a directory; give the Python script (or executable) each worker runs"),
+    (["launch", "missing.py"], "script 'missing.py' does not exist (relative paths start at "),
+    (["launch", "sh"], "script 'sh' does not exist (relative paths start at "),     # a command: its path is asked
     (["data", "prepare", "missing.txt", "--out", "store"], "input 'missing.txt' is not a file"),
     (["data", "prepare", "afile", "--out", "afile"], "--out 'afile' is a file"),
     (["data", "prepare", "afile", "--out", "afile/sub"], "--out 'afile/sub' is inside"),

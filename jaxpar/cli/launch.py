@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 
@@ -123,8 +124,13 @@ def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
 
 
 def check_script(script: str) -> None:
-    """Refuse a directory given as the workers' script (naming the scripts in it), before any
-    worker starts."""
+    """Refuse a workers' script that does not exist, or a directory (naming the scripts in it),
+    before any worker starts: each worker would fail on its own with "can't open file"."""
+    if not os.path.exists(script):
+        found = shutil.which(script) if os.sep not in script else None
+        hint = f"; {script!r} is a command on PATH: give its path, {found}" if found else ""
+        raise ValueError(f"script {script!r} does not exist (relative paths start at {os.getcwd()}); give the path "
+                         f"of the Python script (or executable) each worker runs{hint}")
     if not os.path.isdir(script):
         return
     scripts = sorted(name for name in os.listdir(script) if name.endswith(".py"))[:3]
