@@ -234,9 +234,9 @@ VALUES = {
     ("ckpt", "transform"): {"--to": "tp.yaml", "--step": "3", "--devices": "4"},
     ("ckpt", "merge"): {"--step": "3"},
     ("ckpt", "import-hf"): {"--out": "ck2", "--to": "tp.yaml", "--devices": "4", "--scan-layers": None,
-                            "--dtype": "bfloat16"},
+                            "--dtype": "bfloat16", "--force": None},
     ("ckpt", "export-hf"): {"--out": "hf2", "--step": "3", "--dtype": "bfloat16", "--max-shard-size": "1GB",
-                            "--hf-config": "llama.json"},
+                            "--hf-config": "llama.json", "--force": None},
     ("data", "prepare"): {"--out": "other", "--tokenizer": "afile", "--train-tokenizer": "300", "--eos": "</s>", "--docs": "line",
                           "--shard-tokens": "1000", "--errors": "replace", "--quiet": None},
     ("data", "verify"): {},
@@ -506,3 +506,31 @@ def test_a_job_files_mistakes_are_named_in_the_command_lines_terms(files, record
         return
     assert main(["train", "--mesh", "data=4"]) == 2      # the example's flags: the same fix
     assert "--mesh: mesh {'data': 4} has 4 devices" in capsys.readouterr().err
+
+
+def test_ckpt_to_names_the_flag_and_takes_a_job_files_parallel_section(files, recorded, capsys):
+    """--to a missing file named --to and what it takes (it was '[Errno 2] No such file or
+    directory'); --to a job file used its parallel section (it was 'unknown ParallelConfig fields
+    ['checkpoint', 'data', ...]'); --force reaches import_hf / export_hf."""
+    assert main(["ckpt", "transform", "adir", "--to", "nothere.yaml", "out"]) == 2
+    err = capsys.readouterr().err
+    assert "--to 'nothere.yaml': no such file or directory; give a YAML/JSON ParallelConfig file" in err, err
+    assert "a job file (its parallel section is used)" in err and not recorded
+    (files / "tpjob.yaml").write_text("model: {size: tiny}\ndata: {path: store}\n"
+                                      "parallel: {mesh: {data: 2, model: 4}, rules: {mlp: model}}\n")
+    assert main(["ckpt", "transform", "adir", "--to", "tpjob.yaml", "out"]) == 0
+    assert main(["ckpt", "import-hf", "adir", "--to", "tpjob.yaml", "--out", "c", "--force"]) == 0
+    assert main(["ckpt", "export-hf", "adir", "--out", "h", "--force"]) == 0
+    (_, transform_args, _), (_, _, import_kwargs), (_, _, export_kwargs) = recorded
+    assert transform_args[2].mesh == {"data": 2, "model": 4} and transform_args[2].rules == {"mlp": "model"}
+    assert import_kwargs["config"].mesh == {"data": 2, "model": 4} and import_kwargs["force"] is True
+    assert export_kwargs["force"] is True
+    assert "laid out on mesh {'data': 2, 'model': 4}" in capsys.readouterr().out
+
+
+def test_report_config_refuses_a_job_file_with_the_command_for_it(files, recorded, capsys):
+    assert main(["report", "--config", "job.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "--config 'job.yaml' is a job file (sections model, data)" in err, err
+    assert "jaxpar plan --config job.yaml" in err and "unknown ParallelConfig fields" not in err, err
+    assert not recorded

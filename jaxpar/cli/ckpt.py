@@ -34,19 +34,45 @@ def _inspect(args) -> int:
     return 0
 
 
+TO_ACCEPTS = ("a YAML/JSON ParallelConfig file such as 'mesh: {data: 2, model: 4}', a job file (its parallel "
+              "section is used), a strategy JSON, or a checkpoint directory whose layout to copy")
+
+
+def _job_parallel(spec: str, d: dict):
+    """The ``ParallelConfig`` of a job file's ``parallel`` section (the job's default without one)."""
+    from jaxpar.config import ParallelConfig
+
+    section = d.get("parallel") or {}
+    if not isinstance(section, dict):
+        raise ValueError(f"--to {spec!r} is a job file whose parallel section holds a {type(section).__name__}, "
+                         "not a mapping of ParallelConfig fields such as 'mesh: {data: 2, model: 4}'")
+    try:
+        return ParallelConfig.from_dict(section)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--to {spec!r} is a job file; its parallel section (the layout --to takes from it): "
+                         f"{e}") from None
+
+
 def _load_config(spec: str):
-    """A YAML/JSON config file, or a strategy file / checkpoint directory to copy the layout of."""
+    """A YAML/JSON config file (a job file: its ``parallel`` section), or a strategy file /
+    checkpoint directory to copy the layout of."""
     from jaxpar.checkpoint.strategy import strategy_config
+    from jaxpar.cli.jobfile import JOB_ONLY
     from jaxpar.config import ParallelConfig
 
     if os.path.isdir(spec):
         from jaxpar.checkpoint.offline import load_strategy
 
         return strategy_config(load_strategy(spec))
+    if not os.path.exists(spec):
+        raise FileNotFoundError(f"--to {spec!r}: no such file or directory; give {TO_ACCEPTS}")
     import yaml
 
-    with open(spec) as f:
-        text = f.read()
+    try:
+        with open(spec) as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--to {spec!r} cannot be read as text ({e}); give {TO_ACCEPTS}") from None
     try:
         d = json.loads(text) if spec.endswith(".json") else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as e:
@@ -55,7 +81,11 @@ def _load_config(spec: str):
     if not isinstance(d, dict):
         raise ValueError(f"--to {spec!r} holds a {type(d).__name__}, not a mapping of ParallelConfig fields such as "
                          "'mesh: {data: 2, model: 4}'")
-    return strategy_config(d) if "leaves" in d else ParallelConfig.from_dict(d)
+    if "leaves" in d:
+        return strategy_config(d)
+    if any(k in d for k in JOB_ONLY):
+        return _job_parallel(spec, d)
+    return ParallelConfig.from_dict(d)
 
 
 def _target_devices(count: int | None):
@@ -72,12 +102,25 @@ def _target_devices(count: int | None):
     return devices[:count]
 
 
+def _mesh_text(config, devices) -> str:
+    """The mesh of ``config`` as laid out: a ``-1`` axis given its size on ``devices`` (default all)."""
+    sizes = dict(config.mesh)
+    if -1 in sizes.values():
+        import jax
+
+        count = len(devices if devices is not None else jax.devices())
+        rest = math.prod(v for v in sizes.values() if v != -1)
+        sizes = {k: (count // rest if v == -1 else v) for k, v in sizes.items()}
+    return str(sizes)
+
+
 def _transform(args) -> int:
     from jaxpar.checkpoint.offline import transform
 
     config = _load_config(args.to)
-    step = transform(args.dir, args.out, config, step=args.step, devices=_target_devices(args.ckpt_devices))
-    print(f"step {step} of {args.dir} -> {args.out} laid out on mesh {config.mesh}")
+    devices = _target_devices(args.ckpt_devices)
+    step = transform(args.dir, args.out, config, step=args.step, devices=devices)
+    print(f"step {step} of {args.dir} -> {args.out} laid out on mesh {_mesh_text(config, devices)}")
     return 0
 
 
@@ -95,9 +138,11 @@ def _import_hf(args) -> int:
     from jaxpar.interop.hf import import_hf
 
     config = ParallelConfig(mesh={"data": 1}, mode="data") if args.to is None else _load_config(args.to)
-    cfg, _ = import_hf(args.dir, args.out, config=config, devices=_target_devices(args.ckpt_devices),
-                       dtype=args.dtype, scan_layers=args.scan_layers, force=args.force)
-    print(f"{args.dir} -> {args.out} step 0 ({cfg.layers} layers, {cfg.param_dtype}) laid out on mesh {config.mesh}")
+    devices = _target_devices(args.ckpt_devices)
+    cfg, _ = import_hf(args.dir, args.out, config=config, devices=devices, dtype=args.dtype,
+                       scan_layers=args.scan_layers, force=args.force)
+    print(f"{args.dir} -> {args.out} step 0 ({cfg.layers} layers, {cfg.param_dtype}) laid out on mesh "
+          f"{_mesh_text(config, devices)}")
     return 0
 
 
@@ -156,7 +201,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     q = sub.add_parser("transform", help="rewrite a checkpoint in another layout (offline resharding)")
     q.add_argument("dir")
     q.add_argument("--to", required=True, metavar="CONFIG",
-                   help="YAML/JSON ParallelConfig, a strategy JSON, or a checkpoint directory whose layout to copy")
+                   help="YAML/JSON ParallelConfig, a job file (its parallel section), a strategy JSON, or a "
+                        "checkpoint directory whose layout to copy")
     q.add_argument("out")
     q.add_argument("--devices", dest="ckpt_devices", type=_count("--devices", 1), default=None,
                    help="lay the checkpoint out on the first N devices; without an accelerator, N simulated CPU "
@@ -179,8 +225,8 @@ def _add_hf_parsers(sub) -> None:
     q.add_argument("dir", help="holds config.json and model.safetensors or model.safetensors.index.json")
     q.add_argument("--out", required=True, help="the checkpoint directory to write (step 0, parameters only)")
     q.add_argument("--to", metavar="CONFIG", default=None,
-                   help="YAML/JSON ParallelConfig, a strategy JSON, or a checkpoint directory whose layout to use "
-                        "(default: one device)")
+                   help="YAML/JSON ParallelConfig, a job file (its parallel section), a strategy JSON, or a "
+                        "checkpoint directory whose layout to use (default: one device)")
     q.add_argument("--devices", dest="ckpt_devices", type=_count("--devices", 1), default=None,
                    help="lay the checkpoint out on the first N devices (default: the mesh size of CONFIG)")
     q.add_argument("--scan-layers", action="store_true", help="stack the blocks on a 'layers' axis")

@@ -93,10 +93,33 @@ def _print_balance(config, seq_len: int, file) -> None:
     print_text(describe_balance(seq_len, cp), file=file)
 
 
+def refuse_job_file(args) -> None:
+    """``--config`` of ``report`` holds ParallelConfig fields; a job file is refused with the command
+    that reports on it (``jaxpar plan``) and the part of it ``report`` takes."""
+    if not args.config:
+        return
+    import yaml
+
+    from jaxpar.cli.jobfile import JOB_ONLY
+
+    with open(args.config) as f:            # checked by the --config type: a YAML mapping
+        data = yaml.safe_load(f)
+    sections = [k for k in JOB_ONLY if isinstance(data, dict) and k in data]
+    if sections:
+        parallel = data.get("parallel")
+        inline = f" (here: {yaml.safe_dump(parallel, default_flow_style=True, width=10**6).strip()})" \
+            if isinstance(parallel, dict) and parallel else ""
+        refuse(f"--config {args.config!r} is a job file (sections {', '.join(sections)}); jaxpar report takes a "
+               f"file of ParallelConfig fields and reports on the example GPT or --model llama --size NAME. For "
+               f"this job's plan and model report run: jaxpar plan --config {args.config}; to report on its "
+               f"layout, give report a file holding its parallel section alone{inline}")
+
+
 def cmd_report(args) -> int:
     from jaxpar.job import run
     from jaxpar.report import step_report
 
+    refuse_job_file(args)
     check_model_report_flags(args)
     if args.model == "llama":
         return llama_report(args)
