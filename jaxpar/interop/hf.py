@@ -279,8 +279,9 @@ def _job_llama_config(job_file: str, params: Mapping[str, Any]) -> LlamaConfig |
         job = JobConfig.from_dict({"model": model, **({"data": {"seq_len": data["seq_len"]}}
                                                       if "seq_len" in data else {})})
     except (OSError, yaml.YAMLError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"export_hf: {job_file}, the job saved with the checkpoint, cannot be read ({e}); fix or "
-                         "remove it (it gives the model's config), and pass --hf-config FILE (cfg= in Python)") from None
+        raise ValueError(f"export_hf: {job_file}, the job saved with the checkpoint, cannot be read ({e}); fix "
+                         "or remove it (it gives the model's config), and pass --hf-config FILE (cfg= in Python)"
+                         ) from None
     if job.model.factory is not None:
         return None
     if job.model.name != MODEL_FAMILY:
