@@ -364,6 +364,8 @@ def test_bad_input_names_the_numbers():
     with pytest.raises(ValueError, match=r"MoE: x has shape \(3, 5\): its last dimension \(5\) must be the layer's "
                                          r"embed width 8; pass activations shaped \[\.\.\., 8\].*MoE\(5, \.\.\.\)"):
         layer(jnp.ones((3, 5)))                                # not XLA's dot_general shape error
+    with pytest.raises(ValueError, match=r"MoE: x is a scalar \(shape \(\)\); pass activations shaped \[\.\.\., 8\]"):
+        layer(jnp.ones(()))
     with pytest.raises(ValueError, match=r"12 experts are not divisible by 8, the size of expert_axis \('data',\).*"
                                          r"multiple of 8"):
         nnx.eval_shape(lambda m, x: m(x, ep_constraint(8)), layer, tokens(64))   # refused while tracing

@@ -182,11 +182,14 @@ class MoE(nnx.Module):
 def _check_width(shape: tuple, embed: int) -> None:
     """The activations' last dimension is the layer's embed width (else the router's matmul
     would fail with XLA's shape error, naming neither)."""
-    width = shape[-1] if shape else None
+    if not shape:
+        raise ValueError(f"MoE: x is a scalar (shape ()); pass activations shaped [..., {embed}] (tokens by the "
+                         f"layer's embed width {embed})")
+    width = shape[-1]
     if width != embed:
-        rebuild = f", or build the layer for inputs of width {width} (MoE({width}, ...))" if width else ""
         raise ValueError(f"MoE: x has shape {tuple(shape)}: its last dimension ({width}) must be the layer's embed "
-                         f"width {embed}; pass activations shaped [..., {embed}]{rebuild}")
+                         f"width {embed}; pass activations shaped [..., {embed}], or build the layer for inputs of "
+                         f"width {width} (MoE({width}, ...))")
 
 
 def _axes(constrain) -> dict:
