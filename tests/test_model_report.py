@@ -2,6 +2,7 @@
 64 devices, planned from sizes), and ``jaxpar report --model llama``."""
 import doctest
 import json
+import math
 
 import optax
 import pytest
@@ -228,3 +229,49 @@ def test_pipeline_activation_estimate_counts_one_chunk_and_the_micro_batches_in_
              - activations(layers=4, microbatches=m, schedule="interleaved", virtual_stages=2))
     assert 2 * chunk == stage_layers
     assert one_f < activations() / 4
+
+
+def test_attention_estimate_counts_what_each_attention_implementation_keeps():
+    # XLA's softmax keeps the causal mask, the masked scores and their exponentials (fp32) and
+    # the probabilities (compute dtype) per head, query and key; the estimate counted the
+    # probabilities alone, a quarter to a third of the compiled step's [seq, seq] buffers.
+    # cuDNN's fused kernel keeps one fp32 log-sum-exp per head and query instead.
+    import contextlib
+    import io
+    import re
+
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import print_saved_residuals
+
+    from jaxpar.models.llama import attention
+    from jaxpar.models.llama_report import _SCORES_KEPT
+
+    t = 32
+    for kind in ("xla", "reference"):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            q, kv = jnp.ones((1, t, 4, 8), dtype), jnp.ones((1, t, 2, 8), dtype)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                print_saved_residuals(lambda q, k, v: attention(q, k, v, kind=kind).astype(jnp.float32).sum(), q, kv, kv)
+            kept = [(kind_, [int(n) for n in dims.split(",")]) for kind_, dims in
+                    re.findall(r"(bool|f32|bf16)\[([\d,]+)\]", out.getvalue())]
+            width = {"bool": 1, "f32": 4, "bf16": 2}
+            square = sum(width[k] * math.prod(d) for k, d in kept if d[-2:] == [t, t])
+            assert square == 4 * t * t * (_SCORES_KEPT[kind] + jnp.dtype(dtype).itemsize), (kind, dtype, out.getvalue())
+
+    def activations(kind, seq, dtype=None):
+        cfg = LlamaConfig.named("tiny", attention=kind, max_seq_len=seq)
+        config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4},
+                                       rules={"batch": "data", "heads": "model", "mlp": "model", "vocab": "model"})
+        return llama_report(cfg, config, batch=32, seq_len=seq, compute_dtype=dtype).memory.activations
+
+    cfg = LlamaConfig.named("tiny")
+    for seq, dtype, itemsize in ((256, None, 4), (1024, "bfloat16", 2)):
+        tokens = 32 // 2 * seq                           # one data shard's tokens; one head of 4 per device
+        scores = cfg.layers * tokens * (cfg.heads // 4) * (seq * (9 + itemsize) - 4)
+        assert activations("xla", seq, dtype) - activations("cudnn", seq, dtype) == scores
+        assert activations("reference", seq, dtype) == activations("xla", seq, dtype)
+    with pytest.raises(ValueError, match="attention='flash'"):
+        from jaxpar.models.llama_report import llama_activation_bytes
+
+        llama_activation_bytes(cfg, None, batch=8, attention="flash")

@@ -46,6 +46,11 @@ from jaxpar.report import throughput as measure_throughput
 COUNTS = ("matmul", "all")
 # Policies whose saved set the estimate models; any other is reported as the no-recompute bound.
 _SAVE_INPUTS = ("full", "nothing_saveable")
+# Bytes per query, key and head that an attention implementation keeps for its backward besides
+# the probabilities in the compute dtype: XLA's softmax (and the reference einsum softmax) keeps
+# the causal mask (bool) and the masked scores and their exponentials in fp32; cuDNN's kernel
+# keeps no [seq, seq] value (one fp32 log-sum-exp per head and query, counted apart).
+_SCORES_KEPT = {"xla": 1 + 4 + 4, "reference": 1 + 4 + 4, "cudnn": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +110,17 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
 
     Per token and layer, without recompute, a block saves its input and the two norms' inputs
     and outputs (4 × embed), the queries and attention output (2 × heads × d_head), keys and
-    values (2 × kv_heads × d_head), the SwiGLU gate, up and product (3 × mlp), and the
-    attention probabilities (heads × seq) — or, for cuDNN's fused kernel, one log-sum-exp per
-    head. Head-, kv- and mlp-sized values are divided by the ways the plan's rules split
+    values (2 × kv_heads × d_head) and the SwiGLU gate, up and product (3 × mlp), in the
+    compute dtype, and what its attention keeps for the backward (``attention``, the
+    implementation that runs: `jaxpar.models.llama.attention_implementation`): XLA's softmax
+    (``"xla"``, and ``"reference"``, the same einsum softmax) keeps ``heads × seq`` scores of
+    four tensors — the causal mask (bool, 1 byte), the masked scores and their exponentials
+    (fp32) and the probabilities (the compute dtype), ``9 + itemsize`` bytes per query and key
+    (``jax.ad_checkpoint.print_saved_residuals`` of `jaxpar.models.llama.attention`); cuDNN's
+    fused kernel (``"cudnn"``) keeps none of them, one fp32 log-sum-exp per head. Not counted:
+    the backward's own buffers for the layer it is differentiating (the scores' gradients,
+    ``heads × seq`` per token in fp32 again) and XLA's scratch, which the compiled step's temp
+    holds. Head-, kv- and mlp-sized values are divided by the ways the plan's rules split
     ``heads`` / ``kv_heads`` / ``mlp``; tokens by the batch axes, the context axes and
     ``grad_accum`` (one micro-batch is alive at a time). The fp32 logits
     (vocab per token, split as ``vocab``) are added once; with ``loss_chunks`` instead the
@@ -128,6 +141,10 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
 
     >>> llama_activation_bytes(cfg, plan, batch=8, seq_len=2048)      # doctest: +SKIP
     """
+    if attention not in _SCORES_KEPT:
+        raise ValueError(f"llama_activation_bytes: attention={attention!r} is not an implementation the estimate "
+                         f"knows; use one of {sorted(_SCORES_KEPT)} (jaxpar.models.llama.attention_implementation "
+                         f"resolves LlamaConfig.attention={cfg.attention!r} to one)")
     seq = _positive("seq_len", cfg.max_seq_len if seq_len is None else seq_len)
     pipe = plan.config.pipeline
     pipelined = pipe.stages > 1
@@ -140,10 +157,12 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
     micro = plan.grad_accum * (pipe.microbatches if pipelined else 1)
     tokens = -(-_positive("batch", batch) // (replicas * micro)) * -(-seq // cp)
     heads, kv, mlp = (_degree(plan, name) for name in ("heads", "kv_heads", "mlp"))
-    probs = cfg.heads if attention == "cudnn" else cfg.heads * seq
-    layer = (4 * cfg.embed + (2 * cfg.heads * cfg.head_dim + probs) / heads
-             + 2 * cfg.kv_heads * cfg.head_dim / kv + 3 * cfg.mlp / mlp)
     itemsize = np.dtype(compute_dtype or cfg.dtype or cfg.param_dtype).itemsize
+    # what the attention keeps per token and head: a log-sum-exp, or per key the mask, the
+    # masked scores, their exponentials and the probabilities (module constant _SCORES_KEPT)
+    scores = 4 if attention == "cudnn" else seq * (_SCORES_KEPT[attention] + itemsize)
+    layer = (4 * cfg.embed + 2 * cfg.heads * cfg.head_dim / heads                  # bytes per token
+             + 2 * cfg.kv_heads * cfg.head_dim / kv + 3 * cfg.mlp / mlp) * itemsize + cfg.heads * scores / heads
     layers, inputs = cfg.layers, 0
     if pipelined:
         schedule = schedule_of(plan.config)      # the V schedules run two chunks per stage
@@ -152,11 +171,11 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
         outside = 3 * pipe.microbatches if pipe.embedding == "outside" else 0
         inputs = (program.x_slots + program.g_slots + outside) * cfg.embed
     recompute = plan.remat in _SAVE_INPUTS
-    kept = layers * cfg.embed + layer if recompute else layers * layer
+    kept = layers * cfg.embed * itemsize + layer if recompute else layers * layer
     vocab = cfg.vocab_size / _degree(plan, "vocab")
     # chunked loss: the gradients its forward computed (dh per token, the head's in fp32), not logits
     logits = tokens * cfg.embed * itemsize + cfg.embed * vocab * 4 if cfg.loss_chunks else tokens * vocab * 4
-    return int(tokens * (kept + inputs) * itemsize + logits)
+    return int(tokens * (kept + inputs * itemsize) + logits)
 
 
 @dataclasses.dataclass(frozen=True)
