@@ -285,3 +285,26 @@ def test_values_that_read_back_changed_are_named_not_restored(tmp_path):
         assert meta["step"] == 1
     fresh.state = state
     common.assert_same(common.values(fresh), step_one)
+
+
+def test_an_unreadable_chunk_names_the_leaf_in_one_clean_line(tmp_path):
+    """A chunk that no longer decodes fails inside orbax's array read, whose error is an index slice
+    and the repr of a TensorStore method: the damage names the step, the leaf and tensorstore's account."""
+    import tensorstore as ts
+
+    trainer = common.mlp_trainer()
+    for _ in range(2):
+        common.run(trainer, 1)
+        ckpt.save(trainer, tmp_path)
+    store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{tmp_path}/2/state/"}).result()
+    store.write("opt_state.0.nu.up/0.0", b"\x28\xb5\x2f\xfd not a zstd frame").result()
+    with pytest.raises(ckpt.CheckpointDamagedError) as caught:
+        ckpt.restore(common.mlp_trainer(), tmp_path)
+    message = str(caught.value)
+    assert caught.value.leaf == "opt_state/0/nu/up" and "\n" not in message, message
+    assert (f"checkpoint step 2 in {tmp_path} is damaged (optimizer-state leaf opt_state/0/nu/up: ValueError: "
+            'FAILED_PRECONDITION: Error reading "opt_state.0.nu.up/0.0"') in message, message
+    assert "ZSTD_decompressStream() failed" in message, message
+    assert not any(junk in message for junk in ("<bound method", "TensorStore(", "slice(", "tensorstore_spec")), message
+    assert "newest_intact" in message and f"jaxpar ckpt inspect {tmp_path}" in message, message
+    assert ckpt.restore(common.mlp_trainer(), tmp_path, step=1)["step"] == 1     # the step before reads back

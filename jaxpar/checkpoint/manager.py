@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import sys
 import threading
 import warnings
@@ -110,17 +111,58 @@ def complete_step(manager: ocp.CheckpointManager, directory, step: int | None) -
     return step
 
 
+# tensorstore names the key it failed to read (``params.up/0.0``: the array ``params/up``, chunk
+# ``0.0``); orbax's wrapper only holds the array's spec, whose inner ``path`` is that array's key.
+_READ_KEY = re.compile(r'Error reading "([^"]+)" in OCDBT')
+_SPEC_PATH = re.compile(r"""['"]path['"]\s*:\s*['"]([^'"/\\][^'"\\]*)/['"]""")
+_SECTION = {"params": "parameter", "opt_state": "optimizer-state leaf", "rest": "model-state leaf"}
+# orbax's wrapper of a failed array read: an index slice and the repr of a TensorStore's bound method
+_WRAPPER = "Encountered error while reading array index"
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """``error`` and the errors it was raised from, outermost first."""
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return chain
+
+
+def damage_of(error: BaseException) -> tuple[str | None, str]:
+    """``(leaf, account)`` of a failed read: the stored leaf's path (``opt_state/0/nu/up``; None
+    when the error names none) and one clean line saying what failed (the innermost error's first
+    line, without orbax's index slice and TensorStore reprs or tensorstore's spec dump)."""
+    chain = _causes(error)
+    told = [e for e in chain if str(e).strip() and not str(e).startswith(_WRAPPER)] or chain
+    root = told[-1]
+    account = first_line(root).split(". See full TensorStore details")[0]
+    key = None
+    for pattern in (_READ_KEY, _SPEC_PATH):
+        found = next((m[1] for e in reversed(chain) if (m := pattern.search(str(e)))), None)
+        if found:
+            key = found.rsplit("/", 1)[0] if pattern is _READ_KEY and "/" in found else found
+            break
+    return (key.replace(".", "/") if key else None), f"{type(root).__name__}: {account}"
+
+
 class CheckpointDamagedError(ValueError):
-    """A committed step that does not read back: names the step directory and the damage.
+    """A committed step that does not read back: names the step directory, the stored leaf whose
+    read failed (``leaf``, its path, when the failure names one) and the damage.
 
     ``advice`` replaces the default way out (resume from the newest intact step)."""
 
     def __init__(self, directory: str, step: int, error: BaseException, advice: str | None = None):
         self.step = step
-        self.damage = f"{type(error).__name__}: {first_line(error)}"
+        self.leaf, account = damage_of(error)
+        what = _SECTION.get(self.leaf.split("/")[0], "array") if self.leaf else None
+        self.damage = f"{what} {self.leaf}: {account}" if self.leaf else account
         advice = advice or (f"Resume from the newest intact step with Trainer(resume='newest_intact') "
-                            f"(a job file: `jaxpar train --config JOB --checkpoint.resume newest_intact`), or "
-                            f"delete {os.path.join(directory, str(step))}")
+                            f"(a job file: `jaxpar train --config JOB --checkpoint.resume newest_intact`) or read "
+                            f"an earlier step with restore(trainer, {directory!r}, step=N) "
+                            f"(`jaxpar ckpt inspect {directory}` lists the complete steps), or delete "
+                            f"{os.path.join(directory, str(step))}")
         super().__init__(f"checkpoint step {step} in {directory} is damaged ({self.damage}); the steps before "
                          f"it are untouched. {advice}")
 
