@@ -19,10 +19,11 @@ def learning_rate(section: OptimizerSection, steps: int) -> optax.Schedule:
     """
     warmup = section.warmup_steps
     if warmup and warmup >= steps:      # cut short, the rate would jump to its peak late in the run
+        shorter = (f"--optimizer.warmup_steps {max(1, steps // 5)} (below {steps}; 0 for none)" if steps > 1
+                   else "--optimizer.warmup_steps 0 (a one-step run has no room for a warmup)")
         raise ValueError(f"job config optimizer.warmup_steps={warmup} with train.steps={steps}: the warmup must end "
-                         f"before the run does (the rate reaches optimizer.lr at step {warmup}); give "
-                         f"--optimizer.warmup_steps {steps // 5} (below {steps}; 0 for none), or --train.steps "
-                         f"{warmup + 1} or more")
+                         f"before the run does (the rate reaches optimizer.lr at step {warmup}); give {shorter}, "
+                         f"or --train.steps {warmup + 1} or more")
     peak, end = section.lr, section.lr * section.min_lr_ratio
     if section.schedule == "constant":
         after = optax.constant_schedule(peak)
