@@ -275,3 +275,24 @@ def test_attention_estimate_counts_what_each_attention_implementation_keeps():
         from jaxpar.models.llama_report import llama_activation_bytes
 
         llama_activation_bytes(cfg, None, batch=8, attention="flash")
+
+
+def test_the_pipeline_table_of_the_docs_is_the_reports_estimate():
+    # docs/report.md's pipeline table names the command of each row; its estimates are what the
+    # report gives for that command (the compiled temps beside them were measured with it)
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "report.md").read_text()
+    table = text[text.index("| schedule, M | activations estimate |"):]
+    rows = re.findall(r"^\| (?:`([\w-]+)`(?: \(v=1\))?, (\d+)|no pipeline \(`data=4`\)) \| ([\d,]+) \|",
+                      table[:table.index("\n\n")], re.M)
+    assert len(rows) == 7, rows
+    for schedule, m, estimate in rows:
+        if schedule:
+            config = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 4}, rules={"batch": "data", "layers": "pipe"},
+                                           pipeline={"stages": 2, "microbatches": int(m), "schedule": schedule})
+        else:
+            config = jaxpar.ParallelConfig(mesh={"data": 4}, rules={"batch": "data"})
+        got = llama_report("tiny", config, batch=32, seq_len=64).memory.activations
+        assert got == int(estimate.replace(",", "")), (schedule, m, got, estimate)
