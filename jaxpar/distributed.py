@@ -279,9 +279,14 @@ def process_rows(
     if not 0 <= index < count:
         raise ValueError(f"process_index={index} must be in 0..{count - 1} (process_count={count}).")
     if global_batch_size % count:
+        # the rows of each process are split over its devices too: a live job asks for both
+        per = jax.local_device_count() if process_count is None else 1
+        need = count * per
+        devices = f" x {per} devices each = {need}" if per > 1 else ""
         raise ValueError(
-            f"global_batch_size={global_batch_size} does not split over {count} processes; "
-            f"use a multiple of {count}, such as {count * max(1, global_batch_size // count)}."
+            f"global_batch_size={global_batch_size} does not split over {count} processes; use a multiple of "
+            f"{count}{devices} (and of the devices the batch axes split it over), such as "
+            f"{(global_batch_size // need + 1) * need}."
         )
     rows = global_batch_size // count
     return slice(index * rows, (index + 1) * rows)

@@ -1,6 +1,7 @@
 """A job in one file: `JobConfig` (sections, overrides, bad keys) and `jaxpar train --config JOB`
 end to end: determinism, resume on the same and on a different process count."""
 
+import dataclasses
 import json
 import os
 import re
@@ -144,7 +145,7 @@ def test_a_refused_resume_keeps_the_job_yaml_of_the_saved_steps(job_file, tmp_pa
     assert json.loads(summary)["loss"] is not None
     assert _train(job_file, tmp_path, "--train.steps", "2") == 0
     assert "already at step 2 = train.steps" in capsys.readouterr().out
-    assert _train(job_file, tmp_path, "--train.steps", "1") == 2
+    assert _train(job_file, tmp_path, "--train.steps", "1", "--optimizer.warmup_steps", "0") == 2
     assert ("holds step 2, past train.steps=1: a run cannot train back to step 1; give --train.steps 2 or more"
             in capsys.readouterr().err)
     assert (tmp_path / "log" / "summary.json").read_text() == summary
@@ -337,3 +338,34 @@ def test_a_missing_eval_store_is_named_as_data_eval_path(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"job config data.eval_path='{tmp_path}/none': no token store "
                                                    f"index at '{tmp_path}/none/index.json'")):
         _eval_store(job)
+
+
+def test_a_batch_that_does_not_split_is_named_before_the_model_is_built(job_file, tmp_path, capsys):
+    from jaxpar.job.batch import check_batch
+
+    # 3 processes x 2 devices: the processes alone would take 15, the 6 devices of the batch axis not
+    job = JobConfig.from_dict({"data": {"batch": 15}, "parallel": {"mesh": {"data": -1}}})
+    with pytest.raises(ValueError, match=re.escape(
+            "job config data.batch=15 does not split: each of the 3 processes reads its own block of rows, and each "
+            "step splits it over the batch axes ('data',) (6 devices), so the global batch must be a multiple of "
+            "6; give --data.batch 18 (or 12)")):
+        check_batch(job, {"data": 6}, process_count=3)
+    pipe = JobConfig.from_dict({"data": {"batch": 16}, "parallel": {
+        "mesh": {"pipe": 2, "data": 4}, "rules": {"layers": "pipe", "batch": "data"}, "grad_accum": 2,
+        "pipeline": {"stages": 2, "microbatches": 4}}})
+    with pytest.raises(ValueError, match=re.escape("multiple of 32 = 4 x 2 x 4; give --data.batch 32, or a smaller "
+                                                   "--parallel.grad_accum or --parallel.pipeline.microbatches")):
+        check_batch(pipe, {"pipe": 2, "data": 4}, process_count=1)
+    check_batch(dataclasses.replace(job, data=dataclasses.replace(job.data, batch=18)), {"data": 6}, process_count=3)
+    # the CLI: refused before the model is built, naming the job's fields; nothing is written
+    for flags, words in ((["--data.batch", "12"], "data.batch=12 does not split"),
+                         (["--parallel.grad_accum", "3"], "into 3 parts (parallel.grad_accum=3)")):
+        assert _train(job_file, tmp_path, "--train.steps", "2", *flags) == 2
+        assert words in capsys.readouterr().err
+        assert not (tmp_path / "ckpt" / "job.yaml").exists() and not (tmp_path / "log" / "job.yaml").exists()
+
+
+def test_a_run_refused_at_its_first_step_writes_no_job_yaml(job_file, tmp_path, capsys):
+    assert _train(job_file, tmp_path, "--train.steps", "2", "--parallel.rules", "{batchh: data}") == 2
+    assert "'batchh' -> 'data' (did you mean 'batch'?)" in capsys.readouterr().err
+    assert not (tmp_path / "ckpt" / "job.yaml").exists() and not (tmp_path / "log" / "job.yaml").exists()

@@ -20,6 +20,8 @@ from jaxpar.cli.common import (DEFAULT_DEVICES, check_mesh, check_writable, prin
 from jaxpar.cli.jobflags import add_job_args, resolve_job
 
 DEFAULT_LOG_DIR = "runs/train"
+# the job fields the example's flags set, as `check_batch` names them
+EXAMPLE_FLAGS = {"data.batch": "--batch", "parallel.grad_accum": "--grad-accum"}
 
 
 def _profile_steps(text: str) -> tuple[int, int]:
@@ -120,7 +122,14 @@ def logging_section(args: argparse.Namespace):
 
 def job_of_flags(args: argparse.Namespace):
     """``(JobConfig, devices)`` of ``jaxpar train``'s flags (checked; a mistake raises `UserError`)."""
+    from jaxpar.job.batch import check_batch
+    from jaxpar.job.reports import mesh_sizes
+
     job, devices = resolve_job(args)
+    try:        # the batch the example's flags give: named by those flags
+        check_batch(job, mesh_sizes(job.parallel, devices), names=EXAMPLE_FLAGS)
+    except ValueError as e:
+        refuse(str(e))
     if args.metrics:
         check_writable("--metrics", args.metrics)     # before training, not after it
     problem = watch_mistake(args, job.train.steps)

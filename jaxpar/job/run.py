@@ -19,6 +19,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+from jaxpar.job.batch import check_batch
 from jaxpar.job.config import JobConfig
 from jaxpar.job.optim import make_optimizer
 
@@ -223,6 +224,7 @@ def build(job: JobConfig, *, devices=None) -> Built:
 
     log, ck = job.logging, job.checkpoint
     mesh = jaxpar.make_mesh(job.parallel, devices)
+    check_batch(job, mesh)      # the processes, the step's parts and the batch axes all split data.batch
     store = eval_store = None
     if job.data.source == "store":
         from jaxpar.data import TokenStore
@@ -269,8 +271,6 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
     is called once the Trainer is ready, before the first step (``jaxpar train`` prints its
     report there).
     """
-    import time
-
     import jax
 
     if samples and job.data.source != "store":
@@ -280,7 +280,6 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
     built = build(job, devices=devices)
     trainer, train, held_out = built.trainer, built.train, built.held_out
     log, ck = job.logging, job.checkpoint
-    history, evals, fit_s = [], [], 0.0
     with trainer, contextlib.closing(train):
         if trainer.data_state:           # resumed: the saved data position must be this store and batch
             train.restore(trainer.data_state)
@@ -291,30 +290,52 @@ def run_job(job: JobConfig, *, devices=None, progress: bool = True, samples: int
                      "--train.steps to train on)")
             texts = _samples(trainer, built.store, samples, job.data.seq_len) if samples else []
             return {"history": [], "eval": [], "samples": texts, "step": start, "fit_s": 0.0, "trained": False}
-        if jax.process_index() == 0:     # the resume is accepted: a refused one keeps the saved job.yaml
-            save_resolved(job, log.dir, ck.dir)
+        # job.yaml is written once a step has run: a resume or a step that is refused (at build or
+        # at the first step's trace) keeps the job.yaml of the job that made the checkpoints
+        saved = []
+
+        def record(*_):     # a Trainer hook: (step, metrics)
+            if not saved and trainer.step_count > start:
+                saved.append(trainer.step_count)
+                if jax.process_index() == 0:
+                    save_resolved(job, log.dir, ck.dir)
+
+        trainer.add_hook(record)
         if start:
             print_fn(f"resumed at step {start} from {ck.dir}")
         if before_fit is not None:
             before_fit(built)
-        every = job.eval.every or job.train.steps
-        while trainer.step_count < job.train.steps:
-            chunk = min(every - trainer.step_count % every, job.train.steps - trainer.step_count)
-            t0 = time.perf_counter()
-            history += trainer.fit(train, chunk, log_every=log.every, progress=progress, until=job.train.steps)
-            fit_s += time.perf_counter() - t0
-            if held_out is not None:
-                held_out.restore({**held_out.state(), "next_batch": 0})     # the same batches each time
-                loss_value = trainer.evaluate(held_out, job.eval.steps)
-                evals.append({"step": trainer.step_count, "eval_loss": loss_value,
-                              "perplexity": math.exp(min(loss_value, 50.0))})
-                print_fn(f"step {trainer.step_count}: train loss {history[-1]['loss']:.4f}  eval loss "
-                         f"{loss_value:.4f}  perplexity {evals[-1]['perplexity']:.2f}")
+        try:
+            history, evals, fit_s = _train_steps(job, trainer, train, held_out, progress, print_fn)
+        finally:
+            record()       # a run stopped after its first step (preempted, say) has its job.yaml too
         if ck.dir is not None and trainer.step_count not in trainer.checkpointer.manager.all_steps():
             trainer.save()
         texts = _samples(trainer, built.store, samples, job.data.seq_len) if samples else []
     return {"history": history, "eval": evals, "samples": texts, "step": trainer.step_count, "fit_s": fit_s,
             "trained": True}
+
+
+def _train_steps(job: JobConfig, trainer, train, held_out, progress: bool, print_fn) -> tuple[list, list, float]:
+    """Train to ``train.steps``, evaluating every ``eval.every`` steps: ``(history, evals, fit_s)``."""
+    import time
+
+    log = job.logging
+    history, evals, fit_s = [], [], 0.0
+    every = job.eval.every or job.train.steps
+    while trainer.step_count < job.train.steps:
+        chunk = min(every - trainer.step_count % every, job.train.steps - trainer.step_count)
+        t0 = time.perf_counter()
+        history += trainer.fit(train, chunk, log_every=log.every, progress=progress, until=job.train.steps)
+        fit_s += time.perf_counter() - t0
+        if held_out is not None:
+            held_out.restore({**held_out.state(), "next_batch": 0})     # the same batches each time
+            loss_value = trainer.evaluate(held_out, job.eval.steps)
+            evals.append({"step": trainer.step_count, "eval_loss": loss_value,
+                          "perplexity": math.exp(min(loss_value, 50.0))})
+            print_fn(f"step {trainer.step_count}: train loss {history[-1]['loss']:.4f}  eval loss "
+                     f"{loss_value:.4f}  perplexity {evals[-1]['perplexity']:.2f}")
+    return history, evals, fit_s
 
 
 def _check_resume_step(start: int, job: JobConfig) -> bool:
