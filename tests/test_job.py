@@ -369,3 +369,12 @@ def test_a_run_refused_at_its_first_step_writes_no_job_yaml(job_file, tmp_path, 
     assert _train(job_file, tmp_path, "--train.steps", "2", "--parallel.rules", "{batchh: data}") == 2
     assert "'batchh' -> 'data' (did you mean 'batch'?)" in capsys.readouterr().err
     assert not (tmp_path / "ckpt" / "job.yaml").exists() and not (tmp_path / "log" / "job.yaml").exists()
+
+
+def test_the_plan_of_a_job_file_checks_its_batch_as_its_run_does():
+    from jaxpar.job.shapes import plan_of_job
+
+    job = JobConfig.from_dict({"data": {"batch": 12}, "parallel": {"mesh": {"data": 8}}})
+    with pytest.raises(ValueError, match=re.escape("job config data.batch=12 does not split: each step splits it over "
+                                                   "the batch axes ('data',) (8 devices)")):
+        plan_of_job(job, {"data": 8})

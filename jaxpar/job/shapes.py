@@ -26,6 +26,7 @@ def plan_of_job(job: JobConfig, sizes: dict[str, int]):
     from flax import nnx
     from jax.sharding import AbstractMesh
 
+    from jaxpar.job.batch import check_batch
     from jaxpar.job.optim import make_optimizer
     from jaxpar.job.run import model_config
     from jaxpar.nn import abstract_model, model_constraint
@@ -38,6 +39,7 @@ def plan_of_job(job: JobConfig, sizes: dict[str, int]):
         raise ValueError("jaxpar plan --config: parallel.mode 'auto' is planned by the strategy search on a batch, "
                          "which jaxpar train runs before the first step; plan from shapes covers the other modes: "
                          "give --parallel.mode semi_auto with --parallel.rules, or train the job")
+    check_batch(job, sizes, process_count=1)    # as the job's run checks it (the processes are not known here)
     vocab = None
     if job.data.source == "arithmetic":
         from jaxpar.job.example import ARITHMETIC_VOCAB
