@@ -146,8 +146,8 @@ def test_a_refused_resume_keeps_the_job_yaml_of_the_saved_steps(job_file, tmp_pa
     assert _train(job_file, tmp_path, "--train.steps", "2") == 0
     assert "already at step 2 = train.steps" in capsys.readouterr().out
     assert _train(job_file, tmp_path, "--train.steps", "1", "--optimizer.warmup_steps", "0") == 2
-    assert ("holds step 2, past train.steps=1: a run cannot train back to step 1; give --train.steps 2 or more"
-            in capsys.readouterr().err)
+    assert ("holds step 2, past train.steps=1: a run cannot train back to step 1; give --train.steps 3 or more to "
+            "train on from step 2, or another --checkpoint.dir" in capsys.readouterr().err)
     assert (tmp_path / "log" / "summary.json").read_text() == summary
     assert (tmp_path / "ckpt" / "job.yaml").read_text() == saved
 

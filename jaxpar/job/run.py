@@ -343,9 +343,9 @@ def _check_resume_step(start: int, job: JobConfig) -> bool:
     it is refused: training cannot go back, and rewriting the run's records would lose them."""
     steps = job.train.steps
     if start > steps:
-        raise ValueError(f"checkpoint.dir={job.checkpoint.dir!r} holds step {start}, past train.steps={steps}: a run "
-                         f"cannot train back to step {steps}; give --train.steps {start} or more to resume it, or "
-                         "another --checkpoint.dir to start a new run")
+        raise ValueError(f"job config checkpoint.dir={job.checkpoint.dir!r} holds step {start}, past train.steps="
+                         f"{steps}: a run cannot train back to step {steps}; give --train.steps {start + 1} or more to "
+                         f"train on from step {start}, or another --checkpoint.dir to start a new run")
     return start == steps
 
 
