@@ -213,3 +213,36 @@ def test_a_sigterm_preemption_logs_the_saved_step(tmp_path, default_sigterm):
     assert [r["step"] for r in records] == [1, 3, 5]
     h = {r["step"]: r["loss"] for r in trainer.history}
     assert records[-1]["loss"] == pytest.approx((h[4] + h[5]) / 2, rel=1e-6)
+
+
+def test_saves_are_not_step_time_and_the_compiled_step_is_read_once(tmp_path, monkeypatch):
+    """A checkpoint save inside a window is logged as checkpoint_s, not as the steps' time; the
+    memory and FLOPs of the compiled step are in the Trainer's first record, not again in the first
+    record of every fit (fits between evaluations)."""
+    import time
+
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    mesh = jaxpar.make_mesh(config)
+    model = jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh)
+    trainer = jaxpar.Trainer(model, optax.adamw(SCHEDULE), loss_fn, config, mesh, checkpoint_dir=str(tmp_path / "ckpt"),
+                             save_every=2, metrics=MetricsConfig(dir=str(tmp_path / "log"), every=2))
+    save = trainer.checkpointer.save
+
+    def slow_save(*args, **kwargs):    # a save that holds the host 1 s (a first save on a slow disk)
+        time.sleep(1.0)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.checkpointer, "save", slow_save)
+    data = batches(6)
+    with trainer:
+        history = trainer.fit(iter(data[:4]), steps=4, progress=False)
+        trainer.evaluate(data[:1])
+        history += trainer.fit(iter(data[4:]), steps=2, progress=False)
+    records = [r for r in read_jsonl(tmp_path / "log" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 4, 5, 6]
+    saved = {r["step"]: r for r in records if "checkpoint_s" in r}
+    assert sorted(saved) == [2, 4, 6] and all(r["checkpoint_s"] >= 1.0 for r in saved.values()), records
+    assert all(r["step_time_s"] < 0.5 for r in saved.values()), records          # the 1 s is not a step's
+    assert all(h["time_s"] < 0.5 for h in history if h["step"] in saved), history
+    once = ("mfu_source", "flops_per_step", "memory_total_bytes")
+    assert all(k in records[0] for k in once) and not any(k in r for r in records[1:] for k in once), records

@@ -91,11 +91,14 @@ class MetricsLogger:
         self.mfu_source: str | None = None           # "given", "model" or "xla"
         self._num_devices = 1
         self._once: dict[str, float] = {}            # logged with the first record only
+        self._key: Any = None                        # what the last start() read was of
 
     def start(self, compiled: jax.stages.Compiled, batch: Any, *, num_devices: int, resumed: bool = False,
-              model_flops_per_token: Callable[[int], float] | None = None) -> None:
-        """Read the compiled step's memory and FLOPs, and the tokens of a batch: once per run.
-        Opens the writers: ``metrics.jsonl`` anew, or appended to when the run was ``resumed``.
+              model_flops_per_token: Callable[[int], float] | None = None, key: Any = None) -> None:
+        """Read the compiled step's memory and FLOPs, and the tokens of a batch: once per run, and
+        again only for another compiled step (``key`` names the one read: `started`), whose values
+        the next record carries. Opens the writers: ``metrics.jsonl`` anew, or appended to when
+        the run was ``resumed``.
 
         MFU is computed from model FLOPs: ``MetricsConfig.flops_per_token`` when given, else
         ``model_flops_per_token(seq_len)`` (the model's own closed form, e.g.
@@ -104,6 +107,7 @@ class MetricsLogger:
         ``scan`` body once, so beside model FLOPs it is logged only as ``hfu`` (hardware FLOPs
         utilisation)."""
         self._open(append=resumed)
+        self._key = key
         per_example = self.config.tokens_per_example or tokens_per_example(batch)
         self.tokens_per_step = examples_per_step(batch) * per_example
         self._num_devices = num_devices
@@ -126,11 +130,16 @@ class MetricsLogger:
         self._once |= {"memory_argument_bytes": m.argument_bytes, "memory_output_bytes": m.output_bytes,
                        "memory_temp_bytes": m.temp_bytes, "memory_total_bytes": m.total}
 
+    def started(self, key: Any) -> bool:
+        """Whether the last `start` read the compiled step ``key`` (its values stand)."""
+        return key is not None and key is self._key
+
     def scalars(self, step: int, records: Sequence[Mapping[str, float]], window_s: float,
-                opt_state: Any = None) -> dict[str, float | None]:
+                opt_state: Any = None, checkpoint_s: float = 0.0) -> dict[str, float | None]:
         """The logged values for ``step``: loss and grad norm averaged over ``records`` (the steps
         since the last log, which took ``window_s`` seconds together), lr, speed, MFU, memory;
-        an MoE model's routing (``ROUTING``) averaged like the loss."""
+        an MoE model's routing (``ROUTING``) averaged like the loss; ``checkpoint_s``, the seconds
+        checkpoint saves held the host in that window (not part of ``window_s``), when there were any."""
         n = len(records)
         out: dict[str, float | None] = {
             "loss": float(np.mean([r["loss"] for r in records])),
@@ -145,6 +154,8 @@ class MetricsLogger:
         out["mfu"] = self.mfu(window_s / n)
         if self.mfu_source != "xla":
             out["hfu"] = self.mfu(window_s / n, self.xla_flops_per_step)
+        if checkpoint_s > 0:
+            out["checkpoint_s"] = checkpoint_s
         out.update(self._once)
         self._once = {}
         stats = jax.local_devices()[0].memory_stats() or {}     # None on CPU
@@ -153,9 +164,9 @@ class MetricsLogger:
         return out
 
     def log(self, step: int, records: Sequence[Mapping[str, float]], window_s: float,
-            opt_state: Any = None) -> dict[str, float | None]:
+            opt_state: Any = None, checkpoint_s: float = 0.0) -> dict[str, float | None]:
         """Write the scalars of ``step`` to every writer; returns them."""
-        values = self.scalars(step, records, window_s, opt_state)
+        values = self.scalars(step, records, window_s, opt_state, checkpoint_s)
         self.write(step, values)
         return values
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 # TensorBoard groups tags by their prefix; JSON lines keep the plain keys.
-PERF = ("step_time_s", "tokens_per_s", "mfu", "hfu", "flops_per_step")
+PERF = ("step_time_s", "tokens_per_s", "mfu", "hfu", "flops_per_step", "checkpoint_s")
 
 
 def tensorboard_tag(key: str) -> str:

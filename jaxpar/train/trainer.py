@@ -184,6 +184,7 @@ class Trainer:
             self._model_name = type(model).__name__
             self._nonfinite = nonfinite
             self._finite = []
+            self._save_s = 0.0       # host seconds in checkpoint saves since fit last read it (not step time)
             self.skipped_steps = []
             self.graphdef, state = init_state(plan, mesh, model, tx)
             self._set(state)
@@ -533,7 +534,7 @@ class Trainer:
             # part of a longer run (``until``): the bar counts the run's steps, not this part's
             task = bar.add_task("train", total=steps if until is None else until,
                                 completed=0 if until is None else self._steps, info="")
-            last = time.perf_counter()
+            last, self._save_s = time.perf_counter(), 0.0
             for i in range(steps):
                 try:
                     batch = next(it)
@@ -616,13 +617,17 @@ class Trainer:
         self.close()
 
     def _flush(self, pending, history, callback, since: float) -> float:
-        """Read the pending steps' metrics (one wait for all of them)."""
+        """Read the pending steps' metrics (one wait for all of them). Their time is the window's
+        since ``since`` less the checkpoint saves in it (`_save_now`: the host saving while no
+        step runs), logged apart as ``checkpoint_s``."""
         if not pending:
             return since
         self.check_finite()
         values = read([{k: m[k] for k in ("loss", "grad_norm", *ROUTING) if k in m} for _, _, m, _ in pending])
         now = time.perf_counter()
-        per_step = (now - since) / len(pending)
+        saving, self._save_s = self._save_s, 0.0
+        window = max(now - since - saving, 1e-9)
+        per_step = window / len(pending)
         records = []
         for (i, step, _, _), value in zip(pending, values):
             record = {"step": step, "loss": float(value["loss"]), "grad_norm": float(value["grad_norm"]),
@@ -633,7 +638,7 @@ class Trainer:
             if callback is not None:
                 callback(i, record)
         if self._metrics is not None:
-            self._metrics.log(records[-1]["step"], records, now - since, self._state.opt_state)
+            self._metrics.log(records[-1]["step"], records, window, self._state.opt_state, checkpoint_s=saving)
         self.history = history
         pending.clear()
         return now
@@ -646,22 +651,28 @@ class Trainer:
 
     def _start_metrics(self, batch) -> int:
         """Tokens per step of ``batch``; with ``metrics``, also the compiled step's memory and
-        FLOPs (read once: the step is already compiled, so this compiles nothing). With ``rows``:
-        of the batch and rows the last step pulled (pulling again would read the rows anew)."""
+        FLOPs, read once per compiled step over the Trainer's life (a later fit of batches shaped
+        alike reads nothing: the first record carried them). With ``rows``: of the batch and rows
+        the last step pulled (pulling again would read the rows anew)."""
         if self._rows is not None:
             batch, rows = self._rows.pulled
             program, leaves = self._program(batch, rows=rows)
+            if self._metrics is not None and self._metrics.started(program):
+                return self._metrics.tokens_per_step
             placed = jax.tree.unflatten(program.batch_def, jax.device_put(self._placed(program, batch, leaves),
                                                                           program.shardings))
             lowered = lambda: program.fn.lower(self._leaves, placed,  # noqa: E731
                                                self._rows.placed(program.row_shardings, rows))
         else:
+            program, _ = self._program(batch)
+            if self._metrics is not None and self._metrics.started(program):
+                return self._metrics.tokens_per_step
             placed = self.place(batch)   # global arrays: a process's host batch may hold only its rows
             lowered = lambda: self.lower(batch)  # noqa: E731
         if self._metrics is None:
             return examples_per_step(placed) * tokens_per_example(placed)
         self._metrics.start(lowered().compile(), placed, num_devices=self.mesh.devices.size,
-                            resumed=self._steps > 1, model_flops_per_token=self._flops_per_token)
+                            resumed=self._steps > 1, model_flops_per_token=self._flops_per_token, key=program)
         return self._metrics.tokens_per_step
 
     # ------------------------------------------------------------------ checkpoints
@@ -679,10 +690,14 @@ class Trainer:
         """Save this step (blocking to ``directory``, else asynchronously with the checkpointer)
         with the row source's tables: those it saves itself first, so a complete checkpoint
         always has them, and those it hands over (a copy taken now) in the step's own commit."""
-        tables = None if self._rows is None else self._rows.save(self._steps)
-        if directory is not None:
-            return save_state(directory, self.plan, self._state, self.mesh, rows=tables)
-        return self.checkpointer.save(self.plan, self._state, self.mesh, rows=tables)
+        start = time.perf_counter()     # every caller read the finite flags: the device has caught up
+        try:
+            tables = None if self._rows is None else self._rows.save(self._steps)
+            if directory is not None:
+                return save_state(directory, self.plan, self._state, self.mesh, rows=tables)
+            return self.checkpointer.save(self.plan, self._state, self.mesh, rows=tables)
+        finally:
+            self._save_s += time.perf_counter() - start
 
     def _restore_rows(self, step: int, directory: str | None, *read: Any) -> None:
         """The row source goes back to checkpoint ``step`` (of ``directory``, else of the
