@@ -310,6 +310,8 @@ def test_bad_model_input():
     model = Llama(TINY, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match=r"integer token ids.*float32 \(2, 16\)"):
         model(jnp.zeros((2, 16)))
+    with pytest.raises(TypeError, match=r"integer token ids.*float32 \(2, 16\)"):
+        model.embed(jnp.zeros((2, 16)))       # how a pipeline's first stage embeds
     with pytest.raises(ValueError, match=r"segment_ids has shape \(2, 8\) but tokens \(2, 16\)"):
         model(jnp.zeros((2, 16), jnp.int32), segment_ids=jnp.zeros((2, 8), jnp.int32))
     with pytest.raises(ValueError, match=r"needs batch\['targets'\].*\['inputs'\]"):

@@ -280,3 +280,23 @@ def test_the_trainer_module_never_searches_or_plans():
             names |= {a.name for a in node.names}
     assert not {n for n in names if n.startswith("jaxpar.auto") or n.endswith(".make_train_plan")}, names
     assert "jaxpar.train.planning.plan_for" in names
+
+
+def test_bad_gpt_input_and_evaluate_steps_name_the_fix():
+    """A sequence longer than the GPT's position table, float token ids and evaluate(steps=0) are
+    refused by jaxpar with the sizes and the fix, not by JAX's broadcasting or indexing."""
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    mesh = jaxpar.make_mesh(config)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh), optax.adam(1e-3),
+                             loss_fn, config, mesh)
+    long = batches(1, seq=2 * TINY.seq_len)[0]
+    with pytest.raises(ValueError, match=r"sequences of 32 tokens \(shape \(16, 32\)\) but GPTConfig.seq_len=16.*"
+                                         r"at most 16 tokens, or build the model with GPTConfig\(seq_len=32\)"):
+        trainer.step(long)
+    floats = {k: np.asarray(v, np.float32) for k, v in batches(1)[0].items()}
+    with pytest.raises(TypeError, match=r"integer token ids \[batch, length\].*got float32 \(16, 16\)"):
+        trainer.step(floats)
+    for steps in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"Trainer.evaluate: steps={steps!r} must be a positive int"):
+            trainer.evaluate(batches(2), steps=steps)
+    assert trainer.step_count == 0 and np.isfinite(trainer.evaluate(batches(2), steps=1))

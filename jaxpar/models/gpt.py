@@ -62,6 +62,26 @@ def no_constraint(x, names):
     return x
 
 
+def check_tokens(cfg: GPTConfig, tokens) -> None:
+    """Refuse what the GPT cannot embed, naming the fix: token ids that are not integers
+    ``[batch, length]``, and sequences longer than ``cfg.seq_len`` (its learned position table
+    has one row per position). Reads shapes and dtypes only (runs while the step is traced).
+
+    >>> check_tokens(GPTConfig(seq_len=8), jnp.zeros((2, 16), jnp.int32))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: GPT: the inputs hold sequences of 16 tokens (shape (2, 16)) but GPTConfig.seq_len=8, ...
+    """
+    shape, dtype = tuple(tokens.shape), tokens.dtype
+    if len(shape) != 2 or not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"GPT takes integer token ids [batch, length] (batch['inputs']), got {dtype} {shape}; "
+                        "pass the ids as integers, e.g. np.asarray(inputs, np.int32)")
+    if shape[1] > cfg.seq_len:
+        raise ValueError(f"GPT: the inputs hold sequences of {shape[1]} tokens (shape {shape}) but "
+                         f"GPTConfig.seq_len={cfg.seq_len}, the rows of its position table (wpe "
+                         f"{cfg.seq_len} x {cfg.embed}); cut the sequences to at most {cfg.seq_len} tokens, or "
+                         f"build the model with GPTConfig(seq_len={shape[1]}) or more")
+
+
 class LayerNorm(nnx.Module):
     def __init__(self, dim: int, rngs: nnx.Rngs):
         self.scale = _param(rngs, nnx.initializers.ones, (dim,), ("embed",))
@@ -161,6 +181,7 @@ class GPT(nnx.Module):
         self.head = _param(rngs, init, (cfg.embed, cfg.vocab_size), ("embed", "vocab"))
 
     def embed(self, tokens, positions=None):
+        check_tokens(self.cfg, tokens)
         pos = self.wpe[...][: tokens.shape[1]] if positions is None else self.wpe[...][positions]
         return self.constrain(self.wte[...][tokens] + pos, ("batch", "length", "embed"))
 

@@ -283,6 +283,7 @@ class Llama(nnx.Module):
                                                            ("embed", "vocab"))
 
     def embed(self, tokens):
+        _check_tokens(tokens, None)     # also where a pipeline's first stage embeds without `hidden`
         x = self.embedding[...][tokens]
         if self.cfg.dtype is not None:
             x = x.astype(jnp.dtype(self.cfg.dtype))

@@ -474,8 +474,12 @@ class Trainer:
         return fn.lower(self._state.params, self._state.rest, placed)
 
     def evaluate(self, batches: Iterable, steps: int | None = None) -> float:
-        """Mean loss over ``batches`` (the first ``steps`` of them), without updating, the model
-        in evaluation mode (``model.eval()``: dropout off, batch norm on its running statistics)."""
+        """Mean loss over ``batches`` (the first ``steps`` of them: a positive int, or None for
+        all), without updating, the model in evaluation mode (``model.eval()``: dropout off, batch
+        norm on its running statistics)."""
+        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+            raise ValueError(f"Trainer.evaluate: steps={steps!r} must be a positive int (how many of the batches "
+                             "to evaluate), or None to evaluate all of them")
         total, n = 0.0, 0
         for i, batch in enumerate(batches):
             if steps is not None and i >= steps:
