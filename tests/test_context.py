@@ -163,7 +163,8 @@ def test_bad_input_names_the_numbers():
     with pytest.raises(ValueError, match=r"context.order='zigzag'.*without 'inputs'"):
         place_batch(config, mesh, {"tokens": np.zeros((1, 16), np.int32)})
     plain = nnx.Linear(2, 2, rngs=nnx.Rngs(0))         # no ContextParallel to attend with
-    with pytest.raises(ValueError, match=r"not a jaxpar.ops.ContextParallel.*constrain=jaxpar.ops.ContextParallel"):
+    with pytest.raises(ValueError, match=r"not a jaxpar.ops.ContextParallel.*"
+                                         r"constrain=jaxpar.nn.model_constraint\(mesh, config\)"):
         jaxpar.Trainer(plain, optax.adamw(1e-3), loss_fn, config, mesh)
 
 

@@ -148,8 +148,9 @@ class CheckpointMismatchError(ValueError):
             others = [p for p in problems if not p.startswith("missing opt_state/")]
             listing = "".join(f"\n  {p}" for p in others)
             super().__init__(
-                f"checkpoint {directory} step {step} holds parameters only (no optimizer state: it was written by "
-                f"`jaxpar ckpt import-hf` / jaxpar.interop.hf.import_hf), so a trainer cannot resume from it "
+                f"checkpoint {directory} step {step} holds parameters only (no optimizer state, as "
+                f"`jaxpar ckpt import-hf` / jaxpar.interop.hf.import_hf writes, or a trainer whose optimizer keeps "
+                f"none saved), so this trainer cannot resume from it "
                 f"(nothing was restored){f'; its parameters differ too ({len(others)}):' if others else ''}"
                 f"{listing}\nTo fine-tune these weights, start a new run from them: in Python, "
                 "cfg, params = import_hf(HF_DIR, config=parallel_config) and build the Trainer from "

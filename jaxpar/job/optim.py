@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import optax
 
@@ -10,20 +12,21 @@ from jaxpar.job.config import OptimizerSection
 
 def learning_rate(section: OptimizerSection, steps: int) -> optax.Schedule:
     """Linear warmup to ``lr`` over ``warmup_steps``, then cosine / linear decay to
-    ``lr * min_lr_ratio`` at ``steps``, or constant. A warmup of ``steps`` or more is refused
-    (``ValueError``): it would not end inside the run.
+    ``lr * min_lr_ratio`` at ``steps``, or constant. A warmup of ``steps`` or more would not end
+    inside the run: it is shortened to ``steps - 1`` with a warning that says so (a short run of
+    a file written for a long one, e.g. ``--train.steps 10`` over ``warmup_steps: 20``).
 
     >>> sched = learning_rate(OptimizerSection(lr=1.0, warmup_steps=2, schedule="linear", min_lr_ratio=0.0), 4)
     >>> [round(float(sched(i)), 2) for i in range(5)]
     [0.0, 0.5, 1.0, 0.5, 0.0]
     """
     warmup = section.warmup_steps
-    if warmup and warmup >= steps:      # cut short, the rate would jump to its peak late in the run
-        shorter = (f"--optimizer.warmup_steps {max(1, steps // 5)} (below {steps}; 0 for none)" if steps > 1
-                   else "--optimizer.warmup_steps 0 (a one-step run has no room for a warmup)")
-        raise ValueError(f"job config optimizer.warmup_steps={warmup} with train.steps={steps}: the warmup must end "
-                         f"before the run does (the rate reaches optimizer.lr at step {warmup}); give {shorter}, "
-                         f"or --train.steps {warmup + 1} or more")
+    if warmup and warmup >= steps:
+        warmup = steps - 1
+        warnings.warn(f"job config optimizer.warmup_steps={section.warmup_steps} with train.steps={steps}: the "
+                      f"warmup would not end inside the run, so it is shortened to {warmup} step(s) (the rate "
+                      f"reaches optimizer.lr at step {warmup}); give --optimizer.warmup_steps below {steps} to "
+                      f"choose it, or --train.steps {section.warmup_steps + 1} or more", UserWarning, stacklevel=2)
     peak, end = section.lr, section.lr * section.min_lr_ratio
     if section.schedule == "constant":
         after = optax.constant_schedule(peak)

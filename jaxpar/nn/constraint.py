@@ -28,7 +28,8 @@ def model_constraint(mesh: jax.sharding.Mesh, config: ParallelConfig) -> Callabl
 def activation_rules(mesh: jax.sharding.Mesh, config: ParallelConfig) -> dict:
     """The rules a model's activations follow: ``config.rules``, and where they do not say,
     where the step puts the batch: ``"batch"`` over the batch axes (`jaxpar.data.batch_axes`;
-    ``mode="data"`` takes no rules at all) and, with context parallel, ``"length"`` over the
+    ``mode="data"`` takes no rules at all) when no ``dataset_strategy`` (and no ``mode="auto"``
+    search) places the batch otherwise, and, with context parallel, ``"length"`` over the
     context axes. Layers that route tokens (``jaxpar.nn.MoE``) read them: without them every
     device would route the whole batch.
 
@@ -36,7 +37,9 @@ def activation_rules(mesh: jax.sharding.Mesh, config: ParallelConfig) -> dict:
     {'batch': ('data',)}
     """
     rules = dict(config.rules)
-    if "batch" not in rules and batch_axes(config, mesh):
+    # the default batch split only: a dataset_strategy (a searched one under mode="auto" too)
+    # places the batch itself, and its activations follow it
+    if "batch" not in rules and config.dataset_strategy is None and config.mode != "auto" and batch_axes(config, mesh):
         rules["batch"] = batch_axes(config, mesh)
     if config.context is not None and not {"length", "seq"} & set(rules):
         rules["length"] = context_axes(config, mesh)

@@ -183,7 +183,8 @@ def _check_context(model, config, loss_fn, who: str, loss_known: bool) -> None:
         raise ValueError(
             f"{who}: ParallelConfig.context={config.context} reorders and splits the sequence, but the model's "
             "constrain is not a jaxpar.ops.ContextParallel, so its attention would mask by index; build the model "
-            "with constrain=jaxpar.ops.ContextParallel(jaxpar.LogicalConstraint(mesh, config.rules), mesh, config)")
+            "with constrain=jaxpar.nn.model_constraint(mesh, config) (a ContextParallel of the config's activation "
+            "rules)")
 
 
 def _check_experts(model, config, loss_fn, who: str, loss_known: bool) -> None:
