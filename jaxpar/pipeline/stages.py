@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from jaxpar.config import ParallelConfig
 from jaxpar.data import batch_axes, split_rows
 from jaxpar.pipeline.executor import pipeline_loss, to_stage_layout
-from jaxpar.pipeline.model import check_microbatch_rows
+from jaxpar.pipeline.rows import check_microbatch_rows
 from jaxpar.pipeline.schedules import build
 
 __all__ = ["StagedLoss", "assign", "best_split", "module_paths", "named_modules", "stage_costs", "staged"]
