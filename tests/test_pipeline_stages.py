@@ -1,4 +1,6 @@
 """The embedding on the first virtual stage, the head on the last, and a tied table across both."""
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -256,9 +258,11 @@ def test_micro_batches_smaller_than_the_data_axis_are_refused_naming_the_sizes()
     trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(GPT4, rngs=nnx.Rngs(0)), config, mesh), optax.sgd(0.1),
                              pipeline_loss(), config, mesh)
     with pytest.raises(ValueError, match=r"pipeline.microbatches=4 cuts the batch of 8 rows the pipeline runs \(in a "
-                                         r"training step: the global batch / \(grad_accum=2\), a global batch of 16\) "
-                                         r"into micro-batches of 2 rows, but each micro-batch is split over the batch "
-                                         r"axes \{'data': 4\}, 4 devices.*a global batch that is a multiple of 32.*"
+                                         r"training step, its global batch of 16 / \(grad_accum=2\); in an evaluation, "
+                                         r"its whole batch\) into micro-batches of 2 rows, but each micro-batch is "
+                                         r"split over the batch axes \{'data': 4\}, 4 devices.*a training batch that "
+                                         r"is a "
+                                         r"multiple of 32 .* and an evaluation batch that is a multiple of 16.*"
                                          r"at most 2 micro-batches.*a smaller grad_accum"):
         trainer.step(batches(1)[0])
     config = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 2}, rules={"batch": "data"},
@@ -269,3 +273,27 @@ def test_micro_batches_smaller_than_the_data_axis_are_refused_naming_the_sizes()
                                          r"micro-batches of 1 row, but .* \{'data': 2\}, 2 devices: its rows must be "
                                          r"a multiple of 2.*at most 8 micro-batches"):
         jax.eval_shape(lambda b: loss(_Uneven(), b), batches(1)[0])
+
+
+@requires_devices(8)
+def test_a_batch_whole_on_every_device_pipelines_with_micro_batches_of_any_rows():
+    """dataset_strategy='full_batch' leaves the rows unsplit, so micro-batches of 2 rows on
+    pipe=2 × data=4 are no loss of data parallelism: the step trains (its loss that of the
+    unpipelined model on the same batch), and the rows follow the batch's own split, not the
+    default batch axes."""
+    from jaxpar.pipeline.rows import row_axes
+
+    config = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe"},
+                                   dataset_strategy="full_batch", pipeline={"stages": 2, "microbatches": 4})
+    mesh = jaxpar.make_mesh(config)
+    batch = batches(1, batch=8)[0]
+    assert row_axes(config, mesh, batch) == ()
+    assert row_axes(dataclasses.replace(config, dataset_strategy=None), mesh, batch) == ("data",)
+    layout = jaxpar.Layout((2, 4), ("pipe", "data"))
+    assert row_axes(dataclasses.replace(config, dataset_strategy={"inputs": layout(("pipe", "data"), "None"),
+                                                                  "targets": None}), mesh, batch) == ("data",)
+    model = GPT(GPT4, rngs=nnx.Rngs(0))
+    expected = float(pipeline_loss()(model, batch))
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(GPT4, rngs=nnx.Rngs(0)), config, mesh), optax.sgd(0.1),
+                             pipeline_loss(), config, mesh)
+    np.testing.assert_allclose(float(trainer.step(batch)["loss"]), expected, rtol=1e-5)

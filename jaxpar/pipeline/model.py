@@ -41,10 +41,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ParallelConfig
-from jaxpar.data import batch_axes, split_rows
+from jaxpar.data import split_rows
 from jaxpar.data.sequence import context_axes
 from jaxpar.pipeline.executor import from_stage_layout, pipeline_loss, to_stage_layout
-from jaxpar.pipeline.rows import check_microbatch_rows
+from jaxpar.pipeline.rows import check_microbatch_rows, row_axes
 from jaxpar.pipeline.schedules import build
 from jaxpar.strategy import spec_entry
 
@@ -147,7 +147,8 @@ def stacked_layers(loss: "PipelineLoss", model: nnx.Module) -> int:
     return jax.tree.leaves(nnx.state(loss.blocks(model), nnx.Param))[0].shape[0]
 
 
-def _check(config: ParallelConfig, mesh, n_layers: int, batch_rows: int, virtual_stages: int) -> None:
+def _check(config: ParallelConfig, mesh, n_layers: int, batch_rows: int, row_split: tuple[str, ...],
+           virtual_stages: int) -> None:
     pipe = config.pipeline
     if mesh.shape.get(pipe.axis) != pipe.stages:
         raise ValueError(
@@ -155,7 +156,7 @@ def _check(config: ParallelConfig, mesh, n_layers: int, batch_rows: int, virtual
             f"{mesh.shape.get(pipe.axis)} (mesh {dict(mesh.shape)}); make them equal"
         )
     check_layers(config, n_layers, virtual_stages)
-    check_microbatch_rows(config, mesh, batch_rows)
+    check_microbatch_rows(config, mesh, batch_rows, row_split)
 
 
 def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Module | None = None,
@@ -188,8 +189,6 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
     pipe = config.pipeline
     if schedule is None:
         schedule = build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages)
-    pins = None if specs is None else _pins(loss, specs, config, mesh)
-
     embed_first = pipe.embedding == "first"
     if embed_first and loss.embedding is None:
         raise TypeError(
@@ -201,8 +200,9 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
         blocks = loss.blocks(model)
         blocks_def, params, rest = nnx.split(blocks, nnx.Param, ...)
         layers = jax.tree.leaves(params)[0].shape[0]
-        rows = jax.tree.leaves(batch)[0].shape[0]
-        _check(config, mesh, layers, rows, schedule.virtual_stages)
+        rows, row_split = jax.tree.leaves(batch)[0].shape[0], row_axes(config, mesh, batch)
+        _check(config, mesh, layers, rows, row_split, schedule.virtual_stages)
+        pins = None if specs is None else _pins(loss, specs, config, mesh, row_split)
         head_def, head_state = nnx.split(loss.head(model))
         call = None if loss.block_call is None else loss.block_call(model)
         if call is not None and not callable(call):
@@ -254,13 +254,13 @@ def _record(blocks: nnx.Module, stats: tuple[nnx.State, nnx.State], m: int) -> N
     nnx.update(blocks, jax.tree.map(lambda total: total // m, counts))
 
 
-def _pins(loss: PipelineLoss, specs: nnx.Module, config: ParallelConfig, mesh):
-    """``(chunk specs, head specs, activation spec)`` for the executor, from the spec model."""
+def _pins(loss: PipelineLoss, specs: nnx.Module, config: ParallelConfig, mesh, axes: tuple[str, ...]):
+    """``(chunk specs, head specs, activation spec)`` for the executor, from the spec model; the
+    activations' rows split over ``axes`` as the batch's are (`row_axes`)."""
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     block_specs = nnx.split(loss.blocks(specs), nnx.Param, ...)[1]
     chunk = jax.tree.map(lambda s: P(*tuple(s)[1:]), block_specs, is_leaf=is_spec)
     head = jax.tree.map(lambda s: P(), nnx.split(loss.head(specs))[1], is_leaf=is_spec)
-    axes = tuple(a for a in batch_axes(config, mesh) if a != config.pipeline.axis)
     seq = tuple(a for a in context_axes(config, mesh) if a not in axes)
     # with a context axis the activations between stages keep their sequence split
     act = P(spec_entry(axes), *((spec_entry(seq),) if seq else ()))

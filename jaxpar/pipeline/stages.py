@@ -34,9 +34,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ParallelConfig
-from jaxpar.data import batch_axes, split_rows
+from jaxpar.data import split_rows
 from jaxpar.pipeline.executor import pipeline_loss, to_stage_layout
-from jaxpar.pipeline.rows import check_microbatch_rows
+from jaxpar.pipeline.rows import check_microbatch_rows, row_axes
 from jaxpar.pipeline.schedules import build
 
 __all__ = ["StagedLoss", "assign", "best_split", "module_paths", "named_modules", "stage_costs", "staged"]
@@ -188,10 +188,11 @@ def staged(loss: StagedLoss, config: ParallelConfig, mesh, *, specs: nnx.Module 
     pipe = config.pipeline
     schedule = build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages)
     p, v = pipe.stages, schedule.virtual_stages
-    pins = None if specs is None else _pins(loss, specs, config, mesh)
 
     def staged_loss(model: nnx.Module, batch: Any) -> jax.Array:
-        check_microbatch_rows(config, mesh, jax.tree.leaves(batch)[0].shape[0])
+        row_split = row_axes(config, mesh, batch)
+        check_microbatch_rows(config, mesh, jax.tree.leaves(batch)[0].shape[0], row_split)
+        pins = None if specs is None else _pins(loss, specs, row_split)
         modules = named_modules(model, loss.order)
         where = assign([path for path, _ in modules], loss.stages, p * v)
         graphs, parts = [[] for _ in range(p * v)], [[] for _ in range(p * v)]
@@ -238,11 +239,11 @@ def _check_shapes(programs, flat, embed_fn, embed_state, micro_batch, where) -> 
                 f"carries one shape: move a shape change into the embedding or the head")
 
 
-def _pins(loss: StagedLoss, specs: nnx.Module, config: ParallelConfig, mesh):
-    """``(chunk, head, activation, embedding)`` specs: whole over the other axes, batch split."""
+def _pins(loss: StagedLoss, specs: nnx.Module, axes: tuple[str, ...]):
+    """``(chunk, head, activation, embedding)`` specs: whole over the other axes, the rows split
+    over ``axes`` as the batch's are (`row_axes`)."""
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     whole = lambda part: jax.tree.map(lambda s: P(), nnx.split(part)[1], is_leaf=is_spec)  # noqa: E731
-    axes = tuple(a for a in batch_axes(config, mesh) if a != config.pipeline.axis)
     act = P(axes if len(axes) > 1 else axes[0] if axes else None)
     return P(), whole(loss.head(specs)), act, whole(loss.embedding(specs))
 
