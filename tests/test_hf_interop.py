@@ -446,3 +446,25 @@ def test_export_of_a_training_checkpoint_reads_its_job_yaml(untied, tmp_path, ca
     assert ckpt_main(["export-hf", str(ckpt), "--out", str(tmp_path / "x"), "--hf-config", str(wrong)]) == 2
     err = capsys.readouterr().err
     assert f"recorded in {ckpt / 'job.yaml'} (num_key_value_heads: given 4, recorded 2)" in err, err
+
+
+def test_a_job_yaml_gives_the_config_the_job_built(tmp_path):
+    """export_hf builds the recorded LlamaConfig from a job.yaml as the job built its model
+    (jaxpar.job.run.model_config: max_seq_len grown to data.seq_len, vocab_size to the saved
+    table's), and names what a job.yaml lacks."""
+    from jaxpar.interop.hf import _job_llama_config
+    from jaxpar.job.config import JobConfig
+    from jaxpar.job.run import model_config
+
+    section = {"model": {"name": "llama", "size": "tiny", "fields": {"mlp": 48, "rope_theta": 10000.0}},
+               "data": {"seq_len": 64}}
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(json.dumps(section))
+    table = {"embedding": np.zeros((257, 32), np.float32)}
+    recorded = _job_llama_config(str(job_file), table)
+    assert recorded == model_config(JobConfig.from_dict(section), vocab=257)
+    assert (recorded.max_seq_len, recorded.vocab_size, recorded.mlp) == (64, 257, 48)
+    job_file.write_text(json.dumps({"model": {"name": "llama"}, "data": {}}))
+    with pytest.raises(ValueError, match=r"job.yaml, the job saved with the checkpoint, cannot be read \(it does not "
+                                         r"give model.size, data.seq_len\).*--hf-config"):
+        _job_llama_config(str(job_file), table)

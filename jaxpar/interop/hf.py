@@ -38,6 +38,7 @@ from jaxpar.config import ParallelConfig
 from jaxpar.interop import hf_files as files
 from jaxpar.interop.hf_layout import IGNORED_SUFFIXES, Tensor, check_architecture, hf_config, llama_config, tensors
 from jaxpar.models.llama import Llama, LlamaConfig, no_constraint
+from jaxpar.models.llama_config import for_data
 from jaxpar.nn.init import abstract_model
 from jaxpar.nn.specs import check_rules_used, declared_names, is_variable, path_str
 from jaxpar.plan.train_plan import make_train_plan
@@ -265,30 +266,42 @@ COMPARED = {"vocab_size": "vocab_size", "embed": "hidden_size", "heads": "num_at
 
 def _job_llama_config(job_file: str, params: Mapping[str, Any]) -> LlamaConfig | None:
     """The ``LlamaConfig`` a training job built, from the ``job.yaml`` it saved beside its
-    checkpoint (its vocabulary grown to the saved table's, as the job grew it to the data's);
-    None when the job built its model with a factory (jaxpar cannot tell what it is)."""
+    checkpoint: its ``model:`` section (``name``, ``size``, ``fields``) and ``data.seq_len``, built
+    as the job builds it (`jaxpar.models.llama_config.for_data`, its vocabulary grown to the saved
+    table's); None when the job built its model with a factory (jaxpar cannot tell what it is)."""
     import yaml
 
-    from jaxpar.job.config import JobConfig
-    from jaxpar.job.run import model_config
+    def unreadable(why) -> ValueError:
+        return ValueError(f"export_hf: {job_file}, the job saved with the checkpoint, cannot be read ({why}); fix "
+                          "or remove it (it gives the model's config), and pass --hf-config FILE (cfg= in Python)")
 
     try:
         with open(job_file) as f:
             saved = yaml.safe_load(f) or {}
-        model, data = saved.get("model") or {}, saved.get("data") or {}
-        job = JobConfig.from_dict({"model": model, **({"data": {"seq_len": data["seq_len"]}}
-                                                      if "seq_len" in data else {})})
-    except (OSError, yaml.YAMLError, TypeError, ValueError, AttributeError) as e:
-        raise ValueError(f"export_hf: {job_file}, the job saved with the checkpoint, cannot be read ({e}); fix "
-                         "or remove it (it gives the model's config), and pass --hf-config FILE (cfg= in Python)"
-                         ) from None
-    if job.model.factory is not None:
+    except (OSError, yaml.YAMLError) as e:
+        raise unreadable(e) from None
+    model = saved.get("model") if isinstance(saved, Mapping) else None
+    data = saved.get("data") if isinstance(saved, Mapping) else None
+    if not isinstance(model, Mapping) or not isinstance(data, Mapping):
+        raise unreadable("it has no model: and data: sections, as a job writes them")
+    if model.get("factory") is not None:
         return None
-    if job.model.name != MODEL_FAMILY:
-        raise ValueError(f"export_hf: {job_file} says this checkpoint holds a {job.model.name!r} model "
-                         f"(model.name={job.model.name!r}), not a Llama; export_hf writes Hugging Face Llama "
+    missing = [f"model.{k}" for k in ("name", "size") if k not in model] + \
+        [f"data.{k}" for k in ("seq_len",) if k not in data]
+    if missing:
+        raise unreadable(f"it does not give {', '.join(missing)}")
+    if model["name"] != MODEL_FAMILY:
+        raise ValueError(f"export_hf: {job_file} says this checkpoint holds a {model['name']!r} model "
+                         f"(model.name={model['name']!r}), not a Llama; export_hf writes Hugging Face Llama "
                          "checkpoints only")
-    return model_config(job, vocab=int(params["embedding"].shape[0]))
+    fields = model.get("fields") or {}
+    if not isinstance(fields, Mapping):
+        raise unreadable(f"model.fields is a {type(fields).__name__}, not a mapping")
+    try:
+        return for_data(model["size"], dict(fields), seq_len=data["seq_len"],
+                        vocab=int(params["embedding"].shape[0]))
+    except (TypeError, ValueError) as e:
+        raise unreadable(f"model.size={model['size']!r}, model.fields={dict(fields)!r}: {e}") from None
 
 
 def _recorded_config(directory: str, strategy: dict, params: Mapping[str, Any]) -> tuple[LlamaConfig | None, str]:

@@ -53,20 +53,20 @@ def model_config(job: JobConfig, vocab: int | None = None):
     With pipeline stages the blocks are stacked (``scan_layers=True``), which the stages split."""
     m = job.model
     if m.name == "llama":
-        from jaxpar.models.llama_config import LlamaConfig
+        from jaxpar.models.llama_config import LlamaConfig, for_data
 
         try:
             cfg = LlamaConfig.named(m.size)
         except ValueError as e:
             raise ValueError(f"job config model.size={m.size!r}: {e}") from None
-        grow = {"max_seq_len": max(cfg.max_seq_len, job.data.seq_len)}
+        grow = {}       # for_data grows max_seq_len and vocab_size, as export_hf does from a job.yaml
     else:
         from jaxpar.models.gpt import GPTConfig
 
         cfg = GPTConfig()
         grow = {"seq_len": max(cfg.seq_len, job.data.seq_len)}
-    if vocab is not None and "vocab_size" not in m.fields:
-        grow["vocab_size"] = max(cfg.vocab_size, vocab)
+        if vocab is not None and "vocab_size" not in m.fields:
+            grow["vocab_size"] = max(cfg.vocab_size, vocab)
     if "remat" in m.fields:     # recompute is a parallel setting, applied to the model's blocks from outside
         raise ValueError(f"job config model.fields.remat={m.fields['remat']!r}: a model has no recompute policy; "
                          f"set it under parallel (parallel.remat: {m.fields['remat']}, i.e. ParallelConfig.remat), "
@@ -86,7 +86,7 @@ def model_config(job: JobConfig, vocab: int | None = None):
     fields = {**grow, **m.fields}
     try:
         if m.name == "llama":   # as LlamaConfig.named(size, **fields): head_dim follows the job's embed / heads
-            return LlamaConfig.named(m.size, **fields)
+            return for_data(m.size, fields, seq_len=job.data.seq_len, vocab=vocab)
         return dataclasses.replace(cfg, **fields)
     except (TypeError, ValueError) as e:
         kind = ValueError if isinstance(e, ValueError) else TypeError

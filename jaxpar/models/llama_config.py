@@ -213,6 +213,22 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
+def for_data(size: str, fields: dict[str, Any], *, seq_len: int, vocab: int | None = None) -> LlamaConfig:
+    """``LlamaConfig.named(size, **fields)`` as a job builds it for its data: ``max_seq_len``
+    grown to the data's ``seq_len`` and ``vocab_size`` to its ``vocab`` where the size's are
+    smaller, unless ``fields`` sets them (a job's ``model.fields``; a ``job.yaml`` records both).
+
+    >>> cfg = for_data("tiny", {"layers": 4}, seq_len=64, vocab=257)
+    >>> cfg.max_seq_len, cfg.vocab_size, cfg.layers
+    (64, 257, 4)
+    """
+    named = LlamaConfig.named(size)
+    grow = {"max_seq_len": max(named.max_seq_len, seq_len)}
+    if vocab is not None and "vocab_size" not in fields:
+        grow["vocab_size"] = max(named.vocab_size, vocab)
+    return LlamaConfig.named(size, **{**grow, **fields})
+
+
 def param_count(cfg: LlamaConfig) -> int:
     """Parameters of the model ``cfg`` describes, from its shape alone (no model is built).
 
