@@ -137,15 +137,26 @@ def test_plan_summary_says_how_the_batch_is_split():
     dataset_strategy said, so a replicated batch read as split over data."""
     abstract = nnx.eval_shape(lambda: GPT(TINY, rngs=nnx.Rngs(0)))
     shapes = {"x": jax.ShapeDtypeStruct((8, 4), np.float32), "y": jax.ShapeDtypeStruct((8,), np.int32)}
+    layout = jaxpar.Layout((4, 2), ("data", "model"))
+    default = jaxpar.make_train_plan(jaxpar.ParallelConfig(mesh={"data": 4, "model": 2}), {"data": 4, "model": 2},
+                                     abstract, optax.sgd(0.1))
     for strategy, text, specs in (
             (None, "batch over ('data',);", {"x": P("data"), "y": P("data")}),
             ("full_batch", "batch replicated (dataset_strategy='full_batch');", {"x": P(), "y": P()}),
             ((4, 2), "batch by dataset_strategy (4, 2);", {"x": P("data", "model"), "y": None}),
             ({"x": "full_batch", "y": None}, "batch per key: x replicated (full_batch), y over ('data',);",
-             {"x": P(), "y": P("data")})):
+             {"x": P(), "y": P("data")}),
+            # a Layout's spec or a PartitionSpec reads as the PartitionSpec it resolves to
+            # (tuple(strategy) raised "'LayoutSpec' object is not iterable" in print(plan))
+            (layout("data", "None"), "batch by dataset_strategy P('data', None);", {"x": P("data", None), "y": None}),
+            ({"x": layout("data", "model"), "y": P("data")},
+             "batch per key: x by strategy P('data', 'model'), y by strategy P('data',);",
+             {"x": P("data", "model"), "y": P("data")})):
         config = jaxpar.ParallelConfig(mesh={"data": 4, "model": 2}, dataset_strategy=strategy)
         plan = jaxpar.make_train_plan(config, {"data": 4, "model": 2}, abstract, optax.sgd(0.1))
         assert text in plan.summary(), (strategy, plan.summary())
+        assert str(plan).rstrip("\n").endswith(plan.summary())      # print(plan): the table, then the summary
+        assert strategy is None or any(text in line for line in plan.diff(default)), plan.diff(default)
         got = plan.batch_specs({k: v for k, v in shapes.items() if specs[k] is not None})
         assert got == {k: v for k, v in specs.items() if v is not None}
     assert plan.batch_axes() == ("data",)      # the default axes, for the step, whatever the strategy

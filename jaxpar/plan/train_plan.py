@@ -41,7 +41,7 @@ from jaxpar.nn.specs import check_strategy_covers, is_variable, itemsize, path_s
 from jaxpar.optim.zero import ZeroSpecs, opt_state_specs, zero_specs
 from jaxpar.plan.checks import check_combination
 from jaxpar.precision import cast_floats
-from jaxpar.strategy import mesh_sizes, spec_axes
+from jaxpar.strategy import mesh_sizes, spec_axes, to_partition_spec
 
 SECTIONS = ("params", "stored", "grads", "update", "opt_state", "rest")
 _OFFLOADED = {"stored": "params", "opt_state": "opt_state"}   # plan section -> offload target
@@ -240,13 +240,21 @@ class TrainPlan:
                 return "replicated (full_batch)"
             if s is None:
                 return f"over {self.batch_axes()}" if self.batch_axes() else "replicated (no batch axes)"
-            return f"by strategy {tuple(s)}"
+            return f"by strategy {self._strategy_text(s)}"
 
         if isinstance(strategy, dict):
             return "batch per key: " + ", ".join(f"{k} {one(v)}" for k, v in strategy.items())
         if strategy == "full_batch":
             return "batch replicated (dataset_strategy='full_batch')"
-        return f"batch {one(strategy)}" if strategy is None else f"batch by dataset_strategy {tuple(strategy)}"
+        return f"batch {one(strategy)}" if strategy is None else \
+            f"batch by dataset_strategy {self._strategy_text(strategy)}"
+
+    def _strategy_text(self, s) -> str:
+        """A batch strategy as written (a tuple of factors or logical names), or the
+        ``PartitionSpec`` it resolves to on the plan's mesh (a ``PartitionSpec``, a Layout's spec)."""
+        if isinstance(s, (tuple, list)):
+            return str(tuple(s))
+        return str(to_partition_spec(s, self.mesh, rules=self.config.rules))
 
     def __str__(self) -> str:
         return self.table()
