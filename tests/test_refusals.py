@@ -72,6 +72,12 @@ CASES = {
         r"pipeline\.stages=2 with a mixture-of-experts.*block_call"),
     "moe-hybrid": (dict(mesh={"data": 8}, mode="hybrid"), lambda c, m: GPT(MOE_CFG, rngs=nnx.Rngs(0)), loss_fn,
                    r"mode='hybrid' with a mixture-of-experts"),
+    "moe-routing-without-the-batch": (  # the default config has no rules: LogicalConstraint(mesh, {}) names no batch
+        dict(mesh={"data": 8}),
+        lambda c, m: GPT(MOE_CFG, rngs=nnx.Rngs(0), constrain=jaxpar.LogicalConstraint(m, c.rules)), loss_fn,
+        r"the mixture-of-experts layer at '.*' routes the tokens its model's constrain says each device holds, "
+        r"but that constrain has no 'batch' rule, while the batch is split over \{'data': 8\}.*"
+        r"constrain=jaxpar.nn.model_constraint\(mesh, config\)"),
     "pipeline-layers-not-split-over-the-stages": (
         dict(mesh={"pipe": 2, "data": 4}, rules={"batch": "data"}, pipeline=PIPE),
         lambda c, m: GPT(GPT_CFG, rngs=nnx.Rngs(0)), pipeline_loss(),

@@ -61,6 +61,7 @@ def check_combination(config: ParallelConfig, model: nnx.Module | None = None, l
     _check_param_dtypes(params, who)
     _check_context(model, config, loss_fn, who, loss_fn is not None)
     _check_experts(model, config, loss_fn, who, loss_fn is not None)
+    _check_expert_routing(model, config, who)
     _check_hybrid_params(config, params, who)
 
 
@@ -185,6 +186,34 @@ def _check_context(model, config, loss_fn, who: str, loss_known: bool) -> None:
             "constrain is not a jaxpar.ops.ContextParallel, so its attention would mask by index; build the model "
             "with constrain=jaxpar.nn.model_constraint(mesh, config) (a ContextParallel of the config's activation "
             "rules)")
+
+
+def _check_expert_routing(model, config: ParallelConfig, who: str) -> None:
+    """An MoE layer routes the tokens its model's ``constrain`` says each device holds (its
+    mesh and ``"batch"`` rule). A model that holds its constrain (jaxpar's GPT and Llama) with
+    none of those, while the batch is split over several devices, would have every device
+    route the whole batch through the experts: refused, naming `jaxpar.nn.model_constraint`.
+    (Under a ``dataset_strategy``, ``mode="auto"`` or ``"hybrid"`` the batch is placed
+    otherwise and the constraint's rules are the user's.)"""
+    if config.mode in ("hybrid", "auto") or config.dataset_strategy is not None or not hasattr(model, "constrain"):
+        return
+    constrain = model.constrain
+    if getattr(constrain, "mesh", None) is not None and "batch" in dict(getattr(constrain, "rules", ()) or ()):
+        return
+    sizes = _mesh_sizes(config)
+    split = {a: sizes[a] for a in batch_axes(config, sizes) if sizes[a] > 1}
+    if not split:
+        return
+    where = next(("/".join(str(p) for p in path) for path, node in nnx.iter_graph(model) if isinstance(node, MoE)),
+                 None)
+    if where is None:
+        return
+    held = "no mesh" if getattr(constrain, "mesh", None) is None else "no 'batch' rule"
+    raise ValueError(f"{who}: the mixture-of-experts layer at {where!r} routes the tokens its model's constrain "
+                     f"says each device holds, but that constrain has {held}, while the batch is split over "
+                     f"{split}: every device would route the whole batch through the experts; build the model "
+                     "with constrain=jaxpar.nn.model_constraint(mesh, config) (the config's rules with the batch "
+                     "axes), or give the constraint a 'batch' rule")
 
 
 def _check_experts(model, config, loss_fn, who: str, loss_known: bool) -> None:
