@@ -145,7 +145,9 @@ class JaxparStep:
         cfg = dataclasses.replace(cfg, **options.pop("model", {}))
         config = jaxpar.ParallelConfig(**{"mesh": {"data": -1}, "precision": "bf16", "remat": remat, **options})
         mesh = jaxpar.make_mesh(config, devices)
-        model = jaxpar.init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), config, mesh)
+        # the constraint a model built for the config holds: MoE layers route each device's tokens
+        constrain = jaxpar.nn.model_constraint(mesh, config)
+        model = jaxpar.init(lambda: Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain), config, mesh)
         with refusal_lifted(lift):
             self.trainer = jaxpar.Trainer(model, make_tx(), loss_fn, config, mesh, offload=offload)
 
