@@ -188,6 +188,12 @@ def _check_context(model, config, loss_fn, who: str, loss_known: bool) -> None:
             "rules)")
 
 
+def _moe_path(model) -> str | None:
+    """The path of the model's first ``jaxpar.nn.MoE`` layer, or None without one."""
+    return next(("/".join(str(p) for p in path) for path, node in nnx.iter_graph(model) if isinstance(node, MoE)),
+                None)
+
+
 def _check_expert_routing(model, config: ParallelConfig, who: str) -> None:
     """An MoE layer routes the tokens its model's ``constrain`` says each device holds (its
     mesh and ``"batch"`` rule). A model that holds its constrain (jaxpar's GPT and Llama) with
@@ -204,8 +210,7 @@ def _check_expert_routing(model, config: ParallelConfig, who: str) -> None:
     split = {a: sizes[a] for a in batch_axes(config, sizes) if sizes[a] > 1}
     if not split:
         return
-    where = next(("/".join(str(p) for p in path) for path, node in nnx.iter_graph(model) if isinstance(node, MoE)),
-                 None)
+    where = _moe_path(model)
     if where is None:
         return
     held = "no mesh" if getattr(constrain, "mesh", None) is None else "no 'batch' rule"
@@ -223,8 +228,7 @@ def _check_experts(model, config, loss_fn, who: str, loss_known: bool) -> None:
     piped = config.pipeline.stages > 1
     if not piped and config.mode not in ("hybrid", "auto"):
         return
-    where = next(("/".join(str(p) for p in path) for path, node in nnx.iter_graph(model) if isinstance(node, MoE)),
-                 None)
+    where = _moe_path(model)
     if where is None:
         return
     if piped and loss_known and not (isinstance(loss_fn, PipelineLoss) and loss_fn.aux_loss is not None):

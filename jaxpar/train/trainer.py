@@ -78,8 +78,8 @@ class Trainer:
     tokens/s, MFU and memory at its logging steps (``metrics.jsonl``, and TensorBoard event
     files with ``tensorboard=True``) and ``evaluate`` the eval loss and perplexity.
     ``profile_steps=(10, 13)`` (with ``metrics``): a ``jax.profiler`` trace of steps 10 to 12
-    under ``metrics.dir/profile``; a ``fit`` that would start the window and not reach its end
-    (or never reach it) is refused before its first step.
+    under ``metrics.dir/profile``; ``fit(..., until=N)`` refuses a window the run to step ``N``
+    would not reach the end of, and a Trainer that closes before its window's end warns.
     ``rows``: a row source (`jaxpar.ps.rows`: a `jaxpar.ps.HostRows` table in host memory) for
     embedding rows the model does not hold: each step pulls the batch's rows before the
     compiled step, which differentiates ``loss_fn(model, batch, rows)`` with respect to them
