@@ -142,6 +142,25 @@ def test_pipeline_embedding_is_validated():
         jaxpar.pipeline.PipelineLoss(embed=None, blocks=None, head=None, head_loss=None, embedding=len)
 
 
+@requires_devices(4)
+def test_the_first_stage_refuses_token_ids_the_gpt_cannot_embed():
+    """With the embedding on the first stage the token ids meet ``check_tokens`` there, as in
+    ``GPT.embed``: sequences longer than the position table and float ids are refused with the
+    unpipelined path's message (naming the micro-batch's shape), not by JAX's indexing."""
+    cfg = dataclasses.replace(GPT4, seq_len=8, layers=2)
+    config = _pipe("1f1b", {"layers": "pipe", "batch": "data"}, {"pipe": 2, "data": 2})
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:4])
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(cfg, rngs=nnx.Rngs(0)), config, mesh), optax.adam(1e-3),
+                             pipeline_loss(), config, mesh)
+    with pytest.raises(ValueError, match=r"GPT: the inputs hold sequences of 16 tokens \(shape \(4, 16\)\) but "
+                                         r"GPTConfig.seq_len=8.*at most 8 tokens, or build the model with "
+                                         r"GPTConfig\(seq_len=16\)"):
+        trainer.step(batches(1, seq=16)[0])
+    floats = {k: np.asarray(v, np.float32) for k, v in batches(1, seq=8)[0].items()}
+    with pytest.raises(TypeError, match=r"GPT takes integer token ids \[batch, length\].*got float32 \(4, 8\)"):
+        trainer.step(floats)
+
+
 # --------------------------------------------------------------------------- modules by path
 
 

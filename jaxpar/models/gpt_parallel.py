@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jaxpar.models.gpt import GPT, head_loss, loss_fn
+from jaxpar.models.gpt import GPT, check_tokens, head_loss, loss_fn
 from jaxpar.nn.moe import moe_aux_loss
 from jaxpar.pipeline.model import PipelineLoss
 
@@ -37,14 +37,23 @@ def _pipeline_embed(model: GPT, batch) -> jax.Array:
     return model.embed(batch["inputs"], batch.get("positions"))
 
 
-def _pipeline_embedding(model: GPT):
-    return model.wte, model.wpe
+class _Embedding(nnx.Module):
+    """What the pipeline's first stage needs: the token and position tables and the config
+    that says which token ids they can embed."""
+
+    def __init__(self, model: GPT):
+        self.wte, self.wpe, self.cfg = model.wte, model.wpe, model.cfg
 
 
-def _embed_inputs(embedding, batch) -> jax.Array:
-    wte, wpe = embedding
+def _pipeline_embedding(model: GPT) -> _Embedding:
+    return _Embedding(model)
+
+
+def _embed_inputs(part: _Embedding, batch) -> jax.Array:
     tokens, positions = batch["inputs"], batch.get("positions")
-    return wte[...][tokens] + (wpe[...][: tokens.shape[1]] if positions is None else wpe[...][positions])
+    check_tokens(part.cfg, tokens)     # as GPT.embed: refused here, not by JAX's indexing or broadcasting
+    return part.wte[...][tokens] + (part.wpe[...][: tokens.shape[1]] if positions is None
+                                    else part.wpe[...][positions])
 
 
 def _block_call(model: GPT):
