@@ -112,6 +112,87 @@ def test_a_second_sigterm_before_any_step_ends_the_process(tmp_path):
     assert done.stdout.splitlines() == ["still running"]
 
 
+# SIGTERM, then again 1.5 s later (past jaxpar.train.hooks.SAME_REQUEST_S), while the Trainer runs:
+# inside a long step (here its first step's trace, as a long compile would be) of a hand-written
+# loop, inside fit between two steps (a slow loader), or inside an evaluation that the run follows
+# with more steps (as a job does). Each is one request: the Trainer saves at the end of the step
+# (of the first step after the evaluation) and leaves with code 0.
+RUNNING_TRAINER = """
+import os, signal, sys, time
+import optax
+from flax import nnx
+import jaxpar
+from jaxpar.models.data import ArithmeticData
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
+
+def sigterm_twice():
+    os.kill(os.getpid(), signal.SIGTERM)    # noticed: the Trainer saves at its next step boundary
+    time.sleep(1.5)
+    os.kill(os.getpid(), signal.SIGTERM)    # sent again (a scheduler's warning, then its time limit)
+    time.sleep(0.2)
+    print("still running", flush=True)
+
+def long_step_loss(model, batch):
+    if sys.argv[2] == "step":
+        sigterm_twice()
+    return loss_fn(model, batch)
+
+def slow_loader(data, inside):
+    for i in range(3):
+        if i == 1 and sys.argv[2] == inside:
+            sigterm_twice()
+        yield data.batch(2, i)
+
+config = jaxpar.ParallelConfig(mesh={"data": 1})
+mesh = jaxpar.make_mesh(config)
+gpt = GPTConfig(vocab_size=16, seq_len=8, embed=16, heads=2, mlp=32, layers=1)
+trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0)), config, mesh), optax.sgd(0.1),
+                         long_step_loss, config, mesh, checkpoint_dir=sys.argv[1])
+data = ArithmeticData(8)
+if sys.argv[2] == "step":
+    for i in range(3):
+        trainer.step(data.batch(2, i))
+else:
+    trainer.evaluate(slow_loader(data, "evaluate"))
+    trainer.fit(slow_loader(data, "fit"), steps=3, progress=False)
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.parametrize("inside, saved", [("step", 1), ("fit", 2), ("evaluate", 1)])
+def test_a_repeated_sigterm_while_a_trainer_runs_is_the_same_request(tmp_path, inside, saved):
+    """A Trainer inside ``step``, ``fit`` or ``evaluate`` will act on a SIGTERM at its next step
+    boundary, however long that takes: a second SIGTERM does not end the process before the save."""
+    done = subprocess.run([sys.executable, "-c", RUNNING_TRAINER, str(tmp_path / "ckpt"), inside],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "XLA_FLAGS": ""})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "still running" in done.stdout and "not reached" not in done.stdout
+    assert f"preempted (SIGTERM): saved step {saved}" in done.stderr
+    assert jaxpar.checkpoint.latest_step(str(tmp_path / "ckpt")) == saved
+
+
+SIGTERMED_AFTER_FIT = CHILD_TRAINER + """
+from jaxpar.models.data import ArithmeticData
+data = ArithmeticData(8)
+trainer.fit([data.batch(2, i) for i in range(2)], steps=2, progress=False)
+os.kill(os.getpid(), signal.SIGTERM)    # fit has returned: no Trainer runs to act on it
+time.sleep(1.2)
+print("still running", flush=True)
+os.kill(os.getpid(), signal.SIGTERM)    # past SAME_REQUEST_S: the default action
+time.sleep(5)
+print("not reached", flush=True)
+"""
+
+
+def test_a_second_sigterm_after_fit_returned_ends_the_process(tmp_path):
+    """Once fit has returned (the user's code runs on, the Trainer still open), nothing would act
+    on a SIGTERM: a second one ends the process, as without jaxpar."""
+    done = subprocess.run([sys.executable, "-c", SIGTERMED_AFTER_FIT, str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "XLA_FLAGS": ""})
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.splitlines() == ["still running"]
+
+
 SIGTERMED_WHILE_SAVING = CHILD_TRAINER + """
 from jaxpar.models.data import ArithmeticData
 save = trainer.checkpointer.save

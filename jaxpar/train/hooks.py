@@ -6,12 +6,14 @@ every process stops at the same step.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 
 import jax
 
@@ -34,13 +36,21 @@ SAME_REQUEST_S = 1.0    # SIGTERMs this soon after the first are the same reques
 
 
 def _on_sigterm(signum, frame) -> None:
-    """SIGTERM while Trainers listen: each saves and leaves at its next step. With none
-    listening any more (closed, or garbage), or a second SIGTERM over ``SAME_REQUEST_S`` after
-    the first while no Trainer acted on it (none reached a step boundary since: none is stepping,
-    or one is inside a step longer than that, a first step's compile included), the default
-    action: the process ends, as it would without jaxpar. One sooner than that is the same
-    request again, and one while a Trainer saves for the first (``acting``) changes nothing:
-    that save is the point."""
+    """SIGTERM while Trainers listen: each saves and leaves at its next step boundary.
+
+    Every SIGTERM after the first is the same request until a Trainer has saved and stopped,
+    as long as one is running (`running`: inside ``step``, ``fit`` or ``evaluate``, the first
+    step's compile included): it will reach a step boundary and act, however long the step
+    takes (or, after an evaluation, the next part of the run, as a job runs them), and a
+    scheduler or launcher that sends SIGTERM again (SLURM's ``--signal`` warning and then its
+    time limit, a launcher forwarding it) must not cut that save short; a stuck process is
+    ended by SIGKILL, as schedulers send after their grace period. With no Trainer running,
+    nothing would act on the request: the default action (the process ends, as it would
+    without jaxpar) for a SIGTERM with none listening (closed, or garbage), and for a second
+    one over ``SAME_REQUEST_S`` after the first (fit has returned and the user's code runs,
+    or nothing has stepped yet); one sooner than that is the same request (a scheduler and a
+    launcher both sending it). One while a Trainer saves for the first (``acting``) changes
+    nothing: that save is the point."""
     listening = list(_listening)
     if not listening:
         _default_action()
@@ -50,7 +60,7 @@ def _on_sigterm(signum, frame) -> None:
     now = time.monotonic()
     pending = [p.noticed_at for p in listening if p.flag.is_set()]
     if pending:
-        if now - min(pending) >= SAME_REQUEST_S:
+        if not any(p.running for p in listening) and now - min(pending) >= SAME_REQUEST_S:
             _default_action()
         return
     for p in listening:
@@ -77,6 +87,7 @@ class Preemption:
         self.listening = False
         self.acting = False      # a step noticed the SIGTERM: its Trainer saves and leaves
         self.noticed_at = 0.0    # time.monotonic() of the SIGTERM that set the flag
+        self.running = 0         # open `step` / `fit` / `evaluate` calls of its Trainer (`running`): it will act on a SIGTERM
         if not self.multi and threading.current_thread() is threading.main_thread():
             current = signal.getsignal(signal.SIGTERM)
             if current is _on_sigterm or current in (signal.SIG_DFL, None):
@@ -102,6 +113,24 @@ class Preemption:
         if (not _listening and threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGTERM) is _on_sigterm):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def running(method: Callable) -> Callable:
+    """A Trainer method (``step``, ``fit``, ``evaluate``) during which the Trainer is running:
+    it will reach a step boundary and act on a SIGTERM, so a repeated one is the same request
+    (`_on_sigterm`)."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        preemption = getattr(self, "_preemption", None)
+        if preemption is None:
+            return method(self, *args, **kwargs)
+        preemption.running += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            preemption.running -= 1
+
+    return wrapped
 
 
 def watchers(metrics, profile_steps) -> tuple[MetricsLogger | None, ProfileWindow | None]:

@@ -34,7 +34,7 @@ from jaxpar.optim import offload as host
 from jaxpar.nn.specs import check_rules_used, declared_names
 from jaxpar.plan import TrainPlan, TrainState, check_combination, check_data, init_state, state_shardings
 from jaxpar.strategy import recording_rules
-from jaxpar.train.hooks import Preempted, Preemption, watchers
+from jaxpar.train.hooks import Preempted, Preemption, running, watchers
 from jaxpar.train.planning import plan_for
 from jaxpar.train.rows import RowPath, check_rows
 from jaxpar.train.step import Setting, build_eval, build_grads, build_step
@@ -73,7 +73,9 @@ class Trainer:
     ``pipeline.stages > 1`` needs ``loss_fn`` as a ``jaxpar.pipeline.PipelineLoss``.
     ``preemption`` (with ``checkpoint_dir``): on SIGTERM the Trainer saves at the next step
     boundary — the same step on every process (JAX's preemption sync point) — and raises
-    ``Preempted`` (a ``SystemExit`` with code 0), so a restart resumes exactly there.
+    ``Preempted`` (a ``SystemExit`` with code 0), so a restart resumes exactly there; more
+    SIGTERMs while it runs (inside ``step``, ``fit`` or ``evaluate``) are the same request,
+    while with none running a second one ends the process (docs/reliability.md).
     ``metrics``: a `jaxpar.metrics.MetricsConfig`; ``fit`` then writes loss, grad norm, lr,
     tokens/s, MFU and memory at its logging steps (``metrics.jsonl``, and TensorBoard event
     files with ``tensorboard=True``) and ``evaluate`` the eval loss and perplexity.
@@ -317,6 +319,7 @@ class Trainer:
             leaves = self._placed(program, batch, leaves)
         return jax.tree.unflatten(program.batch_def, leaves)
 
+    @running      # a SIGTERM inside a step is acted on at its end: SIGTERMs till then are one request
     def step(self, batch) -> dict[str, Any]:
         """One optimizer step on ``batch``; returns metrics (``"loss"``, ``"grad_norm"``, ...) as
         device arrays: reading one (``float(m["loss"])``) waits for the step, nothing else does.
@@ -473,6 +476,7 @@ class Trainer:
                      out_shardings=s.shardings(s.zero.grads))
         return fn.lower(self._state.params, self._state.rest, placed)
 
+    @running      # and an evaluation, which a job runs between two parts of its fit
     def evaluate(self, batches: Iterable, steps: int | None = None) -> float:
         """Mean loss over ``batches`` (the first ``steps`` of them: a positive int, or None for
         all), without updating, the model in evaluation mode (``model.eval()``: dropout off, batch
@@ -498,6 +502,7 @@ class Trainer:
             self._metrics.log_eval(self._steps, total / n)
         return total / n
 
+    @running      # the same between its steps (loading a batch, logging)
     def fit(self, batches: Iterable, steps: int, *, log_every: int | None = None, progress: bool = True,
             callback: Callable[[int, dict], None] | None = None,
             until: int | None = None) -> list[dict[str, float]]:
