@@ -77,7 +77,16 @@ def test_tensorboard_reads_the_event_files(run):
         assert [e.step for e in events] == [1, 3, 6, 7]
         assert [e.value for e in events] == pytest.approx([r[key] for r in records[:-1]], rel=1e-6)
     assert [e.value for e in acc.Scalars("eval/loss")] == pytest.approx([run["eval"]], rel=1e-6)
-    assert [e.step for e in acc.Scalars("memory/temp_bytes")] == [1]
+    # integers (byte sizes, MoE dropped counts) are int64 scalar tensors of the scalars plugin: exact
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator as TensorAccumulator
+    from tensorboard.util import tensor_util
+
+    tensors = TensorAccumulator(str(run["dir"]))
+    tensors.Reload()
+    (event,) = tensors.Tensors("memory/temp_bytes")
+    assert event.step == 1 and tensors.SummaryMetadata("memory/temp_bytes").plugin_data.plugin_name == "scalars"
+    value = tensor_util.make_ndarray(event.tensor_proto).item()
+    assert type(value) is int and value == records[0]["memory_temp_bytes"]
 
 
 def test_profile_trace_holds_the_requested_steps(run):

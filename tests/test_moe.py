@@ -315,6 +315,42 @@ def test_step_metrics_and_metrics_jsonl_carry_the_routing(tmp_path):
         assert record["moe_z_loss"] == pytest.approx(z, rel=1e-5)
 
 
+def test_dropped_assignments_stay_an_exact_integer_from_the_step_to_tensorboard(tmp_path, monkeypatch):
+    """moe_dropped is an int32 sum over the grad_accum x interleave parts, not a float32 mean:
+    each of the 4 parts here reports 2**26 + 1 more dropped assignments than it routed (more
+    than a float32 holds exactly), and the step, the history, metrics.jsonl (summed over the
+    steps since the last log) and TensorBoard (an int64 scalar) all keep every digit."""
+    import optax
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    import jaxpar.train.step as step_module
+    from jaxpar.metrics import MetricsConfig, read_jsonl
+
+    big = 2 ** 26 + 1
+    x = np.stack([np.asarray(tokens(16, seed)) for seed in range(8)])
+    config = jaxpar.ParallelConfig(mesh={"data": 1}, grad_accum=2, interleave=2)
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:1])
+    routed = int(jaxpar.Trainer(RoutedLayer(), optax.sgd(0.0), routed_loss, config, mesh).step({"x": x})["moe_dropped"])
+    assert routed > 0
+    monkeypatch.setattr(step_module, "moe_metrics",
+                        lambda model: (m := moe_metrics(model)) | {"moe_dropped": m["moe_dropped"] + big})
+    with jaxpar.Trainer(RoutedLayer(), optax.sgd(0.0), routed_loss, config, mesh,
+                        metrics=MetricsConfig(dir=str(tmp_path), tensorboard=True)) as trainer:
+        step = trainer.step({"x": x})                                       # lr 0: every step routes alike
+        assert step["moe_dropped"].dtype == jnp.int32 and int(step["moe_dropped"]) == 4 * big + routed
+        history = trainer.fit(iter([{"x": x}] * 4), steps=4, log_every=2, progress=False)
+    assert [r["moe_dropped"] for r in history] == [4 * big + routed] * 4
+    assert all(type(r["moe_dropped"]) is int for r in history)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    dropped = 4 * big + routed
+    assert [(r["step"], r["moe_dropped"]) for r in records] == [(2, dropped), (3, dropped), (5, 2 * dropped)]
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, tensor_util.make_ndarray(e.tensor_proto).item()) for e in acc.Tensors("moe/dropped")] == \
+        [(2, dropped), (3, dropped), (5, 2 * dropped)]
+
+
 class DroplessLayer(nnx.Module):
     """One dropless MoE layer holding the constraint a model built for ``config`` holds."""
 

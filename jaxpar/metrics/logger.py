@@ -138,7 +138,8 @@ class MetricsLogger:
                 opt_state: Any = None, checkpoint_s: float = 0.0) -> dict[str, float | None]:
         """The logged values for ``step``: loss and grad norm averaged over ``records`` (the steps
         since the last log, which took ``window_s`` seconds together), lr, speed, MFU, memory;
-        an MoE model's routing (``ROUTING``) averaged like the loss; ``checkpoint_s``, the seconds
+        an MoE model's routing (``ROUTING``): its losses averaged like the loss, its dropped
+        assignments (``moe_dropped``, an int) summed over the steps; ``checkpoint_s``, the seconds
         checkpoint saves held the host in that window (not part of ``window_s``), when there were any."""
         n = len(records)
         out: dict[str, float | None] = {
@@ -149,7 +150,8 @@ class MetricsLogger:
         }
         for key in ROUTING:
             if key in records[-1]:
-                out[key] = float(np.mean([r[key] for r in records]))
+                values = [r[key] for r in records]
+                out[key] = sum(int(v) for v in values) if key == "moe_dropped" else float(np.mean(values))
         out["tokens_per_s"] = self.tokens_per_step * n / window_s if self.tokens_per_step and window_s > 0 else None
         out["mfu"] = self.mfu(window_s / n)
         if self.mfu_source != "xla":

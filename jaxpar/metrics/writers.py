@@ -1,13 +1,14 @@
 """Metric writers: JSON lines (always) and TensorBoard event files (the ``tb`` extra).
 
-A writer takes ``write(step, scalars)`` with a dict of floats (``None`` = not measured) and
-``close()``. Each write is flushed, so a run that crashes keeps every step it logged.
+A writer takes ``write(step, scalars)`` with a dict of numbers (``None`` = not measured) and
+``close()``; integers (counts such as ``moe_dropped``, byte sizes) are written as integers. Each write is flushed, so a run that crashes keeps every step it logged.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import time
 from collections.abc import Mapping
@@ -58,7 +59,9 @@ class JsonlWriter:
 class TensorBoardWriter:
     """Scalars as TensorBoard event files in ``logdir``, through TensorBoard's own
     ``EventFileWriter`` (the ``tb`` extra). Unmeasured (``None``) and non-finite values are left
-    out: TensorBoard plots a gap rather than a made-up number.
+    out: TensorBoard plots a gap rather than a made-up number. Floats are ``simple_value``
+    scalars; integers are int64 scalar tensors of the scalars plugin (as ``tf.summary.scalar``
+    writes them), so a count keeps every digit where a float32 ``simple_value`` stops at 2**24.
 
     Example:
       >>> w = TensorBoardWriter("runs/exp1")                            # doctest: +SKIP
@@ -66,16 +69,26 @@ class TensorBoardWriter:
     """
 
     def __init__(self, logdir: str | os.PathLike):
-        from tensorboard.compat.proto import event_pb2, summary_pb2
+        from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+        self._int_scalar = lambda v: tensor_pb2.TensorProto(    # noqa: E731
+            dtype=types_pb2.DT_INT64, tensor_shape=tensor_shape_pb2.TensorShapeProto(), int64_val=[v])
+        self._int_metadata = summary_pb2.SummaryMetadata(
+            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars"),
+            data_class=summary_pb2.DATA_CLASS_SCALAR)
         self._writer = EventFileWriter(os.fspath(logdir))
 
+    def _value(self, key: str, v):
+        if isinstance(v, numbers.Integral):
+            return self._summary.Value(tag=tensorboard_tag(key), tensor=self._int_scalar(int(v)),
+                                       metadata=self._int_metadata)
+        return self._summary.Value(tag=tensorboard_tag(key), simple_value=float(v))
+
     def write(self, step: int, scalars: Mapping[str, float | None]) -> None:
-        values = [self._summary.Value(tag=tensorboard_tag(k), simple_value=float(v))
-                  for k, v in scalars.items()
-                  if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+        values = [self._value(k, v) for k, v in scalars.items()
+                  if isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)]
         if values:
             self._writer.add_event(self._event(wall_time=time.time(), step=int(step),
                                                summary=self._summary(value=values)))
@@ -107,5 +120,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 def _json_value(v: Any) -> Any:
     if v is None or isinstance(v, str):
         return v
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return int(v)       # counts keep every digit (a float64 stops at 2**53)
     v = float(v)
     return v if math.isfinite(v) else str(v)      # JSON has no nan/inf; keep them readable

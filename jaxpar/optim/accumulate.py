@@ -34,17 +34,26 @@ def split_batch(batch, k: int, constrain: Callable = lambda x: x):
     return constrain(jax.tree.map(lambda x: split_rows(x, k), batch))
 
 
-def _mean_tree(tree):
-    return jax.tree.map(lambda x: x.mean(0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[-1], tree)
+def mean_parts(aux):
+    """The parts' aux values (each leaf stacked on a leading parts axis) as one: float leaves
+    averaged, integer leaves the last part's. What `accumulate_grads` and `interleave_loss`
+    do with aux unless given another ``combine_aux``.
+
+    >>> mean_parts({"f": jnp.array([1.0, 2.0]), "i": jnp.array([3, 4])})["f"].item()
+    1.5
+    """
+    return jax.tree.map(lambda x: x.mean(0) if jnp.issubdtype(x.dtype, jnp.inexact) else x[-1], aux)
 
 
 def accumulate_grads(compute_grads: Callable, k: int, *, constrain_grads: Callable = lambda g: g,
-                     constrain_parts: Callable = lambda b: b, dtype=None) -> Callable:
+                     constrain_parts: Callable = lambda b: b, dtype=None,
+                     combine_aux: Callable = mean_parts) -> Callable:
     """``compute_grads(params, rest, batch) -> (loss, aux, rest, grads)`` over ``k`` parts.
 
-    Returns a function of the same signature whose loss, float aux values and gradients are
-    the means over the parts (integer aux: the last part's). The running sum is kept in
-    ``dtype`` (``None``: the parameters' dtypes)."""
+    Returns a function of the same signature whose loss and gradients are the means over the
+    parts and whose aux is ``combine_aux`` of the parts' (stacked on a leading axis; the default
+    `mean_parts`: float values averaged, integer values the last part's). The running sum is
+    kept in ``dtype`` (``None``: the parameters' dtypes)."""
     if k == 1:
         return compute_grads
 
@@ -60,13 +69,15 @@ def accumulate_grads(compute_grads: Callable, k: int, *, constrain_grads: Callab
 
         (acc, rest), (losses, aux) = jax.lax.scan(body, (zeros, rest), parts)
         grads = constrain_grads(jax.tree.map(lambda g: g / k, acc))
-        return losses.mean(), _mean_tree(aux), rest, grads
+        return losses.mean(), combine_aux(aux), rest, grads
 
     return run
 
 
-def interleave_loss(compute_loss: Callable, n: int, *, constrain_parts: Callable = lambda b: b) -> Callable:
-    """``compute_loss(params, rest, batch) -> (loss, (aux, rest))`` over ``n`` unrolled parts."""
+def interleave_loss(compute_loss: Callable, n: int, *, constrain_parts: Callable = lambda b: b,
+                    combine_aux: Callable = mean_parts) -> Callable:
+    """``compute_loss(params, rest, batch) -> (loss, (aux, rest))`` over ``n`` unrolled parts:
+    the mean loss, and ``combine_aux`` of the parts' aux (as in `accumulate_grads`)."""
     if n == 1:
         return compute_loss
 
@@ -77,7 +88,7 @@ def interleave_loss(compute_loss: Callable, n: int, *, constrain_parts: Callable
             loss, (aux, rest) = compute_loss(params, rest, jax.tree.map(lambda x: x[j], parts))
             losses.append(loss)
             auxes.append(aux)
-        aux = _mean_tree(jax.tree.map(lambda *xs: jnp.stack(xs), *auxes)) if auxes[0] is not None else None
+        aux = combine_aux(jax.tree.map(lambda *xs: jnp.stack(xs), *auxes)) if auxes[0] is not None else None
         return sum(losses) / n, (aux, rest)
 
     return run

@@ -168,12 +168,15 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
     # A model without blocks keeps the whole-loss recompute below (`whole`: its policy).
     loss_fn, whole = recompute_blocks(s, loss_fn, plan.remat, order)
     # MoE routing figures leave the model loss beside its aux: every wrapper below carries
-    # them as it carries aux (accumulation and multi-copy average them over the parts).
+    # them as it carries aux (accumulation and multi-copy average them over the parts, and
+    # sum the dropped assignments: `combine_parts`).
     loss_fn = record_moe(s, loss_fn)
+    parts = combine_parts(s)
     if plan.loss_runs == "per_device" and (plan.config.comm_fusion is not None or plan.zero_level):
         # Per-device gradients reduced by jaxpar: bucketed all-reduces and reduce-scatters
         # to the ZeRO shards, inside the same shard_map as the loss.
-        grads = reduce_per_device(s, loss_fn, micro, lambda f: cast(s, interleave(recompute(f, whole), n)))
+        grads = reduce_per_device(s, loss_fn, micro, lambda f: cast(s, interleave(recompute(f, whole), n,
+                                                                                  combine_aux=parts)))
     else:
         loss = merge(s, loss_fn, part)
         # ZeRO-3 gathers the stored shards to the compute layout *inside* the loss, so that a
@@ -182,7 +185,7 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
         loss = recompute(loss, whole)
         # Multi-copy: the parts run one after another in one program, so one part's
         # collectives can overlap the next part's compute.
-        loss = interleave(loss, n, s.batch_constraint(part))
+        loss = interleave(loss, n, s.batch_constraint(part), combine_aux=parts)
         # Precision casts the stored parameters to the compute dtype here: outside recompute
         # and the interleaved parts (one cast per micro-batch, the cast copy is what the
         # backward keeps), before the ZeRO-3 gather (the all-gather moves compute-dtype
@@ -193,7 +196,7 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
     # Accumulation scans everything above over k micro-batches; the running sum is kept in
     # the ZeRO gradient layout (sharded from level 2) and the reduce dtype; the optimizer
     # then gets the gradients in the stored dtype.
-    return to_stored(s, accumulate_grads(s, grads, k, micro))
+    return to_stored(s, accumulate_grads(s, grads, k, micro, combine_aux=parts))
 
 
 def build_step(s: Setting, loss_fn: Callable, tx: optax.GradientTransformation, batch, *,
@@ -294,18 +297,32 @@ def recompute_blocks(s: Setting, loss_fn: Callable, policy: str, order=None) -> 
 
 def record_moe(s: Setting, loss_fn: Callable) -> Callable:
     """A model with MoE layers: the model loss returns ``(loss, (aux, routing))``, ``routing`` its
-    `jaxpar.nn.moe_metrics`, read in the step (no wait of its own). The dropped count travels as
-    a float, so accumulation averages it with the rest and `update` turns the mean back into the
-    step's sum. A model without MoE layers gets ``loss_fn`` back unchanged."""
+    `jaxpar.nn.moe_metrics`, read in the step (no wait of its own). The dropped count stays an
+    int32 count: accumulation and multi-copy sum it over the parts (`combine_parts`). A model
+    without MoE layers gets ``loss_fn`` back unchanged."""
     if not s.moe:
         return loss_fn
 
     def with_routing(model, batch, *rows):
         loss, aux = split_loss_output(loss_fn(model, batch, *rows))
-        routing = moe_metrics(model)
-        return loss, (aux, routing | {"moe_dropped": routing["moe_dropped"].astype(jnp.float32)})
+        return loss, (aux, moe_metrics(model))
 
     return with_routing
+
+
+def combine_parts(s: Setting) -> Callable:
+    """How accumulation and multi-copy make one aux of their parts' (`accumulate.mean_parts`):
+    with MoE layers the routing's losses averaged like the loss, and its dropped assignments
+    summed as int32 (exact at any count, where a float32 mean is exact to 2**24 only)."""
+    if not s.moe:
+        return accumulate.mean_parts
+
+    def combine(aux):
+        aux, routing = aux
+        summed = {"moe_dropped": jnp.sum(routing["moe_dropped"], 0, dtype=jnp.int32)}
+        return accumulate.mean_parts(aux), accumulate.mean_parts(routing) | summed
+
+    return combine
 
 
 def recompute(loss: Callable, policy: str) -> Callable:
@@ -316,9 +333,10 @@ def recompute(loss: Callable, policy: str) -> Callable:
     return jax.checkpoint(loss, policy=checkpoint_policy(policy))
 
 
-def interleave(loss: Callable, n: int, constrain: Callable = lambda b: b) -> Callable:
+def interleave(loss: Callable, n: int, constrain: Callable = lambda b: b, *,
+               combine_aux: Callable = accumulate.mean_parts) -> Callable:
     """``interleave=n``: the loss of ``n`` parts of the batch, unrolled one after another."""
-    return accumulate.interleave_loss(loss, n, constrain_parts=constrain)
+    return accumulate.interleave_loss(loss, n, constrain_parts=constrain, combine_aux=combine_aux)
 
 
 def cast(s: Setting, loss: Callable) -> Callable:
@@ -414,9 +432,10 @@ def reduce_per_device(s: Setting, loss_fn: Callable, batch, wrap: Callable) -> C
     return compute
 
 
-def accumulate_grads(s: Setting, grads: Callable, k: int, micro) -> Callable:
+def accumulate_grads(s: Setting, grads: Callable, k: int, micro, *,
+                     combine_aux: Callable = accumulate.mean_parts) -> Callable:
     """``grad_accum=k``: a scan over ``k`` micro-batches; the sum kept in the ZeRO gradient layout."""
-    return accumulate.accumulate_grads(grads, k,
+    return accumulate.accumulate_grads(grads, k, combine_aux=combine_aux,
                                        constrain_grads=lambda g: s.on_params(lambda p: s.constrain(p, s.zero.grads), g),
                                        constrain_parts=s.batch_constraint(micro),
                                        dtype=s.precision.reduce if s.precision is not None else None)
@@ -494,9 +513,8 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, ski
             row_grads = tuple(jax.tree.map(lambda x: jnp.where(finite, x, 0), r) for r in row_grads)
         params, opt_state = new_params, new_opt_state
         metrics = {"loss": loss, "grad_norm": norm, "finite": finite}
-        if routing is not None:    # means over the grad_accum x interleave parts; dropped: their sum (exact)
-            parts = s.plan.grad_accum * s.plan.interleave
-            metrics |= routing | {"moe_dropped": jnp.round(routing["moe_dropped"] * parts).astype(jnp.int32)}
+        if routing is not None:    # means over the grad_accum x interleave parts; dropped: their int32 sum
+            metrics |= routing
         if aux is not None:
             metrics["aux"] = aux
         return (state.replace(params=params, rest=rest, opt_state=opt_state, step=state.step + 1), metrics,
