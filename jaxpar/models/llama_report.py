@@ -104,6 +104,16 @@ def _degree(plan: TrainPlan, logical: str) -> int:
     return math.prod(plan.mesh.get(a, 1) for a in axes)
 
 
+def _ring_attention(plan: TrainPlan) -> bool:
+    """The model attends with ring attention's kernel (`jaxpar.ops.context_kernels.ring_attention`):
+    a context section whose strategy is ``"ring"``, or ``"hybrid"`` with a ring axis of more than
+    one device (of size 1 the hybrid runs the plain per-device softmax)."""
+    context = plan.config.context
+    if context is None or context.strategy not in ("ring", "hybrid"):
+        return False
+    return plan.mesh.get(context.axes[0], 1) > 1
+
+
 def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq_len: int | None = None,
                            compute_dtype=None, attention: str = "xla") -> int:
     """Estimated bytes of forward values saved for the backward pass, on one device.
@@ -117,7 +127,11 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
     four tensors — the causal mask (bool, 1 byte), the masked scores and their exponentials
     (fp32) and the probabilities (the compute dtype), ``9 + itemsize`` bytes per query and key
     (``jax.ad_checkpoint.print_saved_residuals`` of `jaxpar.models.llama.attention`); cuDNN's
-    fused kernel (``"cudnn"``) keeps none of them, one fp32 log-sum-exp per head. Not counted:
+    fused kernel (``"cudnn"``) keeps none of them, one fp32 log-sum-exp per head. Under a
+    context section with ring attention (``context.strategy="ring"``, or ``"hybrid"`` with a ring
+    axis of more than one device) the model attends through the ring's ``custom_vjp``, which keeps
+    q, k, v, the output (counted above) and one fp32 log-sum-exp per head and query, whatever
+    ``attention`` says; ``"all_gather"`` and ``"ulysses"`` are counted as ``attention``. Not counted:
     the backward's own buffers for the layer it is differentiating (the scores' gradients,
     ``heads × seq`` per token in fp32 again) and XLA's scratch, which the compiled step's temp
     holds. Head-, kv- and mlp-sized values are divided by the ways the plan's rules split
@@ -158,9 +172,11 @@ def llama_activation_bytes(cfg: LlamaConfig, plan: TrainPlan, *, batch: int, seq
     tokens = -(-_positive("batch", batch) // (replicas * micro)) * -(-seq // cp)
     heads, kv, mlp = (_degree(plan, name) for name in ("heads", "kv_heads", "mlp"))
     itemsize = np.dtype(compute_dtype or cfg.dtype or cfg.param_dtype).itemsize
-    # what the attention keeps per token and head: a log-sum-exp, or per key the mask, the
-    # masked scores, their exponentials and the probabilities (module constant _SCORES_KEPT)
-    scores = 4 if attention == "cudnn" else seq * (_SCORES_KEPT[attention] + itemsize)
+    # what the attention keeps per token and head: a log-sum-exp (cuDNN's kernel, ring attention's
+    # custom_vjp), or per key the mask, the masked scores, their exponentials and the
+    # probabilities (module constant _SCORES_KEPT)
+    ring = _ring_attention(plan)
+    scores = 4 if attention == "cudnn" or ring else seq * (_SCORES_KEPT[attention] + itemsize)
     layer = (4 * cfg.embed + 2 * cfg.heads * cfg.head_dim / heads                  # bytes per token
              + 2 * cfg.kv_heads * cfg.head_dim / kv + 3 * cfg.mlp / mlp) * itemsize + cfg.heads * scores / heads
     layers, inputs = cfg.layers, 0
