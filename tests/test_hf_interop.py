@@ -395,6 +395,27 @@ def test_import_into_a_folder_holding_step_0_names_force(untied, tmp_path, capsy
     assert jaxpar.checkpoint.load_strategy(out)["leaves"]["params/embedding"]["dtype"] == "bfloat16"
 
 
+def test_import_into_a_folder_holding_later_steps_is_refused_even_with_force(untied, tmp_path, capsys):
+    """A resume takes the newest step: step 0 imported beside a run's step 5 would be ignored.
+    Refused with or without --force, naming the folder and its steps, before anything is written."""
+    directory, _, _ = untied
+    out = tmp_path / "ckpt"
+    assert ckpt_main(["import-hf", directory, "--out", str(out)]) == 0
+    shutil.copytree(out / "0", out / "5")            # a run's later step beside it
+    before = sorted(os.listdir(out))
+    capsys.readouterr()
+    for force in ([], ["--force"]):
+        assert ckpt_main(["import-hf", directory, "--out", str(out), *force]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"jaxpar ckpt import-hf: error: import_hf: out {str(out)!r} already holds "
+                              "checkpoint steps [0, 5]: a resume from it takes the newest step, 5,"), err
+        assert "empty or new output directory" in err and len(err.strip().splitlines()) == 1, err
+    shutil.rmtree(out / "0")                         # a run's steps alone: step 0 would not even be replaced
+    with pytest.raises(ValueError, match=r"already holds checkpoint steps \[5\].*never a run's later steps"):
+        import_hf(directory, str(out))
+    assert sorted(os.listdir(out)) == [n for n in before if n != "0"]
+
+
 def test_export_refuses_an_hf_config_that_contradicts_the_checkpoint(untied, tmp_path, capsys):
     """Only shapes were checked: a config.json with another rope_theta / rms_norm_eps, or
     tie_word_embeddings=true over a trained head, was written as given (the head dropped)."""

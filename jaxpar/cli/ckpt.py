@@ -244,7 +244,8 @@ def _add_hf_parsers(sub) -> None:
         sub.choices[name].add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                                        help="convert the weights (default: keep the stored dtype)")
     sub.choices["import-hf"].add_argument("--force", action="store_true",
-                                          help="replace the step 0 that --out already holds")
+                                          help="replace the step 0 that --out already holds (a folder holding "
+                                               "later steps, a run's, is refused even so)")
     sub.choices["export-hf"].add_argument("--force", action="store_true",
                                           help="replace the HF model files (config.json, safetensors, index) "
                                                "that --out already holds; other files are kept")

@@ -174,18 +174,18 @@ def import_hf(directory: str, out: str | None = None, *, config: ParallelConfig 
       dtype: parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); default the file's.
       scan_layers: stack the blocks on a ``layers`` axis (``LlamaConfig.scan_layers``).
       force: replace the step 0 that ``out`` already holds (refused without it, before anything is read).
+        An ``out`` holding any later step (a training run's) is refused with or without it: a
+        resume takes the newest step and would ignore the imported one.
 
     Returns the config and an ``nnx.State`` of ``nnx.Param`` s; ``llama_model(cfg, params)`` is the model.
-    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming the tensor or the
-    config field that does not fit a Llama.
+    Raises ``FileNotFoundError`` for a missing file, ``ValueError`` naming the tensor or the
+    config field that does not fit a Llama, or the steps ``out`` already holds after step 0.
 
     >>> cfg, params = import_hf("tiny-llama", config=jaxpar.ParallelConfig(mesh={"data": 8}, mode="data"))  # doctest: +SKIP
     """
     files.safetensors()
-    if out is not None and not force and os.path.isdir(os.path.join(os.fspath(out), "0")):
-        raise FileExistsError(f"import_hf: out {os.fspath(out)!r} already holds step 0 "
-                              f"({os.path.join(os.fspath(out), '0')}); give another output directory, or pass "
-                              "force=True (--force on the command line) to replace it")
+    if out is not None:
+        _check_out_steps(os.fspath(out), force)
     hf = files.read_config(directory)
     check_architecture(hf, os.path.join(directory, files.CONFIG))    # before looking for Llama tensors
     config = _ONE_DEVICE if config is None else config
@@ -207,6 +207,24 @@ def import_hf(directory: str, out: str | None = None, *, config: ParallelConfig 
     if out is not None:
         _save(out, plan, params, rest, mesh, cfg, hf, force)
     return cfg, params
+
+
+def _check_out_steps(out: str, force: bool) -> None:
+    """Refuse an ``out`` holding checkpoint steps, before anything is read: any step after 0 (a
+    resume takes the newest step, so the imported step 0 would be ignored, or mixed into a run's
+    steps; ``force`` does not remove them), and step 0 itself unless ``force`` (replaced)."""
+    steps = sorted(int(n) for n in os.listdir(out) if n.isdigit() and os.path.isdir(os.path.join(out, n))) \
+        if os.path.isdir(out) else []
+    later = [n for n in steps if n > 0]
+    if later:
+        raise ValueError(f"import_hf: out {out!r} already holds checkpoint steps {steps}: a resume from it takes "
+                         f"the newest step, {later[-1]}, and would ignore the imported step 0 (or mix it into "
+                         "that run's steps); give an empty or new output directory (--out), or remove the "
+                         "steps first. force=True (--force) replaces a step 0 only, never a run's later steps")
+    if steps and not force:
+        raise FileExistsError(f"import_hf: out {out!r} already holds step 0 ({os.path.join(out, '0')}); give "
+                              "another output directory, or pass force=True (--force on the command line) to "
+                              "replace it")
 
 
 def _save(out: str, plan, params, rest, mesh, cfg: LlamaConfig, hf: dict, force: bool) -> None:
