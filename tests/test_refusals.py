@@ -155,6 +155,24 @@ def test_offload_that_cannot_pay_on_a_gpu_is_refused_there_with_what_to_use():
     check_combination(jaxpar.ParallelConfig(remat="offload_dots"), platform="cpu", offload=("opt_state",))
 
 
+def test_a_minus_one_axis_is_judged_on_the_mesh_the_plan_is_for():
+    """mesh={"data": -1} takes the rest of the devices of the mesh given, not jax.device_count():
+    an MoE GPT whose constrain names no batch routes correctly on a one-device mesh (nothing is
+    split) and is refused on two devices naming the mesh's size, though 8 devices exist."""
+    from jaxpar.plan.checks import check_combination
+
+    config = jaxpar.ParallelConfig(mesh={"data": -1})
+    model = nnx.eval_shape(lambda: GPT(MOE_CFG, rngs=nnx.Rngs(0)))
+    assert jax.device_count() == 8
+    check_combination(config, model, loss_fn, mesh={"data": 1})
+    check_combination(config, model, loss_fn, mesh=jax.make_mesh((1,), ("data",), devices=jax.devices()[:1]))
+    make_train_plan(config, {"data": 1}, model, optax.adamw(1e-3), loss_fn=loss_fn)
+    with pytest.raises(ValueError, match=r"has no mesh, while the batch is split over \{'data': 2\}"):
+        check_combination(config, model, loss_fn, mesh={"data": 2})
+    with pytest.raises(ValueError, match=r"split over \{'data': 8\}"):    # no mesh: this process's devices
+        check_combination(config, model, loss_fn)
+
+
 def test_the_plan_carries_the_pipeline_schedule():
     """The schedule is built once per pipeline setting and carried by the plan; the step runs
     the plan's (not one re-derived when it is traced)."""

@@ -10,6 +10,7 @@ runner call: a plan is never made for a combination the Trainer would refuse.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -28,15 +29,18 @@ from jaxpar.ops import ContextParallel
 from jaxpar.pipeline import PipelineLoss, StagedLoss
 from jaxpar.pipeline.model import check_layers, stacked_layers
 from jaxpar.pipeline.schedules import build
-from jaxpar.strategy import spec_axes
+from jaxpar.strategy import mesh_sizes, spec_axes
 
 
 def check_combination(config: ParallelConfig, model: nnx.Module | None = None, loss_fn: Any = None, *,
-                      platform: str | None = None, offload: tuple[str, ...] = (),
+                      mesh: Any = None, platform: str | None = None, offload: tuple[str, ...] = (),
                       who: str = "make_train_plan") -> None:
     """Raise a ``ValueError`` / ``TypeError`` naming both features when ``config`` cannot train
     ``model`` with ``loss_fn`` on ``platform``. What is not given (``None``) is not checked:
     without ``loss_fn`` the loss-dependent refusals wait for the Trainer, which gives it.
+    ``mesh`` (a ``Mesh``, ``AbstractMesh`` or ``{axis: size}``) is the mesh the plan is for: a
+    ``-1`` axis of ``config.mesh`` takes the rest of its devices (without it, of
+    ``jax.device_count()``, as ``jaxpar.make_mesh(config)`` would).
 
     >>> check_combination(ParallelConfig(mesh={"data": 8}), model)            # doctest: +SKIP
     """
@@ -61,8 +65,9 @@ def check_combination(config: ParallelConfig, model: nnx.Module | None = None, l
     _check_param_dtypes(params, who)
     _check_context(model, config, loss_fn, who, loss_fn is not None)
     _check_experts(model, config, loss_fn, who, loss_fn is not None)
-    _check_expert_routing(model, config, who)
-    _check_hybrid_params(config, params, who)
+    sizes = _mesh_sizes(config, mesh)
+    _check_expert_routing(model, config, sizes, who)
+    _check_hybrid_params(config, params, sizes, who)
 
 
 def _check_stage_layers(config: ParallelConfig, model, params: list, loss: PipelineLoss, who: str) -> None:
@@ -89,7 +94,7 @@ def _check_stage_layers(config: ParallelConfig, model, params: list, loss: Pipel
                          f"hold every layer; {fix}, or give the parameter a parameter_strategy entry")
 
 
-def _check_hybrid_params(config: ParallelConfig, params: list, who: str) -> None:
+def _check_hybrid_params(config: ParallelConfig, params: list, sizes: dict[str, int], who: str) -> None:
     """``mode="hybrid"`` runs ``loss_fn`` per device and averages its value over the batch axes.
     A parameter whose compute layout splits it over a batch axis reaches each device's loss as a
     shard, and that mean hides the partial results (the loss then differs across no axis the
@@ -98,7 +103,6 @@ def _check_hybrid_params(config: ParallelConfig, params: list, who: str) -> None
     layout inside the loss, so only the compute layout (the rules) is checked here."""
     if config.mode != "hybrid":
         return
-    sizes = _mesh_sizes(config)
     axes = batch_axes(config, sizes)
     split = tuple(a for a in axes if sizes[a] != 1)      # a size-1 axis splits nothing
     for path, var in params:
@@ -131,12 +135,14 @@ def _check_hybrid_params(config: ParallelConfig, params: list, who: str) -> None
             f"uses them); or {fix}")
 
 
-def _mesh_sizes(config: ParallelConfig) -> dict[str, int]:
-    """``config.mesh`` with a ``-1`` taken as the rest of this process's devices, as
-    ``jaxpar.make_mesh(config)`` resolves it. Where it cannot be (a mesh for other devices),
-    the ``-1`` axis counts as split (size 2): only which axes a spec names is read from it."""
+def _mesh_sizes(config: ParallelConfig, mesh: Any = None) -> dict[str, int]:
+    """``config.mesh`` with a ``-1`` taken as the rest of the devices of ``mesh``, the mesh the
+    plan is for (without one, of ``jax.device_count()``, as ``jaxpar.make_mesh(config)``
+    resolves it). Where it cannot be (a mesh for other devices), the ``-1`` axis counts as
+    split (size 2): only which axes a spec names is read from it."""
+    devices = jax.device_count() if mesh is None else math.prod(mesh_sizes(mesh).values())
     try:
-        return resolve_axes(config.mesh, jax.device_count())
+        return resolve_axes(config.mesh, devices)
     except ValueError:
         return {a: 2 if s == -1 else s for a, s in config.mesh.items()}
 
@@ -194,7 +200,7 @@ def _moe_path(model) -> str | None:
                 None)
 
 
-def _check_expert_routing(model, config: ParallelConfig, who: str) -> None:
+def _check_expert_routing(model, config: ParallelConfig, sizes: dict[str, int], who: str) -> None:
     """An MoE layer routes the tokens its model's ``constrain`` says each device holds (its
     mesh and ``"batch"`` rule). A model that holds its constrain (jaxpar's GPT and Llama) with
     none of those, while the batch is split over several devices, would have every device
@@ -206,7 +212,6 @@ def _check_expert_routing(model, config: ParallelConfig, who: str) -> None:
     constrain = model.constrain
     if getattr(constrain, "mesh", None) is not None and "batch" in dict(getattr(constrain, "rules", ()) or ()):
         return
-    sizes = _mesh_sizes(config)
     split = {a: sizes[a] for a in batch_axes(config, sizes) if sizes[a] > 1}
     if not split:
         return

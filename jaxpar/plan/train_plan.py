@@ -350,7 +350,7 @@ def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.Grad
                          "jaxpar.auto.plan_training(model, loss_fn, batch, config, mesh, tx)")
     platform = mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh) else None
     check_combination(config, model_or_state if isinstance(model_or_state, nnx.Module) else None, loss_fn,
-                      platform=platform, offload=tuple(offload))
+                      mesh=mesh, platform=platform, offload=tuple(offload))
     sizes = mesh_sizes(mesh)
     if isinstance(model_or_state, nnx.Module):
         _, params, rest = nnx.split(model_or_state, nnx.Param, ...)
