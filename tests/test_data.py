@@ -78,9 +78,24 @@ def test_batch_not_divisible_names_the_fix():
                                              rf"so the global batch must be a multiple of 32 = 8 x 4; use a global "
                                              rf"batch of 32, or a smaller {smaller}"):
             trainer.step({"x": np.ones((16, 3), np.float32)})
-    # a part's own spec (what the step's constraint asks for) says the same fix
-    with pytest.raises(ValueError, match=r"shape \(4, 3\).*not divisible by 8.*multiple of 32 = 8 × grad_accum 4;"):
-        leaf_spec(jaxpar.ParallelConfig(mesh={"data": 8}, grad_accum=4), mesh, (4, 3))
+    # the advice matches what the batch is for: grad_accum cuts a training batch only
+    accum = jaxpar.ParallelConfig(mesh={"data": 8}, grad_accum=4)
+    with pytest.raises(ValueError, match=r"batch leaf of shape \(12, 3\): the batch dimension 12 is not divisible by 8, "
+                                         r"the size of the batch axes \('data',\) of mesh \{'data': 8\}; use a batch "
+                                         r"that is a multiple of 8 \(e.g. 8 or 16\)$"):
+        leaf_spec(accum, mesh, (12, 3), training=False)          # an evaluation batch: grad_accum does not apply
+    with pytest.raises(ValueError, match=r"multiple of 8 \(e.g. 8 or 16\)$"):
+        jaxpar.data.place_batch(accum, mesh, {"x": np.ones((12, 3), np.float32)})    # placing splits it whole
+    with pytest.raises(ValueError, match=r"batch leaf of shape \(16, 3\) has 16 rows: grad_accum=4 cuts it into 4 parts "
+                                         r"of 4 rows.*multiple of 32 = 8 x 4; use a global batch of 32, or a smaller "
+                                         r"grad_accum"):
+        leaf_spec(accum, mesh, (16, 3), training=True)           # a training step's global batch
+    # not known (a training batch, one of its parts, or an evaluation batch): both are named
+    with pytest.raises(ValueError, match=r"shape \(4, 3\).*not divisible by 8.*use a training batch that is a multiple "
+                                         r"of 32 = 8 x 4 \(a training step cuts it into 4 parts, grad_accum=4, .*\) and an "
+                                         r"evaluation batch that is a multiple of 8$"):
+        leaf_spec(accum, mesh, (4, 3))
+    assert leaf_spec(accum, mesh, (8, 3), training=False) == P("data")
     with pytest.raises(ValueError, match="factor 2 does not divide dimension 1 of size 15"):
         leaf_spec(jaxpar.ParallelConfig(mesh={"data": 2, "h": 4}, dataset_strategy=(2, 2, 1)),
                   jaxpar.make_mesh({"data": 2, "h": 4}), (4, 15, 3))

@@ -17,6 +17,7 @@ or the identical full batch on every process (``global_batch=True``).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -40,8 +41,21 @@ def batch_axes(config: ParallelConfig, mesh) -> tuple[str, ...]:
     return ("data",) if "data" in sizes else ()
 
 
-def leaf_spec(config: ParallelConfig, mesh, shape, key: str | None = None) -> PartitionSpec:
-    """The ``PartitionSpec`` of one batch leaf of global ``shape`` (under top-level ``key``)."""
+def leaf_spec(config: ParallelConfig, mesh, shape, key: str | None = None, *,
+              training: bool | None = None) -> PartitionSpec:
+    """The ``PartitionSpec`` of one batch leaf of global ``shape`` (under top-level ``key``).
+
+    ``training`` says what the batch is for, which decides the rows it must have
+    (`check_rows`): ``True``, a training step's global batch (cut into ``step_parts``);
+    ``False``, a batch split whole (an evaluation, a placement); ``None``, not known (the leaf
+    may be a training batch, one of its parts or an evaluation batch): its rows must split over
+    the batch axes, and a refusal names what a training and an evaluation batch need.
+
+    >>> leaf_spec(ParallelConfig(mesh={"data": 8}, grad_accum=2), {"data": 8}, (12, 4), training=False)
+    Traceback (most recent call last):
+    ValueError: batch leaf of shape (12, 4): the batch dimension 12 is not divisible by 8, the size of the batch \
+axes ('data',) of mesh {'data': 8}; use a batch that is a multiple of 8 (e.g. 8 or 16)
+    """
     strategy = config.dataset_strategy
     if isinstance(strategy, dict):
         if key not in strategy:
@@ -54,37 +68,71 @@ def leaf_spec(config: ParallelConfig, mesh, shape, key: str | None = None) -> Pa
         return PartitionSpec()
     if strategy is not None:
         return to_partition_spec(strategy, mesh, shape, rules=config.rules)
-    return _default_spec(config, mesh, shape)
+    return _default_spec(config, mesh, shape, training)
 
 
-def _default_spec(config: ParallelConfig, mesh, shape) -> PartitionSpec:
+def _default_spec(config: ParallelConfig, mesh, shape, training: bool | None) -> PartitionSpec:
     axes = batch_axes(config, mesh)
     spec = PartitionSpec(axes if len(axes) > 1 else axes[0] if axes else None)
     sizes = mesh_sizes(mesh)
     seq = context_axes(config, mesh)
     if seq and len(shape) >= 2:    # context parallel: [B, S, ...] leaves split over S too
         spec = PartitionSpec(spec[0], seq if len(seq) > 1 else seq[0])
-    n = math.prod(sizes[a] for a in axes)
-    if shape[0] % n:
-        raise ValueError(
-            f"batch leaf of shape {tuple(shape)}: the batch dimension {shape[0]} is not divisible by "
-            f"{n}, the size of the batch axes {axes} of mesh {sizes}; " + _batch_fix(config, n))
+    check_rows(f"batch leaf of shape {tuple(shape)}", shape[0], axes, sizes,
+               {} if training is False else step_parts(config), known=training is not None)
     check_spec(spec, mesh, shape)
     return spec
 
 
-def _batch_fix(config: ParallelConfig, n: int) -> str:
-    """How to size the global batch: a training step cuts it into grad_accum × interleave parts
-    (`split_rows`) and splits each part over the batch axes, so a leaf that fails may be one part."""
-    parts = {k: v for k, v in (("grad_accum", config.grad_accum), ("interleave", config.interleave)) if v > 1}
-    if not parts:
-        return f"use a global batch that is a multiple of {n}"
+def step_parts(config: ParallelConfig) -> dict[str, int]:
+    """The parts a training step cuts its global batch into (`split_rows`), by the field that
+    asks for them: ``grad_accum`` and ``interleave``, those above 1.
+
+    >>> step_parts(ParallelConfig(grad_accum=4))
+    {'grad_accum': 4}
+    """
+    return {name: v for name, v in (("grad_accum", config.grad_accum), ("interleave", config.interleave)) if v > 1}
+
+
+def check_rows(what: str, rows: int, axes: tuple[str, ...], sizes: Mapping[str, int], parts: Mapping[str, int],
+               *, known: bool = True) -> None:
+    """The one rule for the rows of a batch leaf: a training step cuts its global batch into
+    ``parts`` (`step_parts`; ``{}`` for a batch split whole: an evaluation, a placement) and
+    splits each part over the batch ``axes``, so the rows must be a multiple of the devices of
+    ``axes`` times the parts. ``known=False``: whether the parts apply is not known (the leaf
+    may be a training batch, one part of one, or an evaluation batch): only the devices are
+    required, and the refusal names both. A ``ValueError`` names ``what``, the sizes and the fix.
+
+    >>> check_rows("batch['x']", 16, ("data",), {"data": 8}, {"grad_accum": 4})
+    Traceback (most recent call last):
+    ValueError: batch['x'] has 16 rows: grad_accum=4 cuts it into 4 parts of 4 rows, and each part is split \
+over the batch axes ('data',) (8 devices), so the global batch must be a multiple of 32 = 8 x 4; use a global \
+batch of 32, or a smaller grad_accum
+    """
+    devices = math.prod(sizes[a] for a in axes)
     k = math.prod(parts.values())
-    names = " × ".join(f"{name} {v}" for name, v in parts.items())
-    return (f"a training step cuts the global batch into {k} parts ({names}) of global batch / {k} rows "
-            f"and splits each part over the batch axes (this leaf is the global batch or one part), so the "
-            f"global batch must be a multiple of {n * k} = {n} × {names}; use such a global batch, or a "
-            f"smaller {' or '.join(parts)}")
+    need = devices * k if known else devices
+    if rows % need == 0:
+        return
+    cut = " x ".join(f"{name}={v}" for name, v in parts.items())
+    smaller = " or ".join(parts)
+    if known and parts:
+        raise ValueError(
+            f"{what} has {rows} rows: {cut} cuts it into {k} parts of {rows / k:g} rows, and each part is split over "
+            f"the batch axes {axes} ({devices} devices), so the global batch must be a multiple of {need} = "
+            f"{devices} x {k}; use a global batch of {_near(rows, need)}, or a smaller {smaller}")
+    head = (f"{what}: the batch dimension {rows} is not divisible by {devices}, the size of the batch axes {axes} "
+            f"of mesh {dict(sizes)}; ")
+    if not parts:
+        raise ValueError(head + f"use a batch that is a multiple of {devices} (e.g. {_near(rows, devices)})")
+    raise ValueError(head + f"use a training batch that is a multiple of {devices * k} = {devices} x {k} (a training "
+                     f"step cuts it into {k} parts, {cut}, and splits each over those devices; or use a smaller "
+                     f"{smaller}) and an evaluation batch that is a multiple of {devices}")
+
+
+def _near(rows: int, need: int) -> str:
+    """The batch sizes nearest ``rows`` that are multiples of ``need``."""
+    return " or ".join(str(b) for b in (rows // need * need, (rows // need + 1) * need) if b)
 
 
 def part_shapes(batch, k: int) -> Any:
@@ -125,15 +173,16 @@ def _top_key(path) -> str | None:
     return getattr(path[0], "key", getattr(path[0], "name", None)) if path else None
 
 
-def batch_specs(config: ParallelConfig, mesh, batch) -> Any:
-    """``PartitionSpec`` for every leaf of ``batch`` (by its global shape and top-level key)."""
+def batch_specs(config: ParallelConfig, mesh, batch, *, training: bool | None = None) -> Any:
+    """``PartitionSpec`` for every leaf of ``batch`` (by its global shape and top-level key);
+    ``training``: what the batch is for (see `leaf_spec`)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: leaf_spec(config, mesh, _shape(x), _top_key(path)), batch)
+        lambda path, x: leaf_spec(config, mesh, _shape(x), _top_key(path), training=training), batch)
 
 
-def batch_shardings(config: ParallelConfig, mesh, batch) -> Any:
+def batch_shardings(config: ParallelConfig, mesh, batch, *, training: bool | None = None) -> Any:
     """``NamedSharding`` for every leaf of ``batch``."""
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), batch_specs(config, mesh, batch),
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), batch_specs(config, mesh, batch, training=training),
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
@@ -152,6 +201,8 @@ def place_batch(config: ParallelConfig, mesh, batch, *, global_batch: bool = Tru
     ``global_batch=True``: every leaf holds the global batch (single process: always).
     ``global_batch=False`` in a multi-process run: each process holds its contiguous block of
     rows; the global array is assembled with ``make_array_from_process_local_data``.
+    Placing splits the batch whole over the batch axes (a training step's ``grad_accum`` parts
+    are checked by the step): its rows must be a multiple of their devices.
     """
     batch = reorder_batch(config, mesh, batch)   # context parallel: causal load-balancing order
     if jax.process_count() == 1 or global_batch:
@@ -163,13 +214,13 @@ def place_batch(config: ParallelConfig, mesh, batch, *, global_batch: bool = Tru
             x = np.asarray(x)
             return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
-        return jax.tree.map(put, batch, batch_shardings(config, mesh, batch))
+        return jax.tree.map(put, batch, batch_shardings(config, mesh, batch, training=False))
 
     from jaxpar.distributed import make_global_batch
 
     def put_local(path, x):
         x = np.asarray(x)
-        spec = leaf_spec(config, mesh, _global_shape(x.shape), _top_key(path))
+        spec = leaf_spec(config, mesh, _global_shape(x.shape), _top_key(path), training=False)
         # Handles meshes whose batch axes do not follow process boundaries (e.g. data=2 on 4 processes).
         return make_global_batch(x, NamedSharding(mesh, spec))
 
@@ -182,5 +233,5 @@ from jaxpar.data.store import ShardDamage, TokenStore, prepare, verify_store  # 
 from jaxpar.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_tokenizer  # noqa: E402
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "ShardDamage", "TokenLoader", "TokenStore", "batch_axes",
-           "batch_shardings", "batch_specs", "leaf_spec", "load_tokenizer", "part_shapes", "place_batch", "prepare",
-           "split_rows", "train_tokenizer", "verify_store"]
+           "batch_shardings", "batch_specs", "check_rows", "leaf_spec", "load_tokenizer", "part_shapes", "place_batch", "prepare",
+           "split_rows", "step_parts", "train_tokenizer", "verify_store"]

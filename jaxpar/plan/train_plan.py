@@ -143,9 +143,10 @@ class TrainPlan:
     def batch_axes(self) -> tuple[str, ...]:
         return batch_axes(self.config, self.mesh)
 
-    def batch_specs(self, batch) -> Any:
-        """``PartitionSpec`` per leaf of ``batch`` (arrays or shapes of the global batch)."""
-        return batch_specs(self.config, self.mesh, batch)
+    def batch_specs(self, batch, *, training: bool | None = None) -> Any:
+        """``PartitionSpec`` per leaf of ``batch`` (arrays or shapes of the global batch);
+        ``training``: what the batch is for (`jaxpar.data.leaf_spec`: the rows it must have)."""
+        return batch_specs(self.config, self.mesh, batch, training=training)
 
     # ----------------------------------------------------------------- spec trees
     def specs(self, section: str, like) -> Any:

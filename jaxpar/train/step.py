@@ -24,7 +24,6 @@ rows as it treats parameters.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +33,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.data import part_shapes
+from jaxpar.data import check_rows, part_shapes
 from jaxpar.nn import fp8
 from jaxpar.nn.blocks import recompute_paths, recomputed_loss
 from jaxpar.nn.moe import MoEMetric, moe_metrics
@@ -136,21 +135,11 @@ def _check_parts(s: Setting, batch, k: int, n: int) -> None:
     if k * n == 1:
         return
     sizes = dict(s.mesh.shape)
-    cut = " x ".join(f"{name}={v}" for name, v in (("grad_accum", k), ("interleave", n)) if v > 1)
+    parts = {name: v for name, v in (("grad_accum", k), ("interleave", n)) if v > 1}
     specs = jax.tree.leaves(s.plan.batch_specs(batch), is_leaf=lambda v: isinstance(v, PartitionSpec))
     for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(batch), specs):
-        axes = spec_axes(spec[0]) if len(spec) else ()
-        devices = math.prod(sizes[a] for a in axes)
-        rows = x.shape[0] if x.shape else 0
-        need = devices * k * n
-        if rows % need:
-            near = " or ".join(str(b) for b in (rows // need * need, (rows // need + 1) * need) if b)
-            smaller = " or ".join(name for name, v in (("grad_accum", k), ("interleave", n)) if v > 1)
-            raise ValueError(
-                f"batch{jax.tree_util.keystr(path)} has {rows} rows: {cut} cuts it into {k * n} parts of "
-                f"{rows / (k * n):g} rows, and each part is split over the batch axes {axes} ({devices} devices), so "
-                f"the global batch must be a multiple of {need} = {devices} x {k * n}; use a global batch of "
-                f"{near}, or a smaller {smaller}")
+        axes = spec_axes(spec[0]) if len(spec) else ()     # the leaf's own split (a dataset_strategy's too)
+        check_rows(f"batch{jax.tree_util.keystr(path)}", x.shape[0] if x.shape else 0, axes, sizes, parts)
 
 
 def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
