@@ -426,3 +426,38 @@ def test_jaxpar_plan_refuses_a_hopeless_budget_before_building_the_model(capsys)
     assert time.perf_counter() - start < 5
     assert "memory budget of 1,000,000 B per device on 8 devices" in err and "Traceback" not in err, err
     assert "(memory_budget, --memory-budget) above 4,781,248 B, use at least 39 devices" in err, err
+
+
+def test_the_strategy_search_weighs_every_micro_batch_against_the_gradient_all_reduce():
+    """A pipelined (or accumulated) step runs the graph of one micro-batch m times and reduces
+    the gradients once; the strategy search weighed one micro-batch's compute against the whole
+    all-reduce, so on pipe=2 x data=4 with 8 micro-batches it kept the batch whole on the 4 data
+    devices ('batch replicated'), which price_pipeline itself prices slower than the split."""
+    from jaxpar.auto import search
+    from jaxpar.auto.cost import CostParams
+    from jaxpar.auto.pricing import micro_batch, price_pipeline
+
+    costs = CostParams()
+    batch = batches(1, batch=256, seq=SCANNED.seq_len)[0]
+    space = JobSearchSpace(devices=8, memory_budget=1e12, pipeline_stages=(2,), microbatches=(8,),
+                           schedule="1f1b", zero_levels=(0,))
+    job = search_job(gpt_fn(), pipeline_loss(), batch, space, dry_run=False, cost_params=costs)
+    split = next(o for o in job.candidates if o.mesh == {"pipe": 2, "data": 4, "model": 1})
+    assert not split._batch_replicated(), split.label()
+    # the same pipeline with the batch whole on every data device is priced slower
+    model, loss, inner = nnx.eval_shape(gpt_fn()), pipeline_loss(), {"data": 4, "model": 1}
+    part = micro_batch(batch, 8)
+    graph = build_graph(model, loss, part)
+    h = jax.eval_shape(loss.embed, model, part)
+    whole = hand_axes(graph, jaxpar.ParallelConfig(mesh=inner, dataset_strategy="full_batch"), inner)
+    full = price_pipeline(graph, whole, inner, costs, stages=2, microbatches=8, layers=4,
+                          activation_bytes=h.size * h.dtype.itemsize, schedule="1f1b")[0]
+    assert split.time_s < full
+    # the search alone: one run of the graph keeps the batch whole, the step's 9 runs split it
+    config = jaxpar.ParallelConfig(mesh=inner, mode="auto", search="dynamic_programming")
+    once = search(None, loss, part, config, inner, cost_params=costs, graph=graph)
+    nine = search(None, loss, part, config, inner, cost_params=costs, graph=graph, runs=9)
+    assert {tuple(s) for _, s in once.batch} == {()}
+    assert {tuple(s)[:1] for _, s in nine.batch} == {("data",)}
+    with pytest.raises(ValueError, match=r"runs=0 must be a number >= 1"):
+        search(None, loss, part, config, inner, cost_params=costs, graph=graph, runs=0)

@@ -47,7 +47,7 @@ def annotations(graph: Graph, config, sizes: Mapping[str, int], extra: Mapping[s
 
 def search(model, loss_fn: Callable, batch: Any, config, mesh, *, cost_params: CostParams | None = None,
            annotate: Mapping[str, Any] | None = None, memory_budget: float | None = None,
-           graph: Graph | None = None) -> Strategy:
+           graph: Graph | None = None, runs: float = 1) -> Strategy:
     """Search a strategy for training ``model`` with ``loss_fn`` on ``batch``-shaped batches.
 
     Args:
@@ -61,6 +61,11 @@ def search(model, loss_fn: Callable, batch: Any, config, mesh, *, cost_params: C
       cost_params: machine numbers (`CostParams`); defaults when ``None``.
       annotate: more annotations, path glob → strategy (parameters or batch leaves).
       memory_budget: per-device bytes the predicted memory must fit.
+      runs: how many times one step runs the graph of ``batch`` (its micro-batches, when
+        ``batch`` is one micro-batch of the step: gradient accumulation, pipeline stages): the
+        search weighs ``runs`` times its operators' FLOPs and activation collectives against
+        the parameter-gradient collectives, which run once per step. The strategy's recorded
+        cost stays that of one run of the graph.
 
     >>> plan = search(model, loss_fn, batch, ParallelConfig(mesh={"data": 2, "model": 4},
     ...               mode="auto", search="dynamic_programming"), mesh)     # doctest: +SKIP
@@ -70,7 +75,10 @@ def search(model, loss_fn: Callable, batch: Any, config, mesh, *, cost_params: C
     params = cost_params or CostParams()
     algorithm = config.search or "dynamic_programming"
     graph = graph if graph is not None else build_graph(model, loss_fn, batch)
-    problem = Problem.make(graph, sizes, params)
+    if isinstance(runs, bool) or not isinstance(runs, (int, float)) or not (math.isfinite(runs) and runs >= 1):
+        raise ValueError(f"search: runs={runs!r} must be a number >= 1, the times one step runs the graph of the "
+                         f"batch given (1 for a whole step's batch; m for one of m micro-batches)")
+    problem = Problem.make(graph, sizes, params, runs)
     fixed, sources, conflicts = from_specs(graph, annotations(graph, config, sizes, annotate), sizes)
     notes = list(getattr(graph, "notes", ())) + [f"annotation: class {graph.class_names[c]} -> {fixed[c] or 'whole'} (from {sources[c]})"
              for c in range(graph.num_classes) if fixed[c] is not None]

@@ -439,13 +439,21 @@ def temp_parts(graph: Graph, axes, sizes: Mapping[str, int], flags: Flags) -> tu
     return peak, grads, reduced
 
 
-def op_scalar(graph: Graph, op: Op, axes, sizes, params: CostParams, flags: Flags) -> tuple[float, float]:
-    """One operator's (time, temp bytes): the DP's factor values."""
+def op_scalar(graph: Graph, op: Op, axes, sizes, params: CostParams, flags: Flags,
+              runs: float = 1.0) -> tuple[float, float]:
+    """One operator's (time, temp bytes): the DP's factor values.
+
+    ``runs``: how many times a step runs the graph (the micro-batches of one step, when the
+    graph is one micro-batch): the operator's FLOPs and its own collectives count ``runs``
+    times, the parameter-gradient collectives it adds to the step's combined ones once, as
+    `jaxpar.auto.pricing` prices a step."""
     f, comms, act, bad = op_terms(graph, op, axes, sizes, flags)
     if bad:
         return math.inf, math.inf
-    t = f / params.flops_per_s + sum(comm_share(c, sizes, params) for c in comms)
-    return t, params.temp_activation_factor * act
+    once = sum(comm_share(c, sizes, params) for c in comms if c.combined and c.combined != TAIL)
+    each = f / params.flops_per_s + sum(comm_share(c, sizes, params) for c in comms
+                                        if not c.combined or c.combined == TAIL)
+    return runs * each + once, params.temp_activation_factor * act
 
 
 def param_scalar(graph: Graph, t: int, axes, sizes, params: CostParams) -> tuple[float, float]:

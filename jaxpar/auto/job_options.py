@@ -34,8 +34,9 @@ def plain_options(job, abstract, loss_of: Mapping[str, Callable], batch, base, s
     """Every priced unpipelined `JobOption` (``job``: the JobOption class) of ``space``, for the
     abstract model ``abstract``; ``loss_of[policy]``: the loss with ``ParallelConfig.remat=policy``
     applied as the step applies it (`jaxpar.nn.blocks.remat_loss`);
-    ``strategies_of(graph, loss_fn, batch, config, sizes, search_name, params, memory_budget)``
-    gives the searched strategies of one mesh."""
+    ``strategies_of(graph, loss_fn, batch, config, sizes, search_name, params, memory_budget, runs=k)``
+    gives the searched strategies of one mesh (``runs``: the ``k`` micro-batches one step runs
+    the graph for)."""
     rows = jax.tree.leaves(batch)[0].shape[0]
     devices, strategies, out = space.devices, space.context_strategy, []
     moe = moe_layers(abstract)
@@ -59,8 +60,9 @@ def plain_options(job, abstract, loss_of: Mapping[str, Callable], batch, base, s
                     mesh = dict(shape) if cp == 1 else {"context": cp, **shape}
                     for ep in _expert_sizes(moe, d, cp):
                         cfg = base if ep is None else _pinned(base, moe, ep)
+                        # a step runs the graph of one micro-batch k times, its gradient collectives once
                         for strategy in strategies_of(graph, loss_fn, batch, cfg, sizes, space.search_name, params,
-                                                      space.memory_budget):
+                                                      space.memory_budget, runs=k):
                             axes = [a for _, _, a in strategy.classes]
                             cost = evaluate(graph, axes, sizes, params, flags=flags)
                             for cost2, extra in _variants(cost, graph, axes, sizes, flags, cp, seq, strategies, moe,

@@ -4,7 +4,9 @@ The search enumerates *job options*: a mesh shape ``data × model`` of the devic
 number of micro-batches ``k`` (gradient accumulation), a ZeRO level and a recompute policy;
 or a pipeline (``pipe × data × model``, micro-batches, schedule) with a ZeRO level. For each mesh shape
 and ``k`` it searches operator strategies on the graph of one micro-batch (twice: the
-fastest, and the fastest within the budget), then prices every ZeRO level on top of each
+fastest, and the fastest within the budget), weighing each operator ``k`` times against the
+gradient collectives that run once per step (``search(..., runs=k)``; a pipeline's
+``m + p - 1`` micro-batch slots), then prices every ZeRO level on top of each
 strategy with `jaxpar.auto.pricing` (the formulas are there). Options are sorted by predicted step time; the fastest
 one that fits is compiled ahead of time on the local (simulated) devices — the *dry run* —
 and its compiled memory (``memory_analysis``: arguments + outputs + temp − aliased) checked
@@ -336,12 +338,15 @@ def check_memory_floor(abstract, batch, *, devices: int, memory_budget: float, p
         f"at least {fewest} devices, or a smaller model or batch")
 
 
-def _strategies(graph, loss_fn, batch, base, shape, search_name, params, memory_budget) -> list[Strategy]:
-    """The fastest strategy, and the fastest within the budget (once if they agree)."""
+def _strategies(graph, loss_fn, batch, base, shape, search_name, params, memory_budget, runs: float = 1) -> list[Strategy]:
+    """The fastest strategy, and the fastest within the budget (once if they agree); ``runs``:
+    how many times one step runs the graph (`jaxpar.auto.search`), so that the search weighs
+    the whole step's compute against the gradient collectives that run once per step."""
     cfg = dataclasses.replace(base, mesh=shape, mode="auto", search=search_name, rules={}, grad_accum=1)
     found = {}
     for budget in (None, memory_budget):
-        s = search(None, loss_fn, batch, cfg, shape, cost_params=params, memory_budget=budget, graph=graph)
+        s = search(None, loss_fn, batch, cfg, shape, cost_params=params, memory_budget=budget, graph=graph,
+                   runs=runs)
         found[tuple(a for _, _, a in s.classes)] = s
     return list(found.values())
 
@@ -379,7 +384,10 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, space: Jo
             for inner in mesh_shapes(space.devices // p):
                 if (rows // m) % inner["data"]:
                     continue
-                strategy = _strategies(graph, loss_fn, part, base, inner, space.search_name, params, None)[0]
+                # a stage runs its chunk on m micro-batches in m + p - 1 slots (GPipe, 1F1B: the
+                # bubble's p - 1), and all-reduces its gradients once per step
+                strategy = _strategies(graph, loss_fn, part, base, inner, space.search_name, params, None,
+                                       runs=m + p - 1)[0]
                 axes = [a for _, _, a in strategy.classes]
                 for z in space.zero_levels:
                     if z and inner["data"] == 1:

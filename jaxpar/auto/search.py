@@ -44,9 +44,10 @@ class Problem:
     op_keys: list[tuple]
     class_ops: list[list[int]]
     cache: dict
+    runs: float = 1.0        # times a step runs the graph (micro-batches): `jaxpar.auto.cost.op_scalar`
 
     @classmethod
-    def make(cls, graph: Graph, sizes: Mapping[str, int], params: CostParams) -> "Problem":
+    def make(cls, graph: Graph, sizes: Mapping[str, int], params: CostParams, runs: float = 1.0) -> "Problem":
         flags = analyse(graph)
         op_classes, op_keys = [], []
         class_ops: list[list[int]] = [[] for _ in range(graph.num_classes)]
@@ -56,14 +57,15 @@ class Problem:
             op_keys.append(_op_key(graph, op, cs, flags))
             for c in cs:
                 class_ops[c].append(i)
-        return cls(graph, dict(sizes), params, flags, op_classes, op_keys, class_ops, {})
+        return cls(graph, dict(sizes), params, flags, op_classes, op_keys, class_ops, {}, runs)
 
     def op_cost(self, i: int, axes: Sequence[Axes]) -> tuple[float, float]:
         """(time, temp bytes) of operator ``i``, memoised by structure and the axes it sees."""
         key = (self.op_keys[i], tuple(axes[c] for c in self.op_classes[i]))
         hit = self.cache.get(key)
         if hit is None:
-            hit = self.cache[key] = op_scalar(self.graph, self.graph.ops[i], axes, self.sizes, self.params, self.flags)
+            hit = self.cache[key] = op_scalar(self.graph, self.graph.ops[i], axes, self.sizes, self.params, self.flags,
+                                              self.runs)
         return hit
 
     def param_cost(self, t: int, axes) -> tuple[float, float]:
