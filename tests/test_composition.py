@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import warnings
 
 import jax
 import numpy as np
@@ -160,6 +161,57 @@ def test_plan_summary_says_how_the_batch_is_split():
         got = plan.batch_specs({k: v for k, v in shapes.items() if specs[k] is not None})
         assert got == {k: v for k, v in specs.items() if v is not None}
     assert plan.batch_axes() == ("data",)      # the default axes, for the step, whatever the strategy
+
+
+def test_an_idle_mesh_axis_is_named_by_the_plan_and_the_trainer():
+    """A mesh axis that no rule, batch split or parameter uses had the devices along it repeat
+    the same compute and memory, without a word: the plan's summary names it, and the Trainer
+    warns at construction, naming the axis, its size and the fixes. Any use silences both."""
+    abstract = nnx.eval_shape(lambda: GPT(TINY, rngs=nnx.Rngs(0)))
+    states = nnx.split(abstract, nnx.Param, ...)[1:]     # (params, rest): no model check (context below)
+
+    def plan(mesh=None, **kw):
+        mesh = mesh or {"data": 2, "model": 4}
+        return jaxpar.make_train_plan(jaxpar.ParallelConfig(mesh=mesh, **kw), mesh, states, optax.adamw(1e-3))
+
+    idle = plan()
+    assert idle.idle_axes() == {"model": 4}
+    assert "idle mesh axes {'model': 4}" in idle.summary() and str(idle).rstrip("\n").endswith(idle.summary())
+    assert any("idle mesh axes" in line for line in idle.diff(plan(rules=MEGATRON)))
+    for mesh, used in ((None, {"rules": {"mlp": "model"}}),                        # a rule
+                       (None, {"rules": {"batch": ("data", "model")}}),            # the batch split
+                       (None, {"dataset_strategy": (8, 1)}),
+                       (None, {"parameter_strategy": {"blocks/*/mlp/up": P(None, "model")}}),
+                       (None, {"optimizer": {"level": 1, "axis": ("data", "model"), "threshold_kb": 0}}),  # ZeRO
+                       (None, {"mode": "data"}),             # the batch over every axis
+                       (None, {"mode": "hybrid"}),           # the per-device loss's own collectives
+                       ({"data": 4, "pipe": 2}, {"pipeline": {"stages": 2, "microbatches": 2}}),
+                       ({"data": 2, "context": 4}, {"context": {"axis": "context"}}),
+                       ({"data": 2, "expert": 4}, {"rules": {"expert": "expert"}}),
+                       ({"data": 8, "model": 1}, {})):        # size 1: nothing repeats
+        quiet = plan(mesh, **used)
+        assert quiet.idle_axes() == {} and "idle" not in quiet.summary(), (mesh, used, quiet.summary())
+    # a searched plan (mode="auto"): the search assigned the axes
+    assert dataclasses.replace(idle, source="searched:dynamic_programming").idle_axes() == {}
+    # mode="data" with an axis set aside for a pipeline that is off: the fix is the pipeline
+    piped = plan({"data": 4, "pipe": 2}, mode="data")
+    assert piped.idle_axes() == {"pipe": 2} and "pipeline={'stages': 2, 'axis': 'pipe'}" in piped.idle_axes_note()
+
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4})
+    with pytest.warns(jaxpar.plan.IdleAxisWarning) as caught:
+        _trainer(config, gpt=TINY)
+    assert len(caught) == 1
+    assert str(caught[0].message) == (
+        "Trainer: mesh axis 'model' (size 4) of mesh {'data': 2, 'model': 4} is idle: no rule, batch split, "
+        "parameter, optimizer-state (ZeRO) shard, pipeline stage or context axis uses it, so the 4 devices along "
+        "'model' repeat the same compute and hold the same memory. To use it, map a logical axis to it (e.g. "
+        "rules={'mlp': 'model'}), split the batch over it (rules={'batch': ('data', 'model')} or a "
+        "dataset_strategy), or use a smaller mesh ({'data': 2} on 2 devices). The model's own operator "
+        "strategies (jaxpar.shard / jaxpar.ops naming 'model') are not seen here: if the model splits over "
+        "'model' itself, filter jaxpar.plan.IdleAxisWarning")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jaxpar.plan.IdleAxisWarning)
+        _trainer(dataclasses.replace(config, rules=MEGATRON), gpt=TINY)
 
 
 def test_save_with_partition_spec_and_layout_in_the_parameter_strategy(tmp_path):

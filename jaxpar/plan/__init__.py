@@ -4,7 +4,7 @@ flow: search, init, checkpoints and reports take them; none of them needs a Trai
 
 from jaxpar.plan.checks import check_combination
 from jaxpar.plan.state import TrainState, check_data, init_state, state_shardings
-from jaxpar.plan.train_plan import TrainPlan, flat_paths, make_train_plan
+from jaxpar.plan.train_plan import IdleAxisWarning, TrainPlan, flat_paths, make_train_plan
 
-__all__ = ["TrainPlan", "TrainState", "check_combination", "check_data", "flat_paths", "init_state", "make_train_plan",
-           "state_shardings"]
+__all__ = ["IdleAxisWarning", "TrainPlan", "TrainState", "check_combination", "check_data", "flat_paths", "init_state",
+           "make_train_plan", "state_shardings"]

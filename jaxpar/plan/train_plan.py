@@ -212,7 +212,7 @@ class TrainPlan:
         t.add_row("total", "", "", "", f"{total:,}", f"{per_dev:,}", style="bold")
         console = Console(record=True, width=width, file=io.StringIO())
         console.print(t)
-        console.print(self.summary())
+        console.print(self.summary(), soft_wrap=True)     # one line, as summary() and diff() give it
         return console.export_text()
 
     def summary(self) -> str:
@@ -229,7 +229,67 @@ class TrainPlan:
             parts.append(f"precision {c.precision.label}")
         if self.offload:
             parts.append(f"offload {list(self.offload)}")
+        if idle := self.idle_axes():
+            parts.append(f"idle mesh axes {idle} (no rule, batch split or parameter uses them: the devices "
+                         "along them repeat the same compute and memory)")
         return "; ".join(parts)
+
+    def idle_axes(self) -> dict[str, int]:
+        """Mesh axes (of size > 1) that nothing in the plan splits over: no rule names them, the
+        batch is not split over them, no parameter, gradient, optimizer-state (ZeRO) or other
+        variable spec uses them, and they are not the pipeline's stage axis or a context axis.
+        The devices along such an axis repeat one another's compute and memory. Empty for a
+        searched plan (the search assigns the axes) and in mode ``"hybrid"``, whose per-device
+        loss may use any axis with its own collectives."""
+        if self.config.mode == "hybrid" or self.source.startswith("searched"):
+            return {}
+        used = set(self.zero_axes) | self._batch_split_axes()
+        for section in SECTIONS:
+            used.update(a for spec in getattr(self, section).values() for e in spec for a in spec_axes(e))
+        for target in self.config.rules.values():
+            used.update((target,) if isinstance(target, str) else target or ())
+        c = self.config
+        if c.pipeline.stages > 1:
+            used.add(c.pipeline.axis)
+        if c.context is not None:
+            used.update(c.context.axes)
+        return {a: n for a, n in self.mesh.items() if n > 1 and a not in used}
+
+    def _batch_split_axes(self) -> set[str]:
+        """The mesh axes some batch leaf is split over (as `batch_specs` splits them)."""
+        strategy = self.config.dataset_strategy
+        out = set()
+        for s in strategy.values() if isinstance(strategy, dict) else (strategy,):
+            if s is None:
+                out.update(self.batch_axes())
+            elif s != "full_batch":
+                spec = to_partition_spec(s, self.mesh, rules=self.config.rules)
+                out.update(a for e in spec for a in spec_axes(e))
+        return out
+
+    def idle_axes_note(self) -> str | None:
+        """What the Trainer warns of at construction when the plan has `idle_axes`, else None."""
+        idle = self.idle_axes()
+        if not idle:
+            return None
+        names = ", ".join(f"{a!r} (size {n})" for a, n in idle.items())
+        axis, size = next(iter(idle.items()))
+        rest = {a: n for a, n in self.mesh.items() if a not in idle} or {"data": 1}
+        smaller = f"a smaller mesh ({rest} on {math.prod(rest.values())} devices)"
+        if self.config.mode == "data":     # every axis but the pipeline's (and context's) splits the batch
+            fixes = (f"run pipeline stages over it (pipeline={{'stages': {size}, 'axis': {axis!r}}}), or use "
+                     f"{smaller}")
+        else:
+            batch = self.batch_axes()
+            split = (*batch, axis) if batch else axis
+            fixes = (f"map a logical axis to it (e.g. rules={{'mlp': {axis!r}}}), split the batch over it "
+                     f"(rules={{'batch': {split!r}}} or a dataset_strategy), or use {smaller}")
+        axes, is_are, it = ("mesh axis", "is", "it") if len(idle) == 1 else ("mesh axes", "are", "them")
+        return (f"{axes} {names} of mesh {dict(self.mesh)} {is_are} idle: no rule, batch split, parameter, "
+                f"optimizer-state (ZeRO) shard, pipeline stage or context axis uses {it}, so the {size} devices "
+                f"along {axis!r} repeat the same compute and hold the same memory. To use it, {fixes}. The "
+                f"model's own operator strategies (jaxpar.shard / jaxpar.ops naming {axis!r}) are not seen here: "
+                f"if the model splits over {axis!r} itself, filter jaxpar.plan.IdleAxisWarning")
 
     def _batch_text(self) -> str:
         """How batches are split, as `batch_specs` splits them: the default batch axes only
@@ -312,6 +372,10 @@ class TrainPlan:
 
     def __hash__(self) -> int:
         return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+
+class IdleAxisWarning(UserWarning):
+    """A mesh axis of the Trainer's plan that nothing splits over (`TrainPlan.idle_axes`)."""
 
 
 def _show(spec) -> str:

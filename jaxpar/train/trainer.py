@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -32,7 +33,8 @@ from jaxpar.metrics.logger import ROUTING, examples_per_step
 from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
 from jaxpar.nn.specs import check_rules_used, declared_names
-from jaxpar.plan import TrainPlan, TrainState, check_combination, check_data, init_state, state_shardings
+from jaxpar.plan import (IdleAxisWarning, TrainPlan, TrainState, check_combination, check_data, init_state,
+                         state_shardings)
 from jaxpar.strategy import recording_rules
 from jaxpar.train.hooks import Preempted, Preemption, running, watchers
 from jaxpar.train.planning import plan_for
@@ -178,6 +180,8 @@ class Trainer:
                 plan, self.searched = plan_for(model, tx, loss_fn, config, mesh, example_batch=example_batch,
                                                offload=self._offload)
             self.plan = plan
+            if note := plan.idle_axes_note():      # a mesh axis nothing splits over (print(plan) shows it too)
+                warnings.warn(f"Trainer: {note}", IdleAxisWarning, stacklevel=2)
             self._leaves, self._treedef, self._data, self._state_view = None, None, {}, None
             self._steps = 0
             self._compiled = {}
