@@ -289,6 +289,10 @@ def cases(mode: str) -> list[Case]:
     offload = (("jaxpar", {}), ("jaxpar offload opt_state", {"offload": "opt_state", **lift}),
                ("jaxpar offload params", {"offload": "params", **lift}),
                ("jaxpar remat offload_dots", {"remat": "offload_dots", **lift}))
+    # stacked layers: offload="params" streams them into device memory one layer at a time
+    # inside the layer loop (jaxpar.nn.stream), with and without the optimizer state offloaded
+    streamed = (("jaxpar", {}), ("jaxpar offload params (streamed)", {"offload": "params", **lift}),
+                ("jaxpar offload params+opt_state (streamed)", {"offload": ("params", "opt_state"), **lift}))
     # the state's round trip is paid once per step: with 4 micro-batches a step it is a quarter
     accum = (("jaxpar, grad_accum 4", {"grad_accum": 4}),
              ("jaxpar offload opt_state, grad_accum 4", {"grad_accum": 4, "offload": "opt_state", **lift}))
@@ -302,6 +306,8 @@ def cases(mode: str) -> list[Case]:
         Case(f"1b-shape, {long_seq} tokens (scanned, recompute)", dataclasses.replace(big, scan_layers=True),
              long_seq, 1, remat=REMAT),
         Case("125m-shape: offload modes", mid, seq, mid_batch, variants=offload),
+        Case("125m-shape scanned: parameters streamed", dataclasses.replace(mid, scan_layers=True), seq, mid_batch,
+             variants=streamed),
         Case("125m-shape MoE 8 x top-2", dataclasses.replace(mid, moe=moe), seq, mid_batch, variants=kernels),
         Case("125m-shape, 4 micro-batches: offload", mid, seq, 4 * mid_batch, variants=accum),
         Case("jaxpar.init, 1b-shape", big, seq, batch, init=True),

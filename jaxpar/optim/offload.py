@@ -23,11 +23,13 @@ weights, adamw; ``python benchmarks/gpu.py --cases "125m-shape: offload modes"``
 - ``offload="params"``: 44.83 ms (1.36x), 9.67 GiB;
 - ``remat="offload_dots"``: 87.84 ms (2.67x), 7.69 GiB.
 
-The state's copies have waited for their gradients since (not measured on a GPU yet: the same
-command measures it, with the refusal lifted in the benchmark, and with ``grad_accum=4``, which
-pays the round trip once per four micro-batches). The issue's bar for a mode that pays is a peak
-lower by at least 80 % of the bytes moved at no more than 1.25x the step (1.3x for
-activations). Until a measurement shows one paying, ZeRO over more devices, bf16 optimizer state
+Since then the state's copies wait for their gradients, and stacked (scanned) layers' parameters
+stream into device memory one layer at a time inside the layer loop (`jaxpar.nn.stream`; the
+step's ``enter``, ``land_grads`` and ``arrive_streamed``); neither is measured on a GPU yet.
+The same command measures them, with the refusal lifted in the benchmark, plus the case
+``"125m-shape scanned: parameters streamed"`` and ``grad_accum=4`` (the state's round trip paid
+once per four micro-batches). A mode pays when the peak falls by at least 80 % of the bytes
+moved at no more than 1.25x the step (1.3x for activations). Until a measurement shows one paying, ZeRO over more devices, bf16 optimizer state
 or a chunked loss free memory without the transfers.
 """
 
@@ -54,7 +56,9 @@ def unpaid_on(platform: str, offload: tuple[str, ...] = (), remat: str | None = 
         return None
     if offload:
         return (f"offload={tuple(offload)} cannot pay on a GPU: measured on an H200 the peak was not lower and "
-                f"the copies made the step 1.36x (params) to 1.99x (opt_state) slower (docs/offload.md); to free "
+                f"the copies made the step 1.36x (params) to 1.99x (opt_state) slower (docs/offload.md; the state "
+                f"arriving as the gradients come and parameters streamed layer by layer are not measured on a "
+                f"GPU yet: benchmarks/gpu_pending.sh measures them); to free "
                 f"device memory use "
                 f"ZeRO over more devices (ParallelConfig(optimizer={{'level': 1}}) or 3), precision='bf16-pure' "
                 f"(bf16 optimizer state) or a chunked loss (LlamaConfig(loss_chunks=8)), and drop offload")
@@ -75,6 +79,17 @@ def on_host(shardings):
     """The same shardings in ``pinned_host`` memory."""
     return jax.tree.map(lambda s: s.with_memory_kind(HOST), shardings,
                         is_leaf=lambda x: isinstance(x, NamedSharding))
+
+
+def in_host_memory(x) -> bool:
+    """Whether ``x`` (an array, or a traced value inside ``jit``) is in host memory."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def land(tree):
+    """Inside ``jit``: each leaf of ``tree`` in host memory moved into device memory; the rest
+    as they are (e.g. the gradients of streamed layers, which the backward leaves on the host)."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if in_host_memory(x) else x, tree)
 
 
 def to_device(tree, shardings):

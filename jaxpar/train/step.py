@@ -35,10 +35,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.data import check_rows, part_shapes
 from jaxpar.nn import fp8
-from jaxpar.nn.blocks import recompute_paths, recomputed_loss
+from jaxpar.nn.blocks import recompute_paths, recomputed_loss, stacked_blocks
 from jaxpar.nn.moe import MoEMetric, moe_metrics
 from jaxpar.optim import accumulate, fusion
-from jaxpar.optim.offload import to_device
+from jaxpar.nn.stream import streamed_loss
+from jaxpar.optim.offload import in_host_memory, land, to_device
 from jaxpar.optim.zero import gather_params, mirrored, param_index, reduce_gradients
 from jaxpar.pipeline.model import pipelined
 from jaxpar.pipeline.stages import StagedLoss
@@ -61,6 +62,7 @@ class Setting:
         self.precision = plan.precision
         # MoE layers record routing figures the step returns with its metrics (`record_moe`)
         self.moe = bool(jax.tree.leaves(nnx.state(nnx.merge(graphdef, params_like, rest_like), MoEMetric)))
+        self.streamed = _streamed_blocks(plan, nnx.merge(graphdef, params_like, rest_like))
         self.rows = rows_like       # shapes of the pulled rows (None: the model holds every parameter)
         # Replicated unless the source placed them (a job of several processes: each process's block)
         self.row_specs = row_specs if rows_like is None or row_specs is not None else \
@@ -156,6 +158,11 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
     # pipeline's stages too: around the whole loss XLA keeps a scan's stacked activations.
     # A model without blocks keeps the whole-loss recompute below (`whole`: its policy).
     loss_fn, whole = recompute_blocks(s, loss_fn, plan.remat, order)
+    # offload="params": the stacked layers come into device memory one at a time inside the
+    # scan (`jaxpar.nn.stream`). Wrapped after recompute, so it swaps the block's class first and
+    # the recompute policy goes around it: "full" recomputes the fetch too, and "none" keeps what
+    # the layer computes, never its fetched parameters.
+    loss_fn = stream(s, loss_fn)
     # MoE routing figures leave the model loss beside its aux: every wrapper below carries
     # them as it carries aux (accumulation and multi-copy average them over the parts, and
     # sum the dropped assignments: `combine_parts`).
@@ -181,7 +188,7 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
         # shards), and inside differentiate, so gradients come back in the stored dtype and
         # the update lands on the master weights.
         loss = cast(s, loss)
-        grads = reduce_in(s, differentiate(loss))
+        grads = reduce_in(s, land_grads(s, differentiate(loss)))
     # Accumulation scans everything above over k micro-batches; the running sum is kept in
     # the ZeRO gradient layout (sharded from level 2) and the reduce dtype; the optimizer
     # then gets the gradients in the stored dtype.
@@ -200,7 +207,7 @@ def build_eval(s: Setting, loss_fn: Callable, batch) -> Callable:
     """``(TrainState, batch) -> loss``: the forward of the chain, no gradients, the model in
     evaluation mode (`Setting.evaluating`: dropout off, batch norm on its running statistics)."""
     s = s.evaluating()
-    loss = cast(s, gather(s, merge(s, pipeline(s, loss_fn), batch)))
+    loss = cast(s, gather(s, merge(s, stream(s, pipeline(s, loss_fn)), batch)))
 
     def evaluate(state: TrainState, batch, *rows):
         return loss(s.join(enter(s, state.params), rows), state.rest, batch)[0]
@@ -217,6 +224,15 @@ def pipeline(s: Setting, loss_fn: Callable) -> Callable:
         return loss_fn
     specs = nnx.merge(s.graphdef, s.plan.specs("params", s.params_like), s.rest_specs)
     return pipelined(loss_fn, s.plan.config, s.mesh, specs=specs, schedule=s.plan.schedule)
+
+
+def stream(s: Setting, loss_fn: Callable) -> Callable:
+    """``offload="params"`` on a model with stacked (scanned) blocks: each block fetches its
+    layer's parameters into device memory where it runs, cast to the compute dtype
+    (`jaxpar.nn.stream`); the stacked arrays stay in host memory through the step."""
+    if not s.streamed:
+        return loss_fn
+    return streamed_loss(loss_fn, s.streamed, s.precision.compute if s.precision is not None else None)
 
 
 def merge(s: Setting, loss_fn: Callable, batch) -> Callable:
@@ -338,7 +354,9 @@ def cast(s: Setting, loss: Callable) -> Callable:
 
     def cast_loss(params, rest, batch):
         with fp8.matmuls(kind):     # the model's projections in fp8 where the preset asks (jaxpar.nn.fp8)
-            value, (aux, new_rest) = loss(cast_floats(params, dtype), rest, cast_floats(batch, dtype))
+            # streamed layers stay in host memory: they are cast where they are fetched (`stream`)
+            on_device = jax.tree.map(lambda x: x if in_host_memory(x) else cast_floats(x, dtype), params)
+            value, (aux, new_rest) = loss(on_device, rest, cast_floats(batch, dtype))
         return value.astype(jnp.float32), (aux, cast_like(new_rest, rest))
 
     return cast_loss
@@ -351,6 +369,14 @@ def _map_grads(grads: Callable, fn: Callable) -> Callable:
         return loss, aux, rest, fn(g, params)
 
     return compute
+
+
+def land_grads(s: Setting, grads: Callable) -> Callable:
+    """Streamed layers: their gradients, which the backward sends to host memory layer by layer
+    (the transpose of each fetch), back in device memory, where the reductions and the update run."""
+    if not s.streamed:
+        return grads
+    return _map_grads(grads, lambda g, _: land(g))
 
 
 def reduce_in(s: Setting, grads: Callable) -> Callable:
@@ -431,10 +457,48 @@ def accumulate_grads(s: Setting, grads: Callable, k: int, micro, *,
 
 
 def enter(s: Setting, params):
-    """Host-offloaded parameters into device memory, where the step starts using them."""
-    if "params" in s.plan.offload:
-        return to_device(params, s.plan.shardings("stored", s.params_like, s.mesh))
-    return params
+    """Host-offloaded parameters into device memory, where the step starts using them; the
+    layers a scan streams (`stream`) stay in host memory."""
+    if "params" not in s.plan.offload:
+        return params
+    shardings = s.plan.shardings("stored", s.params_like, s.mesh)
+    streamed = _streamed_leaves(s, params)
+    return jax.tree.map(lambda x, sh, keep: x if keep else jax.device_put(x, sh.with_memory_kind("device")),
+                        params, shardings, streamed)
+
+
+def arrive_streamed(s: Setting, params, grads):
+    """The streamed layers' parameters into device memory for the update, each behind its own
+    gradient (as `arrive_after` brings the optimizer state), not at the start of the step."""
+    if not s.streamed:
+        return params
+    shardings = s.plan.shardings("stored", s.params_like, s.mesh)
+    waiting = waiting_for(params, grads)
+    return jax.tree.map(lambda x, w, sh, keep: jax.device_put(w, sh.with_memory_kind("device")) if keep else x,
+                        params, waiting, shardings, _streamed_leaves(s, params))
+
+
+def _streamed_blocks(plan, model) -> tuple[str, ...]:
+    """The blocks whose parameters `stream` fetches layer by layer: stacked blocks of a model whose
+    parameters are offloaded, where the loss runs as one program on the stored layout (not in a
+    pipeline, whose stages run the layers; not per device (hybrid); not under ZeRO-3, whose gather
+    to the compute layout would run on the host arrays); none otherwise (the parameters come in
+    where the step starts)."""
+    if ("params" not in plan.offload or plan.loss_runs == "per_device" or plan.pipeline.stages > 1
+            or plan.zero_level >= 3):
+        return ()
+    return stacked_blocks(model)
+
+
+def _streamed_leaves(s: Setting, params):
+    """A bool per parameter leaf: whether it belongs to a streamed block."""
+    prefixes = [tuple(p.split("/")) for p in s.streamed]
+
+    def one(path, _):
+        keys = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        return any(keys[:len(p)] == p for p in prefixes)
+
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def arrive_after(s: Setting, opt_state, grads):
@@ -491,6 +555,7 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, ski
         aux, routing = aux if s.moe else (aux, None)
         norm = optax.tree.norm(g)
         g, row_grads = s.split(g)
+        params = arrive_streamed(s, params, g)
         if offload_state:
             opt_state = arrive_after(s, opt_state, g)
         updates, new_opt_state = tx.update(g, opt_state, params)

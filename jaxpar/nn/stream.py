@@ -1,0 +1,109 @@
+"""Parameters streamed into device memory one layer at a time (``offload="params"``).
+
+With ``Trainer(offload="params")`` the parameters live in ``pinned_host`` memory between
+steps. For a model whose layers are stacked and run by ``scan`` (a block `find_blocks` finds
+with ``"layers"`` as the first logical axis of every parameter), the stacked parameters stay
+in host memory through the step as well: the block's class is swapped (as ``jaxpar.remat``
+swaps it) for one whose ``__call__`` first moves the parameters of the layer it runs into
+device memory, cast to the compute dtype. The scan slices the host arrays, so the device
+holds one layer's copy at a time (XLA may fetch the next while the current one computes),
+and the copy is named `STREAMED` and never saved for the backward, nor are the layout
+operations that could carry it (`_not_weights`; what the layer computes is saved as without
+streaming): the backward fetches the layer again. Each layer's
+gradient goes back to host memory as the backward produces it (the transpose of the copy);
+the step brings the gradients and the parameters into device memory for the update
+(`jaxpar.train.step`). That is JAX's parameter-offloading pattern (the memory-spaces guide:
+``jax.device_put`` inside the scanned layer function), applied to the model's own blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxpar.nn.blocks import _resolve
+from jaxpar.optim.offload import in_host_memory
+
+__all__ = ["STREAMED", "stream_blocks", "streamed_loss"]
+
+STREAMED = "jaxpar_streamed"
+"""The ``checkpoint_name`` of a layer's parameters fetched into device memory."""
+
+# Layout and copy operations: whatever a layer derives from its weights this way (a reshape of a
+# projection, a cast) is weight-sized, so it is recomputed from a fresh fetch, never saved.
+_LAYOUT = frozenset({"reshape", "transpose", "convert_element_type", "broadcast_in_dim", "squeeze",
+                     "expand_dims", "copy", "copy_p", "device_put", "slice", "rev", "reduce_precision"})
+
+
+def _not_weights(prim, *_, **params) -> bool:
+    """The streaming checkpoint's policy: save what the layer computes except its fetched
+    parameters (named `STREAMED`) and the layout operations that could carry them."""
+    if prim.name == "name":
+        return params.get("name") != STREAMED
+    return prim.name not in _LAYOUT
+
+
+def fetch(x, dtype=None):
+    """Inside ``jit``: ``x`` moved from host into device memory (cast to ``dtype`` when it is a
+    float and ``dtype`` is given) and named `STREAMED`; ``x`` as it is when not in host memory."""
+    if not in_host_memory(x):
+        return x
+    x = jax.device_put(x, jax.memory.Space.Device)
+    if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+        x = x.astype(dtype)
+    return checkpoint_name(x, STREAMED)
+
+
+def stream_blocks(model: nnx.Module, paths: Sequence[str], dtype=None) -> nnx.Module:
+    """``model`` with each block at ``paths`` fetching its host-resident parameters into device
+    memory where it runs (its class changes; its variables and paths stay)."""
+    for path in paths:
+        module = _resolve(model, path, "stream_blocks")
+        module.__class__ = _stream_class(type(module), None if dtype is None else jnp.dtype(dtype))
+    return model
+
+
+def streamed_loss(loss_fn, paths: Sequence[str], dtype=None):
+    """``loss_fn(model, batch, *rest)`` run on the model with the blocks at ``paths`` streamed
+    (`stream_blocks` on the model it gets, merged inside the traced function)."""
+    paths = tuple(paths)
+
+    def with_streamed_blocks(model, batch, *rows):
+        return loss_fn(stream_blocks(model, paths, dtype), batch, *rows)
+
+    return with_streamed_blocks
+
+
+_CLASSES: dict[tuple[type, object], type] = {}
+
+
+def _stream_class(cls: type, dtype) -> type:
+    base = getattr(cls, "_jaxpar_stream_base", cls)
+    key = (base, dtype)
+    if key not in _CLASSES:
+        def __call__(self, *args, **kwargs):
+            # arrays (and pytrees of them) go through the checkpoint; other arguments (hooks,
+            # flags) are closed over as constants, as jaxpar.remat does
+            is_data = [all(hasattr(x, "dtype") for x in jax.tree.leaves(a)) for a in args]
+            data = [a for a, d in zip(args, is_data) if d]
+
+            def call(module, *data_args):
+                it = iter(data_args)
+                # the values (nnx.state shares the variables, which the update below changes)
+                stored = jax.tree.map(lambda x: x, nnx.state(module, nnx.Param))
+                nnx.update(module, jax.tree.map(lambda x: fetch(x, dtype), stored))
+                try:
+                    return base.__call__(module, *[next(it) if d else a for a, d in zip(args, is_data)], **kwargs)
+                finally:
+                    nnx.update(module, stored)      # the host arrays, not the device copies, leave the call
+
+            return nnx.remat(call, policy=_not_weights, prevent_cse=False)(self, *data)
+
+        _CLASSES[key] = type(base.__name__, (base,), {
+            "__call__": __call__, "_jaxpar_stream_base": base,
+            "__module__": base.__module__, "__qualname__": base.__qualname__})
+    return _CLASSES[key]
