@@ -171,6 +171,9 @@ def test_a_minus_one_axis_is_judged_on_the_mesh_the_plan_is_for():
         check_combination(config, model, loss_fn, mesh={"data": 2})
     with pytest.raises(ValueError, match=r"split over \{'data': 8\}"):    # no mesh: this process's devices
         check_combination(config, model, loss_fn)
+    # the Trainer judges it on its mesh too: one device, nothing split, nothing refused
+    one = jaxpar.make_mesh(config, jax.devices()[:1])
+    jaxpar.Trainer(GPT(MOE_CFG, rngs=nnx.Rngs(0)), optax.adamw(1e-3), loss_fn, config, one)
 
 
 def test_the_plan_carries_the_pipeline_schedule():
@@ -208,3 +211,19 @@ def test_hybrid_mode_plans_parameters_split_over_data_only_where_zero_stores_the
     for mesh, rules in (({"data": 4, "model": 2}, {"batch": "data", "mlp": "model"}),
                         ({"data": 1, "model": 8}, {"mlp": "data"})):
         make_train_plan(jaxpar.ParallelConfig(mesh=mesh, mode="hybrid", rules=rules), mesh, model, optax.sgd(0.1))
+
+
+def test_a_trainer_advises_each_batch_by_what_it_is_for():
+    """grad_accum cuts a training batch, not an evaluation batch: a Trainer asks for a multiple of
+    the batch devices x grad_accum to train and of the batch devices alone to evaluate."""
+    from helpers import batches
+
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", grad_accum=4)
+    trainer = jaxpar.Trainer(GPT(GPT_CFG, rngs=nnx.Rngs(0)), optax.adamw(1e-3), loss_fn, config,
+                             jaxpar.make_mesh(config))
+    twelve = batches(1, 12)[0]
+    with pytest.raises(ValueError, match=r"a multiple of 8 \(e\.g\. 8 or 16\)"):
+        trainer.evaluate([twelve])
+    with pytest.raises(ValueError, match=r"multiple of 32 = 8 x 4"):
+        trainer.step(twelve)
+    assert trainer.evaluate([batches(1, 16)[0]]) > 0

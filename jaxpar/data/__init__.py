@@ -42,8 +42,9 @@ def batch_axes(config: ParallelConfig, mesh) -> tuple[str, ...]:
 
 
 def leaf_spec(config: ParallelConfig, mesh, shape, key: str | None = None, *,
-              training: bool | None = None) -> PartitionSpec:
-    """The ``PartitionSpec`` of one batch leaf of global ``shape`` (under top-level ``key``).
+              training: bool | None = None, name: str | None = None) -> PartitionSpec:
+    """The ``PartitionSpec`` of one batch leaf of global ``shape`` (under top-level ``key``;
+    ``name``: the leaf as a refusal names it, e.g. ``batch['inputs']``, by default its shape).
 
     ``training`` says what the batch is for, which decides the rows it must have
     (`check_rows`): ``True``, a training step's global batch (cut into ``step_parts``);
@@ -68,17 +69,17 @@ axes ('data',) of mesh {'data': 8}; use a batch that is a multiple of 8 (e.g. 8 
         return PartitionSpec()
     if strategy is not None:
         return to_partition_spec(strategy, mesh, shape, rules=config.rules)
-    return _default_spec(config, mesh, shape, training)
+    return _default_spec(config, mesh, shape, training, name or f"batch leaf of shape {tuple(shape)}")
 
 
-def _default_spec(config: ParallelConfig, mesh, shape, training: bool | None) -> PartitionSpec:
+def _default_spec(config: ParallelConfig, mesh, shape, training: bool | None, name: str) -> PartitionSpec:
     axes = batch_axes(config, mesh)
     spec = PartitionSpec(axes if len(axes) > 1 else axes[0] if axes else None)
     sizes = mesh_sizes(mesh)
     seq = context_axes(config, mesh)
     if seq and len(shape) >= 2:    # context parallel: [B, S, ...] leaves split over S too
         spec = PartitionSpec(spec[0], seq if len(seq) > 1 else seq[0])
-    check_rows(f"batch leaf of shape {tuple(shape)}", shape[0], axes, sizes,
+    check_rows(name, shape[0], axes, sizes,
                {} if training is False else step_parts(config), known=training is not None)
     check_spec(spec, mesh, shape)
     return spec
@@ -177,7 +178,8 @@ def batch_specs(config: ParallelConfig, mesh, batch, *, training: bool | None = 
     """``PartitionSpec`` for every leaf of ``batch`` (by its global shape and top-level key);
     ``training``: what the batch is for (see `leaf_spec`)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: leaf_spec(config, mesh, _shape(x), _top_key(path), training=training), batch)
+        lambda path, x: leaf_spec(config, mesh, _shape(x), _top_key(path), training=training,
+                                  name=f"batch{jax.tree_util.keystr(path)}"), batch)
 
 
 def batch_shardings(config: ParallelConfig, mesh, batch, *, training: bool | None = None) -> Any:

@@ -249,7 +249,8 @@ class Trainer:
             batch = reorder_batch(self.plan.config, self.mesh, batch)
             batch_def = jax.tree.structure(batch)
         shapes = self._global_view(batch)
-        b_sh = jax.tree.leaves(jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.plan.batch_specs(shapes),
+        specs = self.plan.batch_specs(shapes, training=kind == "train")
+        b_sh = jax.tree.leaves(jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
                                             is_leaf=lambda x: isinstance(x, PartitionSpec)))
         s_sh = jax.tree.leaves(state_shardings(self.plan, self.mesh, self._state.detach()[0]),
                                is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
@@ -866,7 +867,8 @@ def _check_args(model, tx, loss_fn, config, mesh, plan, offload) -> None:
             raise ValueError(f"Trainer: config.mesh {config.mesh} does not match the mesh {dict(mesh.shape)}; "
                              "build the mesh with jaxpar.make_mesh(config)")
     offload = tuple(plan.offload) if isinstance(plan, TrainPlan) else host.check_targets(offload)
-    check_combination(config, model, loss_fn, platform=mesh.devices.flat[0].platform, offload=offload, who="Trainer")
+    check_combination(config, model, loss_fn, mesh=mesh, platform=mesh.devices.flat[0].platform, offload=offload,
+                      who="Trainer")
     if plan is not None:
         if not isinstance(plan, TrainPlan):
             raise TypeError(f"Trainer: plan must be a jaxpar.TrainPlan, got {type(plan).__name__}")
