@@ -44,16 +44,20 @@ def _params(trainer):
     return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param)))
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_streamed_layers_train_as_without_offload(remat):
+@pytest.mark.parametrize("remat,precision", [("none", None), ("full", None), ("dots_saveable", "bf16")])
+def test_streamed_layers_train_as_without_offload(remat, precision):
+    """fp32: equal to 1e-6. bf16: the layer is cast where it is fetched instead of before the
+    loss, the same values, but XLA fuses the casts into other ops: equal to bf16 rounding."""
     data = _batches()
-    ref = _trainer(remat=remat)
-    streamed = _trainer(("params", "opt_state"), remat=remat)
+    ref = _trainer(remat=remat, precision=precision)
+    streamed = _trainer(("params", "opt_state"), remat=remat, precision=precision)
     assert_losses_close([float(streamed.step(b)["loss"]) for b in data], [float(ref.step(b)["loss"]) for b in data],
-                        rtol=1e-6)
-    assert_close(_params(streamed), _params(ref))
+                        rtol=1e-6 if precision is None else 1e-3)
+    if precision is None:
+        assert_close(_params(streamed), _params(ref))
     assert {x.sharding.memory_kind for x in jax.tree.leaves(streamed.params)} == {"pinned_host"}
-    assert float(streamed.evaluate(data[:1])) == pytest.approx(float(ref.evaluate(data[:1])), rel=1e-6)
+    assert float(streamed.evaluate(data[:1])) == pytest.approx(float(ref.evaluate(data[:1])),
+                                                                rel=1e-6 if precision is None else 1e-3)
 
 
 def _placements(body: str) -> list[tuple[str, str]]:
