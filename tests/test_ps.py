@@ -427,3 +427,25 @@ def test_a_non_finite_step_pushes_an_empty_set_that_the_servers_count():
     assert source.step == 6
     source.push(source.pull(batch)[2], {t: np.ones_like(r) for t, r in rows.items()}, 7)
     assert client.pushed[1][0] == 6 and client.pushed[1][1] == {"users": ([1, 3], (2, 4)), "items": ([2], (1, 3))}
+
+
+def test_a_restart_gives_each_table_its_own_pending_sync_pushes(tmp_path):
+    """A checkpoint taken while sync pushes wait for the other workers (SIGTERM, a snapshot):
+    each table gets back its own, also when another table's name is as long."""
+    from jaxpar.ps.server import Server
+
+    specs = [ps.TableSpec("aa", 10, 2, ps.SGD(1.0)), ps.TableSpec("bb", 10, 2, ps.SGD(1.0))]
+    server = Server(0, 1, str(tmp_path), every=100)
+    server.handle({"op": "hello", "mode": "sync", "staleness": 0, "workers": 2,
+                   "tables": [s.to_json() for s in specs]}, [])
+    for name, ids in (("aa", [1]), ("bb", [5, 6])):
+        server.handle({"op": "push", "table": name, "step": 0, "worker": 0},
+                      [np.array(ids), np.ones((len(ids), 2), np.float32)])
+    server.checkpoint()  # what SIGTERM does
+    again = Server(0, 1, str(tmp_path), every=100)
+    assert again.tables["aa"].pending[0][0][0].tolist() == [1]
+    assert again.tables["bb"].pending[0][0][0].tolist() == [5, 6]
+    for name, ids in (("aa", [1]), ("bb", [5])):  # worker 1's pushes complete step 0
+        assert again.handle({"op": "push", "table": name, "step": 0, "worker": 1},
+                            [np.array(ids), np.ones((1, 2), np.float32)])[0]["status"] == "applied"
+    np.testing.assert_allclose(again.tables["aa"].weights[1], ps.init_rows(specs[0], np.array([1]))[0] - 2)

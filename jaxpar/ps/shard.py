@@ -231,9 +231,10 @@ class TableShard:
             self.forgotten = list(meta["forgotten"])
             self.lost_pulls = tuple(meta["lost_pulls"]) if meta["lost_pulls"] is not None else None
         self.pending = {}
+        mine = f"{prefix}/pending/"   # this table's keys alone: another table's name may be as long
         for key in arrays:
-            parts = key[len(prefix) + 1:].split("/")
-            if parts[0] == "pending" and parts[3] == "ids":
-                step, w = int(parts[1]), int(parts[2])
+            parts = key[len(mine):].split("/")
+            if key.startswith(mine) and len(parts) == 3 and parts[2] == "ids":
+                step, w = int(parts[0]), int(parts[1])
                 grads = arrays[f"{prefix}/pending/{step}/{w}/grads"]
                 self.pending.setdefault(step, {})[w] = (arrays[key].copy(), grads.copy())
