@@ -215,6 +215,49 @@ def check_outputs(job: JobConfig) -> None:
             check_directory(field, directory)
 
 
+def check_offload_on(job: JobConfig, mesh) -> None:
+    """Refuse ``train.offload`` where the Trainer would (a GPU, where no offload mode pays:
+    `jaxpar.optim.offload.unpaid_on`; devices without a ``pinned_host`` memory), before the
+    model is built, naming the job field and the way out."""
+    from jaxpar.optim import offload as host
+
+    targets = job.train.offload
+    if not targets:
+        return
+    platform = mesh.devices.flat[0].platform
+    why = host.unpaid_on(platform, targets)
+    if why is None and not host.host_memory_available(mesh):
+        why = f"{platform} devices here have no '{host.HOST}' memory to keep them in"
+    if why is not None:
+        raise ValueError(f"job config train.offload={list(targets)}: {why}; in this job: drop train.offload "
+                         "(or give --train.offload '[]')")
+    unsaved = None if job.checkpoint.dir is None else checkpoints_refuse_host_arrays(mesh)
+    if unsaved is not None:     # the first save would fail after the steps before it, and a resume at once
+        raise ValueError(f"job config train.offload={list(targets)} with checkpoint.dir={job.checkpoint.dir!r}: "
+                         f"a checkpoint cannot save or restore arrays kept in host memory here (its per-leaf "
+                         f"checksum fails on one: {unsaved}); drop train.offload (--train.offload '[]') to train "
+                         "with checkpoints, or drop checkpoint.dir and checkpoint.every (--checkpoint.dir null "
+                         "--checkpoint.every 0) to train offloaded without them")
+
+
+def checkpoints_refuse_host_arrays(mesh) -> str | None:
+    """Why a checkpoint on ``mesh`` cannot hold an array in ``pinned_host`` memory (the first
+    line of the error its checksum raises on one small such array), or None when it can."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxpar.checkpoint.checksum import checksums
+
+    host = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
+    probe = jax.device_put(np.zeros((2, 2), np.float32), host)
+    try:
+        checksums({"probe": probe})
+    except ValueError as e:
+        return str(e).splitlines()[0]
+    return None
+
+
 def build(job: JobConfig, *, devices=None) -> Built:
     """The mesh, model, data, optimizer and Trainer of ``job`` (`run_job` checks its outputs
     first); the Trainer resumes from ``checkpoint.dir`` when it holds steps."""
@@ -225,6 +268,7 @@ def build(job: JobConfig, *, devices=None) -> Built:
     log, ck = job.logging, job.checkpoint
     mesh = jaxpar.make_mesh(job.parallel, devices)
     check_batch(job, mesh)      # the processes, the step's parts and the batch axes all split data.batch
+    check_offload_on(job, mesh)
     store = eval_store = None
     if job.data.source == "store":
         from jaxpar.data import TokenStore
@@ -254,7 +298,7 @@ def build(job: JobConfig, *, devices=None) -> Built:
     global_batch = True if job.data.source == "arithmetic" else None
     trainer = jaxpar.Trainer(model, tx, loss, job.parallel, mesh, checkpoint_dir=ck.dir, global_batch=global_batch,
                              save_every=ck.every, keep=ck.keep, resume=ck.resume, metrics=metrics,
-                             profile_steps=log.profile_steps, example_batch=example)
+                             profile_steps=log.profile_steps, example_batch=example, offload=job.train.offload)
     return Built(mesh=mesh, trainer=trainer, train=train, held_out=held_out, store=store)
 
 
@@ -352,13 +396,31 @@ def _check_resume_step(start: int, job: JobConfig) -> bool:
 PROMPTS = ("def ", "import ", "class ", "    return ")
 
 
+def _on_device(model):
+    """``model`` with its arrays in host memory moved into device memory. A Trainer with
+    ``train.offload`` hands back its model as it stores it, offloaded parameters in
+    ``pinned_host``, which a forward outside its step cannot read (``memory_space of all inputs
+    passed to `gather` must be the same``)."""
+    import jax
+    from flax import nnx
+
+    def place(x):
+        if isinstance(x, jax.Array) and x.sharding.memory_kind not in (None, "device"):
+            return jax.device_put(x, x.sharding.with_memory_kind("device"))
+        return x
+
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(place, state))
+
+
 def _samples(trainer, store, count: int, window: int) -> list[str]:
     from jaxpar.models.generate import greedy
 
     tokenizer = store.tokenizer()
+    model = _on_device(trainer.model) if trainer.offload else trainer.model
     out = []
     for prompt in PROMPTS[:count]:
-        ids = greedy(trainer.model, tokenizer.encode(prompt), 48, window=window)
+        ids = greedy(model, tokenizer.encode(prompt), 48, window=window)
         out.append(tokenizer.decode(ids))
     return out
 

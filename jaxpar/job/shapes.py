@@ -61,7 +61,7 @@ def plan_of_job(job: JobConfig, sizes: dict[str, int]):
     constrain = model_constraint(AbstractMesh(tuple(sizes.values()), tuple(sizes)), job.parallel)
     model = abstract_model(lambda: make(cfg, rngs=nnx.Rngs(0), constrain=constrain))
     loss = parallel.training_loss(job.parallel)
-    plan = make_train_plan(job.parallel, sizes, model, tx, loss_fn=loss)
+    plan = make_train_plan(job.parallel, sizes, model, tx, loss_fn=loss, offload=job.train.offload)
     memory = None
     if job.model.name == "llama":
         from jaxpar.models.llama_report import format_model_report, llama_report
