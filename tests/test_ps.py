@@ -127,8 +127,28 @@ def test_bad_input_fails_fast_with_names(servers):
         client.pull("users", np.array([1.0], np.float32), step=0)
     with pytest.raises(ValueError, match=r"unknown table 'usres'; this client's tables are \['users'\]"):
         client.pull("usres", np.array([1]), step=0)
-    with pytest.raises(ValueError, match=r"table 'users': gradients of shape \[1, 3\] for 1 ids; expected \[1, 8\]"):
+    with pytest.raises(ValueError, match=r"table 'users': gradients of shape \[1, 3\] for ids of shape \[1\]; "
+                                         r"expected \[1, 8\]$"):
         client.push("users", np.array([1]), np.zeros((1, 3)), step=0)
+    with pytest.raises(TypeError, match=r"table 'users': gradients of dtype <U1; give numbers"):
+        client.push("users", np.array([1]), np.full((1, 8), "a"), step=0)
+    for call, bad in ((lambda s: client.pull("users", np.array([1]), step=s), "pull_many: step="),
+                      (lambda s: client.push("users", np.array([1]), np.zeros((1, 8)), step=s), "push_many: step="),
+                      (lambda s: client.push("users", np.array([1]), np.zeros((1, 8)), 0, pulled_at=s),
+                       "push_many: pulled_at="), (client.save, "save: step="), (client.restore, "restore: step=")):
+        for step in ("1", 0.5, -1, True):   # refused here, before a server parses it as it can
+            with pytest.raises(ValueError, match=f"{bad}.* must be a worker step, an int >= 0"):
+                call(step)
+    # ids of any shape: rows of that shape (a [2, 2] gather read four rows into a [2, dim] array)
+    ids = np.array([[3, 1999], [3, 7]])
+    rows = client.pull("users", ids, step=np.int64(0))
+    assert rows.shape == (2, 2, 8) and np.array_equal(rows[1, 0], client.pull("users", np.array(3), step=0))
+    np.testing.assert_array_equal(rows.reshape(4, 8), client.pull("users", ids.reshape(-1), step=0))
+    for address in ("localhost", "127.0.0.1:", "127.0.0.1:99999", 5555):
+        with pytest.raises(ValueError, match="is not HOST:PORT with a port in 1..65535"):
+            ps.connect([USERS], addresses=[address], token=TOKEN, timeout=5, worker=0, workers=1)
+    with pytest.raises(ValueError, match=r"timeout='5' must be a positive number of seconds"):
+        ps.connect([USERS], addresses=servers.addresses, token=TOKEN, timeout="5", worker=0, workers=1)
     client.close()
     start = time.monotonic()
     with pytest.raises(PermissionError, match="wrong job token") as e:

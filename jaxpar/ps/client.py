@@ -60,8 +60,9 @@ class Client:
     # -- public calls -------------------------------------------------------------------------
 
     def pull(self, table: str, ids: np.ndarray, step: int) -> np.ndarray:
-        """The rows ``ids`` of ``table`` as ``float32 [len(ids), dim]``, for worker step ``step``
-        (waits until the mode allows reading at that step).
+        """The rows ``ids`` of ``table`` as ``float32 ids.shape + (dim,)`` (``[len(ids), dim]``
+        for a vector of ids), for worker step ``step`` (waits until the mode allows reading at
+        that step).
 
         Example:
             >>> rows = client.pull("users", np.array([3, 7]), step=0)  # doctest: +SKIP
@@ -71,8 +72,10 @@ class Client:
     def pull_many(self, ids: dict[str, np.ndarray], step: int) -> dict[str, np.ndarray]:
         """:meth:`pull` for several tables at once: every server is asked in parallel."""
         start = time.perf_counter()
-        plan, requests = {}, []
+        step = _check_step("pull_many", "step", step)
+        plan, requests, shapes = {}, [], {}
         for name, table_ids in ids.items():
+            shapes[name] = np.shape(table_ids)
             spec, table_ids = self._spec(name), self._check_ids(name, table_ids)
             owner = spec.owner(table_ids, len(self.addresses))
             for s in range(len(self.addresses)):
@@ -82,19 +85,22 @@ class Client:
                     requests.append((s, {"op": "pull", "table": name, "step": step,
                                          "worker": self.worker}, (table_ids[where],)))
         replies = self._call(requests, table=",".join(ids))
-        out = {n: np.empty((len(i), self._spec(n).dim), np.float32) for n, i in ids.items()}
+        out = {n: np.empty((int(np.prod(shape)), self._spec(n).dim), np.float32) for n, shape in shapes.items()}
         for k, (header, arrays) in enumerate(replies):
             name, s, where = plan[k]
             out[name][where] = arrays[0]
+        out = {n: rows.reshape(shapes[n] + (rows.shape[1],)) for n, rows in out.items()}
         with self._lock:
             self._stats["pulls"] += 1
-            self._stats["rows_pulled"] += sum(len(i) for i in ids.values())
+            self._stats["rows_pulled"] += sum(int(np.prod(shape)) for shape in shapes.values())
             self._stats["pull_wait_s"] += time.perf_counter() - start
         return out
 
     def push(self, table: str, ids: np.ndarray, grads: np.ndarray, step: int,
              pulled_at: int | None = None) -> None:
-        """Sends the gradients of ``table``'s rows ``ids`` computed at worker step ``step``.
+        """Sends the gradients of ``table``'s rows ``ids`` computed at worker step ``step``
+        (``grads``: ``ids.shape + (dim,)``, or ``[ids.size, dim]``; an id given twice gets the
+        sum of its gradients).
 
         ``pulled_at`` is the step whose pull gave the rows (default ``step``): a worker that
         reuses rows pulled earlier says so. In async mode each server measures the push's
@@ -112,14 +118,23 @@ class Client:
     def push_many(self, grads: dict[str, tuple[np.ndarray, np.ndarray]], step: int,
                   pulled_at: int | None = None) -> None:
         """:meth:`push` for several tables at once."""
+        step = _check_step("push_many", "step", step)
         pulled_at = step if pulled_at is None else pulled_at
+        pulled_at = _check_step("push_many", "pulled_at", pulled_at)
         requests = []
         for name, (ids, g) in grads.items():
+            shape = np.shape(ids)
             spec, ids = self._spec(name), self._check_ids(name, ids)
-            g = np.asarray(g, np.float32)
+            g = np.asarray(g)
+            if g.dtype.kind not in "iuf":
+                raise TypeError(f"table {name!r}: gradients of dtype {g.dtype}; give numbers (float32)")
+            if g.shape == shape + (spec.dim,):   # ids of any shape: their rows' gradients, flattened alike
+                g = g.reshape(len(ids), spec.dim)
+            g = g.astype(np.float32)
             if g.shape != (len(ids), spec.dim):
-                raise ValueError(f"table {name!r}: gradients of shape {list(g.shape)} for {len(ids)} ids; "
-                                 f"expected [{len(ids)}, {spec.dim}]")
+                flat = f" or [{len(ids)}, {spec.dim}]" if len(shape) != 1 else ""
+                raise ValueError(f"table {name!r}: gradients of shape {list(g.shape)} for ids of shape "
+                                 f"{list(shape)}; expected {list(shape) + [spec.dim]}{flat}")
             owner = spec.owner(ids, len(self.addresses))
             for s in range(len(self.addresses)):
                 where = owner == s
@@ -140,11 +155,13 @@ class Client:
     def save(self, step: int) -> None:
         """Makes every server snapshot its shards at clock ``step`` (call it where the workers'
         orbax checkpoint of step ``step`` is written)."""
+        step = _check_step("save", "step", step)
         self._call([(s, {"op": "save", "step": step}, ()) for s in range(len(self.addresses))], table="*")
 
     def restore(self, step: int) -> None:
         """Brings every server back to its snapshot of ``step`` (after the workers restored
         their orbax checkpoint of ``step``); a server already at ``step`` keeps its state."""
+        step = _check_step("restore", "step", step)
         self._call([(s, {"op": "restore", "step": step}, ()) for s in range(len(self.addresses))], table="*")
 
     def next_step(self) -> int:
@@ -267,6 +284,14 @@ class Client:
                 replies[entry[0]] = (header, arrays)
 
 
+def _check_step(call: str, name: str, value: Any) -> int:
+    """``value`` as a JSON int; ``ValueError`` unless it is a whole number >= 0."""
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < 0:
+        raise ValueError(f"{call}: {name}={value!r} must be a worker step, an int >= 0 "
+                         "(ServerRows numbers them from client.next_step())")
+    return int(value)
+
+
 def connect(tables: Sequence[TableSpec], *, mode: str = "sync", staleness: int = 0,
             addresses: Sequence[str] | None = None, token: str | None = None, timeout: float = 30.0,
             worker: int | None = None, workers: int | None = None) -> Client:
@@ -287,7 +312,8 @@ def connect(tables: Sequence[TableSpec], *, mode: str = "sync", staleness: int =
     """
     if mode not in ("sync", "async"):
         raise ValueError(f"connect: mode={mode!r}; use 'sync' or 'async'")
-    if not isinstance(staleness, int) or staleness < 0 or (mode == "sync" and staleness):
+    if (not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0
+            or (mode == "sync" and staleness)):
         raise ValueError(f"connect: staleness={staleness!r} with mode={mode!r}; staleness is an integer >= 0, "
                          "and 0 in sync mode (use mode='async' for a bound > 0)")
     tables = list(tables)
@@ -298,6 +324,13 @@ def connect(tables: Sequence[TableSpec], *, mode: str = "sync", staleness: int =
         a for a in os.environ.get(ADDRESSES_ENV, "").split(",") if a]
     if not addresses:
         raise ValueError(f"connect: no server addresses; pass addresses=[...] or set {ADDRESSES_ENV}")
+    for address in addresses:
+        host, _, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"connect: server address {address!r} is not HOST:PORT with a port in 1..65535 "
+                             "(e.g. '127.0.0.1:5555', '[::1]:5555'); the servers print theirs when ready")
+    if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < float("inf")):
+        raise ValueError(f"connect: timeout={timeout!r} must be a positive number of seconds")
     token = token if token is not None else os.environ.get(TOKEN_ENV)
     if not token:
         raise ValueError(f"connect: no job token; pass token=... or set {TOKEN_ENV}")
