@@ -469,3 +469,35 @@ def test_a_restart_gives_each_table_its_own_pending_sync_pushes(tmp_path):
         assert again.handle({"op": "push", "table": name, "step": 0, "worker": 1},
                             [np.array(ids), np.ones((1, 2), np.float32)])[0]["status"] == "applied"
     np.testing.assert_allclose(again.tables["aa"].weights[1], ps.init_rows(specs[0], np.array([1]))[0] - 2)
+
+
+def test_server_rows_push_every_table_of_the_client_and_name_missing_fields():
+    """A table of the client that no field reads still gets an empty push each step: otherwise
+    its clock stayed 0, so the servers' snapshot (ServerRows.save) waited for it until the
+    client's timeout and next_step() put a restarted worker back at step 0."""
+    from jaxpar.ps.tables import TableSpec
+    from jaxpar.ps.worker import ServerRows
+
+    class Client:
+        tables = {"users": TableSpec("users", 10, 4, ps.SGD(0.1)), "spare": TableSpec("spare", 20, 3, ps.SGD(0.1))}
+        workers, pushed = 1, []
+
+        def next_step(self):
+            return 0
+
+        def pull_many(self, unique, step):
+            return {t: np.ones((len(u), self.tables[t].dim), np.float32) for t, u in unique.items()}
+
+        def push_many(self, grads, step):
+            self.pushed.append((step, {t: (ids.tolist(), g.shape) for t, (ids, g) in grads.items()}))
+
+    client = Client()
+    source = ServerRows(client, {"user": "users"})
+    _, rows, handle = source.pull({"user": np.array([1, 3, 1]), "label": np.zeros(3)})
+    source.push(handle, {"users": np.ones_like(rows["users"])}, 1)
+    source.push(source.pull({"user": np.array([2])})[2], None, 2)
+    assert client.pushed == [(0, {"users": ([1, 3], (2, 4)), "spare": ([], (0, 3))}),
+                             (1, {"users": ([], (0, 4)), "spare": ([], (0, 3))})]
+    with pytest.raises(ValueError, match=r"the batch has no ids for fields \['user'\] \(tables \['users'\]\); "
+                                         r"its keys: \['item', 'label'\]"):
+        source.pull({"item": np.array([1]), "label": np.zeros(1)})

@@ -66,6 +66,12 @@ def lookup(batch: Mapping[str, Any], fields: Mapping[str, str]) -> Lookup:
         >>> lk.unique["t"].tolist(), lk.index["b"].tolist()
         ([3, 5, 9], [0, 2])
     """
+    missing = [f for f in fields if f not in batch] if isinstance(batch, Mapping) else list(fields)
+    if missing:
+        keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise ValueError(f"the batch has no ids for fields {missing} (tables "
+                         f"{[fields[f] for f in missing]}); its keys: {keys}. Give every field of fields= in the "
+                         "batch, or leave the field out of fields=")
     unique, index = {}, {}
     for table in dict.fromkeys(fields.values()):
         names = [f for f, t in fields.items() if t == table]
@@ -196,6 +202,10 @@ class ServerRows:
         else:   # this process's block of the global gradient; the loss is the global batch's mean
             grads = {t: (u, _local_rows(row_grads[t], row_grads[t].shape[0] // self.processes)[:len(u)])
                      for t, u in lk.unique.items()}
+        # A table of the client that no field reads gets an empty push too: its clock must move
+        # with the others, or the servers' snapshots (save), checkpoints and next_step wait on it.
+        grads |= {t: (np.zeros(0, np.int64), np.zeros((0, spec.dim), np.float32))
+                  for t, spec in self.client.tables.items() if t not in grads}
         self.client.push_many(grads, at)
         self.step = at + 1
 
