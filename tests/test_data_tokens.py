@@ -148,6 +148,15 @@ def test_bad_input_names_the_file_or_value(store, corpus, tmp_path):
         TokenLoader(store, seq_len=SEQ, global_batch=4096)
     with pytest.raises(ValueError, match="global_batch_size=6 does not split over 4 processes"):
         TokenLoader(store, seq_len=SEQ, global_batch=6, process_index=0, process_count=4)
+    # numpy integers are taken as ints: the position stays JSON (json.dumps failed on an int64 seed)
+    loader = TokenLoader(store, seq_len=np.int64(SEQ), global_batch=np.int32(BATCH), seed=np.int64(3), prefetch=0)
+    assert json.loads(json.dumps(loader.state()))["seed"] == 3
+    with pytest.raises(ValueError, match=r"batch index i=-1 must be an int >= 0"):
+        loader.batch(-1)                     # was numpy's "expected non-negative integer"
+    with pytest.raises(TypeError, match=r"shuffle='no' must be True or False"):
+        TokenLoader(store, seq_len=SEQ, global_batch=BATCH, shuffle="no")       # was shuffle=True
+    with pytest.raises(TypeError, match=r"store=5 must be a TokenStore or the path of one"):
+        TokenLoader(5, seq_len=SEQ, global_batch=BATCH)
     tokenizers = pytest.importorskip("tokenizers")
     assert tokenizers
     root, files = corpus

@@ -31,6 +31,7 @@ devices resumes on 2 x 4 (or any other split) with exactly the same global batch
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Any
@@ -67,14 +68,18 @@ class TokenLoader:
     def __init__(self, store: TokenStore | str, *, seq_len: int, global_batch: int, seed: int = 0,
                  packing: str = "packed", shuffle: bool = True, tokenizer: Any = None, model_config: Any = None,
                  prefetch: int = 2, process_index: int | None = None, process_count: int | None = None):
-        self.store = store if isinstance(store, TokenStore) else TokenStore(store)
-        _check_int("seq_len", seq_len, 1)
-        _check_int("global_batch", global_batch, 1)
-        _check_int("seed", seed, 0)
-        _check_int("prefetch", prefetch, 0)
+        if not isinstance(store, (TokenStore, str, os.PathLike)):
+            raise TypeError(f"TokenLoader: store={store!r} must be a TokenStore or the path of one (the directory "
+                            "'jaxpar data prepare --out' wrote)")
+        self.store = store if isinstance(store, TokenStore) else TokenStore(os.fspath(store))
+        # Plain ints (a numpy integer would make state() fail to save as JSON)
+        seq_len, global_batch = _check_int("seq_len", seq_len, 1), _check_int("global_batch", global_batch, 1)
+        seed, prefetch = _check_int("seed", seed, 0), _check_int("prefetch", prefetch, 0)
         if packing not in ("packed", "padded"):
             raise ValueError(f"TokenLoader: packing={packing!r}; choose 'packed' (documents packed into rows, "
                              "segment_ids apart) or 'padded' (a document per row)")
+        if not isinstance(shuffle, (bool, np.bool_)):
+            raise TypeError(f"TokenLoader: shuffle={shuffle!r} must be True or False")
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.packing, self.shuffle, self.prefetch = packing, bool(shuffle), prefetch
         self.rows = process_rows(global_batch, process_index, process_count)
@@ -143,7 +148,8 @@ class TokenLoader:
         """Rows ``rows`` (default: this process's) of global batch ``i``: ``inputs``, ``targets``,
         ``segment_ids``, each int32 ``[rows, seq_len]``."""
         rows = self.rows if rows is None else rows
-        epoch, j = divmod(int(i), self.batches_per_epoch)
+        i = _check_int("batch index i", i, 0)
+        epoch, j = divmod(i, self.batches_per_epoch)
         ids = self.order(epoch)[j * self.global_batch:(j + 1) * self.global_batch][rows]
         windows, segments = self._read_packed(ids) if self.packing == "packed" else self._read_padded(ids)
         return {"inputs": windows[:, :-1], "targets": windows[:, 1:], "segment_ids": segments}
@@ -221,9 +227,9 @@ class TokenLoader:
                 raise ValueError(f"TokenLoader.restore: the saved position has {key}={state.get(key)!r} but this "
                                  f"loader has {key}={mine[key]!r}; resume with the same store and settings (the "
                                  "global batches would differ otherwise)")
-        _check_int("next_batch", state.get("next_batch"), 0)
+        position = _check_int("next_batch", state.get("next_batch"), 0)
         self.close()
-        self.position = state["next_batch"]
+        self.position = position
 
     def close(self) -> None:
         """Stop the prefetch thread (a later ``next`` starts a new one)."""
@@ -273,6 +279,7 @@ class _Prefetch:
         self._thread.join(timeout=5)
 
 
-def _check_int(name: str, value: Any, low: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+def _check_int(name: str, value: Any, low: int) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or value < low:
         raise ValueError(f"TokenLoader: {name}={value!r} must be an int >= {low}")
+    return int(value)
