@@ -1,11 +1,21 @@
 """The models' SwiGLU (jaxpar.ops.swiglu): the plain expression's values and gradients, with
-fewer bytes kept for the backward in the compiled program."""
+fewer bytes kept for the backward in the compiled program, whatever checkpoint encloses it."""
+
+import contextlib
+import io
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+import jaxpar
+from jaxpar.models.llama import MLP, Llama, LlamaConfig, loss_fn
+from jaxpar.nn.stream import stream_blocks
 from jaxpar.ops import swiglu
 
 T, D, F, LAYERS = 4096, 256, 1024, 3
@@ -15,14 +25,39 @@ def _plain_swiglu(g, u):
     return jax.nn.silu(g) * u
 
 
-def test_values_and_gradients_are_the_plain_expressions():
-    x = jax.random.normal(jax.random.key(0), (64, 32), jnp.float32)
-    y = jax.random.normal(jax.random.key(1), (64, 32), jnp.float32)
+def _grads(act, x, y):
+    return jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(act(*a)).astype(jnp.float32)), argnums=(0, 1)))(x, y)
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2 ** -8)])
+def test_values_and_gradients_are_the_plain_expressions(dtype, tol):
+    """Computed in the inputs' dtype as JAX's derivative of the plain expression: fp32 within
+    1e-6, bf16 within one bf16 rounding (8 bits of mantissa)."""
+    x = 4 * jax.random.normal(jax.random.key(0), (64, 32), dtype)
+    y = jax.random.normal(jax.random.key(1), (64, 32), dtype)
     np.testing.assert_array_equal(swiglu(x, y), _plain_swiglu(x, y))
-    got = jax.grad(lambda *a: jnp.sum(jnp.sin(swiglu(*a))), argnums=(0, 1))(x, y)
-    want = jax.grad(lambda *a: jnp.sum(jnp.sin(_plain_swiglu(*a))), argnums=(0, 1))(x, y)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for a, b in zip(_grads(swiglu, x, y), _grads(_plain_swiglu, x, y)):
+        assert a.dtype == b.dtype == dtype
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol, atol=tol)
+
+
+def test_it_works_under_vmap_scan_and_shard_map():
+    x = jax.random.normal(jax.random.key(0), (8, 4, 16), jnp.float32)
+    y = jax.random.normal(jax.random.key(1), (8, 4, 16), jnp.float32)
+
+    def scanned(act):
+        return lambda g, u: jax.lax.scan(lambda c, gu: (c + act(*gu) * c, None), jnp.ones((4, 16)), (g, u))[0]
+
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def mapped(act):
+        return jax.shard_map(act, mesh=mesh, in_specs=(P("d"), P("d")), out_specs=P("d"))
+
+    for wrap in (jax.vmap, scanned, mapped):
+        got, want = wrap(swiglu)(x, y), wrap(_plain_swiglu)(x, y)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        for a, b in zip(_grads(wrap(swiglu), x, y), _grads(wrap(_plain_swiglu), x, y)):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
 def _temp_bytes(act) -> int:
@@ -94,3 +129,108 @@ def test_the_strategy_search_reads_swiglu_as_fused_work_and_an_outer_checkpoint_
 
     assert scanned(_plain_swiglu) == {"logistic": True, "dot_general": True}     # stacked for the backward
     assert scanned(swiglu) == {"logistic": False, "dot_general": True}           # recomputed from g and u
+
+
+@jax.custom_vjp
+def _keeps_sigmoid(g, u):
+    return jax.nn.silu(g) * u
+
+
+def _keeps_sigmoid_fwd(g, u):
+    s = jax.nn.sigmoid(g)
+    return g * s * u, (g, u, s)
+
+
+def _keeps_sigmoid_bwd(res, ct):
+    g, u, s = res
+    return ct * u * s * (1 + g * (1 - s)), ct * g * s
+
+
+_keeps_sigmoid.defvjp(_keeps_sigmoid_fwd, _keeps_sigmoid_bwd)
+
+
+def test_the_strategy_search_reads_what_the_custom_vjp_keeps():
+    """swiglu is a custom_vjp: the graph reads what its forward keeps (its inputs), so in a loop
+    silu's values are not stacked (another elementwise custom_vjp keeping its sigmoid is read
+    as its primal: stacked), and under a user's checkpoint saving everything they are
+    recomputed all the same (the product, which the down projection reads, stays the policy's)."""
+    from jaxpar.auto.cost import analyse
+
+    def scanned(act):
+        def loss(model, x):
+            def body(h, _):
+                return act(h @ model.w[...], h @ model.v[...]) @ model.v[...], None
+            return jax.lax.scan(body, x, None, length=3)[0].sum()
+        graph = _graph(loss)
+        flags = analyse(graph)
+        return {op.prim: flags.saved[op.outs[0]] for op in graph.ops if op.prim in ("logistic", "dot_general")}
+
+    assert scanned(swiglu) == {"logistic": False, "dot_general": True}
+    assert scanned(_keeps_sigmoid) == {"logistic": True, "dot_general": True}
+
+    def block(model, x):
+        return jax.checkpoint(lambda x: swiglu(x @ model.w[...], x @ model.v[...]) @ model.v[...],
+                              policy=jax.checkpoint_policies.everything_saveable)(x).sum()
+
+    graph = _graph(block)
+    (region,) = graph.regions
+    inside = graph.ops[region.first:region.last + 1]
+    keep = [(op.prim, op.keep) for op in inside if op.prim in ("logistic", "mul")]
+    assert keep == [("logistic", "recompute"), ("mul", "recompute"), ("mul", "device")], keep
+
+
+def _saved(fn, *args) -> list[str]:
+    """print_saved_residuals of ``fn``, less the arguments."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        jax.ad_checkpoint.print_saved_residuals(fn, *args)
+    return [line for line in out.getvalue().splitlines() if "from the argument" not in line]
+
+
+def _shapes(lines) -> list[tuple[int, ...]]:
+    return [tuple(int(n) for n in re.match(r"\w+\[([\d,]*)\]", line).group(1).split(",")) for line in lines]
+
+
+CFG = LlamaConfig.named("tiny", scan_layers=True, layers=3, mlp=96)     # mlp: no other width is 96
+
+
+def test_an_enclosing_checkpoint_keeps_no_intermediate_of_silu():
+    """A checkpoint's policy applies to the checkpoints nested in it; swiglu's backward keeps
+    its inputs whatever encloses it: of a Llama MLP under everything_saveable, and of the
+    stacked layers streamed from host memory (jaxpar.nn.stream, whose checkpoint saves
+    everything but the fetched weights), the [tokens, mlp] residuals are gate, up and their
+    product (the down projection's input, which the plain program keeps too), not silu's."""
+    graph, params = nnx.split(MLP(CFG, nnx.Rngs(0)))
+    x = jnp.ones((2, 16, CFG.embed))
+    mlp = jax.checkpoint(lambda p: jnp.sum(jnp.sin(nnx.merge(graph, p)(x))),
+                         policy=jax.checkpoint_policies.everything_saveable)
+    assert _shapes(_saved(mlp, params)).count((2, 16, CFG.mlp)) == 3, _saved(mlp, params)
+
+    graph, params, rest = nnx.split(Llama(CFG, rngs=nnx.Rngs(0)), nnx.Param, ...)
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    params["blocks"] = jax.device_put(params["blocks"], host)
+    tokens = jnp.zeros((2, 16), jnp.int32)
+
+    def streamed(p):
+        return loss_fn(stream_blocks(nnx.merge(graph, p, rest), ("blocks",)), {"inputs": tokens, "targets": tokens})
+
+    shapes = _shapes(_saved(streamed, params))
+    assert [s for s in shapes if s[-1] == CFG.mlp] == [(CFG.layers, 2, 16, CFG.mlp)] * 3, shapes
+
+
+def _temp(offload) -> int:
+    cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", remat="none")
+    mesh = jaxpar.make_mesh(cfg)
+    model = jaxpar.init(lambda: Llama(CFG, rngs=nnx.Rngs(0)), cfg, mesh)
+    trainer = jaxpar.Trainer(model, optax.adamw(1e-2), loss_fn, cfg, mesh, offload=offload)
+    t = np.zeros((8, 16), np.int32)
+    return trainer.lower({"inputs": t, "targets": t}).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_streamed_layers_keep_no_more_than_without_offload():
+    """offload="params" with remat="none": the streamed layers' compiled temp (on CPU host and
+    device are one RAM) is not above the same step without offload by silu's intermediates
+    (3 [tokens, mlp] fp32 tensors per layer, while its checkpoint nested in the stream's kept them)."""
+    one = 16 * CFG.mlp * 4          # one [tokens, mlp] fp32 tensor per device: 8 x 16 tokens over 8 devices
+    extra = _temp(("params",)) - _temp(())
+    assert extra < CFG.layers * one, extra / one

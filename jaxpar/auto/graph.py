@@ -5,7 +5,8 @@ batch)`` with ``jax.make_jaxpr`` (parameters are explicit inputs, so every jaxpr
 back to a parameter path or a batch leaf), inlines nested calls (``jit``, ``custom_jvp``,
 ``custom_vjp``) and keeps one `Op` per primitive. A ``jax.checkpoint`` call is inlined too
 and recorded as a `Region` (`Graph.regions`); each of its operators carries its policy's
-verdict (`Op.keep`).
+verdict (`Op.keep`). A ``custom_vjp`` of elementwise work whose forward keeps only its inputs
+(`jaxpar.ops.swiglu`) is read as such a checkpoint is (see `_Builder._custom_vjp`).
 
 Loops and branches are read too (see `_Builder.inline`): a ``lax.scan`` body is inlined once,
 its operators' ``repeat`` multiplied by the trip count; a ``lax.while_loop`` (trip count
@@ -37,8 +38,12 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
+from jax.extend.core import ClosedJaxpr as _ClosedJaxpr
+from jax.extend.core import DebugInfo as _DebugInfo
+from jax.extend.core import DropVar as _DropVar
+from jax.extend.core import Jaxpr as _Jaxpr
 from jax.extend.core import Literal as _Literal
-from jax.extend.core import jaxprs_in_params
+from jax.extend.core import jaxpr_as_fun, jaxprs_in_params
 
 from jaxpar.auto.graph_rules import RULES, elementwise
 from jaxpar.nn.specs import itemsize, logical_names, path_str
@@ -48,6 +53,7 @@ _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_c
            "custom_vjp_call_jaxpr": "fun_jaxpr", "custom_vmap_call": "call", "remat": "jaxpr",
            "remat2": "jaxpr", "checkpoint": "jaxpr"}
 _CHECKPOINTS = ("checkpoint", "remat", "remat2")     # jax.checkpoint's primitive, by JAX version
+_CUSTOM_VJPS = ("custom_vjp_call", "custom_vjp_call_jaxpr")   # jax.custom_vjp's, by JAX version
 # scatters carry their combiner (``x + y``, ``y``, ...) as a sub-program: it is elementwise on one
 # element, so the scatter is priced as one operator without reading it (an MoE layer's
 # one-device path scatters its outputs back into token order and counts tokens per expert)
@@ -302,6 +308,8 @@ class _Builder:
                 sub_env = self._enter(inner_jaxpr, args)
                 if name in _CHECKPOINTS:
                     self._checkpoint(eqn, inner_jaxpr, args, sub_env)
+                elif name in _CUSTOM_VJPS:
+                    self._custom_vjp(eqn, inner_jaxpr, sub_env)
                 else:
                     self.inline(inner_jaxpr, sub_env)
                 for out, t in zip(eqn.outvars, self._results(inner_jaxpr, sub_env)):
@@ -348,6 +356,29 @@ class _Builder:
         name = getattr(policy, "__name__", None) or ("nothing_saveable" if policy is None else repr(policy))
         inputs = tuple(dict.fromkeys(t for t in args if t >= 0))
         self.regions[idx] = Region(first, len(self.ops) - 1, inputs, self.repeat, name)
+
+    def _custom_vjp(self, eqn, jaxpr, env) -> None:
+        """A ``custom_vjp`` call, inlined (its primal): its backward keeps what its forward
+        returns as residuals, not what the primal computes, whatever policy encloses it.
+
+        One of elementwise work alone whose residuals are its inputs (`jaxpar.ops.swiglu`;
+        `_keeps_its_inputs` traces its ``jax.vjp``) is read as a checkpoint of elementwise work
+        is: outside a region its operators are marked ``recomputed`` (in a loop body its
+        derivative's reads are not stacked); inside one, the values it computes on the way to its
+        results are recomputed whatever the region's policy says (its results stay the policy's
+        choice, as the enclosing region sees them). Any other ``custom_vjp`` (one holding a
+        matmul, a collective: ring attention, the chunked cross-entropy) is read as its primal."""
+        first = len(self.ops)
+        self.inline(jaxpr, env)
+        if any(materialised(op.prim) for op in self.ops[first:]) or not _keeps_its_inputs(eqn):
+            return
+        if self.region < 0:
+            self.ops[first:] = [dataclasses.replace(op, info=(*op.info, ("recomputed", True)))
+                                for op in self.ops[first:]]
+            return
+        results = set(self._results(jaxpr, env))
+        self.ops[first:] = [op if results.intersection(op.outs) else dataclasses.replace(op, keep="recompute")
+                            for op in self.ops[first:]]
 
     def _keep(self, eqn) -> str:
         """What the current region's policy does with ``eqn``'s outputs (see `Op`)."""
@@ -492,6 +523,25 @@ class _Builder:
         names = _class_names(tensors, len(sizes), params, batch)
         return Graph(tuple(tensors), tuple(self.ops), tuple(sizes), names, params, batch, others,
                      logical, frozenset(unsplittable), tuple(self.notes), tuple(self.regions))
+
+
+def _keeps_its_inputs(eqn) -> bool:
+    """Whether the backward of the ``custom_vjp`` call ``eqn`` keeps only its inputs: its
+    ``jax.vjp`` traced on abstract inputs, every residual is one of them. Literal operands, or a
+    call that cannot be traced alone (it reads an enclosing ``shard_map``'s axes): no."""
+    outs = [v for v in eqn.outvars if not isinstance(v, _DropVar)]
+    if not outs or any(isinstance(v, _Literal) for v in eqn.invars):
+        return False
+    names = tuple(f"x{i}" for i in range(len(eqn.invars)))
+    debug = _DebugInfo("custom_vjp", eqn.primitive.name, names, tuple(f"y{i}" for i in range(len(outs))))
+    call = jaxpr_as_fun(_ClosedJaxpr(_Jaxpr([], list(eqn.invars), outs, [eqn], eqn.effects, debug), []))
+    args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    try:
+        kept = jax.make_jaxpr(lambda *a: jax.tree.leaves(jax.vjp(call, *a)[1]))(*args).jaxpr
+    except Exception:     # noqa: BLE001 - any failure to trace it alone: read it as its primal
+        return False
+    ins = {id(v) for v in kept.invars}
+    return all(not isinstance(v, _Literal) and id(v) in ins for v in kept.outvars)
 
 
 _LOOPS = {"scan": _Builder._scan, "while": _Builder._while, "cond": _Builder._cond}
