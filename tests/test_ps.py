@@ -501,3 +501,28 @@ def test_server_rows_push_every_table_of_the_client_and_name_missing_fields():
     with pytest.raises(ValueError, match=r"the batch has no ids for fields \['user'\] \(tables \['users'\]\); "
                                          r"its keys: \['item', 'label'\]"):
         source.pull({"item": np.array([1]), "label": np.zeros(1)})
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: ps.TableSpec("z", 10, 4, ps.SGD(1.0), seed=-1), r"TableSpec 'z': seed=-1 must be an int in \[0, 2\*\*64\)"),
+    (lambda: ps.TableSpec("z", 10, 4, ps.SGD(1.0), init_scale="x"), r"TableSpec 'z': init_scale='x' must be a finite"),
+    (lambda: ps.TableSpec("z", 10, 4, ps.SGD(1.0), init_scale=float("nan")), r"init_scale=nan must be a finite"),
+    (lambda: ps.SGD(float("inf")), r"SGD: lr=inf must be a positive finite number"),
+    (lambda: ps.SGD(True), r"SGD: lr=True must be a positive finite number"),
+    (lambda: ps.Adagrad(0.1, initial_accumulator="x"), r"Adagrad: initial_accumulator='x' must be a finite number"),
+    (lambda: ps.Adam(0.1, eps=-1), r"Adam: eps=-1 must be a finite number >= 0"),
+    (lambda: ps.Adam(0.1, b1="x"), r"Adam: b1='x' must be in \[0, 1\)"),
+    (lambda: ps.RowOptimizer(learning_rate="x"), r"RowOptimizer learning_rate='x' must be a finite number"),
+    (lambda: ps.RowOptimizer(kind="adagrad", eps=float("inf")), r"RowOptimizer eps=inf must be a finite number"),
+])
+def test_table_specs_and_row_optimizers_refuse_bad_numbers_by_name(make, words):
+    """Refused where they are made, naming the field: a negative seed raised OverflowError from
+    init_rows (on the server, at hello), a string init_scale or Adagrad accumulator a bare
+    comparison TypeError, an infinite rate or a negative Adam eps trained NaN rows."""
+    with pytest.raises(ValueError, match=words):
+        make()
+
+
+def test_table_spec_numbers_of_numpy_types_go_to_the_servers_as_json():
+    spec = ps.TableSpec("z", 10, 4, ps.Adam(np.float32(0.5)), seed=np.int64(2), init_scale=np.float32(0.25))
+    assert ps.TableSpec.from_json(json.loads(json.dumps(spec.to_json()))).optimizer == ps.Adam(0.5)

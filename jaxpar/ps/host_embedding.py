@@ -67,6 +67,11 @@ class RowOptimizer:
     def __post_init__(self):
         if self.kind not in ("sgd", "adagrad"):
             raise ValueError(f"RowOptimizer kind={self.kind!r} must be 'sgd' or 'adagrad'.")
+        for name in ("learning_rate", "initial_accumulator_value", "eps"):
+            value = getattr(self, name)
+            if (not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, (bool, np.bool_))
+                    or not np.isfinite(value)):
+                raise ValueError(f"RowOptimizer {name}={value!r} must be a finite number.")
         if not self.learning_rate > 0:
             raise ValueError(f"RowOptimizer learning_rate={self.learning_rate!r} must be > 0.")
         if not self.eps > 0 or self.initial_accumulator_value < 0:

@@ -17,9 +17,23 @@ import numpy as np
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
 def _check_positive(kind: str, name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and value > 0):
-        raise ValueError(f"{kind}: {name}={value!r} must be a positive number")
+    if not (_number(value) and 0 < value < math.inf):
+        raise ValueError(f"{kind}: {name}={value!r} must be a positive finite number")
+
+
+def _check_eps(kind: str, value: float) -> None:
+    if not (_number(value) and 0 <= value < math.inf):
+        raise ValueError(f"{kind}: eps={value!r} must be a finite number >= 0")
+
+
+def _check_unit(kind: str, name: str, value: float) -> None:
+    if not (_number(value) and 0 <= value < 1):
+        raise ValueError(f"{kind}: {name}={value!r} must be in [0, 1)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +75,9 @@ class Adagrad:
 
     def __post_init__(self):
         _check_positive("Adagrad", "lr", self.lr)
-        if not self.initial_accumulator >= 0:
-            raise ValueError(f"Adagrad: initial_accumulator={self.initial_accumulator!r} must be >= 0")
+        if not (_number(self.initial_accumulator) and 0 <= self.initial_accumulator < math.inf):
+            raise ValueError(f"Adagrad: initial_accumulator={self.initial_accumulator!r} must be a finite number >= 0")
+        _check_eps("Adagrad", self.eps)
 
     def slots(self, rows: int, dim: int) -> dict[str, np.ndarray]:
         return {"acc": np.full((rows, dim), self.initial_accumulator, np.float32)}
@@ -94,9 +109,9 @@ class Adam:
 
     def __post_init__(self):
         _check_positive("Adam", "lr", self.lr)
-        for name in ("b1", "b2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"Adam: {name}={getattr(self, name)!r} must be in [0, 1)")
+        _check_unit("Adam", "b1", self.b1)
+        _check_unit("Adam", "b2", self.b2)
+        _check_eps("Adam", self.eps)
 
     def slots(self, rows: int, dim: int) -> dict[str, np.ndarray]:
         return {"m": np.zeros((rows, dim), np.float32), "v": np.zeros((rows, dim), np.float32),
@@ -154,6 +169,11 @@ class TableSpec:
         if self.partition not in ("hash", "range"):
             raise ValueError(f"TableSpec {self.name!r}: partition={self.partition!r}; "
                              "use 'hash' (id % servers) or 'range' (contiguous blocks)")
+        if not (_number(self.init_scale) and 0 <= self.init_scale < math.inf):
+            raise ValueError(f"TableSpec {self.name!r}: init_scale={self.init_scale!r} must be a finite number >= 0 "
+                             "(initial rows are uniform in [-init_scale, init_scale])")
+        if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool) or not 0 <= self.seed < 2 ** 64:
+            raise ValueError(f"TableSpec {self.name!r}: seed={self.seed!r} must be an int in [0, 2**64)")
         if not isinstance(self.optimizer, (SGD, Adagrad, Adam)):
             raise TypeError(f"TableSpec {self.name!r}: optimizer={self.optimizer!r}; use "
                             "jaxpar.ps.SGD, jaxpar.ps.Adagrad or jaxpar.ps.Adam")
@@ -182,7 +202,7 @@ class TableSpec:
         return {"name": self.name, "rows": int(self.rows), "dim": int(self.dim),
                 "partition": self.partition, "init_scale": float(self.init_scale),
                 "seed": int(self.seed),
-                "optimizer": {"kind": type(opt).__name__, **dataclasses.asdict(opt)}}
+                "optimizer": {"kind": type(opt).__name__, **{k: float(v) for k, v in dataclasses.asdict(opt).items()}}}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "TableSpec":
