@@ -113,6 +113,10 @@ def test_bad_ids_and_inputs_are_named_before_the_lookup():
         CONFIG.table_ids(np.array([[0, 0, -1]]))
     with pytest.raises(ValueError, match=r"ids of shape \(2, 2\) must be \[batch, 3\]"):
         model(dense, np.zeros((2, 2), np.int32))
+    with pytest.raises(TypeError, match=r"DLRM: ids of dtype float32 \(shape \(2, 3\)\); ids must be integers"):
+        model(dense, np.zeros((2, 3), np.float32))     # was JAX's "Indexer must have integer or boolean type"
+    with pytest.raises(TypeError, match=r"DLRM: ids of dtype float32"):
+        jax.jit(model)(dense, jax.numpy.zeros((2, 3)))  # traced ids too
     with pytest.raises(ValueError, match=r"dense of shape \(2, 3\) must be \[batch, 4\]"):
         model(np.zeros((2, 3), np.float32), np.zeros((2, 3), np.int32))
     with pytest.raises(ValueError, match="built with table=False"):

@@ -78,6 +78,10 @@ class DLRMConfig:
         """A ``ValueError`` unless ``ids`` is ``[..., F]`` with field ``f``'s ids in ``0..field_rows[f] - 1``
         (traced ids, inside ``jit``, are only checked for their shape)."""
         fields = len(self.field_rows)
+        dtype = np.dtype(ids.dtype if hasattr(ids, "dtype") else np.asarray(ids).dtype)   # a tracer's too
+        if dtype.kind not in "iu":
+            raise TypeError(f"DLRM: ids of dtype {dtype} (shape {np.shape(ids)}); ids must be integers: cast them "
+                            "with ids.astype(np.int32) (a float id is a bug upstream)")
         if not np.ndim(ids) or np.shape(ids)[-1] != fields:
             raise ValueError(f"DLRM: ids of shape {np.shape(ids)} must be [batch, {fields}] (one local id per "
                              f"field of field_rows={self.field_rows}); pass ClickData(...).batch(...)['ids']")
