@@ -167,6 +167,48 @@ def test_logits_equal_numpy_hf_forward(variant, request):
     np.testing.assert_allclose(logits, hf_logits(hf, tensors, TOKENS), rtol=1e-5, atol=1e-5)
 
 
+def test_transformers5_rope_parameters_give_the_rope(untied, tmp_path):
+    """transformers 5 writes rope_theta and the scaling inside rope_parameters, with no top-level
+    rope_theta; they were ignored (rope_theta 10000, no scaling) and the logits came out wrong."""
+    directory, hf, tensors = untied
+    v5 = {k: v for k, v in hf.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {**hf["rope_scaling"], "rope_theta": 500000.0}
+    written = write_hf(tmp_path / "v5", v5, tensors)
+    cfg, params = import_hf(written, str(tmp_path / "ckpt"))
+    assert (cfg.rope_theta, cfg.rope_scaling.factor) == (500000.0, 4.0)
+    logits = np.asarray(jax.jit(lambda m, x: m(x))(llama_model(cfg, params), TOKENS))
+    np.testing.assert_allclose(logits, hf_logits({**hf, "rope_theta": 500000.0}, tensors, TOKENS), rtol=1e-5,
+                               atol=1e-5)
+    export_hf(str(tmp_path / "ckpt"), None, str(tmp_path / "hf"))
+    _same_files(written, tmp_path / "hf")           # rope_parameters kept, no top-level rope_theta added
+    with pytest.raises(ValueError, match=r"rope_theta=10000.0 but rope_parameters.rope_theta=500000.0"):
+        import_hf(write_hf(tmp_path / "both", {**v5, "rope_theta": 10000.0}, tensors))
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, "rope_scaling of type 'llama3' has no low_freq_factor"),
+    ("rope_scaling", "llama3", "rope_scaling='llama3' is not a mapping"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": "x", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64}, "rope_scaling.factor='x' is not a finite number"),
+    ("num_attention_heads", 0, "num_attention_heads=0 is not a whole number >= 1"),
+    ("vocab_size", "64x", "vocab_size='64x' is not a whole number"),
+    ("rms_norm_eps", None, None),                       # absent or null: the default, as before
+    ("tie_word_embeddings", "false", "tie_word_embeddings='false' is not true or false"),
+])
+def test_malformed_config_field_is_named(untied, tmp_path, capsys, field, value, says):
+    """A malformed config.json field was a KeyError / AttributeError / ZeroDivisionError traceback, or
+    "could not convert string to float: 'x'" naming nothing; now one line naming the file and field."""
+    directory, hf, tensors = untied
+    bad = write_hf(tmp_path / "bad", {**hf, field: value}, tensors)
+    code = ckpt_main(["import-hf", bad, "--out", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err
+    if says is None:
+        assert code == 0, err
+        return
+    assert code == 2 and f"config.json: {says}" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
 def _same_files(a, b):
     """Every tensor of two HF directories bit for bit, and their configs field for field."""
     def load(d):

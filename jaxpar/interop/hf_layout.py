@@ -20,6 +20,7 @@ transpose), so converting costs no host memory: the copy happens once, into devi
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -44,19 +45,83 @@ def _require(hf: dict, key: str, where: str) -> Any:
     return hf[key]
 
 
+def _number(value: Any, field: str, where: str, kind: type, minimum: float | None = None) -> Any:
+    """``value`` as ``kind`` (int or float), or a ValueError naming the file, the field and the value."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float) if kind is float else int)
+    if ok and kind is float and not math.isfinite(value):
+        ok = False
+    if not ok or (minimum is not None and value < minimum):
+        what = "a whole number" if kind is int else "a finite number"
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ValueError(f"{where}: {field}={value!r} is not {what}{bound}; fix {field} in config.json")
+    return kind(value)
+
+
+def _flag(hf: dict, key: str, where: str) -> bool:
+    value = hf.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: {key}={value!r} is not true or false; fix {key} in config.json")
+    return value
+
+
+def _rope_source(hf: dict, where: str) -> tuple[dict, str]:
+    """The dict that holds the RoPE settings and its name: transformers 5 writes ``rope_parameters``
+    (``rope_theta`` and ``rope_type`` with the scaling fields inside), earlier versions a top-level
+    ``rope_theta`` and ``rope_scaling``."""
+    params = hf.get("rope_parameters")
+    if params is None:
+        return {}, ""
+    if not isinstance(params, dict):
+        raise ValueError(f"{where}: rope_parameters={params!r} is not a mapping; transformers writes "
+                         "{\"rope_type\": \"default\", \"rope_theta\": ...}")
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"{where}: rope_parameters gives one set of RoPE settings per attention type "
+                         f"({sorted(params)}); jaxpar's Llama has one")
+    return params, "rope_parameters"
+
+
+def _rope_theta(hf: dict, where: str) -> float:
+    params, _ = _rope_source(hf, where)
+    top, inner = hf.get("rope_theta"), params.get("rope_theta")
+    if top is not None and inner is not None and float(_number(top, "rope_theta", where, float)) != \
+            float(_number(inner, "rope_parameters.rope_theta", where, float)):
+        raise ValueError(f"{where}: rope_theta={top!r} but rope_parameters.rope_theta={inner!r}; the two say "
+                         "different things: keep one")
+    if inner is not None:
+        return _number(inner, "rope_parameters.rope_theta", where, float, minimum=0)
+    return _number(top if top is not None else 10000.0, "rope_theta", where, float, minimum=0)
+
+
+_LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
 def _rope_scaling(hf: dict, where: str) -> RopeScaling | None:
-    scaling = hf.get("rope_scaling")
+    params, source = _rope_source(hf, where)
+    legacy = hf.get("rope_scaling")
+    if params and legacy:
+        if legacy.get("rope_type", legacy.get("type")) != params.get("rope_type", params.get("type")) or any(
+                legacy.get(k) != params.get(k) for k in _LLAMA3_FIELDS):
+            raise ValueError(f"{where}: rope_scaling={legacy!r} and rope_parameters={params!r} disagree; keep one")
+    scaling, field = (params, source) if params else (legacy, "rope_scaling")
     if not scaling:
         return None
-    kind = scaling.get("rope_type", scaling.get("type"))
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{where}: {field}={scaling!r} is not a mapping; write e.g. {{\"rope_type\": \"llama3\", "
+                         f"{', '.join(f'{chr(34)}{k}{chr(34)}: ...' for k in _LLAMA3_FIELDS)}}}")
+    kind = scaling.get("rope_type", scaling.get("type", "default" if params else None))
     if kind == "default":
         return None
     if kind != "llama3":
-        raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported (jaxpar's Llama implements "
+        raise ValueError(f"{where}: {field} type {kind!r} is not supported (jaxpar's Llama implements "
                          f"'llama3' scaling and plain RoPE); convert the model to one of those")
-    return RopeScaling(factor=float(scaling["factor"]), low_freq_factor=float(scaling["low_freq_factor"]),
-                       high_freq_factor=float(scaling["high_freq_factor"]),
-                       original_max_positions=int(scaling["original_max_position_embeddings"]))
+    missing = [k for k in _LLAMA3_FIELDS if k not in scaling]
+    if missing:
+        raise ValueError(f"{where}: {field} of type 'llama3' has no {', '.join(missing)}; llama3 scaling needs "
+                         f"{', '.join(_LLAMA3_FIELDS)}")
+    num = lambda k, kind=float: _number(scaling[k], f"{field}.{k}", where, kind)  # noqa: E731
+    return RopeScaling(factor=num("factor"), low_freq_factor=num("low_freq_factor"),
+                       high_freq_factor=num("high_freq_factor"),
+                       original_max_positions=num("original_max_position_embeddings", int))
 
 
 def check_architecture(hf: dict, where: str = "config.json") -> None:
@@ -80,15 +145,18 @@ def llama_config(hf: dict, *, where: str = "config.json", param_dtype: str | Non
     ``param_dtype``: default the file's ``torch_dtype``; the compute dtype follows it.
     """
     check_architecture(hf, where)
-    embed, heads = int(_require(hf, "hidden_size", where)), int(_require(hf, "num_attention_heads", where))
+    count = lambda key, low=1: _number(_require(hf, key, where), key, where, int, low)  # noqa: E731
+    optional = lambda key, kind, default, low=None: default if hf.get(key) is None else \
+        _number(hf[key], key, where, kind, low)  # noqa: E731
+    embed, heads = count("hidden_size"), count("num_attention_heads")
     dtype = param_dtype or DTYPES.get(str(hf.get("torch_dtype", hf.get("dtype", "float32"))), "float32")
     return LlamaConfig(
-        vocab_size=int(_require(hf, "vocab_size", where)), embed=embed, heads=heads,
-        kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=hf.get("head_dim") or embed // heads,
-        mlp=int(_require(hf, "intermediate_size", where)), layers=int(_require(hf, "num_hidden_layers", where)),
-        max_seq_len=int(hf.get("max_position_embeddings", 2048)), rope_theta=float(hf.get("rope_theta", 10000.0)),
-        rope_scaling=_rope_scaling(hf, where), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), scan_layers=scan_layers,
+        vocab_size=count("vocab_size"), embed=embed, heads=heads,
+        kv_heads=optional("num_key_value_heads", int, heads, 1), head_dim=optional("head_dim", int, embed // heads, 1),
+        mlp=count("intermediate_size"), layers=count("num_hidden_layers"),
+        max_seq_len=optional("max_position_embeddings", int, 2048, 1), rope_theta=_rope_theta(hf, where),
+        rope_scaling=_rope_scaling(hf, where), norm_eps=optional("rms_norm_eps", float, 1e-6, 0),
+        tie_embeddings=_flag(hf, "tie_word_embeddings", where), scan_layers=scan_layers,
         dtype=dtype, param_dtype=dtype, **overrides)
 
 
@@ -117,12 +185,35 @@ def hf_config(cfg: LlamaConfig, base: dict | None = None, *, dtype: str | None =
     absent = {"num_key_value_heads": cfg.heads, "head_dim": cfg.embed // cfg.heads, "rope_scaling": None,
               "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-6,
               "tie_word_embeddings": False}
+    if isinstance(out.get("rope_parameters"), dict):   # transformers 5 keeps them inside rope_parameters
+        new = {k: v for k, v in new.items() if k not in ("rope_theta", "rope_scaling") or k in out}
     for key, value in new.items():
         if key in out:
             if out[key] != value:      # equal values keep the file's own spelling (500000 vs 500000.0)
                 out[key] = value
         elif base is None or key not in absent or absent[key] != value:
             out[key] = value
+    if isinstance(out.get("rope_parameters"), dict):
+        out["rope_parameters"] = _rope_parameters(cfg, out["rope_parameters"], base or {})
+    return out
+
+
+def _rope_parameters(cfg: LlamaConfig, given: dict, base: dict) -> dict:
+    """transformers 5's ``rope_parameters`` for ``cfg``, kept as written where it agrees: the RoPE
+    settings go there (written back to ``rope_theta`` / ``rope_scaling`` only where ``base`` had those too)."""
+    out = dict(given)
+    if out.get("rope_theta") != cfg.rope_theta:
+        out["rope_theta"] = cfg.rope_theta
+    s = cfg.rope_scaling
+    if s is None:
+        if out.get("rope_type", "default") != "default":
+            out = {k: v for k, v in out.items() if k not in _LLAMA3_FIELDS}
+            out["rope_type"] = "default"
+    else:
+        kind = "type" if "type" in out and "rope_type" not in out else "rope_type"
+        fields = dict(zip(_LLAMA3_FIELDS, (s.factor, s.low_freq_factor, s.high_freq_factor,
+                                           s.original_max_positions)))
+        out.update({kind: "llama3", **{k: v for k, v in fields.items() if out.get(k) != v}})
     return out
 
 
