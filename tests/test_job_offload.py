@@ -116,35 +116,10 @@ def test_a_scanned_model_trains_with_offload_as_without(job_file, tmp_path):
     assert kinds == {"opt_state": {"pinned_host"}, "params": {"pinned_host"}}
     assert sorted(plain) == [1, 2, 3, 4]
     assert offloaded == pytest.approx(plain, rel=1e-6)
-    # the samples decode the trained model, whose offloaded parameters the Trainer keeps on the host
+    # the samples decode the trained model (trainer.model: in device memory, offloaded parameters included)
     assert offloaded_texts == texts and texts[0].startswith("def ")
 
 
-def _checkpoints_refuse_host_arrays():
-    import jaxpar
-    from jaxpar.job.run import checkpoints_refuse_host_arrays
-
-    return checkpoints_refuse_host_arrays(jaxpar.make_mesh(jaxpar.ParallelConfig(mesh={"data": 8})))
-
-
-@pytest.mark.skipif(_checkpoints_refuse_host_arrays() is None, reason="checkpoints hold host arrays")
-def test_offload_with_checkpoints_is_refused_before_training_while_checkpoints_cannot_hold_it(job_file, tmp_path,
-                                                                                              capsys):
-    assert main(["train", "--config", str(job_file), "--quiet", "--checkpoint.dir", str(tmp_path / "ckpt"),
-                 "--logging.dir", str(tmp_path / "log"), *BOTH]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"jaxpar train: error: job config train.offload=['params', 'opt_state'] with "
-                          f"checkpoint.dir='{tmp_path / 'ckpt'}': a checkpoint cannot save or restore arrays kept in "
-                          "host memory here (its per-leaf checksum fails on one: memory_space of all inputs"), err
-    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "log" / "metrics.jsonl").exists()
-
-
-# Until jaxpar.checkpoint.checksum.checksums moves a pinned_host leaf into device memory before its
-# jitted sum, every save and restore of an offloaded Trainer raises "memory_space of all inputs
-# passed to `mul` must be the same", and the job refuses the combination (the test above). Once it
-# does, the mark lifts itself, this test runs and the one above skips.
-@pytest.mark.xfail(_checkpoints_refuse_host_arrays() is not None, strict=True, raises=ValueError,
-                   reason="checkpoints cannot hold pinned_host arrays (jaxpar.checkpoint.checksum)")
 def test_an_offloaded_job_resumes_its_checkpoint_with_the_losses_of_one_without(job_file, tmp_path):
     plain, _ = _run(job_file, tmp_path / "plain")
     ckpt = ["--checkpoint.dir", str(tmp_path / "ckpt")]

@@ -137,3 +137,36 @@ def test_layers_are_not_streamed_where_the_loss_does_not_run_on_the_stored_layou
     assert _streamed_blocks(plain, model) == ("blocks",)
     unrolled = nnx.eval_shape(lambda: Llama(LlamaConfig.named("tiny", layers=2), rngs=nnx.Rngs(0)))
     assert _streamed_blocks(plain, unrolled) == ()
+
+
+def test_an_offloaded_trainer_saves_resumes_and_hands_back_a_model_on_the_device(tmp_path):
+    """Checkpoints of host-memory state save and restore (their checksums run on a device copy),
+    resuming with or without offload continues as the uninterrupted run; ``trainer.model`` is in
+    device memory, so it runs outside the step (generation)."""
+    from jaxpar.models.generate import greedy
+
+    data = _batches(4)
+
+    def trainer(offload, directory=None):
+        cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+        mesh = jaxpar.make_mesh(cfg)
+        model = jaxpar.init(lambda: Llama(CFG, rngs=nnx.Rngs(0)), cfg, mesh)
+        return jaxpar.Trainer(model, optax.adamw(1e-2), loss_fn, cfg, mesh, offload=offload,
+                              checkpoint_dir=directory, save_every=2)
+
+    plain = trainer(())
+    losses = [float(plain.step(b)["loss"]) for b in data]
+    first = trainer(("params", "opt_state"), tmp_path / "a")
+    assert [float(first.step(b)["loss"]) for b in data[:2]] == pytest.approx(losses[:2], rel=1e-6)
+    first.close()
+    import shutil
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for offload, directory in ((("params", "opt_state"), "a"), ((), "b")):
+        again = trainer(offload, tmp_path / directory)
+        assert again.step_count == 2                      # resumed at the saved step
+        assert [float(again.step(b)["loss"]) for b in data[2:]] == pytest.approx(losses[2:], rel=1e-6)
+        again.close()
+    model = first.model
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {"device"}
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(first.params)} == {"pinned_host"}
+    assert greedy(model, [1, 2, 3], 4, window=16)[:3] == [1, 2, 3]

@@ -76,7 +76,10 @@ def checksums(flat: dict[str, Any]) -> dict[str, list[int]]:
         # one program at a time: on CPU, two in flight whose all-reduces span other devices can
         # each hold half the threads the other waits for (XLA aborts after 40 s), and on several
         # processes they may run their collectives in another order on each
-        pair = jax.device_get(_leaf_jit(x if isinstance(x, jax.Array) else jnp.asarray(x)))
+        x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+        if x.sharding.memory_kind not in (None, "device"):     # offloaded state: summed where it can be
+            x = jax.device_put(x, x.sharding.with_memory_kind("device"))
+        pair = jax.device_get(_leaf_jit(x))
         out[path] = [int(v) for v in np.asarray(pair)]
     return out
 

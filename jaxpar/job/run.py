@@ -231,31 +231,6 @@ def check_offload_on(job: JobConfig, mesh) -> None:
     if why is not None:
         raise ValueError(f"job config train.offload={list(targets)}: {why}; in this job: drop train.offload "
                          "(or give --train.offload '[]')")
-    unsaved = None if job.checkpoint.dir is None else checkpoints_refuse_host_arrays(mesh)
-    if unsaved is not None:     # the first save would fail after the steps before it, and a resume at once
-        raise ValueError(f"job config train.offload={list(targets)} with checkpoint.dir={job.checkpoint.dir!r}: "
-                         f"a checkpoint cannot save or restore arrays kept in host memory here (its per-leaf "
-                         f"checksum fails on one: {unsaved}); drop train.offload (--train.offload '[]') to train "
-                         "with checkpoints, or drop checkpoint.dir and checkpoint.every (--checkpoint.dir null "
-                         "--checkpoint.every 0) to train offloaded without them")
-
-
-def checkpoints_refuse_host_arrays(mesh) -> str | None:
-    """Why a checkpoint on ``mesh`` cannot hold an array in ``pinned_host`` memory (the first
-    line of the error its checksum raises on one small such array), or None when it can."""
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from jaxpar.checkpoint.checksum import checksums
-
-    host = NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
-    probe = jax.device_put(np.zeros((2, 2), np.float32), host)
-    try:
-        checksums({"probe": probe})
-    except ValueError as e:
-        return str(e).splitlines()[0]
-    return None
 
 
 def build(job: JobConfig, *, devices=None) -> Built:
@@ -396,28 +371,11 @@ def _check_resume_step(start: int, job: JobConfig) -> bool:
 PROMPTS = ("def ", "import ", "class ", "    return ")
 
 
-def _on_device(model):
-    """``model`` with its arrays in host memory moved into device memory. A Trainer with
-    ``train.offload`` hands back its model as it stores it, offloaded parameters in
-    ``pinned_host``, which a forward outside its step cannot read (``memory_space of all inputs
-    passed to `gather` must be the same``)."""
-    import jax
-    from flax import nnx
-
-    def place(x):
-        if isinstance(x, jax.Array) and x.sharding.memory_kind not in (None, "device"):
-            return jax.device_put(x, x.sharding.with_memory_kind("device"))
-        return x
-
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.tree.map(place, state))
-
-
 def _samples(trainer, store, count: int, window: int) -> list[str]:
     from jaxpar.models.generate import greedy
 
     tokenizer = store.tokenizer()
-    model = _on_device(trainer.model) if trainer.offload else trainer.model
+    model = trainer.model        # in device memory, offloaded parameters included
     out = []
     for prompt in PROMPTS[:count]:
         ids = greedy(model, tokenizer.encode(prompt), 48, window=window)

@@ -813,9 +813,14 @@ class Trainer:
 
     @property
     def model(self) -> nnx.Module:
-        """The model with the current parameters (sharded as planned)."""
+        """The model with the current parameters (sharded as planned), in device memory: with
+        ``offload="params"`` a device copy of the parameters the Trainer keeps on the host, so the
+        model runs outside the step (generation, evaluation by hand) as without offload."""
         state = self.state
-        return nnx.merge(self.graphdef, state.params, state.rest)
+        params = state.params
+        if "params" in self._offload:
+            params = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), params)
+        return nnx.merge(self.graphdef, params, state.rest)
 
 
 class _Program:
