@@ -526,3 +526,33 @@ def test_table_specs_and_row_optimizers_refuse_bad_numbers_by_name(make, words):
 def test_table_spec_numbers_of_numpy_types_go_to_the_servers_as_json():
     spec = ps.TableSpec("z", 10, 4, ps.Adam(np.float32(0.5)), seed=np.int64(2), init_scale=np.float32(0.25))
     assert ps.TableSpec.from_json(json.loads(json.dumps(spec.to_json()))).optimizer == ps.Adam(0.5)
+
+
+def test_a_snapshot_of_an_abandoned_history_is_written_again(tmp_path):
+    """Saved at step 4, back to step 2, steps 2-3 trained otherwise, saved at 4 again: a restore
+    of step 4 gives the new history's rows (the old snapshot was kept, so a checkpoint of step 4
+    written after the restore, e.g. where the first one was left incomplete, got the old rows)."""
+    from jaxpar.ps.server import Server
+
+    spec = ps.TableSpec("t", 4, 2, ps.SGD(1.0))
+    server = Server(0, 1, str(tmp_path), every=100)
+    server.handle({"op": "hello", "mode": "sync", "staleness": 0, "workers": 1, "tables": [spec.to_json()]}, [])
+
+    def push(step, g):
+        server.handle({"op": "push", "table": "t", "step": step, "worker": 0},
+                      [np.array([0]), np.full((1, 2), g, np.float32)])
+
+    push(0, 1.0), push(1, 1.0), server.handle({"op": "save", "step": 2}, [])
+    push(2, 1.0), push(3, 1.0), server.handle({"op": "save", "step": 4}, [])
+    server.handle({"op": "restore", "step": 2}, [])
+    push(2, 5.0), push(3, 5.0), server.handle({"op": "save", "step": 4}, [])
+    server.handle({"op": "save", "step": 4}, [])                   # another worker's request: kept
+    new = server.tables["t"].weights[0].copy()
+    np.testing.assert_allclose(new, ps.init_rows(spec, np.array([0]))[0] - 12, rtol=1e-6)
+    push(4, 1.0)
+    restarted = Server(0, 1, str(tmp_path), every=100)              # a restart keeps what it knew
+    restarted.handle({"op": "restore", "step": 4}, [])
+    np.testing.assert_array_equal(restarted.tables["t"].weights[0], new)
+    restarted.handle({"op": "restore", "step": 2}, [])
+    np.testing.assert_allclose(restarted.tables["t"].weights[0], ps.init_rows(spec, np.array([0]))[0] - 2, rtol=1e-6)
+

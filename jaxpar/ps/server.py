@@ -41,6 +41,9 @@ class Server:
         self.job: dict[str, Any] | None = None
         self.last_checkpoint = 0
         self.restarts = 0
+        # The step snapshots (step-S.npz) of the current history: one of another history (written
+        # before a restore to an earlier step) is replaced when the same step is saved again.
+        self.snapshots: set[int] = set()
         self._recover()
         self.wal = WriteAheadLog(self.dir / "wal.bin")
 
@@ -64,6 +67,7 @@ class Server:
     def _load(self, path) -> None:
         arrays, meta = read_state(path)
         self.job = meta["job"]
+        self.snapshots = set(meta.get("snapshots", ()))
         self.tables = {}
         for name, tmeta in meta["tables"].items():
             shard = self._new_shard(TableSpec.from_json(tmeta["spec"]))
@@ -84,7 +88,7 @@ class Server:
         for name, shard in self.tables.items():
             arrays.update(shard.arrays(name))
         meta = {"job": {**(self.job or {}), "restarts": self.restarts},
-                "tables": {n: s.meta() for n, s in self.tables.items()}}
+                "tables": {n: s.meta() for n, s in self.tables.items()}, "snapshots": sorted(self.snapshots)}
         write_state(path or self.dir / "state.npz", arrays, meta)
         if path is None:
             self.wal.truncate()
@@ -172,20 +176,31 @@ class Server:
         if self._clock() < step:
             return None
         path = self.dir / f"step-{step}.npz"
-        if not path.exists():
+        if step not in self.snapshots or not path.exists():  # (several workers ask for each snapshot)
+            # (the next checkpoint of state.npz records it; a restart before that writes it again
+            # if asked again, at the same clock in sync mode)
+            self.snapshots.add(step)
             self.checkpoint(path)
         return {"clock": self._clock()}, ()
 
     def _restore(self, header, arrays):
         step = int(header["step"])
+        # Snapshots of later steps belong to the history this restore leaves: a save of one of
+        # those steps in the new history writes it again (their files stay for a restore to them).
+        later = {s for s in self.snapshots if s > step}
         if self.tables and all(t.clock == step for t in self.tables.values()):
+            if later:
+                self.snapshots -= later
+                self.checkpoint()
             return {"clock": step, "restored": False}, ()  # already there (another worker asked)
         path = self.dir / f"step-{step}.npz"
         if not path.exists():
             have = sorted(int(p.stem[5:]) for p in self.dir.glob("step-*.npz"))
             raise ValueError(f"server {self.index}: no shard snapshot of step {step} in {self.dir}; "
                              f"snapshots: {have}")
+        kept = self.snapshots - later
         self._load(path)
+        self.snapshots = kept | {step}
         for shard in self.tables.values():  # the workers pull again from the restored rows
             shard.clear_pulls()
         self.checkpoint()
