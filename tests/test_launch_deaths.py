@@ -106,7 +106,12 @@ def test_coordinator_binds_loopback_or_its_own_address():
     assert coordinator_bind_address("node-0.cluster:8118", None) is None
     # What the user asks for wins; the port defaults to the coordinator's.
     assert coordinator_bind_address("127.0.0.1:8118", "0.0.0.0") == "0.0.0.0:8118"
-    assert coordinator_bind_address("node-0:8118", "10.1.2.3:9000") == "10.1.2.3:9000"
+    assert coordinator_bind_address("node-0:8118", "127.0.0.1:9000") == "127.0.0.1:9000"
+    # ... if this host can listen there: JAX's coordinator died of SIGSEGV on another host's address
+    for other, why in (("192.0.2.7", "is not an address of this host"), ("no-such-host.invalid", "does not resolve")):
+        with pytest.raises(ValueError) as err:
+            coordinator_bind_address("node-0:8118", other, "JAXPAR_COORDINATOR_BIND_ADDRESS=")
+        assert f"JAXPAR_COORDINATOR_BIND_ADDRESS='{other}:8118': {other} {why}" in str(err.value), err.value
 
 
 @pytest.mark.parametrize("bad", ["a:b", "", ":80", "10.0.0.1:70000", "[::1]x"])

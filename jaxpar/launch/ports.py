@@ -83,6 +83,38 @@ def check_bind_address(address: str, port: int, flag: str = BIND_ADDRESS) -> str
     return _join(*parts)
 
 
+def listen_problem(host: str) -> str | None:
+    """``None`` when this host can listen on ``host`` (an IP or name of one of its interfaces, or
+    ``0.0.0.0`` / ``::``), else why not. JAX's coordinator kills its process (SIGSEGV) when it cannot."""
+    if host in ("0.0.0.0", "::"):
+        return None
+    try:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as err:
+        return f"does not resolve to an address ({getattr(err, 'strerror', None) or err})"
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.bind(address)
+            return None
+        except OSError:
+            continue
+    found = sorted({info[4][0] for info in infos})
+    return f"is not an address of this host (it is {', '.join(found)})" if found != [host] else \
+        "is not an address of this host"
+
+
+def check_can_listen(bind: str, flag: str = BIND_ADDRESS) -> None:
+    """ValueError naming ``flag`` when this host cannot listen on ``bind`` (``host:port``)."""
+    host = bind.rpartition(":")[0].strip("[]")
+    problem = listen_problem(host)
+    if problem:
+        given = f"{flag}{'' if flag.endswith('=') else ' '}{bind!r}"
+        raise ValueError(f"{given}: {host} {problem}; process 0's coordinator cannot listen there. Give an IP of "
+                         "this host's interface that the other processes reach (ip -brief address lists them), "
+                         "or 0.0.0.0 for all interfaces.")
+
+
 def is_loopback(host: str) -> bool:
     """True for ``localhost``, ``127.x.x.x`` and ``::1``."""
     if host.lower() in _LOOPBACK_NAMES:
@@ -125,7 +157,9 @@ def coordinator_bind_address(coordinator_address: str, requested: str | None,
     host, _, port_text = coordinator_address.rpartition(":")
     host, port = host.strip("[]"), int(port_text)
     if requested is not None and requested.strip():
-        return check_bind_address(requested, port, flag)
+        bind = check_bind_address(requested, port, flag)
+        check_can_listen(bind, flag)
+        return bind
     if is_loopback(host) or _is_local_ip(host):
         return _join(host, port)
     return None
