@@ -86,11 +86,22 @@ def test_bind_address_and_exit_time_out():
 
 @pytest.mark.parametrize("argv, words", [
     (["--bind-address", "a:b"], "--bind-address 'a:b' must be an address of this host"),
-    (["--exit-time-out", "0"], "exit_time_out=0.0 must be a positive float (--exit-time-out)"),
+    (["--exit-time-out", "0"], "exit_time_out=0.0 must be a positive, finite number of seconds (--exit-time-out)"),
+    # each of these was accepted: nan and inf as time-outs (a job that may wait forever), an empty
+    # --master-addr (every worker died of a traceback), a --bind-address that is not this host's
+    # (rank 0 died of SIGSEGV in JAX's coordinator), an unusable --log-dir (a launcher traceback)
+    (["--cluster-time-out", "nan"], "cluster_time_out=nan must be a positive, finite number of seconds"),
+    (["--cluster-time-out", "inf"], "cluster_time_out=inf must be a positive, finite number of seconds"),
+    (["--master-addr", ""], "master_addr='' must be the host name or IP of rank 0's node"),
+    (["--master-addr", "[::1]"], "(IPv6 without brackets) (--master-addr)"),
+    (["--bind-address", "192.0.2.7"], "--bind-address '192.0.2.7:8118': 192.0.2.7 is not an address of this host"),
+    (["--bind-address", "no-such-host.invalid"], "no-such-host.invalid does not resolve"),
+    (["--log-dir", "/proc/no/such"], "--log-dir '/proc/no/such' cannot be created"),
+    (["--log-dir", __file__], "is a file, not a folder"),
 ])
 def test_bad_launch_flags_exit_2(tmp_path, argv, words):
     result = subprocess.run(
-        [sys.executable, "-m", "jaxpar.launch", "--log-dir", str(tmp_path), *argv, "t.py"],
+        [sys.executable, "-m", "jaxpar.launch", "--log-dir", str(tmp_path), *argv, __file__],
         capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
     assert result.returncode == 2 and words in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1

@@ -145,6 +145,7 @@ def run_launch(args: argparse.Namespace) -> int:
     try:
         config = launch_config(args)
         check_script(args.script)
+        launcher.check_node(config)
     except ValueError as err:
         raise UserError(str(err)) from err
     return launcher.launch(config, args.script, args.script_args, echo=sys.stdout)

@@ -30,6 +30,7 @@ for them to serve; see ``jaxpar.launch.servers`` (restarts, stopping, the contra
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 import signal
@@ -41,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from jaxpar.launch import cluster, deaths, servers, sources
-from jaxpar.launch.ports import BIND_ADDRESS, check_bind_address, port_problem
+from jaxpar.launch.ports import BIND_ADDRESS, check_bind_address, check_can_listen, port_problem
 from jaxpar.launch.worker import Worker, signal_name, stop_all
 
 # Names shared with jaxpar.distributed, which the launcher must not import (it imports jax).
@@ -126,6 +127,10 @@ class LaunchConfig:
         for name in ("simulated_devices", "devices_per_worker"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name), "--" + name.replace("_", "-"))
+        if not isinstance(self.master_addr, str) or not self.master_addr.strip() or \
+                any(c.isspace() or c in "/[]" for c in self.master_addr):
+            raise ValueError(f"master_addr={self.master_addr!r} must be the host name or IP of rank 0's node, "
+                             "such as 10.0.0.1, node-0 or ::1 (IPv6 without brackets) (--master-addr).")
         if not isinstance(self.master_port, int) or not 0 < self.master_port < 65536:
             raise ValueError(f"master_port={self.master_port!r} must be in 1..65535 (--master-port).")
         servers.check_config(self)
@@ -155,8 +160,29 @@ class LaunchConfig:
 
 def _positive(name: str, value, flag: str, number=int) -> None:
     ok = isinstance(value, (int, float) if number is float else int) and not isinstance(value, bool)
-    if not ok or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive {number.__name__} ({flag}).")
+    if not ok or not math.isfinite(value) or value <= 0:
+        kind = "a positive, finite number of seconds" if number is float else f"a positive {number.__name__}"
+        raise ValueError(f"{name}={value!r} must be {kind} ({flag}).")
+
+
+def check_node(config: LaunchConfig) -> None:
+    """What only this node can check, before any worker starts: that ``log_dir`` can be written, and on
+    node 0 that ``bind_address`` is an address of this host (JAX's coordinator dies of SIGSEGV otherwise).
+    Raises a ValueError naming the flag."""
+    if os.path.exists(config.log_dir) and not os.path.isdir(config.log_dir):
+        raise ValueError(f"--log-dir {config.log_dir!r} is a file, not a folder; give a folder for the logs, "
+                         "e.g. --log-dir jaxpar_logs.")
+    try:
+        os.makedirs(config.log_dir, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--log-dir {config.log_dir!r} cannot be created ({err.strerror or err}); give a folder "
+                         "this user can write, e.g. --log-dir jaxpar_logs.") from None
+    if not os.access(config.log_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"--log-dir {config.log_dir!r} is not writable by this user; give a folder it can write, "
+                         "e.g. --log-dir jaxpar_logs.")
+    if config.node_rank == 0 and config.bind_address is not None:
+        check_can_listen(check_bind_address(config.bind_address, config.master_port, "--bind-address"),
+                         "--bind-address")
 
 
 def _check_worker_restarts(config: "LaunchConfig") -> None:
@@ -262,14 +288,14 @@ def launch(config: LaunchConfig, script: str, args: Sequence[str] = (), *,
 
     0 when every worker exits 0; otherwise the failing worker's status (``128 + signal``
     when killed), ``124`` when the cluster did not form in time, ``128 + signal`` when the
-    launcher was interrupted.
+    launcher was interrupted. Raises ValueError when this node cannot run its share (``check_node``).
 
     Example:
         >>> launch(LaunchConfig(worker_num=2, local_worker_num=2, simulated_devices=4),
         ...        "train.py", ["--steps", "5"])  # doctest: +SKIP
         0
     """
-    os.makedirs(config.log_dir, exist_ok=True)
+    check_node(config)
     lock = threading.Lock()
     log = _Log(os.path.join(config.log_dir, f"launcher_{config.node_rank}.log"), lock)
     run_dir = tempfile.mkdtemp(prefix="jaxpar-launch-")
