@@ -556,3 +556,30 @@ def test_a_snapshot_of_an_abandoned_history_is_written_again(tmp_path):
     restarted.handle({"op": "restore", "step": 2}, [])
     np.testing.assert_allclose(restarted.tables["t"].weights[0], ps.init_rows(spec, np.array([0]))[0] - 2, rtol=1e-6)
 
+
+def test_a_damaged_log_record_is_named_and_the_server_exits_2(tmp_path):
+    """A whole log record that does not decode (a disk error; not a kill's cut, which ends the
+    replay) stops the start with one line naming the file and the record, not a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    from jaxpar.ps.server import Server
+    from jaxpar.ps.wire import WireError
+
+    spec = ps.TableSpec("t", 4, 2, ps.SGD(1.0))
+    server = Server(0, 1, str(tmp_path), every=100)
+    server.handle({"op": "hello", "mode": "sync", "staleness": 0, "workers": 1, "tables": [spec.to_json()]}, [])
+    for step in range(2):
+        server.handle({"op": "push", "table": "t", "step": step, "worker": 0}, [np.array([0]), np.ones((1, 2), np.float32)])
+    server.wal.close()
+    wal = tmp_path / "server-0-of-1" / "wal.bin"
+    data = bytearray(wal.read_bytes())
+    data[20] ^= 0xFF                                   # inside the first record's header
+    wal.write_bytes(bytes(data))
+    with pytest.raises(WireError, match=r"wal.bin': record 0 of 2 is damaged \(header is not UTF-8 JSON"):
+        Server(0, 1, str(tmp_path), every=100)
+    env = {**os.environ, "JAXPAR_PS_TOKEN": TOKEN, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-m", "jaxpar.ps.server", "--index", "0", "--count", "1",
+                          "--checkpoint-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr and "record 0 of 2 is damaged" in run.stderr

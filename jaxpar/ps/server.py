@@ -317,7 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get(TOKEN_ENV)
     if not token:
         parser.error(f"set the job token in the environment variable {TOKEN_ENV} (never on the command line)")
-    serve(Server(args.index, args.count, args.checkpoint_dir, args.checkpoint_every), args.bind, token)
+    try:
+        server = Server(args.index, args.count, args.checkpoint_dir, args.checkpoint_every)
+    except WireError as e:   # a damaged log or checkpoint: one line, not a traceback
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    serve(server, args.bind, token)
     return 0
 
 

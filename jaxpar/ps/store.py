@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from jaxpar.ps.wire import decode
+from jaxpar.ps.wire import WireError, decode
 
 _META = "__meta__"
 
@@ -84,8 +84,16 @@ class WriteAheadLog:
         if end < len(data):
             self.file.flush()
             os.truncate(self.path, end)
-        for frames in records:
-            yield decode(frames)
+        for k, frames in enumerate(records):
+            try:
+                message = decode(frames)
+            except WireError as e:   # whole but damaged (a disk error, an edit): not a kill's cut
+                raise WireError(
+                    f"write-ahead log {str(self.path)!r}: record {k} of {len(records)} is damaged ({e}); the "
+                    f"pushes from it on cannot be replayed. Keep a copy of the file; to serve from the last "
+                    f"checkpoint ({self.path.name} moved aside, state.npz alone) those pushes are lost, or "
+                    "restore a snapshot (client.restore(step))") from None
+            yield message
 
 
 def _records(data: bytes) -> tuple[list[list[bytes]], int]:
