@@ -89,8 +89,11 @@ def test_cli_prints_manifest(monkeypatch):
     (["--simulated-devices", "2", "--env", "JAX_PLATFORMS=gpu"], "sets JAX_PLATFORMS itself"),
     (["--env", "A=1", "--env", "A=2"], "--env A is given twice"),
     (["--env", "A"], "--env 'A' must look like NAME=VALUE"),
-    (["--cluster-time-out", "0"], "cluster_time_out=0.0 must be a positive float "
+    (["--cluster-time-out", "0"], "cluster_time_out=0.0 must be a positive, finite number "
                                   "(--cluster-time-out)"),
+    # nan went into the manifest as JAXPAR_CLUSTER_TIMEOUT=nan: each pod gave up at once ("within nan s")
+    (["--cluster-time-out", "nan"], "cluster_time_out=nan must be a positive, finite number"),
+    (["--cluster-time-out", "inf"], "cluster_time_out=inf must be a positive, finite number"),
     (["--simulated-devices", "0"], "simulated_devices=0 must be a positive int "
                                    "(--simulated-devices)"),
     (["--gpus-per-worker", "-1"], "(--gpus-per-worker)"),

@@ -20,6 +20,7 @@ N server pods behind their own headless Service; the workers get their DNS names
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping, Sequence
 
@@ -126,8 +127,9 @@ def _positive_or_none(name: str, value, flag: str, kind: type) -> None:
     kinds = (int, float) if kind is float else int
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive {kind.__name__} ({flag}); "
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value <= 0:
+        what = "a positive, finite number" if kind is float else f"a positive {kind.__name__}"
+        raise ValueError(f"{name}={value!r} must be {what} ({flag}); "
                          f"leave {flag} out for the default.")
 
 
