@@ -157,6 +157,12 @@ def test_bad_input_names_the_file_or_value(store, corpus, tmp_path):
         TokenLoader(store, seq_len=SEQ, global_batch=BATCH, shuffle="no")       # was shuffle=True
     with pytest.raises(TypeError, match=r"store=5 must be a TokenStore or the path of one"):
         TokenLoader(5, seq_len=SEQ, global_batch=BATCH)
+    (tmp_path / "blank.txt").write_text("\n\n")      # docs="line": no document, no shard at all
+    blank = prepare([str(tmp_path / "blank.txt")], str(tmp_path / "blank"), docs="line", progress=False)
+    with pytest.raises(ValueError, match="no document of .* has 2 tokens or more"):   # was numpy's concatenate
+        TokenLoader(blank, seq_len=SEQ, global_batch=1, packing="padded")
+    with pytest.raises(TypeError, match=r"prepare: inputs='.*blank.txt' is one path; pass a list of paths"):
+        prepare(str(tmp_path / "blank.txt"), str(tmp_path / "one"), progress=False)   # was "input '/' is not a file"
     tokenizers = pytest.importorskip("tokenizers")
     assert tokenizers
     root, files = corpus

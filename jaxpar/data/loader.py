@@ -128,7 +128,7 @@ class TokenLoader:
             lengths = np.diff(starts, append=len(tokens))
             keep = lengths >= 2
             parts.append((np.full(keep.sum(), s), starts[keep], lengths[keep]))
-        shard, start, length = (np.concatenate([p[k] for p in parts]) for k in range(3))
+        shard, start, length = (np.concatenate([p[k] for p in parts] or [np.zeros(0, np.int64)]) for k in range(3))
         if not len(shard):
             raise ValueError(f"TokenLoader: no document of {self.store.index_path!r} has 2 tokens or more; "
                              "padded rows need at least one target")

@@ -270,6 +270,8 @@ def _write_json(path: str, value: Any) -> None:
 
 
 def _inputs(files: Sequence[str], errors: str) -> list[dict[str, Any]]:
+    if isinstance(files, (str, bytes, os.PathLike)):   # its characters would be taken as paths
+        raise TypeError(f"prepare: inputs={files!r} is one path; pass a list of paths, e.g. [{files!r}]")
     if not files:
         raise ValueError("prepare: no input files given; pass one or more text files")
     out = []
