@@ -170,6 +170,38 @@ def test_rank_table_errors_name_the_entry(tmp_path, change, words):
     assert words in str(err.value)
 
 
+def two_entries(first, second, host2="h"):
+    return {"server_count": None, "server_list": [
+        {"server_id": "h", "device": [{"device_id": first[0], "rank_id": first[1]}]},
+        {"server_id": host2, "device": [{"device_id": second[0], "rank_id": second[1]}]}]}
+
+
+@pytest.mark.parametrize("change, words", [
+    # each was accepted: two processes (or one, twice) given the same device of a host, a port JAX cannot use
+    (two_entries(("0", "0"), ("0", "1")), "server_list[1].device[0].device_id=0 is not valid; device 0 of server "
+                                          "'h' is already listed (for rank 0)"),
+    (two_entries(("1", "0"), ("1", "0")), "device 1 of server 'h' is already listed"),
+    ({"coordinator_port": 70000}, "coordinator_port=70000 is not valid; give a TCP port in 1..65535"),
+])
+def test_rank_table_refuses_a_device_twice_and_a_bad_port(tmp_path, change, words):
+    path = write_table(tmp_path, {**TABLE, **change})
+    with pytest.raises(ValueError, match="rank table") as err:
+        load_rank_table(path)
+    assert words in str(err.value)
+    load_rank_table(write_table(tmp_path, {**TABLE, **two_entries(("0", "0"), ("0", "1"), host2="g")}))
+
+
+def test_rank_table_path_and_rank_mistakes_are_named(tmp_path):
+    """A folder given as the table was an IsADirectoryError, not a ValueError naming the variable;
+    JAXPAR_PROCESS_ID and RANK_ID naming different ranks silently took the first."""
+    with pytest.raises(ValueError, match=r"rank table '.*' cannot be read \(Is a directory\); set JAXPAR_RANK_TABLE_FILE"):
+        detect({"JAXPAR_RANK_TABLE_FILE": str(tmp_path)})
+    path = write_table(tmp_path, TABLE)
+    with pytest.raises(ValueError, match="JAXPAR_PROCESS_ID=2 but RANK_ID=1, for rank table"):
+        detect({"JAXPAR_RANK_TABLE_FILE": path, "RANK_ID": "1", "JAXPAR_PROCESS_ID": "2"})
+    assert detect({"JAXPAR_RANK_TABLE_FILE": path, "RANK_ID": "2", "JAXPAR_PROCESS_ID": "2"}).process_id == 2
+
+
 def test_conflicting_sources_name_both():
     env = {**OMPI, "JAXPAR_NUM_PROCESSES": "2", "JAXPAR_PROCESS_ID": "1"}
     with pytest.raises(ValueError) as err:

@@ -90,6 +90,7 @@ def _servers(path: str, data: Any) -> list:
 
 def _entries(path: str, servers: list) -> dict[int, RankEntry]:
     by_rank: dict[int, RankEntry] = {}
+    seen: dict[tuple[str, int], int] = {}       # (host, device id) -> rank
     for s, server in enumerate(servers):
         host = server.get("server_id") if isinstance(server, dict) else None
         if not isinstance(host, str) or not host:
@@ -106,6 +107,12 @@ def _entries(path: str, servers: list) -> dict[int, RankEntry]:
             if entry.host != host:
                 raise _bad(path, f"{where}.rank_id", rank,
                            f"rank {rank} is already on server {entry.host!r}; one rank lives on one server.")
+            owner = seen.get((host, device))
+            if owner is not None:
+                raise _bad(path, f"{where}.device_id", device,
+                           f"device {device} of server {host!r} is already listed (for rank {owner}); each device "
+                           "belongs to one entry, and two processes cannot drive one device.")
+            seen[(host, device)] = rank
             by_rank[rank] = dataclasses.replace(entry, device_ids=entry.device_ids + (device,))
     return by_rank
 
@@ -119,6 +126,9 @@ def parse_rank_table(path: str, data: Any) -> RankTable:
                    f"rank ids must be 0..{len(by_rank) - 1} without gaps; missing {missing}.")
     port = parse_int(f"rank table {path}: coordinator_port",
                      data.get("coordinator_port", DEFAULT_PORT), minimum=1)
+    if port > 65535:
+        raise _bad(path, "coordinator_port", port, "give a TCP port in 1..65535, or leave it out for "
+                   f"{DEFAULT_PORT}.")
     ranks = tuple(by_rank[r] for r in range(len(by_rank)))
     return RankTable(path=path, port=port, ranks=ranks)
 
@@ -130,15 +140,22 @@ def load_rank_table(path: str) -> RankTable:
             data = json.load(f)
     except FileNotFoundError:
         raise ValueError(f"rank table {path!r} does not exist; check {RANK_TABLE_FILE}.") from None
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"rank table {path!r} is not valid JSON: {err}.") from None
+    except OSError as err:
+        raise ValueError(f"rank table {path!r} cannot be read ({err.strerror or err}); set {RANK_TABLE_FILE} to "
+                         "the rank table JSON file.") from None
     return parse_rank_table(path, data)
 
 
 def _my_rank(table: RankTable, env: Mapping[str, str], host_names: Sequence[str]):
-    for name in (PROCESS_ID, "RANK_ID"):
-        if env.get(name, "").strip():
-            return parse_int(name, env[name]), f"{name}={env[name]}"
+    given = [(name, parse_int(name, env[name])) for name in (PROCESS_ID, "RANK_ID") if env.get(name, "").strip()]
+    if len({rank for _, rank in given}) > 1:
+        raise ValueError(f"{PROCESS_ID}={env[PROCESS_ID]} but RANK_ID={env['RANK_ID']}, for rank table "
+                         f"{table.path}: the two say different ranks; set one (or both to the same rank).")
+    if given:
+        name, rank = given[0]
+        return rank, f"{name}={env[name]}"
     mine = [e for e in table.ranks if e.host in set(host_names)]
     if len(mine) == 1:
         return mine[0].rank, f"the only rank on host {mine[0].host}"
