@@ -96,6 +96,23 @@ def test_first_host(nodelist, host):
     assert first_host(nodelist) == host
 
 
+@pytest.mark.parametrize("nodelist, words", [
+    ("gpu[003", "leaves a bracket open"),           # each gave the host 'gpu' without a word
+    ("gpu[]", "has a range [] that does not start with a number"),
+    ("gpu]01", "closes a bracket it never opened"),
+    ("gpu[[1-2]]", "opens a bracket inside a bracket"),
+])
+def test_malformed_slurm_nodelist_is_named(nodelist, words):
+    with pytest.raises(ValueError) as err:
+        first_host(nodelist)
+    assert f"SLURM_STEP_NODELIST={nodelist!r} {words}" in str(err.value)
+    env = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": nodelist, "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}
+    with pytest.raises(ValueError, match="JAXPAR_COORDINATOR_ADDRESS=host:port"):
+        detect(env)
+    # ... which the fix it names gets past
+    assert detect({**env, "JAXPAR_COORDINATOR_ADDRESS": "gpu003:9000"}).coordinator_address == "gpu003:9000"
+
+
 K8S = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "JOB_COMPLETION_INDEX": "3",
        "JAXPAR_NUM_PROCESSES": "4"}
 
@@ -253,6 +270,13 @@ def test_launcher_env_ignores_outer_srun():
     ({"JAXPAR_NUM_PROCESSES": "2", "JAXPAR_PROCESS_ID": "0",
       "JAXPAR_COORDINATOR_ADDRESS": "nohost"}, "host:port"),
     ({"JAXPAR_PROCESS_ID": "3"}, "JAXPAR_NUM_PROCESSES"),
+    # advised "a number such as 0", which was then refused
+    ({"JAXPAR_NUM_PROCESSES": "-1"}, "JAXPAR_NUM_PROCESSES='-1' is not a whole number >= 1"),
+    # was an error on coordinator_address telling to set JAXPAR_COORDINATOR_ADDRESS
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n1", "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+      "JAXPAR_COORDINATOR_PORT": "70000"}, "JAXPAR_COORDINATOR_PORT='70000' is not a TCP port"),
+    # two devices named the same were accepted: local_device_ids (0, 0)
+    ({"JAXPAR_LOCAL_DEVICE_IDS": "0,1,0"}, "JAXPAR_LOCAL_DEVICE_IDS='0,1,0' lists device 0 more than once"),
 ])
 def test_bad_settings_say_what_to_fix(env, words):
     with pytest.raises(ValueError) as err:

@@ -82,12 +82,25 @@ def parse_device_ids(name: str, raw: str) -> tuple[int, ...]:
     parts = [p for p in str(raw).replace(" ", "").split(",") if p]
     if not parts:
         raise ValueError(f"{name}={raw!r} lists no device ids; write them like '0,1,2,3'.")
-    return tuple(parse_int(name, p) for p in parts)
+    ids = tuple(parse_int(name, p) for p in parts)
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:
+        raise ValueError(f"{name}={raw!r} lists device {', '.join(map(str, twice))} more than once; "
+                         f"list each device once, e.g. {','.join(map(str, sorted(set(ids))))}.")
+    return ids
+
+
+def parse_port(name: str, raw: str) -> int:
+    """Parses a TCP port (1..65535) in variable ``name``, or raises a ValueError that names it."""
+    port = parse_int(name, raw, minimum=1)
+    if port > 65535:
+        raise ValueError(f"{name}={raw!r} is not a TCP port; set {name} to a port in 1..65535 or unset it.")
+    return port
 
 
 def _coordinator_port(env: Mapping[str, str], default: int) -> tuple[int, str]:
     if COORDINATOR_PORT in env:
-        port = parse_int(COORDINATOR_PORT, env[COORDINATOR_PORT], minimum=1)
+        port = parse_port(COORDINATOR_PORT, env[COORDINATOR_PORT])
         return port, f"{COORDINATOR_PORT}={port}"
     return default, f"default port {default}"
 
@@ -103,7 +116,7 @@ def read_env(env: Mapping[str, str]) -> Reading | None:
     if env.get(COORDINATOR_ADDRESS, "").strip():
         raw = env[COORDINATOR_ADDRESS].strip()
         values["coordinator_address"] = (raw, f"{COORDINATOR_ADDRESS}={raw}")
-    _add(values, env, "num_processes", NUM_PROCESSES)
+    _add(values, env, "num_processes", NUM_PROCESSES, lambda n, r: parse_int(n, r, minimum=1))
     _add(values, env, "process_id", PROCESS_ID)
     _add(values, env, "local_process_id", LOCAL_PROCESS_ID)
     _add(values, env, "local_device_ids", LOCAL_DEVICE_IDS, parse_device_ids)
@@ -150,19 +163,32 @@ def first_host(nodelist: str) -> str:
     >>> first_host("rack[1-2]-n[07,09]")
     'rack1-n07'
     """
+    def bad(why: str) -> ValueError:
+        return ValueError(f"SLURM_STEP_NODELIST={nodelist!r} {why}; SLURM writes node lists such as "
+                          "'gpu[003-005,9],cpu1'. Set JAXPAR_COORDINATOR_ADDRESS=host:port to name the coordinator.")
+
     out, depth, group = [], 0, []
     for ch in nodelist.strip():
         if ch == "," and depth == 0:
             break
         if ch == "[":
+            if depth:
+                raise bad("opens a bracket inside a bracket")
             depth, group = 1, []
         elif ch == "]":
+            if not depth:
+                raise bad("closes a bracket it never opened")
             depth = 0
-            out.append(re.split(r"[,-]", "".join(group))[0])
+            first = re.split(r"[,-]", "".join(group))[0]
+            if not first.isdigit():
+                raise bad(f"has a range [{''.join(group)}] that does not start with a number")
+            out.append(first)
         elif depth:
             group.append(ch)
         else:
             out.append(ch)
+    if depth:
+        raise bad("leaves a bracket open")
     host = "".join(out)
     if not host:
         raise ValueError(f"SLURM_STEP_NODELIST={nodelist!r} names no host.")
@@ -182,7 +208,12 @@ def read_slurm(env: Mapping[str, str]) -> Reading | None:
     job = env["SLURM_JOB_ID"]
     default = int(job) % 4096 + 61440 if job.isdigit() else DEFAULT_PORT
     port, port_origin = _coordinator_port(env, default)
-    host = first_host(env["SLURM_STEP_NODELIST"])
+    try:
+        host = first_host(env["SLURM_STEP_NODELIST"])
+    except ValueError:
+        if env.get(COORDINATOR_ADDRESS, "").strip():    # set: the node list is not needed
+            return Reading("slurm", values, frozenset({"coordinator_address"}))
+        raise
     origin = f"first node of SLURM_STEP_NODELIST={env['SLURM_STEP_NODELIST']}, {port_origin}"
     values["coordinator_address"] = (f"{host}:{port}", origin)
     return Reading("slurm", values, frozenset({"coordinator_address"}))
