@@ -217,6 +217,8 @@ def test_rank_table_path_and_rank_mistakes_are_named(tmp_path):
     with pytest.raises(ValueError, match="JAXPAR_PROCESS_ID=2 but RANK_ID=1, for rank table"):
         detect({"JAXPAR_RANK_TABLE_FILE": path, "RANK_ID": "1", "JAXPAR_PROCESS_ID": "2"})
     assert detect({"JAXPAR_RANK_TABLE_FILE": path, "RANK_ID": "2", "JAXPAR_PROCESS_ID": "2"}).process_id == 2
+    with pytest.raises(ValueError, match="JAXPAR_COORDINATOR_PORT='70000' is not a TCP port"):
+        detect({"JAXPAR_RANK_TABLE_FILE": path, "RANK_ID": "2", "JAXPAR_COORDINATOR_PORT": "70000"})
 
 
 def test_conflicting_sources_name_both():

@@ -37,6 +37,7 @@ from jaxpar.launch.sources import (
     PROCESS_ID,
     Reading,
     parse_int,
+    parse_port,
 )
 
 RANK_TABLE_FILE = "JAXPAR_RANK_TABLE_FILE"
@@ -170,7 +171,7 @@ def read_rank_table(table: RankTable, env: Mapping[str, str], host_names: Sequen
         "coordinator_address": (table.coordinator_address, f"{origin} (host of rank 0)"),
     }
     if COORDINATOR_PORT in env:
-        port = parse_int(COORDINATOR_PORT, env[COORDINATOR_PORT], minimum=1)
+        port = parse_port(COORDINATOR_PORT, env[COORDINATOR_PORT])
         values["coordinator_address"] = (f"{table.ranks[0].host}:{port}", f"{origin} and {COORDINATOR_PORT}")
     rank, how = _my_rank(table, env, host_names)
     if rank is None:
