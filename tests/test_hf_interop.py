@@ -342,6 +342,19 @@ def test_bad_input_names_the_tensor_or_file(untied, tmp_path, capsys):
     assert "not a Llama" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_import_devices_without_to_and_export_into_a_file(untied, tmp_path, capsys):
+    """`import-hf --devices 2` with no --to was refused as "mesh {'data': 1} has 1 devices but 2 are available";
+    `export-hf --out FILE` said only "[Errno 17] File exists"."""
+    directory, _, _ = untied
+    code = ckpt_main(["import-hf", directory, "--out", str(tmp_path / "ckpt"), "--devices", "2"])
+    out, err = capsys.readouterr()
+    assert code == 0 and "laid out on mesh {'data': 2}" in out, err
+    (tmp_path / "file").write_text("x")
+    assert ckpt_main(["export-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert f"out '{tmp_path / 'file'}' is a file, not a folder" in err and len(err.strip().splitlines()) == 1
+
+
 def _truncate(path):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])

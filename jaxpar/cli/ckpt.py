@@ -137,7 +137,9 @@ def _import_hf(args) -> int:
     from jaxpar.config import ParallelConfig
     from jaxpar.interop.hf import import_hf
 
-    config = ParallelConfig(mesh={"data": 1}, mode="data") if args.to is None else _load_config(args.to)
+    # no --to: every parameter replicated on the --devices devices (one without it)
+    config = ParallelConfig(mesh={"data": args.ckpt_devices or 1}, mode="data") if args.to is None \
+        else _load_config(args.to)
     devices = _target_devices(args.ckpt_devices)
     cfg, _ = import_hf(args.dir, args.out, config=config, devices=devices, dtype=args.dtype,
                        scan_layers=args.scan_layers, force=args.force)
@@ -226,7 +228,8 @@ def _add_hf_parsers(sub) -> None:
     q.add_argument("--out", required=True, help="the checkpoint directory to write (step 0, parameters only)")
     q.add_argument("--to", metavar="CONFIG", default=None,
                    help="YAML/JSON ParallelConfig, a job file (its parallel section), a strategy JSON, or a "
-                        "checkpoint directory whose layout to use (default: one device)")
+                        "checkpoint directory whose layout to use (default: every parameter replicated on the "
+                        "--devices devices, one without it)")
     q.add_argument("--devices", dest="ckpt_devices", type=_count("--devices", 1), default=None,
                    help="lay the checkpoint out on the first N devices (default: the mesh size of CONFIG)")
     q.add_argument("--scan-layers", action="store_true", help="stack the blocks on a 'layers' axis")

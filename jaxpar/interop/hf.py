@@ -421,6 +421,9 @@ def _hf_tensor(t: Tensor, params: Mapping[str, Any], dtype) -> np.ndarray:
 
 def _check_out_free(out_dir: str, force: bool) -> list[str]:
     """The model files already in ``out_dir``; refused unless ``force`` (nothing is written yet)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise NotADirectoryError(f"export_hf: out {out_dir!r} is a file, not a folder; give a folder for the HF "
+                                 "model (it is created if missing)")
     old = files.model_files(out_dir)
     if old and not force:
         shards = [n for n in old if n not in (files.CONFIG, files.INDEX)]
