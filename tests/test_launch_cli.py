@@ -107,6 +107,30 @@ def test_bad_launch_flags_exit_2(tmp_path, argv, words):
     assert "Traceback" not in result.stderr and len(result.stderr.splitlines()) == 1
 
 
+def test_shell_scripts_run_as_named(tmp_path):
+    """An executable `train.sh` given without ./ was looked up on PATH (a launcher FileNotFoundError
+    traceback); a #!/bin/bash script without +x ran under Python (a SyntaxError in every worker); a #! line
+    naming no interpreter was a launcher traceback."""
+    def launch(script, mode):
+        path = tmp_path / script
+        path.write_text({"ok.sh": "#!/bin/sh\necho hi\n", "plain.sh": "#!/bin/bash\necho hi\n",
+                         "bad.sh": "#!/no/such/interpreter\n"}[script])
+        path.chmod(mode)
+        return subprocess.run([sys.executable, "-m", "jaxpar.launch", "--worker-num", "1", "--local-worker-num",
+                               "1", "--log-dir", "logs", script], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+
+    result = launch("ok.sh", 0o755)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "logs" / "worker_0.log").read_text() == "hi\n"
+    result = launch("plain.sh", 0o644)
+    assert result.returncode == 2 and "script 'plain.sh' starts with '#!/bin/bash' but is not executable" in \
+        result.stderr and "chmod +x plain.sh" in result.stderr, result.stderr
+    result = launch("bad.sh", 0o755)
+    assert result.returncode == 1 and "error: rank 0 could not start './bad.sh'" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_bad_option_exits_2_with_message(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "jaxpar.launch", "--worker-num", "2", "--local-worker-num", "3",

@@ -132,12 +132,28 @@ def check_script(script: str) -> None:
         raise ValueError(f"script {script!r} does not exist (relative paths start at {os.getcwd()}); give the path "
                          f"of the Python script (or executable) each worker runs{hint}")
     if not os.path.isdir(script):
+        _check_interpreter(script)
         return
     scripts = sorted(name for name in os.listdir(script) if name.endswith(".py"))[:3]
     inside = f" (it holds {', '.join(scripts)})" if scripts else ""
     example = os.path.join(script, scripts[0] if scripts else "train.py")
     raise ValueError(f"script {script!r} is a directory{inside}; give the Python script (or executable) each "
                      f"worker runs, e.g. jaxpar launch ... {example}")
+
+
+def _check_interpreter(script: str) -> None:
+    """A script that is not executable runs under Python (see `launcher.worker_command`): refuse one
+    whose ``#!`` line names another interpreter, which every worker would fail on with a SyntaxError."""
+    if script.endswith(".py") or os.access(script, os.X_OK):
+        return
+    try:
+        with open(script, "rb") as f:
+            first = f.readline(200).decode(errors="replace").strip()
+    except OSError:
+        return
+    if first.startswith("#!") and "python" not in first:
+        raise ValueError(f"script {script!r} starts with {first!r} but is not executable, so each worker would run it "
+                         f"with Python; make it executable (chmod +x {script}) or give a Python script")
 
 
 def run_launch(args: argparse.Namespace) -> int:

@@ -165,6 +165,10 @@ def _positive(name: str, value, flag: str, number=int) -> None:
         raise ValueError(f"{name}={value!r} must be {kind} ({flag}).")
 
 
+class WorkerStartError(RuntimeError):
+    """A worker process could not be started (the launcher stops the ones already started)."""
+
+
 def check_node(config: LaunchConfig) -> None:
     """What only this node can check, before any worker starts: that ``log_dir`` can be written, and on
     node 0 that ``bind_address`` is an address of this host (JAX's coordinator dies of SIGSEGV otherwise).
@@ -206,7 +210,10 @@ def worker_command(script: str, args: Sequence[str]) -> list[str]:
     script could set JAX's environment variables. Any other executable runs as is.
     """
     is_python = script.endswith(".py") or not (os.path.isfile(script) and os.access(script, os.X_OK))
-    return [sys.executable, "-u", RUNNER, script, *args] if is_python else [script, *args]
+    if is_python:
+        return [sys.executable, "-u", RUNNER, script, *args]
+    # "train.sh" would be looked up on PATH: run the file the user named, from the working directory
+    return [script if os.sep in script else os.path.join(os.curdir, script), *args]
 
 
 def worker_env(config: LaunchConfig, rank: int, run_dir: str, base: Mapping[str, str]) -> dict:
@@ -305,7 +312,7 @@ def launch(config: LaunchConfig, script: str, args: Sequence[str] = (), *,
         with _Signals() as signals:
             return _run(config, worker_command(script, args), run_dir, log, signals,
                         echo if config.join else None, lock)
-    except servers.ServerError as err:
+    except (servers.ServerError, WorkerStartError) as err:
         log(f"error: {err}")
         return 1
     finally:
@@ -326,7 +333,11 @@ def _start(config, command, run_dir, log, workers: list[Worker], extra_env: dict
     for rank in config.ranks:
         path = os.path.join(config.log_dir, f"worker_{rank}.log")
         env = worker_env(config, rank, run_dir, {**os.environ, **extra_env})
-        workers.append(Worker(rank=rank, command=command, env=env, log_path=path))
+        try:
+            workers.append(Worker(rank=rank, command=command, env=env, log_path=path))
+        except OSError as err:       # not executable, a #! line naming no interpreter, ...
+            raise WorkerStartError(f"rank {rank} could not start {command[0]!r}: {err.strerror or err}; check the "
+                                   "script's path, its permissions and its #! line") from None
         log(f"started rank {rank} (pid {workers[-1].pid}), log {path}")
 
 
