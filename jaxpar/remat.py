@@ -119,25 +119,28 @@ def remat(fn_or_module, policy: str = "full"):
 _CLASSES: dict[tuple[type, str], type] = {}
 
 
+def checkpointed_method(method: Callable, policy, *, prevent_cse: bool = True) -> Callable:
+    """A ``__call__`` that runs ``method(self, *args, **kwargs)`` under ``nnx.remat`` with
+    ``policy``: arrays (and pytrees of them) go through the checkpoint; other arguments (hooks,
+    flags) are closed over as constants."""
+    def __call__(self, *args, **kwargs):
+        is_data = [all(hasattr(x, "dtype") for x in jax.tree.leaves(a)) for a in args]
+        data = [a for a, d in zip(args, is_data) if d]
+
+        def call(module, *data_args):
+            it = iter(data_args)
+            return method(module, *[next(it) if d else a for a, d in zip(args, is_data)], **kwargs)
+
+        return nnx.remat(call, policy=policy, prevent_cse=prevent_cse)(self, *data)
+
+    return __call__
+
+
 def _remat_class(cls: type, policy: str) -> type:
     base = getattr(cls, "_jaxpar_remat_base", cls)
     key = (base, policy)
     if key not in _CLASSES:
-        pol = checkpoint_policy(policy)
-
-        def __call__(self, *args, **kwargs):
-            # arrays (and pytrees of them) go through the checkpoint; other arguments (hooks,
-            # flags) are closed over as constants
-            is_data = [all(hasattr(x, "dtype") for x in jax.tree.leaves(a)) for a in args]
-            data = [a for a, d in zip(args, is_data) if d]
-
-            def call(module, *data_args):
-                it = iter(data_args)
-                return base.__call__(module, *[next(it) if d else a for a, d in zip(args, is_data)], **kwargs)
-
-            return nnx.remat(call, policy=pol)(self, *data)
-
         _CLASSES[key] = type(base.__name__, (base,), {
-            "__call__": __call__, "_jaxpar_remat_base": base, "_jaxpar_remat_policy": policy,
+            "__call__": checkpointed_method(base.__call__, checkpoint_policy(policy)), "_jaxpar_remat_base": base, "_jaxpar_remat_policy": policy,
             "__module__": base.__module__, "__qualname__": base.__qualname__})
     return _CLASSES[key]

@@ -18,7 +18,9 @@ from flax import nnx
 import jaxpar
 from helpers import assert_close, assert_losses_close
 from jaxpar.models.llama import Llama, LlamaConfig, loss_fn
-from jaxpar.nn.stream import stream_blocks
+from jaxpar.nn.blocks import recomputed_loss
+from jaxpar.nn.stream import streamed_loss
+from jaxpar.remat import POLICY_NAMES
 from jaxpar.train.step import _streamed_blocks
 
 CFG = LlamaConfig.named("tiny", scan_layers=True, layers=3)
@@ -98,26 +100,45 @@ def test_each_layer_comes_in_inside_the_layer_loop():
     assert sorted(s for v, s in moved if v in behind and s in stacked) == stacked
 
 
-def test_a_streamed_block_keeps_no_copy_of_its_weights():
-    """The backward fetches a layer again instead of keeping the device copy (or a reshape of it):
-    no residual has the shape of a layer's parameter."""
-    model = Llama(CFG, rngs=nnx.Rngs(0))
-    graph, params, rest = nnx.split(model, nnx.Param, ...)
-    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-    params["blocks"] = jax.device_put(params["blocks"], host)
-    tokens = jnp.zeros((2, 16), jnp.int32)
-
-    def loss(p):
-        return loss_fn(stream_blocks(nnx.merge(graph, p, rest), ("blocks",)), {"inputs": tokens, "targets": tokens})
-
+def _residuals(loss, params) -> list[str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         jax.ad_checkpoint.print_saved_residuals(loss, params)
-    saved = [line for line in out.getvalue().splitlines() if "from the argument" not in line]
+    return [line for line in out.getvalue().splitlines() if "from the argument" not in line]
+
+
+def _shape(line: str) -> str:
+    return "(" + ", ".join(re.match(r"\w+(?:<\w+>)?\[([\d,]*)\]", line).group(1).split(",")) + ")"
+
+
+@pytest.mark.parametrize("policy,owner", [(p, "config") for p in POLICY_NAMES] + [("full", "model")])
+def test_a_streamed_block_keeps_no_copy_of_its_weights(policy, owner):
+    """The backward fetches a layer again instead of keeping the device copy (or a reshape of it):
+    no residual has the shape of a layer's parameter, under every recompute policy, put on the
+    blocks by the step (``ParallelConfig.remat``, composed as `build_grads` does: the recompute
+    swap first, then the streaming one) or by the model (``jaxpar.remat(model.blocks, ...)``); and
+    the recompute policy still decides what else is kept (the same residuals as without streaming)."""
+    model = Llama(CFG, rngs=nnx.Rngs(0))
+    if owner == "model":
+        jaxpar.remat(model.blocks, policy)
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    on_host = dict(params, blocks=jax.device_put(params["blocks"], host))
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    stepped = policy != "none" and owner == "config"
+
+    def loss_of(streaming):
+        lf = streamed_loss(loss_fn, ("blocks",)) if streaming else loss_fn
+        return recomputed_loss(lf, ("blocks",), policy) if stepped else lf
+
+    streamed = _residuals(lambda p: loss_of(True)(nnx.merge(graph, p, rest), batch), on_host)
     weights = {str(x.shape[1:]) for x in jax.tree.leaves(params["blocks"])} | {
         str(x.shape) for x in jax.tree.leaves(params["blocks"])}
-    shapes = {"(" + ", ".join(re.match(r"\w+\[([\d,]*)\]", line).group(1).split(",")) + ")" for line in saved}
-    assert saved and not shapes & weights, sorted(shapes & weights)
+    assert streamed and not {_shape(line) for line in streamed} & weights, streamed
+    if policy in ("full", "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable"):
+        plain = _residuals(lambda p: loss_of(False)(nnx.merge(graph, p, rest), batch), params)
+        assert sorted(map(_shape, streamed)) == sorted(map(_shape, plain))
 
 
 @pytest.mark.parametrize("config", [
@@ -126,7 +147,7 @@ def test_a_streamed_block_keeps_no_copy_of_its_weights():
 ])
 def test_layers_are_not_streamed_where_the_loss_does_not_run_on_the_stored_layout(config):
     """ZeRO-3 gathers the stored shards inside the loss, and hybrid runs it per device: there the
-    parameters come in where the step starts (the trainer still matches training without offload)."""
+    parameters come in where the step starts; unrolled layers are not streamed either."""
     cfg = jaxpar.ParallelConfig(**{"mesh": {"data": 8}, "mode": "data", **config})
     mesh = jaxpar.make_mesh(cfg)
     model = nnx.eval_shape(lambda: Llama(CFG, rngs=nnx.Rngs(0)))
@@ -170,3 +191,31 @@ def test_an_offloaded_trainer_saves_resumes_and_hands_back_a_model_on_the_device
     assert {x.sharding.memory_kind for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {"device"}
     assert {x.sharding.memory_kind for x in jax.tree.leaves(first.params)} == {"pinned_host"}
     assert greedy(model, [1, 2, 3], 4, window=16)[:3] == [1, 2, 3]
+
+
+def test_a_block_split_over_layers_is_not_streamed():
+    """A rule splitting "layers" over a mesh axis: the scan does not slice one layer per device,
+    so the parameters come in where the step starts."""
+    model = nnx.eval_shape(lambda: Llama(LlamaConfig.named("tiny", scan_layers=True, layers=4), rngs=nnx.Rngs(0)))
+    for rules, streamed in (({"batch": "data", "layers": "model"}, ()), ({"batch": "data"}, ("blocks",))):
+        config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, mode="semi_auto", rules=rules)
+        plan = jaxpar.plan.make_train_plan(config, {"data": 2, "model": 4}, model, optax.adamw(1e-2),
+                                           offload=("params",))
+        assert _streamed_blocks(plan, model) == streamed
+
+
+def test_a_loss_reading_a_streamed_parameter_outside_its_block_is_refused():
+    """A penalty on the weights reads the stacked parameters in host memory: refused, naming the
+    blocks and the fixes, where it failed deep in JAX's transpose."""
+    def penalised(model, batch):
+        reg = sum(jnp.sum(p[...] ** 2) for p in jax.tree.leaves(nnx.state(model.blocks, nnx.Param)))
+        return loss_fn(model, batch) + 1e-4 * reg
+
+    cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    mesh = jaxpar.make_mesh(cfg)
+    model = jaxpar.init(lambda: Llama(CFG, rngs=nnx.Rngs(0)), cfg, mesh)
+    trainer = jaxpar.Trainer(model, optax.adamw(1e-2), penalised, cfg, mesh, offload=("params",))
+    with pytest.raises(ValueError, match=r"offload='params' keeps the parameters of the scanned blocks \['blocks'\] "
+                                         r"in host memory .* outside its block's __call__ .* offload only the "
+                                         r"optimizer state \(offload=\('opt_state',\)\)"):
+        trainer.step(_batches(1)[0])

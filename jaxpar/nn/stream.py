@@ -8,8 +8,11 @@ swaps it) for one whose ``__call__`` first moves the parameters of the layer it 
 device memory, cast to the compute dtype. The scan slices the host arrays, so the device
 holds one layer's copy at a time (XLA may fetch the next while the current one computes),
 and the copy is named `STREAMED` and never saved for the backward, nor are the layout
-operations that could carry it (`_not_weights`; what the layer computes is saved as without
-streaming): the backward fetches the layer again. Each layer's
+operations that could carry it (`_not_weights`): the backward fetches the layer again. A block
+recomputed by ``jaxpar.remat`` (the model's, or ``ParallelConfig.remat`` on the blocks) gets one
+checkpoint whose policy is the recompute's and `_not_weights` both (`policy_for`), not two
+nested ones: a checkpoint's policy applies to the checkpoints nested in it. A loss that reads a
+streamed parameter outside its block (a penalty on the weights) is refused by the step. Each layer's
 gradient goes back to host memory as the backward produces it (the transpose of the copy);
 the step brings the gradients and the parameters into device memory for the update
 (`jaxpar.train.step`). That is JAX's parameter-offloading pattern (the memory-spaces guide:
@@ -27,6 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.nn.blocks import _resolve
 from jaxpar.optim.offload import in_host_memory
+from jaxpar.remat import checkpoint_policy, checkpointed_method
 
 __all__ = ["STREAMED", "stream_blocks", "streamed_loss"]
 
@@ -45,6 +49,24 @@ def _not_weights(prim, *_, **params) -> bool:
     if prim.name == "name":
         return params.get("name") != STREAMED
     return prim.name not in _LAYOUT
+
+
+def policy_for(recompute: str | None):
+    """The one checkpoint policy of a streamed block: `_not_weights`, and where the block is
+    recomputed (``recompute``: its ``jaxpar.remat`` policy name) what that policy saves too.
+    One checkpoint, not two nested: a checkpoint's policy applies to the checkpoints nested in
+    it, so an outer streaming checkpoint would override the block's recompute, and an outer
+    recompute that saves everything (``"everything_saveable"``) would keep the fetched copies."""
+    if recompute is None:
+        return _not_weights
+    user = checkpoint_policy(recompute)
+    if user is None:                  # "full": nothing is saved, the fetch is recomputed with the rest
+        return jax.checkpoint_policies.nothing_saveable
+
+    def both(prim, *args, **params):
+        return user(prim, *args, **params) if _not_weights(prim, *args, **params) else False
+
+    return both
 
 
 def fetch(x, dtype=None):
@@ -78,32 +100,30 @@ def streamed_loss(loss_fn, paths: Sequence[str], dtype=None):
     return with_streamed_blocks
 
 
-_CLASSES: dict[tuple[type, object], type] = {}
+_CLASSES: dict[tuple[type, object, str | None], type] = {}
 
 
 def _stream_class(cls: type, dtype) -> type:
-    base = getattr(cls, "_jaxpar_stream_base", cls)
-    key = (base, dtype)
+    """``cls`` streaming its parameters. A block recomputed by ``jaxpar.remat`` (by the model, or
+    by the step for ``ParallelConfig.remat``) gets one checkpoint of both policies (`policy_for`)
+    around its original ``__call__``."""
+    cls = getattr(cls, "_jaxpar_stream_base", cls)
+    recompute = getattr(cls, "_jaxpar_remat_policy", None)
+    base = getattr(cls, "_jaxpar_remat_base", cls) if recompute is not None else cls
+    key = (base, dtype, recompute)
     if key not in _CLASSES:
-        def __call__(self, *args, **kwargs):
-            # arrays (and pytrees of them) go through the checkpoint; other arguments (hooks,
-            # flags) are closed over as constants, as jaxpar.remat does
-            is_data = [all(hasattr(x, "dtype") for x in jax.tree.leaves(a)) for a in args]
-            data = [a for a, d in zip(args, is_data) if d]
+        policy = policy_for(recompute)
 
-            def call(module, *data_args):
-                it = iter(data_args)
-                # the values (nnx.state shares the variables, which the update below changes)
-                stored = jax.tree.map(lambda x: x, nnx.state(module, nnx.Param))
-                nnx.update(module, jax.tree.map(lambda x: fetch(x, dtype), stored))
-                try:
-                    return base.__call__(module, *[next(it) if d else a for a, d in zip(args, is_data)], **kwargs)
-                finally:
-                    nnx.update(module, stored)      # the host arrays, not the device copies, leave the call
-
-            return nnx.remat(call, policy=_not_weights, prevent_cse=False)(self, *data)
+        def fetched(module, *args, **kwargs):
+            # the values (nnx.state shares the variables, which the update below changes)
+            stored = jax.tree.map(lambda x: x, nnx.state(module, nnx.Param))
+            nnx.update(module, jax.tree.map(lambda x: fetch(x, dtype), stored))
+            try:
+                return base.__call__(module, *args, **kwargs)
+            finally:
+                nnx.update(module, stored)      # the host arrays, not the device copies, leave the call
 
         _CLASSES[key] = type(base.__name__, (base,), {
-            "__call__": __call__, "_jaxpar_stream_base": base,
+            "__call__": checkpointed_method(fetched, policy, prevent_cse=False), "_jaxpar_stream_base": cls,
             "__module__": base.__module__, "__qualname__": base.__qualname__})
     return _CLASSES[key]

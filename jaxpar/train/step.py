@@ -157,12 +157,12 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
     # Recompute goes on each of the model's blocks (the scan body, or each layer), in the
     # pipeline's stages too: around the whole loss XLA keeps a scan's stacked activations.
     # A model without blocks keeps the whole-loss recompute below (`whole`: its policy).
-    loss_fn, whole = recompute_blocks(s, loss_fn, plan.remat, order)
     # offload="params": the stacked layers come into device memory one at a time inside the
-    # scan (`jaxpar.nn.stream`). Wrapped after recompute, so it swaps the block's class first and
-    # the recompute policy goes around it: "full" recomputes the fetch too, and "none" keeps what
-    # the layer computes, never its fetched parameters.
+    # scan (`jaxpar.nn.stream`). Wrapped before recompute, so the recompute's class swap runs
+    # first and the streamed block makes one checkpoint of both policies (`policy_for`): the
+    # fetched parameters are never saved, whatever the recompute policy saves.
     loss_fn = stream(s, loss_fn)
+    loss_fn, whole = recompute_blocks(s, loss_fn, plan.remat, order)
     # MoE routing figures leave the model loss beside its aux: every wrapper below carries
     # them as it carries aux (accumulation and multi-copy average them over the parts, and
     # sum the dropped assignments: `combine_parts`).
@@ -373,10 +373,28 @@ def _map_grads(grads: Callable, fn: Callable) -> Callable:
 
 def land_grads(s: Setting, grads: Callable) -> Callable:
     """Streamed layers: their gradients, which the backward sends to host memory layer by layer
-    (the transpose of each fetch), back in device memory, where the reductions and the update run."""
+    (the transpose of each fetch), back in device memory, where the reductions and the update run.
+    A loss that reads a streamed parameter outside its block (a penalty on the weights, a tied
+    weight) reads it in host memory: refused, naming the blocks and the fixes."""
     if not s.streamed:
         return grads
-    return _map_grads(grads, lambda g, _: land(g))
+
+    def compute(params, rest, batch):
+        try:
+            loss, aux, rest, g = grads(params, rest, batch)
+        except ValueError as e:
+            if "<host>" not in str(e):
+                raise
+            raise ValueError(
+                f"offload='params' keeps the parameters of the scanned blocks {list(s.streamed)} in host memory and "
+                f"brings each layer into device memory where its block runs (jaxpar.nn.stream), but the loss reads "
+                f"one of them outside its block's __call__ (a penalty on the weights, a tied or shared weight), "
+                f"where it is still in host memory ({str(e).splitlines()[0]}). Read it inside the block (e.g. "
+                f"return the penalty from the block), offload only the optimizer state (offload=('opt_state',)), "
+                f"or run the layers unrolled, whose parameters come in where the step starts") from None
+        return loss, aux, rest, land(g)
+
+    return compute
 
 
 def reduce_in(s: Setting, grads: Callable) -> Callable:
@@ -487,7 +505,18 @@ def _streamed_blocks(plan, model) -> tuple[str, ...]:
     if ("params" not in plan.offload or plan.loss_runs == "per_device" or plan.pipeline.stages > 1
             or plan.zero_level >= 3):
         return ()
-    return stacked_blocks(model)
+    stacked = stacked_blocks(model)
+    if not stacked:
+        return ()
+    # a block whose "layers" axis is split over devices (a rule for "layers") is not sliced one
+    # layer per device in the scan: its parameters come in where the step starts
+    specs = jax.tree_util.tree_flatten_with_path(plan.specs("stored", nnx.state(model, nnx.Param)), is_leaf=_is_spec)[0]
+    split = [_keys(path) for path, spec in specs if len(spec) and spec[0] is not None]
+    return tuple(p for p in stacked if not any(keys[:len(tuple(p.split("/")))] == tuple(p.split("/")) for keys in split))
+
+
+def _keys(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
 
 
 def _streamed_leaves(s: Setting, params):
@@ -495,7 +524,7 @@ def _streamed_leaves(s: Setting, params):
     prefixes = [tuple(p.split("/")) for p in s.streamed]
 
     def one(path, _):
-        keys = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        keys = _keys(path)
         return any(keys[:len(p)] == p for p in prefixes)
 
     return jax.tree_util.tree_map_with_path(one, params)
