@@ -128,6 +128,8 @@ def test_a_server_that_never_says_ready_stops_the_start(tmp_path, tag, monkeypat
     (["--servers", "2", "--server-restarts", "-1"], "server_restarts=-1 must be a whole number >= 0"),
     (["--servers", "2", "--worker-num", "4", "--local-worker-num", "2"], "needs --server-port P"),
     (["--servers", "2", "--server-port", "8117"], "include --master-port 8118"),
+    # nan was accepted, and a server that never got ready kept the launcher waiting forever (t > nan is False)
+    (["--servers", "2", "--server-time-out", "nan"], "server_time_out=nan must be a positive, finite number"),
 ])
 def test_bad_server_flags_exit_2_with_one_line(capsys, argv, words):
     code = main(["launch", *argv, "train.py"])

@@ -25,6 +25,7 @@ comma-separated) and ``JAXPAR_PS_TOKEN``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import secrets
 import signal
@@ -303,8 +304,9 @@ def _unused_without_servers(config: LaunchConfig) -> None:
 
 def _positive_number(name: str, value, flag: str, number=int) -> None:
     kinds = (int, float) if number is float else int
-    if isinstance(value, bool) or not isinstance(value, kinds) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive {number.__name__} ({flag}).")
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value <= 0:
+        what = "a positive, finite number of seconds" if number is float else f"a positive {number.__name__}"
+        raise ValueError(f"{name}={value!r} must be {what} ({flag}).")
 
 
 def pool_for(config: LaunchConfig, environ: Mapping[str, str], log: Callable[[str], None]
