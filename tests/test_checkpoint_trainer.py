@@ -114,9 +114,9 @@ def test_a_second_sigterm_before_any_step_ends_the_process(tmp_path):
 
 # SIGTERM, then again 1.5 s later (past jaxpar.train.hooks.SAME_REQUEST_S), while the Trainer runs:
 # inside a long step (here its first step's trace, as a long compile would be) of a hand-written
-# loop, inside fit between two steps (a slow loader), or inside an evaluation that the run follows
-# with more steps (as a job does). Each is one request: the Trainer saves at the end of the step
-# (of the first step after the evaluation) and leaves with code 0.
+# loop, inside fit between two steps (a slow loader), or inside an evaluation between two parts of
+# a run (as a job does). Each is one request: the Trainer saves at the end of the step (the
+# evaluation: before its next batch, the step the run reached) and leaves with code 0.
 RUNNING_TRAINER = """
 import os, signal, sys, time
 import optax
@@ -152,7 +152,10 @@ data = ArithmeticData(8)
 if sys.argv[2] == "step":
     for i in range(3):
         trainer.step(data.batch(2, i))
+elif sys.argv[2] == "fit":
+    trainer.fit(slow_loader(data, "fit"), steps=3, progress=False)
 else:
+    trainer.fit([data.batch(2, 0)], steps=1, progress=False)       # a part of the run, not saved
     trainer.evaluate(slow_loader(data, "evaluate"))
     trainer.fit(slow_loader(data, "fit"), steps=3, progress=False)
 print("not reached", flush=True)
@@ -169,6 +172,47 @@ def test_a_repeated_sigterm_while_a_trainer_runs_is_the_same_request(tmp_path, i
     assert "still running" in done.stdout and "not reached" not in done.stdout
     assert f"preempted (SIGTERM): saved step {saved}" in done.stderr
     assert jaxpar.checkpoint.latest_step(str(tmp_path / "ckpt")) == saved
+
+
+# A script that only evaluates (argv[2] "fresh": a Trainer that never trained; "saved": one whose
+# step 2 is saved), over many held-out batches; the scheduler's SIGTERM comes during the first.
+EVALUATING_ONLY = CHILD_TRAINER + """
+from jaxpar.models.data import ArithmeticData
+data = ArithmeticData(8)
+if sys.argv[2] == "saved":
+    trainer.fit([data.batch(2, i) for i in range(2)], steps=2, progress=False)
+    trainer.save()
+    trainer.checkpointer.wait()
+evaluated = 0
+
+def held_out():
+    global evaluated
+    for i in range(2000):
+        if i == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        yield data.batch(2, i % 4)
+        evaluated += 1
+
+try:
+    trainer.evaluate(held_out())
+    print("not reached", flush=True)
+finally:
+    print("evaluated", evaluated, flush=True)
+"""
+
+
+@pytest.mark.parametrize("before, step", [("fresh", 0), ("saved", 2)])
+def test_a_sigterm_ends_a_script_that_only_evaluates(tmp_path, before, step):
+    """No step follows the evaluation, so no step boundary would ever act on the SIGTERM: the
+    evaluation acts on it before its next batch, as a step boundary does (here nothing to save:
+    nothing trained, or the step saved already), and the process ends with code 0."""
+    done = subprocess.run([sys.executable, "-c", EVALUATING_ONLY, str(tmp_path / "ckpt"), before],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "XLA_FLAGS": ""})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.splitlines() == ["evaluated 1"]       # the batch it was in, no other
+    said = "saved step 2 to" if step else "stopped at step 0, nothing trained to save"
+    assert f"jaxpar: preempted (SIGTERM): {said}" in done.stderr
+    assert jaxpar.checkpoint.latest_step(str(tmp_path / "ckpt")) == (step or None)
 
 
 SIGTERMED_AFTER_FIT = CHILD_TRAINER + """

@@ -21,12 +21,16 @@ from jaxpar.metrics import MetricsConfig, MetricsLogger, ProfileWindow, check_pr
 
 
 class Preempted(SystemExit):
-    """Raised by ``Trainer.step`` after a SIGTERM: the state of ``step`` is saved; exit code 0."""
+    """Raised by ``Trainer.step`` (at a step boundary) or ``Trainer.evaluate`` (between two of its
+    batches) after a SIGTERM: the state of ``step`` is saved; exit code 0. ``saved`` is False only
+    for an evaluation of a Trainer that has trained nothing (step 0): there is nothing to save."""
 
-    def __init__(self, step: int, directory: str):
+    def __init__(self, step: int, directory: str, *, saved: bool = True):
         super().__init__(0)
-        self.step, self.directory = step, directory
-        print(f"jaxpar: preempted (SIGTERM): saved step {step} to {directory}; restart to resume", file=sys.stderr)
+        self.step, self.directory, self.saved = step, directory, saved
+        what = (f"saved step {step} to {directory}; restart to resume" if saved
+                else f"stopped at step {step}, nothing trained to save to {directory}")
+        print(f"jaxpar: preempted (SIGTERM): {what}", file=sys.stderr)
 
 
 _listening: "weakref.WeakSet[Preemption]" = weakref.WeakSet()    # the open ones the handler tells
@@ -40,9 +44,8 @@ def _on_sigterm(signum, frame) -> None:
 
     Every SIGTERM after the first is the same request until a Trainer has saved and stopped,
     as long as one is running (`running`: inside ``step``, ``fit`` or ``evaluate``, the first
-    step's compile included): it will reach a step boundary and act, however long the step
-    takes (or, after an evaluation, the next part of the run, as a job runs them), and a
-    scheduler or launcher that sends SIGTERM again (SLURM's ``--signal`` warning and then its
+    step's compile included): it will reach a step boundary, or in ``evaluate`` the end of the
+    batch it runs, and act, however long the step or batch takes, and a scheduler or launcher that sends SIGTERM again (SLURM's ``--signal`` warning and then its
     time limit, a launcher forwarding it) must not cut that save short; a stuck process is
     ended by SIGKILL, as schedulers send after their grace period. With no Trainer running,
     nothing would act on the request: the default action (the process ends, as it would
@@ -104,6 +107,13 @@ class Preemption:
         self.acting = self.acting or noticed
         return noticed
 
+    def asked(self) -> bool:
+        """Between two evaluation batches: whether a SIGTERM asks the Trainer to save and stop now
+        (then it acts, as at a step boundary). One process only: several agree on the step to stop
+        at through JAX's preemption sync point, which counts training steps, so they stop at the
+        next one."""
+        return not self.multi and self.reached(0)
+
     def close(self) -> None:
         """Stop listening for SIGTERM (the last listener restores its default action)."""
         if not self.listening:
@@ -117,8 +127,8 @@ class Preemption:
 
 def running(method: Callable) -> Callable:
     """A Trainer method (``step``, ``fit``, ``evaluate``) during which the Trainer is running:
-    it will reach a step boundary and act on a SIGTERM, so a repeated one is the same request
-    (`_on_sigterm`)."""
+    it will reach a step boundary (``evaluate``: the end of a batch) and act on a SIGTERM, so a
+    repeated one is the same request (`_on_sigterm`)."""
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
         preemption = getattr(self, "_preemption", None)

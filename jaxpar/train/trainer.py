@@ -75,7 +75,8 @@ class Trainer:
     ``pipeline.stages > 1`` needs ``loss_fn`` as a ``jaxpar.pipeline.PipelineLoss``.
     ``preemption`` (with ``checkpoint_dir``): on SIGTERM the Trainer saves at the next step
     boundary — the same step on every process (JAX's preemption sync point) — and raises
-    ``Preempted`` (a ``SystemExit`` with code 0), so a restart resumes exactly there; more
+    ``Preempted`` (a ``SystemExit`` with code 0), so a restart resumes exactly there
+    (``evaluate`` acts the same between its batches); more
     SIGTERMs while it runs (inside ``step``, ``fit`` or ``evaluate``) are the same request,
     while with none running a second one ends the process (docs/reliability.md).
     ``metrics``: a `jaxpar.metrics.MetricsConfig`; ``fit`` then writes loss, grad norm, lr,
@@ -406,15 +407,17 @@ class Trainer:
         if self.checkpointer.due(step) and step not in self.checkpointer.manager.all_steps():
             self._save_now()
 
-    def _save_and_exit(self, metrics: dict[str, Any]) -> None:
+    def _save_and_exit(self, metrics: dict[str, Any] | None) -> None:
         """Preempted (SIGTERM): save this step, wait for it, and leave with exit code 0 (the
-        step's ``metrics`` go with the exit, for ``fit`` to log)."""
+        step's ``metrics`` go with the exit, for ``fit`` to log; None from ``evaluate``, which
+        at step 0 has nothing trained to save)."""
         self.check_finite()
-        if self._steps not in self.checkpointer.manager.all_steps():
+        trained = self._steps > 0
+        if trained and self._steps not in self.checkpointer.manager.all_steps():
             self._save_now()
         self.checkpointer.close()
         self._preemption.close()      # saved: a SIGTERM from now on gets its default action
-        stop = Preempted(self._steps, self.checkpointer.directory)
+        stop = Preempted(self._steps, self.checkpointer.directory, saved=trained)
         stop.metrics = metrics
         raise stop
 
@@ -481,11 +484,18 @@ class Trainer:
                      out_shardings=s.shardings(s.zero.grads))
         return fn.lower(self._state.params, self._state.rest, placed)
 
-    @running      # and an evaluation, which a job runs between two parts of its fit
+    @running      # a SIGTERM inside a batch is acted on at its end: SIGTERMs till then are one request
     def evaluate(self, batches: Iterable, steps: int | None = None) -> float:
         """Mean loss over ``batches`` (the first ``steps`` of them: a positive int, or None for
         all), without updating, the model in evaluation mode (``model.eval()``: dropout off, batch
-        norm on its running statistics)."""
+        norm on its running statistics).
+
+        With ``checkpoint_dir`` (and ``preemption``), a SIGTERM stops the evaluation before its
+        next batch as a step boundary would: the current step is saved unless it is already
+        (nothing at step 0: nothing was trained) and ``Preempted`` (exit code 0) is raised, so
+        a script that only evaluates ends promptly, and a run that evaluates between parts of its
+        training keeps the save of the step it reached (one process; several stop at their next
+        training step, where JAX's preemption sync point makes them agree)."""
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
             raise ValueError(f"Trainer.evaluate: steps={steps!r} must be a positive int (how many of the batches "
                              "to evaluate), or None to evaluate all of them")
@@ -493,6 +503,8 @@ class Trainer:
         for i, batch in enumerate(batches):
             if steps is not None and i >= steps:
                 break
+            if self._preemption is not None and self._preemption.asked():
+                self._save_and_exit(None)
             rows = ()
             if self._rows is not None:      # rows pulled, nothing pushed
                 batch, pulled, _ = self._rows.pull(batch)
