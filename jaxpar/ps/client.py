@@ -149,7 +149,7 @@ class Client:
             self._record_staleness(s)
         with self._lock:
             self._stats["pushes"] += 1
-            self._stats["rows_pushed"] += sum(len(i) for i, _ in grads.values())
+            self._stats["rows_pushed"] += sum(int(np.prod(np.shape(i))) for i, _ in grads.values())
             self._stats["rejected"] += any(h.get("status") == "rejected" for h, _ in replies)
 
     def save(self, step: int) -> None:
