@@ -144,9 +144,9 @@ def test_bad_input_fails_fast_with_names(servers):
     rows = client.pull("users", ids, step=np.int64(0))
     assert rows.shape == (2, 2, 8) and np.array_equal(rows[1, 0], client.pull("users", np.array(3), step=0))
     np.testing.assert_array_equal(rows.reshape(4, 8), client.pull("users", ids.reshape(-1), step=0))
-    before = client.stats()
+    before = client.stats()["worker"]
     client.push("users", ids, np.zeros((2, 2, 8)), step=0)        # counted as rows, as pulls are: four
-    after = client.stats()
+    after = client.stats()["worker"]
     assert (after["rows_pushed"] - before["rows_pushed"], after["pushes"] - before["pushes"]) == (4, 1)
     for address in ("localhost", "127.0.0.1:", "127.0.0.1:99999", 5555):
         with pytest.raises(ValueError, match="is not HOST:PORT with a port in 1..65535"):
