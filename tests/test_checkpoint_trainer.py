@@ -6,6 +6,8 @@ import signal
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -40,6 +42,43 @@ def test_periodic_save_and_resume(tmp_path):
     assert abs(a - b) <= 1e-5 * abs(a)
     first.close()
     resumed.close()
+
+
+def _leaves(trainer):
+    return [np.asarray(x) for x in jax.tree.leaves(trainer.state.params)]
+
+
+def test_a_restore_to_an_earlier_step_starts_a_new_history(tmp_path):
+    """Back to step 2 and trained on other batches: the steps 4 and 6 of the history left are
+    moved aside at the restore (a kill right then resumes step 2, not 6), the new step 4 is
+    saved, and a new Trainer on the directory resumes the new history's step 4."""
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    mesh = jaxpar.make_mesh(config)
+    make = lambda: jaxpar.Trainer(jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh),  # noqa: E731
+                                  optax.adamw(1e-3), loss_fn, config, mesh, checkpoint_dir=str(tmp_path),
+                                  save_every=2, keep=3)
+    first, data = make(), batches(10)
+    for i, b in enumerate(data[:6]):
+        first.step(b)
+        if i == 3:
+            old = _leaves(first)           # the history left behind, at step 4
+    first.checkpointer.wait()
+    first.checkpointer.read(first.state, mesh, step=2)      # reading changes nothing
+    assert jaxpar.checkpoint.latest_step(str(tmp_path)) == 6
+    with pytest.warns(UserWarning, match=r"went back to step 2; the later steps \[4, 6\] hold the history abandoned"):
+        assert first.restore(step=2)["step"] == 2
+    assert jaxpar.checkpoint.latest_step(str(tmp_path)) == 2
+    for b in data[6:8]:                    # other batches: another step 4
+        first.step(b)
+    first.checkpointer.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4", "abandoned-4", "abandoned-6"]
+    new = _leaves(first)
+    assert any(not np.array_equal(a, b) for a, b in zip(old, new))
+    with make() as resumed:
+        assert resumed.step_count == 4
+        for a, b in zip(_leaves(resumed), new):
+            np.testing.assert_array_equal(a, b)
+    first.close()
 
 
 def test_closing_the_trainers_gives_sigterm_back(tmp_path, default_sigterm):

@@ -435,7 +435,9 @@ class Checkpointer:
     Every method takes the plan and the state (and the mesh they live on) and returns states;
     the caller assigns what is restored. ``save`` returns once the arrays are copied off the
     devices; the files are written in the background while training goes on (``wait()`` blocks
-    until they are committed). ``resume`` restores the newest complete step if there is one.
+    until they are committed). ``resume`` restores the newest complete step if there is one;
+    ``restore`` goes back to a step (the steps after it are retired: `retire_after`), ``read``
+    only reads one.
 
     >>> ckpt = Checkpointer("ckpt", save_every=100, keep=3)
     >>> resumed = ckpt.resume(trainer.state, trainer.mesh)         # None on a fresh directory
@@ -504,11 +506,47 @@ class Checkpointer:
 
     def restore(self, state: TrainState, mesh, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
         """``(TrainState, meta)``: ``step`` (default the newest complete one) read into the layout
-        of ``state`` (arrays, or ``ShapeDtypeStruct``s with shardings); the caller assigns it."""
-        _check_plan_state("restore", None, state)
+        of ``state`` (arrays, or ``ShapeDtypeStruct``s with shardings); the caller assigns it,
+        and training goes on from it: the steps after it are retired (`retire_after`), so the
+        saves of the new history are the newest steps. To read a step without going back, use
+        `read`."""
+        restored = self.read(state, mesh, step)
+        self.retire_after(int(restored[1]["step"]))
+        return restored
+
+    def read(self, state: TrainState, mesh, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
+        """`restore` without retiring anything: ``step`` read into ``state``'s layout, the
+        directory left as it is."""
+        _check_plan_state("read", None, state)
         self.wait()
         return restore_from(self.manager, complete_step(self.manager, self.directory, step), state, mesh,
                             self.directory)
+
+    def retire_after(self, step: int) -> list[str]:
+        """The state went back to ``step`` (a restore of it): the complete steps after it hold
+        a history training no longer continues. Left as steps, a restart would resume the newest
+        of them instead of the new history's saves (or its step before them), a save of a step
+        they hold would be skipped as done, and ``keep`` would rotate the new saves out first.
+        They are moved aside to ``DIR/abandoned-<step>`` (one rename each, newest first: atomic,
+        so a crash leaves every step either in place or aside, and the step gone back to, the
+        newest of the current history, is never touched), kept for inspection (not counted by ``keep``;
+        rename one back to make it a step again), with a warning naming them. Returns their
+        new paths."""
+        self.wait()         # a save in flight of a later step would commit after the renames
+        later = sorted(s for s in complete_steps(self.manager) if s > step)
+        if not later:
+            return []
+        # newest first: a crash part way leaves the old history's steps up to one (as if the
+        # restore had not happened; nothing of the new history exists yet to be lost)
+        aside = self._move_aside(later[::-1], "abandoned", lambda s, path, e: OSError(
+            e.errno, f"checkpoint {self.directory}: went back to step {step}, but the later step {s} could not be "
+            f"moved aside to {path} ({e}); delete or move {os.path.join(self.directory, str(s))}, or a restart "
+            "resumes the abandoned history"))
+        warnings.warn(f"checkpoint {self.directory}: went back to step {step}; the later steps {later} hold the "
+                      f"history abandoned and were moved aside to {', '.join(aside[::-1])} (no longer steps: a restart "
+                      "resumes the new history; delete them once not wanted, or rename one back to make it a step "
+                      "again)", stacklevel=3)
+        return aside[::-1]
 
     def restore_rows(self, step: int) -> dict | None:
         """The row tables saved with ``step`` (see `restore_rows`), or None when it has none."""
@@ -532,7 +570,7 @@ class Checkpointer:
         damaged: list[CheckpointDamagedError] = []
         for i, step in enumerate(steps):
             try:
-                restored = self.restore(state, mesh, step)
+                restored = self.read(state, mesh, step)
                 if rows:
                     restored = (*restored, read_rows(self.manager, step, self.directory))
             except CheckpointDamagedError as e:
@@ -549,18 +587,23 @@ class Checkpointer:
 
     def _set_aside(self, steps: list[int]) -> list[str]:
         """Rename the damaged ``steps`` to ``DIR/damaged-<step>`` (a name that is no step, so they
-        no longer block saving those steps again); returns the new paths. The first process
-        renames, on the file system all processes share, between two barriers."""
-        aside = [_free_name(os.path.join(self.directory, f"damaged-{step}")) for step in steps]
+        no longer block saving those steps again); returns the new paths."""
+        return self._move_aside(steps, "damaged", lambda step, path, e: CheckpointDamagedError(
+            self.directory, step, e, f"It could not be moved aside to {path}; delete "
+            f"{os.path.join(self.directory, str(step))} (or move it) and resume again"))
+
+    def _move_aside(self, steps: list[int], prefix: str, failed) -> list[str]:
+        """Rename ``steps`` to ``DIR/<prefix>-<step>`` (a free name that is no step); returns the
+        new paths. The first process renames, on the file system all processes share, between two
+        barriers; a rename that fails raises ``failed(step, path, error)``."""
+        aside = [_free_name(os.path.join(self.directory, f"{prefix}-{step}")) for step in steps]
         _barrier(f"jaxpar: set aside {aside}")        # every process named them before one renames
         if jax.process_index() == 0:
             for step, path in zip(steps, aside):
-                source = os.path.join(self.directory, str(step))
                 try:
-                    os.rename(source, path)
+                    os.rename(os.path.join(self.directory, str(step)), path)
                 except OSError as e:
-                    raise CheckpointDamagedError(self.directory, step, e, f"It could not be moved aside to {path}; "
-                                                 f"delete {source} (or move it) and resume again") from e
+                    raise failed(step, path, e) from e
         _barrier(f"jaxpar: set aside {aside} done")
         self.manager.reload()
         return aside

@@ -740,15 +740,22 @@ class Trainer:
 
     def restore(self, directory: str | None = None, *, step: int | None = None) -> dict:
         """Restore a checkpoint saved under any layout into this trainer's layout; returns its
-        ``{"step", "data_state", "jaxpar_version"}``."""
+        ``{"step", "data_state", "jaxpar_version"}``.
+
+        Training goes on from the step restored: with ``checkpoint_dir``, its steps after that
+        one hold a history no longer continued and are moved aside to ``abandoned-<step>``
+        (`jaxpar.checkpoint.Checkpointer.retire_after`, with a warning), so the new history's
+        saves are the newest steps a restart resumes (docs/checkpoint.md)."""
         if directory is not None:
             state, meta = restore_state(directory, self._state, self.mesh, step=step)
         elif self.checkpointer is not None:
-            state, meta = self.checkpointer.restore(self._state, self.mesh, step)
+            state, meta = self.checkpointer.read(self._state, self.mesh, step)
         else:
             raise ValueError("Trainer.restore: give a directory or construct the Trainer with checkpoint_dir=")
         self._restore_rows(int(meta["step"]), directory)
         self._set(state)
+        if self.checkpointer is not None:
+            self.checkpointer.retire_after(self._steps)
         return meta
 
     # ------------------------------------------------------------------ views
