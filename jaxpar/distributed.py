@@ -54,8 +54,8 @@ def _env_number(name: str, kind=int):
         value = kind(raw)
     except ValueError:
         value = None
-    if value is None or value <= 0:
-        raise ValueError(f"{name}={raw!r} must be a positive number; fix or unset it.")
+    if value is None or not value > 0 or value == float("inf"):      # nan compares false: refused too
+        raise ValueError(f"{name}={raw!r} must be a positive, finite number; fix or unset it.")
     return value
 
 
@@ -233,8 +233,8 @@ def initialize(
 def _options(simulated_devices: int | None, timeout: float | None) -> tuple[int | None, float]:
     """(simulated devices, join timeout) from the arguments, else from the environment."""
     count = simulated_devices if simulated_devices is not None else _env_number(SIMULATED_DEVICES)
-    if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds.")
+    if timeout is not None and (isinstance(timeout, bool) or not 0 < timeout < float("inf")):
+        raise ValueError(f"timeout={timeout!r} must be a positive, finite number of seconds.")
     wait = timeout if timeout is not None else _env_number(CLUSTER_TIMEOUT, float)
     return count, wait or DEFAULT_TIMEOUT
 

@@ -183,6 +183,12 @@ def test_transformers5_rope_parameters_give_the_rope(untied, tmp_path):
     _same_files(written, tmp_path / "hf")           # rope_parameters kept, no top-level rope_theta added
     with pytest.raises(ValueError, match=r"rope_theta=10000.0 but rope_parameters.rope_theta=500000.0"):
         import_hf(write_hf(tmp_path / "both", {**v5, "rope_theta": 10000.0}, tensors))
+    # beside rope_parameters: a rope_scaling that is not a mapping (was an AttributeError), a base of 0
+    with pytest.raises(ValueError, match=r"rope_scaling='llama3' is not a mapping"):
+        import_hf(write_hf(tmp_path / "str", {**v5, "rope_scaling": "llama3"}, tensors))
+    with pytest.raises(ValueError, match=r"rope_parameters.rope_theta=0 is not a number > 0"):
+        import_hf(write_hf(tmp_path / "zero", {**v5, "rope_parameters": {**v5["rope_parameters"], "rope_theta": 0}},
+                           tensors))
 
 
 @pytest.mark.parametrize("field, value, says", [

@@ -46,6 +46,14 @@ def test_bad_timeout_and_env(clean_env, monkeypatch):
     monkeypatch.setenv("JAXPAR_SIMULATED_DEVICES", "lots")
     with pytest.raises(ValueError, match="JAXPAR_SIMULATED_DEVICES='lots'"):
         dist.initialize()
+    monkeypatch.delenv("JAXPAR_SIMULATED_DEVICES")
+    for wait in ("nan", "inf"):     # nan gave up at once ("within nan s"), inf an OverflowError traceback
+        monkeypatch.setenv("JAXPAR_CLUSTER_TIMEOUT", wait)
+        with pytest.raises(ValueError, match=f"JAXPAR_CLUSTER_TIMEOUT='{wait}' must be a positive, finite number"):
+            dist.initialize()
+    for wait in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"timeout={wait} must be a positive, finite number of seconds"):
+            dist.initialize(timeout=wait)
 
 
 def test_process_rows():

@@ -87,9 +87,12 @@ def _rope_theta(hf: dict, where: str) -> float:
             float(_number(inner, "rope_parameters.rope_theta", where, float)):
         raise ValueError(f"{where}: rope_theta={top!r} but rope_parameters.rope_theta={inner!r}; the two say "
                          "different things: keep one")
-    if inner is not None:
-        return _number(inner, "rope_parameters.rope_theta", where, float, minimum=0)
-    return _number(top if top is not None else 10000.0, "rope_theta", where, float, minimum=0)
+    field, value = ("rope_parameters.rope_theta", inner) if inner is not None else ("rope_theta", top)
+    theta = _number(10000.0 if value is None else value, field, where, float, minimum=0)
+    if theta == 0:      # the RoPE frequencies divide by powers of it
+        raise ValueError(f"{where}: {field}={value!r} is not a number > 0 (RoPE's base, e.g. 500000.0 for "
+                         f"Llama 3); fix {field} in config.json")
+    return theta
 
 
 _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -98,6 +101,9 @@ _LLAMA3_FIELDS = ("factor", "low_freq_factor", "high_freq_factor", "original_max
 def _rope_scaling(hf: dict, where: str) -> RopeScaling | None:
     params, source = _rope_source(hf, where)
     legacy = hf.get("rope_scaling")
+    if legacy and not isinstance(legacy, dict):
+        raise ValueError(f"{where}: rope_scaling={legacy!r} is not a mapping; write e.g. {{\"rope_type\": "
+                         f"\"llama3\", {', '.join(f'{chr(34)}{k}{chr(34)}: ...' for k in _LLAMA3_FIELDS)}}} or drop it")
     if params and legacy:
         if legacy.get("rope_type", legacy.get("type")) != params.get("rope_type", params.get("type")) or any(
                 legacy.get(k) != params.get(k) for k in _LLAMA3_FIELDS):
