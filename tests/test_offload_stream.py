@@ -68,14 +68,15 @@ def _placements(body: str) -> list[tuple[str, str]]:
                       r'-> tensor<([^>]*)>', body)
 
 
-def test_each_layer_comes_in_inside_the_layer_loop():
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_each_layer_comes_in_inside_the_layer_loop(grad_accum):
     """What a GPU compiles: before the layer loops only the unstacked parameters (embedding, final
     norm, head) go to device memory; inside them each layer's slice of every stacked parameter
     is moved to the device, in the forward and again in the backward, whose gradients go back to
     host memory layer by layer; after them the stacked gradients and parameters come in for the
-    update."""
-    trainer = _trainer(("params",))
-    text = trainer.lower(_batches(1)[0], platform="cuda").as_text()
+    update. With grad_accum the layer loops run inside the micro-batch loop, the same way."""
+    trainer = _trainer(("params",), grad_accum=grad_accum)
+    text = trainer.lower(_batches(1, rows=8 * grad_accum)[0], platform="cuda").as_text()
     blocks = nnx.state(trainer.model.blocks, nnx.Param)
     layer = sorted("x".join(map(str, x.shape[1:])) + "xf32" for x in jax.tree.leaves(blocks))
     stacked = sorted("x".join(map(str, x.shape)) + "xf32" for x in jax.tree.leaves(blocks))
@@ -90,14 +91,16 @@ def test_each_layer_comes_in_inside_the_layer_loop():
     returned = [name for name, body in functions
                 if sorted(s for m, s in _placements(body) if m == "pinned_host") == layer]
     assert len(fetched) == 2 and len(returned) == 1 and returned[0] in fetched, (fetched, returned)
-    # after the loops: the stacked gradients straight from the backward loop, and each stacked
-    # parameter from an optimization barrier with its gradient (`arrive_streamed`)
-    loop = re.findall(r"(%\d+):\d+ = stablehlo\.while", main)[-1]
+    # after the loops: the stacked gradients straight from the backward loop (with grad_accum,
+    # each micro-batch's come in inside the micro-batch loop), and each stacked parameter from an
+    # optimization barrier with its gradient (`arrive_streamed`)
     barriers = set(re.findall(r"(%\d+):2 = stablehlo\.optimization_barrier", main))
     behind = {v for v, b in re.findall(r"(%\d+) = sdy\.sharding_constraint (%\d+)#1 ", main) if b in barriers}
     moved = re.findall(r'annotate_device_placement\((%[\d#]+)\) \{[^}]*"device"\}[^\n]*-> tensor<([^>]*)>', main)
-    assert sorted(s for v, s in moved if v.startswith(loop + "#") and s in stacked) == stacked
     assert sorted(s for v, s in moved if v in behind and s in stacked) == stacked
+    if grad_accum == 1:
+        loop = re.findall(r"(%\d+):\d+ = stablehlo\.while", main)[-1]
+        assert sorted(s for v, s in moved if v.startswith(loop + "#") and s in stacked) == stacked
 
 
 def _residuals(loss, params) -> list[str]:
