@@ -219,6 +219,7 @@ def test_a_loss_reading_a_streamed_parameter_outside_its_block_is_refused():
     model = jaxpar.init(lambda: Llama(CFG, rngs=nnx.Rngs(0)), cfg, mesh)
     trainer = jaxpar.Trainer(model, optax.adamw(1e-2), penalised, cfg, mesh, offload=("params",))
     with pytest.raises(ValueError, match=r"offload='params' keeps the parameters of the scanned blocks \['blocks'\] "
-                                         r"in host memory .* outside its block's __call__ .* offload only the "
-                                         r"optimizer state \(offload=\('opt_state',\)\)"):
+                                         r"in host memory .* most likely because the loss reads a streamed "
+                                         r"parameter outside its block's __call__ .* offload only the optimizer "
+                                         r"state \(offload=\('opt_state',\)\)"):
         trainer.step(_batches(1)[0])

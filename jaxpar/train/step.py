@@ -387,11 +387,12 @@ def land_grads(s: Setting, grads: Callable) -> Callable:
                 raise
             raise ValueError(
                 f"offload='params' keeps the parameters of the scanned blocks {list(s.streamed)} in host memory and "
-                f"brings each layer into device memory where its block runs (jaxpar.nn.stream), but the loss reads "
-                f"one of them outside its block's __call__ (a penalty on the weights, a tied or shared weight), "
-                f"where it is still in host memory ({str(e).splitlines()[0]}). Read it inside the block (e.g. "
-                f"return the penalty from the block), offload only the optimizer state (offload=('opt_state',)), "
-                f"or run the layers unrolled, whose parameters come in where the step starts") from None
+                f"brings each layer into device memory where its block runs (jaxpar.nn.stream); a value in host "
+                f"memory met one in device memory ({str(e).splitlines()[0]}), most likely because the loss reads a "
+                f"streamed parameter outside its block's __call__ (a penalty on the weights, a tied or shared "
+                f"weight). Read it inside the block (e.g. return the penalty from the block), offload only the "
+                f"optimizer state (offload=('opt_state',)), or run the layers unrolled, whose parameters come in "
+                f"where the step starts") from e
         return loss, aux, rest, land(g)
 
     return compute
