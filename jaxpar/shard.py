@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.strategy import manual_axes, mesh_sizes, to_partition_spec
+from jaxpar.strategy import manual_axes, mesh_sizes, record_axes, to_partition_spec
 
 
 def _current_mesh(mesh):
@@ -180,6 +180,7 @@ class LogicalConstraint:
                 continue
             used.update(axes)
             entries.append(axes[0] if len(axes) == 1 else axes)
+        record_axes(used)      # the axes it splits over, for a Trainer's idle-axis check
         return PartitionSpec(*entries)
 
     def __call__(self, x, names):

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxpar
 from helpers import BATCH, MEGATRON, TINY, batches, no_unclosed_files
@@ -196,22 +196,104 @@ def test_an_idle_mesh_axis_is_named_by_the_plan_and_the_trainer():
     # mode="data" with an axis set aside for a pipeline that is off: the fix is the pipeline
     piped = plan({"data": 4, "pipe": 2}, mode="data")
     assert piped.idle_axes() == {"pipe": 2} and "pipeline={'stages': 2, 'axis': 'pipe'}" in piped.idle_axes_note()
+    # the batch kept whole on every device: the fix is to split it (it advised rules={'batch': ('data', 'data')})
+    whole = plan(dataset_strategy="full_batch")
+    assert whole.idle_axes() == {"data": 2, "model": 4}
+    assert "(dataset_strategy='full_batch' keeps the batch off it: drop it)" in whole.idle_axes_note()
+    assert whole.idle_axes_note(used=("data", "model")) is None
+    assert whole.idle_axes_note(("data",)).startswith("mesh axis 'model' (size 4)")
 
     config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4})
+    with warnings.catch_warnings():      # the step is not traced yet: the model may still split over 'model'
+        warnings.simplefilter("error", jaxpar.plan.IdleAxisWarning)
+        trainer = _trainer(config, gpt=TINY)
     with pytest.warns(jaxpar.plan.IdleAxisWarning) as caught:
-        _trainer(config, gpt=TINY)
-    assert len(caught) == 1
+        trainer.step(batches(1)[0])
+    assert len(caught) == 1 and caught[0].filename == __file__       # at the user's line that traced the step
     assert str(caught[0].message) == (
         "Trainer: mesh axis 'model' (size 4) of mesh {'data': 2, 'model': 4} is idle: no rule, batch split, "
-        "parameter, optimizer-state (ZeRO) shard, pipeline stage or context axis uses it, so the 4 devices along "
-        "'model' repeat the same compute and hold the same memory. To use it, map a logical axis to it (e.g. "
-        "rules={'mlp': 'model'}), split the batch over it (rules={'batch': ('data', 'model')} or a "
-        "dataset_strategy), or use a smaller mesh ({'data': 2} on 2 devices). The model's own operator "
-        "strategies (jaxpar.shard / jaxpar.ops naming 'model') are not seen here: if the model splits over "
-        "'model' itself, filter jaxpar.plan.IdleAxisWarning")
+        "parameter, optimizer-state (ZeRO) shard, pipeline stage or context axis uses it, nor does a jaxpar "
+        "strategy in the traced step (jaxpar.shard, jaxpar.ops, Layout, LogicalConstraint) or the row source, so "
+        "the 4 devices along 'model' repeat the same compute and hold the same memory. To use it, map a logical "
+        "axis to it (e.g. rules={'mlp': 'model'}), split the batch over it (rules={'batch': ('data', 'model')} or "
+        "a dataset_strategy), or use a smaller mesh ({'data': 2} on 2 devices)")
     with warnings.catch_warnings():
         warnings.simplefilter("error", jaxpar.plan.IdleAxisWarning)
-        _trainer(dataclasses.replace(config, rules=MEGATRON), gpt=TINY)
+        trainer.step(batches(2)[1])                                   # once per Trainer
+        _trainer(dataclasses.replace(config, rules=MEGATRON), gpt=TINY).step(batches(1)[0])
+
+
+class _Split(nnx.Module):
+    """``mean((x @ w)^2)`` whose matmul splits as ``split(x, w)`` says: the model's own strategy."""
+
+    def __init__(self, split):
+        self.w = nnx.Param(jax.random.normal(jax.random.key(0), (8, 16)) * 0.1)
+        self.split = split
+
+    def __call__(self, x):
+        return jax.numpy.mean(self.split(x, self.w[...]) ** 2)
+
+
+_LAYOUT = jaxpar.Layout((2, 4), ("data", "model"))
+
+
+def _heads(x, w):
+    q = (x @ w).reshape(8, 1, 4, 4)                   # [B, S, H, D]: 4 heads over 'model'
+    return jaxpar.ops.attention(q, q, q, heads_axis="model").reshape(8, 16)
+
+
+@pytest.mark.parametrize("split, warns", [
+    (jaxpar.shard(jax.numpy.matmul, in_strategy=((2, 1), (1, 4))), False),                 # docs/operators.md
+    (lambda x, w: jaxpar.ops.matmul(x, w, in_strategy=((2, 1), (1, 4))), False),
+    (lambda x, w: jaxpar.shard(x @ w, _LAYOUT("data", "model")), False),                   # a Layout
+    (_heads, False),                                                                       # an operator's axis
+    (lambda x, w: jaxpar.shard(x @ w, (2, 1)), True),                                      # over 'data' only
+    (jax.numpy.matmul, True),                                                              # no strategy
+], ids=["shard", "ops.matmul", "layout", "ops.attention", "data-only", "none"])
+def test_a_model_splitting_over_an_axis_itself_does_not_make_it_idle(split, warns):
+    """The plan cannot see a model's own operator strategies: the Trainer warned at construction
+    that 'model' was idle for a model that split its matmul over it with jaxpar.shard, jaxpar.ops
+    or a Layout (documented usage). It now judges at the first traced step, by the axes the
+    traced step's strategies resolved; a model that splits over nothing more still warns."""
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules={"batch": "data"})
+    mesh = jaxpar.make_mesh(config)
+    model = jaxpar.init(lambda: _Split(split), config, mesh)
+    trainer = jaxpar.Trainer(model, optax.sgd(0.1), lambda m, b: m(b["x"]), config, mesh)
+    with warnings.catch_warnings(record=True) as caught, jax.set_mesh(mesh):
+        warnings.simplefilter("always", jaxpar.plan.IdleAxisWarning)
+        assert np.isfinite(float(trainer.step({"x": np.ones((8, 8), np.float32)})["loss"]))
+    idle = [str(w.message) for w in caught if issubclass(w.category, jaxpar.plan.IdleAxisWarning)]
+    assert len(idle) == warns, idle
+    assert not warns or "mesh axis 'model' (size 4)" in idle[0]
+
+
+class _Rows:
+    """A row source pulling 8 rows of 4 values per batch (pushes nothing)."""
+
+    def pull(self, batch):
+        return batch, np.ones((8, 4), np.float32), None
+
+    def push(self, handle, row_grads, step):
+        pass
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_rows_split_over_an_axis_use_it(split, monkeypatch):
+    """A row source whose pulled rows are split over a mesh axis (each process's block, in a job
+    of several processes) uses that axis, which the plan does not see."""
+    config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules={"batch": "data"})
+    mesh = jaxpar.make_mesh(config)
+    if split:     # as a source in a job of several processes places them; one process takes them whole
+        monkeypatch.setattr(jaxpar.train.rows.RowPath, "shardings",
+                            lambda self, rows: jax.tree.map(lambda _: NamedSharding(mesh, P(None, "model")), rows))
+    model = jaxpar.init(lambda: _Split(jax.numpy.matmul), config, mesh)
+    trainer = jaxpar.Trainer(model, optax.sgd(0.1), lambda m, b, rows: m(b["x"]) + rows.mean(), config, mesh,
+                             rows=_Rows())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", jaxpar.plan.IdleAxisWarning)
+        trainer.step({"x": np.ones((8, 8), np.float32)})
+    assert [w.category for w in caught if "mesh axis 'model'" in str(w.message)] == ([] if split else
+                                                                                   [jaxpar.plan.IdleAxisWarning])
 
 
 def test_save_with_partition_spec_and_layout_in_the_parameter_strategy(tmp_path):

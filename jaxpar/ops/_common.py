@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from jaxpar.strategy import manual_axes, mesh_sizes, spec_axes, spec_entry
+from jaxpar.strategy import manual_axes, mesh_sizes, record_axes, spec_axes, spec_entry
 
 AnyMesh = Mesh | AbstractMesh
 
@@ -170,6 +170,7 @@ def axes_of(op: str, arg: str, value: Any, mesh: AnyMesh) -> tuple[str, ...]:
             )
     if len(set(names)) != len(names):
         raise ValueError(f"{op}: {arg}={value!r} repeats a mesh axis")
+    record_axes(names)       # the operator splits over them (a Trainer's idle-axis check)
     return names
 
 

@@ -25,7 +25,7 @@ import functools
 import io
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
@@ -230,8 +230,9 @@ class TrainPlan:
         if self.offload:
             parts.append(f"offload {list(self.offload)}")
         if idle := self.idle_axes():
-            parts.append(f"idle mesh axes {idle} (no rule, batch split or parameter uses them: the devices "
-                         "along them repeat the same compute and memory)")
+            parts.append(f"idle mesh axes {idle} (no rule, batch split or parameter uses them: unless the "
+                         "model's own jaxpar.shard / jaxpar.ops strategies split over them, which a plan cannot see, "
+                         "the devices along them repeat the same compute and memory)")
         return "; ".join(parts)
 
     def idle_axes(self) -> dict[str, int]:
@@ -267,9 +268,11 @@ class TrainPlan:
                 out.update(a for e in spec for a in spec_axes(e))
         return out
 
-    def idle_axes_note(self) -> str | None:
-        """What the Trainer warns of at construction when the plan has `idle_axes`, else None."""
-        idle = self.idle_axes()
+    def idle_axes_note(self, used: Iterable[str] = ()) -> str | None:
+        """What the Trainer warns of when the plan has `idle_axes` besides the mesh axes ``used``
+        (those its traced step split over: the model's own strategies, a row source), else None."""
+        used = set(used)
+        idle = {a: n for a, n in self.idle_axes().items() if a not in used}
         if not idle:
             return None
         names = ", ".join(f"{a!r} (size {n})" for a, n in idle.items())
@@ -281,15 +284,18 @@ class TrainPlan:
                      f"{smaller}")
         else:
             batch = self.batch_axes()
-            split = (*batch, axis) if batch else axis
+            if axis in batch:      # a batch axis, which dataset_strategy keeps the batch off
+                how = f"dataset_strategy={self.config.dataset_strategy!r} keeps the batch off it: drop it"
+            else:
+                how = f"rules={{'batch': {(*batch, axis) if batch else axis!r}}} or a dataset_strategy"
             fixes = (f"map a logical axis to it (e.g. rules={{'mlp': {axis!r}}}), split the batch over it "
-                     f"(rules={{'batch': {split!r}}} or a dataset_strategy), or use {smaller}")
+                     f"({how}), or use {smaller}")
         axes, is_are, it = ("mesh axis", "is", "it") if len(idle) == 1 else ("mesh axes", "are", "them")
         return (f"{axes} {names} of mesh {dict(self.mesh)} {is_are} idle: no rule, batch split, parameter, "
-                f"optimizer-state (ZeRO) shard, pipeline stage or context axis uses {it}, so the {size} devices "
-                f"along {axis!r} repeat the same compute and hold the same memory. To use it, {fixes}. The "
-                f"model's own operator strategies (jaxpar.shard / jaxpar.ops naming {axis!r}) are not seen here: "
-                f"if the model splits over {axis!r} itself, filter jaxpar.plan.IdleAxisWarning")
+                f"optimizer-state (ZeRO) shard, pipeline stage or context axis uses {it}, nor does a jaxpar "
+                f"strategy in the traced step (jaxpar.shard, jaxpar.ops, Layout, LogicalConstraint) or the row "
+                f"source, so the {size} devices along {axis!r} repeat the same compute and hold the same memory. "
+                f"To use it, {fixes}")
 
     def _batch_text(self) -> str:
         """How batches are split, as `batch_specs` splits them: the default batch axes only

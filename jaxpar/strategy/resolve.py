@@ -21,7 +21,7 @@ import contextlib
 import itertools
 import math
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -111,6 +111,7 @@ def to_partition_spec(
     """
     spec = _to_spec(strategy, mesh, shape, rules)
     check_spec(spec, mesh, shape, strategy)
+    record_axes(a for entry in spec for a in spec_axes(entry))
     return spec
 
 
@@ -215,6 +216,38 @@ def recording_rules() -> Iterator[set[str]]:
         yield seen
     finally:
         stack.remove(seen)
+
+
+@contextlib.contextmanager
+def recording_axes() -> Iterator[set[str]]:
+    """Collects the mesh axes that jaxpar's strategies split over while the block runs: every
+    ``PartitionSpec`` `to_partition_spec` resolves (``jaxpar.shard``, ``Layout``, the operators'
+    strategies), each ``LogicalConstraint``'s, and the axes an operator's ``*_axis`` argument names.
+
+    What the Trainer wraps around tracing its step, so that a mesh axis the model splits over in
+    its own code is not reported idle (`TrainPlan.idle_axes_note`).
+
+    >>> with recording_axes() as used:
+    ...     _ = to_partition_spec((2, 1), {"data": 2, "model": 4})
+    >>> used
+    {'data'}
+    """
+    stack = _RECORDING.__dict__.setdefault("axes", [])
+    used: set[str] = set()
+    stack.append(used)
+    try:
+        yield used
+    finally:
+        stack.remove(used)
+
+
+def record_axes(axes: Iterable[str]) -> None:
+    """Note mesh ``axes`` some strategy splits over, for each `recording_axes` block running."""
+    stack = getattr(_RECORDING, "axes", ())
+    if stack:
+        axes = tuple(axes)
+        for used in stack:
+            used.update(axes)
 
 
 def logical_axes(entry: Any, sizes: Mapping[str, int], rules: Mapping[str, Any]) -> tuple[str, ...]:

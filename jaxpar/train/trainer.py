@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -35,7 +36,7 @@ from jaxpar.optim import offload as host
 from jaxpar.nn.specs import check_rules_used, declared_names
 from jaxpar.plan import (IdleAxisWarning, TrainPlan, TrainState, check_combination, check_data, init_state,
                          state_shardings)
-from jaxpar.strategy import recording_rules
+from jaxpar.strategy import recording_axes, recording_rules, spec_axes
 from jaxpar.train.hooks import Preempted, Preemption, running, watchers
 from jaxpar.train.planning import plan_for
 from jaxpar.train.rows import RowPath, check_rows
@@ -181,8 +182,7 @@ class Trainer:
                 plan, self.searched = plan_for(model, tx, loss_fn, config, mesh, example_batch=example_batch,
                                                offload=self._offload)
             self.plan = plan
-            if note := plan.idle_axes_note():      # a mesh axis nothing splits over (print(plan) shows it too)
-                warnings.warn(f"Trainer: {note}", IdleAxisWarning, stacklevel=2)
+            self._idle_checked = False     # idle mesh axes: warned of once, at the first traced train step
             self._leaves, self._treedef, self._data, self._state_view = None, None, {}, None
             self._steps = 0
             self._compiled = {}
@@ -261,7 +261,7 @@ class Trainer:
         setting = self._setting(*(self._rows.abstract(rows, r_sh[0]) if r_sh else ()))
         if kind == "train":
             step = self._checking_rules(build_step(setting, self.loss_fn, self.tx, shapes,
-                                                   skip_nonfinite=self._nonfinite == "skip"))
+                                                   skip_nonfinite=self._nonfinite == "skip"), r_sh)
 
             def flat_step(state_leaves, batch_leaves, *rows):
                 state, metrics, *row_grads = step(jax.tree.unflatten(state_def, state_leaves),
@@ -297,13 +297,20 @@ class Trainer:
             return jax.device_put(leaves, program.shardings)
         return jax.tree.leaves(place_batch(self.plan.config, self.mesh, batch, global_batch=self.global_batch))
 
-    def _checking_rules(self, step: Callable) -> Callable:
+    def _checking_rules(self, step: Callable, row_shardings: tuple = ()) -> Callable:
         """``step`` that, while it is traced, records the rules its activation constraints consult
-        and refuses rules nothing uses (`check_rules_used`) before anything runs."""
+        and refuses rules nothing uses (`check_rules_used`) before anything runs; at the first
+        trace, it warns of mesh axes that neither the plan nor the traced step's strategies (the
+        model's jaxpar.shard / jaxpar.ops / LogicalConstraint) nor the pulled rows split over."""
         def traced(*args):
-            with recording_rules() as seen:
+            with recording_rules() as seen, recording_axes() as used:
                 out = step(*args)
             check_rules_used(self.plan.config, self._rule_names | seen, self._model_name)
+            if not self._idle_checked:
+                self._idle_checked = True
+                used.update(a for sh in jax.tree.leaves(row_shardings) for e in sh.spec for a in spec_axes(e))
+                if note := self.plan.idle_axes_note(used):
+                    warnings.warn(f"Trainer: {note}", IdleAxisWarning, stacklevel=_caller_level())
             return out
         return traced
 
@@ -850,6 +857,18 @@ class _Program:
     def __init__(self, fn, shardings: list, batch_def, fast: bool, row_shardings=None):
         self.fn, self.shardings, self.batch_def, self.fast = fn, shardings, batch_def, fast
         self.row_shardings = row_shardings      # where the step takes pulled rows (None: no row source)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that points a warning given while the step is traced at the first caller
+    outside jaxpar and JAX (the line calling ``step`` / ``fit`` / ``lower``)."""
+    frame, level = sys._getframe(1), 1     # 1: the function that warns
+    while frame.f_back is not None and (frame.f_globals.get("__name__") or "").split(".")[0] in _INNER:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_INNER = {"jaxpar", "jax", "jaxlib", "flax", "contextlib", "functools"}
 
 
 def _stacked(flags: list) -> jax.Array:
