@@ -49,27 +49,31 @@ def _leaves(trainer):
 
 
 def test_a_restore_to_an_earlier_step_starts_a_new_history(tmp_path):
-    """Back to step 2 and trained on other batches: the steps 4 and 6 of the history left are
-    moved aside at the restore (a kill right then resumes step 2, not 6), the new step 4 is
-    saved, and a new Trainer on the directory resumes the new history's step 4."""
+    """Back to step 2 and trained on other batches: reading steps changes nothing (restoring one
+    step after another to evaluate each is safe); at the first step after the restore the steps 4
+    and 6 of the history left are moved aside (a kill then resumes step 2, not 6), the new step 4
+    is saved, and a new Trainer on the directory resumes the new history's step 4. Restored from
+    another directory, the Trainer's own step of that number goes too."""
     config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
     mesh = jaxpar.make_mesh(config)
-    make = lambda: jaxpar.Trainer(jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh),  # noqa: E731
-                                  optax.adamw(1e-3), loss_fn, config, mesh, checkpoint_dir=str(tmp_path),
-                                  save_every=2, keep=3)
+    make = lambda d=tmp_path: jaxpar.Trainer(jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh),  # noqa: E731
+                                             optax.adamw(1e-3), loss_fn, config, mesh, checkpoint_dir=str(d),
+                                             save_every=2, keep=3)
     first, data = make(), batches(10)
     for i, b in enumerate(data[:6]):
         first.step(b)
         if i == 3:
             old = _leaves(first)           # the history left behind, at step 4
     first.checkpointer.wait()
-    first.checkpointer.read(first.state, mesh, step=2)      # reading changes nothing
-    assert jaxpar.checkpoint.latest_step(str(tmp_path)) == 6
-    with pytest.warns(UserWarning, match=r"went back to step 2; the later steps \[4, 6\] hold the history abandoned"):
-        assert first.restore(step=2)["step"] == 2
+    for step in (2, 4, 6, 2):              # reading, and restoring to evaluate, change nothing
+        first.checkpointer.read(first.state, mesh, step=step)
+        assert first.restore(step=step)["step"] == step
+        first.evaluate(data[:1])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4", "6"]
+    with pytest.warns(UserWarning, match=r"went back to step 2; the steps \[4, 6\] hold the history abandoned"):
+        first.step(data[6])                # training goes on from 2: another history
     assert jaxpar.checkpoint.latest_step(str(tmp_path)) == 2
-    for b in data[6:8]:                    # other batches: another step 4
-        first.step(b)
+    first.step(data[7])                    # another step 4
     first.checkpointer.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "4", "abandoned-4", "abandoned-6"]
     new = _leaves(first)
@@ -79,6 +83,20 @@ def test_a_restore_to_an_earlier_step_starts_a_new_history(tmp_path):
         for a, b in zip(_leaves(resumed), new):
             np.testing.assert_array_equal(a, b)
     first.close()
+    # from another directory: the own step 4 (another history) goes as well, at the first save
+    other = make(tmp_path / "other")
+    for b in data[:4]:
+        other.step(b)
+    other.checkpointer.wait()
+    assert other.restore(str(tmp_path), step=2)["step"] == 2 and other.restore(str(tmp_path), step=4)["step"] == 4
+    with pytest.warns(UserWarning, match=r"went back to step 4; the steps \[4\] hold"):
+        other.save()
+    other.checkpointer.wait()
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["2", "4", "abandoned-4"]
+    with make(tmp_path / "other") as resumed:
+        for a, b in zip(_leaves(resumed), new):
+            np.testing.assert_array_equal(a, b)
+    other.close()
 
 
 def test_closing_the_trainers_gives_sigterm_back(tmp_path, default_sigterm):

@@ -506,24 +506,22 @@ class Checkpointer:
 
     def restore(self, state: TrainState, mesh, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
         """``(TrainState, meta)``: ``step`` (default the newest complete one) read into the layout
-        of ``state`` (arrays, or ``ShapeDtypeStruct``s with shardings); the caller assigns it,
-        and training goes on from it: the steps after it are retired (`retire_after`), so the
-        saves of the new history are the newest steps. To read a step without going back, use
-        `read`."""
-        restored = self.read(state, mesh, step)
-        self.retire_after(int(restored[1]["step"]))
-        return restored
+        of ``state`` (arrays, or ``ShapeDtypeStruct``s with shardings); the caller assigns it.
+        Reading changes nothing on disk; a caller that trains on from an earlier step retires the
+        later ones before its first save (`retire_after`; ``Trainer.restore`` does it at its
+        first step or save after the restore)."""
+        return self.read(state, mesh, step)
 
     def read(self, state: TrainState, mesh, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
-        """`restore` without retiring anything: ``step`` read into ``state``'s layout, the
-        directory left as it is."""
+        """``step`` read into ``state``'s layout, the directory left as it is (`restore`)."""
         _check_plan_state("read", None, state)
         self.wait()
         return restore_from(self.manager, complete_step(self.manager, self.directory, step), state, mesh,
                             self.directory)
 
-    def retire_after(self, step: int) -> list[str]:
-        """The state went back to ``step`` (a restore of it): the complete steps after it hold
+    def retire_after(self, step: int, *, including: bool = False) -> list[str]:
+        """Training went back to ``step`` (a restore of it) and goes on: the complete steps after
+        it (``including``: and ``step`` itself, when the state came from another directory) hold
         a history training no longer continues. Left as steps, a restart would resume the newest
         of them instead of the new history's saves (or its step before them), a save of a step
         they hold would be skipped as done, and ``keep`` would rotate the new saves out first.
@@ -533,7 +531,7 @@ class Checkpointer:
         rename one back to make it a step again), with a warning naming them. Returns their
         new paths."""
         self.wait()         # a save in flight of a later step would commit after the renames
-        later = sorted(s for s in complete_steps(self.manager) if s > step)
+        later = sorted(s for s in complete_steps(self.manager) if s > step or (including and s == step))
         if not later:
             return []
         # newest first: a crash part way leaves the old history's steps up to one (as if the
@@ -542,7 +540,7 @@ class Checkpointer:
             e.errno, f"checkpoint {self.directory}: went back to step {step}, but the later step {s} could not be "
             f"moved aside to {path} ({e}); delete or move {os.path.join(self.directory, str(s))}, or a restart "
             "resumes the abandoned history"))
-        warnings.warn(f"checkpoint {self.directory}: went back to step {step}; the later steps {later} hold the "
+        warnings.warn(f"checkpoint {self.directory}: went back to step {step}; the steps {later} hold the "
                       f"history abandoned and were moved aside to {', '.join(aside[::-1])} (no longer steps: a restart "
                       "resumes the new history; delete them once not wanted, or rename one back to make it a step "
                       "again)", stacklevel=3)

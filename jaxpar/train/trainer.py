@@ -185,6 +185,7 @@ class Trainer:
             self._idle_checked = False     # idle mesh axes: warned of once, at the first traced train step
             self._leaves, self._treedef, self._data, self._state_view = None, None, {}, None
             self._steps = 0
+            self._diverges = None       # (step, from elsewhere) after a restore, till training goes on
             self._compiled = {}
             self._flops_per_token = getattr(model, "flops_per_token", None)
             self._rule_names = declared_names(plan.config, nnx.state(model))
@@ -369,6 +370,8 @@ class Trainer:
     def _run(self, program: "_Program", step: int, *inputs) -> list:
         """Dispatch the compiled step on the state and ``inputs`` (inside the profile window when
         there is one); the state is kept, the rest (metrics, row gradients) returned."""
+        if self._diverges is not None:     # the first step after a restore: a new history starts
+            self._diverge()
         if self._profile is not None:
             self._profile.before(step)
             with self._profile.annotate(step):
@@ -419,6 +422,7 @@ class Trainer:
         step's ``metrics`` go with the exit, for ``fit`` to log; None from ``evaluate``, which
         at step 0 has nothing trained to save)."""
         self.check_finite()
+        self._diverge()
         trained = self._steps > 0
         if trained and self._steps not in self.checkpointer.manager.all_steps():
             self._save_now()
@@ -717,6 +721,8 @@ class Trainer:
             self.data_state = data_state
         if directory is None and self.checkpointer is None:
             raise ValueError("Trainer.save: give a directory or construct the Trainer with checkpoint_dir=")
+        if directory is None:
+            self._diverge()
         return self._save_now(directory)
 
     def _save_now(self, directory: str | None = None) -> int:
@@ -749,8 +755,10 @@ class Trainer:
         """Restore a checkpoint saved under any layout into this trainer's layout; returns its
         ``{"step", "data_state", "jaxpar_version"}``.
 
-        Training goes on from the step restored: with ``checkpoint_dir``, its steps after that
-        one hold a history no longer continued and are moved aside to ``abandoned-<step>``
+        Reading changes nothing on disk (restoring step after step to evaluate each is safe). When
+        training goes on from it — at the first ``step`` or save after the restore — the steps of
+        ``checkpoint_dir`` after it (and the step itself, when it came from another directory)
+        hold a history no longer continued and are moved aside to ``abandoned-<step>``
         (`jaxpar.checkpoint.Checkpointer.retire_after`, with a warning), so the new history's
         saves are the newest steps a restart resumes (docs/checkpoint.md)."""
         if directory is not None:
@@ -761,9 +769,17 @@ class Trainer:
             raise ValueError("Trainer.restore: give a directory or construct the Trainer with checkpoint_dir=")
         self._restore_rows(int(meta["step"]), directory)
         self._set(state)
-        if self.checkpointer is not None:
-            self.checkpointer.retire_after(self._steps)
+        if self.checkpointer is not None:     # retired when training goes on (`_diverge`)
+            self._diverges = (self._steps, directory is not None)
         return meta
+
+    def _diverge(self) -> None:
+        """Training goes on after a `restore`: retire the steps of ``checkpoint_dir`` that hold the
+        history left (after the step restored; that step too when it came from elsewhere)."""
+        if self._diverges is not None:
+            step, elsewhere = self._diverges
+            self._diverges = None
+            self.checkpointer.retire_after(step, including=elsewhere)
 
     # ------------------------------------------------------------------ views
     @property
@@ -841,7 +857,8 @@ class Trainer:
     def model(self) -> nnx.Module:
         """The model with the current parameters (sharded as planned), in device memory: with
         ``offload="params"`` a device copy of the parameters the Trainer keeps on the host, so the
-        model runs outside the step (generation, evaluation by hand) as without offload."""
+        model runs outside the step (generation, evaluation by hand) as without offload; each read
+        makes a new copy (the parameters' bytes in device memory while it is held): read it once."""
         state = self.state
         params = state.params
         if "params" in self._offload:
