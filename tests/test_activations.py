@@ -96,8 +96,6 @@ def test_the_strategy_search_reads_swiglu_as_fused_work_and_an_outer_checkpoint_
     its operators marked ``recomputed``; a checkpoint of the user's around a block with a matmul
     and ``swiglu`` is still one region holding the SwiGLU's operators, under its policy; in a
     scan, what silu computes is not kept per iteration, the matmuls' values are."""
-    from jaxpar.auto.cost import analyse
-
     def alone(model, x):
         return (swiglu(x @ model.w[...], x @ model.v[...]) @ model.v[...]).sum()
 
@@ -118,17 +116,22 @@ def test_the_strategy_search_reads_swiglu_as_fused_work_and_an_outer_checkpoint_
     assert all(not op.get("recomputed") for op in graph.ops)
     assert {op.keep for op in inside if op.prim == "logistic"} == {"recompute"}
 
-    def scanned(act):
-        def loss(model, x):
-            def body(h, _):
-                return act(h @ model.w[...], h @ model.v[...]) @ model.v[...], None
-            return jax.lax.scan(body, x, None, length=3)[0].sum()
-        graph = _graph(loss)
-        flags = analyse(graph)
-        return {op.prim: flags.saved[op.outs[0]] for op in graph.ops if op.prim in ("logistic", "dot_general")}
+    assert _scanned(_plain_swiglu) == {"logistic": True, "dot_general": True}     # stacked for the backward
+    assert _scanned(swiglu) == {"logistic": False, "dot_general": True}          # recomputed from g and u
 
-    assert scanned(_plain_swiglu) == {"logistic": True, "dot_general": True}     # stacked for the backward
-    assert scanned(swiglu) == {"logistic": False, "dot_general": True}           # recomputed from g and u
+
+def _scanned(act) -> dict:
+    """Whether the strategy search's cost model keeps silu's sigmoid and the matmuls of three
+    scanned layers ``act(h @ w, h @ v) @ v`` for the backward."""
+    from jaxpar.auto.cost import analyse
+
+    def loss(model, x):
+        def body(h, _):
+            return act(h @ model.w[...], h @ model.v[...]) @ model.v[...], None
+        return jax.lax.scan(body, x, None, length=3)[0].sum()
+    graph = _graph(loss)
+    flags = analyse(graph)
+    return {op.prim: flags.saved[op.outs[0]] for op in graph.ops if op.prim in ("logistic", "dot_general")}
 
 
 @jax.custom_vjp
@@ -154,19 +157,8 @@ def test_the_strategy_search_reads_what_the_custom_vjp_keeps():
     silu's values are not stacked (another elementwise custom_vjp keeping its sigmoid is read
     as its primal: stacked), and under a user's checkpoint saving everything they are
     recomputed all the same (the product, which the down projection reads, stays the policy's)."""
-    from jaxpar.auto.cost import analyse
-
-    def scanned(act):
-        def loss(model, x):
-            def body(h, _):
-                return act(h @ model.w[...], h @ model.v[...]) @ model.v[...], None
-            return jax.lax.scan(body, x, None, length=3)[0].sum()
-        graph = _graph(loss)
-        flags = analyse(graph)
-        return {op.prim: flags.saved[op.outs[0]] for op in graph.ops if op.prim in ("logistic", "dot_general")}
-
-    assert scanned(swiglu) == {"logistic": False, "dot_general": True}
-    assert scanned(_keeps_sigmoid) == {"logistic": True, "dot_general": True}
+    assert _scanned(swiglu) == {"logistic": False, "dot_general": True}
+    assert _scanned(_keeps_sigmoid) == {"logistic": True, "dot_general": True}
 
     def block(model, x):
         return jax.checkpoint(lambda x: swiglu(x @ model.w[...], x @ model.v[...]) @ model.v[...],

@@ -209,13 +209,8 @@ def recording_rules() -> Iterator[set[str]]:
     >>> seen
     {'mlp'}
     """
-    stack = _RECORDING.__dict__.setdefault("stack", [])
-    seen: set[str] = set()
-    stack.append(seen)
-    try:
+    with _recording("stack") as seen:
         yield seen
-    finally:
-        stack.remove(seen)
 
 
 @contextlib.contextmanager
@@ -232,13 +227,20 @@ def recording_axes() -> Iterator[set[str]]:
     >>> used
     {'data'}
     """
-    stack = _RECORDING.__dict__.setdefault("axes", [])
-    used: set[str] = set()
-    stack.append(used)
-    try:
+    with _recording("axes") as used:
         yield used
+
+
+@contextlib.contextmanager
+def _recording(key: str) -> Iterator[set[str]]:
+    """A set that collects names for as long as the block runs, on this thread's stack ``key``."""
+    stack = _RECORDING.__dict__.setdefault(key, [])
+    names: set[str] = set()
+    stack.append(names)
+    try:
+        yield names
     finally:
-        stack.remove(used)
+        stack.remove(names)
 
 
 def record_axes(axes: Iterable[str]) -> None:
