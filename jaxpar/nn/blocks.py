@@ -19,8 +19,8 @@ from flax import nnx
 from jaxpar.nn.specs import logical_names
 from jaxpar.remat import remat
 
-__all__ = ["BLOCKS_HOOK", "block_policy", "find_blocks", "recompute_paths", "recomputed_loss", "remat_blocks",
-           "remat_loss", "stacked_blocks"]
+__all__ = ["BLOCKS_HOOK", "block_policy", "find_blocks", "module_at", "recompute_paths", "recomputed_loss",
+           "remat_blocks", "remat_loss", "stacked_blocks"]
 
 BLOCKS_HOOK = "jaxpar_blocks"
 """The model attribute that names its blocks: module paths, as ``StagedLoss.order``."""
@@ -104,7 +104,7 @@ def block_policy(model: nnx.Module, paths: Sequence[str]) -> str | None:
         "jaxpar.remat(model.layers.1, 'dots_saveable')"
     """
     for path in paths:
-        own = getattr(type(_resolve(model, path)), "_jaxpar_remat_policy", None)
+        own = getattr(type(module_at(model, path)), "_jaxpar_remat_policy", None)
         if own is not None:
             return f"jaxpar.remat(model.{path.replace('/', '.')}, {own!r})"
     return None
@@ -159,7 +159,7 @@ def remat_blocks(model: nnx.Module, paths: Sequence[str], policy: str) -> nnx.Mo
     """``model`` with each block at ``paths`` (``find_blocks``) recomputed with ``policy``
     (``remat`` on the module: its class changes, its variables and paths stay)."""
     for path in paths:
-        remat(_resolve(model, path), policy)
+        remat(module_at(model, path), policy)
     return model
 
 
@@ -215,7 +215,7 @@ def _named_blocks(model: nnx.Module, named, where: str) -> list[tuple[str, nnx.M
                         f"('encoder/layers', 'decoder/layers'); () names no blocks")
     out = []
     for path in named:
-        node = _resolve(model, path, where)
+        node = module_at(model, path, where)
         items = ([(f"{path}/{i}", x) for i, x in enumerate(node)] if isinstance(node, (nnx.List, list, tuple))
                  else [(path, node)])
         for item_path, item in items:
@@ -226,7 +226,9 @@ def _named_blocks(model: nnx.Module, named, where: str) -> list[tuple[str, nnx.M
     return out
 
 
-def _resolve(model: nnx.Module, path: str, where: str = "find_blocks"):
+def module_at(model: nnx.Module, path: str, where: str = "find_blocks"):
+    """The module of ``model`` at ``path`` (attribute names and item indices joined by ``/``, as
+    `find_blocks` gives them); a path the model lacks is a ValueError naming ``where``."""
     node = model
     for part in path.split("/"):
         try:

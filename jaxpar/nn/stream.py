@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxpar.nn.blocks import _resolve
+from jaxpar.nn.blocks import module_at
 from jaxpar.optim.offload import in_host_memory
 from jaxpar.remat import checkpoint_policy, checkpointed_method
 
@@ -84,7 +84,7 @@ def stream_blocks(model: nnx.Module, paths: Sequence[str], dtype=None) -> nnx.Mo
     """``model`` with each block at ``paths`` fetching its host-resident parameters into device
     memory where it runs (its class changes; its variables and paths stay)."""
     for path in paths:
-        module = _resolve(model, path, "stream_blocks")
+        module = module_at(model, path, "stream_blocks")
         module.__class__ = _stream_class(type(module), None if dtype is None else jnp.dtype(dtype))
     return model
 

@@ -63,6 +63,9 @@ class Setting:
         # MoE layers record routing figures the step returns with its metrics (`record_moe`)
         self.moe = bool(jax.tree.leaves(nnx.state(nnx.merge(graphdef, params_like, rest_like), MoEMetric)))
         self.streamed = _streamed_blocks(plan, nnx.merge(graphdef, params_like, rest_like))
+        # per parameter leaf: whether a streamed block holds it (stays in host memory in the step)
+        self.in_stream = jax.tree_util.tree_map_with_path(
+            lambda path, _: any(_in_block(path, b) for b in self.streamed), params_like)
         self.rows = rows_like       # shapes of the pulled rows (None: the model holds every parameter)
         # Replicated unless the source placed them (a job of several processes: each process's block)
         self.row_specs = row_specs if rows_like is None or row_specs is not None else \
@@ -481,9 +484,8 @@ def enter(s: Setting, params):
     if "params" not in s.plan.offload:
         return params
     shardings = s.plan.shardings("stored", s.params_like, s.mesh)
-    streamed = _streamed_leaves(s, params)
-    return jax.tree.map(lambda x, sh, keep: x if keep else jax.device_put(x, sh.with_memory_kind("device")),
-                        params, shardings, streamed)
+    return jax.tree.map(lambda x, sh, streamed: x if streamed else jax.device_put(x, sh.with_memory_kind("device")),
+                        params, shardings, s.in_stream)
 
 
 def arrive_streamed(s: Setting, params, grads):
@@ -491,10 +493,12 @@ def arrive_streamed(s: Setting, params, grads):
     gradient (as `arrive_after` brings the optimizer state), not at the start of the step."""
     if not s.streamed:
         return params
-    shardings = s.plan.shardings("stored", s.params_like, s.mesh)
-    waiting = waiting_for(params, grads)
-    return jax.tree.map(lambda x, w, sh, keep: jax.device_put(w, sh.with_memory_kind("device")) if keep else x,
-                        params, waiting, shardings, _streamed_leaves(s, params))
+    def arrive(x, g, sh, streamed):
+        if not streamed:
+            return x
+        return jax.device_put(jax.lax.optimization_barrier((g, x))[1], sh.with_memory_kind("device"))
+
+    return jax.tree.map(arrive, params, grads, s.plan.shardings("stored", s.params_like, s.mesh), s.in_stream)
 
 
 def _streamed_blocks(plan, model) -> tuple[str, ...]:
@@ -512,23 +516,15 @@ def _streamed_blocks(plan, model) -> tuple[str, ...]:
     # a block whose "layers" axis is split over devices (a rule for "layers") is not sliced one
     # layer per device in the scan: its parameters come in where the step starts
     specs = jax.tree_util.tree_flatten_with_path(plan.specs("stored", nnx.state(model, nnx.Param)), is_leaf=_is_spec)[0]
-    split = [_keys(path) for path, spec in specs if len(spec) and spec[0] is not None]
-    return tuple(p for p in stacked if not any(keys[:len(tuple(p.split("/")))] == tuple(p.split("/")) for keys in split))
+    split = [path for path, spec in specs if len(spec) and spec[0] is not None]
+    return tuple(b for b in stacked if not any(_in_block(path, b) for path in split))
 
 
-def _keys(path) -> tuple[str, ...]:
-    return tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def _streamed_leaves(s: Setting, params):
-    """A bool per parameter leaf: whether it belongs to a streamed block."""
-    prefixes = [tuple(p.split("/")) for p in s.streamed]
-
-    def one(path, _):
-        keys = _keys(path)
-        return any(keys[:len(p)] == p for p in prefixes)
-
-    return jax.tree_util.tree_map_with_path(one, params)
+def _in_block(path, block: str) -> bool:
+    """Whether the state leaf at ``path`` (a pytree key path) lies in the module at ``block``."""
+    prefix = tuple(block.split("/"))
+    keys = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    return keys[:len(prefix)] == prefix
 
 
 def arrive_after(s: Setting, opt_state, grads):
