@@ -9,6 +9,9 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -16,6 +19,7 @@ import pytest
 from jaxpar.cli import main
 from jaxpar.data import ByteTokenizer, ShardDamage, TokenLoader, TokenStore, prepare, verify_store
 from jaxpar.data import loader as loader_module
+from jaxpar.data import shard_read as shard_read_module
 from jaxpar.data import store as store_module
 from jaxpar.data import text as text_module
 from jaxpar.models.data import arithmetic_text
@@ -87,6 +91,75 @@ def test_a_shard_changed_while_it_is_read_is_named_not_a_sigbus(built, tmp_path)
     os.truncate(s / "tokens_00000.bin", 0)
     with pytest.raises(ShardDamage, match=r"\d+ bytes when opened, 0 now"):
         loader.batch(0)
+
+
+_RACE = textwrap.dedent("""
+    import os, random, shutil, sys, threading, time
+    from jaxpar.data import ShardDamage, TokenLoader, verify_store
+    src, root, trials = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    rng = random.Random(0)
+    named = 0
+    for t in range(trials):
+        store = shutil.copytree(src, os.path.join(root, f"s{t}"))
+        files = sorted(os.path.join(store, f) for f in os.listdir(store) if f.startswith("tokens_"))
+        packing, prefetch = ("packed", "padded")[t % 2], (0, 2)[t // 2 % 2]
+
+        verify = t % 5 == 4            # verify_store reads every token; the others read batches
+        how = (0, 2)[t % 2] if verify else t % 3
+
+        def damage(f=rng.choice(files), how=how):
+            time.sleep(rng.random() * 0.02)
+            data = open(f, "rb").read()
+            if how == 0:                       # truncate
+                os.truncate(f, rng.randrange(len(data)))
+            else:                              # rewritten in place, as cp does: emptied, then written again
+                with open(f, "wb") as out:
+                    for at in range(0, len(data), 512):
+                        out.write(data[at:at + 512] if how == 1 else bytes(len(data[at:at + 512])))
+                        out.flush()
+        try:
+            if verify:
+                threading.Thread(target=damage).start()
+                for _ in range(2000):
+                    found = verify_store(store)
+                    if found:
+                        raise found[0]
+            loader = TokenLoader(store, seq_len=64, global_batch=256, packing=packing, prefetch=prefetch)
+            threading.Thread(target=damage).start()
+            for _ in range(2000):
+                next(loader)
+        except ShardDamage as e:
+            assert "is damaged: shard" in str(e), e
+            named += 1
+        else:
+            sys.exit(f"trial {t}: 2000 batches read from a shard damaged under the reader")
+    print("named", named)
+""")
+
+
+def test_shards_truncated_or_rewritten_under_the_reader_are_errors_never_signals(tmp_path):
+    """Token files are read from a descriptor with byte counts checked, never mapped: a shard cut
+    short or rewritten while batches are read is a ShardDamage, in every packing and with prefetch
+    (mapped, the reads died of SIGBUS: exit status -7)."""
+    (tmp_path / "a.txt").write_text(arithmetic_text(20000, seed=3))        # 4 shards of 60,000 tokens
+    prepare([str(tmp_path / "a.txt")], str(tmp_path / "store"), docs="line", shard_tokens=60000, progress=False)
+    trials = 30
+    run = subprocess.run([sys.executable, "-c", _RACE, str(tmp_path / "store"), str(tmp_path), str(trials)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert run.stdout.split() == ["named", str(trials)]
+
+
+def test_a_short_read_names_the_shard_offset_and_bytes(tmp_path):
+    f = tmp_path / "tokens_00003.bin"
+    f.write_bytes(np.arange(6, dtype=np.uint16).tobytes())
+    tokens = shard_read_module.ShardTokens("st", 3, str(f), np.uint16, 10)    # the file lost 4 of 10 tokens
+    with pytest.raises(ShardDamage, match=r"shard 3: '.*tokens_00003.bin' ended early: reading 8 bytes at byte "
+                                          r"offset 8 \(tokens 4 to 8\) gave 4; the file is 12 bytes now"):
+        tokens.read_rows([0, 4], [4, 4])
+    assert tokens[1:3].tolist() == [1, 2] and int(tokens[-5]) == 5
+    with pytest.raises(IndexError, match="tokens \\[8, 12\\) of shard 3, which holds 10"):
+        tokens.read(8, 4)
 
 
 @pytest.mark.parametrize("packing", ["packed", "padded"])
@@ -236,5 +309,5 @@ def test_prepare_out_and_os_errors_are_one_line(built, tmp_path, capsys):
 
 
 def test_docstring_examples_run():
-    for module in (text_module, store_module, loader_module):
+    for module in (text_module, store_module, loader_module, shard_read_module):
         assert doctest.testmod(module, optionflags=doctest.ELLIPSIS).failed == 0

@@ -1,4 +1,4 @@
-"""A token store on disk: shards of fixed-width token ids, memory-mapped, and a small JSON index.
+"""A token store on disk: shards of fixed-width token ids and a small JSON index.
 
 ``prepare`` turns text files into a store (what ``jaxpar data prepare`` runs); `TokenStore`
 opens one for reading. A store directory holds::
@@ -17,6 +17,9 @@ UTF-8 text, plain or gzip-compressed (`jaxpar.data.text`).
 Opening a store checks every shard cheaply against the index (file sizes, the document starts
 and their SHA-256, a sampled SHA-256 of the tokens); `verify_store` hashes everything and
 checks every token id. A damaged shard is a `ShardDamage` (a ``ValueError``) naming its file.
+Token files are read with ``os.preadv`` on an open file, never memory-mapped
+(`jaxpar.data.shard_read`): a shard truncated or rewritten while it is read is a `ShardDamage`
+naming the shard, the offset and the bytes expected, never a SIGBUS.
 
     >>> import tempfile, pathlib
     >>> tmp = pathlib.Path(tempfile.mkdtemp())
@@ -38,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar.data.shard_read import ShardDamage, ShardTokens, identity
 from jaxpar.data.text import check_errors, check_text, decode_lines, open_input
 from jaxpar.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -58,18 +62,10 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-class ShardDamage(ValueError):
-    """A shard file that does not match the store's index: ``shard`` (its number), ``file``, ``what``."""
-
-    def __init__(self, store: str, shard: int, file: str, what: str):
-        self.store, self.shard, self.file, self.what = store, shard, file, what
-        super().__init__(f"token store {store!r} is damaged: shard {shard}: {file!r} {what}; restore the file from "
-                         f"a copy, or delete {store!r} and run 'jaxpar data prepare' again ('jaxpar data verify "
-                         f"{store}' checks every shard)")
-
-
 class TokenStore:
-    """A prepared store, opened for reading: ``shards`` of ``(tokens, doc_starts)``, tokens memory-mapped.
+    """A prepared store, opened for reading: ``shards`` of ``(tokens, doc_starts)``; ``tokens`` is a
+    `ShardTokens` that reads the shard's file on demand (``tokens[a:b]``, ``read_rows``,
+    ``np.asarray(tokens)``), ``doc_starts`` an int64 array.
 
     A missing or unfinished index is a ``ValueError`` naming the file; a shard file that is
     missing or does not match the index (size, document starts, checksums) a `ShardDamage`.
@@ -88,9 +84,8 @@ class TokenStore:
                              f"after {len(self.index['shards'])} shards); run the same command again to finish it")
         self.dtype = np.dtype(self.index["dtype"])
         opened = [_open_shard(path, self.index, k) for k in range(len(self.index["shards"]))]
-        self.shards = [(tokens, starts) for tokens, starts, _ in opened]
+        self.shards = [(tokens, starts) for tokens, starts in opened]
         self._files = [os.path.join(path, entry["tokens"]) for entry in self.index["shards"]]
-        self._stats = [_identity(st) for _, _, st in opened]
 
     def shard_file(self, shard: int) -> str:
         """The path of the token file of ``shard``."""
@@ -98,16 +93,16 @@ class TokenStore:
 
     def check_unchanged(self, shard: int) -> None:
         """A `ShardDamage` if the token file of ``shard`` changed (size, modification time, inode)
-        since the store was opened: reading a truncated memory map kills the process (SIGBUS),
-        so the loader asks before each read (one ``os.stat``)."""
+        since the store was opened (every read of `ShardTokens` checks this itself)."""
         shard = int(shard)
         file = self._files[shard]
         try:
-            now = _identity(os.stat(file))
+            now = identity(os.stat(file))
         except OSError as e:
             raise ShardDamage(self.path, shard, file, f"is gone while it was being read ({e.strerror})") from None
-        if now != self._stats[shard]:
-            raise ShardDamage(self.path, shard, file, f"changed while it was being read ({self._stats[shard][0]} "
+        opened = self.shards[shard][0].opened
+        if now != opened:
+            raise ShardDamage(self.path, shard, file, f"changed while it was being read ({opened[0]} "
                               f"bytes when opened, {now[0]} now): a store must not be rewritten while a job reads it")
 
     @property
@@ -191,13 +186,9 @@ def verify_store(path: str) -> list[ShardDamage]:
     return found
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int]:
-    return st.st_size, st.st_mtime_ns, st.st_ino
-
-
 def _open_shard(path: str, index: dict[str, Any], k: int, *, full: bool = False):
-    """``(tokens, doc_starts, stat)`` of shard ``k``, checked against the index; ``full``: hash
-    every token and check every id too. A `ShardDamage` naming the file otherwise."""
+    """``(tokens, doc_starts)`` of shard ``k``, checked against the index; ``full``: hash every
+    token and check every id too. A `ShardDamage` naming the file otherwise."""
     entry, dtype = index["shards"][k], np.dtype(index["dtype"])
     n = entry["num_tokens"]
     tokens_file, docs_file = (os.path.join(path, entry[key]) for key in ("tokens", "docs"))
@@ -205,24 +196,32 @@ def _open_shard(path: str, index: dict[str, Any], k: int, *, full: bool = False)
         if not os.path.isfile(f):
             raise ShardDamage(path, k, f, "does not exist")
     st = os.stat(tokens_file)
-    if st.st_size != n * dtype.itemsize:    # checked before mapping: numpy's error would not name the file
+    if st.st_size != n * dtype.itemsize:
         raise ShardDamage(path, k, tokens_file, f"is {st.st_size} bytes but the index says {n} {dtype.name} tokens "
                           f"({n * dtype.itemsize} bytes): it was truncated, extended or overwritten")
-    tokens = np.memmap(tokens_file, dtype=dtype, mode="r") if n else np.zeros(0, dtype)
+    tokens = ShardTokens(path, k, tokens_file, dtype, n, identity(st))
     starts = _read_starts(path, k, docs_file, entry)
     if full:
-        vocab = int(index["tokenizer"]["vocab_size"])
-        if n and int(tokens.max()) >= vocab:
-            at = int(np.argmax(tokens >= vocab))
-            raise ShardDamage(path, k, tokens_file, f"holds token id {int(tokens[at])} at token {at}, outside the "
-                              f"vocabulary of {vocab}: it was edited or overwritten")
-        if "tokens_sha256" in entry and hashlib.sha256(tokens).hexdigest() != entry["tokens_sha256"]:
-            raise ShardDamage(path, k, tokens_file, "holds other tokens than the index records (its SHA-256 "
-                              "differs): it was edited or overwritten")
+        _check_all_tokens(path, k, tokens, entry, int(index["tokenizer"]["vocab_size"]))
     elif "tokens_sample" in entry and _sample_sha256(tokens) != entry["tokens_sample"]:
         raise ShardDamage(path, k, tokens_file, "holds other tokens than the index records (its sampled SHA-256 "
                           "differs): it was edited or overwritten")
-    return tokens, starts, st
+    return tokens, starts
+
+
+def _check_all_tokens(path: str, k: int, tokens: ShardTokens, entry: dict[str, Any], vocab: int) -> None:
+    """Every token id of shard ``k`` in the vocabulary, and the SHA-256 of all its bytes (when
+    recorded), read in pieces of ``CHUNK_BYTES``."""
+    h = hashlib.sha256()
+    for at, chunk in tokens.chunks(max(1, CHUNK_BYTES // tokens.dtype.itemsize)):
+        if len(chunk) and int(chunk.max()) >= vocab:
+            bad = int(np.argmax(chunk >= vocab))
+            raise ShardDamage(path, k, tokens.file, f"holds token id {int(chunk[bad])} at token {at + bad}, outside "
+                              f"the vocabulary of {vocab}: it was edited or overwritten")
+        h.update(chunk)
+    if "tokens_sha256" in entry and h.hexdigest() != entry["tokens_sha256"]:
+        raise ShardDamage(path, k, tokens.file, "holds other tokens than the index records (its SHA-256 "
+                          "differs): it was edited or overwritten")
 
 
 def _read_starts(path: str, k: int, docs_file: str, entry: dict[str, Any]) -> np.ndarray:
@@ -246,17 +245,26 @@ def _read_starts(path: str, k: int, docs_file: str, entry: dict[str, Any]) -> np
     return starts
 
 
-def _sample_sha256(tokens: np.ndarray) -> str:
+def _sample_sha256(tokens: np.ndarray | ShardTokens) -> str:
     """SHA-256 of ``SAMPLE_BLOCKS`` blocks of ``SAMPLE_BYTES`` spread evenly over the tokens' bytes
     (all of them when they are few): a few pages read per shard when a store is opened."""
-    data = tokens.view(np.uint8)
-    h, size = hashlib.sha256(), len(data)
+    item = np.dtype(tokens.dtype).itemsize
+    size = len(tokens) * item
     if size <= SAMPLE_BLOCKS * SAMPLE_BYTES:
-        h.update(data)
+        blocks = [(0, size)]
     else:
-        for b in range(SAMPLE_BLOCKS):
-            at = b * (size - SAMPLE_BYTES) // (SAMPLE_BLOCKS - 1)
-            h.update(data[at:at + SAMPLE_BYTES])
+        blocks = [(b * (size - SAMPLE_BYTES) // (SAMPLE_BLOCKS - 1), SAMPLE_BYTES) for b in range(SAMPLE_BLOCKS)]
+    # whole tokens around each byte block, then the block's bytes out of them
+    first = [at // item for at, _ in blocks]
+    count = [-(-(at + n) // item) - f for (at, n), f in zip(blocks, first)]
+    if isinstance(tokens, ShardTokens):
+        pieces = tokens.read_rows(first, count)
+    else:
+        pieces = [tokens[f:f + c] for f, c in zip(first, count)]
+    h = hashlib.sha256()
+    for (at, n), f, piece in zip(blocks, first, pieces):
+        skip = at - f * item
+        h.update(np.ascontiguousarray(piece).view(np.uint8)[skip:skip + n])
     return h.hexdigest()
 
 
