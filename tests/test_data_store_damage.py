@@ -45,7 +45,7 @@ def _strip_checksums(path):
     """The index of a store prepared before checksums were recorded."""
     index = json.loads((path / "index.json").read_text())
     for shard in index["shards"]:
-        for key in ("tokens_sha256", "tokens_sample", "docs_sha256"):
+        for key in ("tokens_sha256", "tokens_sample", "docs_sha256", "record_sha256"):
             shard.pop(key, None)
     (path / "index.json").write_text(json.dumps(index))
 
@@ -205,7 +205,8 @@ def test_checksums_are_recorded_and_checked_on_open(built, tmp_path, monkeypatch
     _edit(tmp_path / "big", 2, 100, 50)
     TokenStore(big.path)                                       # the edit is outside the sample
     (damage,) = verify_store(big.path)
-    assert damage.shard == 2 and "its SHA-256 differs" in damage.what
+    want = hashlib.sha256((tmp_path / "big" / "tokens_00002.bin").read_bytes()).hexdigest()
+    assert damage.shard == 2 and f"its SHA-256 is {want}, index.json records " in damage.what
 
 
 def test_verify_command(built, tmp_path, capsys):
@@ -226,6 +227,58 @@ def test_verify_command(built, tmp_path, capsys):
     assert f"{old}: {n} shard(s), " in (out := capsys.readouterr().out) and f"but {n} shard(s) have no checksum" in out
     assert main(["data", "verify", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("jaxpar data: error: no token store index at")
+
+
+def test_verify_names_an_edited_index_record_not_the_intact_shard(built, tmp_path, capsys):
+    s = _copy(built, tmp_path)
+    index = json.loads((s / "index.json").read_text())
+    real = index["shards"][1]["tokens_sha256"]
+    index["shards"][1]["tokens_sha256"] = "0" * 64                 # the record changed, the shard did not
+    (s / "index.json").write_text(json.dumps(index))
+    assert main(["data", "verify", str(s)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"jaxpar data: error: shard 1: '{s}/index.json' holds a record of shard 1 that does not "
+                           "match its own checksum (record_sha256): index.json's record was changed")
+    assert f"the record says tokens SHA-256 {'0' * 64}, the file '{s}/tokens_00001.bin' has {real}" in line
+    with pytest.raises(ShardDamage, match="index.json' holds a record of shard 1 that does not match"):
+        TokenStore(str(s))
+    del index["shards"][1]["record_sha256"]                          # an index without record checksums
+    (s / "index.json").write_text(json.dumps(index))
+    (damage,) = verify_store(str(s))
+    assert damage.what.startswith(f"holds other tokens than the index records: its SHA-256 is {real}, index.json "
+                                  f"records {'0' * 64}; the file was edited or overwritten, or index.json's record")
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda i: i.update(shards=5), "shards is 5, expected a list of shard records"),
+    (lambda i: i.pop("dtype"), "dtype is None, expected 'uint16' or 'uint32'"),
+    (lambda i: i["shards"][0].pop("num_tokens"), r"shards\[0\].num_tokens is None, expected an int >= 0"),
+    (lambda i: i["shards"][2].update(tokens="../../etc/passwd"), r"shards\[2\].tokens is '../../etc/passwd', "
+                                                                  "expected a file name in the store's directory"),
+    (lambda i: i["tokenizer"].update(vocab_size="257"), "tokenizer.vocab_size is '257', expected an int >= 1"),
+    (lambda i: i["shards"][1].update(tokens_sha256=7), r"shards\[1\].tokens_sha256 is 7, expected a SHA-256"),
+])
+def test_a_malformed_index_is_one_line_naming_the_field(built, tmp_path, capsys, edit, words):
+    s = _copy(built, tmp_path)
+    index = json.loads((s / "index.json").read_text())
+    edit(index)
+    (s / "index.json").write_text(json.dumps(index))
+    for command in (["data", "verify", str(s)], ["train", "--config", str(_job(tmp_path, s)), "--quiet"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert f"token store index '{s}/index.json' is malformed: " in err
+        assert __import__("re").search(words, err), err
+    (s / "index.json").write_text("[" * 100_000 + "]" * 100_000)     # nested too deep for the JSON reader
+    assert main(["data", "verify", str(s)]) == 2
+    assert "cannot be read (RecursionError" in capsys.readouterr().err
+
+
+def _job(tmp_path, store):
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {{name: llama, size: tiny}}\ndata: {{path: {store}, seq_len: 16, batch: 8}}\n"
+                   "parallel: {mesh: {data: 8}}\ntrain: {steps: 1}\n")
+    return job
 
 
 class _Crash(ByteTokenizer):

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxpar.data.index_check import check_index, record_sha256
 from jaxpar.data.shard_read import ShardDamage, ShardTokens, identity
 from jaxpar.data.text import check_errors, check_text, decode_lines, open_input
 from jaxpar.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -156,10 +157,12 @@ def read_index(path: str) -> dict[str, Any]:
     try:
         with open(index_path) as f:
             index = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"token store index {index_path!r} cannot be read ({e}); prepare the store again") from None
+    except (OSError, ValueError, RecursionError) as e:     # JSON, UTF-8, or nesting too deep
+        raise ValueError(f"token store index {index_path!r} cannot be read ({type(e).__name__}: {e}); prepare the "
+                         "store again") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
         raise ValueError(f"{index_path!r} is not a {FORMAT} index of version {VERSION}; prepare the store again")
+    check_index(index, index_path)
     return index
 
 
@@ -200,6 +203,8 @@ def _open_shard(path: str, index: dict[str, Any], k: int, *, full: bool = False)
         raise ShardDamage(path, k, tokens_file, f"is {st.st_size} bytes but the index says {n} {dtype.name} tokens "
                           f"({n * dtype.itemsize} bytes): it was truncated, extended or overwritten")
     tokens = ShardTokens(path, k, tokens_file, dtype, n, identity(st))
+    if "record_sha256" in entry and record_sha256(entry) != entry["record_sha256"]:
+        raise _edited_record(path, k, entry, tokens, full)
     starts = _read_starts(path, k, docs_file, entry)
     if full:
         _check_all_tokens(path, k, tokens, entry, int(index["tokenizer"]["vocab_size"]))
@@ -212,16 +217,38 @@ def _open_shard(path: str, index: dict[str, Any], k: int, *, full: bool = False)
 def _check_all_tokens(path: str, k: int, tokens: ShardTokens, entry: dict[str, Any], vocab: int) -> None:
     """Every token id of shard ``k`` in the vocabulary, and the SHA-256 of all its bytes (when
     recorded), read in pieces of ``CHUNK_BYTES``."""
+    digest = _all_sha256(tokens, vocab)
+    if "tokens_sha256" in entry and digest != entry["tokens_sha256"]:
+        raise ShardDamage(path, k, tokens.file, f"holds other tokens than the index records: its SHA-256 is {digest}, "
+                          f"index.json records {entry['tokens_sha256']}; the file was edited or overwritten, or "
+                          "index.json's record was changed")
+
+
+def _all_sha256(tokens: ShardTokens, vocab: int | None = None) -> str:
+    """The SHA-256 of every token of a shard, read in pieces of ``CHUNK_BYTES``; with ``vocab``,
+    a `ShardDamage` for the first token id outside it."""
+    path, k = tokens.store, tokens.shard
     h = hashlib.sha256()
     for at, chunk in tokens.chunks(max(1, CHUNK_BYTES // tokens.dtype.itemsize)):
-        if len(chunk) and int(chunk.max()) >= vocab:
+        if vocab is not None and len(chunk) and int(chunk.max()) >= vocab:
             bad = int(np.argmax(chunk >= vocab))
             raise ShardDamage(path, k, tokens.file, f"holds token id {int(chunk[bad])} at token {at + bad}, outside "
                               f"the vocabulary of {vocab}: it was edited or overwritten")
         h.update(chunk)
-    if "tokens_sha256" in entry and h.hexdigest() != entry["tokens_sha256"]:
-        raise ShardDamage(path, k, tokens.file, "holds other tokens than the index records (its SHA-256 "
-                          "differs): it was edited or overwritten")
+    return h.hexdigest()
+
+
+def _edited_record(path: str, k: int, entry: dict[str, Any], tokens: ShardTokens, full: bool) -> ShardDamage:
+    """Shard ``k``'s record in index.json no longer matches its own checksum: the index was
+    edited, and the shard's files are not to blame. ``full``: name both token hashes."""
+    what = (f"holds a record of shard {k} that does not match its own checksum (record_sha256): index.json's "
+            "record was changed, not necessarily the shard's files")
+    if full and "tokens_sha256" in entry:
+        digest = _all_sha256(tokens)
+        same = "the same" if digest == entry["tokens_sha256"] else "another"
+        what += (f"; the record says tokens SHA-256 {entry['tokens_sha256']}, the file {tokens.file!r} has "
+                 f"{digest} ({same} hash)")
+    return ShardDamage(path, k, os.path.join(path, INDEX), what)
 
 
 def _read_starts(path: str, k: int, docs_file: str, entry: dict[str, Any]) -> np.ndarray:
@@ -430,6 +457,7 @@ class _Writer:
                 **names, "num_tokens": len(tokens), "num_docs": len(starts),
                 "tokens_sha256": hashlib.sha256(tokens).hexdigest(), "tokens_sample": _sample_sha256(tokens),
                 "docs_sha256": hashlib.sha256(docs.getbuffer()).hexdigest()})
+            self.index["shards"][-1]["record_sha256"] = record_sha256(self.index["shards"][-1])
         self.pieces, self.starts, self.buffered = [], [], 0
         self.index["next"] = {"input": next_input, "offset": next_offset}
         _write_json(os.path.join(self.out, INDEX), self.index)
