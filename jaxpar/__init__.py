@@ -6,6 +6,7 @@ model sharded (``init``) and train it (``Trainer``). Strategies come in MindSpor
 """
 
 from jaxpar import ops, report
+from jaxpar._deprecation import install_module_finder
 from jaxpar.config import OptimizerConfig, ParallelConfig, PipelineConfig
 from jaxpar.mesh import make_mesh
 from jaxpar.precision import Precision
@@ -19,6 +20,8 @@ from jaxpar.config import CommFusionConfig
 from jaxpar.remat import remat  # the function; the policies live in the jaxpar.remat module
 
 from jaxpar.version import __version__  # noqa: E402
+
+install_module_finder()   # module paths of 0.1.0 that moved: a warning naming the new one, or an error saying what to use
 
 __all__ = [
     "CommFusionConfig",

@@ -19,6 +19,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
+from jaxpar._deprecation import RenamedAttribute, renamed_keywords
 from jaxpar.precision import Precision, as_precision
 from jaxpar.strategy.layout import Layout, LayoutSpec
 
@@ -252,6 +253,7 @@ def _sub(cls, value: Any, field: str):
     raise _fail(field, value, f"give a dict or a {cls.__name__}")
 
 
+@renamed_keywords("ParallelConfig", RENAMED_FIELDS)     # ParallelConfig(parameter_plan=...) warns, then reads as the field
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """How to parallelize one training job.
@@ -265,7 +267,8 @@ class ParallelConfig:
       parameter_strategy: parameter-path glob pattern -> strategy (any strategy form), for
         models whose code carries no annotations, e.g. ``{"*/mlp/up/kernel": (1, 4)}``
         (the parameters' counterpart of ``dataset_strategy``). ``from_dict`` also reads it
-        under its former key ``"parameter_plan"``, as configs saved before the rename have it.
+        under its former key ``"parameter_plan"``, as configs saved before the rename have it;
+        the keyword and attribute ``parameter_plan`` still work, with a ``DeprecationWarning``.
       dataset_strategy: how batches are split. ``None``: dimension 0 over the batch axes
         (the ``"batch"`` rule, else the ``"data"`` axis, else every axis in mode
         ``"data"``); ``"full_batch"``: replicated; or one strategy (any form) for every
@@ -305,6 +308,7 @@ class ParallelConfig:
     precision: Precision | None = None
     allow_unused_rules: bool = False
     context: ContextConfig | None = None
+    parameter_plan = RenamedAttribute("parameter_strategy")     # the former name, read with a DeprecationWarning
 
     def __post_init__(self):
         setf = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)

@@ -98,5 +98,5 @@ def test_the_former_name_parameter_plan_still_loads(tmp_path):
 def test_both_names_of_parameter_strategy_are_refused():
     with pytest.raises(ValueError, match="both 'parameter_plan' and 'parameter_strategy'.*keep only 'parameter_strategy'"):
         jaxpar.ParallelConfig.from_dict({"parameter_plan": {"*/up": (1, 4)}, "parameter_strategy": {}})
-    with pytest.raises(TypeError):                   # the old name is no keyword of the dataclass
-        jaxpar.ParallelConfig(parameter_plan={"*/up": (1, 4)})
+    with pytest.raises(TypeError, match="both parameter_plan= and parameter_strategy= are given"):
+        jaxpar.ParallelConfig(parameter_plan={"*/up": (1, 4)}, parameter_strategy={})

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxpar._deprecation import module_getattr
 from jaxpar.models.llama_config import check_loss_chunks, refuse_remat
 from jaxpar.nn.moe import MoE, MoEConfig, moe_aux_loss
 from jaxpar.ops.cross_entropy import chunked_cross_entropy
@@ -248,3 +249,8 @@ def head_loss(ln_f, w, h, batch, chunks: int, constrain=no_constraint) -> jax.Ar
     if chunks:
         return chunked_cross_entropy(ln_f(h), w[...], batch["targets"], chunks=chunks, constrain=constrain)
     return optax.softmax_cross_entropy_with_integer_labels(ln_f(h) @ w[...], batch["targets"]).mean()
+
+
+# Former names (CHANGELOG.md), e.g. pipeline_loss (now in the *_parallel module beside this one):
+# resolved by name when asked for, with a DeprecationWarning, so this file imports nothing parallel.
+__getattr__ = module_getattr(__name__)

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxpar._deprecation import module_getattr
 from jaxpar.models.llama_config import SIZES, LlamaConfig, RopeScaling, describe, flops_per_token, param_count
 from jaxpar.nn import fp8
 from jaxpar.ops.activations import swiglu
@@ -368,3 +369,8 @@ def loss_fn(model: Llama, batch: dict) -> jax.Array:
                       tied=model.head is None, chunks=model.cfg.loss_chunks, constrain=model.constrain)
     # MoE layers recorded their load-balancing and z-losses during the forward pass
     return loss + moe_aux_loss(model) if model.cfg.moe is not None else loss
+
+
+# Former names (CHANGELOG.md), e.g. pipeline_loss (now in the *_parallel module beside this one):
+# resolved by name when asked for, with a DeprecationWarning, so this file imports nothing parallel.
+__getattr__ = module_getattr(__name__)

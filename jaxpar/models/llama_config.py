@@ -13,8 +13,9 @@ A frozen keyword-only dataclass, checked when it is built; the model in
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
+
+from jaxpar._deprecation import Removed, RemovedAttribute, removed_keywords
 
 ATTENTION = ("auto", "xla", "cudnn", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -76,18 +77,16 @@ def refuse_remat(cls: type) -> type:
     ...
     TypeError: LlamaConfig(remat='full'): a model config has no recompute policy; set ParallelConfig(remat='full') ...
     """
-    init = cls.__init__
+    def instead(policy: Any) -> Removed:
+        return Removed(f"a model config has no recompute policy; set ParallelConfig(remat={policy!r}) (in a job "
+                       f"file: parallel.remat: {policy}), which the Trainer applies to each of the model's blocks",
+                       "docs/recompute.md")
 
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        if "remat" in kwargs:
-            policy = kwargs["remat"]
-            raise TypeError(f"{cls.__name__}(remat={policy!r}): a model config has no recompute policy; set "
-                            f"ParallelConfig(remat={policy!r}) (in a job file: parallel.remat: {policy}), which "
-                            f"the Trainer applies to each of the model's blocks")
-        init(self, *args, **kwargs)
-
-    cls.__init__ = __init__
+    cls = removed_keywords(cls.__name__, {"remat": instead})(cls)
+    field = RemovedAttribute(Removed("recompute is ParallelConfig.remat (a model config has no recompute policy)",
+                                     "docs/recompute.md"))
+    field.__set_name__(cls, "remat")
+    cls.remat = field       # reading the former field says where the policy went
     return cls
 
 

@@ -7,6 +7,7 @@ pieces for a hand-written loop:
 >>> tx = jaxpar.optim.shard_optimizer(optax.adamw(1e-3), mesh, zero, params)             # doctest: +SKIP
 """
 
+from jaxpar._deprecation import module_getattr
 from jaxpar.optim.accumulate import accumulate_grads, interleave_loss, split_batch
 from jaxpar.optim.fusion import bucketed_psum, compiler_options
 from jaxpar.optim.offload import on_host, to_device
@@ -27,3 +28,5 @@ __all__ = [
     "zero_specs",
     "zero_spec",
 ]
+
+__getattr__ = module_getattr(__name__)   # former names (CHANGELOG.md): warn and forward, or say what replaced them

@@ -16,6 +16,7 @@ Example:
 
 import importlib
 
+from jaxpar._deprecation import former_attribute
 from jaxpar.ps.host_embedding import HostEmbedding, HostRows, RowOptimizer
 from jaxpar.ps.rows import RowSource
 from jaxpar.ps.tables import SGD, Adagrad, Adam, TableSpec, init_rows
@@ -31,8 +32,8 @@ __all__ = ["Adagrad", "Adam", "BUCKETS", "Client", "HostEmbedding", "HostRows", 
 
 def __getattr__(name: str):
     module = _SERVERS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jaxpar.ps' has no attribute {name!r}")
+    if module is None:      # a former name (CHANGELOG.md) is answered there; others are the usual error
+        return former_attribute(__name__, name, stacklevel=2)
     try:
         import zmq  # noqa: F401  - the transport
     except ImportError as e:

@@ -1,0 +1,294 @@
+"""Former public names: kept working for one release with a ``DeprecationWarning`` that names
+the replacement, or refused with an error that names what to use and the page that shows it.
+
+One table, `FORMER`, lists every public name of the 0.1.0 surface that was renamed, moved or
+removed since (``CHANGELOG.md`` lists the same with their migrations):
+
+* `Renamed` — a faithful replacement exists: the former name still works and warns once per
+  use site (``DeprecationWarning``, shown by default in ``__main__`` and under pytest);
+* `Removed` — nothing behaves as the former name did: using it raises ``AttributeError``
+  (a module attribute), ``ModuleNotFoundError`` (a module) or ``TypeError`` (a keyword),
+  naming the replacement and the doc page.
+
+A package or module hands its unknown attribute names to `former_attribute` (its module
+``__getattr__``, `module_getattr`); former module paths are found by `FormerModuleFinder`,
+installed by `install_module_finder` at the end of ``sys.meta_path`` (consulted only for a
+module that no longer exists). Keyword arguments and class attributes use `renamed_keywords`,
+`removed_keywords`, `RenamedAttribute` and `RemovedAttribute`. Replacements are imported by
+name, and only when a former name is asked for, so the current names' imports are untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+CHANGELOG = "CHANGELOG.md"
+SINCE = "0.1.0"
+UNTIL = "through the next release"
+
+
+@dataclasses.dataclass(frozen=True)
+class Renamed:
+    """A former name that still works for one release. ``new``: ``"module:attribute"``, or a
+    module path for a former module (``renames``: its former attribute names → current ones).
+    ``note``: what else changed, said after the replacement."""
+
+    new: str
+    note: str = ""
+    renames: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def display(self) -> str:
+        """The replacement as a user writes it: ``jaxpar.auto.Strategy``."""
+        return self.new.replace(":", ".")
+
+
+@dataclasses.dataclass(frozen=True)
+class Removed:
+    """A former name with no faithful replacement: ``instead`` says what to use, ``doc`` is
+    the page (``docs/x.md``) that shows it."""
+
+    instead: str
+    doc: str
+
+
+def renamed_message(old: str, entry: Renamed) -> str:
+    note = f" ({entry.note})" if entry.note else ""
+    return (f"{old} is deprecated: use {entry.display} instead{note}; the former name works {UNTIL} "
+            f"(see {CHANGELOG})")
+
+
+def removed_message(old: str, entry: Removed) -> str:
+    return f"{old} was removed after jaxpar {SINCE}: {entry.instead} (see {entry.doc} and {CHANGELOG})"
+
+
+def warn_renamed(old: str, entry: Renamed, stacklevel: int = 2) -> None:
+    """The ``DeprecationWarning`` of a former name, pointed at ``stacklevel`` frames up."""
+    warnings.warn(renamed_message(old, entry), DeprecationWarning, stacklevel=stacklevel + 1)
+
+
+def resolve(target: str) -> Any:
+    """``"module:attribute"`` → the object; ``"module"`` → the module."""
+    module, _, attribute = target.partition(":")
+    obj = importlib.import_module(module)
+    return getattr(obj, attribute) if attribute else obj
+
+
+# ------------------------------------------------------------------ module attributes
+# module -> {former attribute: entry}. A former module is listed under its own path in MODULES.
+FORMER: dict[str, dict[str, Renamed | Removed]] = {
+    "jaxpar.auto": {
+        "Plan": Renamed("jaxpar.auto:Strategy"),
+        "make_plan": Renamed("jaxpar.auto:make_strategy"),
+        "hand_plan": Renamed("jaxpar.auto:hand_strategy"),
+        "JobPlan": Renamed("jaxpar.auto:JobSearchResult", "its .plan is .strategy"),
+        "plan_job": Removed("use jaxpar.auto.search_job(model_fn, loss_fn, batch, jaxpar.auto.JobSearchSpace(...)); "
+                            "the search choices moved into the JobSearchSpace, model_fn takes no remat= (the "
+                            "policy is searched as ParallelConfig.remat) and it returns a JobSearchResult",
+                            "docs/auto_parallel.md"),
+    },
+    "jaxpar.checkpoint": {
+        "plan_leaves": Renamed("jaxpar.checkpoint:leaf_specs"),
+    },
+    "jaxpar.nn": {
+        "HostEmbedding": Renamed("jaxpar.ps:HostEmbedding", "train it with Trainer(rows=jaxpar.ps.HostRows(table))"),
+        "RowOptimizer": Renamed("jaxpar.ps:RowOptimizer"),
+        "HostEmbeddingStep": Removed("train the model and the table with jaxpar.Trainer(..., "
+                                     "rows=jaxpar.ps.HostRows(table)) (one training loop for host tables)",
+                                     "docs/recommendation.md"),
+        "format_plan": Renamed("jaxpar.nn:format_specs"),
+        "plan_rows": Renamed("jaxpar.nn:spec_rows"),
+        "plan_state": Renamed("jaxpar.nn:state_specs"),
+    },
+    "jaxpar.optim": {
+        "ZeroPlan": Renamed("jaxpar.optim:ZeroSpecs"),
+        "zero_plan": Renamed("jaxpar.optim:zero_specs"),
+    },
+    "jaxpar.ps": {
+        "SparseTrainer": Removed("train with jaxpar.Trainer(..., rows=jaxpar.ps.ServerRows(client, fields)) (one "
+                                 "training loop for parameter servers)", "docs/parameter_server.md"),
+    },
+    "jaxpar.models.gpt": {
+        "pipeline_loss": Renamed("jaxpar.models.gpt_parallel:pipeline_loss"),
+    },
+    "jaxpar.models.llama": {
+        "pipeline_loss": Renamed("jaxpar.models.llama_parallel:pipeline_loss"),
+    },
+}
+
+_CLI = "run the jaxpar command (python -m jaxpar.cli {0} ...); its modules are internal"
+# former module path -> entry
+MODULES: dict[str, Renamed | Removed] = {
+    "jaxpar.auto.plan": Renamed("jaxpar.auto.strategy", renames={"Plan": "Strategy"}),
+    "jaxpar.auto.planner": Removed("the job search is jaxpar.auto.search_job with a jaxpar.auto.JobSearchSpace "
+                                   "(module jaxpar.auto.job_search)", "docs/auto_parallel.md"),
+    "jaxpar.nn.plan": Renamed("jaxpar.nn.specs", renames={"plan_state": "state_specs", "plan_rows": "spec_rows",
+                                                          "format_plan": "format_specs", "PlanRow": "SpecRow",
+                                                          "check_plan_covers": "check_strategy_covers"}),
+    "jaxpar.nn.host_embedding": Renamed("jaxpar.ps.host_embedding"),
+    "jaxpar.nn.row_file": Renamed("jaxpar.ps.row_file"),
+    "jaxpar.nn.host_step": Removed("train the model and the table with jaxpar.Trainer(..., "
+                                   "rows=jaxpar.ps.HostRows(table))", "docs/recommendation.md"),
+    "jaxpar.train.guards": Removed("its checks run inside jaxpar.Trainer; Preempted is jaxpar.train.Preempted "
+                                   "(module jaxpar.train.hooks)", "docs/reliability.md"),
+    "jaxpar.ckpt_cli": Removed(_CLI.format("ckpt"), "docs/checkpoint.md"),
+    "jaxpar.plan_cli": Removed(_CLI.format("plan"), "docs/auto_parallel.md"),
+    "jaxpar.report_cli": Removed(_CLI.format("report") + "; compiled_llama_memory is "
+                                 "jaxpar.job.reports.compiled_llama_memory", "docs/report.md"),
+    "jaxpar.cli_job": Removed(_CLI.format("train"), "docs/jobs.md"),
+    "jaxpar.job.cli": Removed(_CLI.format("train --config job.yaml"), "docs/jobs.md"),
+    "jaxpar.data.cli": Removed(_CLI.format("data"), "docs/data_loading.md"),
+    "jaxpar.launch.cli": Removed(_CLI.format("launch") + " or python -m jaxpar.launch", "docs/startup.md"),
+    "jaxpar.metrics.cli": Removed(_CLI.format("train --metrics-dir DIR"), "docs/metrics.md"),
+}
+
+
+def former_attribute(module: str, name: str, stacklevel: int = 2) -> Any:
+    """``module.name`` for a former public name: the replacement (after the warning) or the
+    refusal; a name that never was public is the usual ``AttributeError``."""
+    entry = FORMER.get(module, {}).get(name)
+    if isinstance(entry, Renamed):
+        warn_renamed(f"{module}.{name}", entry, stacklevel + 1)
+        return resolve(entry.new)
+    if isinstance(entry, Removed):
+        raise AttributeError(removed_message(f"{module}.{name}", entry), name=name)
+    raise AttributeError(f"module {module!r} has no attribute {name!r}", name=name)
+
+
+def module_getattr(module: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that answers ``module``'s former names (`FORMER`)."""
+    def __getattr__(name: str) -> Any:
+        return former_attribute(module, name, stacklevel=2)
+    return __getattr__
+
+
+# ------------------------------------------------------------------ former modules
+class _FormerModule(types.ModuleType):
+    """A former module path: every attribute is read from the module that replaced it."""
+
+    def __init__(self, name: str, entry: Renamed):
+        super().__init__(name, f"Former name of {entry.new} (deprecated).")
+        self._entry = entry
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        target = resolve(self._entry.new)
+        if name in self._entry.renames:
+            new = self._entry.renames[name]
+            warn_renamed(f"{self.__name__}.{name}", Renamed(f"{self._entry.new}:{new}"))
+            return getattr(target, new)
+        return getattr(target, name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(dir(resolve(self._entry.new))) | set(self._entry.renames))
+
+
+class FormerModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds the former module paths of `MODULES` (last on ``sys.meta_path``: only a path that
+    no longer exists reaches it): a renamed one imports with a warning and reads the new
+    module; a removed one raises ``ModuleNotFoundError`` naming what to use."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        entry = MODULES.get(fullname)
+        if entry is None:
+            return None
+        if isinstance(entry, Removed):
+            raise ModuleNotFoundError(removed_message(f"module {fullname}", entry), name=fullname)
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec):
+        return _FormerModule(spec.name, MODULES[spec.name])
+
+    def exec_module(self, module) -> None:
+        entry = MODULES[module.__name__]
+        # warnings passes over the import machinery's frames: level 2 is the user's import
+        warnings.warn(renamed_message(f"module {module.__name__}", entry), DeprecationWarning, stacklevel=2)
+
+
+def install_module_finder() -> None:
+    """Put `FormerModuleFinder` at the end of ``sys.meta_path`` (once)."""
+    if not any(isinstance(f, FormerModuleFinder) for f in sys.meta_path):
+        sys.meta_path.append(FormerModuleFinder())
+
+
+# ------------------------------------------------------------------ keywords and attributes
+def renamed_keywords(owner: str, renames: Mapping[str, str]) -> Callable:
+    """Decorator for a function or class: each former keyword in ``renames`` (former → current)
+    is accepted with a ``DeprecationWarning`` and passed as the current one; both given is a
+    ``TypeError`` naming both. ``owner``: the name the messages use (``"ParallelConfig"``)."""
+    def decorate(obj):
+        fn = obj.__init__ if isinstance(obj, type) else obj
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            for old, new in renames.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{owner}: both {old}= and {new}= are given ({old} is the former name of "
+                                        f"{new}); keep only {new}=")
+                    warn_renamed(f"{owner}({old}=...)", Renamed(f"{owner}({new}=...)"), stacklevel=2)
+                    kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        if isinstance(obj, type):
+            obj.__init__ = wrapper
+            return obj
+        return wrapper
+    return decorate
+
+
+def removed_keywords(owner: str, removed: Mapping[str, Callable[[Any], Removed]]) -> Callable:
+    """Class decorator: a keyword of ``removed`` raises ``TypeError`` naming what to use
+    (``removed[keyword](value)`` gives the `Removed` entry, so the fix can quote the value)."""
+    def decorate(cls: type) -> type:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            for name, entry in removed.items():
+                if name in kwargs:
+                    found = entry(kwargs[name])
+                    raise TypeError(f"{owner}({name}={kwargs[name]!r}): {found.instead} (see {found.doc} and "
+                                    f"{CHANGELOG})")
+            init(self, *args, **kwargs)
+
+        cls.__init__ = __init__
+        return cls
+    return decorate
+
+
+class RenamedAttribute:
+    """A class attribute under its former name: reads the current one with a warning."""
+
+    def __init__(self, new: str, note: str = ""):
+        self.new, self.note = new, note
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.old, self.owner = name, owner.__name__
+
+    def __get__(self, obj, owner=None):
+        warn_renamed(f"{self.owner}.{self.old}", Renamed(f"{self.owner}.{self.new}", self.note))
+        return getattr(owner if obj is None else obj, self.new)
+
+
+class RemovedAttribute:
+    """A class attribute that is gone: reading it is an ``AttributeError`` naming what to use."""
+
+    def __init__(self, entry: Removed):
+        self.entry = entry
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.old, self.owner = name, owner.__name__
+
+    def __get__(self, obj, owner=None):
+        raise AttributeError(removed_message(f"{self.owner}.{self.old}", self.entry), name=self.old)
