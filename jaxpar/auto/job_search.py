@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxpar._deprecation import RenamedAttribute
 from jaxpar.auto.api import search
 from jaxpar.auto.cost import CostParams, analyse
 from jaxpar.auto.graph import build_graph
@@ -114,6 +115,7 @@ class JobSearchResult:
     candidates: tuple[JobOption, ...]
     dry_run: Mapping[str, Any] | None
     memory_budget: float
+    plan = RenamedAttribute("strategy")       # the name of 0.1.0's JobPlan, with a DeprecationWarning
 
     @property
     def strategy(self) -> Strategy:

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxpar._deprecation import RenamedAttribute
 from jaxpar.checkpoint import checksum
 from jaxpar.checkpoint import state as st
 from jaxpar.checkpoint.echoes import Echoes, first_line, os_error, release_frames
@@ -608,6 +609,9 @@ class Checkpointer:
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    save_state = RenamedAttribute("save")          # 0.1.0's names, with a DeprecationWarning
+    restore_state = RenamedAttribute("restore")
 
     def wait(self) -> None:
         """Block until every started save is committed; a save that could not be written raises

@@ -49,6 +49,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxpar._deprecation import renamed_keywords
 from jaxpar.config import OptimizerConfig
 from jaxpar.strategy import mesh_sizes, spec_axes
 
@@ -206,6 +207,7 @@ def _constrain(tree, specs, mesh):
                         tree, specs, is_leaf=lambda x: x is None)
 
 
+@renamed_keywords("shard_optimizer", {"plan": "zero"})     # the keyword of 0.1.0, with a DeprecationWarning
 def shard_optimizer(tx: optax.GradientTransformation, mesh, zero: ZeroSpecs, params) -> optax.GradientTransformation:
     """``tx`` whose state lives sharded as ``zero.state`` (and gradients as ``zero.grads``).
 

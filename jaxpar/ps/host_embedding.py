@@ -41,6 +41,7 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
+from jaxpar._deprecation import Removed, RemovedAttribute
 from jaxpar.ps.row_file import RowFile
 
 STORAGES = ("auto", "pinned_host", "callback", "file")
@@ -166,6 +167,9 @@ class HostEmbedding:
         >>> prepared.count, table.pull(prepared).shape
         (3, (4, 4))
     """
+
+    gather = RemovedAttribute(Removed("rows reach the step from the row source jaxpar.ps.HostRows(table), pulled "
+                                      "before the compiled step (Trainer(rows=...))", "docs/recommendation.md"))
 
     def __init__(self, name: str, num_rows: int, dim: int, optimizer: RowOptimizer, *,
                  init: np.ndarray | None = None, init_scale: float = 0.01, seed: int = 0,

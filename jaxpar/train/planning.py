@@ -46,5 +46,6 @@ def plan_for(model: nnx.Module, tx: optax.GradientTransformation, loss_fn: Calla
         raise ValueError("mode='auto' searches the strategies on a batch before training, and no batch was given: "
                          "pass example_batch=<one global batch> to the Trainer (only its shapes are read), or plan "
                          "first with jaxpar.train.plan_for(model, tx, loss_fn, config, mesh, example_batch=batch) "
-                         "(or searched=jaxpar.auto.Strategy.from_json(path)) and give the Trainer plan=")
+                         "(or searched=jaxpar.auto.Strategy.from_json(path)) and give the Trainer plan=; the Trainer no "
+                         "longer searches at its first batch (see docs/parallel_modes.md and CHANGELOG.md)")
     return plan_training(model, loss_fn, example_batch, config, mesh, tx, offload=offload)

@@ -34,6 +34,7 @@ from jaxpar.metrics.logger import ROUTING, examples_per_step
 from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
 from jaxpar.nn.specs import check_rules_used, declared_names
+from jaxpar._deprecation import Removed, RemovedAttribute
 from jaxpar.plan import (IdleAxisWarning, TrainPlan, TrainState, check_combination, check_data, init_state,
                          state_shardings)
 from jaxpar.strategy import recording_axes, recording_rules, spec_axes
@@ -629,6 +630,10 @@ class Trainer:
         if self.data_state:
             batches.restore(self.data_state)
         return iter(batches)
+
+    shardings = RemovedAttribute(Removed(    # a property of 0.1.0
+        "use jaxpar.plan.state_shardings(trainer.plan, trainer.mesh, trainer.state), a TrainState of "
+        "shardings (.params, .rest, .opt_state)", "docs/architecture.md"))
 
     def close(self) -> None:
         """Finish the saves in flight, close the checkpoint directory and the metric writers, stop
