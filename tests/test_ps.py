@@ -569,7 +569,7 @@ def test_a_damaged_log_record_is_named_and_the_server_exits_2(tmp_path):
     import sys
 
     from jaxpar.ps.server import Server
-    from jaxpar.ps.wire import WireError
+    from jaxpar.ps.store import StoreError
 
     spec = ps.TableSpec("t", 4, 2, ps.SGD(1.0))
     server = Server(0, 1, str(tmp_path), every=100)
@@ -581,9 +581,9 @@ def test_a_damaged_log_record_is_named_and_the_server_exits_2(tmp_path):
     data = bytearray(wal.read_bytes())
     data[20] ^= 0xFF                                   # inside the first record's header
     wal.write_bytes(bytes(data))
-    with pytest.raises(WireError, match=r"wal.bin': record 0 of 2 is damaged \(header is not UTF-8 JSON"):
+    with pytest.raises(StoreError, match=r"wal.bin': record 0 at byte 16 is damaged \(its header's checksum"):
         Server(0, 1, str(tmp_path), every=100)
     env = {**os.environ, "JAXPAR_PS_TOKEN": TOKEN, "JAX_PLATFORMS": "cpu"}
     run = subprocess.run([sys.executable, "-m", "jaxpar.ps.server", "--index", "0", "--count", "1",
                           "--checkpoint-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and "Traceback" not in run.stderr and "record 0 of 2 is damaged" in run.stderr
+    assert run.returncode == 2 and "Traceback" not in run.stderr and "record 0 at byte 16 is damaged" in run.stderr

@@ -21,7 +21,8 @@ import numpy as np
 import zmq
 
 from jaxpar.ps.shard import TableShard
-from jaxpar.ps.store import WriteAheadLog, read_state, server_dir, write_state
+from jaxpar.ps.store import (StoreError, WriteAheadLog, commit_snapshot, finish_commit, read_state, server_dir,
+                             write_state)
 from jaxpar.ps.tables import TableSpec
 from jaxpar.ps.wire import (MAX_FRAME_BYTES, READY, TOKEN_ENV, WireError, decode, encode, reply_rid, show,
                             token_ok)
@@ -45,26 +46,31 @@ class Server:
         # before a restore to an earlier step) is replaced when the same step is saved again.
         self.snapshots: set[int] = set()
         self._recover()
-        self.wal = WriteAheadLog(self.dir / "wal.bin")
 
     # -- durable state ------------------------------------------------------------------------
 
     def _recover(self) -> None:
         state = self.dir / "state.npz"
         if state.exists():
-            self._load(state)
+            finish_commit(self.dir, self._load(state))
             self.restarts = self.job.get("restarts", 0) + 1
         checkpoint_clocks = {name: shard.clock for name, shard in self.tables.items()}
-        log = WriteAheadLog(self.dir / "wal.bin")
+        self.wal = WriteAheadLog(self.dir / "wal.bin")   # (verified; an incomplete last record cut off)
+        if self.wal.dropped:
+            at, size = self.wal.dropped
+            print(f"{self.wal.path}: dropped an incomplete last record ({size} bytes at byte {at}): a push "
+                  "cut short by a kill while it was logged, never acknowledged; its worker sends it again",
+                  file=sys.stderr, flush=True)
         try:
-            for header, arrays in log.replay():   # (cuts a torn last record off the file)
+            for header, arrays in self.wal.replay():
                 self._push(header, arrays)
-        finally:
-            log.close()
+        except BaseException:
+            self.wal.close()
+            raise
         for name, clock in checkpoint_clocks.items():  # the pulls served since the checkpoint
             self.tables[name].pulls_lost(clock)
 
-    def _load(self, path) -> None:
+    def _load(self, path) -> dict[str, Any]:
         arrays, meta = read_state(path)
         self.job = meta["job"]
         self.snapshots = set(meta.get("snapshots", ()))
@@ -74,6 +80,7 @@ class Server:
             shard.load(name, arrays, tmeta)
             self.tables[name] = shard
         self.last_checkpoint = self._clock()
+        return meta
 
     def _new_shard(self, spec: TableSpec) -> TableShard:
         return TableShard(spec, self.index, self.count, self.job["mode"], self.job["staleness"],
@@ -82,17 +89,20 @@ class Server:
     def _clock(self) -> int:
         return min((t.clock for t in self.tables.values()), default=0)
 
-    def checkpoint(self, path=None) -> None:
-        """Writes every table (atomically) and starts a new write-ahead log."""
+    def checkpoint(self, snapshot: int | None = None) -> None:
+        """Writes every table (atomically) and starts a new write-ahead log; with ``snapshot=S``,
+        also the snapshot ``step-S.npz``, committed with the state that lists it."""
         arrays: dict[str, np.ndarray] = {}
         for name, shard in self.tables.items():
             arrays.update(shard.arrays(name))
         meta = {"job": {**(self.job or {}), "restarts": self.restarts},
                 "tables": {n: s.meta() for n, s in self.tables.items()}, "snapshots": sorted(self.snapshots)}
-        write_state(path or self.dir / "state.npz", arrays, meta)
-        if path is None:
-            self.wal.truncate()
-            self.last_checkpoint = self._clock()
+        if snapshot is None:
+            write_state(self.dir / "state.npz", arrays, meta)
+        else:
+            commit_snapshot(self.dir, snapshot, arrays, meta)
+        self.wal.truncate()
+        self.last_checkpoint = self._clock()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -177,10 +187,13 @@ class Server:
             return None
         path = self.dir / f"step-{step}.npz"
         if step not in self.snapshots or not path.exists():  # (several workers ask for each snapshot)
-            # (the next checkpoint of state.npz records it; a restart before that writes it again
-            # if asked again, at the same clock in sync mode)
+            # committed with a state.npz that lists it: a restart never writes it again
             self.snapshots.add(step)
-            self.checkpoint(path)
+            try:
+                self.checkpoint(snapshot=step)
+            except BaseException:
+                self.snapshots.discard(step)
+                raise
         return {"clock": self._clock()}, ()
 
     def _restore(self, header, arrays):
@@ -319,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"set the job token in the environment variable {TOKEN_ENV} (never on the command line)")
     try:
         server = Server(args.index, args.count, args.checkpoint_dir, args.checkpoint_every)
-    except WireError as e:   # a damaged log or checkpoint: one line, not a traceback
+    except (StoreError, WireError) as e:   # a damaged log or checkpoint: one line, not a traceback
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     serve(server, args.bind, token)
     return 0
