@@ -11,6 +11,8 @@ deadline it raises ``TimeoutError`` naming the server address, the table and the
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 import os
 import threading
 import time
@@ -329,8 +331,12 @@ def connect(tables: Sequence[TableSpec], *, mode: str = "sync", staleness: int =
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"connect: server address {address!r} is not HOST:PORT with a port in 1..65535 "
                              "(e.g. '127.0.0.1:5555', '[::1]:5555'); the servers print theirs when ready")
-    if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < float("inf")):
-        raise ValueError(f"connect: timeout={timeout!r} must be a positive number of seconds")
+    # any real number (a numpy scalar of any width too), not a bool
+    if (not isinstance(timeout, numbers.Real) or isinstance(timeout, (bool, np.bool_))
+            or not 0 < float(timeout) < math.inf):
+        raise ValueError(f"connect: timeout={timeout!r} must be a positive finite number of seconds "
+                         "(e.g. timeout=30.0)")
+    timeout = float(timeout)
     token = token if token is not None else os.environ.get(TOKEN_ENV)
     if not token:
         raise ValueError(f"connect: no job token; pass token=... or set {TOKEN_ENV}")

@@ -68,7 +68,9 @@ def lookup(batch: Mapping[str, Any], fields: Mapping[str, str]) -> Lookup:
     """
     missing = [f for f in fields if f not in batch] if isinstance(batch, Mapping) else list(fields)
     if missing:
-        keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        # (keys of several types do not compare: ordered by type name, then by repr)
+        keys = (sorted(batch, key=lambda k: (type(k).__name__, repr(k))) if isinstance(batch, Mapping)
+                else type(batch).__name__)
         raise ValueError(f"the batch has no ids for fields {missing} (tables "
                          f"{[fields[f] for f in missing]}); its keys: {keys}. Give every field of fields= in the "
                          "batch, or leave the field out of fields=")
