@@ -550,3 +550,70 @@ def test_a_job_yaml_gives_the_config_the_job_built(tmp_path):
     with pytest.raises(ValueError, match=r"job.yaml, the job saved with the checkpoint, cannot be read \(it does not "
                                          r"give model.size, data.seq_len\).*--hf-config"):
         _job_llama_config(str(job_file), table)
+
+
+def _one_line_error(capsys, argv, *words):
+    assert ckpt_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def test_an_index_naming_the_wrong_shard_or_a_deep_config_is_one_line(tied_bf16, tmp_path, capsys):
+    """An index that names a file lacking the tensor, and a config.json nested 100,000 deep, printed
+    safetensors' and json's tracebacks."""
+    source, _, _ = tied_bf16
+    directory = tmp_path / "hf"
+    shutil.copytree(source, directory)
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    name = "model.norm.weight"
+    wrong = next(f for f in sorted(set(index["weight_map"].values())) if f != index["weight_map"][name])
+    index["weight_map"][name] = wrong
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    _one_line_error(capsys, ["import-hf", str(directory), "--out", str(tmp_path / "c1")],
+                    f"tensor '{name}' is not in {directory / wrong}, the file model.safetensors.index.json names")
+    assert not (tmp_path / "c1").exists()
+    (directory / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    _one_line_error(capsys, ["import-hf", str(directory), "--out", str(tmp_path / "c2")],
+                    f"{directory / 'config.json'} nests its JSON too deep to read")
+    (tmp_path / "to.json").write_text("[" * 100_000 + "]" * 100_000)
+    _one_line_error(capsys, ["import-hf", source, "--out", str(tmp_path / "c3"), "--to", str(tmp_path / "to.json")],
+                    f"--to '{tmp_path / 'to.json'}' is not valid JSON")
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("model.norm.weight", np.ones(32, np.int32), "has dtype I32, not a floating dtype, but it is a float parameter"),
+    ("model.layers.1.mlp.up_proj.weight", None, "holds 2 non-finite value(s) (NaN or infinity; the first, nan, "
+                                                "at index (3, 5))"),
+])
+def test_integer_or_non_finite_tensors_are_refused_by_name(untied, tmp_path, capsys, name, value, words):
+    directory, hf, tensors = untied
+    if value is None:
+        value = tensors[name].copy()
+        value[3, 5], value[7, 1] = np.nan, np.inf
+    bad = write_hf(tmp_path / "bad", hf, {**tensors, name: value})
+    _one_line_error(capsys, ["import-hf", bad, "--out", str(tmp_path / "c")], f"tensor '{name}' in ", words)
+    assert not (tmp_path / "c").exists()
+
+
+def test_export_checks_the_values_against_the_checkpoint_checksums(untied, tmp_path, capsys):
+    """export-hf read the parameters without the checksums saved with them: damaged bytes that still
+    decode were exported as weights."""
+    import tensorstore as ts
+
+    directory, _, _ = untied
+    import_hf(directory, str(tmp_path / "ckpt"))
+    array = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{tmp_path}/ckpt/0/state/"},
+                     "path": "params.norm.scale/"}).result()
+    values = array.read().result().copy()
+    values[3] += 1.0
+    array.write(values).result()
+    with pytest.raises(jaxpar.checkpoint.CheckpointDamagedError, match=r"step 0 in .* is damaged \(ValueError: 1 "
+                       r"array\(s\) read back without an error but with other values than were saved \(their "
+                       r"checksums differ\): params/norm/scale\)"):
+        export_hf(str(tmp_path / "ckpt"), None, str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
+    _one_line_error(capsys, ["export-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")],
+                    "checksums differ): params/norm/scale")

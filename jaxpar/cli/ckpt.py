@@ -75,8 +75,9 @@ def _load_config(spec: str):
         raise ValueError(f"--to {spec!r} cannot be read as text ({e}); give {TO_ACCEPTS}") from None
     try:
         d = json.loads(text) if spec.endswith(".json") else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ValueError(f"--to {spec!r} is not valid {'JSON' if spec.endswith('.json') else 'YAML'} ({e}); give "
+    except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as e:      # RecursionError: nested too deep
+        raise ValueError(f"--to {spec!r} is not valid {'JSON' if spec.endswith('.json') else 'YAML'} "
+                         f"({e or type(e).__name__}); give "
                          "a ParallelConfig file such as 'mesh: {data: 2, model: 4}'") from None
     if not isinstance(d, dict):
         raise ValueError(f"--to {spec!r} holds a {type(d).__name__}, not a mapping of ParallelConfig fields such as "

@@ -12,6 +12,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -38,11 +39,14 @@ def safetensors():
 def _read_json(path: str, what: str) -> Any:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: a Hugging Face model directory holds {what}")
-    with open(path) as f:
+    with open(path, "rb") as f:
         try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON ({e})") from None
+            return json.loads(f.read())
+        except ValueError as e:        # not JSON, or not UTF-8 text
+            raise ValueError(f"{path} is not valid JSON ({e}); fetch {os.path.basename(path)} again") from None
+        except RecursionError:
+            raise ValueError(f"{path} nests its JSON too deep to read (more than Python's "
+                             f"{sys.getrecursionlimit()} levels); it is not {what}: fetch it again") from None
 
 
 def read_config(directory: str) -> dict:
@@ -121,17 +125,34 @@ class Reader:
         if name not in self.files:
             raise ValueError(f"tensor {name!r} is missing from {self.directory} (files: "
                              f"{sorted(set(self.files.values()))}); the config.json describes a model that has it")
-        return self._handle(name).get_slice(name)
+        handle = self._handle(name)
+        if name not in handle.keys():        # the index names a file that does not hold it
+            raise ValueError(f"tensor {name!r} is not in {self.where(name)}, the file {INDEX} names for it; the "
+                             "index and the files do not belong together: fetch them again")
+        return handle.get_slice(name)
 
     def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """Tensor ``name``, after checking from the header that its shape is ``shape``."""
+        """Tensor ``name``, after checking from the header that its shape is ``shape`` and its dtype
+        a floating one, and then that every value is finite."""
         found = tuple(self._slice(name).get_shape())
         if found != tuple(shape):
             raise ValueError(f"tensor {name!r} in {self.where(name)} has shape {found}, but config.json implies "
                              f"{tuple(shape)}; the weights and the config do not belong together")
+        code = self._slice(name).get_dtype()
+        if code not in _DTYPES:      # e.g. I32: an integer array would be cast silently to a float parameter
+            raise ValueError(f"tensor {name!r} in {self.where(name)} has dtype {code}, not a floating dtype, but it "
+                             f"is a float parameter; jaxpar reads {sorted(_DTYPES)} weights: export the model in "
+                             "one of them")
         handle = self._handle(name)
         with _damage_named(self.where(name), name):
-            return handle.get_tensor(name)
+            x = handle.get_tensor(name)
+        bad, first = _non_finite(x)
+        if bad:
+            at = tuple(int(i) for i in np.unravel_index(first, x.shape))
+            raise ValueError(f"tensor {name!r} in {self.where(name)} holds {bad} non-finite value(s) (NaN or "
+                             f"infinity; the first, {float(x[at])}, at index {at}): a model trained or saved wrong, or "
+                             "a damaged file; fetch it again or fix the source model")
+        return x
 
     def close(self) -> None:
         for handle in self._open.values():
@@ -143,6 +164,19 @@ class Reader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _non_finite(x: np.ndarray, block: int = 1 << 16) -> tuple[int, int]:
+    """``(count, first flat index)`` of the NaNs and infinities of ``x``, checked a block at a time
+    (a mask of the whole tensor would add a quarter of a float32 tensor to the host memory an
+    import holds)."""
+    flat, count, first = x.reshape(-1), 0, -1
+    for at in range(0, flat.size, block):
+        finite = np.isfinite(flat[at:at + block])
+        if not finite.all():
+            count += int(finite.size - finite.sum())
+            first = first if first >= 0 else at + int(np.argmin(finite))
+    return count, first
 
 
 def plan_files(sizes: Iterable[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
