@@ -117,6 +117,12 @@ FORMER: dict[str, dict[str, Renamed | Removed]] = {
         "SparseTrainer": Removed("train with jaxpar.Trainer(..., rows=jaxpar.ps.ServerRows(client, fields)) (one "
                                  "training loop for parameter servers)", "docs/parameter_server.md"),
     },
+    "jaxpar.cli": {      # 0.1.0's one-module command: its functions, internal now, behind jaxpar.cli.main
+        name: Removed("the jaxpar command's steps are internal to jaxpar.cli now; run the command: "
+                      "jaxpar.cli.main(['train', ...]) or python -m jaxpar.cli train ...", "docs/jobs.md")
+        for name in ("add_job_args", "check_plan_flags", "check_writable", "cmd_plan", "cmd_report", "cmd_train",
+                     "config_file", "given")
+    },
     "jaxpar.models.gpt": {
         "pipeline_loss": Renamed("jaxpar.models.gpt_parallel:pipeline_loss"),
     },

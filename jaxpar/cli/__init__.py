@@ -19,6 +19,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from jaxpar._deprecation import module_getattr
 from jaxpar.cli import ckpt, data, launch, plan, report, train
 from jaxpar.cli.common import DEFAULT_DEVICES, JOB_ERRORS, Parser, UserError, jaxpar_raised, set_simulated_devices
 from jaxpar.cli.jobfile import job_file, parse_job_command
@@ -104,3 +105,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if hasattr(args, "devices"):
         set_simulated_devices(args.devices or DEFAULT_DEVICES)
     return run_guarded(getattr(args, "cli_name", args.command), lambda: args.func(args), debug=args.debug)
+
+
+__getattr__ = module_getattr(__name__)   # 0.1.0's names of this module (CHANGELOG.md): an error saying what to use
