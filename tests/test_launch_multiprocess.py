@@ -16,7 +16,7 @@ import time
 import pytest
 
 from jaxpar.launch.ports import free_port
-from workers.procs import Launch, start_worker, wait_gone
+from workers.procs import WORKERS, Launch, start_worker, wait_gone
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -34,11 +34,12 @@ JAXPAR_LAUNCH = ("-m", "jaxpar.cli", "launch")  # the `jaxpar launch` command
 
 def launch(launches, tmp_path, tag, workers, local, devices, *worker_args, **options):
     entry = options.pop("entry", ("-m", "jaxpar.launch"))
+    script = os.path.join(WORKERS, options.pop("script", "psum_worker.py"))
     args = ["--worker-num", workers, "--local-worker-num", local, "--simulated-devices", devices,
             "--master-port", free_port(), "--cluster-time-out", options.pop("time_out", 60)]
     for name, value in options.items():
         args += [f"--{name.replace('_', '-')}"] + ([] if value is True else [value])
-    started = Launch(tmp_path, tag, args, worker_args, entry=entry)
+    started = Launch(tmp_path, tag, args, worker_args, script=script, entry=entry)
     launches.append(started)
     return started
 
@@ -211,3 +212,43 @@ def test_real_mpirun(tmp_path, tag):
     results = [json.loads((tmp_path / f"rank_{i}.json").read_text()) for i in range(2)]
     assert all(r["source"] == "openmpi" and r["psum"] == 8.0 and r["batch_equal"]
                for r in results)
+
+
+def one_device_run():
+    """The per-host worker's training on one device, fed the whole global batches."""
+    import jax
+    import optax
+
+    import jaxpar
+    from workers.per_host_worker import STEPS, global_batches, loss_fn, model_fn
+
+    config = jaxpar.ParallelConfig(mesh={"data": 1})
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:1])
+    trainer = jaxpar.Trainer(jaxpar.init(model_fn, config, mesh), optax.sgd(0.1), loss_fn, config, mesh)
+    losses = [float(trainer.step(b)["loss"]) for b in global_batches(STEPS)]
+    return losses, trainer.evaluate(global_batches(2, start=100))
+
+
+def test_each_process_feeds_its_own_rows(launches, tmp_path, tag):
+    """4 processes x 2 devices, each feeding its 4 rows of a global batch of 16: mode data on
+    {"data": 8} (fit; place, step, lower), ZeRO-3, ZeRO-3 x grad_accum=2, and {"model": 2,
+    "data": 4} with a process's devices along model or along data, each with evaluate: the
+    losses of one device on the same global batches. 3 rows a process are refused by name."""
+    from workers.per_host_worker import CELLS
+
+    run = launch(launches, tmp_path, tag, 4, 4, 2, script="per_host_worker.py")
+    assert run.wait(timeout=200) == 0, run.stderr + run.log(0)
+    result = json.loads((run.out_dir / "results.json").read_text())
+    assert (result["processes"], result["local_devices"]) == (4, 2)
+    losses, evaluated = one_device_run()
+    assert sorted(result["cells"]) == sorted(CELLS)
+    for name, cell in result["cells"].items():
+        assert cell["losses"] == pytest.approx(losses, rel=1e-5), name
+        assert cell["eval"] == pytest.approx(evaluated, rel=1e-5), name
+    assert result["cells"]["data"]["spec"] == "P('data',)"
+    step, evaluate = result["refusals"]["step"], result["refusals"]["evaluate"]
+    assert step.startswith("batch['x']: this process's 3 rows do not split: the global batch is 3 rows x 4 "
+                           "processes = 12 rows, and this process's 2 devices on the batch axes ('data',) (ids 0, 1) "
+                           "hold 2 of their 8 shards; grad_accum=2 cuts"), step
+    assert "must feed a multiple of 4 rows; feed 4 rows per process (a global batch of 16)" in step, step
+    assert "must feed a multiple of 2 rows; feed 2 or 4 rows per process" in evaluate, evaluate

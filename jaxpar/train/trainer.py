@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.checkpoint import Checkpointer, restore_rows, restore_state, save_state
 from jaxpar.config import ParallelConfig
-from jaxpar.data import place_batch
+from jaxpar.data import place_batch, process_view
 from jaxpar.data.sequence import reorder_batch
 from jaxpar.metrics import MetricsConfig, profile_window_outside, progress_text, read, tokens_per_example
 from jaxpar.metrics.logger import ROUTING, examples_per_step
@@ -251,7 +251,7 @@ class Trainer:
         if not fast:    # context parallel reorders the sequence and adds its positions: the step sees that batch
             batch = reorder_batch(self.plan.config, self.mesh, batch)
             batch_def = jax.tree.structure(batch)
-        shapes = self._global_view(batch)
+        shapes = self._global_view(batch, training=kind == "train")
         specs = self.plan.batch_specs(shapes, training=kind == "train")
         b_sh = jax.tree.leaves(jax.tree.map(lambda s: NamedSharding(self.mesh, s), specs,
                                             is_leaf=lambda x: isinstance(x, PartitionSpec)))
@@ -316,9 +316,15 @@ class Trainer:
             return out
         return traced
 
-    def _global_view(self, batch):
-        """Shapes of the global batch (for compile keys and shardings)."""
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), batch)
+    def _global_view(self, batch, *, training: bool | None = None):
+        """Shapes of the global batch (for compile keys and shardings). In a run of several
+        processes fed per process (``global_batch=False``), a leaf holds this process's own rows:
+        the global batch has those rows times the process count, and they are checked against
+        the batch shards this process's devices hold, not against the whole mesh
+        (`jaxpar.data.process_view`; ``training``: cut into the step's parts)."""
+        if jax.process_count() > 1 and not self.global_batch:
+            return process_view(self.plan.config, self.mesh, batch, training=training)
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype_of(x)), batch)
 
     # ------------------------------------------------------------------ running
     def place(self, batch):
@@ -527,6 +533,9 @@ class Trainer:
             n += 1
         if n == 0:
             raise ValueError("Trainer.evaluate got no batches; pass an iterable with at least one batch")
+        if steps is not None and n < steps:     # as fit: a short iterable is said, not averaged silently
+            raise ValueError(f"Trainer.evaluate: steps={steps} but the batches ran out after {n}; pass steps={n} "
+                             "(or None to evaluate all of them), or an iterable with at least steps batches")
         if self._metrics is not None:
             self._metrics.log_eval(self._steps, total / n)
         return total / n
@@ -965,6 +974,9 @@ def _check_batch(batch) -> None:
         if not (jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)):
             raise TypeError(f"{where} has dtype {dtype}: batch leaves must be numeric or boolean arrays (they "
                             "are placed on the devices); encode strings as ids, or keep them out of the batch")
+        if shape[0] == 0:
+            raise ValueError(f"{where} has 0 rows (shape {tuple(shape)}); a batch needs at least one row: its mean "
+                             "loss over no rows is NaN. Drop the empty batch or feed it rows")
         if rows is None:
             rows, first = shape[0], where
         elif shape[0] != rows:
