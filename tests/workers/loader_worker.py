@@ -3,6 +3,8 @@
 Each process reads only its rows, assembles the global ``jax.Array`` from them
 (``make_array_from_process_local_data``), gathers it and writes hashes of the local rows and of
 the global batches, from the start and resumed from a saved loader position, to ``rank_<i>.json``.
+With ``--train N``: then N steps of `train` with a ``TokenLoader`` of its 4 rows a process on
+2 processes x 4 devices, and an evaluation, their losses written too.
 """
 
 import argparse
@@ -20,6 +22,31 @@ def digest(batch) -> str:
     return h.hexdigest()
 
 
+TRAIN_BATCH = 8      # global rows of a training batch: 4 a process on 2 processes
+
+
+def train(store, steps, **where):
+    """``(losses, eval loss)``: ``steps`` adamw steps of the tiny Llama, mode data on
+    ``{"data": 8}``, through ``Trainer.fit`` on a ``TokenLoader`` (``where``: whose rows it
+    reads, by default this process's), then ``evaluate`` on a loader of other batches."""
+    import optax
+    from flax import nnx
+
+    import jaxpar
+    from jaxpar.data import TokenLoader
+    from jaxpar.models.llama import Llama, LlamaConfig, loss_fn
+
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    cfg = LlamaConfig.named("tiny", vocab_size=264)
+    mesh = jaxpar.make_mesh(config)
+    trainer = jaxpar.Trainer(jaxpar.init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), config, mesh), optax.adamw(3e-3),
+                             loss_fn, config, mesh)
+    loader = TokenLoader(store, seq_len=16, global_batch=TRAIN_BATCH, seed=7, model_config=cfg, **where)
+    losses = [h["loss"] for h in trainer.fit(loader, steps, progress=False)]
+    held_out = TokenLoader(store, seq_len=16, global_batch=TRAIN_BATCH, seed=8, model_config=cfg, **where)
+    return losses, trainer.evaluate(held_out, steps=2)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -27,6 +54,7 @@ def main():
     p.add_argument("--store", required=True)
     p.add_argument("--state", required=True, help="JSON file of a saved TokenLoader.state()")
     p.add_argument("--batches", type=int, default=6)
+    p.add_argument("--train", type=int, default=0, help="steps of `train` after the reads (0: none)")
     args = p.parse_args()
     import jaxpar.distributed as dist
 
@@ -63,6 +91,8 @@ def main():
     result = {"rank": rank, "processes": jax.process_count(), "local_devices": jax.local_device_count(),
               "rows": [loader.rows.start, loader.rows.stop], "local": local, "global": full, "resumed": again,
               "state": loader.state()}
+    if args.train:
+        result["train"] = train(args.store, args.train)
     # written whole, then renamed: a test polling for reports never reads a half-written one
     path = os.path.join(args.out, f"rank_{rank}.json")
     with open(path + ".tmp", "w") as f:

@@ -15,6 +15,7 @@ test trains the same on one device.
 import argparse
 import json
 import os
+import time
 
 GLOBAL, STEPS = 16, 3
 MODEL_DATA = {"model": 2, "data": 4}
@@ -94,9 +95,11 @@ def main():
     p.add_argument("--tag", default="")
     args = p.parse_args()
 
+    started = time.monotonic()
     import jaxpar.distributed as dist
 
     spec = dist.initialize()
+    print(f"joined ({time.monotonic() - started:.1f} s)", flush=True)
     import jax
     import numpy as np
     import optax
@@ -120,7 +123,7 @@ def main():
         losses, evaluated = run(trainer, mine, use_fit=name != "data")
         results["cells"][name] = {"losses": losses, "eval": evaluated,
                                   "spec": str(trainer.place(mine(global_batches(1)[0]))["x"].sharding.spec)}
-        print(f"{name}: losses {losses} eval {evaluated}", flush=True)
+        print(f"{name}: losses {losses} eval {evaluated} ({time.monotonic() - started:.1f} s)", flush=True)
     if spec.process_id == 0:
         path = os.path.join(args.out, "results.json")
         with open(path + ".tmp", "w") as f:
