@@ -20,6 +20,7 @@ those rows times the process count.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -224,8 +225,10 @@ def process_shards(processes, axis_names: Sequence[str], axes: Sequence[str], pr
                          devices=tuple(int(i) for i in ids[mine]))
 
 
-def mesh_process_shards(mesh, axes: Sequence[str]) -> ProcessShards:
-    """`process_shards` of this process on a live ``mesh`` (its devices' ``process_index``)."""
+@functools.lru_cache(maxsize=64)
+def mesh_process_shards(mesh, axes: tuple[str, ...]) -> ProcessShards:
+    """`process_shards` of this process on a live ``mesh`` (its devices' ``process_index``);
+    found once per mesh and batch axes, not at every step."""
     devices = mesh.devices
     processes = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(devices)
     ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(devices)
