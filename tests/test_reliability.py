@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -39,10 +40,10 @@ def _batch(i, bad=False):
     return {"x": x, "y": rng.normal(size=(8, 4)).astype(np.float32)}
 
 
-def _trainer(directory=None, **kw):
+def _trainer(directory=None, tx=None, **kw):
     config = jaxpar.ParallelConfig(mesh={"data": 8})
     mesh = jaxpar.make_mesh(config)
-    return jaxpar.Trainer(Linear(), optax.sgd(0.1), _loss, config, mesh, checkpoint_dir=directory, **kw)
+    return jaxpar.Trainer(Linear(), tx or optax.sgd(0.1), _loss, config, mesh, checkpoint_dir=directory, **kw)
 
 
 def test_a_script_that_trains_and_returns_keeps_its_last_save(tmp_path):
@@ -93,6 +94,38 @@ def test_nonfinite_skip_counts_and_goes_on(tmp_path):
     assert np.all(np.isfinite(np.asarray(trainer.params["w"].get_value())))
     with pytest.raises(ValueError, match="nonfinite='maybe'"):
         _trainer(nonfinite="maybe")
+
+
+def test_a_finite_step_whose_update_is_not_finite_is_judged_by_the_state_it_writes(tmp_path):
+    """Step 1's loss and gradient are finite, but adam(nan) makes every parameter NaN: 'stop'
+    names step 1 before its save, 'skip' keeps the previous state (and saves that), and no
+    checkpoint ever holds the NaN update."""
+    nan_adam = optax.adam(float("nan"))
+    stop = _trainer(str(tmp_path / "stop"), tx=nan_adam, save_every=1, keep=None)
+    with pytest.raises(FloatingPointError, match="step 1 had a non-finite .*updated parameters"):
+        stop.step(_batch(0))
+    stop.close()
+    assert os.listdir(tmp_path / "stop") == []                 # nothing saved: step 1 never reached a save
+    assert _trainer(str(tmp_path / "stop"), tx=nan_adam).step_count == 0
+
+    skip = _trainer(str(tmp_path / "skip"), tx=nan_adam, save_every=1, keep=None, nonfinite="skip")
+    first = np.asarray(skip.params["w"].get_value())
+    skip.step(_batch(0))
+    skip.step(_batch(1))
+    skip.check_finite()
+    assert skip.skipped_steps == [1, 2]
+    assert np.array_equal(np.asarray(skip.params["w"].get_value()), first)          # the previous state kept
+    assert int(skip.opt_state[0].count) == 0                                        # the optimizer's too
+    skip.close()
+    resumed = _trainer(str(tmp_path / "skip"), tx=nan_adam)
+    assert resumed.step_count == 2 and np.array_equal(np.asarray(resumed.params["w"].get_value()), first)
+
+    # saving a state that holds a non-finite parameter is refused, naming the leaf
+    trainer = _trainer()
+    trainer.state = trainer.state.replace(params=jax.tree.map(lambda x: x * jnp.nan, trainer.state.params))
+    with pytest.raises(ValueError, match=r"non-finite .*params/w"):
+        jaxpar.checkpoint.save(trainer, str(tmp_path / "direct"))
+    assert jaxpar.checkpoint.latest_step(str(tmp_path / "direct")) is None
 
 
 def _damage(directory: pathlib.Path, step: int) -> None:

@@ -64,9 +64,26 @@ def _leaf(x: jax.Array) -> jax.Array:
     return jnp.stack([a, b])
 
 
+def _unusable(x: jax.Array, nan_only: bool) -> jax.Array:
+    """Whether ``x`` holds a value no saved state may hold: a NaN, or with ``nan_only=False`` (the
+    parameters) also an infinity. Other state may keep an infinity on purpose (a sentinel such as
+    ``optax.contrib.reduce_on_plateau``'s best value)."""
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.asarray(False)
+    return jnp.any(jnp.isnan(x)) if nan_only else ~jnp.all(jnp.isfinite(x))
+
+
 # One small program per (shape, dtype, sharding), shared by every leaf and every model that has
 # it, rather than one for the whole state, which would compile again for each model and layout.
 _leaf_jit = jax.jit(_leaf)
+_saved_jit = jax.jit(lambda x, nan_only: (_leaf(x), _unusable(x, nan_only)), static_argnums=1)
+
+
+def _on_device(x) -> jax.Array:
+    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
+    if x.sharding.memory_kind not in (None, "device"):     # offloaded state: summed where it can be
+        x = jax.device_put(x, x.sharding.with_memory_kind("device"))
+    return x
 
 
 def checksums(flat: dict[str, Any]) -> dict[str, list[int]]:
@@ -76,11 +93,27 @@ def checksums(flat: dict[str, Any]) -> dict[str, list[int]]:
         # one program at a time: on CPU, two in flight whose all-reduces span other devices can
         # each hold half the threads the other waits for (XLA aborts after 40 s), and on several
         # processes they may run their collectives in another order on each
-        x = x if isinstance(x, jax.Array) else jnp.asarray(x)
-        if x.sharding.memory_kind not in (None, "device"):     # offloaded state: summed where it can be
-            x = jax.device_put(x, x.sharding.with_memory_kind("device"))
-        pair = jax.device_get(_leaf_jit(x))
+        pair = jax.device_get(_leaf_jit(_on_device(x)))
         out[path] = [int(v) for v in np.asarray(pair)]
+    return out
+
+
+def checksums_to_save(flat: dict[str, Any]) -> dict[str, list[int]]:
+    """`checksums` of a state about to be saved, in the same pass refusing one that holds a value
+    no checkpoint may hold (a non-finite parameter, a NaN elsewhere): ``ValueError`` naming the
+    leaves, before anything is written."""
+    out, bad = {}, []
+    for path, x in flat.items():       # one program at a time (see `checksums`)
+        pair, unusable = jax.device_get(_saved_jit(_on_device(x), not path.startswith("params/")))
+        out[path] = [int(v) for v in np.asarray(pair)]
+        if unusable:
+            bad.append(path)
+    if bad:
+        listing = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise ValueError(f"checkpoint save: the state holds non-finite values ({len(bad)} leaf(s): {listing}: "
+                         "a parameter not finite, or a NaN in other state); a checkpoint holds finite values only, "
+                         "so a restart never resumes such a state. Save an earlier state, or find the step that "
+                         "made it (Trainer(nonfinite='stop') names it)")
     return out
 
 

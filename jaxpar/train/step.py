@@ -564,8 +564,8 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, ski
            ) -> Callable:
     """One optimizer update after ``grads``; the step counter advances on the device.
 
-    ``metrics["finite"]`` says whether the loss and the gradient norm were finite (two scalars:
-    free). A model with MoE layers adds ``moe_load_balance``, ``moe_z_loss`` and ``moe_dropped``
+    ``metrics["finite"]`` says whether the loss, the gradient norm and the state the update
+    writes were finite (`updated_finite`: one flag reduced inside the step). A model with MoE layers adds ``moe_load_balance``, ``moe_z_loss`` and ``moe_dropped``
     (`record_moe`). With ``skip_nonfinite`` a step that was not keeps the previous parameters and
     optimizer state; the select costs the step temporary memory (old and new state side by
     side), so it is the Trainer's ``nonfinite="skip"`` only.
@@ -586,7 +586,9 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, ski
             opt_state = arrive_after(s, opt_state, g)
         updates, new_opt_state = tx.update(g, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+        # judged on what the step writes too: a finite loss and gradient can still give a NaN
+        # update (a NaN learning rate, an overflow in the optimizer), which must not be kept
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm) & updated_finite(new_params, new_opt_state)
         if skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
             new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
@@ -601,6 +603,18 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, ski
                 *row_grads)
 
     return step
+
+
+def updated_finite(params, opt_state) -> jax.Array:
+    """One boolean: every updated parameter is finite and no optimizer-state value is NaN.
+
+    An infinity in the optimizer state may be meant (a sentinel such as
+    ``optax.contrib.reduce_on_plateau``'s best value before any), a NaN never is. Each leaf is
+    reduced where it lives (the reductions fuse with the update that writes it) and the leaves'
+    flags are combined into one scalar."""
+    floats = lambda tree: [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]  # noqa: E731
+    flags = [jnp.all(jnp.isfinite(x)) for x in floats(params)] + [~jnp.any(jnp.isnan(x)) for x in floats(opt_state)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.asarray(True)
 
 
 # --------------------------------------------------------------------------- helpers

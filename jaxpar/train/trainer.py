@@ -35,6 +35,7 @@ from jaxpar.optim import fusion
 from jaxpar.optim import offload as host
 from jaxpar.nn.specs import check_rules_used, declared_names
 from jaxpar._deprecation import Removed, RemovedAttribute
+from jaxpar.report.stage_collectives import checked_step
 from jaxpar.plan import (IdleAxisWarning, TrainPlan, TrainState, check_combination, check_data, init_state,
                          state_shardings)
 from jaxpar.strategy import recording_axes, recording_rules, spec_axes
@@ -68,7 +69,8 @@ class Trainer:
     steps, keep the newest ``keep``, and resume from the newest complete one at construction.
     ``resume``: ``"newest"`` (a damaged newest step is an error naming it) or
     ``"newest_intact"`` (fall back to the newest step that reads back whole).
-    ``nonfinite``: what a step whose loss or gradient is not finite does. ``"stop"`` (default):
+    ``nonfinite``: what a step whose loss or gradient is not finite, or whose update is not (a
+    parameter it writes not finite, a NaN in the optimizer state it writes), does. ``"stop"`` (default):
     ``FloatingPointError`` naming the step when the flags are next read (before every save,
     at logging, every 100 steps), so such a state never reaches a checkpoint and a restart
     resumes from the newest finite one. ``"skip"``: the step keeps the previous parameters and
@@ -286,6 +288,8 @@ class Trainer:
                                 jax.tree.unflatten(batch_def, batch_leaves), *rows)
 
             fn = jax.jit(flat_eval, in_shardings=(s_sh, b_sh, *r_sh))
+        if self.plan.pipeline.stages > 1:   # compiled and checked before it runs (a stage's op must hold
+            fn = checked_step(fn, self.mesh, self.plan.config.pipeline.axis)   # no cross-stage collective)
         return _Program(fn, b_sh, batch_def, fast, r_sh[0] if r_sh else None)
 
     def _placed(self, program: "_Program", batch, leaves: list) -> list:
@@ -451,7 +455,8 @@ class Trainer:
         self.skipped_steps.extend(bad)
         if self._nonfinite == "stop":
             raise FloatingPointError(
-                f"Trainer: step {bad[0]} had a non-finite loss or gradient norm"
+                f"Trainer: step {bad[0]} had a non-finite loss, gradient norm or update (updated parameters "
+                "not finite, or NaN in the updated optimizer state)"
                 + (f" (and steps {bad[1:]})" if bad[1:] else "") + "; nothing after it was saved, so every "
                 "checkpoint holds finite values and a restart resumes from the newest one. Inspect that batch, "
                 "lower the learning rate, or pass Trainer(nonfinite='skip') to skip such updates and go on")
