@@ -20,12 +20,13 @@ weights (and the head and the embedding, which are weights too).
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["BranchKey", "make_branches", "stats_dtype"]
+__all__ = ["BranchKey", "branch_label", "make_branches", "parse_branch_label", "scoped", "stats_dtype"]
 
 BranchKey = tuple[str, bool, bool]   # (op "I" / "F" / "B" / "W", first virtual stage, last virtual stage)
 
@@ -111,3 +112,38 @@ class _Out:
             return zero(a["x"], y), zero(a["x"], dx), (), (), (), scalar, stats
         return (zero(a["x"], y), zero(a["x"], dx), zero(a["chunk"], chunk), zero(a["head"], head),
                 zero(a["emb"], emb), scalar, stats)
+
+
+def branch_label(key: BranchKey, stages: tuple[int, ...], virtual: tuple[int, ...]) -> str:
+    """The name scope of a branch's ops: ``pipeline_op(B+loss;stages=1;virtual=1)`` (what
+    `parse_branch_label` reads back from the compiled program's ``op_name`` metadata)."""
+    kind, first, last = key
+    what = kind + ("+embed" if first else "") + ("+loss" if last else "")
+    return (f"pipeline_op({what};stages={'+'.join(map(str, stages))};"
+            f"virtual={'+'.join(map(str, virtual))})")
+
+
+_LABEL = re.compile(r"pipeline_op\((?P<kind>[IFBW])(?P<more>[+a-z]*);stages=(?P<stages>[\d+]*);"
+                    r"virtual=(?P<virtual>[\d+]*)\)")
+
+
+def parse_branch_label(op_name: str) -> dict | None:
+    """``{"op": "B", "embed": bool, "loss": bool, "stages": (1,), "virtual": (1,)}`` of the
+    innermost branch label in an ``op_name``, or None."""
+    found = list(_LABEL.finditer(op_name))
+    if not found:
+        return None
+    m = found[-1]
+    ints = lambda text: tuple(int(x) for x in text.split("+") if x)  # noqa: E731
+    return {"op": m["kind"], "embed": "+embed" in m["more"], "loss": "+loss" in m["more"],
+            "stages": ints(m["stages"]), "virtual": ints(m["virtual"])}
+
+
+def scoped(branch: Callable, label: str) -> Callable:
+    """``branch`` with its ops under the name scope ``label`` (see `branch_label`)."""
+
+    def run(*args):
+        with jax.named_scope(label):
+            return branch(*args)
+
+    return run

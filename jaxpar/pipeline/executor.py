@@ -38,8 +38,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxpar.pipeline.program import (  # noqa: F401  (op codes re-exported for the job search's pricing)
     B, B_LAST, CHANNELS, DX_MB, F, F_LAST, FROM_INPUT, G_SLOT, IDLE, MB, OP, RECV_G, RECV_X, W, W_LAST,
     X_SLOT, CHUNK, Program, forward_only, lower)
-from jaxpar.pipeline.branches import make_branches, stats_dtype
-from jaxpar.pipeline.schedules import Schedule
+from jaxpar.pipeline.branches import branch_label, make_branches, scoped, stats_dtype
+from jaxpar.pipeline.schedules import Schedule, virtual_stage
 from jaxpar.pipeline.stage_layout import from_stage_layout, to_stage_layout
 
 __all__ = ["Program", "lower", "forward_only", "pipeline_value_and_grad", "pipeline_forward", "pipeline_loss",
@@ -191,7 +191,8 @@ def _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, t
     program = lower(schedule)
     out_specs = (P(), P(axis)) + (() if program.forward_only else (P(axis), P(), P()))
     run = jax.shard_map(
-        _make_body(fn, loss_fn, program, axis, m, specs, embed_fn, stats), mesh=mesh, axis_names={axis},
+        _make_body(fn, loss_fn, program, axis, m, specs, embed_fn, stats, schedule.placement), mesh=mesh,
+        axis_names={axis},
         in_specs=(P(axis), P(), P(), P(), P(axis), P(), P(axis)), out_specs=out_specs, check_vma=True)
     return run(stage_params, head_params, inputs, targets, consts, embed_params, jnp.arange(p, dtype=jnp.int32))
 
@@ -356,7 +357,8 @@ def _branch_keys(program: Program, embedding: bool) -> tuple[np.ndarray, list]:
     return code, keys
 
 
-def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=None, embed_fn=None, stats=()):
+def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=None, embed_fn=None, stats=(),
+               placement: str = "loop"):
     code, keys = _branch_keys(program, embed_fn is not None)
     branches = make_branches(keys, stage_fn, loss_fn, embed_fn, program.split_backward, m, program.forward_only,
                              stats)
@@ -364,6 +366,10 @@ def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=Non
     stage_specs, head_specs, act_spec, embed_specs = (tuple(specs) + (None,))[:4] if specs else (None,) * 4
     if specs is not None:
         branches = [_pinned_branch(b, stage_specs, head_specs, act_spec, embed_specs) for b in branches]
+    # each branch's ops carry its name (op, stages, virtual stages) into the compiled program, where
+    # jaxpar.report.stage_collectives finds the collectives a branch holds and names who runs it
+    branches = [scoped(b, branch_label(key, *_runners(code, i, placement, key[0] != "I")))
+                for i, (b, key) in enumerate(zip(branches, keys))]
 
     def body(params, head, inputs, targets, consts, emb, index):
         params, head, emb = _pin(params, stage_specs, 2), _pin(head, head_specs), _pin(emb, embed_specs)
@@ -391,6 +397,18 @@ def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=Non
         return loss, carry["stats"], carry["grads"], lax.psum(carry["hgrads"], axis), last
 
     return body
+
+
+def _runners(code: np.ndarray, branch: int, placement: str, runs_chunk: bool = True
+             ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The stages that run ``branch`` at some tick, and the virtual stages they run it for (none
+    for the idle branch)."""
+    stages, virtual = set(), set()
+    for step, stage in zip(*np.nonzero(code[..., OP] == branch)):
+        stages.add(int(stage))
+        if runs_chunk:
+            virtual.add(virtual_stage(placement, code.shape[1], int(stage), int(code[step, stage, CHUNK])))
+    return tuple(sorted(stages)), tuple(sorted(virtual))
 
 
 def _activation(embed_fn, emb, inputs) -> jax.ShapeDtypeStruct:
