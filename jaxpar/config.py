@@ -429,11 +429,11 @@ class ParallelConfig:
 
     @classmethod
     def from_yaml(cls, path: str) -> "ParallelConfig":
-        """Build from a YAML file whose top level holds the fields."""
-        import yaml
+        """Build from a YAML file whose top level holds the fields (a key given twice is a
+        ``ValueError`` naming it and both lines: `jaxpar.yaml_files`)."""
+        from jaxpar.yaml_files import read_yaml
 
-        with open(path) as f:
-            return cls.from_dict(yaml.safe_load(f) or {})
+        return cls.from_dict(read_yaml(path) or {})
 
     @classmethod
     def from_overrides(cls, args: Sequence[str], base: "ParallelConfig | None" = None) -> "ParallelConfig":

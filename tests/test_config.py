@@ -100,3 +100,17 @@ def test_both_names_of_parameter_strategy_are_refused():
         jaxpar.ParallelConfig.from_dict({"parameter_plan": {"*/up": (1, 4)}, "parameter_strategy": {}})
     with pytest.raises(TypeError, match="both parameter_plan= and parameter_strategy= are given"):
         jaxpar.ParallelConfig(parameter_plan={"*/up": (1, 4)}, parameter_strategy={})
+
+
+def test_from_yaml_refuses_a_key_given_twice_and_keeps_merge_keys(tmp_path):
+    """PyYAML kept the last of two equal keys: 'mesh' given twice configured the second silently."""
+    f = tmp_path / "p.yaml"
+    f.write_text("mesh: {data: 8}\nmode: data\nmesh: {data: 2, model: 4}\n")
+    with pytest.raises(ValueError, match=rf"{f}: key 'mesh' is given twice, at line 1 and at line 3"):
+        jaxpar.ParallelConfig.from_yaml(str(f))
+    f.write_text("mesh: {data: 2, model: 4}\nrules: {mlp: model, heads: model, mlp: data}\n")
+    with pytest.raises(ValueError, match="key 'mlp' is given twice, at line 2 and at line 2"):
+        jaxpar.ParallelConfig.from_yaml(str(f))
+    f.write_text("base: &b {data: 2, model: 4}\n")          # a merge key overrides what it merges, as YAML means
+    from jaxpar.yaml_files import load_yaml
+    assert load_yaml("b: &b {data: 2, model: 4}\nmesh: {<<: *b, model: 2}\n", "x")["mesh"] == {"data": 2, "model": 2}

@@ -277,12 +277,11 @@ def test_example_job_files_load_and_name_a_model(name):
 def test_plan_of_a_job_file_has_the_vocabulary_of_its_token_store(tmp_path):
     """`run_job` grows the model's vocabulary to the token store's; the plan from shapes does too
     (from the store's index), so it plans the parameters the run trains."""
-    from jaxpar.data.store import FORMAT, INDEX, VERSION
     from jaxpar.job.shapes import plan_of_job
 
-    (tmp_path / INDEX).write_text(json.dumps({"format": FORMAT, "version": VERSION,
-                                              "tokenizer": {"kind": "byte", "vocab_size": 257, "eos_id": 256}}))
-    job = JobConfig.from_dict({"model": {"size": "tiny"}, "data": {"path": str(tmp_path), "seq_len": 16},
+    (tmp_path / "a.txt").write_text("a line\n")
+    prepare([str(tmp_path / "a.txt")], str(tmp_path / "store"), progress=False)      # the byte tokenizer: 257 ids
+    job = JobConfig.from_dict({"model": {"size": "tiny"}, "data": {"path": str(tmp_path / "store"), "seq_len": 16},
                                "parallel": {"mesh": {"data": 8}}})
     plan, _ = plan_of_job(job, {"data": 8})
     assert plan.shapes["embedding"][0][0] == 257          # tiny's own vocabulary is 64
@@ -374,3 +373,35 @@ def test_the_plan_of_a_job_file_checks_its_batch_as_its_run_does():
     with pytest.raises(ValueError, match=re.escape("job config data.batch=12 does not split: each step splits it over "
                                                    "the batch axes ('data',) (8 devices)")):
         plan_of_job(job, {"data": 8})
+
+
+JOB_TEXT = ("model: {name: llama, size: tiny}\ndata: {source: arithmetic, seq_len: 16, batch: 8}\n"
+            "parallel: {mesh: {data: 2, model: 4}, rules: {mlp: model}}\ntrain: {steps: 1}\n")
+
+
+@pytest.mark.parametrize("text, words", [
+    (JOB_TEXT.replace("{mlp: model}", "{mpl: model}"), "'mpl' -> 'model' (did you mean 'mlp'?) names a logical "
+                                                       "axis that no parameter, activation constraint or batch"),
+    ("", "job file '{f}' is empty (or holds only comments): it gives no section to run"),
+    ("# a job, to be written\n", "job file '{f}' is empty (or holds only comments)"),
+    (JOB_TEXT + "train: {steps: 500}\n", "{f}: key 'train' is given twice, at line 4 and at line 5"),
+    (JOB_TEXT.replace("batch: 8}", "batch: 8, seq_len: 32}"), "{f}: key 'seq_len' is given twice, at line 2 and at "
+                                                             "line 2"),
+])
+def test_plan_refuses_what_train_refuses_when_the_job_loads(tmp_path, capsys, text, words):
+    """`jaxpar plan --config` printed a plan for a rule typo (train refused it at its first step), for an
+    empty file and for a key given twice (YAML kept the last); an empty file trained the built-in example."""
+    f = tmp_path / "job.yaml"
+    f.write_text(text)
+    for command in ("plan", "train"):
+        assert main([command, "--config", str(f), *(["--quiet"] if command == "train" else [])]) == 2, command
+        err = capsys.readouterr().err
+        assert err.startswith(f"jaxpar {command}: error: ") and words.format(f=f) in err, (command, err)
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_override_that_gives_a_key_twice_is_refused():
+    with pytest.raises(ValueError, match=r"override value '\{data: 2, data: 4\}' gives key 'data' twice"):
+        JobConfig.from_dict({}, overrides=["--parallel.mesh", "{data: 2, data: 4}"])
+    merged = JobConfig.from_dict({}, overrides=["--parallel.mesh", "{data: 2, model: 4}"])
+    assert dict(merged.parallel.mesh) == {"data": 2, "model": 4}

@@ -68,16 +68,20 @@ def _load_config(spec: str):
         raise FileNotFoundError(f"--to {spec!r}: no such file or directory; give {TO_ACCEPTS}")
     import yaml
 
+    from jaxpar.yaml_files import UniqueKeyLoader
+
     try:
         with open(spec) as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--to {spec!r} cannot be read as text ({e}); give {TO_ACCEPTS}") from None
     try:
-        d = json.loads(text) if spec.endswith(".json") else yaml.safe_load(text)
+        # UniqueKeyLoader: a key given twice is refused, not the last one kept
+        d = json.loads(text) if spec.endswith(".json") else yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506
     except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as e:      # RecursionError: nested too deep
+        problem = " ".join(str(getattr(e, "problem", None) or e or type(e).__name__).split())
         raise ValueError(f"--to {spec!r} is not valid {'JSON' if spec.endswith('.json') else 'YAML'} "
-                         f"({e or type(e).__name__}); give "
+                         f"({problem}); give "
                          "a ParallelConfig file such as 'mesh: {data: 2, model: 4}'") from None
     if not isinstance(d, dict):
         raise ValueError(f"--to {spec!r} holds a {type(d).__name__}, not a mapping of ParallelConfig fields such as "

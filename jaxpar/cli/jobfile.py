@@ -3,7 +3,7 @@ job.yaml``): the command line of a job file.
 
 A ``--config`` file with a job section (``model``, ``data``, ``parallel``, ``train``,
 ``checkpoint``, ``logging`` or ``eval``) is a job file; one holding ``ParallelConfig`` fields
-alone keeps configuring the built-in example. Every field of the job is set with a dotted flag;
+alone keeps configuring the built-in example. An empty file is refused as an empty job file. Every field of the job is set with a dotted flag;
 the example's own flags (``--steps``, ``--mesh``...) are refused with the dotted flag to use
 instead, so that no flag is silently ignored.
 """
@@ -50,6 +50,8 @@ def job_file(argv: Sequence[str]) -> str | None:
             data = yaml.safe_load(f)
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return None          # the example's --config check reports it (a binary file included)
+    if data is None:         # empty, or comments only: refused by name as a job file (JobConfig.load)
+        return path
     return path if isinstance(data, dict) and any(k in data for k in JOB_ONLY) else None
 
 

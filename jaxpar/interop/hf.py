@@ -292,15 +292,17 @@ def _job_llama_config(job_file: str, params: Mapping[str, Any]) -> LlamaConfig |
     table's); None when the job built its model with a factory (jaxpar cannot tell what it is)."""
     import yaml
 
+    from jaxpar.yaml_files import UniqueKeyLoader
+
     def unreadable(why) -> ValueError:
         return ValueError(f"export_hf: {job_file}, the job saved with the checkpoint, cannot be read ({why}); fix "
                           "or remove it (it gives the model's config), and pass --hf-config FILE (cfg= in Python)")
 
     try:
         with open(job_file) as f:
-            saved = yaml.safe_load(f) or {}
+            saved = yaml.load(f, Loader=UniqueKeyLoader) or {}  # noqa: S506 (a SafeLoader subclass)
     except (OSError, yaml.YAMLError) as e:
-        raise unreadable(e) from None
+        raise unreadable(" ".join(str(getattr(e, "problem", None) or e).split())) from None
     model = saved.get("model") if isinstance(saved, Mapping) else None
     data = saved.get("data") if isinstance(saved, Mapping) else None
     if not isinstance(model, Mapping) or not isinstance(data, Mapping):

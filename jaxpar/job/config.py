@@ -37,13 +37,16 @@ SCHEDULES = ("cosine", "linear", "constant")
 
 
 def _loader():
-    """PyYAML's safe loader, without YAML 1.1's base-60 integers (``10:13`` stays the text a
-    profile window is written in, not 613) and with ``3e-4`` read as a float."""
+    """PyYAML's safe loader refusing a key given twice (`jaxpar.yaml_files.UniqueKeyLoader`),
+    without YAML 1.1's base-60 integers (``10:13`` stays the text a profile window is written in,
+    not 613) and with ``3e-4`` read as a float."""
     import re
 
     import yaml
 
-    class Loader(yaml.SafeLoader):
+    from jaxpar.yaml_files import UniqueKeyLoader
+
+    class Loader(UniqueKeyLoader):
         pass
 
     Loader.yaml_implicit_resolvers = {
@@ -58,11 +61,6 @@ def _loader():
     return Loader
 
 
-def load_yaml(text: str):
-    """``text`` parsed as a job file's YAML (see `_loader`)."""
-    import yaml
-
-    return yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader subclass)
 PACKING = ("packed", "padded")
 SOURCES = ("store", "arithmetic")
 
@@ -354,9 +352,16 @@ class JobConfig:
 
     @classmethod
     def load(cls, path: str, overrides: Sequence[str] = ()) -> "JobConfig":
-        """Read a YAML job file (see `from_dict`)."""
-        with open(path) as f:
-            return cls.from_dict(load_yaml(f.read()), overrides)
+        """Read a YAML job file (see `from_dict`); an empty one (or one of comments only) is a
+        ``ValueError``: it would train every default rather than what the file was meant to say."""
+        from jaxpar.yaml_files import read_yaml
+
+        d = read_yaml(path, _loader())
+        if d is None:
+            raise ValueError(f"job file {path!r} is empty (or holds only comments): it gives no section to run; "
+                             f"write the job's sections in it (model:, data:, parallel:, train:, ...: see "
+                             "docs/jobs.md), or leave --config out to run the built-in example")
+        return cls.from_dict(d, overrides)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that `from_dict` reads back (what is printed and saved with checkpoints)."""
@@ -424,8 +429,12 @@ def _typed(where: str, value: Any, hint: Any) -> Any:
 def _yaml_scalar(raw: str) -> Any:
     import yaml
 
+    from jaxpar.yaml_files import DuplicateKeyError
+
     try:
-        return load_yaml(raw)
+        return yaml.load(raw, Loader=_loader())  # noqa: S506 (a SafeLoader subclass)
+    except DuplicateKeyError as e:
+        raise ValueError(f"override value {raw!r} gives key {e.key!r} twice; keep one of them") from None
     except yaml.YAMLError:
         return raw
 

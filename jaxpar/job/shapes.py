@@ -23,6 +23,8 @@ def plan_sizes(job: JobConfig, device_count: int) -> dict[str, int]:
 def plan_of_job(job: JobConfig, sizes: dict[str, int]):
     """``(TrainPlan, Llama memory report text or None)`` of a named-model job on a mesh of ``sizes``;
     the plan refuses what the Trainer would, as it is made from the model and loss `run_job` builds."""
+    import jax
+    import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import AbstractMesh
 
@@ -31,6 +33,7 @@ def plan_of_job(job: JobConfig, sizes: dict[str, int]):
     from jaxpar.job.run import model_config
     from jaxpar.nn import abstract_model, model_constraint
     from jaxpar.plan import make_train_plan
+    from jaxpar.plan.checks import check_rules_consulted
 
     if job.model.factory is not None:
         raise ValueError("jaxpar plan --config: a model.factory job is planned when it runs (jaxpar train); "
@@ -62,6 +65,8 @@ def plan_of_job(job: JobConfig, sizes: dict[str, int]):
     model = abstract_model(lambda: make(cfg, rngs=nnx.Rngs(0), constrain=constrain))
     loss = parallel.training_loss(job.parallel)
     plan = make_train_plan(job.parallel, sizes, model, tx, loss_fn=loss, offload=job.train.offload)
+    tokens = jax.ShapeDtypeStruct((job.data.batch, job.data.seq_len), jnp.int32)
+    check_rules_consulted(job.parallel, model, module.loss_fn, {"inputs": tokens, "targets": tokens})   # as train
     memory = None
     if job.model.name == "llama":
         from jaxpar.models.llama_report import format_model_report, llama_report

@@ -255,3 +255,22 @@ def _check_experts(model, config, loss_fn, who: str, loss_known: bool) -> None:
                      f"not supported ({why}); use mode='semi_auto' with an 'expert' rule, e.g. "
                      "rules={'batch': 'data', 'expert': 'data'} (jaxpar.auto.search_job prices expert parallel "
                      "and returns such a config)")
+
+
+def check_rules_consulted(config: ParallelConfig, model: nnx.Module, loss_fn: Any, batch: Any) -> None:
+    """Refuse rules that nothing consults, as the Trainer does when it traces its step: the
+    names of the model's parameters first, then, only when some rule names none of them, the
+    names its activation constraints look up in an abstract trace of ``loss_fn(model, batch)``
+    (``batch``: ``ShapeDtypeStruct`` leaves). What ``jaxpar plan --config`` runs, so that it
+    refuses a rule typo exactly where ``jaxpar train`` would."""
+    from jaxpar.nn.specs import check_rules_used, declared_names
+    from jaxpar.strategy.resolve import recording_rules
+
+    if config.allow_unused_rules or not config.rules:
+        return
+    used = declared_names(config, nnx.state(model))
+    if set(config.rules) <= used:
+        return
+    with recording_rules() as seen:
+        nnx.eval_shape(lambda m, b: loss_fn(m, b), model, batch)
+    check_rules_used(config, used | seen, type(model).__name__)
