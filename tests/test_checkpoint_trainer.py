@@ -17,10 +17,10 @@ from helpers import TINY, batches
 from jaxpar.models.gpt import GPT, loss_fn
 
 
-def _trainer(config, mesh, directory):
+def _trainer(config, mesh, directory, keep=2):
     model = jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh)
     return jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh, checkpoint_dir=directory,
-                          save_every=2, keep=2)
+                          save_every=2, keep=keep)
 
 
 def test_periodic_save_and_resume(tmp_path):
@@ -97,6 +97,39 @@ def test_a_restore_to_an_earlier_step_starts_a_new_history(tmp_path):
         for a, b in zip(_leaves(resumed), new):
             np.testing.assert_array_equal(a, b)
     other.close()
+
+
+def test_an_explicit_save_after_a_restore_saves_the_state_as_the_newest_step(tmp_path):
+    """restore(step=2) then save(): steps 4 and 6 go aside and step 2, which holds exactly this
+    state, is kept as the newest step (no refusal); a state changed since is saved in its place
+    (the old one moved aside), and a save right after resuming is a no-op."""
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
+    mesh = jaxpar.make_mesh(config)
+    trainer, data = _trainer(config, mesh, str(tmp_path), keep=3), batches(6)
+    for b in data:
+        trainer.step(b)
+    trainer.checkpointer.wait()
+    trainer.restore(step=2)
+    restored = _leaves(trainer)
+    with pytest.warns(UserWarning, match=r"went back to step 2; the steps \[4, 6\]"):
+        assert trainer.save() == 2
+    trainer.checkpointer.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "abandoned-4", "abandoned-6"]
+    assert trainer.save() == 2                               # saved already, exactly: nothing to do
+    # the same step number, other values: saved in its place, the old step 2 kept aside
+    trainer.state = trainer.state.replace(params=jax.tree.map(lambda x: x + 1, trainer.state.params))
+    changed = _leaves(trainer)
+    with pytest.warns(UserWarning, match=r"step 2 .*holds another state"):
+        assert trainer.save() == 2
+    trainer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "abandoned-4", "abandoned-6", "replaced-2"]
+    with _trainer(config, mesh, str(tmp_path)) as resumed:
+        assert resumed.step_count == 2
+        for a, b in zip(_leaves(resumed), changed):
+            np.testing.assert_array_equal(a, b)
+        assert resumed.save() == 2                           # right after resuming: no-op, no refusal
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "abandoned-4", "abandoned-6", "replaced-2"]
+    assert not any(np.array_equal(a, b) for a, b in zip(restored, changed))
 
 
 def test_closing_the_trainers_gives_sigterm_back(tmp_path, default_sigterm):

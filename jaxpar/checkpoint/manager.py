@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import re
 import sys
@@ -372,7 +373,7 @@ def restore(trainer, directory, *, step: int | None = None) -> dict[str, Any]:
 
 def _check_plan_state(method: str, plan, state) -> None:
     """Refuse what is not a (`TrainPlan`, `TrainState`) pair, such as a Trainer (``plan=None``: no plan to check)."""
-    fix = ("pass (trainer.plan, trainer.state, trainer.mesh)" if method in ("save", "maybe_save")
+    fix = ("pass (trainer.plan, trainer.state, trainer.mesh)" if method in ("save", "maybe_save", "save_as_newest")
            else "pass (trainer.state, trainer.mesh) and assign the state it returns")
     if plan is not None and not isinstance(plan, TrainPlan):
         raise TypeError(f"Checkpointer.{method}: plan must be a jaxpar.TrainPlan, got {type(plan).__name__}; "
@@ -495,6 +496,54 @@ class Checkpointer:
         with writing(self.manager, self.directory, step, self._echoes):
             self.manager.save(step, args=args, force=True)
         return step
+
+    def save_as_newest(self, plan: TrainPlan, state: TrainState, mesh, *, rows: dict | None = None) -> int:
+        """Leave ``state`` saved as the newest step, ``state.step`` (an explicit save: after a
+        restore to an earlier step, or of a state assigned by hand). Steps after it hold another
+        history and are moved aside (`retire_after`). A step ``state.step`` that holds exactly
+        this state (`holds`: its checksums, data position and row tables) is kept: nothing to
+        write. One that holds another state is moved aside to ``DIR/replaced-<step>`` (an atomic
+        rename: a crash leaves it there, never half deleted) before this one is saved. Returns
+        the step."""
+        _check_plan_state("save_as_newest", plan, state)
+        step = int(state.step)
+        self.retire_after(step)
+        if step in complete_steps(self.manager):
+            if self.holds(state, rows=rows):
+                return step
+            path, = self._move_aside([step], "replaced", lambda s, path, e: OSError(
+                e.errno, f"checkpoint {self.directory}: step {s} holds another state than the one to save as step "
+                f"{s}, and could not be moved aside to {path} ({e}); delete or move "
+                f"{os.path.join(self.directory, str(s))} and save again"))
+            warnings.warn(f"checkpoint {self.directory}: step {step} on disk holds another state than the one saved "
+                          f"now as step {step}; it was moved aside to {path} (no longer a step; delete it once not "
+                          "wanted)", stacklevel=3)
+        return self.save(plan, state, mesh, rows=rows)
+
+    def holds(self, state: TrainState, *, rows: dict | None = None) -> bool:
+        """Whether the directory's step ``state.step`` holds exactly ``state``: the same values
+        (its saved checksums against those of ``state``), the same data position and the same
+        row tables (``rows``: a row source's tables; their CRC-32s). A step that cannot be read,
+        or one saved without checksums, is not known to hold it."""
+        _check_plan_state("holds", None, state)
+        step = int(state.step)
+        self.wait()
+        if step not in complete_steps(self.manager):
+            return False
+        try:
+            with reading(self.directory, step):
+                meta = dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+        except CheckpointDamagedError:
+            return False
+        saved, flat = meta.get(checksum.KEY), st.savable(st.flat_state(state))
+        if not isinstance(saved, dict) or set(saved) != set(flat):
+            return False
+        if json.loads(json.dumps(state.data)) != meta.get("data_state"):
+            return False
+        if (rows is None) != (checksum.ROWS_KEY not in meta) or (
+                rows is not None and meta[checksum.ROWS_KEY] != checksum.host_checksums(rows)):
+            return False
+        return checksum.checksums(flat) == {path: list(pair) for path, pair in saved.items()}
 
     def maybe_save(self, plan: TrainPlan, state: TrainState, mesh) -> int | None:
         """Save if ``state.step`` is a multiple of ``save_every`` and not saved yet; returns

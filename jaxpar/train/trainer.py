@@ -734,7 +734,10 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self, directory: str | None = None, *, data_state: dict | None = None) -> int:
         """Save the whole state to ``directory`` (blocking), or without one asynchronously to
-        ``checkpoint_dir``. Returns the step saved."""
+        ``checkpoint_dir``, as its newest step: steps after this one (another history, e.g.
+        after a `restore` to an earlier step) are moved aside, a step of this number that holds
+        exactly this state is kept as it is (nothing to write), and one that holds another state
+        is moved aside to ``replaced-<step>`` (`Checkpointer.save_as_newest`). Returns the step."""
         self.check_finite()
         if data_state is not None:
             self.data_state = data_state
@@ -742,17 +745,20 @@ class Trainer:
             raise ValueError("Trainer.save: give a directory or construct the Trainer with checkpoint_dir=")
         if directory is None:
             self._diverge()
-        return self._save_now(directory)
+        return self._save_now(directory, newest=directory is None)
 
-    def _save_now(self, directory: str | None = None) -> int:
-        """Save this step (blocking to ``directory``, else asynchronously with the checkpointer)
-        with the row source's tables: those it saves itself first, so a complete checkpoint
-        always has them, and those it hands over (a copy taken now) in the step's own commit."""
+    def _save_now(self, directory: str | None = None, *, newest: bool = False) -> int:
+        """Save this step (blocking to ``directory``, else asynchronously with the checkpointer;
+        ``newest``: as the checkpointer's newest step, `Checkpointer.save_as_newest`) with the
+        row source's tables: those it saves itself first, so a complete checkpoint always has
+        them, and those it hands over (a copy taken now) in the step's own commit."""
         start = time.perf_counter()     # every caller read the finite flags: the device has caught up
         try:
             tables = None if self._rows is None else self._rows.save(self._steps)
             if directory is not None:
                 return save_state(directory, self.plan, self._state, self.mesh, rows=tables)
+            if newest:
+                return self.checkpointer.save_as_newest(self.plan, self._state, self.mesh, rows=tables)
             return self.checkpointer.save(self.plan, self._state, self.mesh, rows=tables)
         finally:
             self._save_s += time.perf_counter() - start
