@@ -308,3 +308,49 @@ def test_an_unreadable_chunk_names_the_leaf_in_one_clean_line(tmp_path):
     assert not any(junk in message for junk in ("<bound method", "TensorStore(", "slice(", "tensorstore_spec")), message
     assert "newest_intact" in message and f"jaxpar ckpt inspect {tmp_path}" in message, message
     assert ckpt.restore(common.mlp_trainer(), tmp_path, step=1)["step"] == 1     # the step before reads back
+
+
+def _edit_meta(step_dir, change) -> None:
+    """Rewrite a step's ``meta`` item (a JSON file) through ``change(meta)``, as a damaged byte
+    in a key would: the file stays valid JSON."""
+    path = step_dir / "meta" / "metadata"
+    meta = json.loads(path.read_text())
+    change(meta)
+    path.write_text(json.dumps(meta))
+
+
+def _rename(record: dict, old: str, new: str) -> None:
+    record[new] = record.pop(old)
+
+
+def test_a_damaged_checksum_record_is_damage_not_a_skipped_check(tmp_path):
+    """A checksum record that does not cover every leaf (a key renamed), names unknown leaves or
+    tables, holds no pair of numbers, or a meta entry under an unknown name (the record's own
+    name renamed), is a damaged step naming what is wrong: never a check silently left out.
+    The row tables' record is checked the same way."""
+    trainer = common.mlp_trainer()
+    common.run(trainer, 1)
+    table = {"table": np.arange(12, dtype=np.float32).reshape(3, 4)}
+    with ckpt.Checkpointer(tmp_path / "intact") as writer:
+        writer.save(trainer.plan, trainer.state, trainer.mesh, rows=table)
+    cases = {
+        "leaf_renamed": (lambda m: _rename(m["checksums"], "params/up", "params/uq"),
+                         r"checksum record .*no checksums for \['params/up'\].*unknown leaves \['params/uq'\]"),
+        "leaf_dropped": (lambda m: m["checksums"].pop("opt_state/0/mu/down"),
+                         r"checksum record .*no checksums for \['opt_state/0/mu/down'\]"),
+        "not_a_pair": (lambda m: m["checksums"].__setitem__("params/down", [1]),
+                       r"checksum record .*not two 32-bit numbers: \['params/down'\]"),
+        "record_renamed": (lambda m: _rename(m, "checksums", "checksumz"),
+                           r"meta .*unknown entries \['checksumz'\]"),
+        "table_renamed": (lambda m: _rename(m["row_checksums"], "['table']", "['tablf']"),
+                          r"row checksum record .*no checksums for \[\"\['table'\]\"\].*unknown"),
+    }
+    for name, (change, match) in cases.items():
+        directory = tmp_path / name
+        subprocess.run(["cp", "-r", str(tmp_path / "intact"), str(directory)], check=True)
+        _edit_meta(directory / "1", change)
+        with pytest.raises(ckpt.CheckpointDamagedError, match=r"step 1 in .* is damaged \(.*" + match):
+            ckpt.restore(common.mlp_trainer(), directory)
+            ckpt.restore_rows(directory, 1)
+    assert ckpt.restore(common.mlp_trainer(), tmp_path / "intact")["step"] == 1
+    np.testing.assert_array_equal(ckpt.restore_rows(tmp_path / "intact", 1)["table"], table["table"])

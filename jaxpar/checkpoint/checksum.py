@@ -117,9 +117,34 @@ def checksums_to_save(flat: dict[str, Any]) -> dict[str, list[int]]:
     return out
 
 
+def _word(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32
+
+
+def record_damage(saved: Any, paths, *, rows: bool = False) -> str | None:
+    """What is wrong with a checksum record read back (``saved``: the ``meta`` entry ``KEY``, or
+    ``ROWS_KEY`` with ``rows``) for the leaves ``paths`` read with it, or None when it covers
+    exactly those leaves, each with its numbers. A record that misses a leaf (a damaged byte in
+    its key) would leave that leaf unchecked, so it is damage, as are unknown keys and values
+    that are no checksums."""
+    what = "row checksum record" if rows else "checksum record"
+    if not isinstance(saved, dict):
+        return f"its {what} is a {type(saved).__name__}, not a mapping of leaf to checksums"
+    paths = set(paths)
+    missing, unknown = sorted(paths - set(saved)), sorted(set(saved) - paths)
+    malformed = sorted(p for p, v in saved.items() if p in paths and not (
+        _word(v) if rows else isinstance(v, list) and len(v) == 2 and all(_word(w) for w in v)))
+    problems = ([f"no checksums for {missing}"] if missing else []) + (
+        [f"checksums of unknown {'tables' if rows else 'leaves'} {unknown}"] if unknown else []) + (
+        [f"values that are not {'a 32-bit number' if rows else 'two 32-bit numbers'}: {malformed}"]
+        if malformed else [])
+    return f"its {what} is damaged: " + "; ".join(problems) if problems else None
+
+
 def differing(flat: dict[str, Any], saved: dict[str, list[int]]) -> list[str]:
-    """The paths of ``flat`` whose checksums differ from ``saved`` (paths ``saved`` lacks are skipped)."""
-    now = checksums({path: x for path, x in flat.items() if path in saved})
+    """The paths of ``flat`` whose checksums differ from ``saved`` (a record `record_damage`
+    found whole: one pair per path of ``flat``)."""
+    now = checksums(flat)
     return sorted(path for path, pair in now.items() if pair != list(saved[path]))
 
 
@@ -133,6 +158,12 @@ def host_checksums(tables: Any) -> dict[str, int]:
             for path, x in jax.tree_util.tree_flatten_with_path(tables)[0]}
 
 
+def host_paths(tables: Any) -> list[str]:
+    """The paths `host_checksums` names the tables by."""
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(tables)[0]]
+
+
 def host_differing(tables: Any, saved: dict[str, int]) -> list[str]:
-    """The paths of ``tables`` whose CRC-32 differs from ``saved`` (paths ``saved`` lacks are skipped)."""
-    return sorted(path for path, crc in host_checksums(tables).items() if path in saved and crc != saved[path])
+    """The paths of ``tables`` whose CRC-32 differs from ``saved`` (a record `record_damage`
+    found whole: one number per table)."""
+    return sorted(path for path, crc in host_checksums(tables).items() if crc != saved[path])

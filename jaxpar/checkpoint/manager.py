@@ -253,12 +253,33 @@ def _committed(manager: ocp.CheckpointManager) -> list[int]:
         return []
 
 
+META = ("step", "data_state", "jaxpar_version", checksum.KEY, checksum.ROWS_KEY)   # what a step's meta holds
+
+
+def check_meta(directory, step: int, meta: dict[str, Any], advice: str | None = None) -> None:
+    """A step's ``meta`` holds the entries jaxpar writes and no other: an unknown one is a name
+    damaged (a checksum record under another name would leave its check out), so
+    `CheckpointDamagedError` names it."""
+    unknown = sorted(k for k in meta if k not in META)
+    if unknown:
+        raise CheckpointDamagedError(str(directory), step, ValueError(
+            f"its meta item has unknown entries {unknown} (it holds {list(META)}): a damaged name; a checksum "
+            "record under another name would go unchecked"), advice)
+
+
 def check_values(directory, step: int, flat: dict[str, Any], meta: dict[str, Any], advice: str | None = None) -> None:
     """Raise `CheckpointDamagedError` (with ``advice``) naming the leaves of ``flat`` (as read from
     step ``step``) whose checksums differ from those saved in ``meta`` (a step saved without them:
-    nothing to check)."""
-    saved = meta.get(checksum.KEY)
-    bad = checksum.differing(flat, saved) if saved else []
+    nothing to check), or what is wrong with the record itself (`checksum.record_damage`: it must
+    cover exactly the leaves read; `check_meta`)."""
+    check_meta(directory, step, meta, advice)
+    if checksum.KEY not in meta:
+        return
+    saved = meta[checksum.KEY]
+    damage = checksum.record_damage(saved, flat)
+    if damage:
+        raise CheckpointDamagedError(str(directory), step, ValueError(damage), advice)
+    bad = checksum.differing(flat, saved)
     if bad:
         listing = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         raise CheckpointDamagedError(str(directory), step, ValueError(
@@ -311,7 +332,14 @@ def read_rows(manager: ocp.CheckpointManager, step: int, directory: str = "") ->
             return None
         read = manager.restore(step, args=ocp.args.Composite(rows=ocp.args.StandardRestore(),
                                                              meta=ocp.args.JsonRestore()))
-    rows, saved = read["rows"], dict(read["meta"]).get(checksum.ROWS_KEY) or {}
+    rows, meta = read["rows"], dict(read["meta"])
+    check_meta(directory, step, meta)
+    if checksum.ROWS_KEY not in meta:      # saved before the tables had checksums: nothing to check
+        return rows
+    saved = meta[checksum.ROWS_KEY]
+    damage = checksum.record_damage(saved, checksum.host_paths(rows), rows=True)
+    if damage:
+        raise CheckpointDamagedError(str(directory), step, ValueError(damage))
     bad = checksum.host_differing(rows, saved)
     if bad:
         raise CheckpointDamagedError(str(directory), step, ValueError(
