@@ -227,3 +227,43 @@ def test_a_trainer_advises_each_batch_by_what_it_is_for():
     with pytest.raises(ValueError, match=r"multiple of 32 = 8 x 4"):
         trainer.step(twelve)
     assert trainer.evaluate([batches(1, 16)[0]]) > 0
+
+
+def test_make_train_plan_refuses_bad_mesh_sizes_offload_and_arguments_by_name():
+    """A mesh dict bypassed ParallelConfig's own checks: sizes -4 and 2.5 planned (2.5 read as 2), an axis
+    the config lacks planned; offload=('parms',) planned with nothing offloaded and offload='params' as
+    the letters of 'params'; tx=None / model=None gave AttributeError / TypeError from deep inside."""
+    import optax
+    from flax import nnx
+
+    from jaxpar.plan import make_train_plan
+
+    config = jaxpar.ParallelConfig(mesh={"data": 8})
+    model, tx = nnx.eval_shape(lambda: nnx.Linear(4, 4, rngs=nnx.Rngs(0))), optax.sgd(0.1)
+    for mesh, size in (({"data": -4}, "-4"), ({"data": 2.5}, "2.5"), ({"data": 0}, "0"), ({"data": True}, "True")):
+        with pytest.raises(ValueError, match=rf"make_train_plan: mesh=\{{'data': {size}\}}: axis 'data' has size "
+                                             rf"{size}; give every axis a positive int size"):
+            make_train_plan(config, mesh, model, tx)
+    for mesh in ({"dta": 8}, {"data": 4}):
+        with pytest.raises(ValueError, match=r"config.mesh \{'data': 8\} does not match the mesh"):
+            make_train_plan(config, mesh, model, tx)
+    with pytest.raises(ValueError, match=r"unknown targets \['parms'\]; choose from \('opt_state', 'params'\) "
+                                         r"\('parms': did you mean 'params'\?\)"):
+        make_train_plan(config, {"data": 8}, model, tx, offload=("parms",))
+    with pytest.raises(ValueError, match=r"names \['params'\] more than once"):
+        make_train_plan(config, {"data": 8}, model, tx, offload=("params", "params"))
+    assert make_train_plan(config, {"data": 8}, model, tx, offload="params").offload == ("params",)
+    with pytest.raises(TypeError, match=r"make_train_plan: tx must be an optax.GradientTransformation .*got NoneType"):
+        make_train_plan(config, {"data": 8}, model, None)
+    with pytest.raises(TypeError, match=r"make_train_plan: model_or_state must be a flax.nnx.Module .*got NoneType"):
+        make_train_plan(config, {"data": 8}, None, tx)
+    with pytest.raises(TypeError, match=r"make_train_plan: config must be a jaxpar.ParallelConfig, got dict"):
+        make_train_plan({"mesh": {"data": 8}}, {"data": 8}, model, tx)
+    mesh = jaxpar.make_mesh(config)
+    for args, what in (((model, None), "tx must be an optax.GradientTransformation"),
+                       ((None, tx), "model must be a flax.nnx.Module")):
+        with pytest.raises(TypeError, match=f"Trainer: {what}.*got NoneType"):
+            jaxpar.Trainer(*args, lambda m, b: m(b).sum(), config, mesh)
+    for mesh_value in ({"data": -4}, {"data": 2.5}):                 # ParallelConfig's own check names the field
+        with pytest.raises(ValueError, match=r"ParallelConfig.mesh=.* axis 'data' has size .*; use a positive int or -1"):
+            jaxpar.ParallelConfig(mesh=mesh_value)

@@ -11,6 +11,7 @@ runner call: a plan is never made for a combination the Trainer would refuse.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -274,3 +275,63 @@ def check_rules_consulted(config: ParallelConfig, model: nnx.Module, loss_fn: An
     with recording_rules() as seen:
         nnx.eval_shape(lambda m, b: loss_fn(m, b), model, batch)
     check_rules_used(config, used | seen, type(model).__name__)
+
+
+def check_plan_args(config: Any, mesh: Any, model_or_state: Any, tx: Any, offload: Any,
+                    who: str = "make_train_plan") -> tuple[str, ...]:
+    """The arguments of `make_train_plan`, refused by name with what would be valid; returns
+    ``offload`` as a tuple of targets (one name given alone is that one target).
+
+    A mesh given as ``{axis: size}`` is read for its sizes only, so it is checked here as
+    ``ParallelConfig`` checks its own: each size a positive int (a plan needs the sizes a ``-1``
+    resolves to), the config's axes present with the config's sizes.
+
+    >>> check_plan_args(ParallelConfig(mesh={"data": 8}), {"data": 2.5}, None, None, ())
+    Traceback (most recent call last):
+    ...
+    ValueError: make_train_plan: mesh={'data': 2.5}: axis 'data' has size 2.5; ...
+    """
+    import optax
+
+    from jaxpar.optim.offload import TARGETS, check_targets
+    from jaxpar.strategy.resolve import mesh_sizes
+
+    if not isinstance(config, ParallelConfig):
+        raise TypeError(f"{who}: config must be a jaxpar.ParallelConfig, got {type(config).__name__}")
+    if isinstance(mesh, Mapping):
+        for axis, size in mesh.items():
+            if not isinstance(size, (int, np.integer)) or isinstance(size, (bool, np.bool_)) or size < 1:
+                raise ValueError(f"{who}: mesh={dict(mesh)!r}: axis {axis!r} has size {size!r}; give every axis a "
+                                 "positive int size (a plan needs concrete sizes: a -1 in config.mesh resolves with "
+                                 "jaxpar.mesh.resolve_axes(config.mesh, device_count)), or pass the Mesh itself")
+    sizes = mesh_sizes(mesh)
+    for axis, size in config.mesh.items():
+        if axis not in sizes or (size != -1 and sizes[axis] != size):
+            raise ValueError(f"{who}: config.mesh {dict(config.mesh)} does not match the mesh {sizes}; plan on "
+                             "jaxpar.make_mesh(config) (or its sizes)")
+    if not isinstance(model_or_state, nnx.Module) and not (
+            isinstance(model_or_state, (tuple, list)) and len(model_or_state) == 2):
+        raise TypeError(f"{who}: model_or_state must be a flax.nnx.Module (nnx.eval_shape(make_model) works) or "
+                        f"its (params, rest) states, got {type(model_or_state).__name__}")
+    if not isinstance(tx, optax.GradientTransformation):
+        raise TypeError(f"{who}: tx must be an optax.GradientTransformation (optax.adamw(1e-3), optax.chain(...)), "
+                        f"got {type(tx).__name__}")
+    if offload is not None and not isinstance(offload, (str, tuple, list)):
+        raise TypeError(f"{who}: offload={offload!r} must be names among {list(TARGETS)}, e.g. ('opt_state',)")
+    try:
+        targets = check_targets(offload)
+    except ValueError as e:
+        close = [_close(t, TARGETS) for t in ((offload,) if isinstance(offload, str) else offload or ())]
+        hint = "".join(f" ({t!r}: did you mean {c!r}?)" for t, c in close if c and t not in TARGETS)
+        raise ValueError(f"{who}: {e}{hint}") from None
+    if repeated := sorted({t for t in targets if targets.count(t) > 1}):
+        raise ValueError(f"{who}: offload={tuple(offload)!r} names {repeated} more than once; name each of "
+                         f"{list(TARGETS)} at most once")
+    return targets
+
+
+def _close(name: Any, choices: tuple[str, ...]) -> tuple[Any, str | None]:
+    import difflib
+
+    close = difflib.get_close_matches(str(name), choices, n=1)
+    return name, close[0] if close else None

@@ -39,7 +39,7 @@ from jaxpar.pipeline.schedules import build as _build_schedule
 from jaxpar.data import batch_axes, batch_specs
 from jaxpar.nn.specs import check_strategy_covers, is_variable, itemsize, path_str, state_specs
 from jaxpar.optim.zero import ZeroSpecs, opt_state_specs, zero_specs
-from jaxpar.plan.checks import check_combination
+from jaxpar.plan.checks import check_combination, check_plan_args
 from jaxpar.precision import cast_floats
 from jaxpar.strategy import mesh_sizes, spec_axes, to_partition_spec
 
@@ -416,6 +416,7 @@ def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.Grad
 
     >>> plan = make_train_plan(config, {"data": 8}, nnx.eval_shape(make_model), optax.adamw(1e-3))  # doctest: +SKIP
     """
+    offload = check_plan_args(config, mesh, model_or_state, tx, offload)
     if config.mode == "auto":
         raise ValueError("make_train_plan: mode='auto' has no strategies to plan yet; search first with "
                          "jaxpar.auto.plan_training(model, loss_fn, batch, config, mesh, tx)")
