@@ -29,7 +29,7 @@ from jaxpar.mesh import make_mesh
 from jaxpar.nn.specs import check_rules_used, declared_names, variable_spec
 
 
-def _advice(manager: ocp.CheckpointManager, directory, step: int) -> str:
+def damaged_step_advice(manager: ocp.CheckpointManager, directory, step: int) -> str:
     """For the offline tools, a damaged step's way out: the other complete steps to read instead."""
     where = os.path.join(os.path.abspath(os.fspath(directory)), str(step))
     others = sorted(s for s in manager.all_steps() if s != step)
@@ -40,7 +40,7 @@ def _advice(manager: ocp.CheckpointManager, directory, step: int) -> str:
 def reading_step(manager: ocp.CheckpointManager, directory, step: int):
     """``manager.reading`` for the offline tools: a damaged step is named with the other complete
     steps to read instead (``step=`` / ``--step``)."""
-    return reading(directory, step, _advice(manager, directory, step))
+    return reading(directory, step, damaged_step_advice(manager, directory, step))
 
 
 def read_strategy(manager: ocp.CheckpointManager, step: int) -> dict[str, Any]:
@@ -196,7 +196,7 @@ def transform(directory, out, config: ParallelConfig, *, step: int | None = None
                 state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
             meta = dict(restored["meta"])
         # the checksums are kept in the new step's meta: they hold in any layout
-        check_values(directory, step, st.unnest(restored["state"]), meta, _advice(manager, directory, step))
+        check_values(directory, step, st.unnest(restored["state"]), meta, damaged_step_advice(manager, directory, step))
         rows = read_rows(manager, step, directory)      # a row source's tables travel as they are
     leaves = {p: {**e, "spec": spec_to_json(specs[p])} for p, e in strategy["leaves"].items()}
     new_strategy = strategy_file(leaves, mesh, config)

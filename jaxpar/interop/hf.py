@@ -254,7 +254,7 @@ def _checkpoint_params(directory: str, step: int | None) -> tuple[dict[str, jax.
 
     from jaxpar.checkpoint import state as st
     from jaxpar.checkpoint.manager import check_values, complete_step, open_manager, saved_leaves
-    from jaxpar.checkpoint.offline import _advice, read_strategy, reading_step
+    from jaxpar.checkpoint.offline import damaged_step_advice, read_strategy, reading_step
 
     one = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("one",)), PartitionSpec())
     with open_manager(directory, read_only=True) as manager:
@@ -267,7 +267,7 @@ def _checkpoint_params(directory: str, step: int | None) -> tuple[dict[str, jax.
                 state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
         flat = st.unnest(restored["state"])
         # values that decode without an error but differ from what was saved are refused, as restore does
-        check_values(directory, step, flat, dict(restored["meta"]), _advice(manager, directory, step))
+        check_values(directory, step, flat, dict(restored["meta"]), damaged_step_advice(manager, directory, step))
     return {p.split("/", 1)[1]: x for p, x in flat.items() if p.startswith("params/")}, strategy
 
 
