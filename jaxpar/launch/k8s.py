@@ -31,7 +31,12 @@ from jaxpar.launch import k8s_servers, sources
 _INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 _SERVER_FIELDS = {"server_port": "--server-port", "server_storage": "--server-storage",
                   "ps_token_secret": "--ps-token-secret"}
-_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")   # RFC 1123 label: a namespace, a Secret
+# Service names (and a JobSet's subdomain) are RFC 1035 labels: they start with a letter.
+_SERVICE_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# A Kubernetes quantity, as the API server parses it: "20Gi", "500M", "1.5e9", "100".
+_QUANTITY = re.compile(r"^\+?(?P<number>[0-9]+(\.[0-9]*)?|\.[0-9]+)"
+                       r"([KMGTPE]i|[numkMGTPE]|[eE][-+]?[0-9]+)?$")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -81,11 +86,18 @@ class K8sJob:
             raise ValueError("image='' is empty; name the container image (--image IMG).")
         if not self.command:
             raise ValueError("command=() is empty; put the command after '--', e.g. -- python train.py.")
-        if not _NAME.match(self.name) or len(self.name) > 40:
+        # 40: the longest pod name, <name>-workers-0-<index> plus JobSet's 6-character check
+        # suffix, stays within the 63 characters of a DNS label.
+        if not _SERVICE_NAME.match(self.name) or len(self.name) > 40:
             raise ValueError(
                 f"name={self.name!r} must be a lowercase DNS label of at most 40 characters "
-                "(letters, digits, '-'), such as 'gpt-train'."
+                "that starts with a letter (then letters, digits, '-'), such as 'gpt-train' "
+                "(--name)."
             )
+        if self.namespace is not None and (not _NAME.match(self.namespace) or len(self.namespace) > 63):
+            raise ValueError(f"namespace={self.namespace!r} must be a lowercase DNS label of at "
+                             "most 63 characters (letters, digits, '-'), such as 'ml-team' "
+                             "(--namespace).")
         if self.kind not in ("job", "jobset"):
             raise ValueError(f"kind={self.kind!r} must be 'job' or 'jobset' (--jobset picks the latter).")
         if not 0 < self.port < 65536:
@@ -103,6 +115,7 @@ class K8sJob:
         if self.servers and (not 0 < self.server_port < 65536 or self.server_port == self.port):
             raise ValueError(f"server_port={self.server_port!r} must be in 1..65535 and differ "
                              f"from the coordinator port {self.port} (--server-port).")
+        _check_quantity("server_storage", self.server_storage, "--server-storage")
         if self.ps_token_secret is not None and not _NAME.match(self.ps_token_secret):
             raise ValueError(f"ps_token_secret={self.ps_token_secret!r} must be a lowercase DNS "
                              "name, such as 'train-ps-token' (--ps-token-secret).")
@@ -131,6 +144,14 @@ def _positive_or_none(name: str, value, flag: str, kind: type) -> None:
         what = "a positive, finite number" if kind is float else f"a positive {kind.__name__}"
         raise ValueError(f"{name}={value!r} must be {what} ({flag}); "
                          f"leave {flag} out for the default.")
+
+
+def _check_quantity(name: str, value, flag: str) -> None:
+    found = _QUANTITY.match(value) if isinstance(value, str) else None
+    if value is not None and (not found or float(found["number"]) == 0):
+        raise ValueError(f"{name}={value!r} must be a positive Kubernetes quantity such as "
+                         f"'20Gi' or '500G' (binary suffixes Ki Mi Gi Ti Pi Ei, decimal k M G T "
+                         f"P E; 'GB' is not one) ({flag}).")
 
 
 def _fixed_names(job: K8sJob) -> list[str]:
