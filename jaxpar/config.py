@@ -217,6 +217,28 @@ def normalize_mesh(mesh: Any) -> dict[str, int]:
     return out
 
 
+def _normalize_hosts(hosts: Any, mesh: Mapping[str, int]) -> dict[str, int]:
+    """``ParallelConfig.hosts`` checked against the mesh: known axes, positive int factors that
+    divide the axis size (an axis of ``-1`` is checked when `jaxpar.make_mesh` resolves it);
+    factors of 1 are dropped, so ``{"data": 1}`` is the one-network default."""
+    if hosts is None:
+        return {}
+    if not isinstance(hosts, Mapping):
+        raise _fail("hosts", hosts, "give a mapping mesh axis -> hosts it spans, e.g. {'data': 2}")
+    out: dict[str, int] = {}
+    for axis, n in hosts.items():
+        if axis not in mesh:
+            raise _fail("hosts", dict(hosts), f"axis {axis!r} is not in the mesh {dict(mesh)}; name mesh axes")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise _fail("hosts", dict(hosts), f"axis {axis!r} spans {n!r} hosts; use a positive int")
+        if mesh[axis] != -1 and mesh[axis] % n:
+            raise _fail("hosts", dict(hosts), f"axis {axis!r} of size {mesh[axis]} cannot span {n} hosts ({n} "
+                        f"does not divide {mesh[axis]}); use a divisor of {mesh[axis]}, or resize the axis")
+        if n > 1:
+            out[axis] = n
+    return out
+
+
 def _normalize_rules(rules: Any) -> dict[str, Any]:
     if rules is None:
         return {}
@@ -291,6 +313,13 @@ class ParallelConfig:
       allow_unused_rules: keep rules that no parameter, activation constraint or batch
         consults (off: such a rule, e.g. a typo ``"mlpp"``, is an error when the step is
         traced). Turn on for a shared rule set applied to models that use part of it.
+      hosts: two networks (MaxText's ``dcn_*`` parallelism): mesh axis name -> how many hosts
+        that axis spans, e.g. ``{"data": 2}`` on 2 hosts of 4 devices with mesh
+        ``{"data": 4, "model": 2}``: ``data`` is 2 hosts x 2 devices, ``model`` stays inside a
+        host. The rest of each axis (``mesh[a] / hosts[a]``) stays inside a host, on its fast
+        links; the factors multiply to the host count (``jax.process_count()``, or the
+        slices of a multi-slice TPU job). Empty (the default): one network, the device order
+        JAX's mesh utilities choose (`jaxpar.make_mesh`). See docs/startup.md, "Two networks".
     """
 
     mesh: Mapping[str, int] = dataclasses.field(default_factory=lambda: {"data": -1})
@@ -308,6 +337,7 @@ class ParallelConfig:
     precision: Precision | None = None
     allow_unused_rules: bool = False
     context: ContextConfig | None = None
+    hosts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     parameter_plan = RenamedAttribute("parameter_strategy")     # the former name, read with a DeprecationWarning
 
     def __post_init__(self):
@@ -355,6 +385,7 @@ class ParallelConfig:
         if self.pipeline.stages > 1 and self.pipeline.axis not in self.mesh:
             raise _fail("pipeline.stages", self.pipeline.stages,
                         f"pipeline needs a mesh axis {self.pipeline.axis!r}; mesh has {list(self.mesh)}")
+        setf("hosts", _normalize_hosts(self.hosts, self.mesh))
         self._check_combinations()
 
     def _check_combinations(self) -> None:
@@ -444,7 +475,7 @@ class ParallelConfig:
             if not flag.startswith("--"):
                 raise ValueError(f"override {flag!r} must look like '--field value'")
             key = flag[2:].replace("-", "_")
-            if "=" in key and not key.startswith(("mesh", "rules")):
+            if "=" in key and not key.startswith(("mesh", "rules", "hosts")):
                 key, raw = key.split("=", 1)
             else:
                 raw = next(it, None)
@@ -515,7 +546,7 @@ def _parse_pairs(key: str, raw: str) -> dict[str, Any]:
 
 
 def _apply_override(d: dict[str, Any], key: str, raw: str) -> None:
-    if key in ("mesh", "rules"):
+    if key in ("mesh", "rules", "hosts"):
         d[key] = _parse_pairs(key, raw)
     elif "." in key:
         top, sub = key.split(".", 1)

@@ -44,15 +44,71 @@ def resolve_axes(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
     return axes
 
 
+def hybrid_devices(sizes: Mapping[str, int], hosts: Mapping[str, int], devices: Sequence[Any]) -> np.ndarray:
+    """The devices of a two-network mesh, shaped ``sizes``: axis ``a`` spans ``hosts[a]`` hosts
+    (its outer factor) and ``sizes[a] / hosts[a]`` devices inside each (its inner factor), as
+    `jax.experimental.mesh_utils.create_hybrid_device_mesh` orders them. A host is a slice
+    where devices carry ``slice_index`` (multi-slice TPU), else a process.
+
+    >>> hybrid_devices({"data": 4, "model": 2}, {"data": 2}, jax.devices())   # doctest: +SKIP
+    """
+    from jax.experimental import mesh_utils
+
+    for axis, n in hosts.items():
+        if sizes[axis] % n:
+            raise ValueError(f"make_mesh: hosts={dict(hosts)} puts axis {axis!r} of size {sizes[axis]} on {n} "
+                             f"hosts, and {n} does not divide {sizes[axis]}; use a divisor of {sizes[axis]}")
+    # slices where devices carry several slice indices (multi-slice TPU); else processes
+    by_slice = len({getattr(d, "slice_index", None) for d in devices} - {None}) > 1
+    key = "slice_index" if by_slice else "process_index"
+    granules: dict[int, int] = {}
+    for d in devices:
+        granules[getattr(d, key)] = granules.get(getattr(d, key), 0) + 1
+    dcn = [hosts.get(a, 1) for a in sizes]
+    ici = [s // h for s, h in zip(sizes.values(), dcn)]
+    unit = "slices" if by_slice else "processes (hosts)"
+    if math.prod(dcn) != len(granules) or set(granules.values()) != {math.prod(ici)}:
+        counts = sorted(set(granules.values()))
+        raise ValueError(
+            f"make_mesh: hosts={dict(hosts)} on mesh {dict(sizes)} asks for {math.prod(dcn)} hosts of "
+            f"{math.prod(ici)} devices each, but the {len(devices)} devices are on {len(granules)} {unit} "
+            f"of {counts[0] if len(counts) == 1 else counts} devices; make the hosts factors multiply to "
+            f"{len(granules)} (run one process per host with jaxpar launch), or drop hosts for one network")
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=not by_slice)
+
+
+def host_map(mesh: Mesh) -> dict[str, int]:
+    """How many hosts (processes) each axis of ``mesh`` spans: ``{axis: count}`` for the axes
+    whose device groups hold devices of several processes (the `ParallelConfig.hosts` of a
+    mesh `make_mesh` built with it; ``{}`` on one process).
+
+    >>> host_map(make_mesh(ParallelConfig(mesh={"data": 4, "model": 2}, hosts={"data": 2})))  # doctest: +SKIP
+    {'data': 2}
+    """
+    procs = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    out = {}
+    for i, axis in enumerate(mesh.axis_names):
+        rows = np.moveaxis(procs, i, -1).reshape(-1, procs.shape[i])
+        n = max(len(set(row.tolist())) for row in rows)
+        if n > 1:
+            out[axis] = n
+    return out
+
+
 def make_mesh(config_or_axes: ParallelConfig | Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
     """Build the device mesh for a config (or a plain ``{axis: size}`` mapping).
+
+    A config with ``hosts`` (two networks) gets `hybrid_devices`' order: each axis's host
+    factor outermost, the rest of it inside a host; a ``ValueError`` when the factors do not
+    match the processes (or slices) the devices are on.
 
     >>> mesh = make_mesh({"data": 2, "model": -1})   # on 8 devices
     >>> dict(mesh.shape)
     {'data': 2, 'model': 4}
     """
+    hosts: Mapping[str, int] = {}
     if isinstance(config_or_axes, ParallelConfig):
-        axes = config_or_axes.mesh
+        axes, hosts = config_or_axes.mesh, config_or_axes.hosts
     elif isinstance(config_or_axes, Mapping):
         axes = config_or_axes
     else:
@@ -81,6 +137,8 @@ def make_mesh(config_or_axes: ParallelConfig | Mapping[str, int], devices: Seque
         raise ValueError(f"{e}; or, to run on {fewer} of them, pass devices=jax.devices()[:{fewer}]") from None
     names, shape = tuple(sizes), tuple(sizes.values())
     types = (AxisType.Auto,) * len(names)
+    if hosts:
+        return Mesh(hybrid_devices(sizes, hosts, devices), names, axis_types=types)
     if jax.process_count() > 1 and len(devices) == jax.device_count():
         # Outer axes across processes, inner axes inside one process (fast links).
         ordered = sorted(devices, key=lambda d: (d.process_index, d.id))

@@ -434,3 +434,46 @@ def test_collective_is_a_frozen_value():
     assert isinstance(c, Collective) and c.replica_groups == (tuple(range(8)),)
     with pytest.raises(AttributeError):
         c.bytes = 0
+
+
+# ----------------------------------------------------------------------------- two networks
+
+def test_hosts_of_groups_and_bytes_on_each_network(mesh):
+    """Positions 0-3 on host 0, 4-7 on host 1: ('data'=2, 'model'=4) puts 'model' inside a host
+    and 'data' across the two; a group over both is hierarchical (4 per host: 1/4 crosses)."""
+    cols = _by_name(collectives(GROUP_SYNTAXES, mesh, hosts=[0] * 4 + [1] * 4))
+    inside, across, both = cols["ar.explicit"], cols["ar.tuple"], cols["ar.empty"]
+    assert (inside.mesh_axes, inside.crosses_hosts, inside.hosts_spanned) == (("model",), False, 1)
+    assert (inside.intra_host_bytes, inside.inter_host_bytes) == (inside.bytes, 0)
+    assert (across.mesh_axes, across.crosses_hosts) == (("data",), True)
+    assert (across.intra_host_bytes, across.inter_host_bytes) == (0, across.bytes)    # one device per host
+    assert (both.hosts_spanned, both.intra_host_bytes, both.inter_host_bytes) == (2, 256, 64)
+    assert cols["rs.iota_t"].crosses_hosts and cols["ag.iota"].crosses_hosts is False
+    summary = collective_summary(cols.values())
+    assert summary["crossing_hosts"]["count"] == 3
+    assert summary["inter_host_bytes"] == sum(c.inter_host_bytes for c in cols.values())
+    text = format_collectives(cols.values())
+    assert "inter-host" in text and "3 cross hosts" in text
+    # the same groups on hosts interleaved (0,1,0,1,...): 'model' now crosses, 'data' does not
+    flipped = _by_name(collectives(GROUP_SYNTAXES, mesh, hosts=[0, 1] * 4))
+    assert flipped["ar.explicit"].crosses_hosts and not flipped["ar.tuple"].crosses_hosts
+
+
+def test_host_map_defaults_to_the_mesh_processes_and_is_checked(mesh):
+    one = collectives(GROUP_SYNTAXES, mesh)                   # one process: nothing crosses
+    assert all(c.hosts_spanned == 1 and c.inter_host_bytes == 0 and c.num_hosts == 1 for c in one)
+    assert "inter-host" not in format_collectives(one)        # one host: the table as before
+    abstract = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
+    assert all(c.crosses_hosts is None for c in collectives(GROUP_SYNTAXES, abstract))
+    assert collective_summary(collectives(GROUP_SYNTAXES, abstract))["crossing_hosts"] is None
+    with pytest.raises(ValueError, match="hosts has 4 entries but the program runs on 8 devices"):
+        collectives(GROUP_SYNTAXES, mesh, hosts=[0, 0, 1, 1])
+
+
+def test_permute_pairs_cross_hosts_by_pair(mesh):
+    text = _module("""\
+  ROOT %cp.ring = f32[8,8]{1,0} collective-permute(%p0), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}""")
+    (inside,) = collectives(text, mesh, hosts=[0] * 4 + [1] * 4)
+    assert (inside.crosses_hosts, inside.intra_host_bytes, inside.inter_host_bytes) == (False, 256, 0)
+    (mixed,) = collectives(text, mesh, hosts=[0, 0, 1, 1, 0, 0, 1, 1])
+    assert (mixed.crosses_hosts, mixed.intra_host_bytes, mixed.inter_host_bytes) == (True, 256, 256)

@@ -8,7 +8,9 @@ forms included, ``-done`` / ``-update`` halves ignored), with its bytes, its dev
 the mesh axes those groups run over.
 
 Device ids in an SPMD program's replica groups are *positions* in the mesh's device order
-(``mesh.devices.flat``), not ``Device.id``; the mapping to mesh axes relies on that.
+(``mesh.devices.flat``), not ``Device.id``; the mapping to mesh axes relies on that, and so does
+the host of each position (``mesh.devices.flat[i].process_index``): a collective whose groups
+(or source → target pairs) hold devices of several processes crosses the network between hosts.
 """
 from __future__ import annotations
 
@@ -56,6 +58,18 @@ class Collective:
       is_async: issued as an asynchronous start/done pair.
       source_target_pairs: a collective-permute's (source, target) pairs; ``()`` otherwise.
       computation: the HLO computation holding the instruction.
+      hosts_spanned: the most hosts (processes) one group holds devices of: 1 when every
+        group (every source → target pair) stays inside a host; ``None`` when the device →
+        host map is unknown (no concrete mesh nor ``hosts=`` given).
+      intra_host_bytes, inter_host_bytes: the most bytes one device moves over the links
+        inside a host and over the network between hosts (``None`` when unknown), in the
+        ``bytes`` convention. Inside one host: ``bytes`` and 0. A group of ``h`` hosts with
+        ``a`` devices on each runs hierarchically (NCCL, XLA's DCN collectives): all-reduce,
+        all-gather and reduce-scatter move ``bytes`` inside the host (0 when ``a = 1``) and
+        ``bytes / a`` between hosts (each device its ``1/a`` share); an all-to-all sends
+        ``(n - a) / n`` of its buffer to other hosts and the rest inside; a collective-permute
+        moves ``bytes`` over each network one of its pairs uses.
+      num_hosts: the hosts the program's devices are on (``None`` when unknown).
 
     Example:
       >>> c = collectives(compiled, mesh)[0]          # doctest: +SKIP
@@ -77,16 +91,28 @@ class Collective:
     is_async: bool = False
     source_target_pairs: tuple[tuple[int, int], ...] = ()
     computation: str = ""
+    hosts_spanned: int | None = None
+    intra_host_bytes: int | None = None
+    inter_host_bytes: int | None = None
+    num_hosts: int | None = None
+
+    @property
+    def crosses_hosts(self) -> bool | None:
+        """Whether a group (or pair) holds devices of several hosts; ``None`` when unknown."""
+        return None if self.hosts_spanned is None else self.hosts_spanned > 1
 
 
-def collectives(compiled_or_hlo_text, mesh=None) -> list[Collective]:
+def collectives(compiled_or_hlo_text, mesh=None, *, hosts=None) -> list[Collective]:
     """Lists every collective of a compiled program, in the order of its HLO text.
 
     Args:
       compiled_or_hlo_text: a ``jax.stages.Compiled`` or its optimized HLO text
         (``compiled.as_text()``).
       mesh: the ``jax.sharding.Mesh`` (or ``AbstractMesh``) the program was compiled for;
-        when given, each collective's ``mesh_axes`` names the axes its groups run over.
+        when given, each collective's ``mesh_axes`` names the axes its groups run over, and
+        a concrete ``Mesh`` gives each device position's host (its ``process_index``).
+      hosts: the host of each device position (``hosts[i]`` for ``mesh.devices.flat[i]``),
+        to read a program of another cluster (or a simulated one); overrides the mesh's.
 
     Returns:
       One `Collective` per instruction. An instruction inside a loop body appears once;
@@ -112,6 +138,7 @@ def collectives(compiled_or_hlo_text, mesh=None) -> list[Collective]:
             f"{dict(mesh_shape)} has {math.prod(mesh_shape.values())}; pass the mesh the "
             "program was compiled for.")
     num_devices = module.num_devices or (math.prod(mesh_shape.values()) if mesh_shape else 1)
+    host_of = _host_map(mesh, hosts, num_devices)
     context = _loop_context(module)
     found = []
     for comp, line in module.lines:
@@ -119,8 +146,8 @@ def collectives(compiled_or_hlo_text, mesh=None) -> list[Collective]:
         if instr is None or not _is_collective(instr["op"], instr["rest"]):
             continue
         in_loop, executions = context.get(comp, (False, None))
-        found.append(_make_collective(instr, comp, num_devices, mesh_shape,
-                                      in_loop, executions, comp in module.async_wrapped))
+        c = _make_collective(instr, comp, num_devices, mesh_shape, in_loop, executions, comp in module.async_wrapped)
+        found.append(_with_hosts(c, host_of) if host_of is not None else c)
     return found
 
 
@@ -133,7 +160,9 @@ def collective_summary(cols: Iterable[Collective]) -> dict:
        "executed_bytes": int | None,          # bytes × executions; None if a trip count is unknown
        "in_loop": {"count": int, "bytes": int},
        "by_kind": {kind: {"count": int, "bytes": int}},
-       "by_mesh_axes": {mesh_axes: {"count": int, "bytes": int}}}   # keys: tuples or None
+       "by_mesh_axes": {mesh_axes: {"count": int, "bytes": int}},   # keys: tuples or None
+       "crossing_hosts": {"count": int, "bytes": int} | None,   # None: host map unknown
+       "intra_host_bytes": int | None, "inter_host_bytes": int | None}
 
     Example:
       >>> collective_summary(collectives(compiled, mesh))["by_kind"]   # doctest: +SKIP
@@ -145,6 +174,7 @@ def collective_summary(cols: Iterable[Collective]) -> dict:
             raise TypeError(f"collective_summary() expects Collective objects (from "
                             f"collectives(...)), got {type(c).__name__}: {c!r}")
     executed = [None if c.executions is None else c.bytes * c.executions for c in cols]
+    unknown = any(c.hosts_spanned is None for c in cols)
     return {
         "count": len(cols),
         "bytes": sum(c.bytes for c in cols),
@@ -152,6 +182,9 @@ def collective_summary(cols: Iterable[Collective]) -> dict:
         "in_loop": _tally([c for c in cols if c.in_loop]),
         "by_kind": _group(cols, lambda c: c.kind),
         "by_mesh_axes": _group(cols, lambda c: c.mesh_axes),
+        "crossing_hosts": None if unknown else _tally([c for c in cols if c.crosses_hosts]),
+        "intra_host_bytes": None if unknown else sum(c.intra_host_bytes for c in cols),
+        "inter_host_bytes": None if unknown else sum(c.inter_host_bytes for c in cols),
     }
 
 
@@ -439,6 +472,43 @@ def _permute_groups(pairs: tuple[tuple[int, int], ...]) -> Groups:
     for d in sorted(parent):
         members.setdefault(root(d), []).append(d)
     return tuple(sorted(tuple(g) for g in members.values()))
+
+
+# --------------------------------------------------------------------------- hosts
+
+def _host_map(mesh, hosts, num_devices: int) -> tuple[int, ...] | None:
+    """The host of each device position: ``hosts`` when given, else the concrete mesh's
+    ``process_index`` per device; ``None`` when neither says."""
+    if hosts is None:
+        if not isinstance(mesh, jax.sharding.Mesh):      # an AbstractMesh has no devices
+            return None
+        devices = mesh.devices
+        hosts = [d.process_index for d in devices.flat]
+    hosts = tuple(int(h) for h in hosts)
+    if len(hosts) != num_devices:
+        raise ValueError(f"collectives(): hosts has {len(hosts)} entries but the program runs on {num_devices} "
+                         f"devices; give one host per device position (hosts[i] for mesh.devices.flat[i])")
+    return hosts
+
+
+def _with_hosts(c: Collective, host_of: tuple[int, ...]) -> Collective:
+    """``c`` with how many hosts its groups span and its bytes on each network (`Collective`)."""
+    spanned = max((len({host_of[d] for d in g}) for g in c.replica_groups), default=1)
+    if c.source_target_pairs:
+        crossing = {host_of[s] != host_of[t] for s, t in c.source_target_pairs if s != t}
+        intra, inter = (c.bytes if False in crossing else 0), (c.bytes if True in crossing else 0)
+    else:
+        n = max(c.group_size, 1)
+        a = max(n // spanned, 1)
+        if spanned == 1:
+            intra, inter = c.bytes, 0
+        elif c.kind == "all-to-all":
+            inter = -(-c.bytes * (n - a) // n)
+            intra = c.bytes - inter
+        else:
+            intra, inter = (c.bytes if a > 1 else 0), -(-c.bytes // a)
+    return dataclasses.replace(c, hosts_spanned=spanned, intra_host_bytes=intra, inter_host_bytes=inter,
+                               num_hosts=len(set(host_of)))
 
 
 # --------------------------------------------------------------------------- mesh axes

@@ -18,6 +18,9 @@ def format_collectives(cols: Iterable[Collective], *, width: int = 120) -> str:
     Columns: instruction name, kind, per-device result shape(s), bytes (see
     ``Collective.bytes``), groups as ``num_groups x group_size``, mesh axes (``?`` when
     unknown) and ``loop xN`` for an instruction that runs N times per call inside a loop.
+    On a program of several hosts (two networks: `Collective.hosts_spanned`) two more:
+    ``hosts`` (how many hosts a group spans: ``1`` stays inside a host) and ``inter-host``
+    (the bytes a device moves between hosts, `Collective.inter_host_bytes`).
 
     Example:
       >>> print(format_collectives(collectives(compiled, mesh)))   # doctest: +SKIP
@@ -32,17 +35,26 @@ def format_collectives(cols: Iterable[Collective], *, width: int = 120) -> str:
     """
     cols = list(cols)
     summary = collective_summary(cols)
-    table = Table(box=box.ASCII, title=f"collectives: {summary['count']}", title_justify="left")
-    for header, justify in (("name", "left"), ("kind", "left"), ("shape", "left"),
-                            ("bytes", "right"), ("groups", "right"), ("mesh axes", "left"),
-                            ("loop", "left")):
+    two = bool(cols) and summary["inter_host_bytes"] is not None and any((c.num_hosts or 1) > 1 for c in cols)
+    title = f"collectives: {summary['count']}"
+    if two:
+        title += (f" ({summary['crossing_hosts']['count']} cross hosts: "
+                  f"{format_bytes(summary['inter_host_bytes'])} between hosts, "
+                  f"{format_bytes(summary['intra_host_bytes'])} inside)")
+    table = Table(box=box.ASCII, title=title, title_justify="left")
+    headers = [("name", "left"), ("kind", "left"), ("shape", "left"), ("bytes", "right"), ("groups", "right"),
+               ("mesh axes", "left")] + ([("hosts", "right"), ("inter-host", "right")] if two else []) + [
+               ("loop", "left")]
+    for header, justify in headers:
         table.add_column(header, justify=justify, overflow="fold")
     for c in cols:
+        hosts = [str(c.hosts_spanned), format_bytes(c.inter_host_bytes)] if two else []
         table.add_row(c.name, c.kind + (" (async)" if c.is_async else ""), _shapes(c),
                       format_bytes(c.bytes), f"{c.num_groups}x{c.group_size}",
-                      _axes(c.mesh_axes), _loop(c))
+                      _axes(c.mesh_axes), *hosts, _loop(c))
     table.add_section()
-    table.add_row("total", "", "", format_bytes(summary["bytes"]), "", "",
+    total = ["", format_bytes(summary["inter_host_bytes"])] if two else []
+    table.add_row("total", "", "", format_bytes(summary["bytes"]), "", "", *total,
                   f"{summary['in_loop']['count']} in loops" if summary["in_loop"]["count"] else "")
     return _render(table, width)
 
