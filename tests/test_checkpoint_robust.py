@@ -354,3 +354,49 @@ def test_a_damaged_checksum_record_is_damage_not_a_skipped_check(tmp_path):
             ckpt.restore_rows(directory, 1)
     assert ckpt.restore(common.mlp_trainer(), tmp_path / "intact")["step"] == 1
     np.testing.assert_array_equal(ckpt.restore_rows(tmp_path / "intact", 1)["table"], table["table"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_two_processes_agree_when_one_meets_the_fault(tmp_path, tag):
+    """Under `jaxpar launch`, 2 processes x 4 devices, each fault met by one process only
+    (tests/workers_ckpt/agree_worker.py): a rename refused on process 0 while moving steps
+    aside is the same error on both (neither waits at a barrier for the other); the newest step
+    unreadable in process 1's files alone makes both resume the step before it; a real SIGTERM
+    to process 1 alone during an evaluation-only script stops both before the same batch, with
+    the step saved and exit code 0."""
+    from jaxpar.launch.ports import free_port
+    from workers.procs import Launch
+
+    run = Launch(tmp_path, tag, ["--worker-num", 2, "--local-worker-num", 2, "--simulated-devices", 4,
+                                 "--master-port", free_port(), "--cluster-time-out", 120],
+                 script=os.path.join(WORKERS, "agree_worker.py"))
+    try:
+        ready = run.out_dir / "rank_1.ready"
+        deadline = time.monotonic() + 300
+        while not ready.exists() or not ready.read_text():
+            assert time.monotonic() < deadline and run.process.poll() is None, \
+                f"{run.stderr}\n{run.log(0)[-3000:]}\n{run.log(1)[-3000:]}"
+            time.sleep(0.1)
+        os.kill(int(ready.read_text()), signal.SIGTERM)       # process 1 only
+        code = run.wait(timeout=90)
+    finally:
+        run.close()
+    logs = f"{run.stderr}\n--- rank 0\n{run.log(0)[-3000:]}\n--- rank 1\n{run.log(1)[-3000:]}"
+    assert code == 0, logs
+    first, second = run.results()
+    assert first["processes"] == 2
+    # 1. the same error on both processes
+    assert first["rename"] == second["rename"] and "could not be moved aside" in first["rename"], logs
+    assert "Permission denied" in first["rename"], first["rename"]
+    # 2. both resumed the step before the one process 1 could not read, and set that one aside
+    newest = first["newest"]
+    assert first["resumed"] == second["resumed"] == newest - 1, logs
+    assert f"damaged-{newest}" in first["damage_entries"] and str(newest) not in first["damage_entries"]
+    assert "ZSTD" in second["damage_warnings"][0], second          # process 1 met the damage itself ...
+    assert "process(es) [1] of 2 could not read" in first["damage_warnings"][0], first   # ... process 0 heard
+    # 3. both stopped before the same batch, soon after the signal, the step saved
+    assert first["evaluate"] == second["evaluate"] == "Preempted step 2", logs
+    assert first["evaluated"] == second["evaluated"] < 100, (first["evaluated"], second["evaluated"])
+    assert ckpt.latest_step(tmp_path / "out" / "evaluate") == 2
+    assert all("preempted (SIGTERM): saved step 2" in run.log(r) for r in (0, 1)), logs

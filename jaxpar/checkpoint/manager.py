@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxpar._deprecation import RenamedAttribute
@@ -58,11 +59,18 @@ RESUME = ("newest", "newest_intact")
 def open_manager(directory: str, *, keep: int | None = None, read_only: bool = False,
                  asynchronous: bool = True) -> ocp.CheckpointManager:
     """An orbax ``CheckpointManager`` for a jaxpar checkpoint directory."""
+    local = {}
+    if read_only and jax.process_count() > 1:
+        # Reading is each process's own (its shards): no barrier of orbax's joins the processes, so
+        # a process whose read fails cannot leave the others waiting at one; they agree on the
+        # outcome afterwards (`agreed`).
+        me = jax.process_index()
+        local["multiprocessing_options"] = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=not read_only, read_only=read_only,
         enable_async_checkpointing=asynchronous,
         # Leftovers of a killed save are removed by the next writer, never by a reader.
-        cleanup_tmp_directories=not read_only,
+        cleanup_tmp_directories=not read_only, **local,
     )
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
                 "strategy": ocp.JsonCheckpointHandler(), "rows": ocp.StandardCheckpointHandler()}
@@ -287,23 +295,60 @@ def check_values(directory, step: int, flat: dict[str, Any], meta: dict[str, Any
             f"checksums differ): {listing}"), advice)
 
 
+def agreed(read, directory, step: int):
+    """``read()`` on every process, its outcome agreed: on several processes each process's
+    verdict (read back, damaged, failed otherwise) is exchanged before anything else happens,
+    and a step one process could not read is damaged on every process (the others' error names
+    the processes that saw the damage), so all decide alike which step to take. One process:
+    ``read()``."""
+    if jax.process_count() == 1:
+        return read()
+    from jax.experimental import multihost_utils
+
+    error, verdict = None, 0
+    try:
+        result = read()
+    except CheckpointDamagedError as e:
+        error, verdict = e, 1
+    except Exception as e:    # noqa: BLE001  (raised below, once the others know)
+        error, verdict = e, 2
+    verdicts = [int(v) for v in np.asarray(multihost_utils.process_allgather(np.asarray([verdict], np.int32))).ravel()]
+    if error is not None:
+        raise error
+    if any(verdicts):
+        damaged = [i for i, v in enumerate(verdicts) if v == 1]
+        failed = [i for i, v in enumerate(verdicts) if v == 2]
+        if damaged:
+            raise CheckpointDamagedError(str(directory), step, ValueError(
+                f"process(es) {damaged} of {len(verdicts)} could not read their part of it back (see their "
+                "messages); every process treats the step alike"))
+        raise RuntimeError(f"checkpoint step {step} in {directory}: process(es) {failed} of {len(verdicts)} failed "
+                           "reading it (see their messages)")
+    return result
+
+
 def restore_from(manager: ocp.CheckpointManager, step: int, state, mesh, directory: str = ""):
     """``(TrainState, meta)``: ``step`` read into ``state``'s layout (any layout saved), its
     values checked against the checksums saved with it."""
     state = st.as_state(state)
     target = st.target(state, mesh)
-    with reading(directory, step):
-        saved = saved_leaves(manager, step)
-    problems = st.differences(saved, {p: st.leaf_info(t) for p, t in target.items()})
-    if problems:
-        params_only = (not any(p.startswith("opt_state/") for p in saved)
-                       and any(p.startswith("opt_state/") for p in target))
-        raise st.CheckpointMismatchError(str(directory), step, problems, params_only=params_only)
-    with reading(directory, step):
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
-        meta = dict(restored["meta"])
-        int(meta["step"])
+
+    def read():         # each process its own shards; no collective until the processes agree
+        with reading(directory, step):
+            saved = saved_leaves(manager, step)
+        problems = st.differences(saved, {p: st.leaf_info(t) for p, t in target.items()})
+        if problems:
+            params_only = (not any(p.startswith("opt_state/") for p in saved)
+                           and any(p.startswith("opt_state/") for p in target))
+            raise st.CheckpointMismatchError(str(directory), step, problems, params_only=params_only)
+        with reading(directory, step):
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
+            meta = dict(restored["meta"])
+            int(meta["step"])
+        return restored, meta
+
+    restored, meta = agreed(read, directory, step)
     flat = st.unnest(restored["state"])
     check_values(directory, step, flat, meta)
     meta.pop(checksum.KEY, None)
@@ -326,7 +371,12 @@ def save_state(directory, plan, state, mesh, *, keep: int | None = None, force: 
 def read_rows(manager: ocp.CheckpointManager, step: int, directory: str = "") -> dict | None:
     """The ``rows`` item of ``step`` (a dict of numpy arrays), or None when the step has none;
     checked against the CRC-32 of each table saved in ``meta`` (`CheckpointDamagedError` names
-    the tables that read back with other values; a step saved without them: nothing to check)."""
+    the tables that read back with other values; a step saved without them: nothing to check).
+    On several processes the outcome is agreed (`agreed`)."""
+    return agreed(lambda: _read_rows(manager, step, directory), directory, step)
+
+
+def _read_rows(manager: ocp.CheckpointManager, step: int, directory: str) -> dict | None:
     with reading(directory, step):
         if manager.item_metadata(step).get("rows") is None:
             return None
@@ -346,6 +396,12 @@ def read_rows(manager: ocp.CheckpointManager, step: int, directory: str = "") ->
             f"{len(bad)} row table(s) read back without an error but with other values than were saved (their "
             f"checksums differ): {', '.join(bad)}"))
     return rows
+
+
+def _read_meta(manager: ocp.CheckpointManager, directory, step: int) -> dict:
+    with reading(directory, step):
+        manager.reload()
+        return dict(manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
 
 
 def restore_rows(directory, step: int) -> dict | None:
@@ -436,6 +492,15 @@ def _barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def _from_first_process(values: tuple[int, ...]) -> tuple[int, ...]:
+    """Process 0's ``values`` (small ints) on every process; a barrier too (one process: as given)."""
+    if jax.process_count() == 1:
+        return values
+    from jax.experimental import multihost_utils
+
+    return tuple(int(v) for v in multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32)))
+
+
 def _at_exit(ref: weakref.ref) -> None:
     """Close the checkpointer behind ``ref`` (if still open) when the interpreter exits.
 
@@ -495,6 +560,8 @@ class Checkpointer:
         self.save_every = save_every
         self.resume_policy = resume
         self.manager = open_manager(self.directory, keep=keep, asynchronous=asynchronous)
+        # reads go through a manager of this process alone on several (`open_manager`, `agreed`)
+        self._reader = open_manager(self.directory, read_only=True) if jax.process_count() > 1 else self.manager
         self._closed = False
         self._saving: int | None = None      # the step of the newest save started
         # orbax logs a save that fails in its threads, with tracebacks, before anyone waits for
@@ -559,8 +626,7 @@ class Checkpointer:
         if step not in complete_steps(self.manager):
             return False
         try:
-            with reading(self.directory, step):
-                meta = dict(self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+            meta = agreed(lambda: _read_meta(self._reader, self.directory, step), self.directory, step)
         except CheckpointDamagedError:
             return False
         saved, flat = meta.get(checksum.KEY), st.savable(st.flat_state(state))
@@ -594,7 +660,7 @@ class Checkpointer:
         """``step`` read into ``state``'s layout, the directory left as it is (`restore`)."""
         _check_plan_state("read", None, state)
         self.wait()
-        return restore_from(self.manager, complete_step(self.manager, self.directory, step), state, mesh,
+        return restore_from(self._reader, complete_step(self._reader, self.directory, step), state, mesh,
                             self.directory)
 
     def retire_after(self, step: int, *, including: bool = False) -> list[str]:
@@ -627,7 +693,7 @@ class Checkpointer:
     def restore_rows(self, step: int) -> dict | None:
         """The row tables saved with ``step`` (see `restore_rows`), or None when it has none."""
         self.wait()
-        return read_rows(self.manager, complete_step(self.manager, self.directory, step), self.directory)
+        return read_rows(self._reader, complete_step(self._reader, self.directory, step), self.directory)
 
     def resume(self, state: TrainState, mesh, *, rows: bool = False) -> tuple | None:
         """``(TrainState, meta)`` of the newest complete step in ``state``'s layout; ``None`` if
@@ -648,7 +714,7 @@ class Checkpointer:
             try:
                 restored = self.read(state, mesh, step)
                 if rows:
-                    restored = (*restored, read_rows(self.manager, step, self.directory))
+                    restored = (*restored, read_rows(self._reader, step, self.directory))
             except CheckpointDamagedError as e:
                 if self.resume_policy != "newest_intact" or i + 1 == len(steps):
                     raise
@@ -674,14 +740,23 @@ class Checkpointer:
         barriers; a rename that fails raises ``failed(step, path, error)``."""
         aside = [_free_name(os.path.join(self.directory, f"{prefix}-{step}")) for step in steps]
         _barrier(f"jaxpar: set aside {aside}")        # every process named them before one renames
+        failure, cause = (-1, 0), None        # (index of the step whose rename failed, errno)
         if jax.process_index() == 0:
-            for step, path in zip(steps, aside):
+            for i, (step, path) in enumerate(zip(steps, aside)):
                 try:
                     os.rename(os.path.join(self.directory, str(step)), path)
                 except OSError as e:
-                    raise failed(step, path, e) from e
-        _barrier(f"jaxpar: set aside {aside} done")
+                    failure, cause = (i, e.errno or 0), e
+                    break
+        # every process learns the outcome (the second barrier), so none waits for one that raised,
+        # and each raises the same error
+        failure = _from_first_process(failure)
         self.manager.reload()
+        if failure[0] >= 0:
+            i, code = failure
+            source = os.path.join(self.directory, str(steps[i]))
+            error = OSError(code, os.strerror(code) if code else "rename failed", source, None, aside[i])
+            raise failed(steps[i], aside[i], error) from cause
         return aside
 
     def latest_step(self) -> int | None:
@@ -709,6 +784,9 @@ class Checkpointer:
                 with writing(self.manager, self.directory, self._saving, self._echoes, any_error=True):
                     self.manager.close()
             finally:
+                if self._reader is not self.manager:
+                    with contextlib.suppress(Exception):    # a reader holds nothing to lose
+                        self._reader.close()
                 self._echoes.remove()
                 self._echoes.emit_held()
 

@@ -107,12 +107,13 @@ class Preemption:
         self.acting = self.acting or noticed
         return noticed
 
-    def asked(self) -> bool:
-        """Between two evaluation batches: whether a SIGTERM asks the Trainer to save and stop now
-        (then it acts, as at a step boundary). One process only: several agree on the step to stop
-        at through JAX's preemption sync point, which counts training steps, so they stop at the
-        next one."""
-        return not self.multi and self.reached(0)
+    def asked(self, count: int) -> bool:
+        """Before an evaluation batch: whether a SIGTERM asks the Trainer to save and stop now (then
+        it acts, as at a step boundary). ``count`` goes up by one a batch (the Trainer's step plus
+        the batch's index): on several processes it is the counter of JAX's preemption sync point,
+        so a SIGTERM to any process makes every process stop before the same batch, as training
+        steps do (the processes evaluate the same batches)."""
+        return self.reached(count)
 
     def close(self) -> None:
         """Stop listening for SIGTERM (the last listener restores its default action)."""

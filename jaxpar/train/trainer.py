@@ -526,7 +526,7 @@ class Trainer:
         for i, batch in enumerate(batches):
             if steps is not None and i >= steps:
                 break
-            if self._preemption is not None and self._preemption.asked():
+            if self._preemption is not None and self._preemption.asked(self._steps + i):
                 self._save_and_exit(None)
             rows = ()
             if self._rows is not None:      # rows pulled, nothing pushed
