@@ -135,6 +135,29 @@ EXTRA = [dict(BASE, layout="megatron", pipeline=schedule, model="llama", microba
          for schedule in ("1f1b", "interleaved")]
 
 
+# Cells whose model cuts a tensor-parallel dimension off its shard boundaries inside a pipeline
+# stage (tests/workers/fused_qkv_worker.py's small LM, heads over model=2): a fused QKV kernel cut
+# into thirds with jnp.split (a resharding inside the stage's op: refused when the step compiles,
+# naming the stage, the parameter and the axis), 3 heads of separate q/k/v projections (a head
+# straddles two shards; XLA reshards within the stage: trains equal to one device), and 3 heads
+# as a kernel dimension (refused when the model is built, naming the parameter and the axis).
+MISALIGNED = [dict(BASE, layout="megatron", pipeline="1f1b", model=m, microbatches=2)
+              for m in ("fused_split", "odd_heads", "odd_heads_dim")]
+# What each refused one's message must hold (regular expressions), by model.
+MISALIGNED_REFUSAL = {
+    "fused_split": (r"pipeline stage \d", r"\['qkv'\]\['kernel'\]", r"mesh axis 'model'"),
+    "odd_heads_dim": (r"parameter 'blocks/w[qkv]'", r"dimension 2 of size 3 is not divisible by 2", r"'model'"),
+}
+
+
+def misaligned_shape(model: str):
+    """The `fused_qkv_worker.Shape` of a `MISALIGNED` cell's model."""
+    from workers.fused_qkv_worker import Shape
+
+    return {"fused_split": Shape(qkv="fused"), "odd_heads": Shape(qkv="separate", heads=3, head_dim=4),
+            "odd_heads_dim": Shape(qkv="headed", heads=3, head_dim=4)}[model]
+
+
 # What a cell costs to run, in CPU seconds on a 2-core machine (XLA:CPU; almost all of it tracing
 # and compiling): a base times one factor for each feature value other than the first. Fitted
 # (least squares on the log of each cell's time) to every cell of the previous cover, timed alone
@@ -290,6 +313,8 @@ def model_config(cell: dict | None = None):
         from jaxpar.models.llama import LlamaConfig
 
         return LlamaConfig.named("tiny", scan_layers=True)
+    if cell and cell.get("model", "gpt") != "gpt":
+        return misaligned_shape(cell["model"])
     return gpt_config(cell)
 
 
@@ -304,12 +329,17 @@ def _trainer(config, gpt, devices):
     from jaxpar.models import llama as llama_module
     from jaxpar.ops import ContextParallel
 
+    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:devices])
+    if not isinstance(gpt, (gpt_module.GPTConfig, llama_module.LlamaConfig)):   # a MISALIGNED cell's LM
+        from workers.fused_qkv_worker import LM, pipeline_loss
+
+        return jaxpar.Trainer(jaxpar.init(lambda: LM(gpt, nnx.Rngs(0)), config, mesh), optax.adamw(1e-3),
+                              pipeline_loss(), config, mesh)
     llama = isinstance(gpt, llama_module.LlamaConfig)
     Model = llama_module.Llama if llama else gpt_module.GPT
     loss_fn = (llama_module if llama else gpt_module).loss_fn
     pipeline_loss = (llama_parallel if llama else gpt_parallel).pipeline_loss
 
-    mesh = jaxpar.make_mesh(config, devices=jax.devices()[:devices])
     constrain = jaxpar.LogicalConstraint(mesh, config.rules) if config.mode == "semi_auto" else None
     if config.context is not None:   # attention across the context axis, masked by original positions
         constrain = ContextParallel(constrain, mesh, config)
@@ -466,5 +496,5 @@ def errors(result, expected) -> tuple[float, float]:
     return loss_err, param_err
 
 
-__all__ = ["CELLS", "EXTRA", "FEATURES", "REFUSED", "TOLERANCE", "all_pairs", "reference_key", "reference_name", "config_for", "errors", "flat_params", "name", "reference",
+__all__ = ["CELLS", "EXTRA", "FEATURES", "MISALIGNED", "MISALIGNED_REFUSAL", "REFUSED", "TOLERANCE", "all_pairs", "reference_key", "reference_name", "config_for", "errors", "flat_params", "name", "reference",
            "run_cell", "stray_collectives"]

@@ -7,6 +7,7 @@ process or hangs fails its test by name instead of taking the suite down.
 import fcntl
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -70,8 +71,8 @@ def _run_worker(cells, references, tmp_path) -> list[dict]:
 def _failures(lines) -> list[str]:
     failures = []
     for line in lines:
-        if "error" in line:
-            failures.append(f"{line['name']}: {line['error']}")
+        if "error" in line or "refused" in line:
+            failures.append(f"{line['name']}: {line.get('error') or line['refused']}")
         elif line["loss_err"] > line["tolerance"][0] or line["param_err"] > line["tolerance"][1]:
             failures.append(f"{line['name']}: losses {line['loss_err']:.2e}, parameters {line['param_err']:.2e}")
         elif line.get("stray"):
@@ -106,6 +107,23 @@ def test_llama_under_pipeline_and_vocab_split_megatron_matches_one_device(tmp_pa
     assert all("stray" in line for line in lines if "error" not in line)
     failures = _failures(lines)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_splits_off_shard_boundaries_in_a_stage_train_or_are_refused_by_name(tmp_path):
+    # A fused QKV kernel cut into thirds that straddle the 'model' shards is refused when the step
+    # compiles (naming the stage, the parameter, the axis), before it could abort the process; 3 heads
+    # over model=2 train equal to one device when the heads live in a flat width, and are refused when
+    # the model is built when they are a kernel dimension (naming the parameter, the sizes, the axis).
+    trained = [c for c in matrix.MISALIGNED if c["model"] not in matrix.MISALIGNED_REFUSAL]
+    lines = _run_worker(matrix.MISALIGNED, _references(trained, tmp_path / "reference.npz"), tmp_path)
+    for cell, line in zip(matrix.MISALIGNED, lines):
+        if cell["model"] in matrix.MISALIGNED_REFUSAL:
+            assert "refused" in line, line
+            for words in matrix.MISALIGNED_REFUSAL[cell["model"]]:
+                assert re.search(words, line["refused"]), (words, line["refused"])
+        else:
+            assert not _failures([line]), _failures([line])
 
 
 # How each feature is named in the Trainer's refusal.

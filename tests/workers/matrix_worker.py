@@ -1,6 +1,7 @@
 """Runs combination-matrix cells in a child process: ``matrix_worker.py CELLS.json REF.npz OUT.jsonl TMP``.
 
-One JSON line per finished cell: ``{"name", "loss_err", "param_err"}`` or ``{"name", "error"}``.
+One JSON line per finished cell: ``{"name", "loss_err", "param_err"}``, ``{"name", "refused"}`` (a
+``ValueError``: jaxpar refused the cell) or ``{"name", "error"}``.
 A cell that aborts the process or hangs leaves no line: the parent names it.
 """
 
@@ -33,7 +34,7 @@ def main(cells_path, ref_path, out_path, tmp):
         try:
             # the cells beside the cover (matrix.EXTRA) also report what their stages' branches communicate
             inspect = None
-            if "model" in cell:
+            if cell.get("model") == "llama":
                 def inspect(trainer, batch, line=line):
                     line["stray"] = matrix.stray_collectives(trainer, batch)
             losses, params = matrix.run_cell(cell, os.path.join(tmp, f"ckpt{i}"), inspect)
@@ -41,6 +42,8 @@ def main(cells_path, ref_path, out_path, tmp):
             name = matrix.reference_name(matrix.reference_key(cell))
             line["loss_err"], line["param_err"] = matrix.errors((losses, flat), refs[name])
             line["tolerance"] = matrix.TOLERANCE[cell["precision"]]
+        except ValueError as e:     # a refusal: the parent checks that the cell expects it, and its words
+            line["refused"] = str(e)
         except Exception as e:  # reported by the parent with the cell's name
             line["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
         with open(out_path, "a") as f:
