@@ -6,6 +6,7 @@ any group spanning stages) hangs the program or aborts the process. The Trainer 
 reads it (`jaxpar.report.stage_collectives`) and raises a ValueError naming the stage, the
 parameter and the mesh axis instead of running it.
 """
+import dataclasses
 import json
 import os
 import subprocess
@@ -91,6 +92,64 @@ def test_the_refusal_names_the_stage_the_axis_and_the_line():
         check_stage_collectives(HLO, _mesh())
     clean = HLO.replace("collective-permute(%ar1)", "negate(%ar1)").replace("[2,2]<=[2,2]T(1,0)", "{{0,1},{2,3}}")
     check_stage_collectives(clean, _mesh())   # nothing left to refuse
+
+
+def test_a_collective_over_the_pipe_axis_alone_is_named_a_cross_stage_collective():
+    # the all-reduce over {0, 2}, {1, 3} (the stages, 'pipe') is the only one left in a branch
+    only_pipe = HLO.replace("collective-permute(%ar1)", "negate(%ar1)")
+    with pytest.raises(ValueError, match=r"backward op \(B with the loss\) of pipeline stage 1 \(virtual stage 1\) "
+                                         r"holds an all-reduce between pipeline stages \(mesh axis 'pipe'\).*"
+                                         r"cross-stage collective inside a stage's op.*keep values that cross "
+                                         r"stages out of the stage function") as info:
+        check_stage_collectives(only_pipe, _mesh())
+    assert "over mesh axis" not in str(info.value) and "q, k, v" not in str(info.value)
+    assert "shard boundaries" not in str(info.value)
+
+
+def test_compile_step_refuses_what_the_trainer_refuses():
+    # jaxpar plan's and the job search's dry run (compile_step) compile the same step: refused alike,
+    # without running it, naming the stage, the axis and the model's line
+    import jaxpar
+    from jaxpar.report.stage_collectives import StageCollectiveError
+    from jaxpar.train import compile_step
+    from workers.fused_qkv_worker import LM, Shape, pipeline_loss
+    from flax import nnx
+
+    config = jaxpar.ParallelConfig(
+        mesh={"pipe": 2, "data": 2, "model": 2}, pipeline={"stages": 2, "microbatches": 2, "schedule": "1f1b"},
+        rules={"layers": "pipe", "batch": "data", "vocab": None, "embed": None, "heads": "model", "mlp": "model"})
+    tokens = np.random.default_rng(0).integers(0, 16, size=(8, 9), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    with pytest.raises(StageCollectiveError, match=r"pipeline stage \d.*mesh axis 'model' at .*fused_qkv_worker.py:"):
+        compile_step(lambda: LM(Shape(), nnx.Rngs(0)), pipeline_loss(), batch, config)
+
+
+def test_the_job_search_rules_out_a_candidate_its_dry_run_refuses():
+    from jaxpar.auto import JobSearchSpace, search_job
+    from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
+    from jaxpar.report.stage_collectives import StageCollectiveError
+    from jaxpar.train import compile_step
+    from flax import nnx
+
+    calls = []
+
+    def dry_run(*args):
+        calls.append(args[3])
+        if len(calls) == 1:
+            raise StageCollectiveError("pipeline: the forward op (F) of pipeline stage 0 holds a collective-permute")
+        return compile_step(*args)
+
+    cfg = GPTConfig(vocab_size=16, seq_len=8, embed=16, heads=2, mlp=32, layers=2)
+    tokens = np.random.default_rng(0).integers(0, 16, size=(8, 9), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    space = JobSearchSpace(devices=8, memory_budget=1e12, meshes=[{"data": 8}, {"data": 4, "model": 2}])
+    job = search_job(lambda: GPT(cfg, rngs=nnx.Rngs(0)), loss_fn, batch, space, dry_run=dry_run)
+    assert len(calls) == 2 and job.config == calls[1] and job.dry_run["fits"]
+    assert any("refused by its dry run" in o.verdict for o in job.candidates)
+    with pytest.raises(ValueError, match=r"every option that fits .* was refused by its dry run; the first: .*"
+                                         r"pipeline stage 0"):
+        search_job(lambda: GPT(cfg, rngs=nnx.Rngs(0)), loss_fn, batch, dataclasses.replace(space, meshes=[{"data": 8}]),
+                   dry_run=lambda *a: (_ for _ in ()).throw(StageCollectiveError("pipeline stage 0")))
 
 
 def _worker(*args) -> dict:

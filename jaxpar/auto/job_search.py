@@ -21,6 +21,14 @@ region, values its policy does not keep live only during that region's backward
 (`jaxpar.auto.cost.temp_parts`) and its forward runs twice (``+1/3`` of its FLOPs, its
 forward collectives again). The chosen policy is the chosen config's ``remat``.
 
+Two networks: with `CostParams.devices_per_host` below ``space.devices`` (and
+``inter_host_bandwidth``), the job spans ``devices / devices_per_host`` hosts, and each mesh
+shape is tried with every layout of them (`host_layouts`: which factor of each axis spans hosts,
+the rest inside a host), its strategies searched and priced with `CostParams.placed`. The
+tensor axis's all-reduces, the context attention and the experts' all-to-alls then cost what
+the network they fall on gives, so the search keeps them inside a host where that is faster
+and puts data (or pipe) across; the chosen layout is the config's ``hosts``.
+
 Pipeline stages: with ``pipeline_stages=(1, 2, ...)`` and a `jaxpar.pipeline.PipelineLoss`
 (``pipeline_loss``, or ``loss_fn`` itself), a stage count ``p`` adds meshes
 ``pipe=p × data × model`` and micro-batch counts ``m`` (``microbatches``). Strategies for
@@ -49,6 +57,7 @@ from jaxpar.auto.strategy import Strategy, glob_escape
 from jaxpar.nn.blocks import remat_loss
 from jaxpar.nn.specs import declared_names
 from jaxpar.pipeline.stages import StagedLoss
+from jaxpar.report.stage_collectives import StageCollectiveError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +77,7 @@ class JobOption:
     pipeline: Mapping[str, Any] | None = None    # stages, microbatches, schedule, virtual_stages
     context: Mapping[str, Any] | None = None     # size, strategy, bytes (collective bytes per device and step)
     experts: Mapping[str, Any] | None = None     # axis, size, bytes (all-to-all bytes per device and step)
+    hosts: Mapping[str, int] | None = None       # the hosts each axis spans (ParallelConfig.hosts); None: one host
 
     @property
     def memory_bytes(self) -> int:
@@ -86,6 +96,8 @@ class JobOption:
             text += f", experts on {self.experts['axis']}" if self.experts["size"] > 1 else ", experts replicated"
         if self._batch_replicated():
             text += ", batch replicated"
+        if self.hosts:
+            text += ", hosts " + " x ".join(f"{k}={v}" for k, v in self.hosts.items())
         return text + (f", remat={self.remat}" if self.remat != "none" else "")
 
     def _batch_replicated(self) -> bool:
@@ -102,6 +114,7 @@ class JobOption:
         return {"mesh": dict(self.mesh), "zero": self.zero, "grad_accum": self.grad_accum, "remat": self.remat,
                 "context": dict(self.context) if self.context else None,
                 "experts": dict(self.experts) if self.experts else None,
+                "hosts": dict(self.hosts) if self.hosts else None,
                 "pipeline": dict(self.pipeline) if self.pipeline else None, "time_s": self.time_s, "memory_bytes": self.memory_bytes, "argument_bytes": self.argument_bytes,
                 "temp_bytes": self.temp_bytes, "verdict": self.verdict}
 
@@ -175,6 +188,32 @@ class JobSearchResult:
         return {"chosen": self.chosen.row(), "remat": self.remat, "candidates": [o.row() for o in self.candidates],
                 "dry_run": dict(self.dry_run) if self.dry_run else None, "memory_budget": self.memory_budget,
                 "config": self.config.to_dict()}
+
+
+def host_layouts(sizes: Mapping[str, int], hosts: int) -> list[dict[str, int]]:
+    """Every way ``hosts`` hosts split over the axes of a mesh of ``sizes``: ``{axis: factor}``
+    with each factor dividing its axis and their product ``hosts`` (``[{}]`` for one host).
+
+    >>> host_layouts({"data": 4, "model": 2}, 2)
+    [{'data': 2}, {'model': 2}]
+    """
+    out: list[dict[str, int]] = [{}]
+    for axis, size in sizes.items():
+        out = [{**lay, **({axis: f} if f > 1 else {})} for lay in out for f in range(size, 0, -1)
+               if size % f == 0 and hosts % (math.prod(lay.values()) * f) == 0]
+    return [lay for lay in out if math.prod(lay.values()) == hosts]
+
+
+def host_count(devices: int, params: CostParams) -> int:
+    """Hosts a job of ``devices`` spans under ``params`` (1 with one network); a ``ValueError``
+    when ``devices_per_host`` does not divide ``devices``."""
+    per = params.devices_per_host
+    if per is None or params.inter_host_bandwidth is None or devices <= per:
+        return 1
+    if devices % per:
+        raise ValueError(f"search_job: devices={devices} do not fill hosts of CostParams.devices_per_host={per}; "
+                         f"search a multiple of {per} devices, or set devices_per_host to the devices of one host")
+    return devices // per
 
 
 def mesh_shapes(devices: int) -> list[dict[str, int]]:
@@ -260,8 +299,7 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
         # each policy on the blocks the Trainer's step recomputes (a StagedLoss names them)
         order = loss_fn.order if isinstance(loss_fn, StagedLoss) else None
         loss_of = {r: remat_loss(abstract, loss_fn, r, order) for r in space.remat}
-        options += plain_options(JobOption, abstract, loss_of, batch, base, shapes, space, params=params,
-                                 strategies_of=_strategies)
+        options += _placed_options(abstract, loss_of, batch, base, shapes, space, params)
     blocks: set[str] = set()
     pipe_loss = loss_fn if pipeline_loss is None else pipeline_loss
     staged = [p for p in space.pipeline_stages if p > 1]
@@ -272,6 +310,7 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
                          f"grad_accum={space.grad_accum} x data sizes of {shapes}, nor the pipeline's micro-batches")
     options.sort(key=lambda o: (o.memory_bytes > memory_budget, o.time_s, o.memory_bytes))
     done: list[JobOption] = []
+    refused: list[str] = []
     chosen = report = config = None
     for o in options:
         fits = o.memory_bytes <= memory_budget
@@ -286,8 +325,18 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
                 names = declared_names(base, nnx.state(abstract, nnx.Param))
                 cfg = option_config(o, base, space.search_name, zero, names)
                 build = with_constraint(model_fn, cfg) if needs_constraint(o) else model_fn
-            report = _dry_run(dry_run, build, pipe_loss if o.pipeline else loss_fn, batch, cfg, tx, memory_budget) \
-                if dry_run not in (None, False) else None
+            cfg = dataclasses.replace(cfg, hosts=dict(o.hosts or {}))
+            # a layout's memory does not depend on which devices share a host: on fewer processes
+            # than its hosts (the simulated devices of one) the dry run compiles it as one host
+            local = cfg if math.prod(cfg.hosts.values()) == jax.process_count() else dataclasses.replace(cfg, hosts={})
+            try:
+                report = _dry_run(dry_run, build, pipe_loss if o.pipeline else loss_fn, batch, local, tx,
+                                  memory_budget) if dry_run not in (None, False) else None
+            except StageCollectiveError as e:     # a program the Trainer would refuse: the next candidate
+                refused.append(f"{o.label()}: {e}")
+                done.append(dataclasses.replace(o, verdict="refused by its dry run (a collective inside a "
+                                                          "pipeline stage's op)"))
+                continue
             if report is None or report["fits"]:
                 chosen, config = o, cfg
                 verdict = "CHOSEN" + (" (dry run confirms)" if report else "")
@@ -298,6 +347,9 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
         done.append(dataclasses.replace(o, verdict=verdict))
         if chosen is not None and o is chosen:
             chosen = done[-1]
+    if chosen is None and refused:
+        raise ValueError(f"search_job: every option that fits memory_budget={memory_budget:,.0f} B and was "
+                         f"compiled was refused by its dry run; the first: {refused[0]}")
     if chosen is None:
         smallest = min(options, key=lambda o: o.memory_bytes)
         raise ValueError(f"search_job: nothing fits memory_budget={memory_budget:,.0f} B per device on {devices} "
@@ -306,6 +358,36 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
                          "pipeline_stages")
     done.sort(key=lambda o: o.time_s)
     return JobSearchResult(chosen, config, tuple(done), report, memory_budget)
+
+
+def _placed_options(abstract, loss_of, batch, base, shapes, space: JobSearchSpace, params: CostParams) -> list:
+    """The unpipelined options (`plain_options`); on several hosts, those of every mesh shape
+    under each of its `host_layouts`, priced with `CostParams.placed`."""
+    hosts = host_count(space.devices, params)
+    if hosts == 1:
+        return plain_options(JobOption, abstract, loss_of, batch, base, shapes, space, params=params,
+                             strategies_of=_strategies)
+    out = []
+    for cp in space.context:
+        n = space.devices // cp
+        meshes = shapes if cp == 1 else [{"data": n // m, "model": m} for m in range(1, n + 1) if n % m == 0]
+        for shape in meshes:
+            real = dict(shape) if cp == 1 else {"context": cp, **shape}
+            # the search sees data x context folded into one 'data' axis (`jaxpar.auto.context.fold`)
+            seen = dict(shape) if cp == 1 else {**shape, "data": shape["data"] * cp}
+            for layout in host_layouts(real, hosts):
+                placed = params.placed(layout, real)
+                if cp > 1:
+                    folded = {"data": layout.get("data", 1) * layout.get("context", 1), "model": layout.get("model", 1)}
+                    placed = dataclasses.replace(placed, hosts=folded)
+
+                def only(graph, loss_fn, part, cfg, sizes, *args, seen=seen, **kw):
+                    return _strategies(graph, loss_fn, part, cfg, sizes, *args, **kw) if dict(sizes) == seen else []
+
+                found = plain_options(JobOption, abstract, loss_of, batch, base, [shape],
+                                      dataclasses.replace(space, context=(cp,)), params=placed, strategies_of=only)
+                out += [dataclasses.replace(o, hosts=layout) for o in found]
+    return out
 
 
 def memory_floor(abstract, batch, devices: int, params: CostParams) -> tuple[int, int, int]:
@@ -383,12 +465,14 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, space: Jo
             stacked = stacked_params(graph, layers)
             paths |= {path for path, t in graph.params if t in stacked}
             h = jax.eval_shape(loss_fn.embed, abstract, part)
-            for inner in mesh_shapes(space.devices // p):
+            for inner, layout in [(inner, layout) for inner in mesh_shapes(space.devices // p)
+                                  for layout in host_layouts({"pipe": p, **inner}, host_count(space.devices, params))]:
                 if (rows // m) % inner["data"]:
                     continue
+                placed = params.placed(layout, {"pipe": p, **inner}) if layout else params
                 # a stage runs its chunk on m micro-batches in m + p - 1 slots (GPipe, 1F1B: the
                 # bubble's p - 1), and all-reduces its gradients once per step
-                strategy = _strategies(graph, loss_fn, part, base, inner, space.search_name, params, None,
+                strategy = _strategies(graph, loss_fn, part, base, inner, space.search_name, placed, None,
                                        runs=m + p - 1)[0]
                 axes = [a for _, _, a in strategy.classes]
                 for z in space.zero_levels:
@@ -396,13 +480,14 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, space: Jo
                         continue
                     for name in fits:
                         v = 2 if name == "interleaved" else 1       # the config's virtual_stages
-                        t, a, tmp = price_pipeline(graph, axes, inner, params, stages=p, microbatches=m,
+                        t, a, tmp = price_pipeline(graph, axes, inner, placed, stages=p, microbatches=m,
                                                    layers=layers, activation_bytes=h.size * h.dtype.itemsize,
                                                    schedule=name, virtual_stages=v, zero=z,
                                                    threshold_kb=base.optimizer.threshold_kb, flags=flags)
                         if math.isfinite(t):
                             pipe = {"stages": p, "microbatches": m, "schedule": name, "virtual_stages": v}
-                            options.append(JobOption({"pipe": p, **inner}, 1, z, strategy, t, a, tmp, pipeline=pipe))
+                            options.append(JobOption({"pipe": p, **inner}, 1, z, strategy, t, a, tmp, pipeline=pipe,
+                                                     hosts=layout or None))
     return paths
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from jaxpar.pipeline.branches import parse_branch_label
 from jaxpar.report.collectives import Collective, _hlo_text, _INSTR, _parse_module, collectives
 
-__all__ = ["StageCollective", "stage_collectives", "check_stage_collectives", "checked_step"]
+__all__ = ["StageCollective", "StageCollectiveError", "stage_collectives", "check_stage_collectives", "checked_step"]
 
 _MARK = "pipeline_op("
 
@@ -51,6 +51,11 @@ class StageCollective:
     frames: tuple[tuple[str, int, str], ...]
     op_name: str
     reason: str
+
+
+class StageCollectiveError(ValueError):
+    """What `check_stage_collectives` raises: the program holds a collective that a pipeline stage's
+    op must not (a ``ValueError``; the job search rules out a candidate whose dry run raises it)."""
 
 
 def stage_collectives(compiled_or_hlo_text, mesh, axis: str = "pipe") -> list[StageCollective]:
@@ -116,8 +121,20 @@ def check_stage_collectives(compiled_or_hlo_text, mesh, axis: str = "pipe", jaxp
     param = (f" on the stage parameter{'s' if len(params) > 1 else ''} {', '.join(params)}"
              if params else "")
     line = f" at {where[0]}:{where[1]} ({where[2]})" if where else ""
-    raise ValueError(
-        f"pipeline: {stage} holds a {c.kind} over mesh axis {on}{line}{param}, which XLA placed inside that op's "
+    a = "an" if c.kind.startswith("all") else "a"
+    if axes == (axis,) or not axes:      # only the pipe axis: a value crosses stages inside the op
+        raise StageCollectiveError(
+            f"pipeline: {stage} holds {a} {c.kind} between pipeline stages (mesh axis '{axis}'){line}{param}, "
+            f"which XLA placed inside that op's branch of the pipeline{also}. Only the devices of the stages "
+            f"running the op take the branch and {first.reason}: the program would hang or abort, so it was "
+            f"not run. It is a cross-stage collective inside a stage's op: the stage's computation reads or "
+            f"writes a value held by another stage. Fix one of: keep values that cross stages out of the stage "
+            f"function (pass them in the micro-batch, or as parameters of the stage's own layers); do not split "
+            f"activations or non-layer parameters over '{axis}' (only the stacked layers' \"layers\" axis "
+            f"goes to '{axis}' in the rules); or compute what needs the other stage's value in the embedding "
+            f"or the loss, outside the stages.")
+    raise StageCollectiveError(
+        f"pipeline: {stage} holds {a} {c.kind} over mesh axis {on}{line}{param}, which XLA placed inside that op's "
         f"branch of the pipeline{also}. Only the devices of the stages running the op take the branch and "
         f"{first.reason}: the program would hang or abort, so it was not run. XLA adds it because that "
         f"computation needs a resharding inside the stage: e.g. a jnp.split or slice of a dimension split "

@@ -12,6 +12,7 @@ from flax import nnx
 from jaxpar.config import ParallelConfig
 from jaxpar.mesh import make_mesh
 from jaxpar.nn import init
+from jaxpar.report.stage_collectives import check_stage_collectives
 from jaxpar.train.trainer import Trainer
 
 
@@ -20,10 +21,17 @@ def compile_step(model_fn: Callable[[], nnx.Module], loss_fn: Callable, batch, c
     """The compiled training step of ``config`` on the first devices of ``jax.devices()``: the
     model built sharded (``jaxpar.init``), the Trainer's step lowered for ``batch`` and compiled.
 
-    What the job search's dry run calls (``search_job(..., dry_run=compile_step)``).
+    What the job search's dry run calls (``search_job(..., dry_run=compile_step)``). A pipelined
+    step that the Trainer would refuse before running it (a collective a stage's op must not hold:
+    `jaxpar.report.stage_collectives`) is refused here too, with a
+    ``jaxpar.report.stage_collectives.StageCollectiveError`` naming the stage, the mesh axis and
+    the model's line; the search rules such a candidate out.
     """
     n = math.prod(config.mesh.values())
     mesh = make_mesh(config, devices=jax.devices()[:n])
     trainer = Trainer(init(model_fn, config, mesh), tx or optax.adamw(1e-3), loss_fn, config, mesh,
                       example_batch=batch)       # mode "auto" searches on it first
-    return trainer.lower(batch).compile()
+    compiled = trainer.lower(batch).compile()
+    if trainer.plan.pipeline.stages > 1:
+        check_stage_collectives(compiled, mesh, config.pipeline.axis)
+    return compiled
