@@ -1,6 +1,11 @@
-"""Cluster detection from each source's environment variables and files (no processes started)."""
+"""Cluster detection from each source's environment variables and files, and the SLURM batch
+script of examples/slurm run on two simulated nodes (the only test here that starts processes)."""
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -292,3 +297,88 @@ def test_spec_is_frozen_and_validates():
         spec.process_id = 0
     with pytest.raises(ValueError, match="num_processes=0"):
         ClusterSpec(num_processes=0)
+
+
+# --- examples/slurm: the sbatch script, run by a stand-in for srun on this machine ---
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+SLURM_EXAMPLE = REPO / "examples" / "slurm"
+
+# What srun does in an allocation, for what the test needs: one task per node, each with the
+# step's variables (SLURM_NODEID, SLURM_PROCID, SLURM_STEP_*), and --kill-on-bad-exit.
+FAKE_SRUN = """#!{python}
+import os, subprocess, sys, time
+args = sys.argv[1:]
+assert "--ntasks-per-node=1" in args and "--kill-on-bad-exit=1" in args, args
+command = args[next(i for i, a in enumerate(args) if not a.startswith("-")):]
+nodes = int(os.environ["SLURM_JOB_NUM_NODES"])
+step = {{"SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": os.environ["SLURM_JOB_NODELIST"],
+         "SLURM_STEP_NUM_NODES": str(nodes), "SLURM_STEP_NUM_TASKS": str(nodes),
+         "SLURM_NTASKS": str(nodes), "SLURM_NNODES": str(nodes)}}
+tasks = [subprocess.Popen(command, env={{**os.environ, **step, "SLURM_NODEID": str(i),
+                                        "SLURM_PROCID": str(i), "SLURM_LOCALID": "0"}})
+         for i in range(nodes)]
+while any(t.poll() is None for t in tasks):
+    if any(t.poll() not in (None, 0) for t in tasks):
+        for t in tasks:
+            if t.poll() is None:
+                t.kill()
+    time.sleep(0.1)
+sys.exit(next((t.returncode for t in tasks if t.returncode), 0))
+"""
+
+
+def _slurm_env(tmp_path, **more):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    srun = bin_dir / "srun"
+    srun.write_text(FAKE_SRUN.format(python=sys.executable))
+    srun.chmod(0o755)
+    path = f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}"
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("JAXPAR_", "SLURM_"))}
+    return {**base, "PATH": path, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", **more}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_sbatch_script_trains_on_two_simulated_nodes(tmp_path, tag):
+    """examples/slurm/train.sbatch as sbatch runs it on 2 nodes: srun starts launch_node.sh once
+    per node, each runs `jaxpar launch` for its node, and the 2 workers (4 CPU devices each)
+    form one job whose cross-process sums and global batches agree on both ranks."""
+    from jaxpar.launch.ports import free_port
+
+    out = tmp_path / "out"
+    out.mkdir()
+    env = _slurm_env(tmp_path, SLURM_JOB_ID="4242", SLURM_JOB_NUM_NODES="2",
+                     SLURM_JOB_NODELIST="localhost,localhost", MASTER_PORT=str(free_port()),
+                     LOG_DIR=str(tmp_path / "logs"),
+                     LAUNCH_OPTIONS="--simulated-devices 4 --cluster-time-out 60")
+    command = ["bash", str(SLURM_EXAMPLE / "train.sbatch"), "tests/workers/psum_worker.py",
+               "--out", str(out), "--steps", "2", "--step-psum", "--tag", tag]
+    run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=100)
+    logs = "\n".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*.log")))
+    assert run.returncode == 0, run.stderr + logs
+    results = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(2)]
+    for rank, result in enumerate(results):
+        assert result["rank"] == rank and result["source"] == "env"
+        assert (result["process_count"], result["device_count"], result["local_device_count"]) == (2, 8, 4)
+        assert result["psum"] == 8.0 and result["batch_equal"] and result["full_equal"]
+    launchers = sorted(p.name for p in (tmp_path / "logs").glob("launcher_*.log"))
+    assert launchers == ["launcher_0.log", "launcher_1.log"]
+    assert "--master-addr" not in run.stderr  # no usage error from either launcher
+
+
+@pytest.mark.parametrize("env, words", [
+    ({}, "launch_node.sh: SLURM_JOB_ID is not set: run this under srun, one task per node"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n[1-2]",
+      "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "16"},
+     "SLURM_STEP_NUM_TASKS=16 tasks on SLURM_STEP_NUM_NODES=2 nodes: run one task per node"),
+    ({"SLURM_JOB_ID": "7", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n[1-2",
+      "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2"},
+     "launch_node.sh: SLURM_STEP_NODELIST='n[1-2' leaves a bracket open"),
+])
+def test_launch_node_script_names_what_is_wrong(tmp_path, env, words):
+    run = subprocess.run(["bash", str(SLURM_EXAMPLE / "launch_node.sh"), "train.py"], cwd=REPO,
+                         env=_slurm_env(tmp_path, **env), capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and words in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr

@@ -113,6 +113,10 @@ def test_cli_prints_manifest(monkeypatch):
     (["--simulated-devices", "0"], "simulated_devices=0 must be a positive int "
                                    "(--simulated-devices)"),
     (["--gpus-per-worker", "-1"], "(--gpus-per-worker)"),
+    (["--name", "1gpt"], "name='1gpt' must be a lowercase DNS label"),
+    (["--namespace", "ML"], "(--namespace)"),
+    (["--servers", "1", "--server-storage", "20GB"], "server_storage='20GB' must be a positive "
+                                                     "Kubernetes quantity"),
 ])
 def test_cli_mistakes_exit_2_with_one_paragraph(monkeypatch, capsys, argv, words):
     code = main(["k8s", "--workers", "2", "--image", "img", *argv, "--", "python", "t.py"])
