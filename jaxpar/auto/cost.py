@@ -22,6 +22,10 @@ forward program, with ``A(t)`` = the set of mesh axes splitting tensor ``t``:
 * **collective time**: an all-reduce of ``b`` bytes over a group of ``n`` devices takes
   ``latency + 2 (n − 1) / n · b / bandwidth`` (all-gather: ``(n − 1) / n · b / bandwidth``),
   with the slowest of the group's axes' bandwidths (``CostParams.bandwidth``, per axis).
+  Two networks (`CostParams.inter_host_bandwidth` and ``hosts``): a group spanning ``h``
+  hosts with ``a = n / h`` devices on each runs hierarchically, ``latency + f(a) · b /
+  intra + f(h) · (b / a) / inter`` (``f``: the factor above; the inside part on the links of
+  a host, the ``1/a`` share of each device between hosts).
   Gradient all-reduces (and the loss's own, which the backward pass never reads) are
   combined as XLA combines them: one latency per group of mesh axes and combiner bucket,
   and a parameter read twice reduced once (`jaxpar.auto.comm`).
@@ -71,10 +75,24 @@ class CostParams:
         collective (`jaxpar.auto.comm`): XLA:GPU's default 30 MiB; ``math.inf`` for XLA:CPU,
         which has no byte limit (`calibrate` sets it from the backend).
       combine_threshold_count: the most collectives in one combined collective (XLA: 256).
+      inter_host_bandwidth: two networks: bytes/s of a collective between hosts (InfiniBand,
+        Ethernet, DCN), per device; ``None``: one network, every group priced as inside a host.
+        ``bandwidth`` / ``default_bandwidth`` are then the links inside a host (NVLink, ICI).
+      inter_host_latency: seconds per collective between hosts (``None``: ``latency``).
+      devices_per_host: devices that share a host's fast links; `jaxpar.auto.search_job`
+        searches which factor of each axis spans hosts when its devices need several.
+      hosts: the layout priced: mesh axis -> hosts it spans (``ParallelConfig.hosts``; set it
+        with `placed`). A group over axes spanning ``h`` hosts is priced hierarchically (module
+        docstring); the inside part of a spanning axis runs at ``default_bandwidth``, and its
+        ``bandwidth`` / ``latency_per_axis`` entries hold the figures of a collective over that
+        axis alone (what `placed` writes, for code that prices one axis at a time).
 
     Example:
       >>> CostParams(flops_per_s=1e9, default_bandwidth=1e9, latency=1e-6).latency_of(("data",))
       1e-06
+      >>> two = CostParams(default_bandwidth=1e11, inter_host_bandwidth=1e10, devices_per_host=4)
+      >>> two.placed({"data": 2}, {"data": 2, "model": 4}).bandwidth
+      {'data': 10000000000.0}
     """
 
     flops_per_s: float = 1e14
@@ -87,6 +105,10 @@ class CostParams:
     temp_activation_factor: float = 1.0
     combine_threshold_bytes: float = XLA_GPU_COMBINE_BYTES
     combine_threshold_count: int = 256
+    inter_host_bandwidth: float | None = None
+    inter_host_latency: float | None = None
+    devices_per_host: int | None = None
+    hosts: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("flops_per_s", "default_bandwidth", "combine_threshold_bytes", "combine_threshold_count"):
@@ -97,6 +119,22 @@ class CostParams:
             raise ValueError("CostParams: latency, optimizer_states and temp_activation_factor must be >= 0")
         object.__setattr__(self, "bandwidth", dict(self.bandwidth))
         object.__setattr__(self, "latency_per_axis", dict(self.latency_per_axis))
+        if self.inter_host_bandwidth is not None and not self.inter_host_bandwidth > 0:
+            raise ValueError(f"CostParams.inter_host_bandwidth={self.inter_host_bandwidth!r} is invalid: use a "
+                             "positive number of bytes/s, or None for one network")
+        if self.inter_host_latency is not None and not self.inter_host_latency >= 0:
+            raise ValueError(f"CostParams.inter_host_latency={self.inter_host_latency!r} is invalid: use seconds "
+                             ">= 0, or None for `latency`")
+        if self.devices_per_host is not None and (not isinstance(self.devices_per_host, int)
+                                                  or isinstance(self.devices_per_host, bool)
+                                                  or self.devices_per_host < 1):
+            raise ValueError(f"CostParams.devices_per_host={self.devices_per_host!r} is invalid: use a positive "
+                             "int (the devices one host holds), or None for one host")
+        if not isinstance(self.hosts, Mapping) or any(
+                not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in self.hosts.values()):
+            raise ValueError(f"CostParams.hosts={self.hosts!r} is invalid: give mesh axis -> hosts it spans "
+                             "(positive ints), e.g. {'data': 2}")
+        object.__setattr__(self, "hosts", {a: n for a, n in self.hosts.items() if n > 1})
 
     def collective_time(self, kind: str, axes: Sequence[str], nbytes: float, sizes: Mapping[str, int],
                         combined: bool = False) -> float:
@@ -104,17 +142,68 @@ class CostParams:
         n = math.prod(sizes[a] for a in axes)
         if n <= 1:
             return 0.0
-        bw = min(self.bandwidth.get(a, self.default_bandwidth) for a in axes)
         lat = 0.0 if combined else self.latency_of(axes)
-        factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
-        return lat + factor * nbytes / bw
+        h = self.hosts_of(axes)
+        if h > 1:       # hierarchical: inside each host, then each device's 1/a share between hosts
+            inside = min(self.default_bandwidth if a in self.hosts else self.bandwidth.get(a, self.default_bandwidth)
+                         for a in axes)
+            return lat + self._between(kind, n, h, nbytes, inside)
+        bw = min(self.bandwidth.get(a, self.default_bandwidth) for a in axes)
+        return lat + _factor(kind, n) * nbytes / bw
+
+    def _between(self, kind: str, n: int, h: int, nbytes: float, inside: float) -> float:
+        """Seconds (no latency) of a collective over ``n`` devices on ``h`` hosts."""
+        a = n // h
+        return _factor(kind, a) * nbytes / inside + _factor(kind, h) * nbytes / a / self.inter_host_bandwidth
+
+    def hosts_of(self, axes: Sequence[str]) -> int:
+        """Hosts a group over ``axes`` spans (1 with one network: no ``inter_host_bandwidth``)."""
+        if self.inter_host_bandwidth is None:
+            return 1
+        return math.prod(self.hosts.get(a, 1) for a in axes)
 
     def latency_of(self, axes: Sequence[str]) -> float:
-        """Seconds of latency of one collective over ``axes`` (the slowest axis's)."""
-        return max((self.latency_per_axis.get(a, self.latency) for a in axes), default=0.0)
+        """Seconds of latency of one collective over ``axes`` (the slowest axis's; a group
+        spanning hosts: ``inter_host_latency``, if slower)."""
+        inside = max((self.latency_per_axis.get(a, self.latency) for a in axes if a not in self.hosts
+                      or self.inter_host_bandwidth is None), default=0.0)
+        if self.hosts_of(axes) > 1:
+            return max(inside, self.latency if self.inter_host_latency is None else self.inter_host_latency)
+        return inside
+
+    def placed(self, hosts: Mapping[str, int], sizes: Mapping[str, int]) -> "CostParams":
+        """These machine numbers for the layout ``hosts`` (mesh axis -> hosts it spans, the rest
+        of the axis inside a host) of a mesh of ``sizes``: ``hosts`` set, and for each spanning
+        axis the figures of a collective over it alone in ``bandwidth`` / ``latency_per_axis``
+        (an earlier layout's figures dropped), as one-axis pricing (context attention, the
+        experts' all-to-alls, pipeline sends) reads them.
+
+        >>> CostParams(inter_host_bandwidth=1e9).placed({"pipe": 2}, {"pipe": 2, "data": 4}).bandwidth
+        {'pipe': 1000000000.0}
+        """
+        for a, n in hosts.items():
+            if a not in sizes or sizes[a] % n:
+                raise ValueError(f"CostParams.placed: hosts={dict(hosts)} puts axis {a!r} on {n} hosts, but the mesh "
+                                 f"{dict(sizes)} {'has no such axis' if a not in sizes else f'gives it {sizes[a]}'}; "
+                                 f"use divisors of the axis sizes")
+        bandwidth = {a: b for a, b in self.bandwidth.items() if a not in self.hosts}
+        latency = {a: t for a, t in self.latency_per_axis.items() if a not in self.hosts}
+        out = dataclasses.replace(self, hosts=dict(hosts), bandwidth=bandwidth, latency_per_axis=latency)
+        if self.inter_host_bandwidth is None:
+            return out
+        for a in out.hosts:
+            n, h = sizes[a], out.hosts[a]
+            bandwidth[a] = _factor("all-gather", n) / out._between("all-gather", n, h, 1.0, self.default_bandwidth)
+            latency[a] = out.latency_of((a,))
+        return dataclasses.replace(out, bandwidth=bandwidth, latency_per_axis=latency)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _factor(kind: str, n: int) -> float:
+    """Bytes on the wire per byte of a ring collective over ``n`` devices."""
+    return (2 if kind == "all-reduce" else 1) * (n - 1) / n
 
 
 @dataclasses.dataclass(frozen=True)
