@@ -12,6 +12,7 @@ pull (or a save) that may not be answered yet waits in a list re-examined after 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -118,7 +119,7 @@ class Server:
         return handler(header, arrays)
 
     def _hello(self, header, arrays):
-        job = {k: header[k] for k in ("mode", "staleness", "workers")}
+        job = {k: header.get(k) for k in ("mode", "staleness", "workers")}
         if (job["mode"] not in ("sync", "async") or not _count(job["staleness"], 0)
                 or not _count(job["workers"], 1)):
             raise ValueError(f"hello: mode={show(job['mode'])}, staleness={show(job['staleness'])}, "
@@ -128,8 +129,12 @@ class Server:
             raise ValueError(f"this server serves a job with {self.job}; the client asks for {job}")
         fresh = self.job is None
         self.job = {**job, "restarts": self.restarts}
-        for d in header["tables"]:
-            spec = TableSpec.from_json(d)
+        tables = header.get("tables")
+        if not isinstance(tables, list):
+            raise ValueError(f"hello: tables={show(tables)}; expected a JSON array of table descriptions "
+                             "(TableSpec.to_json())")
+        specs = [_spec(d) for d in tables]   # every one checked before any is created
+        for spec in specs:
             if spec.name in self.tables and self.tables[spec.name].spec != spec:
                 raise ValueError(f"table {spec.name!r} exists here as {self.tables[spec.name].spec}; "
                                  f"the client asks for {spec}")
@@ -142,13 +147,13 @@ class Server:
 
     def _table(self, header) -> TableShard:
         name = header.get("table")
-        if name not in self.tables:
+        if not isinstance(name, str) or name not in self.tables:
             raise ValueError(f"unknown table {show(name)}; this server holds {sorted(self.tables)}")
         return self.tables[name]
 
     def _pull(self, header, arrays):
         shard = self._table(header)
-        step = int(header["step"])
+        step = _field(header, "step")
         if len(arrays) != 1:
             raise ValueError(f"a pull carries ids; this one carries {len(arrays)} arrays")
         if not shard.can_serve(step):
@@ -161,11 +166,12 @@ class Server:
         if len(arrays) != 2:
             raise ValueError(f"a push carries ids and gradients; this one carries {len(arrays)} arrays")
         shard = self._table(header)
-        step, worker = int(header["step"]), int(header["worker"])
+        step, worker = _field(header, "step"), _field(header, "worker")
+        pulled_at = _field(header, "pulled_at") if "pulled_at" in header else step
         shard.check_push(worker, *arrays)  # nothing bad reaches the log
         # The clock the rows were read at is this server's record of the worker's pull, never a
         # number the client sends: the log keeps it, so a replay takes the same decision.
-        read = shard.read_clock(worker, step, int(header.get("pulled_at", step)), len(arrays[0]))
+        read = shard.read_clock(worker, step, pulled_at, len(arrays[0]))
         logged = {"op": "push", "table": shard.spec.name, "step": step, "worker": worker, "read_clock": read}
         self.wal.append(encode(logged, tuple(arrays)))
         status = self._push(logged, arrays)
@@ -182,7 +188,7 @@ class Server:
                                         int(header.get("read_clock", header["step"])), ids, grads)
 
     def _save(self, header, arrays):
-        step = int(header["step"])
+        step = _field(header, "step")
         if self._clock() < step:
             return None
         path = self.dir / f"step-{step}.npz"
@@ -197,7 +203,7 @@ class Server:
         return {"clock": self._clock()}, ()
 
     def _restore(self, header, arrays):
-        step = int(header["step"])
+        step = _field(header, "step")
         # Snapshots of later steps belong to the history this restore leaves: a save of one of
         # those steps in the new history writes it again (their files stay for a restore to them).
         later = {s for s in self.snapshots if s > step}
@@ -228,6 +234,42 @@ def _count(value: Any, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and least <= value < (1 << 31)
 
 
+def _field(header: dict[str, Any], name: str) -> int:
+    """A request's ``step`` / ``worker`` / ``pulled_at``: an integer >= 0, or ``ValueError``
+    naming the operation, the field and the value received."""
+    value = header.get(name)
+    if not _count(value, 0):
+        got = "is missing" if name not in header else f"is {show(value)}"
+        raise ValueError(f"malformed {show(header.get('op'))} request: field {name!r} {got}; expected an "
+                         f"integer in [0, 2**31) ({'a worker index' if name == 'worker' else 'a worker step'})")
+    return value
+
+
+_SPEC_FIELDS = ("name", "rows", "dim", "optimizer", "partition", "init_scale", "seed")
+
+
+def _spec(d: Any) -> TableSpec:
+    """A table of a hello request (``TableSpec.to_json()``); a malformed one raises ``ValueError``
+    naming what is wrong."""
+    if not isinstance(d, dict):
+        raise ValueError(f"malformed 'hello' request: a table description is {show(d)}; expected a JSON object "
+                         "(TableSpec.to_json())")
+    missing = [k for k in _SPEC_FIELDS if k not in d]
+    opt = d.get("optimizer")
+    if missing or not isinstance(opt, dict) or not isinstance(opt.get("kind"), str):
+        raise ValueError(f"malformed 'hello' request: table {show(d.get('name'))} lacks fields {missing} or an "
+                         f"optimizer object with a 'kind' (got optimizer={show(opt)}); send TableSpec.to_json()")
+    bad = [k for k in ("rows", "dim") if not _count(d[k], 1)]
+    if bad:
+        raise ValueError(f"malformed 'hello' request: table {show(d.get('name'))}: "
+                         + ", ".join(f"{k}={show(d[k])}" for k in bad) + " must be integers >= 1")
+    try:
+        return TableSpec.from_json(d)
+    except TypeError:   # an optimizer field the optimizer does not take
+        raise ValueError(f"malformed 'hello' request: table {show(d.get('name'))}: optimizer {show(opt['kind'])} "
+                         f"does not take the fields {show(sorted(k for k in opt if k != 'kind'))}") from None
+
+
 def _send(sock, identity: bytes, rid: str | int | None, fields: dict, arrays: tuple = ()) -> None:
     """Sends one reply; a reply that cannot be encoded becomes an error reply (``rid`` is a short
     string, an integer or ``None``: that one always encodes)."""
@@ -245,20 +287,47 @@ def _send_error(sock, identity: bytes, rid: str | int | None, message: str) -> N
     _send(sock, identity, rid, {"ok": False, "error": message})
 
 
-def serve(server: Server, bind: str, token: str) -> None:
-    """Answers requests on ``tcp://bind`` until SIGTERM, then checkpoints and returns."""
-    stop = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+def bind_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT``) of ``--bind``, the port in 0..65535 (0: any free port); anything
+    else raises ``ValueError`` naming the value."""
+    host, _, port = text.rpartition(":")
+    if not host or not (port.isascii() and port.isdigit()) or int(port) > 65535:
+        raise ValueError(f"--bind {text!r} is not HOST:PORT with a port in 0..65535 (0: any free port); "
+                         "e.g. --bind 127.0.0.1:5555, 0.0.0.0:5555 (every interface) or [::1]:5555")
+    return host, int(port)
+
+
+def listen(bind: str) -> tuple[zmq.Context, zmq.Socket, str]:
+    """A ROUTER socket bound to ``bind`` and the address it got; an address this machine cannot
+    listen on raises ``ValueError`` naming it and what to give instead."""
+    host, port = bind_address(bind)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     # a peer (token or not) cannot make the server buffer more than this per frame
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-    host, _, port = bind.rpartition(":")
     if host.startswith("["):                     # an IPv6 address, "[::1]:PORT"
         sock.setsockopt(zmq.IPV6, 1)
-    sock.bind(f"tcp://{host}:{'*' if port == '0' else port}")  # port 0: any free port
-    bind = sock.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
+    try:
+        sock.bind(f"tcp://{host}:{port or '*'}")  # port 0: any free port
+    except zmq.ZMQError as e:
+        sock.close()
+        ctx.term()
+        if e.errno == errno.EADDRINUSE:
+            fix = (f"port {port} is in use (another server still running?): stop that process, give another "
+                   "port, or port 0 for any free one")
+        else:
+            fix = (f"{host!r} is not an address of this machine: give one of its IP addresses, 127.0.0.1 "
+                   "(loopback) or 0.0.0.0 (every interface)")
+        raise ValueError(f"--bind {bind!r}: cannot listen there ({os.strerror(e.errno)}); {fix}") from None
+    return ctx, sock, sock.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
+
+
+def serve(server: Server, ctx: zmq.Context, sock: zmq.Socket, bind: str, token: str) -> None:
+    """Answers requests on ``sock`` (bound to ``bind``, from `listen`) until SIGTERM, then
+    checkpoints and returns."""
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     print(f"{READY} {bind}", flush=True)
     waiting: list[tuple[bytes, dict, list]] = []
     while not stop:
@@ -299,13 +368,16 @@ def _answer(server: Server, sock, waiting: list) -> list:
         for identity, header, arrays in waiting:
             try:
                 reply = server.handle(header, arrays)
-            except (ValueError, TypeError, KeyError, IndexError) as e:
+            except ValueError as e:      # (the handlers' checks: a message naming what is wrong)
                 _send_error(sock, identity, header["rid"], str(e))
                 continue
             except Exception as e:   # noqa: BLE001 - one bad request (a step of 1e999, a huge table) never kills the server
                 print(f"request {show(header.get('op'))} failed: {type(e).__name__}: {str(e)[:MAX_ERROR_CHARS]}",
                       file=sys.stderr, flush=True)
-                _send_error(sock, identity, header["rid"], f"{type(e).__name__}: {e}")
+                _send_error(sock, identity, header["rid"],
+                            f"the server could not handle this {show(header.get('op'))} request ({type(e).__name__}; "
+                            "its log has the detail); check the request against the wire format "
+                            "(docs/parameter_server.md)")
                 continue
             if reply is None:
                 left.append((identity, header, arrays))
@@ -327,14 +399,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.index < args.count:
         parser.error(f"--index {args.index} must be in [0, --count {args.count})")
+    if args.checkpoint_every < 1:
+        parser.error(f"--checkpoint-every {args.checkpoint_every} must be an integer >= 1 (steps between shard "
+                     "checkpoints; the write-ahead log covers the steps between)")
     token = os.environ.get(TOKEN_ENV)
     if not token:
         parser.error(f"set the job token in the environment variable {TOKEN_ENV} (never on the command line)")
     try:
-        server = Server(args.index, args.count, args.checkpoint_dir, args.checkpoint_every)
-    except (StoreError, WireError) as e:   # a damaged log or checkpoint: one line, not a traceback
+        ctx, sock, bind = listen(args.bind)   # first: a busy port leaves the directory untouched
+    except ValueError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    serve(server, args.bind, token)
+    try:
+        server = Server(args.index, args.count, args.checkpoint_dir, args.checkpoint_every)
+    except (StoreError, WireError, OSError) as e:   # a damaged log or checkpoint: one line, not a traceback
+        sock.close()
+        ctx.term()
+        if isinstance(e, OSError):
+            e = (f"--checkpoint-dir {args.checkpoint_dir!r}: {e.strerror} ({e.filename}); give a directory this "
+                 "user can read and write")
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    serve(server, ctx, sock, bind, token)
     return 0
 
 
