@@ -12,7 +12,10 @@ truth from the mesh itself (the processes of the devices in each replica group).
 import argparse
 import json
 import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: the workers package
 
 CELLS = {
     "data_across": dict(mesh={"data": 2, "model": 4}, hosts={"data": 2}, rules={"mlp": "model"}),
