@@ -1,5 +1,6 @@
 """Strategy forms → PartitionSpec: integer tuples, Layout, logical names + rules, PartitionSpec."""
 
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -91,3 +92,14 @@ def test_layout_errors():
 def test_not_a_strategy():
     with pytest.raises(TypeError, match="is not a strategy"):
         to_partition_spec(3.5, SIZES)
+
+
+@pytest.mark.parametrize("size", [2.5, -4, 0, True, "4"])
+def test_mesh_sizes_refuses_a_size_that_is_not_a_whole_positive_number(size):
+    """A mapping given as a mesh (the plan, the search and the cost model take one) names the
+    axis and the size; ``int()`` made 2.5 into 2 and left -4 to fail far from the mistake."""
+    from jaxpar.strategy import mesh_sizes
+
+    with pytest.raises(ValueError, match=r"mesh axis 'data': size .* is not a whole number of devices"):
+        mesh_sizes({"data": size, "model": 2})
+    assert mesh_sizes({"data": np.int64(4), "model": 2.0}) == {"data": 4, "model": 2}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import numbers
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -42,11 +43,21 @@ def mesh_sizes(mesh: Any) -> dict[str, int]:
     {'data': 2, 'model': 4}
     """
     if isinstance(mesh, Mapping):
-        return {str(k): int(v) for k, v in mesh.items()}
+        return {str(k): _axis_size(k, v) for k, v in mesh.items()}
     shape = getattr(mesh, "shape", None)
     if shape is None or not hasattr(mesh, "axis_names"):
         raise TypeError(f"expected a Mesh, an AbstractMesh or a mapping axis -> size, got {type(mesh).__name__}")
     return {str(a): int(shape[a]) for a in mesh.axis_names}
+
+
+def _axis_size(axis, size) -> int:
+    """A mapping's axis size as an ``int``: a whole positive number (``4``, ``np.int64(4)``,
+    ``4.0``); ``2.5``, ``-4``, ``0``, ``True`` or ``"4"`` are refused naming the axis (``int()``
+    would have made 2.5 into 2 and left -4 to fail far from here)."""
+    if isinstance(size, bool) or not isinstance(size, numbers.Real) or size != int(size) or int(size) < 1:
+        raise ValueError(f"mesh axis {axis!r}: size {size!r} is not a whole number of devices >= 1; give each axis "
+                         "a positive integer (e.g. {'data': 2, 'model': 4})")
+    return int(size)
 
 
 def manual_axes() -> tuple[str, ...]:
