@@ -25,6 +25,7 @@ import functools
 import importlib
 import importlib.abc
 import importlib.machinery
+import inspect
 import sys
 import types
 import warnings
@@ -270,6 +271,60 @@ def removed_keywords(owner: str, removed: Mapping[str, Callable[[Any], Removed]]
 
         cls.__init__ = __init__
         return cls
+    return decorate
+
+
+def former_signature(positional: str, keywords: Mapping[str, Any]) -> inspect.Signature:
+    """A former call form as a signature to bind against: ``positional`` names the required
+    positional parameters (space separated; ``name=value`` pairs in ``keywords`` before ``"*"``
+    follow them with defaults, the rest are keyword-only)."""
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in positional.split()]
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for name, default in keywords.items():
+        if name == "*":
+            kind = inspect.Parameter.KEYWORD_ONLY
+            continue
+        params.append(inspect.Parameter(name, kind, default=default))
+    return inspect.Signature(params)
+
+
+@dataclasses.dataclass(frozen=True)
+class FormerForm:
+    """How a public function was called before its parameters became values: ``signature`` (see
+    `former_signature`), ``is_former(args, kwargs)`` tells a former call from a current one,
+    ``convert(arguments)`` turns the bound former arguments (a dict, defaults applied) into the
+    current ``(args, kwargs)``, and ``instead`` shows the current spelling in the warning."""
+
+    owner: str
+    signature: inspect.Signature
+    is_former: Callable[[tuple, dict], bool]
+    convert: Callable[[dict], tuple[tuple, dict]]
+    instead: str
+
+
+def former_form_message(form: FormerForm) -> str:
+    return (f"{form.owner}{form.signature} is deprecated: call {form.instead}; the former form works {UNTIL} "
+            f"(see {CHANGELOG})")
+
+
+def accepts_former_form(form: FormerForm) -> Callable:
+    """Decorator: a call in ``form``'s former spelling still works, with a ``DeprecationWarning``
+    naming the current one, and is passed on converted; a current call goes straight through.
+    A former call that does not bind is a ``TypeError`` naming both spellings."""
+    def decorate(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if form.is_former(args, kwargs):
+                try:
+                    bound = form.signature.bind(*args, **kwargs)
+                except TypeError as e:
+                    raise TypeError(f"{form.owner}: {e} (in the former form {form.owner}{form.signature}; "
+                                    f"call {form.instead})") from None
+                bound.apply_defaults()
+                warnings.warn(former_form_message(form), DeprecationWarning, stacklevel=2)
+                args, kwargs = form.convert(dict(bound.arguments))
+            return fn(*args, **kwargs)
+        return wrapper
     return decorate
 
 

@@ -87,9 +87,9 @@ def pipeline_run(schedule, mesh, constrain=lambda tree, batch=False: tree):
     p, v, where = schedule.stages, schedule.virtual_stages, schedule.placement
 
     def value_and_grad(params, x, t):
+        call = E.PipelineCall(stage_fn=stage_fn, loss_fn=head_loss, schedule=schedule, mesh=mesh)
         loss, (g_stage, g_head, g_x) = E.pipeline_value_and_grad(
-            stage_fn, head_loss, schedule, mesh, params["stages"], params["head"],
-            *constrain((x, t), batch=True))
+            call, params["stages"], params["head"], *constrain((x, t), batch=True))
         return loss, {"stages": g_stage, "head": g_head}, g_x
 
     @jax.jit
@@ -209,8 +209,8 @@ def test_1f1b_holds_less_temp_memory_than_gpipe():
     t = jax.ShapeDtypeStruct((m, mb, OUT), jnp.float32)
 
     def temp_bytes(name):
-        run = functools.partial(E.pipeline_value_and_grad, stage_fn, head_loss, build(name, p, m),
-                                mesh)
+        run = functools.partial(E.pipeline_value_and_grad, E.PipelineCall(
+            stage_fn=stage_fn, loss_fn=head_loss, schedule=build(name, p, m), mesh=mesh))
         return jax.jit(run).lower(stages, head, x, t).compile().memory_analysis().temp_size_in_bytes
 
     gpipe, one_f = temp_bytes("gpipe"), temp_bytes("1f1b")
@@ -291,18 +291,21 @@ def test_bad_arguments_raise_value_errors():
     mesh = mesh_of((4,), ("pipe",))
     params = init_params()
     x, t = (a[0] for a in batches())
-    run = functools.partial(E.pipeline_value_and_grad, stage_fn, head_loss)
+    call = functools.partial(E.PipelineCall, stage_fn=stage_fn, loss_fn=head_loss, mesh=mesh)
     staged = E.to_stage_layout(params["layers"], 4)
     with pytest.raises(ValueError, match="stages=2 but mesh axis 'pipe' has size 4"):
-        run(build("1f1b", 2, M), mesh, staged, params["head"], x, t)
+        call(schedule=build("1f1b", 2, M))
     with pytest.raises(ValueError, match="'stage' is not in the mesh axes"):
-        run(build("1f1b", 4, M), mesh, staged, params["head"], x, t, axis="stage")
+        call(schedule=build("1f1b", 4, M), axis="stage")
+    with pytest.raises(TypeError, match=r"PipelineCall\(schedule=...\) must be a jaxpar.pipeline.Schedule"):
+        call(schedule="1f1b")
+    run = functools.partial(E.pipeline_value_and_grad, call(schedule=build("1f1b", 4, M)))
     with pytest.raises(ValueError, match=r"params\['b'\] has shape \(8, 16\).*stages\*virtual"):
-        run(build("1f1b", 4, M), mesh, params["layers"], params["head"], x, t)
+        run(params["layers"], params["head"], x, t)
     with pytest.raises(ValueError, match="inputs has shape .* 8 micro-batches"):
-        run(build("1f1b", 4, M), mesh, staged, params["head"], x[:3], t)
+        run(staged, params["head"], x[:3], t)
     with pytest.raises(ValueError, match="same shape and dtype"):
-        E.pipeline_value_and_grad(lambda c, h: h[:, :2], head_loss, build("1f1b", 4, M), mesh,
+        E.pipeline_value_and_grad(call(stage_fn=lambda c, h: h[:, :2], schedule=build("1f1b", 4, M)),
                                   staged, params["head"], x, t)
 
 
@@ -314,8 +317,9 @@ def test_head_and_targets_are_optional():
     def loss(y):
         return jnp.mean(y ** 2)
 
-    got = jax.jit(lambda st, x: E.pipeline_value_and_grad(
-        stage_fn, lambda head, y, target: loss(y), build("zb-h1", 2, M), mesh, st, None, x))(
+    call = E.PipelineCall(stage_fn=stage_fn, loss_fn=lambda head, y, target: loss(y), schedule=build("zb-h1", 2, M),
+                          mesh=mesh)
+    got = jax.jit(lambda st, x: E.pipeline_value_and_grad(call, st, None, x))(
             E.to_stage_layout(params["layers"], 2), x)
     want = jax.value_and_grad(lambda layers, x: jnp.mean(jax.vmap(
         lambda xi: loss(stage_fn(layers, xi)))(x)), argnums=(0, 1))(params["layers"], x)
@@ -328,9 +332,30 @@ def test_docstring_examples_run():
     import doctest
 
     import jaxpar.pipeline
+    import jaxpar.pipeline.call
     import jaxpar.pipeline.stage_layout
     import jaxpar.pipeline.vshape
 
-    for module in (jaxpar.pipeline.stage_layout, jaxpar.pipeline.vshape, jaxpar.pipeline):
+    for module in (jaxpar.pipeline.stage_layout, jaxpar.pipeline.vshape, jaxpar.pipeline, jaxpar.pipeline.call):
         result = doctest.testmod(module)
         assert result.failed == 0 and result.attempted > 0
+
+
+@requires_devices(2)
+def test_the_former_call_form_warns_and_gives_the_same_values():
+    """0.1.0's ``pipeline_value_and_grad(stage_fn, loss_fn, schedule, mesh, ...)`` and
+    ``pipeline_forward(...)`` still run, warning with the ``PipelineCall`` spelling."""
+    mesh, params = mesh_of((2,), ("pipe",)), init_params()
+    x, t = (a[0] for a in batches())
+    staged, schedule = E.to_stage_layout(params["layers"], 2), build("1f1b", 2, M)
+    call = E.PipelineCall(stage_fn=stage_fn, loss_fn=head_loss, schedule=schedule, mesh=mesh, axis="pipe")
+    want = E.pipeline_value_and_grad(call, staged, params["head"], x, t)
+    with pytest.warns(DeprecationWarning, match=r"call jaxpar.pipeline.pipeline_value_and_grad\(PipelineCall\("):
+        got = E.pipeline_value_and_grad(stage_fn, head_loss, schedule, mesh, staged, params["head"], x, targets=t,
+                                        axis="pipe")
+    assert_close(got, want)
+    with pytest.warns(DeprecationWarning, match=r"jaxpar.pipeline.pipeline_forward\(stage_fn, loss_fn"):
+        forward = E.pipeline_forward(stage_fn, head_loss, schedule, mesh, staged, params["head"], x, t)
+    np.testing.assert_allclose(forward, E.pipeline_forward(call, staged, params["head"], x, t), rtol=1e-6)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'axes' .*call jaxpar.pipeline.pipeline_forward"):
+        E.pipeline_forward(stage_fn, head_loss, schedule, mesh, staged, params["head"], x, t, axes="pipe")

@@ -9,6 +9,7 @@ Example:
     Fraction(1, 9)
 """
 from jaxpar.pipeline.executor import (
+    PipelineCall,
     Program,
     forward_only,
     from_stage_layout,
@@ -41,7 +42,7 @@ from jaxpar.pipeline.stages import StagedLoss, best_split, module_paths
 from jaxpar.pipeline.vshape import dualpipe_v, zb_v
 
 __all__ = [
-    "SCHEDULES", "Kind", "Op", "PipelineLoss", "Program", "Schedule", "StagedLoss", "best_split",
+    "SCHEDULES", "Kind", "Op", "PipelineCall", "PipelineLoss", "Program", "Schedule", "StagedLoss", "best_split",
     "bubble_fraction", "build", "module_paths",
     "dualpipe_v", "forward_only", "from_stage_layout", "gpipe", "interleaved", "location", "lower",
     "one_f_one_b", "peak_activations", "pipeline_forward", "pipeline_loss", "pipeline_value_and_grad",

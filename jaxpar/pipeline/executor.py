@@ -26,6 +26,7 @@ no backward, for evaluation.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable
 
@@ -35,14 +36,17 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jaxpar import _deprecation as _dep
+
 from jaxpar.pipeline.program import (  # noqa: F401  (op codes re-exported for the job search's pricing)
     B, B_LAST, CHANNELS, DX_MB, F, F_LAST, FROM_INPUT, G_SLOT, IDLE, MB, OP, RECV_G, RECV_X, W, W_LAST,
     X_SLOT, CHUNK, Program, forward_only, lower)
 from jaxpar.pipeline.branches import branch_label, make_branches, scoped, stats_dtype
+from jaxpar.pipeline.call import PipelineCall
 from jaxpar.pipeline.schedules import Schedule, virtual_stage
 from jaxpar.pipeline.stage_layout import from_stage_layout, to_stage_layout
 
-__all__ = ["Program", "lower", "forward_only", "pipeline_value_and_grad", "pipeline_forward", "pipeline_loss",
+__all__ = ["PipelineCall", "Program", "lower", "forward_only", "pipeline_value_and_grad", "pipeline_forward", "pipeline_loss",
            "to_stage_layout", "from_stage_layout"]
 
 # --------------------------------------------------------------------------- executor
@@ -53,112 +57,99 @@ LossFn = Callable[[Any, jax.Array, Any], jax.Array]
 EmbedFn = Callable[[Any, Any], jax.Array]
 
 
+_FORMER = _dep.former_signature(
+    "stage_fn loss_fn schedule mesh stage_params head_params inputs",
+    {"targets": None, "*": None, "axis": "pipe", "specs": None, "consts": None, "embed_fn": None,
+     "embed_params": None, "stage_batch": False, "stage_aux": False})
+_CALL_FIELDS = ("stage_fn", "loss_fn", "schedule", "mesh", "axis", "specs", "embed_fn", "stage_batch", "stage_aux")
+
+
+def _former_form(owner: str) -> _dep.FormerForm:
+    """0.1.0's call: the functions, the schedule and the mesh beside the arrays."""
+    def convert(a: dict) -> tuple[tuple, dict]:
+        call = PipelineCall(**{k: a[k] for k in _CALL_FIELDS})
+        return ((call, a["stage_params"], a["head_params"], a["inputs"], a["targets"]),
+                {"consts": a["consts"], "embed_params": a["embed_params"]})
+
+    return _dep.FormerForm(owner, _FORMER, lambda args, kwargs: not (args and isinstance(args[0], PipelineCall)),
+                           convert, f"{owner}(PipelineCall(stage_fn=..., loss_fn=..., schedule=..., mesh=..., "
+                                    f"axis=..., ...), stage_params, head_params, inputs, targets, consts=..., "
+                                    f"embed_params=...)")
+
+
+@_dep.accepts_former_form(_former_form("jaxpar.pipeline.pipeline_value_and_grad"))
 def pipeline_value_and_grad(
-    stage_fn: StageFn,
-    loss_fn: LossFn,
-    schedule: Schedule,
-    mesh: Mesh,
+    call: PipelineCall,
     stage_params: Any,
     head_params: Any,
     inputs: jax.Array,
     targets: Any = None,
     *,
-    axis: str = "pipe",
-    specs: tuple[Any, ...] | None = None,
     consts: Any = None,
-    embed_fn: EmbedFn | None = None,
     embed_params: Any = None,
-    stage_batch: bool = False,
-    stage_aux: bool = False,
 ) -> tuple[Any, tuple[Any, Any, Any]]:
-    """Mean loss over micro-batches and its gradients, run as the pipeline ``schedule``.
+    """Mean loss over micro-batches and its gradients, run as the pipeline ``call.schedule``.
 
     The model is ``loss_fn(head, stage_fn(θ[k-1], ... stage_fn(θ[0], x)), target)``
     averaged over the ``m`` micro-batches, with ``k = p·v`` chunks.
 
     Args:
-      stage_fn: ``stage_fn(chunk_params, x) -> y``, one model chunk; ``y`` has the shape
-        and dtype of ``x``. Runs inside ``shard_map`` manual over ``axis`` only.
-      loss_fn: ``loss_fn(head_params, y, target) -> scalar`` on the last chunk's output.
-      schedule: a ``Schedule`` with ``stages`` equal to the size of mesh axis ``axis``.
-      mesh: the mesh; axes other than ``axis`` stay automatic (data / tensor sharding of
-        the arguments carries through).
+      call: a ``PipelineCall``: the stage, loss (and embedding) functions, the schedule, the
+        mesh and the pipe axis (see its fields).
       stage_params: pytree whose leaves have a leading axis of ``p·v`` chunks in stage
-        layout (see ``to_stage_layout``), sharded or shardable over ``axis``.
-      head_params: pytree used by ``loss_fn`` (replicated over ``axis``), or ``None``.
-      inputs: ``[m, micro_batch, ...]`` activations entering chunk 0.
+        layout (see ``to_stage_layout``), sharded or shardable over ``call.axis``.
+      head_params: pytree used by ``loss_fn`` (replicated over the pipe axis), or ``None``.
+      inputs: ``[m, micro_batch, ...]`` activations entering chunk 0 (with ``call.embed_fn``:
+        a pytree of ``[m, ...]`` raw inputs).
       targets: pytree of ``[m, ...]`` arrays handed to ``loss_fn`` per micro-batch, or None.
-      axis: the pipe mesh axis.
-      specs: ``(stage_specs, head_specs, activation_spec)``: ``PartitionSpec`` trees over the
-        *other* mesh axes for one chunk of ``stage_params`` (without its two leading axes),
-        for ``head_params``, and the spec of one micro-batch's activations. Each op's
-        operands and results are pinned to them, so no layout chosen outside (e.g. a ZeRO
-        shard of the update) propagates into the per-stage branches, where a resharding
-        collective would run on the devices of some stages only (a deadlock).
       consts: a pytree in stage layout like ``stage_params`` that is not differentiated
         (e.g. the blocks' RNG state); ``stage_fn`` is then called as
         ``stage_fn(chunk, x, const_chunk)``.
-      embed_fn: ``embed_fn(embed_params, micro_batch_inputs) -> x``, run by the first
-        virtual stage only: ``inputs`` is then a pytree of ``[m, ...]`` raw inputs (token
-        ids), and only one micro-batch's activation crosses a stage boundary per step.
-      embed_params: what ``embed_fn`` reads (replicated over ``axis``; may share arrays
-        with ``head_params``: a tied table gets a gradient for each use).
-      stage_batch: ``stage_fn`` also takes the micro-batch's ``targets`` as its last
-        argument (what a stage needs beside the activation: positions, segment ids).
-      stage_aux: ``stage_fn`` returns ``(y, aux_loss, stats)``: the scalar ``aux_loss`` (e.g.
-        the MoE layers' load-balancing loss) is added to the loss, averaged over the
-        micro-batches like it, and differentiated; ``stats`` (a pytree of arrays, e.g. routing
-        metrics) is averaged over the micro-batches per chunk (integers: summed) and returned in
-        stage layout.
+      embed_params: what ``call.embed_fn`` reads (replicated over the pipe axis; may share
+        arrays with ``head_params``: a tied table gets a gradient for each use).
 
     Returns:
       ``(loss, (stage_grads, head_grads, last))``: ``last`` is the embedding's gradient
       with ``embed_fn``, else the gradient of ``inputs`` (same shape), for back-propagating
-      into whatever produced them. With ``stage_aux``, ``loss`` is ``(loss, stats)``.
+      into whatever produced them. With ``call.stage_aux``, ``loss`` is ``(loss, stats)``.
 
     Example:
-        >>> loss, (g_blocks, g_head, g_x) = pipeline_value_and_grad(  # doctest: +SKIP
-        ...     block_stack, head_loss, build("1f1b", 4, 8), mesh, blocks, head, x, y)
+        >>> call = PipelineCall(stage_fn=block_stack, loss_fn=head_loss,  # doctest: +SKIP
+        ...                     schedule=build("1f1b", 4, 8), mesh=mesh)
+        >>> loss, (g_blocks, g_head, g_x) = pipeline_value_and_grad(call, blocks, head, x, y)  # doctest: +SKIP
     """
-    loss, stats, stage_grads, head_grads, last = _run(
-        stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs, consts,
-        embed_fn, embed_params, stage_batch, stage_aux)
-    return ((loss, stats) if stage_aux else loss), (stage_grads, head_grads, last)
+    loss, stats, stage_grads, head_grads, last = _run(call, (stage_params, head_params, inputs, targets, consts,
+                                                             embed_params))
+    return ((loss, stats) if call.stage_aux else loss), (stage_grads, head_grads, last)
 
 
+@_dep.accepts_former_form(_former_form("jaxpar.pipeline.pipeline_forward"))
 def pipeline_forward(
-    stage_fn: StageFn,
-    loss_fn: LossFn,
-    schedule: Schedule,
-    mesh: Mesh,
+    call: PipelineCall,
     stage_params: Any,
     head_params: Any,
     inputs: jax.Array,
     targets: Any = None,
     *,
-    axis: str = "pipe",
-    specs: tuple[Any, ...] | None = None,
     consts: Any = None,
-    embed_fn: EmbedFn | None = None,
     embed_params: Any = None,
-    stage_batch: bool = False,
-    stage_aux: bool = False,
 ) -> Any:
-    """Mean loss over micro-batches, forwards only: ``schedule``'s F ops, no backward.
+    """Mean loss over micro-batches, forwards only: ``call.schedule``'s F ops, no backward.
 
-    Arguments as for ``pipeline_value_and_grad``; ``schedule`` may be a training schedule
+    Arguments as for ``pipeline_value_and_grad``; the schedule may be a training schedule
     (its forwards are kept, see ``forward_only``). What ``evaluate`` and inference run.
-    Returns the loss, or ``(loss, stats)`` with ``stage_aux``.
+    Returns the loss, or ``(loss, stats)`` with ``call.stage_aux``.
 
     Example:
-        >>> loss = pipeline_forward(  # doctest: +SKIP
-        ...     block_stack, head_loss, build("zb-v", 4, 8), mesh, blocks, head, x, y)
+        >>> call = PipelineCall(stage_fn=block_stack, loss_fn=head_loss,  # doctest: +SKIP
+        ...                     schedule=build("zb-v", 4, 8), mesh=mesh)
+        >>> loss = pipeline_forward(call, blocks, head, x, y)  # doctest: +SKIP
     """
+    schedule = call.schedule
     if any(op is not None and op.kind.value != "F" for row in schedule.table for op in row):
-        schedule = forward_only(schedule)
-    loss, stats = _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs,
-                       consts, embed_fn, embed_params, stage_batch, stage_aux)[:2]
-    return (loss, stats) if stage_aux else loss
+        call = dataclasses.replace(call, schedule=forward_only(schedule))
+    loss, stats = _run(call, (stage_params, head_params, inputs, targets, consts, embed_params))[:2]
+    return (loss, stats) if call.stage_aux else loss
 
 
 def _canonical(stage_fn: Callable, with_consts: bool, stage_batch: bool, stage_aux: bool) -> Callable:
@@ -178,21 +169,22 @@ def _canonical(stage_fn: Callable, with_consts: bool, stage_batch: bool, stage_a
     return fn
 
 
-def _run(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs, targets, axis, specs, consts,
-         embed_fn=None, embed_params=None, stage_batch=False, stage_aux=False):
-    """The shard_map of the executor: ``(loss, stats, stage_grads, head_grads, last)`` (forward-only:
-    the first two)."""
+def _run(call: PipelineCall, arrays: tuple):
+    """The shard_map of the executor on ``arrays`` = ``(stage_params, head_params, inputs, targets,
+    consts, embed_params)``: ``(loss, stats, stage_grads, head_grads, last)`` (forward-only: the
+    first two)."""
+    stage_params, head_params, inputs, targets, consts, embed_params = arrays
+    schedule, axis, embed_fn = call.schedule, call.axis, call.embed_fn
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
-    _check_args(mesh, axis, p, m, v, stage_params, inputs, targets, embed_fn is not None)
-    fn = _canonical(stage_fn, consts is not None, stage_batch, stage_aux)
+    _check_args(schedule, stage_params, inputs, targets, embed_fn is not None)
+    fn = _canonical(call.stage_fn, consts is not None, call.stage_batch, call.stage_aux)
     consts = () if consts is None else consts
     embed_params = () if embed_fn is None or embed_params is None else embed_params
     stats = _check_stage_fn(fn, stage_params, consts, _activation(embed_fn, embed_params, inputs), targets)
     program = lower(schedule)
     out_specs = (P(), P(axis)) + (() if program.forward_only else (P(axis), P(), P()))
     run = jax.shard_map(
-        _make_body(fn, loss_fn, program, axis, m, specs, embed_fn, stats, schedule.placement), mesh=mesh,
-        axis_names={axis},
+        _make_body(call, fn, program, stats), mesh=call.mesh, axis_names={axis},
         in_specs=(P(axis), P(), P(), P(), P(axis), P(), P(axis)), out_specs=out_specs, check_vma=True)
     return run(stage_params, head_params, inputs, targets, consts, embed_params, jnp.arange(p, dtype=jnp.int32))
 
@@ -221,7 +213,8 @@ def pipeline_loss(
         >>> f = pipeline_loss(blocks_fn, head_loss, build("1f1b", 4, 8), mesh)  # doctest: +SKIP
         >>> g = jax.grad(lambda e: f(blocks, head, embed(e, tokens), labels))(e)  # doctest: +SKIP
     """
-    kw = dict(axis=axis, specs=specs, embed_fn=embed_fn, stage_batch=stage_batch, stage_aux=stage_aux)
+    call = PipelineCall(stage_fn=stage_fn, loss_fn=loss_fn, schedule=schedule, mesh=mesh, axis=axis, specs=specs,
+                        embed_fn=embed_fn, stage_batch=stage_batch, stage_aux=stage_aux)
 
     def pair(value):   # one output structure, (loss, stats), for the custom_vjp
         return value if stage_aux else (value, ())
@@ -229,13 +222,12 @@ def pipeline_loss(
     @jax.custom_vjp
     def loss(stage_params, head_params, inputs, targets, consts, emb):
         # The primal runs only when nothing differentiates the call: forwards alone suffice.
-        return pair(pipeline_forward(stage_fn, loss_fn, schedule, mesh, stage_params, head_params, inputs,
-                                     targets, consts=consts if with_consts else None, embed_params=emb, **kw))
+        return pair(pipeline_forward(call, stage_params, head_params, inputs, targets,
+                                     consts=consts if with_consts else None, embed_params=emb))
 
     def fwd(stage_params, head_params, inputs, targets, consts, emb):
-        value, grads = pipeline_value_and_grad(stage_fn, loss_fn, schedule, mesh, stage_params, head_params,
-                                               inputs, targets, consts=consts if with_consts else None,
-                                               embed_params=emb, **kw)
+        value, grads = pipeline_value_and_grad(call, stage_params, head_params, inputs, targets,
+                                               consts=consts if with_consts else None, embed_params=emb)
         return pair(value), (grads, inputs, targets, consts, emb)
 
     def bwd(res, cotangent):
@@ -272,13 +264,9 @@ def _zero_cotangent(a):
     return np.zeros(a.shape, jax.dtypes.float0)
 
 
-def _check_args(mesh, axis, p, m, v, stage_params, inputs, targets, embedding: bool = False) -> None:
-    if axis not in mesh.shape:
-        raise ValueError(f"pipeline axis {axis!r} is not in the mesh axes {list(mesh.shape)}; "
-                         f"add it to the mesh or pass axis=<one of them>")
-    if mesh.shape[axis] != p:
-        raise ValueError(f"schedule has stages={p} but mesh axis {axis!r} has size "
-                         f"{mesh.shape[axis]}; build the schedule with {mesh.shape[axis]} stages")
+def _check_args(schedule: Schedule, stage_params, inputs, targets, embedding: bool = False) -> None:
+    """The arrays against the schedule (the mesh and the axis were checked by ``PipelineCall``)."""
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual_stages
     for path, leaf in jax.tree_util.tree_leaves_with_path(stage_params):
         if leaf.ndim == 0 or leaf.shape[0] != p * v:
             raise ValueError(
@@ -357,18 +345,19 @@ def _branch_keys(program: Program, embedding: bool) -> tuple[np.ndarray, list]:
     return code, keys
 
 
-def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=None, embed_fn=None, stats=(),
-               placement: str = "loop"):
+def _make_body(call: PipelineCall, stage_fn, program: Program, stats=()):
+    """The per-stage body of the shard_map; ``stage_fn``: ``call.stage_fn`` as the branches call it."""
+    axis, embed_fn, specs, m = call.axis, call.embed_fn, call.specs, call.schedule.microbatches
     code, keys = _branch_keys(program, embed_fn is not None)
-    branches = make_branches(keys, stage_fn, loss_fn, embed_fn, program.split_backward, m, program.forward_only,
-                             stats)
+    branches = make_branches(keys, stage_fn, call.loss_fn, embed_fn, program.split_backward, m,
+                             program.forward_only, stats)
     varying = functools.partial(_varying, axis=axis)
     stage_specs, head_specs, act_spec, embed_specs = (tuple(specs) + (None,))[:4] if specs else (None,) * 4
     if specs is not None:
         branches = [_pinned_branch(b, stage_specs, head_specs, act_spec, embed_specs) for b in branches]
     # each branch's ops carry its name (op, stages, virtual stages) into the compiled program, where
     # jaxpar.report.stage_collectives finds the collectives a branch holds and names who runs it
-    branches = [scoped(b, branch_label(key, *_runners(code, i, placement, key[0] != "I")))
+    branches = [scoped(b, branch_label(key, *_runners(code, i, call.schedule.placement, key[0] != "I")))
                 for i, (b, key) in enumerate(zip(branches, keys))]
 
     def body(params, head, inputs, targets, consts, emb, index):
@@ -380,7 +369,7 @@ def _make_body(stage_fn, loss_fn, program: Program, axis: str, m: int, specs=Non
 
         def step(carry, rows):
             r = rows[stage]
-            carry = _tick(carry, r, params, head, emb, inputs, targets, consts, branches, axis, program,
+            carry = _tick(carry, r, (params, head, emb, inputs, targets, consts), branches, axis, program,
                           embed_fn is not None)
             carry["grads"] = _pin(carry["grads"], stage_specs, 2)
             carry["hgrads"] = _pin(carry["hgrads"], head_specs)
@@ -458,8 +447,10 @@ def _send(value, channels, axis: str, p: int) -> dict:
             lax.ppermute(value, axis, [(s, (s + _SHIFT[c]) % p) for s in range(p)]) for c in channels}
 
 
-def _tick(carry, r, params, head, emb, inputs, targets, consts, branches, axis: str, program: Program,
-          embedding: bool) -> dict:
+def _tick(carry, r, arrays: tuple, branches, axis: str, program: Program, embedding: bool) -> dict:
+    """One step of one stage: its row ``r`` of the program run on ``arrays`` = ``(params, head,
+    embed_params, inputs, targets, consts)``; ``embedding``: the first virtual stage embeds."""
+    params, head, emb, inputs, targets, consts = arrays
     p = lax.axis_size(axis)
     xbuf, gbuf = carry["xbuf"], carry["gbuf"]
     for c, msg in carry["fmsg"].items():   # what arrived on a channel nobody sent to goes to the dump row
