@@ -117,3 +117,39 @@ def test_dataset_strategy_per_batch_key():
     assert np.isfinite(float(trainer.step(batch)["loss"]))
     with pytest.raises(ValueError, match=r"keys \['label', 'x', 'y'\].*under 'extra'"):
         trainer.place({**batch, "extra": np.ones(4)})
+
+
+def test_the_batch_layout_is_a_value_the_plan_reads_once():
+    """BatchLayout.of(config, mesh) is the whole batch layout of a job: it prints what it
+    decided, equals the layout of the same inputs and differs when one of them does; the plan
+    reads it once (plan.batch_layout) and its batch specs are the layout's."""
+    from jaxpar.data import BatchLayout
+    from jaxpar.models.gpt import GPT, GPTConfig
+
+    config = jaxpar.ParallelConfig(mesh={"data": 4, "model": 2}, rules={"batch": "data", "mlp": "model"},
+                                   grad_accum=2)
+    layout = BatchLayout.of(config, {"data": 4, "model": 2})
+    assert str(layout) == "batch over ('data',); a training step cuts it into grad_accum=2"
+    assert "axes=('data',)" in repr(layout) and "parts={'grad_accum': 2}" in repr(layout)
+    assert layout == BatchLayout.of(config, jaxpar.make_mesh(config)) and hash(layout) == hash(
+        BatchLayout.of(config, {"data": 4, "model": 2}))
+    assert layout != BatchLayout.of(jaxpar.ParallelConfig(mesh={"data": 4, "model": 2}, rules={"batch": "data"}),
+                                    {"data": 4, "model": 2})
+    assert layout.specs({"x": np.zeros((16, 3)), "n": np.zeros(())}, training=True) == {"x": P("data"), "n": P()}
+    with pytest.raises(ValueError, match=r"batch\['x'\] has 12 rows: grad_accum=2 cuts it into 2 parts of 6 rows"):
+        layout.check_parts({"x": np.zeros((12, 3))})
+    assert layout.micro({"x": np.arange(4)})["x"].shape == (1, 4)       # no pipeline: one micro-batch
+
+    piped = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 4}, rules={"batch": "data", "layers": "pipe"},
+                                  pipeline={"stages": 2, "microbatches": 4}, context=None)
+    assert str(BatchLayout.of(piped, {"pipe": 2, "data": 4})) == (
+        "batch over ('data',); the pipeline cuts each part into 4 micro-batches")
+    assert BatchLayout.of(piped, {"pipe": 2, "data": 4}).micro({"x": np.arange(8)})["x"].tolist() == [
+        [0, 4], [1, 5], [2, 6], [3, 7]]
+
+    model = nnx.eval_shape(lambda: GPT(GPTConfig(vocab_size=16, seq_len=8, embed=16, heads=2, mlp=32, layers=1),
+                                       rngs=nnx.Rngs(0)))
+    plan = jaxpar.make_train_plan(config, {"data": 4, "model": 2}, model, optax.sgd(0.1))
+    assert plan.batch_layout is plan.batch_layout and plan.batch_layout == layout
+    assert plan.batch_specs({"x": np.zeros((16, 3))}) == {"x": P("data")}
+    assert jaxpar.TrainPlan.from_dict(plan.to_dict()).batch_layout == layout

@@ -300,17 +300,18 @@ def test_a_batch_whole_on_every_device_pipelines_with_micro_batches_of_any_rows(
     pipe=2 × data=4 are no loss of data parallelism: the step trains (its loss that of the
     unpipelined model on the same batch), and the rows follow the batch's own split, not the
     default batch axes."""
+    from jaxpar.data import BatchLayout
     from jaxpar.pipeline.rows import row_axes
 
     config = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe"},
                                    dataset_strategy="full_batch", pipeline={"stages": 2, "microbatches": 4})
     mesh = jaxpar.make_mesh(config)
     batch = batches(1, batch=8)[0]
-    assert row_axes(config, mesh, batch) == ()
-    assert row_axes(dataclasses.replace(config, dataset_strategy=None), mesh, batch) == ("data",)
+    assert row_axes(BatchLayout.of(config, mesh), batch) == ()
+    assert row_axes(BatchLayout.of(dataclasses.replace(config, dataset_strategy=None), mesh), batch) == ("data",)
     layout = jaxpar.Layout((2, 4), ("pipe", "data"))
-    assert row_axes(dataclasses.replace(config, dataset_strategy={"inputs": layout(("pipe", "data"), "None"),
-                                                                  "targets": None}), mesh, batch) == ("data",)
+    assert row_axes(BatchLayout.of(dataclasses.replace(config, dataset_strategy={
+        "inputs": layout(("pipe", "data"), "None"), "targets": None}), mesh), batch) == ("data",)
     model = GPT(GPT4, rngs=nnx.Rngs(0))
     expected = float(pipeline_loss()(model, batch))
     trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(GPT4, rngs=nnx.Rngs(0)), config, mesh), optax.sgd(0.1),

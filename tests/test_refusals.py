@@ -97,16 +97,66 @@ CASES = {
 }
 
 
+def _host_rows():
+    from jaxpar.ps import HostEmbedding, HostRows, RowOptimizer
+
+    return HostRows(HostEmbedding("items", 10, 4, RowOptimizer(kind="sgd", learning_rate=1.0), storage="callback"))
+
+
+TOKENS = jax.ShapeDtypeStruct((8, GPT_CFG.seq_len), jax.numpy.int32)
+
+# Refusals the Trainer once made only when its step was traced (or that make_train_plan could not
+# make for want of an argument): name -> (fields, model builder, loss, what the message names,
+# the Trainer's and make_train_plan's further arguments: offload, rows (a builder), example_batch
+# (the Trainer lowers its step on it), host_memory=False (devices without a pinned_host space)).
+CASES |= {
+    "pipeline-stages-against-the-pipe-axis": (
+        dict(mesh={"pipe": 4, "data": 2}, rules={"layers": "pipe", "batch": "data"}, pipeline=PIPE),
+        lambda c, m: GPT(dataclasses.replace(GPT_CFG, layers=4), rngs=nnx.Rngs(0)), pipeline_loss(),
+        r"pipeline\.stages=2 but mesh axis 'pipe' has size 4 \(mesh \{'pipe': 4, 'data': 2\}\).*make them equal "
+        r"\(pipeline\.stages=4, or mesh \{'pipe': 2, \.\.\.\}\)", {}),
+    "hybrid-optimizer-axis-not-a-batch-axis": (
+        dict(mesh={"data": 4, "model": 2}, mode="hybrid", optimizer={"level": 1, "axis": "model"}),
+        lambda c, m: GPT(GPT_CFG, rngs=nnx.Rngs(0)), loss_fn,
+        r"mode='hybrid' with optimizer\.level=1 shards the optimizer state over optimizer\.axis \('model',\), but "
+        r"\['model'\] is not among the batch axes \('data',\).*set optimizer\.axis to 'data', or use "
+        r"mode='semi_auto'", {}),
+    "rule-nothing-consults": (
+        dict(mesh={"data": 8}, rules={"batch": "data", "mlpp": "data"}), lambda c, m: GPT(GPT_CFG, rngs=nnx.Rngs(0)),
+        loss_fn, r"ParallelConfig\.rules: 'mlpp' -> 'data' \(did you mean 'mlp'\?\) names a logical axis that no "
+                 r"parameter, activation constraint or batch of GPT uses",
+        dict(example_batch={"inputs": TOKENS, "targets": TOKENS})),
+    "offload-without-host-memory": (
+        dict(mesh={"data": 8}), lambda c, m: GPT(GPT_CFG, rngs=nnx.Rngs(0)), loss_fn,
+        r"offload=\('opt_state',\) needs a 'pinned_host' memory space, which cpu devices here do not have; "
+        r"drop offload", dict(offload=("opt_state",), host_memory=False)),
+    "row-source-with-a-pipeline": (
+        dict(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe", "batch": "data"}, pipeline=PIPE),
+        lambda c, m: GPT(GPT_CFG, rngs=nnx.Rngs(0)), pipeline_loss(),
+        r"rows= with pipeline\.stages=2: the pipeline's stages take no pulled rows", dict(rows=_host_rows)),
+}
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_make_train_plan_refuses_what_the_trainer_refuses(name):
-    fields, build, loss, names = CASES[name]
+def test_make_train_plan_refuses_what_the_trainer_refuses(name, monkeypatch):
+    fields, build, loss, names, *more = CASES[name]
+    args = dict(more[0]) if more else {}
+    if args.pop("host_memory", True) is False:
+        from jaxpar.optim import offload
+
+        monkeypatch.setattr(offload, "host_memory_available", lambda mesh: False)
+    batch, offload = args.pop("example_batch", None), args.pop("offload", ())
     config = jaxpar.ParallelConfig(**fields)
     mesh = jaxpar.make_mesh(config)
     model = build(config, mesh)
     with pytest.raises((ValueError, TypeError), match=names) as by_trainer:
-        jaxpar.Trainer(model, optax.adamw(1e-3), loss, config, mesh)
+        trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss, config, mesh, offload=offload,
+                                 rows=args["rows"]() if "rows" in args else None)
+        if batch is not None:      # rules nothing consults: refused where the step is traced
+            trainer.lower(jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), batch))
     with pytest.raises(by_trainer.type, match=names) as by_plan:
-        make_train_plan(config, mesh, nnx.eval_shape(lambda: build(config, mesh)), optax.adamw(1e-3), loss_fn=loss)
+        make_train_plan(config, mesh, nnx.eval_shape(lambda: build(config, mesh)), optax.adamw(1e-3), loss_fn=loss,
+                        offload=offload, rows=args["rows"]() if "rows" in args else None, example_batch=batch)
     assert str(by_trainer.value).removeprefix("Trainer") == str(by_plan.value).removeprefix("make_train_plan")
 
 

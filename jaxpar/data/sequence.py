@@ -69,26 +69,32 @@ def reorder_batch(config: ParallelConfig, mesh, batch: Any) -> Any:
     dimension 1. Raises ``ValueError`` when ``S`` does not fit the order (zigzag: a multiple
     of ``2·cp``).
     """
-    if config.context is None or (isinstance(batch, Mapping) and "positions" in batch):
+    return reorder_sequence(config.context, mesh, batch)
+
+
+def reorder_sequence(context, mesh, batch: Any) -> Any:
+    """`reorder_batch` by a ``ContextConfig`` (``None``: no context axis, ``batch`` as it is)."""
+    if context is None or (isinstance(batch, Mapping) and "positions" in batch):
         return batch
     if not isinstance(batch, Mapping) or "inputs" not in batch:
-        if config.context.order == "contiguous":
+        if context.order == "contiguous":
             return batch
-        raise ValueError(f"context.order={config.context.order!r} reorders the sequence of batch['inputs'], but the "
+        raise ValueError(f"context.order={context.order!r} reorders the sequence of batch['inputs'], but the "
                          f"batch is a {type(batch).__name__} without 'inputs'; give a dict with 'inputs' [batch, "
                          "length] (and the other [batch, length] leaves), or use context.order='contiguous'")
     inputs = np.asarray(batch["inputs"])
     if inputs.ndim < 2:
         raise ValueError(f"context parallel needs batch['inputs'] [batch, length], got shape {inputs.shape}")
     b, s = inputs.shape[:2]
-    cp = context_size(config, mesh)
-    check_order(config.context.order, s, cp)
+    sizes = mesh_sizes(mesh)
+    cp = math.prod(sizes[a] for a in context.axes)
+    check_order(context.order, s, cp)
     segs = batch.get("segment_ids")
     if segs is not None:
         check_segments(np.asarray(segs))
     positions = (np.broadcast_to(np.arange(s, dtype=np.int32), (b, s)) if segs is None
                  else segment_positions(np.asarray(segs)).astype(np.int32))
-    perm = permutation(config.context.order, s, cp)
+    perm = permutation(context.order, s, cp)
     out = {k: _permute(np.asarray(v), perm, s) for k, v in batch.items()}
     out["positions"] = np.ascontiguousarray(positions[:, perm])
     return out

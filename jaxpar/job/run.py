@@ -219,18 +219,15 @@ def check_offload_on(job: JobConfig, mesh) -> None:
     """Refuse ``train.offload`` where the Trainer would (a GPU, where no offload mode pays:
     `jaxpar.optim.offload.unpaid_on`; devices without a ``pinned_host`` memory), before the
     model is built, naming the job field and the way out."""
-    from jaxpar.optim import offload as host
+    from jaxpar.plan.checks import check_offload_memory
 
     targets = job.train.offload
     if not targets:
         return
-    platform = mesh.devices.flat[0].platform
-    why = host.unpaid_on(platform, targets)
-    if why is None and not host.host_memory_available(mesh):
-        why = f"{platform} devices here have no '{host.HOST}' memory to keep them in"
-    if why is not None:
-        raise ValueError(f"job config train.offload={list(targets)}: {why}; in this job: drop train.offload "
-                         "(or give --train.offload '[]')")
+    try:     # the Trainer's own refusal (GPU, host memory), said in the job's words
+        check_offload_memory(mesh, targets, who=f"job config train.offload={list(targets)}")
+    except ValueError as e:
+        raise ValueError(f"{e}; in this job: drop train.offload (or give --train.offload '[]')") from None
 
 
 def build(job: JobConfig, *, devices=None) -> Built:

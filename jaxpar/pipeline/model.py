@@ -41,8 +41,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ParallelConfig
-from jaxpar.data import split_rows
-from jaxpar.data.sequence import context_axes
+from jaxpar.data.layout import BatchLayout
 from jaxpar.pipeline.executor import from_stage_layout, pipeline_loss, to_stage_layout
 from jaxpar.pipeline.rows import check_microbatch_rows, row_axes
 from jaxpar.pipeline.schedules import build
@@ -147,20 +146,15 @@ def stacked_layers(loss: "PipelineLoss", model: nnx.Module) -> int:
     return jax.tree.leaves(nnx.state(loss.blocks(model), nnx.Param))[0].shape[0]
 
 
-def _check(config: ParallelConfig, mesh, n_layers: int, batch_rows: int, row_split: tuple[str, ...],
-           virtual_stages: int) -> None:
-    pipe = config.pipeline
-    if mesh.shape.get(pipe.axis) != pipe.stages:
-        raise ValueError(
-            f"pipeline.stages={pipe.stages} but mesh axis {pipe.axis!r} has size "
-            f"{mesh.shape.get(pipe.axis)} (mesh {dict(mesh.shape)}); make them equal"
-        )
+def _check(config: ParallelConfig, layout: BatchLayout, n_layers: int, batch_rows: int,
+           row_split: tuple[str, ...], virtual_stages: int) -> None:
+    # the pipe axis against pipeline.stages: `jaxpar.plan.check_combination` (and the executor)
     check_layers(config, n_layers, virtual_stages)
-    check_microbatch_rows(config, mesh, batch_rows, row_split)
+    check_microbatch_rows(layout, batch_rows, row_split)
 
 
 def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Module | None = None,
-              schedule=None) -> Callable[[nnx.Module, Any], jax.Array]:
+              schedule=None, layout: BatchLayout | None = None) -> Callable[[nnx.Module, Any], jax.Array]:
     """The pipelined ``loss_fn(model, batch)`` for ``config.pipeline`` on ``mesh``.
 
     ``specs``: the model with a ``PartitionSpec`` in place of every value (the plan's compute
@@ -174,12 +168,13 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
     (MoE metrics) comes back from the stages too.
 
     ``schedule``: the built schedule (a `jaxpar.TrainPlan` carries it: ``plan.schedule``);
-    default: built here from ``config.pipeline``.
+    default: built here from ``config.pipeline``. ``layout``: the batch layout (``plan.batch_layout``:
+    the micro-batches, the axes their rows split over); default: read here from ``config``.
     """
     from jaxpar.pipeline.stages import StagedLoss, staged   # stages.py builds on this module
 
     if isinstance(loss, StagedLoss):
-        return staged(loss, config, mesh, specs=specs)
+        return staged(loss, config, mesh, specs=specs, layout=layout)
     if not isinstance(loss, PipelineLoss):
         raise TypeError(
             f"pipeline.stages={config.pipeline.stages} needs the loss as a jaxpar.pipeline.PipelineLoss "
@@ -187,6 +182,7 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
             f"{type(loss).__name__}; see docs/pipeline.md"
         )
     pipe = config.pipeline
+    layout = BatchLayout.of(config, mesh) if layout is None else layout
     if schedule is None:
         schedule = build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages)
     embed_first = pipe.embedding == "first"
@@ -200,9 +196,9 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
         blocks = loss.blocks(model)
         blocks_def, params, rest = nnx.split(blocks, nnx.Param, ...)
         layers = jax.tree.leaves(params)[0].shape[0]
-        rows, row_split = jax.tree.leaves(batch)[0].shape[0], row_axes(config, mesh, batch)
-        _check(config, mesh, layers, rows, row_split, schedule.virtual_stages)
-        pins = None if specs is None else _pins(loss, specs, config, mesh, row_split)
+        rows, row_split = jax.tree.leaves(batch)[0].shape[0], row_axes(layout, batch)
+        _check(config, layout, layers, rows, row_split, schedule.virtual_stages)
+        pins = None if specs is None else _pins(loss, specs, config, layout, row_split)
         head_def, head_state = nnx.split(loss.head(model))
         call = None if loss.block_call is None else loss.block_call(model)
         if call is not None and not callable(call):
@@ -224,19 +220,19 @@ def pipelined(loss: PipelineLoss, config: ParallelConfig, mesh, *, specs: nnx.Mo
             return loss.head_loss(nnx.merge(head_def, head_state), h, micro_batch)
 
         m = pipe.microbatches
-        layout = lambda tree: to_stage_layout(tree, pipe.stages, schedule.virtual_stages,  # noqa: E731
-                                              schedule.placement)
-        micro = jax.tree.map(lambda x: split_rows(x, m), batch)
+        on_stages = lambda tree: to_stage_layout(tree, pipe.stages, schedule.virtual_stages,  # noqa: E731
+                                                 schedule.placement)
+        micro = layout.micro(batch)
         kw = dict(axis=pipe.axis, specs=pins, with_consts=True, stage_batch=True, stage_aux=True)
         if embed_first:
             embed_def, embed_state = nnx.split(loss.embedding(model))
             embed_fn = lambda state, mb: loss.embed_inputs(nnx.merge(embed_def, state), mb)  # noqa: E731
             run = pipeline_loss(stage_fn, head_fn, schedule, mesh, embed_fn=embed_fn, **kw)
-            value, stats = run(layout(params), head_state, micro, micro, layout(rest), embed_state)
+            value, stats = run(on_stages(params), head_state, micro, micro, on_stages(rest), embed_state)
         else:
             run = pipeline_loss(stage_fn, head_fn, schedule, mesh, **kw)
             h = loss.embed(model, batch)
-            value, stats = run(layout(params), head_state, split_rows(h, m), micro, layout(rest))
+            value, stats = run(on_stages(params), head_state, layout.micro(h), micro, on_stages(rest))
         _record(blocks, from_stage_layout(stats, pipe.stages, schedule.virtual_stages, schedule.placement), m)
         return value
 
@@ -254,14 +250,15 @@ def _record(blocks: nnx.Module, stats: tuple[nnx.State, nnx.State], m: int) -> N
     nnx.update(blocks, jax.tree.map(lambda total: total // m, counts))
 
 
-def _pins(loss: PipelineLoss, specs: nnx.Module, config: ParallelConfig, mesh, axes: tuple[str, ...]):
+def _pins(loss: PipelineLoss, specs: nnx.Module, config: ParallelConfig, layout: BatchLayout,
+          axes: tuple[str, ...]):
     """``(chunk specs, head specs, activation spec)`` for the executor, from the spec model; the
     activations' rows split over ``axes`` as the batch's are (`row_axes`)."""
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     block_specs = nnx.split(loss.blocks(specs), nnx.Param, ...)[1]
     chunk = jax.tree.map(lambda s: P(*tuple(s)[1:]), block_specs, is_leaf=is_spec)
     head = jax.tree.map(lambda s: P(), nnx.split(loss.head(specs))[1], is_leaf=is_spec)
-    seq = tuple(a for a in context_axes(config, mesh) if a not in axes)
+    seq = tuple(a for a in layout.context if a not in axes)
     # with a context axis the activations between stages keep their sequence split
     act = P(spec_entry(axes), *((spec_entry(seq),) if seq else ()))
     if loss.embedding is None or config.pipeline.embedding != "first":

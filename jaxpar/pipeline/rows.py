@@ -1,9 +1,11 @@
 """The rows a pipeline runs: which mesh axes split them, and how many each micro-batch gets.
 
 Both pipelines (`jaxpar.pipeline.model` for a ``PipelineLoss``, `jaxpar.pipeline.stages` for a
-``StagedLoss``) cut the batch they get into ``pipeline.microbatches`` micro-batches. Each
-micro-batch keeps the batch's split over the mesh: the axes that dimension 0 of the batch's
-``PartitionSpec`` names (``dataset_strategy``, else the batch axes), less the pipe axis.
+``StagedLoss``) cut the batch they get into ``pipeline.microbatches`` micro-batches
+(`jaxpar.data.BatchLayout.micro`). Each micro-batch keeps the batch's split over the mesh: the
+axes that dimension 0 of the batch's ``PartitionSpec`` names (``dataset_strategy``, else the
+batch axes), less the pipe axis. Both read it from the plan's `jaxpar.data.BatchLayout`
+(``plan.batch_layout``), which the step hands them.
 """
 from __future__ import annotations
 
@@ -12,23 +14,22 @@ from typing import Any
 
 import jax
 
-from jaxpar.config import ParallelConfig
-from jaxpar.data import leaf_spec
-from jaxpar.strategy import mesh_sizes, spec_axes
+from jaxpar.data.layout import BatchLayout
+from jaxpar.strategy import spec_axes
 
 
-def row_axes(config: ParallelConfig, mesh, batch: Any) -> tuple[str, ...]:
+def row_axes(layout: BatchLayout, batch: Any) -> tuple[str, ...]:
     """The mesh axes that split the rows of ``batch`` as it is placed (dimension 0 of its first
-    leaf's spec, `jaxpar.data.leaf_spec`), less the pipe axis: ``()`` when the batch is whole on
-    every device (``dataset_strategy="full_batch"``)."""
+    leaf's spec, `jaxpar.data.BatchLayout.leaf_spec`), less the pipe axis: ``()`` when the batch
+    is whole on every device (``dataset_strategy="full_batch"``)."""
     path, leaf = jax.tree_util.tree_flatten_with_path(batch)[0][0]
     key = getattr(path[0], "key", getattr(path[0], "name", None)) if path else None
-    spec = leaf_spec(config, mesh, tuple(leaf.shape), key)
+    spec = layout.leaf_spec(tuple(leaf.shape), key)
     first = spec_axes(spec[0]) if len(spec) else ()
-    return tuple(a for a in first if a != config.pipeline.axis)
+    return tuple(a for a in first if a != layout.pipe_axis)
 
 
-def check_microbatch_rows(config: ParallelConfig, mesh, rows: int, axes: tuple[str, ...]) -> None:
+def check_microbatch_rows(layout: BatchLayout, rows: int, axes: tuple[str, ...]) -> None:
     """The ``rows`` of the batch the pipeline runs cut into ``pipeline.microbatches`` equal
     micro-batches, each split over the mesh ``axes`` that split the batch's rows (`row_axes`)
     as the unpipelined step splits its batch: a micro-batch of fewer rows than those axes have
@@ -36,9 +37,8 @@ def check_microbatch_rows(config: ParallelConfig, mesh, rows: int, axes: tuple[s
     parallelism silently. A training step runs its global batch / (``grad_accum`` ×
     ``interleave``) at a time, an evaluation its whole batch. Checked when the pipeline loss is
     traced (the first step), where the batch size is first known, as ``grad_accum``'s parts are."""
-    pipe = config.pipeline
-    m, k, n = pipe.microbatches, config.grad_accum, config.interleave
-    parts = {name: v for name, v in (("grad_accum", k), ("interleave", n)) if v > 1}
+    m, parts = layout.microbatches, dict(layout.parts)
+    k, n = parts.get("grad_accum", 1), parts.get("interleave", 1)
     split = " × ".join(f"{name}={v}" for name, v in parts.items())
     step = (f" (in a training step, its global batch of {rows * k * n} / ({split}); in an evaluation, "
             "its whole batch)") if parts else ""
@@ -46,7 +46,7 @@ def check_microbatch_rows(config: ParallelConfig, mesh, rows: int, axes: tuple[s
         raise ValueError(
             f"the batch of {rows} rows the pipeline runs{step} is not divisible by pipeline.microbatches={m}; "
             f"use {_batches(m, k, n)}")
-    sizes = mesh_sizes(mesh)
+    sizes = layout.mesh
     d = math.prod(sizes[a] for a in axes)
     if (rows // m) % d == 0:
         return

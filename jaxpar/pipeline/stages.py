@@ -34,7 +34,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxpar.config import ParallelConfig
-from jaxpar.data import split_rows
+from jaxpar.data.layout import BatchLayout
 from jaxpar.pipeline.executor import pipeline_loss, to_stage_layout
 from jaxpar.pipeline.rows import check_microbatch_rows, row_axes
 from jaxpar.pipeline.schedules import build
@@ -178,20 +178,21 @@ def _stage_program(graphs: list[list[tuple[Any, Any, Any]]], offsets) -> list[Ca
     return [one(g, o) for g, o in zip(graphs, offsets)]
 
 
-def staged(loss: StagedLoss, config: ParallelConfig, mesh, *, specs: nnx.Module | None = None
-           ) -> Callable[[nnx.Module, Any], jax.Array]:
+def staged(loss: StagedLoss, config: ParallelConfig, mesh, *, specs: nnx.Module | None = None,
+           layout: BatchLayout | None = None) -> Callable[[nnx.Module, Any], jax.Array]:
     """The pipelined ``loss_fn(model, batch)`` of a ``StagedLoss`` for ``config.pipeline`` on ``mesh``.
 
-    ``specs`` as for ``jaxpar.pipeline.pipelined``; the stages' vectors, the head and the
+    ``specs`` and ``layout`` as for ``jaxpar.pipeline.pipelined``; the stages' vectors, the head and the
     embedding run whole over the other mesh axes inside the stage branches.
     """
     pipe = config.pipeline
     schedule = build(pipe.schedule, pipe.stages, pipe.microbatches, pipe.virtual_stages)
     p, v = pipe.stages, schedule.virtual_stages
+    layout = BatchLayout.of(config, mesh) if layout is None else layout
 
     def staged_loss(model: nnx.Module, batch: Any) -> jax.Array:
-        row_split = row_axes(config, mesh, batch)
-        check_microbatch_rows(config, mesh, jax.tree.leaves(batch)[0].shape[0], row_split)
+        row_split = row_axes(layout, batch)
+        check_microbatch_rows(layout, jax.tree.leaves(batch)[0].shape[0], row_split)
         pins = None if specs is None else _pins(loss, specs, row_split)
         modules = named_modules(model, loss.order)
         where = assign([path for path, _ in modules], loss.stages, p * v)
@@ -214,8 +215,7 @@ def staged(loss: StagedLoss, config: ParallelConfig, mesh, *, specs: nnx.Module 
         head_def, head_state = nnx.split(loss.head(model))
         embed_def, embed_state = nnx.split(loss.embedding(model))
         embed_fn = lambda state, mb: loss.embed_inputs(nnx.merge(embed_def, state), mb)  # noqa: E731
-        m = pipe.microbatches
-        micro = jax.tree.map(lambda x: split_rows(x, m), batch)
+        micro = layout.micro(batch)
         _check_shapes(programs, flat[0], embed_fn, embed_state, jax.tree.map(lambda a: a[0], micro), where)
 
         def head_fn(state, h, micro_batch):

@@ -25,7 +25,8 @@ from jaxpar.mesh import resolve_axes
 from jaxpar.nn.fp8 import fp8_unavailable
 from jaxpar.nn.moe import MoE
 from jaxpar.nn.specs import is_variable, logical_names, matching_patterns, path_str, variable_spec
-from jaxpar.optim.offload import unpaid_on
+from jaxpar.optim import offload as host
+from jaxpar.optim.zero import zero_axes
 from jaxpar.ops import ContextParallel
 from jaxpar.pipeline import PipelineLoss, StagedLoss
 from jaxpar.pipeline.model import check_layers, stacked_layers
@@ -35,21 +36,31 @@ from jaxpar.strategy import mesh_sizes, spec_axes
 
 def check_combination(config: ParallelConfig, model: nnx.Module | None = None, loss_fn: Any = None, *,
                       mesh: Any = None, platform: str | None = None, offload: tuple[str, ...] = (),
-                      who: str = "make_train_plan") -> None:
+                      rows: Any = None, batch: Any = None, who: str = "make_train_plan") -> None:
     """Raise a ``ValueError`` / ``TypeError`` naming both features when ``config`` cannot train
     ``model`` with ``loss_fn`` on ``platform``. What is not given (``None``) is not checked:
     without ``loss_fn`` the loss-dependent refusals wait for the Trainer, which gives it.
     ``mesh`` (a ``Mesh``, ``AbstractMesh`` or ``{axis: size}``) is the mesh the plan is for: a
     ``-1`` axis of ``config.mesh`` takes the rest of its devices (without it, of
-    ``jax.device_count()``, as ``jaxpar.make_mesh(config)`` would).
+    ``jax.device_count()``, as ``jaxpar.make_mesh(config)`` would); a ``Mesh`` is also asked
+    for host memory when ``offload`` names targets. ``rows``: the row source the Trainer pulls
+    embedding rows through (``Trainer(rows=...)``), if any. ``batch``: an example global batch
+    (arrays or ``jax.ShapeDtypeStruct`` leaves); with it and ``loss_fn``, rules that nothing
+    consults are refused as the first traced step refuses them (`check_rules_used`).
 
     >>> check_combination(ParallelConfig(mesh={"data": 8}), model)            # doctest: +SKIP
     """
+    sizes = _mesh_sizes(config, mesh)
+    check_pipe_axis(config, mesh, who)
     if platform is not None:
         _check_platform(config, platform)
-        why = unpaid_on(platform, tuple(offload), config.remat)
-        if why:
-            raise ValueError(f"{who}: {why}")
+    if isinstance(mesh, jax.sharding.Mesh):
+        check_offload_memory(mesh, offload, remat=config.remat, who=who)
+    elif platform is not None:
+        _check_unpaid(platform, offload, config.remat, who)
+    if rows is not None:
+        check_rows_pipeline(config, who)
+    check_hybrid_optimizer_axis(config, sizes, who)
     if loss_fn is not None and config.pipeline.stages > 1 and not isinstance(loss_fn, (PipelineLoss, StagedLoss)):
         raise TypeError(
             f"{who}: pipeline.stages={config.pipeline.stages} needs loss_fn as a jaxpar.pipeline.PipelineLoss "
@@ -66,9 +77,77 @@ def check_combination(config: ParallelConfig, model: nnx.Module | None = None, l
     _check_param_dtypes(params, who)
     _check_context(model, config, loss_fn, who, loss_fn is not None)
     _check_experts(model, config, loss_fn, who, loss_fn is not None)
-    sizes = _mesh_sizes(config, mesh)
     _check_expert_routing(model, config, sizes, who)
     _check_hybrid_params(config, params, sizes, who)
+    if loss_fn is not None and batch is not None:
+        check_rules_used(config, model, loss_fn, batch)
+
+
+def check_pipe_axis(config: ParallelConfig, mesh: Any = None, who: str = "make_train_plan") -> None:
+    """``pipeline.stages`` stages live on the pipe axis, one stage per device along it: the axis's
+    size must be the stage count (``ParallelConfig`` checks that the axis exists; its size may
+    be ``-1``, the rest of the devices of ``mesh``, known here)."""
+    pipe = config.pipeline
+    if pipe.stages == 1:
+        return
+    if mesh is not None:
+        sizes = mesh_sizes(mesh)
+    else:
+        try:
+            sizes = resolve_axes(config.mesh, jax.device_count())
+        except ValueError:      # a mesh for other devices: only a size the config gives is known
+            sizes = dict(config.mesh)
+    size = sizes.get(pipe.axis)
+    if size in (None, -1) or size == pipe.stages:
+        return
+    raise ValueError(f"{who}: pipeline.stages={pipe.stages} but mesh axis {pipe.axis!r} has size {size} (mesh "
+                     f"{dict(sizes)}): each stage runs on its own devices along that axis; make them equal "
+                     f"(pipeline.stages={size}, or mesh {{{pipe.axis!r}: {pipe.stages}, ...}})")
+
+
+def check_offload_memory(mesh: Any, offload: tuple[str, ...], *, remat: str | None = None,
+                         who: str = "make_train_plan") -> None:
+    """What host offload asks of the devices of ``mesh`` (a ``jax.sharding.Mesh``): on a GPU no
+    offload mode pays (`jaxpar.optim.offload.unpaid_on`: refused with what to use instead); and
+    ``offload`` keeps its targets in the ``pinned_host`` memory space between steps, which the
+    devices must have. The job runner asks it too, before it builds the model."""
+    platform = mesh.devices.flat[0].platform
+    _check_unpaid(platform, offload, remat, who)
+    if not offload or host.host_memory_available(mesh):
+        return
+    raise ValueError(f"{who}: offload={tuple(offload)} needs a '{host.HOST}' memory space, which "
+                     f"{platform} devices here do not have; drop offload")
+
+
+def _check_unpaid(platform: str, offload: tuple[str, ...], remat: str | None, who: str) -> None:
+    why = host.unpaid_on(platform, tuple(offload), remat)
+    if why:
+        raise ValueError(f"{who}: {why}")
+
+
+def check_rows_pipeline(config: ParallelConfig, who: str = "make_train_plan") -> None:
+    """A row source (``Trainer(rows=...)``) hands its pulled rows to ``loss_fn(model, batch,
+    rows)``; a pipeline's stages take the hidden state and their micro-batch only."""
+    if config.pipeline.stages > 1:
+        raise ValueError(f"{who}: rows= with pipeline.stages={config.pipeline.stages}: the pipeline's stages take "
+                         "no pulled rows; train the embedding rows with pipeline.stages=1")
+
+
+def check_hybrid_optimizer_axis(config: ParallelConfig, sizes: Mapping[str, int],
+                                who: str = "make_train_plan") -> None:
+    """``mode="hybrid"`` with optimizer parallel reduces each device's gradients to its ZeRO
+    shard inside the per-device ``shard_map``, over the batch axes, the only axes its
+    gradients differ over: ``optimizer.axis`` must name batch axes."""
+    if config.mode != "hybrid" or config.optimizer.level == 0:
+        return
+    axes, batch = zero_axes(config.optimizer, sizes), batch_axes(config, sizes)
+    off = [a for a in axes if a not in batch]
+    if not off:
+        return
+    raise ValueError(f"{who}: mode='hybrid' with optimizer.level={config.optimizer.level} shards the optimizer state "
+                     f"over optimizer.axis {axes}, but {off} {'is' if len(off) == 1 else 'are'} not among the batch "
+                     f"axes {batch}, over which the per-device gradients are reduced to their shards; set "
+                     f"optimizer.axis to {batch[0] if len(batch) == 1 else batch!r}, or use mode='semi_auto'")
 
 
 def _check_stage_layers(config: ParallelConfig, model, params: list, loss: PipelineLoss, who: str) -> None:
@@ -258,23 +337,41 @@ def _check_experts(model, config, loss_fn, who: str, loss_known: bool) -> None:
                      "and returns such a config)")
 
 
-def check_rules_consulted(config: ParallelConfig, model: nnx.Module, loss_fn: Any, batch: Any) -> None:
+def check_rules_used(config: ParallelConfig, model: nnx.Module, loss_fn: Any = None, batch: Any = None) -> None:
     """Refuse rules that nothing consults, as the Trainer does when it traces its step: the
-    names of the model's parameters first, then, only when some rule names none of them, the
-    names its activation constraints look up in an abstract trace of ``loss_fn(model, batch)``
-    (``batch``: ``ShapeDtypeStruct`` leaves). What ``jaxpar plan --config`` runs, so that it
-    refuses a rule typo exactly where ``jaxpar train`` would."""
-    from jaxpar.nn.specs import check_rules_used, declared_names
+    names of the model's parameters (and the ``parameter_strategy`` / ``dataset_strategy``
+    entries) first; then, only when some rule names none of them and ``loss_fn`` and ``batch``
+    (``ShapeDtypeStruct`` leaves) are given, the names its activation constraints look up in an
+    abstract trace of ``loss_fn(model, batch)``. Without them a rule the parameters do not use
+    may still be an activation's, and waits for the step's trace.
+
+    >>> check_rules_used(ParallelConfig(mesh={"data": 8}, rules={"mlpp": "data"}), model, loss_fn, batch)  # doctest: +SKIP
+    Traceback (most recent call last):
+    ValueError: ParallelConfig.rules: 'mlpp' -> 'data' (did you mean 'mlp'?) names a logical axis that ...
+    """
+    from jaxpar.nn.specs import check_rules_used as refuse_unused, declared_names
     from jaxpar.strategy.resolve import recording_rules
 
     if config.allow_unused_rules or not config.rules:
         return
     used = declared_names(config, nnx.state(model))
-    if set(config.rules) <= used:
+    if set(config.rules) <= used or loss_fn is None or batch is None:
         return
     with recording_rules() as seen:
-        nnx.eval_shape(lambda m, b: loss_fn(m, b), model, batch)
-    check_rules_used(config, used | seen, type(model).__name__)
+        nnx.eval_shape(lambda m, b: loss_fn(m, b), model, _shapes(batch))
+    refuse_unused(config, used | seen, type(model).__name__)
+
+
+def check_rules_consulted(config: ParallelConfig, model: nnx.Module, loss_fn: Any, batch: Any) -> None:
+    """`check_rules_used` with the loss and a batch (what ``jaxpar plan --config`` runs, so that
+    it refuses a rule typo exactly where ``jaxpar train`` would)."""
+    check_rules_used(config, model, loss_fn, batch)
+
+
+def _shapes(batch: Any) -> Any:
+    """``jax.ShapeDtypeStruct`` per leaf of ``batch`` (arrays or shapes)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype if hasattr(x, "dtype") else
+                                                       np.result_type(x)), batch)
 
 
 def check_plan_args(config: Any, mesh: Any, model_or_state: Any, tx: Any, offload: Any,

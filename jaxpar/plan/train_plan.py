@@ -36,12 +36,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig, to_plain, from_plain
 from jaxpar.pipeline.schedules import build as _build_schedule
-from jaxpar.data import batch_axes, batch_specs
+from jaxpar.data.layout import BatchLayout
 from jaxpar.nn.specs import check_strategy_covers, is_variable, itemsize, path_str, state_specs
 from jaxpar.optim.zero import ZeroSpecs, opt_state_specs, zero_specs
 from jaxpar.plan.checks import check_combination, check_plan_args
 from jaxpar.precision import cast_floats
-from jaxpar.strategy import mesh_sizes, spec_axes, to_partition_spec
+from jaxpar.strategy import mesh_sizes, spec_axes
 
 SECTIONS = ("params", "stored", "grads", "update", "opt_state", "rest")
 _OFFLOADED = {"stored": "params", "opt_state": "opt_state"}   # plan section -> offload target
@@ -140,13 +140,21 @@ class TrainPlan:
     def zero_level(self) -> int:
         return self.config.optimizer.level
 
+    @functools.cached_property
+    def batch_layout(self) -> BatchLayout:
+        """How batches lie on the mesh (`jaxpar.data.BatchLayout`: the batch axes, each leaf's
+        spec, the parts a step and the pipeline cut a batch into, each process's rows), read
+        once from the plan's config and mesh; the step and the pipeline run by it."""
+        return BatchLayout.of(self.config, self.mesh)
+
     def batch_axes(self) -> tuple[str, ...]:
-        return batch_axes(self.config, self.mesh)
+        return self.batch_layout.axes
 
     def batch_specs(self, batch, *, training: bool | None = None) -> Any:
         """``PartitionSpec`` per leaf of ``batch`` (arrays or shapes of the global batch);
-        ``training``: what the batch is for (`jaxpar.data.leaf_spec`: the rows it must have)."""
-        return batch_specs(self.config, self.mesh, batch, training=training)
+        ``training``: what the batch is for (`jaxpar.data.BatchLayout.leaf_spec`: the rows it
+        must have)."""
+        return self.batch_layout.specs(batch, training=training)
 
     # ----------------------------------------------------------------- spec trees
     def specs(self, section: str, like) -> Any:
@@ -217,7 +225,7 @@ class TrainPlan:
 
     def summary(self) -> str:
         c = self.config
-        parts = [f"loss runs {self.loss_runs}", self._batch_text(),
+        parts = [f"loss runs {self.loss_runs}", self.batch_layout.describe(),
                  f"ZeRO-{c.optimizer.level}" + (f" over {self.zero_axes}" if self.zero_axes else ""),
                  f"remat {c.remat}", f"grad_accum {c.grad_accum}", f"interleave {c.interleave}"]
         if c.pipeline.stages > 1:
@@ -244,7 +252,7 @@ class TrainPlan:
         loss may use any axis with its own collectives."""
         if self.config.mode == "hybrid" or self.source.startswith("searched"):
             return {}
-        used = set(self.zero_axes) | self._batch_split_axes()
+        used = set(self.zero_axes) | self.batch_layout.split_axes()
         for section in SECTIONS:
             used.update(a for spec in getattr(self, section).values() for e in spec for a in spec_axes(e))
         for target in self.config.rules.values():
@@ -255,18 +263,6 @@ class TrainPlan:
         if c.context is not None:
             used.update(c.context.axes)
         return {a: n for a, n in self.mesh.items() if n > 1 and a not in used}
-
-    def _batch_split_axes(self) -> set[str]:
-        """The mesh axes some batch leaf is split over (as `batch_specs` splits them)."""
-        strategy = self.config.dataset_strategy
-        out = set()
-        for s in strategy.values() if isinstance(strategy, dict) else (strategy,):
-            if s is None:
-                out.update(self.batch_axes())
-            elif s != "full_batch":
-                spec = to_partition_spec(s, self.mesh, rules=self.config.rules)
-                out.update(a for e in spec for a in spec_axes(e))
-        return out
 
     def idle_axes_note(self, used: Iterable[str] = ()) -> str | None:
         """What the Trainer warns of when the plan has `idle_axes` besides the mesh axes ``used``
@@ -296,32 +292,6 @@ class TrainPlan:
                 f"strategy in the traced step (jaxpar.shard, jaxpar.ops, Layout, LogicalConstraint) or the row "
                 f"source, so the {size} devices along {axis!r} repeat the same compute and hold the same memory. "
                 f"To use it, {fixes}")
-
-    def _batch_text(self) -> str:
-        """How batches are split, as `batch_specs` splits them: the default batch axes only
-        where ``dataset_strategy`` leaves the split to them."""
-        strategy = self.config.dataset_strategy
-
-        def one(s) -> str:
-            if s == "full_batch":
-                return "replicated (full_batch)"
-            if s is None:
-                return f"over {self.batch_axes()}" if self.batch_axes() else "replicated (no batch axes)"
-            return f"by strategy {self._strategy_text(s)}"
-
-        if isinstance(strategy, dict):
-            return "batch per key: " + ", ".join(f"{k} {one(v)}" for k, v in strategy.items())
-        if strategy == "full_batch":
-            return "batch replicated (dataset_strategy='full_batch')"
-        return f"batch {one(strategy)}" if strategy is None else \
-            f"batch by dataset_strategy {self._strategy_text(strategy)}"
-
-    def _strategy_text(self, s) -> str:
-        """A batch strategy as written (a tuple of factors or logical names), or the
-        ``PartitionSpec`` it resolves to on the plan's mesh (a ``PartitionSpec``, a Layout's spec)."""
-        if isinstance(s, (tuple, list)):
-            return str(tuple(s))
-        return str(to_partition_spec(s, self.mesh, rules=self.config.rules))
 
     def __str__(self) -> str:
         return self.table()
@@ -398,7 +368,8 @@ def _abstract(x):
 
 
 def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.GradientTransformation, *,
-                    offload: tuple[str, ...] = (), source: str = "given", loss_fn: Any = None) -> TrainPlan:
+                    offload: tuple[str, ...] = (), source: str = "given", loss_fn: Any = None, rows: Any = None,
+                    example_batch: Any = None) -> TrainPlan:
     """The `TrainPlan` of ``config`` on ``mesh`` for a model and optimizer.
 
     Args:
@@ -412,7 +383,13 @@ def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.Grad
       source: recorded as the plan's origin.
       loss_fn: the loss to train with, when known: a combination the Trainer would refuse
         for it (e.g. a pipeline without a ``PipelineLoss``) is refused here too
-        (`check_combination`, which also runs on the model and, for a ``Mesh``, its backend).
+        (`check_combination`, which also runs on the model and, for a ``Mesh``, its backend
+        and host memory).
+      rows: the row source the Trainer will pull embedding rows through (``Trainer(rows=...)``),
+        when there is one: what it cannot train with is refused here too.
+      example_batch: one global batch (arrays or ``jax.ShapeDtypeStruct`` leaves), when known:
+        with ``loss_fn``, rules nothing consults are refused here as the first step would
+        refuse them (an abstract trace of the loss; only shapes are read).
 
     >>> plan = make_train_plan(config, {"data": 8}, nnx.eval_shape(make_model), optax.adamw(1e-3))  # doctest: +SKIP
     """
@@ -422,7 +399,7 @@ def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.Grad
                          "jaxpar.auto.plan_training(model, loss_fn, batch, config, mesh, tx)")
     platform = mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh) else None
     check_combination(config, model_or_state if isinstance(model_or_state, nnx.Module) else None, loss_fn,
-                      mesh=mesh, platform=platform, offload=tuple(offload))
+                      mesh=mesh, platform=platform, offload=tuple(offload), rows=rows, batch=example_batch)
     sizes = mesh_sizes(mesh)
     if isinstance(model_or_state, nnx.Module):
         _, params, rest = nnx.split(model_or_state, nnx.Param, ...)

@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig
+from jaxpar.plan.checks import check_rows_pipeline
 
 
 def check_rows(rows, config: ParallelConfig, plan) -> None:
@@ -25,9 +26,7 @@ def check_rows(rows, config: ParallelConfig, plan) -> None:
     if not (callable(getattr(rows, "pull", None)) and callable(getattr(rows, "push", None))):
         raise TypeError(f"Trainer: rows must be a row source with pull(batch) and push(handle, row_grads, step) "
                         f"(e.g. jaxpar.ps.HostRows(table)), got {type(rows).__name__}")
-    if config.pipeline.stages > 1:
-        raise ValueError(f"Trainer: rows= with pipeline.stages={config.pipeline.stages}: the pipeline's stages take "
-                         "no pulled rows; train the embedding rows with pipeline.stages=1")
+    check_rows_pipeline(config, "Trainer")      # as make_train_plan(rows=...) refuses it
     if config.mode == "auto" and plan is None:
         raise ValueError("Trainer: rows= with mode='auto': the strategy search runs loss_fn(model, batch) without "
                          "the pulled rows; plan first for the dense model, or use mode='semi_auto'")

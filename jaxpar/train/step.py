@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.data import check_rows, part_shapes
+from jaxpar.data import part_shapes
 from jaxpar.nn import fp8
 from jaxpar.nn.blocks import recompute_paths, recomputed_loss, stacked_blocks
 from jaxpar.nn.moe import MoEMetric, moe_metrics
@@ -134,24 +134,11 @@ def split_loss_output(out) -> tuple[jax.Array, Any]:
 # --------------------------------------------------------------------------- the chain
 
 
-def _check_parts(s: Setting, batch, k: int, n: int) -> None:
-    """Every part of ``grad_accum=k`` x ``interleave=n`` keeps the batch split over the devices
-    its leaf is split over: the global batch is a multiple of their count x k x n."""
-    if k * n == 1:
-        return
-    sizes = dict(s.mesh.shape)
-    parts = {name: v for name, v in (("grad_accum", k), ("interleave", n)) if v > 1}
-    specs = jax.tree.leaves(s.plan.batch_specs(batch), is_leaf=lambda v: isinstance(v, PartitionSpec))
-    for (path, x), spec in zip(jax.tree_util.tree_leaves_with_path(batch), specs):
-        axes = spec_axes(spec[0]) if len(spec) else ()     # the leaf's own split (a dataset_strategy's too)
-        check_rows(f"batch{jax.tree_util.keystr(path)}", x.shape[0] if x.shape else 0, axes, sizes, parts)
-
-
 def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
     """``(params as stored, rest, batch) -> (loss, aux, rest, grads)`` for a global ``batch`` shape."""
     plan = s.plan
     k, n = plan.grad_accum, plan.interleave
-    _check_parts(s, batch, k, n)
+    plan.batch_layout.check_parts(batch)    # every part keeps each leaf split over its devices
     micro, part = part_shapes(batch, k), part_shapes(batch, k * n)
     # A pipeline is a model loss too: its stages run the blocks as the schedule over the
     # pipe axis, so every wrapper below applies to it unchanged.
@@ -226,7 +213,8 @@ def pipeline(s: Setting, loss_fn: Callable) -> Callable:
     if s.plan.pipeline.stages == 1:
         return loss_fn
     specs = nnx.merge(s.graphdef, s.plan.specs("params", s.params_like), s.rest_specs)
-    return pipelined(loss_fn, s.plan.config, s.mesh, specs=specs, schedule=s.plan.schedule)
+    return pipelined(loss_fn, s.plan.config, s.mesh, specs=specs, schedule=s.plan.schedule,
+                     layout=s.plan.batch_layout)
 
 
 def stream(s: Setting, loss_fn: Callable) -> Callable:
@@ -430,10 +418,7 @@ def reduce_per_device(s: Setting, loss_fn: Callable, batch, wrap: Callable) -> C
     (parameters made varying first so nothing is reduced implicitly; ZeRO-3 shards gathered
     inside the loss, so recompute gathers them again)."""
     plan, zero = s.plan, s.zero
-    axes = plan.batch_axes()
-    if set(zero.axes) - set(axes):
-        raise ValueError(f"optimizer.axis {zero.axes} must be batch axes {axes} in mode='hybrid'; set "
-                         f"optimizer.axis to one of {axes}")
+    axes = plan.batch_axes()     # optimizer.axis among them: `jaxpar.plan.check_combination`
     bucket = fusion.bucket_bytes(plan.config.comm_fusion) if plan.config.comm_fusion is not None else None
     others = (lambda leaves, on: fusion.bucketed_psum(leaves, on, bucket)) if bucket else None
     target = s.with_rows(zero.state if plan.zero_level else zero.compute)
