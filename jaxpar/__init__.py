@@ -14,7 +14,7 @@ from jaxpar.nn import init
 from jaxpar.plan import TrainPlan, TrainState, make_train_plan
 from jaxpar.shard import LogicalConstraint, shard
 from jaxpar.strategy import Layout, to_partition_spec
-from jaxpar.train import Trainer
+from jaxpar.train import CheckpointConfig, Placement, Services, Trainer
 from jaxpar import optim
 from jaxpar.config import CommFusionConfig
 from jaxpar.remat import remat  # the function; the policies live in the jaxpar.remat module
@@ -24,13 +24,16 @@ from jaxpar.version import __version__  # noqa: E402
 install_module_finder()   # module paths of 0.1.0 that moved: a warning naming the new one, or an error saying what to use
 
 __all__ = [
+    "CheckpointConfig",
     "CommFusionConfig",
     "Layout",
     "LogicalConstraint",
     "OptimizerConfig",
     "ParallelConfig",
     "PipelineConfig",
+    "Placement",
     "Precision",
+    "Services",
     "TrainPlan",
     "TrainState",
     "Trainer",

@@ -100,6 +100,10 @@ FORMER: dict[str, dict[str, Renamed | Removed]] = {
     "jaxpar.checkpoint": {
         "plan_leaves": Renamed("jaxpar.checkpoint:leaf_specs"),
     },
+    "jaxpar.train": {
+        "plan_for": Renamed("jaxpar.auto:plan_for", "mode 'auto' is planned before the Trainer; other modes' plan "
+                                                   "is jaxpar.make_train_plan's, which the Trainer makes itself"),
+    },
     "jaxpar.nn": {
         "HostEmbedding": Renamed("jaxpar.ps:HostEmbedding", "train it with Trainer(rows=jaxpar.ps.HostRows(table))"),
         "RowOptimizer": Renamed("jaxpar.ps:RowOptimizer"),
@@ -156,6 +160,31 @@ MODULES: dict[str, Renamed | Removed] = {
     "jaxpar.data.cli": Removed(_CLI.format("data"), "docs/data_loading.md"),
     "jaxpar.launch.cli": Removed(_CLI.format("launch") + " or python -m jaxpar.launch", "docs/startup.md"),
     "jaxpar.metrics.cli": Removed(_CLI.format("train --metrics-dir DIR"), "docs/metrics.md"),
+}
+
+
+# Former keywords of a callable: owner -> {keyword: entry}. The Trainer's services, placement and
+# example batch were flat keywords of 0.1.0; they fold into one value each (jaxpar.train.services).
+_SERVICE = "Trainer(services=jaxpar.Services({}))"
+_CHECKPOINT = _SERVICE.format("checkpoint=jaxpar.CheckpointConfig({}=...)")
+_PLACEMENT = "Trainer(placement=jaxpar.Placement({}=...))"
+KEYWORDS: dict[str, dict[str, Renamed]] = {
+    "Trainer": {
+        "checkpoint_dir": Renamed(_CHECKPOINT.format("dir")),
+        "save_every": Renamed(_CHECKPOINT.format("save_every")),
+        "keep": Renamed(_CHECKPOINT.format("keep")),
+        "resume": Renamed(_CHECKPOINT.format("resume")),
+        "preemption": Renamed(_CHECKPOINT.format("preemption"), "it saves into the checkpoint directory"),
+        "nonfinite": Renamed(_SERVICE.format("nonfinite=...")),
+        "metrics": Renamed(_SERVICE.format("metrics=jaxpar.metrics.MetricsConfig(...)"),
+                           "a loop over Trainer.step logs them too"),
+        "profile_steps": Renamed(_SERVICE.format("metrics=..., profile=..."), "the window needs metrics"),
+        "offload": Renamed(_PLACEMENT.format("offload")),
+        "donate": Renamed(_PLACEMENT.format("donate")),
+        "global_batch": Renamed(_PLACEMENT.format("global_batch")),
+        "example_batch": Renamed("Trainer(plan=jaxpar.auto.plan_for(model, tx, loss_fn, config, mesh, "
+                                 "example_batch=batch))", "mode 'auto' is searched before the Trainer is built"),
+    },
 }
 
 

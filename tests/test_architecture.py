@@ -422,3 +422,70 @@ def test_the_plan_name_check_sees_modules_classes_and_exports(tmp_path):
     assert plan_names(root) == ["pkg/__init__.py: exports plan_job", "pkg/auto/planner.py: module",
                                 "pkg/auto/planner.py:1: class JobPlan", "pkg/nn/specs.py:2: class PlanRow",
                                 "pkg/nn/specs.py: exports format_plan"]
+
+
+# Parts that may not import one another although the ranks would allow it: the Trainer runs a
+# plan made before it, so the strategy search (auto/) is called before a Trainer exists (the job
+# runner, `jaxpar.auto.plan_for`), never from train/.
+FORBIDDEN = {("train", "auto"): "mode 'auto' is planned before the Trainer (jaxpar.auto.plan_for)"}
+
+
+def forbidden_imports(root: pathlib.Path = ROOT) -> list[str]:
+    """Imports (function-local ones included) from one part into another that `FORBIDDEN` rules out."""
+    wrong = []
+    for module, targets in sorted(module_graph(root).items()):
+        for target in sorted(targets):
+            pair = (_part(module), _part(target))
+            if pair in FORBIDDEN:
+                wrong.append(f"{module} imports {target}: {FORBIDDEN[pair]}")
+    return wrong
+
+
+def test_training_never_imports_the_search():
+    wrong = forbidden_imports()
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_forbidden_import_check_sees_the_former_planner(tmp_path):
+    """The train/planning.py of before (a function-local ``from jaxpar.auto import plan_training``
+    in ``plan_for``) is caught; a string naming auto is not an import."""
+    root = tmp_path / "jaxpar"
+    for name, text in {"__init__.py": "", "auto/__init__.py": "", "auto/api.py": "", "plan/__init__.py": "",
+                       "train/__init__.py": "", "train/trainer.py": "from jaxpar.plan import x\nNOTE = 'jaxpar.auto'\n",
+                       "train/planning.py": "def plan_for():\n    from jaxpar.auto import plan_training\n"}.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    assert forbidden_imports(root) == ["jaxpar.train.planning imports jaxpar.auto: " + FORBIDDEN[("train", "auto")]]
+
+
+# The Trainer is a loop and its views: the compile cache and placement (train/programs.py), the
+# services (train/services.py, hooks.py, checkpointing.py, watch.py) and the argument checks
+# (train/arguments.py) live beside it.
+TRAINER_LINES, TRAINER_PARAMETERS = 400, 9
+
+
+def trainer_size(path: pathlib.Path = ROOT / "train" / "trainer.py") -> tuple[int, int]:
+    """``(lines of the file, parameters of Trainer.__init__ less self, * and ** included)``."""
+    text = path.read_text()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef) and node.name == "Trainer":
+            init = next(f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+            a = init.args
+            count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg) - 1
+            return len(text.splitlines()), count
+    raise AssertionError(f"{path} defines no class Trainer")
+
+
+def test_the_trainer_is_a_loop():
+    lines, parameters = trainer_size()
+    assert lines <= TRAINER_LINES, (f"jaxpar/train/trainer.py has {lines} lines (at most {TRAINER_LINES}): move what is "
+                                    "not the loop or its views into the modules beside it")
+    assert parameters <= TRAINER_PARAMETERS, (f"Trainer.__init__ takes {parameters} parameters (at most "
+                                              f"{TRAINER_PARAMETERS}): a service goes in jaxpar.Services, placement in "
+                                              "jaxpar.Placement")
+
+
+def test_the_trainer_size_check_counts_every_parameter(tmp_path):
+    path = tmp_path / "trainer.py"
+    path.write_text("class Trainer:\n    def __init__(self, a, b, /, c, *args, d=1, **kw):\n        pass\n")
+    assert trainer_size(path) == (3, 6)

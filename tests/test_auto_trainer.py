@@ -37,7 +37,7 @@ def test_auto_without_a_batch_is_refused_at_construction():
 def test_a_refused_plan_leaves_no_checkpointer_open(tmp_path, monkeypatch):
     """The checkpoint directory is opened before planning (a bad one is refused first); a plan
     refused after it closes it again."""
-    import jaxpar.train.trainer as trainer_module
+    import jaxpar.train.checkpointing as trainer_module      # where the checkpoint service opens it
 
     closed = []
 

@@ -264,9 +264,10 @@ def test_hooks_run_at_their_steps_after_the_services(tmp_path):
         trainer.add_hook("print")
 
 
-def test_the_trainer_module_never_searches_or_plans():
-    """The plan is made before the Trainer (`jaxpar.train.plan_for`); the Trainer's module imports
-    neither the search nor the planner."""
+def test_the_trainer_module_never_searches():
+    """Mode "auto" is searched before the Trainer (`jaxpar.auto.plan_for`); given no plan the
+    Trainer calls `make_train_plan` and nothing else (tests/test_architecture.py checks that no
+    module of jaxpar/train imports jaxpar/auto)."""
     import ast
     import pathlib
 
@@ -278,8 +279,8 @@ def test_the_trainer_module_never_searches_or_plans():
             names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
-    assert not {n for n in names if n.startswith("jaxpar.auto") or n.endswith(".make_train_plan")}, names
-    assert "jaxpar.train.planning.plan_for" in names
+    assert not {n for n in names if n.startswith("jaxpar.auto")}, names
+    assert "jaxpar.plan.make_train_plan" in names
 
 
 def test_bad_gpt_input_and_evaluate_steps_name_the_fix():

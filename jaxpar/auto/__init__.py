@@ -5,6 +5,8 @@
     >>> strategy = jaxpar.auto.search(model, loss_fn, batch, config, mesh)            # doctest: +SKIP
     >>> print(strategy.table())                                                        # doctest: +SKIP
     >>> trainer = jaxpar.Trainer(model, tx, loss_fn, strategy.to_config(config), mesh) # doctest: +SKIP
+    >>> trainer = jaxpar.Trainer(model, tx, loss_fn, config, mesh,                     # doctest: +SKIP
+    ...                          plan=jaxpar.auto.plan_for(model, tx, loss_fn, config, mesh, example_batch=batch))
 
 `search` gives a `Strategy` (one mesh's layouts); `search_job` searches a whole job — mesh
 shapes, ZeRO levels, micro-batches, recompute, pipeline stages — over a `JobSearchSpace` and
@@ -14,7 +16,7 @@ model, batch shapes, cost parameters): nothing compiles except `search_job`'s op
 
 from jaxpar._deprecation import module_getattr
 from jaxpar.auto.balance import balance_stages, module_costs
-from jaxpar.auto.api import hand_strategy, make_strategy, mesh_sizes, plan_training, search
+from jaxpar.auto.api import hand_strategy, make_strategy, mesh_sizes, plan_for, plan_training, search
 from jaxpar.auto.cost import Cost, CostParams, evaluate
 from jaxpar.auto.graph import Graph, build_graph
 from jaxpar.auto.job_search import JobSearchResult, search_job
@@ -36,6 +38,7 @@ __all__ = [
     "hand_strategy",
     "make_strategy",
     "mesh_sizes",
+    "plan_for",
     "plan_training",
     "search",
     "search_job",

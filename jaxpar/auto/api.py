@@ -156,3 +156,41 @@ def plan_training(model, loss_fn: Callable, batch: Any, config, mesh, tx, *, off
     train_plan = make_train_plan(found.to_config(config), mesh, model, tx, offload=offload,
                                  source=f"searched:{found.search}")
     return train_plan, found
+
+
+# What a mode "auto" run without a plan is told (here and by the Trainer)
+NO_BATCH = ("mode='auto' searches the strategies on a batch before training, and no batch was given: pass "
+            "example_batch=<one global batch> (only its shapes are read) to jaxpar.auto.plan_for(model, tx, "
+            "loss_fn, config, mesh, example_batch=batch), or searched=jaxpar.auto.Strategy.from_json(path), and give "
+            "the Trainer plan= its result; the Trainer no longer searches at its first batch (see "
+            "docs/parallel_modes.md and CHANGELOG.md)")
+
+
+def plan_for(model, tx, loss_fn: Callable, config, mesh, *, example_batch: Any = None, searched: Any = None,
+             offload: tuple[str, ...] = ()):
+    """``(TrainPlan, search record)``: the plan to train ``model`` with ``tx`` and ``loss_fn`` under
+    ``config`` on ``mesh``, made before the Trainer is built, and the strategy search's `Strategy`
+    (``None`` when nothing was searched). Give both to the Trainer as ``plan=``.
+
+    In mode ``"auto"`` the search runs on ``example_batch`` (a global batch: arrays or
+    ``jax.ShapeDtypeStruct``s; only its shapes and dtypes are read), or ``searched`` — a search
+    saved with ``.to_json`` and read with ``Strategy.from_json`` — is trained as it is. Other
+    modes need neither (both are ignored): their plan is `jaxpar.make_train_plan`'s, which the
+    Trainer makes itself when given none.
+
+    >>> trainer = jaxpar.Trainer(model, tx, loss_fn, auto_config, mesh,
+    ...                          plan=jaxpar.auto.plan_for(model, tx, loss_fn, auto_config, mesh,
+    ...                                                    example_batch=batch))        # doctest: +SKIP
+    >>> trainer.searched.table()                                                        # doctest: +SKIP
+    """
+    if config.mode != "auto":
+        return make_train_plan(config, mesh, model, tx, offload=offload, loss_fn=loss_fn), None
+    if searched is not None:
+        if not isinstance(searched, Strategy):
+            raise TypeError(f"plan_for: searched must be a jaxpar.auto.Strategy (e.g. jaxpar.auto.Strategy.from_json(path)), "
+                            f"got {type(searched).__name__}")
+        return make_train_plan(searched.to_config(config), mesh, model, tx, offload=offload, loss_fn=loss_fn,
+                               source=f"searched:{searched.search}"), searched
+    if example_batch is None:
+        raise ValueError(NO_BATCH)
+    return plan_training(model, loss_fn, example_batch, config, mesh, tx, offload=offload)

@@ -264,13 +264,20 @@ def build(job: JobConfig, *, devices=None) -> Built:
         metrics = MetricsConfig(dir=log.dir, every=log.every, tensorboard=log.tensorboard, learning_rate=schedule,
                                 peak_flops=log.peak_flops or peak_flops(dtype=compute))
     # mode "auto": the plan is searched on the first batch the job trains on, before the Trainer
-    # places anything (jaxpar.train.plan_for); then the Trainer resumes from checkpoint.dir
-    example = train.batch(train.position) if job.parallel.mode == "auto" else None
+    # places anything (jaxpar.auto.plan_for); then the Trainer resumes from checkpoint.dir
+    plan = None
+    if job.parallel.mode == "auto":
+        from jaxpar.auto import plan_for
+
+        plan = plan_for(model, tx, loss, job.parallel, mesh, example_batch=train.batch(train.position),
+                                    offload=job.train.offload)
     # generated data: every process makes the same global batch and jaxpar keeps each device's rows
     global_batch = True if job.data.source == "arithmetic" else None
-    trainer = jaxpar.Trainer(model, tx, loss, job.parallel, mesh, checkpoint_dir=ck.dir, global_batch=global_batch,
-                             save_every=ck.every, keep=ck.keep, resume=ck.resume, metrics=metrics,
-                             profile_steps=log.profile_steps, example_batch=example, offload=job.train.offload)
+    checkpoint = None if ck.dir is None else jaxpar.CheckpointConfig(dir=ck.dir, save_every=ck.every, keep=ck.keep,
+                                                                     resume=ck.resume)
+    services = jaxpar.Services(checkpoint=checkpoint, metrics=metrics, profile=log.profile_steps)
+    trainer = jaxpar.Trainer(model, tx, loss, job.parallel, mesh, plan=plan, services=services,
+                             placement=jaxpar.Placement(offload=job.train.offload, global_batch=global_batch))
     return Built(mesh=mesh, trainer=trainer, train=train, held_out=held_out, store=store)
 
 

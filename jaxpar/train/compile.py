@@ -27,10 +27,13 @@ def compile_step(model_fn: Callable[[], nnx.Module], loss_fn: Callable, batch, c
     ``jaxpar.report.stage_collectives.StageCollectiveError`` naming the stage, the mesh axis and
     the model's line; the search rules such a candidate out.
     """
+    if config.mode == "auto":
+        raise ValueError("compile_step: config has mode='auto', whose strategies are searched before a step "
+                         "exists; compile the searched config: plan, _ = jaxpar.auto.plan_for(model, tx, loss_fn, "
+                         "config, mesh, example_batch=batch), then compile_step(..., plan.config)")
     n = math.prod(config.mesh.values())
     mesh = make_mesh(config, devices=jax.devices()[:n])
-    trainer = Trainer(init(model_fn, config, mesh), tx or optax.adamw(1e-3), loss_fn, config, mesh,
-                      example_batch=batch)       # mode "auto" searches on it first
+    trainer = Trainer(init(model_fn, config, mesh), tx or optax.adamw(1e-3), loss_fn, config, mesh)
     compiled = trainer.lower(batch).compile()
     if trainer.plan.pipeline.stages > 1:
         check_stage_collectives(compiled, mesh, config.pipeline.axis)

@@ -1,4 +1,11 @@
-"""The services around the loop: preemption, metric writers and the profile window.
+"""The hook protocol of the loop, and the services that need nothing but it: the non-finite
+read, preemption, and a user's function called every N steps.
+
+A hook is an object with any of four methods, each called with the Trainer: ``on_start``
+(the state is built and resumed), ``before_step(trainer, step)`` (before dispatch),
+``after_step(trainer, step, metrics)`` (after it; ``metrics`` are device arrays: reading one
+waits for the step) and ``on_close``. The Trainer walks its hooks in the order of
+`jaxpar.train.Services.build` and owns none of their state; a service owns no loop.
 
 SIGTERM handling is a flag in one process and JAX's preemption sync point across several, so
 every process stops at the same step.
@@ -14,10 +21,13 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
-from jaxpar.metrics import MetricsConfig, MetricsLogger, ProfileWindow, check_profile_steps
+import jax.numpy as jnp
+
+from jaxpar.metrics import read
 
 
 class Preempted(SystemExit):
@@ -144,15 +154,135 @@ def running(method: Callable) -> Callable:
     return wrapped
 
 
-def watchers(metrics, profile_steps) -> tuple[MetricsLogger | None, ProfileWindow | None]:
-    """The metric writers and the profile window a Trainer was asked for."""
-    if metrics is not None and not isinstance(metrics, MetricsConfig):
-        raise TypeError(f"Trainer: metrics must be a jaxpar.metrics.MetricsConfig, got {type(metrics).__name__}; "
-                        "e.g. metrics=MetricsConfig(dir='runs/exp1')")
-    window = check_profile_steps(profile_steps)
-    if window is not None and metrics is None:
-        raise ValueError(f"Trainer: profile_steps={window} writes its trace under the run directory; pass "
-                         "metrics=MetricsConfig(dir=...) as well")
-    if metrics is None:
-        return None, None
-    return MetricsLogger(metrics), ProfileWindow(metrics.profile_dir, window) if window else None
+class Hook:
+    """A service around the loop: override what it needs (every method does nothing here).
+
+    >>> class PrintLoss(Hook):
+    ...     def after_step(self, trainer, step, metrics):
+    ...         if step % 100 == 0:
+    ...             print(step, float(metrics["loss"]))
+    >>> services = jaxpar.Services(hooks=(PrintLoss(),))                   # doctest: +SKIP
+    """
+
+    service: str | None = None
+    """The service a hook provides, by which the Trainer finds it (`Trainer.service`):
+    ``"checkpoint"``, ``"preemption"``, ``"nonfinite"``, ``"metrics"``, ``"profile"``; a hook that
+    replaces a built-in one says which (None: a hook of the user's own)."""
+
+    def on_start(self, trainer) -> None:
+        """The Trainer's state is built (and resumed, when a checkpoint hook came first)."""
+
+    def before_step(self, trainer, step: int) -> None:
+        """Step ``step`` is about to be dispatched."""
+
+    def after_step(self, trainer, step: int, metrics: dict[str, Any]) -> None:
+        """Step ``step`` was dispatched; ``metrics`` are its device arrays."""
+
+    def on_close(self, trainer) -> None:
+        """The Trainer closes (``trainer`` is None when its construction failed)."""
+
+
+class EveryHook(Hook):
+    """``fn(step, metrics)`` after every step whose number is a multiple of ``every``
+    (`jaxpar.Trainer.add_hook`)."""
+
+    def __init__(self, fn: Callable[[int, dict], None], every: int = 1):
+        if not callable(fn):
+            raise TypeError(f"Trainer.add_hook: hook must be callable as hook(step, metrics), got {type(fn).__name__}")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"Trainer.add_hook: every={every!r} must be a positive int (1 = after every step)")
+        self.fn, self.every = fn, every
+
+    def after_step(self, trainer, step: int, metrics: dict[str, Any]) -> None:
+        if not step % self.every:
+            self.fn(step, metrics)
+
+
+CHECK_EVERY = 100      # the finite flags are read at least this often
+
+
+class NonfiniteHook(Hook):
+    """Keeps each step's finite flag on the device and reads them in bulk: every ``CHECK_EVERY``
+    steps, and whenever `check` is called (before every save, at logging). ``policy``
+    ``"stop"`` raises ``FloatingPointError`` naming the first bad step; ``"skip"`` (the step
+    kept the previous state) counts them in ``skipped``.
+
+    >>> hook = NonfiniteHook("stop")
+    >>> hook.after_step(None, 1, {"finite": jnp.asarray(True)}); hook.check()
+    """
+
+    service = "nonfinite"
+
+    def __init__(self, policy: str = "stop"):
+        if policy not in ("stop", "skip"):
+            raise ValueError(f"NonfiniteHook: policy={policy!r}; choose 'stop' or 'skip'")
+        self.policy = policy
+        self.pending: list = []          # (step, device flag) not yet read
+        self.skipped: list[int] = []
+
+    def __repr__(self) -> str:
+        return f"NonfiniteHook({self.policy!r})"
+
+    def after_step(self, trainer, step: int, metrics: dict[str, Any]) -> None:
+        self.pending.append((step, metrics["finite"]))
+        if not step % CHECK_EVERY:
+            self.check()
+
+    def check(self) -> None:
+        """Read the flags of the steps since the last read (one wait)."""
+        if not self.pending:
+            return
+        flags = read(_stacked([f for _, f in self.pending]))[:len(self.pending)]
+        bad = [step for (step, _), ok in zip(self.pending, flags) if not ok]
+        self.pending.clear()
+        if not bad:
+            return
+        self.skipped.extend(bad)
+        if self.policy == "stop":
+            raise FloatingPointError(
+                f"Trainer: step {bad[0]} had a non-finite loss, gradient norm or update (updated parameters "
+                "not finite, or NaN in the updated optimizer state)"
+                + (f" (and steps {bad[1:]})" if bad[1:] else "") + "; nothing after it was saved, so every "
+                "checkpoint holds finite values and a restart resumes from the newest one. Inspect that batch, "
+                "lower the learning rate, or pass Services(nonfinite='skip') to skip such updates and go on")
+
+
+def _stacked(flags: list) -> jax.Array:
+    """The device flags as one array, so reading them is one transfer, not one per step. The
+    list is padded to a power of two (with its last flag) so at most a few tiny programs compile."""
+    size = 1 << (len(flags) - 1).bit_length()
+    return _stack(*flags, *[flags[-1]] * (size - len(flags)))
+
+
+@jax.jit
+def _stack(*flags):
+    return jnp.stack(flags)
+
+
+class PreemptionHook(Preemption, Hook):
+    """On SIGTERM (`Preemption`), the Trainer's checkpoint service saves the step reached and the
+    run leaves with `Preempted` (exit code 0); ``evaluate`` asks between its batches (`asked`)."""
+
+    service = "preemption"
+
+    def after_step(self, trainer, step: int, metrics: dict[str, Any]) -> None:
+        if self.reached(step):
+            self.leave(trainer, metrics)
+
+    def leave(self, trainer, metrics: dict[str, Any] | None) -> None:
+        """Save the step reached (unless it is saved, or nothing was trained), wait for it, give
+        SIGTERM back and raise `Preempted` (carrying ``metrics`` for ``fit`` to log)."""
+        checkpoint = trainer.service("checkpoint")
+        trainer.check_finite()
+        trained = trainer.step_count > 0
+        checkpoint.diverge()
+        if trained:
+            checkpoint.save_unless_saved(trainer)
+        checkpoint.checkpointer.close()
+        self.close()      # saved: a SIGTERM from now on gets its default action
+        stop = Preempted(trainer.step_count, checkpoint.checkpointer.directory, saved=trained)
+        stop.metrics = metrics
+        raise stop
+
+    def on_close(self, trainer) -> None:
+        self.close()
