@@ -347,7 +347,8 @@ class BatchLayout:
         shapes = self.process_view(mesh, batch, training=False)     # this process's rows, checked
 
         def put_local(path, x, shape):
-            spec = self.leaf_spec(shape.shape, _top_key(path), training=False, name=f"batch{jax.tree_util.keystr(path)}")
+            spec = self.leaf_spec(shape.shape, _top_key(path), training=False,
+                                  name=f"batch{jax.tree_util.keystr(path)}")
             sharding = NamedSharding(mesh, spec)
             if _is_global(x):
                 return x if x.sharding == sharding else jax.jit(lambda a: a, out_shardings=sharding)(x)

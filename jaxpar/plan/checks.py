@@ -345,7 +345,8 @@ def check_rules_used(config: ParallelConfig, model: nnx.Module, loss_fn: Any = N
     abstract trace of ``loss_fn(model, batch)``. Without them a rule the parameters do not use
     may still be an activation's, and waits for the step's trace.
 
-    >>> check_rules_used(ParallelConfig(mesh={"data": 8}, rules={"mlpp": "data"}), model, loss_fn, batch)  # doctest: +SKIP
+    >>> config = ParallelConfig(mesh={"data": 8}, rules={"mlpp": "data"})
+    >>> check_rules_used(config, model, loss_fn, batch)                     # doctest: +SKIP
     Traceback (most recent call last):
     ValueError: ParallelConfig.rules: 'mlpp' -> 'data' (did you mean 'mlp'?) names a logical axis that ...
     """
