@@ -3,6 +3,7 @@ PYTHON ?= python3
 # pytest-xdist processes for `make test`; each simulates 8 CPU devices (about 1-2 GB of memory)
 TEST_WORKERS ?= 2
 VENV   := .venv
+comma  := ,
 BIN    := $(VENV)/bin
 
 # pip extras: `cuda` (jax[cuda12]) where an NVIDIA driver answers, so `make demo` trains on the GPU
@@ -18,9 +19,11 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/pip install -q -e '.$(if $(EXTRAS),[$(EXTRAS)])'
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[dev]'
-	touch $@
+# One pip run for the test extras (not the plain install first, then the extras: that resolved
+# and built the editable wheel twice); it also satisfies `demo`'s install.
+$(VENV)/.installed-dev: $(BIN)/activate pyproject.toml
+	$(BIN)/pip install -q -e '.[dev$(if $(EXTRAS),$(comma)$(EXTRAS))]'
+	touch $(VENV)/.installed $@
 
 demo: $(VENV)/.installed            ## install; train Llama tiny on the standard library's source on every GPU (else 8 simulated CPU devices), print samples
 	$(BIN)/python examples/stdlib_corpus.py --out runs/data
