@@ -112,11 +112,12 @@ def main() -> dict:
     parallel = jaxpar.ParallelConfig(mesh={"data": -1})
     mesh = jaxpar.make_mesh(parallel)
     source = ps.ServerRows(client, FIELDS, mesh=mesh)
+    checkpoint = None if not args.checkpoint_dir else jaxpar.CheckpointConfig(
+        dir=args.checkpoint_dir, save_every=args.save_every, preemption=False)
     trainer = jaxpar.Trainer(jaxpar.init(lambda: DLRM(config, rngs=nnx.Rngs(0), table=False), parallel, mesh),
                              optax.adam(0.01), lambda model, batch, rows: loss_fn(model, source.embedded(batch, rows),
                                                                                  batch),
-                             parallel, mesh, rows=source, checkpoint_dir=args.checkpoint_dir,
-                             save_every=args.save_every if args.checkpoint_dir else 0, preemption=False)
+                             parallel, mesh, rows=source, services=jaxpar.Services(checkpoint=checkpoint))
     if trainer.step_count:     # resumed (the servers went back to the same step)
         print(f"resumed from the checkpoint of step {trainer.step_count}", flush=True)
     elif args.checkpoint_dir:  # a group killed before its first save restarts at 0
