@@ -31,6 +31,7 @@ EXPECTED = {
     "jaxpar.auto.JobPlan": ("warns", "jaxpar.auto.JobSearchResult"),
     "jaxpar.auto.plan_job": ("fails", "jaxpar.auto.search_job", "docs/auto_parallel.md"),
     "jaxpar.checkpoint.plan_leaves": ("warns", "jaxpar.checkpoint.leaf_specs"),
+    "jaxpar.train.plan_for": ("warns", "jaxpar.auto.plan_for"),
     "jaxpar.nn.HostEmbedding": ("warns", "jaxpar.ps.HostEmbedding"),
     "jaxpar.nn.RowOptimizer": ("warns", "jaxpar.ps.RowOptimizer"),
     "jaxpar.nn.HostEmbeddingStep": ("fails", "jaxpar.ps.HostRows", "docs/recommendation.md"),
@@ -237,6 +238,11 @@ KEYWORDS = {
        for module in ("", ".executor") for fn in ("pipeline_value_and_grad", "pipeline_forward")
        for name in ("stage_fn", "loss_fn", "schedule", "mesh", "axis", "specs", "embed_fn", "stage_batch",
                     "stage_aux")},
+    **{("jaxpar.ops.moe_dispatch", name): "warns (test_moe.py: test_the_former_keywords_warn_and_give_the_same_values)"
+       for name in ("expert_axis", "batch_axis", "mlp_axis", "capacity_factor", "bucket_growth", "transport")},
+    **{("jaxpar.models.llama_report.llama_report", name): "warns (test_model_report.py: test_the_former_keywords_...)"
+       for name in ("batch", "seq_len", "mesh", "tx", "step_time_s", "peak_flops", "device_kind", "backend",
+                    "param_dtype", "grad_dtype", "opt_state_dtype", "compute_dtype", "compiled", "compiled_note")},
 }
 # Former members of classes, answered by a RenamedAttribute / RemovedAttribute (test_former_members_...) or
 # by the renamed class they belong to.
