@@ -22,7 +22,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jaxpar  # noqa: E402
 from jaxpar.models.llama_config import LlamaConfig, param_count  # noqa: E402
-from jaxpar.models.llama_report import llama_report  # noqa: E402
+from jaxpar.models.llama_report import ReportRequest, llama_report  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 MESH = {"data": 8, "model": 8}
@@ -40,7 +40,7 @@ def closed_form(level: int, p: int) -> dict[str, float]:
 def row(level: int, remat: str) -> dict:
     cfg = LlamaConfig.named("llama3_8b", scan_layers=True, dtype="bfloat16")
     config = jaxpar.ParallelConfig(mesh=MESH, rules=RULES, optimizer={"level": level}, remat=remat)
-    r = llama_report(cfg, config, batch=8, seq_len=8192, backend="gpu")
+    r = llama_report(cfg, config, ReportRequest(batch=8, seq_len=8192, backend="gpu"))
     r = dataclasses.replace(r, name="llama3_8b")
     expected = closed_form(level, param_count(cfg))
     memory = r.memory.summary()

@@ -305,15 +305,17 @@ def removed_keywords(owner: str, removed: Mapping[str, Callable[[Any], Removed]]
 
 def former_signature(positional: str, keywords: Mapping[str, Any]) -> inspect.Signature:
     """A former call form as a signature to bind against: ``positional`` names the required
-    positional parameters (space separated; ``name=value`` pairs in ``keywords`` before ``"*"``
-    follow them with defaults, the rest are keyword-only)."""
+    positional parameters (space separated; ``name: default`` pairs in ``keywords`` before ``"*"``
+    follow them, the rest are keyword-only; a default of ``dataclasses.MISSING`` means required)."""
     params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in positional.split()]
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     for name, default in keywords.items():
         if name == "*":
             kind = inspect.Parameter.KEYWORD_ONLY
             continue
-        params.append(inspect.Parameter(name, kind, default=default))
+        # a dataclass field without a default (dataclasses.MISSING) is a required parameter
+        params.append(inspect.Parameter(name, kind, default=inspect.Parameter.empty
+                                        if default is dataclasses.MISSING else default))
     return inspect.Signature(params)
 
 

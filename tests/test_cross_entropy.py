@@ -208,11 +208,11 @@ def test_tokens_split_over_batch_and_length_axes_stay_split():
 
 
 def test_the_memory_estimate_counts_the_chunked_loss_gradients_not_the_logits():
-    from jaxpar.models.llama_report import llama_report
+    from jaxpar.models.llama_report import ReportRequest, llama_report
 
     config = jaxpar.ParallelConfig(mesh={"data": 8}, rules={"batch": "data"})
     cfg = LlamaConfig.named("1b")
-    full, chunked = (llama_report(dataclasses.replace(cfg, loss_chunks=n), config, batch=64, seq_len=2048)
+    full, chunked = (llama_report(dataclasses.replace(cfg, loss_chunks=n), config, ReportRequest(batch=64, seq_len=2048))
                      .memory.activations for n in (0, 8))
     tokens, itemsize = 8 * 2048, 4   # per device; fp32 parameters as used
     assert full - chunked == tokens * cfg.vocab_size * 4 - (tokens * cfg.embed * itemsize + cfg.embed * cfg.vocab_size * 4)

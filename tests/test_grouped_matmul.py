@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jaxpar.nn.moe import MoEConfig
-from jaxpar.ops.moe_dispatch import moe_dispatch
+from jaxpar.ops.moe_dispatch import ExpertDispatch, moe_dispatch
 
 gm = importlib.import_module("jaxpar.ops.grouped_matmul")   # the module (jaxpar.ops.grouped_matmul is also its function)
 
@@ -99,9 +99,9 @@ def test_mosaic_is_refused_where_it_cannot_run_and_auto_takes_xla():
     with pytest.raises(ValueError, match="MoEConfig.kernel='cutlass' is not one of"):
         MoEConfig(experts=4, kernel="cutlass")
     ids = jnp.zeros((8, 2), jnp.int32)
-    with pytest.raises(ValueError, match="moe_dispatch: kernel='x' is not one of"):
+    with pytest.raises(ValueError, match="ExpertDispatch: kernel='x' is not one of"):
         moe_dispatch(jnp.ones((8, 4)), ids, jnp.ones((8, 2)), jnp.ones((2, 4, 8)), jnp.ones((2, 4, 8)),
-                     jnp.ones((2, 8, 4)), kernel="x")
+                     jnp.ones((2, 8, 4)), ExpertDispatch(kernel="x"))
 
 
 def test_mosaic_needs_16_bit_operands_and_tile_multiples():

@@ -10,7 +10,7 @@ import pytest
 import jaxpar
 from jaxpar.cli import main
 from jaxpar.models.llama_config import LlamaConfig, param_count
-from jaxpar.models.llama_report import llama_flops_per_token, llama_report
+from jaxpar.models.llama_report import ReportRequest, llama_flops_per_token, llama_report
 from jaxpar.report import estimate_memory, peak_flops, throughput
 
 RULES = {"batch": "data", "heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
@@ -23,7 +23,7 @@ def _config(level: int, dp: int = DP, tp: int = TP) -> jaxpar.ParallelConfig:
 
 @pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_8b_on_64_devices_matches_the_closed_form_per_zero_level(level):
-    report = llama_report("llama3_8b", _config(level), batch=8, seq_len=4096)
+    report = llama_report("llama3_8b", _config(level), ReportRequest(batch=8, seq_len=4096))
     p = param_count(LlamaConfig.named("llama3_8b"))
     shards = {  # fp32 parameters and gradients, Adam's two fp32 moments
         "params": TP * DP if level == 3 else TP,
@@ -106,15 +106,15 @@ def test_cli_json_report_of_tiny_with_the_compiled_step_beside_the_estimate(caps
 
 def test_bad_input_names_the_value(capsys):
     with pytest.raises(ValueError, match="no Llama size named 'llama4'"):
-        llama_report("llama4", _config(0), batch=8)
+        llama_report("llama4", _config(0), ReportRequest(batch=8))
     with pytest.raises(ValueError, match=r"peak_flops=-1\.0 must be a finite positive"):
-        llama_report("tiny", _config(0, 2, 2), batch=8, step_time_s=1.0, peak_flops=-1.0)
+        llama_report("tiny", _config(0, 2, 2), ReportRequest(batch=8, step_time_s=1.0, peak_flops=-1.0))
     with pytest.raises(ValueError, match=r"peak_flops=-5 must be"):
         throughput(flops_per_token=1.0, tokens_per_step=1, step_time_s=1.0, num_devices=1, peak_flops=-5)
     with pytest.raises(ValueError, match="count='bogus'"):
         llama_flops_per_token(LlamaConfig.named("tiny"), count="bogus")
     with pytest.raises(ValueError, match=r"batch=0 must be a positive int"):
-        llama_report("tiny", _config(0, 2, 2), batch=0)
+        llama_report("tiny", _config(0, 2, 2), ReportRequest(batch=0))
     assert main(["report", "--model", "llama", "--peak-flops", "-1"]) == 2
     assert "--peak-flops -1: out of range" in capsys.readouterr().err
     assert main(["report", "--step-time", "0.5"]) == 2
@@ -123,9 +123,23 @@ def test_bad_input_names_the_value(capsys):
     assert "invalid choice: 'llama4'" in capsys.readouterr().err
     assert main(["report", "--model", "llama", "--layers", "3"]) == 2
     assert "--layers shape the example GPT" in capsys.readouterr().err
+    with pytest.raises(TypeError, match="request must be a jaxpar.models.report_request.ReportRequest, got int"):
+        llama_report("tiny", _config(0), 8)
 
 
-@pytest.mark.parametrize("module", ["report.peaks", "report.throughput", "report.estimate", "models.llama_report"])
+def test_the_former_keywords_warn_and_give_the_same_report():
+    """0.1.0's ``llama_report(model, config, batch=..., ...)`` still runs, warning with the
+    ``ReportRequest`` spelling; a former call missing ``batch`` names both spellings."""
+    want = llama_report("tiny", _config(0, 2, 2), ReportRequest(batch=8, seq_len=64, step_time_s=1.0))
+    with pytest.warns(DeprecationWarning, match=r"call llama_report\(model, config, .*ReportRequest\(batch="):
+        got = llama_report("tiny", _config(0, 2, 2), batch=8, seq_len=64, step_time_s=1.0)
+    assert got.summary() == want.summary()
+    with pytest.raises(TypeError, match="missing a required argument: 'batch'.*ReportRequest"):
+        llama_report("tiny", _config(0, 2, 2), seq_len=64)
+
+
+@pytest.mark.parametrize("module", ["report.peaks", "report.throughput", "report.estimate", "models.llama_report",
+                                    "models.report_request"])
 def test_docstring_examples_run(module):
     import importlib
 
@@ -193,7 +207,7 @@ def test_activation_estimate_counts_one_micro_batch_and_the_sequence_shard():
     def activations(**fields):
         mesh = fields.pop("mesh", {"data": 2})
         config = jaxpar.ParallelConfig(mesh=mesh, rules={"batch": "data", **fields.pop("rules", {})}, **fields)
-        return llama_report("tiny", config, batch=8).memory.activations
+        return llama_report("tiny", config, ReportRequest(batch=8)).memory.activations
 
     whole = activations()
     assert activations(grad_accum=2) * 2 == whole
@@ -214,7 +228,7 @@ def test_pipeline_activation_estimate_counts_one_chunk_and_the_micro_batches_in_
             config = jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 4}, rules={"batch": "data", "layers": "pipe"},
                                            pipeline={"stages": 2, **pipeline})
         cfg = LlamaConfig.named("tiny", layers=layers, scan_layers=True)
-        return llama_report(cfg, config, batch=32).memory.activations
+        return llama_report(cfg, config, ReportRequest(batch=32)).memory.activations
 
     m = 8
     gpipe, one_f = activations(microbatches=m, schedule="gpipe"), activations(microbatches=m, schedule="1f1b")
@@ -264,7 +278,8 @@ def test_attention_estimate_counts_what_each_attention_implementation_keeps():
         cfg = LlamaConfig.named("tiny", attention=kind, max_seq_len=seq)
         config = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4},
                                        rules={"batch": "data", "heads": "model", "mlp": "model", "vocab": "model"})
-        return llama_report(cfg, config, batch=32, seq_len=seq, compute_dtype=dtype).memory.activations
+        request = ReportRequest(batch=32, seq_len=seq, compute_dtype=dtype)
+        return llama_report(cfg, config, request).memory.activations
 
     cfg = LlamaConfig.named("tiny")
     for seq, dtype, itemsize in ((256, None, 4), (1024, "bfloat16", 2)):
@@ -295,7 +310,7 @@ def test_the_pipeline_table_of_the_docs_is_the_reports_estimate():
                                            pipeline={"stages": 2, "microbatches": int(m), "schedule": schedule})
         else:
             config = jaxpar.ParallelConfig(mesh={"data": 4}, rules={"batch": "data"})
-        got = llama_report("tiny", config, batch=32, seq_len=64).memory.activations
+        got = llama_report("tiny", config, ReportRequest(batch=32, seq_len=64)).memory.activations
         assert got == int(estimate.replace(",", "")), (schedule, m, got, estimate)
 
 
@@ -328,7 +343,7 @@ def test_ring_attention_estimate_counts_what_the_rings_custom_vjp_keeps():
     def activations(strategy, seq):
         config = jaxpar.ParallelConfig(mesh={"data": 2, "context": 4}, rules={"batch": "data", "length": "context"},
                                        context={"strategy": strategy, "order": "zigzag"})
-        return llama_report("tiny", config, batch=32, seq_len=seq).memory.activations
+        return llama_report("tiny", config, ReportRequest(batch=32, seq_len=seq)).memory.activations
 
     cfg = LlamaConfig.named("tiny")
     for seq in (64, 256):
@@ -340,12 +355,12 @@ def test_ring_attention_estimate_counts_what_the_rings_custom_vjp_keeps():
         config = jaxpar.ParallelConfig(mesh={"data": data, "ring": ring, "context": context},
                                        rules={"batch": "data", "length": ("ring", "context")},
                                        context={"axis": ("ring", "context"), "strategy": "hybrid"})
-        return llama_report("tiny", config, batch=32, seq_len=64).memory.activations
+        return llama_report("tiny", config, ReportRequest(batch=32, seq_len=64)).memory.activations
 
     def plain(strategy, data, context):
         config = jaxpar.ParallelConfig(mesh={"data": data, "context": context},
                                        rules={"batch": "data", "length": "context"}, context={"strategy": strategy})
-        return llama_report("tiny", config, batch=32, seq_len=64).memory.activations
+        return llama_report("tiny", config, ReportRequest(batch=32, seq_len=64)).memory.activations
 
     assert hybrid(2, 2, 2) == plain("ring", 2, 4) < plain("all_gather", 2, 4)
     assert hybrid(1, 2, 4) == plain("ulysses", 4, 2) == plain("all_gather", 4, 2)

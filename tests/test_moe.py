@@ -15,7 +15,7 @@ import jaxpar
 from helpers import assert_close, assert_losses_close, batches
 from jaxpar.models.llama import Llama, LlamaConfig, flops_per_token, loss_fn, param_count
 from jaxpar.nn import MoE, MoEConfig, moe_aux_loss, moe_metrics, route
-from jaxpar.ops import moe_dispatch, ragged_all_to_all_supported
+from jaxpar.ops import ExpertDispatch, moe_dispatch, ragged_all_to_all_supported
 
 D, F = 8, 8
 
@@ -143,7 +143,7 @@ def test_dropless_under_zipf_with_bounded_padding():
     owner = np.asarray(ids).reshape(n, t // n * k) // (experts // n)   # [source device, assignment] -> peer
     pair = np.stack([np.bincount(row, minlength=n) for row in owner])   # rows source -> peer
     assert pair.sum(0).max() > 2 * pair.sum(0).min()             # skewed: one device receives far more
-    dispatch = jax.jit(lambda *a: moe_dispatch(*a, expert_axis="data", mesh=mesh))   # bucket_growth 1.25
+    dispatch = jax.jit(lambda *a: moe_dispatch(*a, ExpertDispatch(expert_axis="data"), mesh=mesh))   # growth 1.25
     args = (x, ids, weights, layer.gate[...], layer.up[...], layer.down[...])
     compiled = dispatch.lower(*args).compile()
     _, stats = compiled(*args)
@@ -167,7 +167,7 @@ def test_dropping_mode_counts_and_skips_what_overflows():
     layer, x, mesh = zipf_layer(experts, k), tokens(t), ep_constraint(n).mesh
     ids, weights, _, _ = route(x @ layer.router[...], layer.cfg)
     p = {name: getattr(layer, name)[...] for name in ("gate", "up", "down")}
-    y, stats = jax.jit(lambda *a: moe_dispatch(*a, expert_axis="data", mesh=mesh, capacity_factor=cf))(
+    y, stats = jax.jit(lambda *a: moe_dispatch(*a, ExpertDispatch(expert_axis="data", capacity_factor=cf), mesh=mesh))(
         x, ids, weights, p["gate"], p["up"], p["down"])
     slots = int(np.ceil(cf * (t // n) * k / experts))
     flat = np.asarray(ids).reshape(n, -1)                       # per device, assignments in token order
@@ -210,7 +210,7 @@ def test_dropless_stays_exact_when_a_token_names_one_expert_twice():
     mesh = ep_constraint(2).mesh
     layer, x = zipf_layer(2, 2), tokens(8)
     p = [getattr(layer, name)[...] for name in ("gate", "up", "down")]
-    dispatch = jax.jit(lambda *a: moe_dispatch(*a, expert_axis="data", mesh=mesh))
+    dispatch = jax.jit(lambda *a: moe_dispatch(*a, ExpertDispatch(expert_axis="data"), mesh=mesh))
     weights = jnp.full((8, 2), 0.5)
     for ids in (jnp.tile(jnp.array([[0, 1]], jnp.int32), (8, 1)), jnp.zeros((8, 2), jnp.int32)):
         y, stats = dispatch(x, ids, weights, *p)
@@ -408,4 +408,22 @@ def test_bad_input_names_the_numbers():
     assert not ragged_all_to_all_supported("cpu")      # XLA:CPU: the padded all-to-all is used
     with pytest.raises(ValueError, match=r"transport='ragged' but the cpu backend cannot compile"):
         moe_dispatch(tokens(8), jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1)), *(layer.gate[...], layer.up[...],
-                     layer.down[...]), transport="ragged", expert_axis="data", mesh=ep_constraint(2).mesh)
+                     layer.down[...]), ExpertDispatch(transport="ragged", expert_axis="data"), mesh=ep_constraint(2).mesh)
+
+
+def test_the_former_keywords_warn_and_give_the_same_values():
+    """0.1.0's ``moe_dispatch(..., expert_axis=, capacity_factor=, ...)`` still runs, warning with
+    the ``ExpertDispatch`` spelling; a bad former keyword names both spellings."""
+    mesh = ep_constraint(2).mesh
+    layer, x = zipf_layer(4, 2), tokens(8)
+    p = [getattr(layer, name)[...] for name in ("gate", "up", "down")]
+    ids, weights = jnp.tile(jnp.array([[0, 3]], jnp.int32), (8, 1)), jnp.full((8, 2), 0.5)
+    want = moe_dispatch(x, ids, weights, *p, ExpertDispatch(expert_axis="data", capacity_factor=2.0), mesh=mesh)
+    with pytest.warns(DeprecationWarning, match=r"jaxpar.ops.ExpertDispatch\(expert_axis=..., capacity_factor"):
+        got = moe_dispatch(x, ids, weights, *p, expert_axis="data", capacity_factor=2.0, mesh=mesh)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert int(got[1]["capacity"]) == int(want[1]["capacity"])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'expert_axes'.*ExpertDispatch"):
+        moe_dispatch(x, ids, weights, *p, expert_axes="data", capacity_factor=2.0)
+    with pytest.raises(TypeError, match="dispatch must be a jaxpar.ops.ExpertDispatch, got str"):
+        moe_dispatch(x, ids, weights, *p, "data")

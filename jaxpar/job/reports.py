@@ -81,7 +81,7 @@ def llama_size_report(size: str, config: ParallelConfig, devices, batch: int, *,
                       backend: str | None = None):
     """The `jaxpar.models.llama_report.llama_report` of the named Llama ``size`` under ``config``
     on ``devices`` (``seq_len`` default: the model's ``max_seq_len``)."""
-    from jaxpar.models.llama_report import llama_config, llama_report
+    from jaxpar.models.llama_report import ReportRequest, llama_config, llama_report
 
     cfg = llama_config(size)
     if dtype:
@@ -89,7 +89,7 @@ def llama_size_report(size: str, config: ParallelConfig, devices, batch: int, *,
     seq = seq_len or cfg.max_seq_len
     sizes = mesh_sizes(config, devices)
     compiled, note = _compile(cfg, config, sizes, devices, batch, seq)
-    report = llama_report(cfg, config, mesh=sizes, batch=batch, seq_len=seq, step_time_s=step_time,
-                          peak_flops=peak_flops, device_kind=devices[0].device_kind, backend=backend,
-                          compiled=compiled, compiled_note=note)
+    report = llama_report(cfg, config, ReportRequest(
+        mesh=sizes, batch=batch, seq_len=seq, step_time_s=step_time, peak_flops=peak_flops,
+        device_kind=devices[0].device_kind, backend=backend, compiled=compiled, compiled_note=note))
     return dataclasses.replace(report, name=size)

@@ -69,8 +69,8 @@ def plan_of_job(job: JobConfig, sizes: dict[str, int]):
     check_rules_consulted(job.parallel, model, module.loss_fn, {"inputs": tokens, "targets": tokens})   # as train
     memory = None
     if job.model.name == "llama":
-        from jaxpar.models.llama_report import format_model_report, llama_report
+        from jaxpar.models.llama_report import ReportRequest, format_model_report, llama_report
 
-        memory = format_model_report(llama_report(cfg, job.parallel, batch=job.data.batch, seq_len=job.data.seq_len,
-                                                  mesh=sizes, tx=tx))
+        memory = format_model_report(llama_report(cfg, job.parallel, ReportRequest(
+            batch=job.data.batch, seq_len=job.data.seq_len, mesh=sizes, tx=tx)))
     return plan, memory

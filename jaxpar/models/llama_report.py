@@ -35,8 +35,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from jaxpar import _deprecation as _dep
 from jaxpar.config import ParallelConfig
 from jaxpar.models.llama_config import LlamaConfig, describe, matmul_params, param_count
+from jaxpar.models.report_request import ReportRequest
 from jaxpar.pipeline.program import lower
 from jaxpar.plan.train_plan import TrainPlan
 from jaxpar.report import MemoryEstimate, MemoryReport, Throughput, estimate_memory, format_bytes, format_memory
@@ -288,31 +290,27 @@ def _plan(cfg: LlamaConfig, config: ParallelConfig, sizes: dict[str, int], tx):
     return make_train_plan(config, sizes, abstract, tx, loss_fn=training_loss(config))
 
 
-def llama_report(model: LlamaConfig | str, config: ParallelConfig, *, batch: int, seq_len: int | None = None,
-                 mesh: Mapping[str, int] | None = None, tx: optax.GradientTransformation | None = None,
-                 step_time_s: float | None = None, peak_flops: float | None = None,
-                 device_kind: str | None = None, backend: str | None = None, param_dtype=None,
-                 grad_dtype=None, opt_state_dtype=None, compute_dtype=None,
-                 compiled: MemoryReport | None = None, compiled_note: str = "not compiled") -> ModelReport:
+_FIELDS = tuple(f.name for f in dataclasses.fields(ReportRequest))
+_FORMER = _dep.FormerForm(
+    "jaxpar.models.llama_report.llama_report",
+    _dep.former_signature("model config", {"*": None, "batch": dataclasses.MISSING, **{
+        f.name: f.default for f in dataclasses.fields(ReportRequest) if f.name != "batch"}}),
+    lambda args, kwargs: any(name in kwargs for name in _FIELDS),
+    lambda a: ((a["model"], a["config"], ReportRequest(**{n: a[n] for n in _FIELDS})), {}),
+    "llama_report(model, config, jaxpar.models.report_request.ReportRequest(batch=..., seq_len=..., ...))")
+
+
+@_dep.accepts_former_form(_FORMER)
+def llama_report(model: LlamaConfig | str, config: ParallelConfig, request: ReportRequest) -> ModelReport:
     """The `ModelReport` of a Llama model trained under ``config``, from shapes alone.
 
     Args:
       model: a ``LlamaConfig`` or a size name (``"tiny"``, ``"125m"``, ``"1b"``, ``"llama3_8b"``,
         ``"llama3_70b"``; named sizes use scanned layers).
       config: the ``ParallelConfig`` (mesh axes, rules, ZeRO level, recompute).
-      batch: global batch (sequences per step).
-      seq_len: tokens per sequence (default ``max_seq_len`` of the model).
-      mesh: axis sizes to plan for (default ``config.mesh``); need not match the local devices.
-      tx: the optax optimizer (default ``optax.adamw``): its real state structure is counted.
-      step_time_s: a measured step time, for tokens/s/device and MFU.
-      peak_flops: peak FLOP/s of one device, instead of the table for ``device_kind``.
-      device_kind: the device for the peak table (default ``jax.devices()[0].device_kind``).
-      backend: ``"gpu"`` / ``"tpu"`` / ``"cpu"`` for the attention choice (default JAX's).
-      param_dtype, grad_dtype, opt_state_dtype: storage dtypes (default: ``config.precision``'s
-        params / params / opt_state, else the parameters' own).
-      compute_dtype: activation dtype (default the model's ``dtype``, else
-        ``config.precision.compute``, else the model's ``param_dtype``).
-      compiled, compiled_note: a compiled step's memory, or why there is none.
+      request: a ``ReportRequest``: the batch and sequence length, the mesh sizes to plan for,
+        the optimizer, a measured step time and the device's peak, the backend, the dtypes, and a
+        compiled step's memory (see its fields).
 
     Raises:
       ValueError: an unknown size, a non-positive batch / seq_len / peak, a mesh with ``-1``.
@@ -320,7 +318,7 @@ def llama_report(model: LlamaConfig | str, config: ParallelConfig, *, batch: int
     Example:
       >>> import jaxpar
       >>> config = jaxpar.ParallelConfig(mesh={"data": 2}, optimizer={"level": 1})
-      >>> r = llama_report("tiny", config, batch=4, step_time_s=0.01, device_kind="cpu")
+      >>> r = llama_report("tiny", config, ReportRequest(batch=4, step_time_s=0.01, device_kind="cpu"))
       >>> r.attention, r.throughput.mfu_text
       ('xla', 'n/a (no peak for CPU)')
     """
@@ -331,37 +329,41 @@ def llama_report(model: LlamaConfig | str, config: ParallelConfig, *, batch: int
     cfg = llama_config(model)
     if not isinstance(config, ParallelConfig):
         raise TypeError(f"llama_report: config must be a jaxpar.ParallelConfig, got {type(config).__name__}")
-    seq = cfg.max_seq_len if seq_len is None else seq_len
+    if not isinstance(request, ReportRequest):
+        raise TypeError(f"llama_report: request must be a jaxpar.models.report_request.ReportRequest, got "
+                        f"{type(request).__name__}; e.g. ReportRequest(batch=8, seq_len=4096)")
+    r = request
+    seq = cfg.max_seq_len if r.seq_len is None else r.seq_len
     flops = llama_flops_per_token(cfg, seq)
-    sizes = _sizes(config, mesh)
-    tx = DEFAULT_TX if tx is None else tx
+    sizes = _sizes(config, r.mesh)
+    tx = DEFAULT_TX if r.tx is None else r.tx
     plan = _plan(cfg, config, sizes, tx)
-    backend = backend or jax.default_backend()
+    backend = r.backend or jax.default_backend()
     p = config.precision          # the job's mixed precision sets the dtypes not given here
+    param_dtype, grad_dtype, opt_state_dtype = r.param_dtype, r.grad_dtype, r.opt_state_dtype
     if p is not None:
         param_dtype, grad_dtype = param_dtype or p.params, grad_dtype or p.params
         opt_state_dtype = opt_state_dtype or p.opt_state
-    dtype = compute_dtype or cfg.dtype or (p.compute if p is not None else None) or cfg.param_dtype
+    dtype = r.compute_dtype or cfg.dtype or (p.compute if p is not None else None) or cfg.param_dtype
     attention = attention_implementation(cfg.attention, dtype, backend)
-    activations = llama_activation_bytes(cfg, plan, batch=batch, seq_len=seq, compute_dtype=dtype,
+    activations = llama_activation_bytes(cfg, plan, batch=r.batch, seq_len=seq, compute_dtype=dtype,
                                          attention=attention)
     est = estimate_memory(plan, tx, param_dtype=param_dtype, grad_dtype=grad_dtype,
                           opt_state_dtype=opt_state_dtype, activations=activations)
     speed = None
-    if step_time_s is not None:
-        speed = measure_throughput(flops_per_token=flops.total, tokens_per_step=batch * seq, step_time_s=step_time_s,
-                           num_devices=math.prod(sizes.values()), device_kind=device_kind, dtype=dtype,
-                           peak_flops=peak_flops)
-    elif peak_flops is not None:
+    if r.step_time_s is not None:
+        speed = measure_throughput(flops_per_token=flops.total, tokens_per_step=r.batch * seq,
+                                   step_time_s=r.step_time_s, num_devices=math.prod(sizes.values()),
+                                   device_kind=r.device_kind, dtype=dtype, peak_flops=r.peak_flops)
+    elif r.peak_flops is not None:
         from jaxpar.report.peaks import check_peak
 
-        check_peak(peak_flops)
+        check_peak(r.peak_flops)
     name = model if isinstance(model, str) else "custom"
-    return ModelReport(name=name, description=describe(cfg), mesh=sizes, zero_level=plan.zero_level, batch=batch,
+    return ModelReport(name=name, description=describe(cfg), mesh=sizes, zero_level=plan.zero_level, batch=r.batch,
                        seq_len=seq, attention=attention, attention_setting=cfg.attention, backend=backend,
-                       remat=plan.remat, flops=flops, memory=est,
-                       compiled=compiled, compiled_note="compiled" if compiled is not None else compiled_note,
-                       throughput=speed)
+                       remat=plan.remat, flops=flops, memory=est, compiled=r.compiled,
+                       compiled_note="compiled" if r.compiled is not None else r.compiled_note, throughput=speed)
 
 
 # ----------------------------------------------------------------------------- text

@@ -28,7 +28,7 @@ from flax import nnx
 
 from jaxpar.ops.activations import swiglu
 from jaxpar.ops.grouped_matmul import KERNELS
-from jaxpar.ops.moe_dispatch import TRANSPORTS, moe_dispatch
+from jaxpar.ops.moe_dispatch import TRANSPORTS, ExpertDispatch, moe_dispatch
 from jaxpar.strategy import logical_axes, manual_axes, mesh_sizes
 
 SCORES = ("softmax", "sigmoid")
@@ -165,9 +165,11 @@ class MoE(nnx.Module):
         # router logits accumulated in fp32 even from bf16 activations: near-ties decide the experts
         logits = jnp.dot(tokens, self.router[...].astype(dtype), preferred_element_type=jnp.float32)
         ids, weights, load_balance, z_loss = route(logits, cfg)
-        y, stats = moe_dispatch(tokens, ids, weights, self.gate[...], self.up[...], self.down[...],
-                                capacity_factor=cfg.capacity_factor, bucket_growth=cfg.bucket_growth,
-                                transport=cfg.transport, kernel=cfg.kernel, **axes)
+        dispatch = ExpertDispatch(expert_axis=axes.get("expert_axis"), batch_axis=axes.get("batch_axis"),
+                                  mlp_axis=axes.get("mlp_axis"), capacity_factor=cfg.capacity_factor,
+                                  bucket_growth=cfg.bucket_growth, transport=cfg.transport, kernel=cfg.kernel)
+        y, stats = moe_dispatch(tokens, ids, weights, self.gate[...], self.up[...], self.down[...], dispatch,
+                                mesh=axes.get("mesh"))
         y = restore(y)
         if cfg.shared_experts:
             h = swiglu(x @ self.shared_gate[...].astype(dtype), x @ self.shared_up[...].astype(dtype))

@@ -13,7 +13,8 @@ Each is a plain function, usable eagerly and inside ``jax.jit``, that takes its 
 * `context_attention`: the sequence split over a context axis (all-gather, ring, Ulysses,
   ring × Ulysses); `ContextParallel` hands it to a model; `context_order` balances causal
   work (zigzag / striped).
-* `moe_dispatch`: tokens to their experts over an expert axis (two all-to-alls), dropless.
+* `moe_dispatch`: tokens to their experts over an expert axis (two all-to-alls), dropless; an
+  `ExpertDispatch` says over which axes, with what capacity and which kernel.
 * `grouped_matmul`: ``jax.lax.ragged_dot`` semantics for the experts' matmuls, with JAX's
   Mosaic GPU kernels on Hopper GPUs (a plain function, per device).
 * `chunked_cross_entropy`: LM head + cross-entropy in token chunks, never holding the full
@@ -35,11 +36,12 @@ from jaxpar.ops.grouped_matmul import grouped_matmul
 from jaxpar.ops.head_parallel import attention
 from jaxpar.ops.linear import dense, matmul
 from jaxpar.ops.linear_2d import matmul_2d
-from jaxpar.ops.moe_dispatch import moe_dispatch, ragged_all_to_all_supported
+from jaxpar.ops.moe_dispatch import ExpertDispatch, moe_dispatch, ragged_all_to_all_supported
 from jaxpar.ops.vocab_parallel import embedding, pad_for_manual_split, unpad
 
 __all__ = [
     "ContextParallel",
+    "ExpertDispatch",
     "attention",
     "chunked_cross_entropy",
     "context_attention",

@@ -26,22 +26,103 @@ dropped and the buffers exceed the largest per-peer load by at most ``bucket_gro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from jaxpar import _deprecation as _dep
 from jaxpar.ops.activations import swiglu
 from jaxpar.ops.grouped_matmul import KERNELS, grouped_matmul
 from jaxpar.ops._common import AnyMesh, axes_of, axes_size, axis_position, inner_shard_map, resolve_mesh
 from jaxpar.strategy import mesh_sizes, spec_entry
 
 TRANSPORTS = ("auto", "all_to_all", "ragged")
+Axes = str | tuple[str, ...] | None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertDispatch:
+    """How ``moe_dispatch`` moves tokens to their experts: the mesh axes, the capacity and the
+    kernels (the router's top-k is the width of the ``expert_ids`` it is given).
+
+    >>> ExpertDispatch(expert_axis="data", capacity_factor=1.25).transport
+    'auto'
+    """
+
+    expert_axis: Axes = None
+    """Mesh axis (or axes) splitting the experts; None runs every expert here."""
+    batch_axis: Axes = None
+    """Mesh axes already splitting the tokens (the data axes); the tokens are split over
+    ``batch_axis + expert_axis`` inside the dispatch."""
+    mlp_axis: Axes = None
+    """Mesh axes splitting ``F`` (tensor parallel inside the experts: one all-reduce after ``down``)."""
+    capacity_factor: float | None = None
+    """None = dropless; else slots per (device, expert) are
+    ``ceil(capacity_factor · tokens_per_device · k / E)`` and the rest is dropped."""
+    bucket_growth: float = 1.25
+    """Ratio between the compiled dropless buffer sizes (> 1)."""
+    transport: str = "auto"
+    """``"auto"`` (ragged all-to-all where the backend compiles it), ``"all_to_all"`` (padded
+    buffers) or ``"ragged"``."""
+    kernel: str = "auto"
+    """The experts' grouped matmul (`jaxpar.ops.grouped_matmul`): ``"auto"`` (JAX's Mosaic GPU
+    kernels on a Hopper GPU, ``jax.lax.ragged_dot`` elsewhere), ``"xla"`` or ``"mosaic"``."""
+
+    def __post_init__(self):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"ExpertDispatch: transport={self.transport!r} is not one of {TRANSPORTS}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"ExpertDispatch: kernel={self.kernel!r} is not one of {KERNELS}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"ExpertDispatch: capacity_factor={self.capacity_factor} must be > 0 (e.g. 1.25), or "
+                             f"None for dropless routing")
+        if not self.bucket_growth > 1:
+            raise ValueError(f"ExpertDispatch: bucket_growth={self.bucket_growth} must be > 1 (e.g. 1.25)")
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(ExpertDispatch))
+_FORMER = _dep.FormerForm(
+    "jaxpar.ops.moe_dispatch",
+    _dep.former_signature("x expert_ids weights gate up down", {"*": None, **{
+        f.name: f.default for f in dataclasses.fields(ExpertDispatch)}, "mesh": None}),
+    lambda args, kwargs: any(name in kwargs for name in _FIELDS),
+    lambda a: ((a["x"], a["expert_ids"], a["weights"], a["gate"], a["up"], a["down"],
+                ExpertDispatch(**{name: a[name] for name in _FIELDS})), {"mesh": a["mesh"]}),
+    "jaxpar.ops.moe_dispatch(x, expert_ids, weights, gate, up, down, jaxpar.ops.ExpertDispatch(expert_axis=..., "
+    "capacity_factor=..., ...), mesh=...)")
+
+
+class _Experts(NamedTuple):
+    """The stacked SwiGLU weights: ``gate, up [E, D, F]``, ``down [E, F, D]``."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    """A dispatch resolved on a mesh: the axes as tuples and what runs on each device."""
+
+    dispatch: ExpertDispatch
+    ep_axes: tuple[str, ...] = ()
+    tok_axes: tuple[str, ...] = ()
+    mlp_axes: tuple[str, ...] = ()
+    n: int = 1            # devices over the expert axes
+    ragged: bool = False  # the exchange is a ragged all-to-all
+
+    def mm(self, x, w, group_sizes):
+        """The experts' grouped matmul with the kernel asked for."""
+        return grouped_matmul(x, w, group_sizes, kernel=self.dispatch.kernel)
+
+
+@_dep.accepts_former_form(_FORMER)
 def moe_dispatch(
     x: jax.Array,
     expert_ids: jax.Array,
@@ -49,15 +130,9 @@ def moe_dispatch(
     gate: jax.Array,
     up: jax.Array,
     down: jax.Array,
+    dispatch: ExpertDispatch | None = None,
     *,
-    expert_axis: str | tuple[str, ...] | None = None,
-    batch_axis: str | tuple[str, ...] | None = None,
-    mlp_axis: str | tuple[str, ...] | None = None,
     mesh: AnyMesh | None = None,
-    capacity_factor: float | None = None,
-    bucket_growth: float = 1.25,
-    transport: str = "auto",
-    kernel: str = "auto",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``sum_k weights[t, k] · SwiGLU_{expert_ids[t, k]}(x[t])`` for tokens ``x [T, D]``.
 
@@ -66,20 +141,9 @@ def moe_dispatch(
       expert_ids, weights: ``[T, k]`` router choices (ints in ``[0, E)``; a token may name one
         expert more than once) and combine weights.
       gate, up: ``[E, D, F]``; down: ``[E, F, D]``: the stacked expert weights.
-      expert_axis: mesh axis (or axes) splitting the experts; None runs every expert here.
-      batch_axis: mesh axes already splitting the tokens (the data axes); the tokens are
-        split over ``batch_axis + expert_axis`` inside the dispatch.
-      mlp_axis: mesh axes splitting ``F`` (tensor parallel inside the experts: one all-reduce
-        after ``down``).
+      dispatch: an ``ExpertDispatch``: the expert, batch and mlp axes, the capacity (dropless
+        by default), the transport and the grouped-matmul kernel; None: every expert here.
       mesh: the mesh; default the one set with ``jax.set_mesh``.
-      capacity_factor: None = dropless; else slots per (device, expert) are
-        ``ceil(capacity_factor · tokens_per_device · k / E)`` and the rest is dropped.
-      bucket_growth: ratio between the compiled dropless buffer sizes (> 1).
-      transport: ``"auto"`` (ragged all-to-all where the backend compiles it), ``"all_to_all"``
-        (padded buffers) or ``"ragged"``.
-      kernel: the experts' grouped matmul (`jaxpar.ops.grouped_matmul`): ``"auto"`` (JAX's
-        Mosaic GPU kernels on a Hopper GPU, ``jax.lax.ragged_dot`` elsewhere), ``"xla"`` or
-        ``"mosaic"``.
 
     Returns ``(y [T, D], stats)`` with ``stats["dropped"]`` (assignments dropped, over all
     devices), ``stats["capacity"]`` (rows per exchange buffer that ran) and
@@ -90,32 +154,35 @@ def moe_dispatch(
       >>> x, w = jnp.ones((16, 8)), jnp.full((16, 2), 0.5)
       >>> ids = jnp.tile(jnp.array([[0, 5]]), (16, 1))
       >>> gate = up = jnp.ones((8, 8, 4)); down = jnp.ones((8, 4, 8))
-      >>> y, stats = moe_dispatch(x, ids, w, gate, up, down, expert_axis="expert", mesh=mesh)
+      >>> y, stats = moe_dispatch(x, ids, w, gate, up, down, ExpertDispatch(expert_axis="expert"), mesh=mesh)
       >>> y.shape, int(stats["dropped"])
       ((16, 8), 0)
     """
-    if transport not in TRANSPORTS:
-        raise ValueError(f"moe_dispatch: transport={transport!r} is not one of {TRANSPORTS}")
-    if kernel not in KERNELS:
-        raise ValueError(f"moe_dispatch: kernel={kernel!r} is not one of {KERNELS}")
-    if mesh is None and expert_axis is batch_axis is mlp_axis is None and jax.sharding.get_abstract_mesh().empty:
+    dispatch = ExpertDispatch() if dispatch is None else dispatch
+    if not isinstance(dispatch, ExpertDispatch):
+        raise TypeError(f"moe_dispatch: dispatch must be a jaxpar.ops.ExpertDispatch, got {type(dispatch).__name__}; "
+                        f"e.g. ExpertDispatch(expert_axis='expert')")
+    experts = _Experts(gate, up, down)
+    d = dispatch
+    if mesh is None and d.expert_axis is d.batch_axis is d.mlp_axis is None and jax.sharding.get_abstract_mesh().empty:
         # no mesh at all: every expert here, no shard_map (the one-device path)
-        _check(x, expert_ids, weights, gate, up, down, None, (), (), capacity_factor, bucket_growth)
-        return _local(x, expert_ids, weights, gate, up, down, ep_axes=(), tok_axes=(), mlp_axes=(), n=1,
-                      capacity_factor=capacity_factor, growth=bucket_growth, ragged=False, kernel=kernel)
-    ep_axes, tok_axes, mlp_axes, mesh = _axes(mesh, expert_axis, batch_axis, mlp_axis)
-    _check(x, expert_ids, weights, gate, up, down, mesh, ep_axes, tok_axes, capacity_factor, bucket_growth)
-    ragged = transport == "ragged" or (transport == "auto" and ragged_all_to_all_supported())
-    if transport == "ragged" and not ragged_all_to_all_supported():
+        _check(x, expert_ids, weights, experts, None, _Route(d))
+        return _local(x, expert_ids, weights, experts, _Route(d))
+    ep_axes, tok_axes, mlp_axes, mesh = _axes(mesh, d.expert_axis, d.batch_axis, d.mlp_axis)
+    if d.transport == "ragged" and not ragged_all_to_all_supported():
         raise ValueError(f"moe_dispatch: transport='ragged' but the {jax.default_backend()} backend cannot "
                          f"compile ragged_all_to_all; use transport='auto' or 'all_to_all'")
-    local = functools.partial(_local, ep_axes=ep_axes, tok_axes=tok_axes, mlp_axes=mlp_axes,
-                              n=axes_size(mesh, ep_axes), capacity_factor=capacity_factor,
-                              growth=bucket_growth, ragged=ragged and bool(ep_axes), kernel=kernel)
+    ragged = d.transport == "ragged" or (d.transport == "auto" and ragged_all_to_all_supported())
+    route = _Route(d, ep_axes, tok_axes, mlp_axes, axes_size(mesh, ep_axes), ragged and bool(ep_axes))
+    _check(x, expert_ids, weights, experts, mesh, route)
     tok = PartitionSpec(spec_entry(tok_axes), None)
     w_in = PartitionSpec(spec_entry(ep_axes), None, spec_entry(mlp_axes))
     w_out = PartitionSpec(spec_entry(ep_axes), spec_entry(mlp_axes))
     stat = {"dropped": PartitionSpec(), "capacity": PartitionSpec(), "needed": PartitionSpec()}
+
+    def local(x, ids, w, gate, up, down):
+        return _local(x, ids, w, _Experts(gate, up, down), route)
+
     return inner_shard_map(local, mesh, "moe_dispatch", in_specs=(tok, tok, tok, w_in, w_in, w_out),
                            out_specs=(tok, stat), diff=(0, 2, 3, 4, 5), diff_out=0)(
         x, expert_ids, weights, gate, up, down)
@@ -158,28 +225,25 @@ def ragged_all_to_all_supported(backend: str | None = None) -> bool:
 
 # ----------------------------------------------------------------------------- per device
 
-def _local(x, ids, w, gate, up, down, *, ep_axes, tok_axes, mlp_axes, n, capacity_factor, growth, ragged,
-           kernel):
-    # the experts' grouped matmul with the kernel asked for: an argument of _experts alone
-    mm = functools.partial(grouped_matmul, kernel=kernel)
+def _local(x, ids, w, experts: _Experts, route: _Route):
     t, k = ids.shape
-    e = gate.shape[0] * n
+    e = experts.gate.shape[0] * route.n
     flat = ids.reshape(-1).astype(jnp.int32)
     order = jnp.argsort(flat, stable=True)          # assignments grouped by expert, so by peer too
     sorted_e = flat[order]
     rows = x[order // k]
     hist = jnp.bincount(flat, length=e).astype(jnp.int32)
+    capacity_factor = route.dispatch.capacity_factor
     if capacity_factor is not None:
-        out, stats = _dropping(rows, sorted_e, hist, gate, up, down, ep_axes, mlp_axes, n,
-                               math.ceil(capacity_factor * t * k / e))
-    elif not ep_axes:
-        out = _experts(rows, hist, gate, up, down, mlp_axes, mm)
+        out, stats = _dropping(rows, sorted_e, hist, experts, route, math.ceil(capacity_factor * t * k / e))
+    elif not route.ep_axes:
+        out = _experts(rows, hist, experts, route)
         stats = {"capacity": jnp.int32(t * k), "needed": jnp.int32(t * k), "dropped": jnp.int32(0)}
     else:
-        out, stats = _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_axes, n, growth, mm,
-                               ragged)
+        out, stats = _dropless(rows, sorted_e, hist, experts, route)
     back = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
     y = jnp.einsum("tkd,tk->td", back.reshape(t, k, -1), w.astype(back.dtype))
+    tok_axes = route.tok_axes
     stats = {**stats, "dropped": _psum(stats["dropped"], tok_axes),
              "capacity": _pmax(stats["capacity"], tok_axes), "needed": _pmax(stats["needed"], tok_axes)}
     return y, stats
@@ -193,12 +257,12 @@ def _pmax(v, axes):
     return jax.lax.pmax(v, axes) if axes else v
 
 
-def _experts(rows, group_sizes, gate, up, down, mlp_axes, mm):
-    """SwiGLU of rows grouped by local expert (rows past the groups come out zero); ``mm`` is the
-    grouped matmul (`grouped_matmul` with the kernel asked for)."""
-    dtype = rows.dtype
-    h = swiglu(mm(rows, gate.astype(dtype), group_sizes), mm(rows, up.astype(dtype), group_sizes))
-    return _psum(mm(h, down.astype(dtype), group_sizes), mlp_axes)
+def _experts(rows, group_sizes, experts: _Experts, route: _Route):
+    """SwiGLU of rows grouped by local expert (rows past the groups come out zero), with the
+    grouped matmul of the kernel asked for."""
+    dtype, mm = rows.dtype, route.mm
+    h = swiglu(mm(rows, experts.gate.astype(dtype), group_sizes), mm(rows, experts.up.astype(dtype), group_sizes))
+    return _psum(mm(h, experts.down.astype(dtype), group_sizes), route.mlp_axes)
 
 
 def capacity_ladder(balanced: int, worst: int, growth: float) -> tuple[int, ...]:
@@ -214,8 +278,9 @@ def capacity_ladder(balanced: int, worst: int, growth: float) -> tuple[int, ...]
     return tuple(sizes_ + [worst])
 
 
-def _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_axes, n, growth, mm, ragged):
-    a, d, el = rows.shape[0], rows.shape[1], gate.shape[0]
+def _dropless(rows, sorted_e, hist, experts: _Experts, route: _Route):
+    a, d, el = rows.shape[0], rows.shape[1], experts.gate.shape[0]
+    ep_axes, tok_axes, n = route.ep_axes, route.tok_axes, route.n
     # The top rung holds every row for one peer: no routing of ids in [0, E) can overflow it, even
     # a token naming one expert twice (the layer's top-k never does; the op stays exact if it does).
     worst = a
@@ -223,14 +288,12 @@ def _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_ax
     per_peer = hist.reshape(n, el).sum(1)
     starts = jnp.cumsum(per_peer) - per_peer
     table = jax.lax.all_gather(hist, ep_axes).reshape(n, n, el)   # [source, peer, local expert]
-    me = axis_position(ep_axes)
-    mine = table[:, me]                                # [source, local expert]: the rows I receive
-    if ragged:
-        return _ragged(rows, table, me, mine, per_peer, starts, gate, up, down, ep_axes, tok_axes, mlp_axes,
-                       n, growth, n * worst, mm)
+    mine = table[:, axis_position(ep_axes)]            # [source, local expert]: the rows I receive
+    if route.ragged:
+        return _ragged(rows, table, (per_peer, starts), experts, route, n * worst)
     rank = jnp.arange(a) - starts[peer]               # position among the rows for that peer
     needed = jax.lax.pmax(per_peer.max(), tok_axes)   # the same on every device: all take one branch
-    ladder = capacity_ladder(math.ceil(a / n), worst, growth)
+    ladder = capacity_ladder(math.ceil(a / n), worst, route.dispatch.bucket_growth)
     index = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), needed, side="left")
 
     def branch(c):
@@ -238,7 +301,7 @@ def _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_ax
             send = jnp.zeros((n * c, d), rows.dtype).at[peer * c + rank].set(rows, unique_indices=True)
             recv = jax.lax.all_to_all(send, ep_axes, 0, 0, tiled=True)
             j = jnp.arange(n * c)
-            out = _grouped(recv, j // c, j % c, mine, gate, up, down, mlp_axes, mm)
+            out = _grouped(recv, (j // c, j % c), mine, experts, route)
             return jax.lax.all_to_all(out, ep_axes, 0, 0, tiled=True)[peer * c + rank]
         return run
 
@@ -246,18 +309,23 @@ def _dropless(rows, sorted_e, hist, k, gate, up, down, ep_axes, tok_axes, mlp_ax
     return out, {"capacity": jnp.asarray(ladder, jnp.int32)[index], "needed": needed, "dropped": jnp.int32(0)}
 
 
-def _ragged(rows, table, me, mine, per_peer, starts, gate, up, down, ep_axes, tok_axes, mlp_axes, n, growth, worst,
-            mm):
+def _ragged(rows, table, sends, experts: _Experts, route: _Route, worst: int):
     """The exchange with ``ragged_all_to_all``: only real rows move; the receive buffer is sized
-    by the same ladder, on the rows the fullest device receives."""
+    by the same ladder, on the rows the fullest device receives. ``table``: ``[source, peer, local
+    expert]`` rows; ``sends``: ``(per_peer, starts)``, the rows this device sends each peer and
+    where they start."""
     a, d = rows.shape
+    per_peer, starts = sends
+    ep_axes, n = route.ep_axes, route.n
+    me = axis_position(ep_axes)
+    mine = table[:, me]
     pair = table.sum(-1)                               # [source, peer]
     recv_sizes = pair[:, me]
     recv_starts = jnp.cumsum(recv_sizes) - recv_sizes
     land = (jnp.cumsum(pair, 0) - pair)[me]            # where my rows start in each peer's buffer
     home = (jnp.cumsum(pair, 1) - pair)[:, me]         # where each source put its rows for me
-    needed = jax.lax.pmax(recv_sizes.sum(), tok_axes)
-    ladder = capacity_ladder(a, worst, growth)
+    needed = jax.lax.pmax(recv_sizes.sum(), route.tok_axes)
+    ladder = capacity_ladder(a, worst, route.dispatch.bucket_growth)
     index = jnp.searchsorted(jnp.asarray(ladder, jnp.int32), needed, side="left")
 
     def branch(c):
@@ -267,7 +335,7 @@ def _ragged(rows, table, me, mine, per_peer, starts, gate, up, down, ep_axes, to
             j = jnp.arange(c)
             src = jnp.searchsorted(jnp.cumsum(recv_sizes), j, side="right")
             within = j - recv_starts[jnp.minimum(src, n - 1)]
-            out = _grouped(recv, src, within, mine, gate, up, down, mlp_axes, mm)
+            out = _grouped(recv, (src, within), mine, experts, route)
             return jax.lax.ragged_all_to_all(out, jnp.zeros_like(rows), recv_starts, recv_sizes, home,
                                              per_peer, axis_name=ep_axes)
         return run
@@ -276,21 +344,25 @@ def _ragged(rows, table, me, mine, per_peer, starts, gate, up, down, ep_axes, to
     return out, {"capacity": jnp.asarray(ladder, jnp.int32)[index], "needed": needed, "dropped": jnp.int32(0)}
 
 
-def _grouped(recv, src, within, mine, gate, up, down, mlp_axes, mm):
-    """Experts applied to received rows: row ``j`` came from source ``src[j]`` at position
-    ``within[j]`` of its rows (sorted by local expert, ``mine[source]`` rows each); the rest is
-    padding. Rows are grouped by expert for ``ragged_dot`` and put back where they were."""
+def _grouped(recv, origin, mine, experts: _Experts, route: _Route):
+    """Experts applied to received rows: ``origin = (src, within)``, row ``j`` came from source
+    ``src[j]`` at position ``within[j]`` of its rows (sorted by local expert, ``mine[source]`` rows
+    each); the rest is padding. Rows are grouped by expert for ``ragged_dot`` and put back where
+    they were."""
+    src, within = origin
     n, el = mine.shape
     cum = jnp.cumsum(mine, 1)
     expert = (within[:, None] >= cum[jnp.minimum(src, n - 1)]).sum(1)   # el = past the source's rows
     expert = jnp.where(src < n, expert, el)
     order = jnp.argsort(expert, stable=True)
-    y = _experts(recv[order], mine.sum(0), gate, up, down, mlp_axes, mm)
+    y = _experts(recv[order], mine.sum(0), experts, route)
     return jnp.zeros_like(y).at[order].set(y, unique_indices=True)
 
 
-def _dropping(rows, sorted_e, hist, gate, up, down, ep_axes, mlp_axes, n, slots):
+def _dropping(rows, sorted_e, hist, experts: _Experts, route: _Route, slots: int):
     """Fixed ``slots`` per (device, expert): one all-to-all each way, dense per-expert matmuls."""
+    gate, up, down = experts
+    ep_axes, mlp_axes, n = route.ep_axes, route.mlp_axes, route.n
     a, d, el = rows.shape[0], rows.shape[1], gate.shape[0]
     e = n * el
     rank = jnp.arange(a) - (jnp.cumsum(hist) - hist)[sorted_e]
@@ -309,7 +381,9 @@ def _dropping(rows, sorted_e, hist, gate, up, down, ep_axes, mlp_axes, n, slots)
     return out, {"capacity": jnp.int32(slots), "needed": hist.max(), "dropped": (~keep).sum().astype(jnp.int32)}
 
 
-def _check(x, ids, w, gate, up, down, mesh, ep_axes, tok_axes, capacity_factor, growth) -> None:
+def _check(x, ids, w, experts: _Experts, mesh, route: _Route) -> None:
+    gate, up, down = experts
+    ep_axes, tok_axes = route.ep_axes, route.tok_axes
     xs, shapes = jnp.shape(x), {"x": jnp.shape(x), "expert_ids": jnp.shape(ids), "weights": jnp.shape(w),
                                 "gate": jnp.shape(gate), "up": jnp.shape(up), "down": jnp.shape(down)}
     if (len(xs) != 2 or len(shapes["expert_ids"]) != 2 or shapes["weights"] != shapes["expert_ids"]
@@ -319,9 +393,9 @@ def _check(x, ids, w, gate, up, down, mesh, ep_axes, tok_axes, capacity_factor, 
                          f"down [E, F, D]; got {shapes}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"moe_dispatch: expert_ids must be integers, got {ids.dtype}")
-    experts, n = shapes["gate"][0], axes_size(mesh, ep_axes) if ep_axes else 1
-    if experts % n:
-        raise ValueError(f"moe_dispatch: {experts} experts are not divisible by {n}, the size of expert_axis "
+    count, n = shapes["gate"][0], axes_size(mesh, ep_axes) if ep_axes else 1
+    if count % n:
+        raise ValueError(f"moe_dispatch: {count} experts are not divisible by {n}, the size of expert_axis "
                          f"{ep_axes} of mesh {mesh_sizes(mesh)}; use a number of experts that is a multiple of {n} "
                          f"or a smaller expert axis")
     nt = axes_size(mesh, tok_axes) if tok_axes else 1
@@ -329,8 +403,3 @@ def _check(x, ids, w, gate, up, down, mesh, ep_axes, tok_axes, capacity_factor, 
         raise ValueError(f"moe_dispatch: {xs[0]} tokens are not divisible by {nt}, the devices of the batch and "
                          f"expert axes {tok_axes} of mesh {mesh_sizes(mesh)}; use a batch whose tokens are a multiple "
                          f"of {nt}")
-    if capacity_factor is not None and not capacity_factor > 0:
-        raise ValueError(f"moe_dispatch: capacity_factor={capacity_factor} must be > 0 (e.g. 1.25), or None for "
-                         f"dropless routing")
-    if not growth > 1:
-        raise ValueError(f"moe_dispatch: bucket_growth={growth} must be > 1 (e.g. 1.25)")
