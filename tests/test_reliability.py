@@ -97,12 +97,13 @@ def test_nonfinite_skip_counts_and_goes_on(tmp_path):
 
 
 def test_a_finite_step_whose_update_is_not_finite_is_judged_by_the_state_it_writes(tmp_path):
-    """Step 1's loss and gradient are finite, but adam(nan) makes every parameter NaN: 'stop'
-    names step 1 before its save, 'skip' keeps the previous state (and saves that), and no
-    checkpoint ever holds the NaN update."""
+    """Step 1's loss and gradient are finite, but adam(nan) makes every parameter NaN: under
+    'stop' the save of step 1 refuses it naming the step and the leaf (a FloatingPointError, and
+    nothing is written), 'skip' keeps the previous state (and saves that), and no checkpoint ever
+    holds the NaN update."""
     nan_adam = optax.adam(float("nan"))
     stop = _trainer(str(tmp_path / "stop"), tx=nan_adam, save_every=1, keep=None)
-    with pytest.raises(FloatingPointError, match="step 1 had a non-finite .*updated parameters"):
+    with pytest.raises(FloatingPointError, match=r"save of step 1: .*non-finite values .*params/w"):
         stop.step(_batch(0))
     stop.close()
     assert os.listdir(tmp_path / "stop") == []                 # nothing saved: step 1 never reached a save

@@ -98,10 +98,16 @@ def checksums(flat: dict[str, Any]) -> dict[str, list[int]]:
     return out
 
 
-def checksums_to_save(flat: dict[str, Any]) -> dict[str, list[int]]:
+class NonFiniteStateError(ValueError, FloatingPointError):
+    """A state about to be saved holds a value no checkpoint may hold. A ``ValueError`` (a
+    state given to ``save``) and a ``FloatingPointError`` (what ``nonfinite="stop"`` raises for a
+    step that made it)."""
+
+
+def checksums_to_save(flat: dict[str, Any], step: int | None = None) -> dict[str, list[int]]:
     """`checksums` of a state about to be saved, in the same pass refusing one that holds a value
-    no checkpoint may hold (a non-finite parameter, a NaN elsewhere): ``ValueError`` naming the
-    leaves, before anything is written."""
+    no checkpoint may hold (a non-finite parameter, a NaN elsewhere): `NonFiniteStateError`
+    naming the leaves (and ``step``, the state's), before anything is written."""
     out, bad = {}, []
     for path, x in flat.items():       # one program at a time (see `checksums`)
         pair, unusable = jax.device_get(_saved_jit(_on_device(x), not path.startswith("params/")))
@@ -110,10 +116,13 @@ def checksums_to_save(flat: dict[str, Any]) -> dict[str, list[int]]:
             bad.append(path)
     if bad:
         listing = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise ValueError(f"checkpoint save: the state holds non-finite values ({len(bad)} leaf(s): {listing}: "
-                         "a parameter not finite, or a NaN in other state); a checkpoint holds finite values only, "
-                         "so a restart never resumes such a state. Save an earlier state, or find the step that "
-                         "made it (Trainer(nonfinite='stop') names it)")
+        of = "" if step is None else f" of step {step}"
+        raise NonFiniteStateError(
+            f"checkpoint save{of}: the state holds non-finite values ({len(bad)} leaf(s): {listing}: a "
+            "parameter not finite, or a NaN in other state), so nothing was saved: a checkpoint holds finite "
+            "values only and a restart never resumes such a state. A finite loss and gradient with a non-finite "
+            "update points at the optimizer (a NaN learning rate, an overflow); Services(nonfinite='skip') keeps "
+            "the previous state for such a step instead")
     return out
 
 

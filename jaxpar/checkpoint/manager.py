@@ -80,7 +80,7 @@ def open_manager(directory: str, *, keep: int | None = None, read_only: bool = F
 def _save_args(plan, state, mesh, model: dict | None = None, rows: dict | None = None) -> ocp.args.Composite:
     flat = st.savable(st.flat_state(state))
     meta = {"step": int(state.step), "data_state": state.data, "jaxpar_version": __version__,
-            checksum.KEY: checksum.checksums_to_save(flat)}
+            checksum.KEY: checksum.checksums_to_save(flat, int(state.step))}
     strategy = build_strategy(plan, state, mesh)
     if model is not None:
         strategy["model"] = model          # what the parameters are (e.g. a Llama config): export needs it

@@ -240,8 +240,7 @@ class NonfiniteHook(Hook):
         self.skipped.extend(bad)
         if self.policy == "stop":
             raise FloatingPointError(
-                f"Trainer: step {bad[0]} had a non-finite loss, gradient norm or update (updated parameters "
-                "not finite, or NaN in the updated optimizer state)"
+                f"Trainer: step {bad[0]} had a non-finite loss or gradient norm"
                 + (f" (and steps {bad[1:]})" if bad[1:] else "") + "; nothing after it was saved, so every "
                 "checkpoint holds finite values and a restart resumes from the newest one. Inspect that batch, "
                 "lower the learning rate, or pass Services(nonfinite='skip') to skip such updates and go on")

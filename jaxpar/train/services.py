@@ -85,10 +85,12 @@ class Services:
     checkpoint: CheckpointConfig | None = None
     """Periodic checkpoints, resume, and (``preemption``) the save on SIGTERM."""
     nonfinite: str = "stop"
-    """A step whose loss, gradient or update is not finite: ``"stop"`` raises
-    ``FloatingPointError`` naming it when the flags are next read (before every save, at logging,
-    every 100 steps), so it never reaches a checkpoint; ``"skip"`` keeps the previous state and
-    counts it in ``trainer.skipped_steps``."""
+    """A step whose loss or gradient is not finite: ``"stop"`` raises ``FloatingPointError``
+    naming it when the flags are next read (before every save, at logging, every 100 steps), and
+    a save refuses a state holding a non-finite parameter (a finite step's NaN update: a
+    ``FloatingPointError`` naming the step and the leaves), so neither reaches a checkpoint;
+    ``"skip"`` keeps the previous state when the loss, the gradient or the update it writes is not
+    finite, and counts the step in ``trainer.skipped_steps``."""
     metrics: MetricsConfig | None = None
     """Metric writers (`jaxpar.metrics.MetricsConfig`): a loop over ``step`` logs every
     ``metrics.every`` steps, as ``fit`` does, and ``evaluate`` its loss."""

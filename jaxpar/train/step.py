@@ -549,8 +549,9 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, ski
            ) -> Callable:
     """One optimizer update after ``grads``; the step counter advances on the device.
 
-    ``metrics["finite"]`` says whether the loss, the gradient norm and the state the update
-    writes were finite (`updated_finite`: one flag reduced inside the step). A model with MoE layers adds ``moe_load_balance``, ``moe_z_loss`` and ``moe_dropped``
+    ``metrics["finite"]`` says whether the loss and the gradient norm were finite (two scalars:
+    free), and with ``skip_nonfinite`` also the state the update writes (`updated_finite`). A
+    model with MoE layers adds ``moe_load_balance``, ``moe_z_loss`` and ``moe_dropped``
     (`record_moe`). With ``skip_nonfinite`` a step that was not keeps the previous parameters and
     optimizer state; the select costs the step temporary memory (old and new state side by
     side), so it is the Trainer's ``nonfinite="skip"`` only.
@@ -571,10 +572,15 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, ski
             opt_state = arrive_after(s, opt_state, g)
         updates, new_opt_state = tx.update(g, opt_state, params)
         new_params = optax.apply_updates(params, updates)
-        # judged on what the step writes too: a finite loss and gradient can still give a NaN
-        # update (a NaN learning rate, an overflow in the optimizer), which must not be kept
-        finite = jnp.isfinite(loss) & jnp.isfinite(norm) & updated_finite(new_params, new_opt_state)
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm)
         if skip_nonfinite:
+            # What "skip" keeps is judged on what the step writes too: a finite loss and gradient
+            # can still give a NaN update (a NaN learning rate, an optimizer overflow). Only here,
+            # where the step must decide on the device: on sharded state the flag costs the step
+            # all-reduces of its own. Under "stop" the saves check the state they write
+            # (`jaxpar.checkpoint.checksum.checksums_to_save`), and a NaN update shows in the
+            # next step's loss.
+            finite = finite & updated_finite(new_params, new_opt_state)
             keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)  # noqa: E731
             new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
             row_grads = tuple(jax.tree.map(lambda x: jnp.where(finite, x, 0), r) for r in row_grads)
