@@ -34,7 +34,7 @@ if os.environ.get("JAX_PLATFORMS") == "cpu":
 import jax.numpy as jnp  # noqa: E402
 
 import jaxpar  # noqa: E402
-from jaxpar.ops import context_attention  # noqa: E402
+from jaxpar.ops import AttentionMask, context_attention  # noqa: E402
 from jaxpar.report import collectives, memory  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -128,7 +128,8 @@ def ring_times(seq: int, heads: int, dim: int, repeats: int = 3) -> dict[str, fl
         pos = jax.device_put(jnp.broadcast_to(jnp.asarray(perm), (1, seq)), sharding)
         x = jax.device_put(q[:, perm], sharding)
         grad = jax.jit(jax.grad(lambda x: context_attention(  # noqa: B023 (used at once)
-            x, x, x, axis="context", strategy="ring", mesh=mesh, causal=causal, q_positions=pos).sum()))
+            x, x, x, AttentionMask(causal=causal, q_positions=pos), axis="context", strategy="ring",
+            mesh=mesh).sum()))
         jax.block_until_ready(grad(x))
         times = []
         for _ in range(repeats):

@@ -11,6 +11,7 @@ from jaxpar.config import OptimizerConfig, ParallelConfig, PipelineConfig
 from jaxpar.mesh import make_mesh
 from jaxpar.precision import Precision
 from jaxpar.nn import init
+from jaxpar.pipeline import PipelineLoss
 from jaxpar.plan import TrainPlan, TrainState, make_train_plan
 from jaxpar.shard import LogicalConstraint, shard
 from jaxpar.strategy import Layout, to_partition_spec
@@ -31,6 +32,7 @@ __all__ = [
     "OptimizerConfig",
     "ParallelConfig",
     "PipelineConfig",
+    "PipelineLoss",
     "Placement",
     "Precision",
     "Services",

@@ -489,3 +489,59 @@ def test_the_trainer_size_check_counts_every_parameter(tmp_path):
     path = tmp_path / "trainer.py"
     path.write_text("class Trainer:\n    def __init__(self, a, b, /, c, *args, d=1, **kw):\n        pass\n")
     assert trainer_size(path) == (3, 6)
+
+
+MAX_PARAMETERS = 10
+# Functions still over the limit while they are reduced to values (each entry must still be over:
+# an entry that no longer is fails below, so the list only shrinks).
+LONG_PARAMETER_LISTS = {
+    "auto/job_options.py:_variants", "auto/pricing.py:price_pipeline", "data/loader.py:TokenLoader.__init__",
+    "job/example.py:example_job", "launch/servers.py:ServerPool.__init__", "train/programs.py:Programs.__init__",
+}
+
+
+def long_parameter_lists(root: pathlib.Path = ROOT) -> dict[str, int]:
+    """``{"file:Class.function": parameters}`` for every def taking more than ``MAX_PARAMETERS``
+    positional and keyword parameters (``self`` / ``cls`` not counted; ``*args`` / ``**kwargs`` neither)."""
+    found = {}
+
+    def visit(node, path: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = child.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+                names = names[1:] if names[:1] in (["self"], ["cls"]) else names
+                if len(names) > MAX_PARAMETERS:
+                    found[f"{path}:{prefix}{child.name}"] = len(names)
+                visit(child, path, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, path, f"{prefix}{child.name}.")
+            else:
+                visit(child, path, prefix)
+
+    for file in sorted(root.rglob("*.py")):
+        visit(ast.parse(file.read_text()), file.relative_to(root).as_posix(), "")
+    return found
+
+
+def test_no_function_takes_more_than_ten_parameters():
+    """A long parameter list becomes values that mean something (a ``PipelineCall``, an
+    ``ExpertDispatch``, a ``ReportRequest``), not ``**kwargs``."""
+    found = long_parameter_lists()
+    new = {name: n for name, n in found.items() if name not in LONG_PARAMETER_LISTS}
+    assert not new, (f"functions taking more than {MAX_PARAMETERS} parameters; group the ones that belong "
+                     f"together into a frozen value: {new}")
+    assert not LONG_PARAMETER_LISTS - set(found), ("no longer over the limit: drop from LONG_PARAMETER_LISTS "
+                                                   f"{sorted(LONG_PARAMETER_LISTS - set(found))}")
+
+
+def test_the_parameter_count_sees_methods_nested_functions_and_keyword_only_ones(tmp_path):
+    root = tmp_path / "pkg"
+    root.mkdir()
+    (root / "m.py").write_text(
+        "def ok(a, b, c, d, e, f, g, h, i, j, *args, **kwargs): ...\n"
+        "def wide(a, b, c, d, e, f, g, h, i, j, *, k): ...\n"
+        "class C:\n    def __init__(self, a, b, c, d, e, f, g, h, i, j): ...\n"
+        "    def m(self, a, b, c, d, e, f, g, h, i, j, k=1): ...\n"
+        "def outer():\n    def inner(a, b, c, d, e, f, g, h, i, j, /, k): ...\n")
+    assert long_parameter_lists(root) == {"m.py:wide": 11, "m.py:C.m": 11, "m.py:outer.inner": 11}

@@ -25,7 +25,7 @@ import jaxpar
 from helpers import assert_close, assert_losses_close, batches
 from jaxpar.data import place_batch
 from jaxpar.models.llama import Llama, loss_fn
-from jaxpar.ops import ContextParallel, context_attention, context_order
+from jaxpar.ops import AttentionMask, ContextParallel, context_attention, context_order
 from jaxpar.report import collectives
 from test_llama import TRAIN, reference as one_device_training   # the one-device run test_llama checks too
 
@@ -83,7 +83,8 @@ def test_strategy_matches_one_device(name):
 
     axis = tuple(axes) if strategy == "hybrid" else "context"
     run = lambda q, k, v: context_attention(  # noqa: E731
-        q, k, v, axis=axis, strategy=strategy, mesh=mesh, causal=causal, segment_ids=segments, q_positions=positions)
+        q, k, v, AttentionMask(causal=causal, segment_ids=segments, q_positions=positions), axis=axis,
+        strategy=strategy, mesh=mesh)
     actual = jax.jit(lambda *a: _output_and_grads(run, cotangent, *a))(q, k, v)
     assert_close(actual, expected, rtol=1e-5, what=name)
     assert actual[0].sharding.spec[1] == axis          # the output stays split over the sequence
@@ -127,8 +128,8 @@ def test_a_query_that_sees_no_key_gives_zeros_not_nan():
     qp = jnp.arange(8)[None]
     for strategy in ("all_gather", "ring", "ulysses"):
         def f(q, k, v):
-            return context_attention(q, k, v, axis="context", strategy=strategy, mesh=mesh, q_positions=qp,
-                                     kv_positions=qp + 1)
+            return context_attention(q, k, v, AttentionMask(q_positions=qp, kv_positions=qp + 1), axis="context",
+                                     strategy=strategy, mesh=mesh)
         out = jax.jit(f)(q, k, 2 * k)
         np.testing.assert_array_equal(np.asarray(out[0, 0]), 0.0)
         grads = jax.jit(jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2)))(q, k, 2 * k)
@@ -260,3 +261,17 @@ def test_fewer_kv_heads_than_the_tensor_axis_repeat_and_match():
     out = jax.jit(lambda q, k, v: cp.attention(q, k, v, None, positions))(q, k, v)
     np.testing.assert_allclose(out, one_device(q, k, v, kind="reference"), rtol=1e-5, atol=1e-5)
     assert "model" in str(out.sharding.spec)       # the heads stay split over the tensor axis
+
+
+def test_the_former_mask_keywords_warn_and_give_the_same_values():
+    """0.1.0's ``context_attention(..., causal=, segment_ids=, q_positions=, kv_positions=)`` still
+    runs, warning with the ``AttentionMask`` spelling."""
+    mesh = jaxpar.make_mesh({"context": 4}, devices=jax.devices()[:4])
+    q = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+    qp = jnp.arange(8)[None]
+    want = context_attention(q, q, q, AttentionMask(causal=False, q_positions=qp), axis="context", mesh=mesh)
+    with pytest.warns(DeprecationWarning, match=r"call jaxpar.ops.context_attention\(q, k, v, jaxpar.ops.AttentionMask"):
+        got = context_attention(q, q, q, axis="context", mesh=mesh, causal=False, q_positions=qp)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    with pytest.raises(TypeError, match="mask must be a jaxpar.ops.AttentionMask, got bool"):
+        context_attention(q, q, q, False, axis="context", mesh=mesh)

@@ -19,15 +19,16 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 import jaxpar
 from conftest import requires_devices
-from jaxpar.ops import context_attention
+from jaxpar.ops import AttentionMask, context_attention
 
 CP, B, S, H, KVH, D = 4, 2, 256, 2, 1, 8
 
 
 def _layer(x, mesh, positions, segment_ids):
     # keys and values come from the layer's input, as in a model; the ids are the same in every layer
-    return context_attention(x, x[:, :, :KVH] * 0.5, x[:, :, KVH:] * 0.25, axis="context", strategy="ring",
-                             mesh=mesh, q_positions=positions, segment_ids=segment_ids)
+    return context_attention(x, x[:, :, :KVH] * 0.5, x[:, :, KVH:] * 0.25,
+                             AttentionMask(q_positions=positions, segment_ids=segment_ids), axis="context",
+                             strategy="ring", mesh=mesh)
 
 
 def _grad(mesh, scan: bool):

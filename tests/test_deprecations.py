@@ -243,6 +243,8 @@ KEYWORDS = {
     **{("jaxpar.models.llama_report.llama_report", name): "warns (test_model_report.py: test_the_former_keywords_...)"
        for name in ("batch", "seq_len", "mesh", "tx", "step_time_s", "peak_flops", "device_kind", "backend",
                     "param_dtype", "grad_dtype", "opt_state_dtype", "compute_dtype", "compiled", "compiled_note")},
+    **{("jaxpar.ops.context_attention", name): "warns (test_context.py: test_the_former_mask_keywords_...)"
+       for name in ("causal", "segment_ids", "q_positions", "kv_positions")},
 }
 # Former members of classes, answered by a RenamedAttribute / RemovedAttribute (test_former_members_...) or
 # by the renamed class they belong to.

@@ -292,7 +292,7 @@ def test_conv2d_does_not_split_channels(mesh):
 
 def test_public_names():
     assert sorted(ops.__all__) == sorted(
-        ["ContextParallel", "ExpertDispatch", "attention", "chunked_cross_entropy", "context_attention", "context_order", "conv2d",
+        ["AttentionMask", "ContextParallel", "ExpertDispatch", "attention", "chunked_cross_entropy", "context_attention", "context_order", "conv2d",
          "dense", "describe_balance", "embedding", "grouped_matmul", "matmul", "matmul_2d", "moe_dispatch", "pad_for_manual_split", "ragged_all_to_all_supported",
          "swiglu", "unpad"]
     )

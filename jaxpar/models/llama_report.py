@@ -35,7 +35,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from jaxpar import _deprecation as _dep
+from jaxpar._deprecation import FormerForm, accepts_former_form, former_signature
 from jaxpar.config import ParallelConfig
 from jaxpar.models.llama_config import LlamaConfig, describe, matmul_params, param_count
 from jaxpar.models.report_request import ReportRequest
@@ -291,16 +291,16 @@ def _plan(cfg: LlamaConfig, config: ParallelConfig, sizes: dict[str, int], tx):
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(ReportRequest))
-_FORMER = _dep.FormerForm(
+_FORMER = FormerForm(
     "jaxpar.models.llama_report.llama_report",
-    _dep.former_signature("model config", {"*": None, "batch": dataclasses.MISSING, **{
+    former_signature("model config", {"*": None, "batch": dataclasses.MISSING, **{
         f.name: f.default for f in dataclasses.fields(ReportRequest) if f.name != "batch"}}),
     lambda args, kwargs: any(name in kwargs for name in _FIELDS),
     lambda a: ((a["model"], a["config"], ReportRequest(**{n: a[n] for n in _FIELDS})), {}),
     "llama_report(model, config, jaxpar.models.report_request.ReportRequest(batch=..., seq_len=..., ...))")
 
 
-@_dep.accepts_former_form(_FORMER)
+@accepts_former_form(_FORMER)
 def llama_report(model: LlamaConfig | str, config: ParallelConfig, request: ReportRequest) -> ModelReport:
     """The `ModelReport` of a Llama model trained under ``config``, from shapes alone.
 

@@ -27,7 +27,7 @@ See docs/operators.md.
 
 from jaxpar.ops import context_order
 from jaxpar.ops.activations import swiglu
-from jaxpar.ops.context import context_attention
+from jaxpar.ops.context import AttentionMask, context_attention
 from jaxpar.ops.context_model import ContextParallel
 from jaxpar.ops.context_order import describe_balance
 from jaxpar.ops.conv import conv2d
@@ -40,6 +40,7 @@ from jaxpar.ops.moe_dispatch import ExpertDispatch, moe_dispatch, ragged_all_to_
 from jaxpar.ops.vocab_parallel import embedding, pad_for_manual_split, unpad
 
 __all__ = [
+    "AttentionMask",
     "ContextParallel",
     "ExpertDispatch",
     "attention",

@@ -20,13 +20,16 @@ for causal load balance (`jaxpar.ops.context_order`) masks exactly like the orig
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from jaxpar._deprecation import FormerForm, accepts_former_form, former_signature
 from jaxpar.config import CONTEXT_STRATEGIES
 from jaxpar.ops import context_kernels as kernels
 from jaxpar.ops._common import AnyMesh, axes_of, axes_size, inner_shard_map, resolve_mesh
@@ -35,18 +38,69 @@ from jaxpar.strategy import manual_axes, mesh_sizes, spec_entry
 STRATEGIES = CONTEXT_STRATEGIES
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionMask:
+    """Which keys a query sees, from positions and segment ids (never from indices).
+
+    >>> AttentionMask().causal
+    True
+    """
+
+    causal: bool = True
+    """A query at position p sees keys at positions <= p."""
+    segment_ids: jax.Array | None = None
+    """``[B, S]`` ints; a query sees only keys of its own segment."""
+    q_positions: jax.Array | None = None
+    """``[B, S]`` positions of the queries in the original sequence (default ``arange(S)``): pass
+    them when the sequence was reordered; with segment ids, positions inside a segment work as well."""
+    kv_positions: jax.Array | None = None
+    """``[B, S]`` positions of the keys (default ``q_positions``)."""
+
+
+class _Split(NamedTuple):
+    """How one call splits its work: the strategy, the ring / Ulysses / batch / heads axes of the
+    mesh, the mask's ``causal``, the logits' ``scale`` and the manual axes of an enclosing
+    ``shard_map`` (``outer``: the pipeline's ``"pipe"``)."""
+
+    strategy: str
+    mesh: Any
+    ring: tuple[str, ...]
+    uly: tuple[str, ...]
+    batch: tuple[str, ...]
+    heads: tuple[str, ...]
+    causal: bool = True
+    scale: float = 1.0
+    outer: tuple[str, ...] = ()
+
+    @property
+    def vary(self) -> tuple[str, ...]:
+        """The axes the scan carries vary over: the inputs' and the enclosing shard_map's manual ones."""
+        return self.batch + self.ring + self.uly + self.heads + self.outer
+
+
+_MASK = ("causal", "segment_ids", "q_positions", "kv_positions")
+_FORMER = FormerForm(
+    "jaxpar.ops.context_attention",
+    former_signature("q k v", {"*": None, "axis": dataclasses.MISSING, "strategy": "ring", "mesh": None,
+                                    "causal": True, "segment_ids": None, "q_positions": None, "kv_positions": None,
+                                    "batch_axis": None, "heads_axis": None, "scale": None}),
+    lambda args, kwargs: any(name in kwargs for name in _MASK),
+    lambda a: ((a["q"], a["k"], a["v"], AttentionMask(**{n: a[n] for n in _MASK})),
+               {n: a[n] for n in ("axis", "strategy", "mesh", "batch_axis", "heads_axis", "scale")}),
+    "jaxpar.ops.context_attention(q, k, v, jaxpar.ops.AttentionMask(causal=..., segment_ids=..., q_positions=..., "
+    "kv_positions=...), axis=..., strategy=..., mesh=...)")
+
+
+@accepts_former_form(_FORMER)
 def context_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
+    mask: AttentionMask | None = None,
     *,
     axis: str | tuple[str, str],
     strategy: str = "ring",
     mesh: AnyMesh | None = None,
-    causal: bool = True,
-    segment_ids: jax.Array | None = None,
-    q_positions: jax.Array | None = None,
-    kv_positions: jax.Array | None = None,
     batch_axis: str | tuple[str, ...] | None = None,
     heads_axis: str | tuple[str, ...] | None = None,
     scale: float | None = None,
@@ -56,14 +110,11 @@ def context_attention(
     Args:
       q: queries ``[B, S, H, D]``.
       k, v: keys and values ``[B, S, Hkv, D]``; ``Hkv`` divides ``H`` (GQA; 1 = MQA).
+      mask: an ``AttentionMask`` (causal, segment ids, query and key positions); default causal
+        over ``arange(S)``.
       axis: the context mesh axis; for ``strategy="hybrid"`` a pair ``(ring_axis, ulysses_axis)``.
       strategy: ``"all_gather"``, ``"ring"``, ``"ulysses"`` or ``"hybrid"``.
       mesh: the mesh; default the one set with ``jax.set_mesh``.
-      causal: query at position p sees keys at positions <= p.
-      segment_ids: ``[B, S]`` ints; a query sees only keys of its own segment.
-      q_positions, kv_positions: ``[B, S]`` positions in the original sequence (default
-        ``arange(S)``; kv_positions defaults to q_positions). Pass them when the sequence was
-        reordered; with segment ids, positions inside a segment work as well.
       batch_axis: mesh axes splitting B (data parallel), or None.
       heads_axis: mesh axes splitting H and Hkv (tensor parallel), or None.
       scale: logits scale; default ``1 / sqrt(D)``.
@@ -77,38 +128,42 @@ def context_attention(
       >>> out.shape, out.sharding.spec
       ((1, 16, 4, 8), P(None, 'context', None, None))
     """
+    mask = AttentionMask() if mask is None else mask
+    if not isinstance(mask, AttentionMask):
+        raise TypeError(f"context_attention: mask must be a jaxpar.ops.AttentionMask, got {type(mask).__name__}; "
+                        f"e.g. AttentionMask(causal=True, segment_ids=ids)")
     mesh = resolve_mesh(mesh, "context_attention")
     ring, uly = _strategy_axes(strategy, axis, mesh)
     batch = axes_of("context_attention", "batch_axis", batch_axis, mesh)
     heads = axes_of("context_attention", "heads_axis", heads_axis, mesh)
-    check_inputs(q, k, v, segment_ids, q_positions, kv_positions, strategy=strategy, mesh=mesh,
-                 ring=ring, uly=uly, batch=batch, heads=heads)
+    split = _Split(strategy, mesh, ring, uly, batch, heads)
+    check_inputs(q, k, v, mask, split)
     b, s = q.shape[:2]
+    q_positions = mask.q_positions
     if q_positions is None:
         q_positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    kv_positions = q_positions if kv_positions is None else kv_positions
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    kv_positions = q_positions if mask.kv_positions is None else mask.kv_positions
+    # the scan carries vary as the inputs do: over these axes, and over the manual axes of an
+    # enclosing shard_map (the pipeline's "pipe"), over which the stage's values differ
+    split = split._replace(causal=mask.causal, scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+                           outer=tuple(manual_axes()))
     seq = ring + uly
     big = PartitionSpec(spec_entry(batch), spec_entry(seq), spec_entry(heads), None)
     ids = PartitionSpec(spec_entry(batch), spec_entry(seq))
-    segs = () if segment_ids is None else (segment_ids,)
+    segs = () if mask.segment_ids is None else (mask.segment_ids,)
 
     def local(q, k, v, qpos, kpos, *seg):
         seg = seg[0] if seg else None
-        return _attend(q, k, v, (qpos, seg), (kpos, seg), ring=ring, uly=uly, mesh=mesh,
-                       strategy=strategy, causal=causal, scale=scale, vary=batch + seq + heads + outer,
-                       nested=bool(outer))
+        return _attend(q, k, v, (qpos, seg), (kpos, seg), split)
 
-    # the scan carries vary as the inputs do: over these axes, and over the manual axes of an
-    # enclosing shard_map (the pipeline's "pipe"), over which the stage's values differ
-    outer = manual_axes()
     fn = inner_shard_map(local, mesh, "context_attention",
                          in_specs=(big, big, big, ids, ids) + (ids,) * len(segs), out_specs=big, diff=(0, 1, 2))
     return fn(q, k, v, q_positions, kv_positions, *segs)
 
 
-def _attend(q, k, v, ids_q, ids_k, *, ring, uly, mesh, strategy, causal, scale, vary, nested=False):
+def _attend(q, k, v, ids_q, ids_k, split: _Split):
     """Per device: Ulysses (if any) around the ring or all-gather core."""
+    ring, uly, mesh, causal, scale = split.ring, split.uly, split.mesh, split.causal, split.scale
     n_uly = axes_size(mesh, uly)
     if uly:
         k, v = _repeat_kv(k, v, n_uly)
@@ -118,11 +173,12 @@ def _attend(q, k, v, ids_q, ids_k, *, ring, uly, mesh, strategy, causal, scale, 
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, h // kh, d)
     n_ring = axes_size(mesh, ring)
-    if strategy == "all_gather":
+    if split.strategy == "all_gather":
         k, v = (lax.all_gather(x, ring, axis=1, tiled=True) for x in (k, v))
         ids_k = jax.tree.map(lambda x: lax.all_gather(x, ring, axis=1, tiled=True), ids_k)
-    if ring and strategy != "all_gather" and n_ring > 1:
-        out = kernels.ring_attention(ring[0], n_ring, causal, scale, vary, qg, k, v, ids_q, ids_k, nested=nested)
+    if ring and split.strategy != "all_gather" and n_ring > 1:
+        out = kernels.ring_attention(kernels.Ring(ring[0], n_ring, causal, scale, split.vary, bool(split.outer)),
+                                     qg, k, v, ids_q, ids_k)
     else:
         out = kernels.local_attention(qg, k, v, ids_q, ids_k, causal, scale)
     out = out.reshape(b, t, h, d)
@@ -155,9 +211,11 @@ def _strategy_axes(strategy, axis, mesh) -> tuple[tuple[str, ...], tuple[str, ..
     return (axes, ()) if strategy != "ulysses" else ((), axes)
 
 
-def check_inputs(q, k, v, segment_ids, q_positions, kv_positions, *, strategy, mesh, ring, uly, batch, heads):
+def check_inputs(q, k, v, mask: AttentionMask, split: _Split):
     """``ValueError`` naming the shapes, mesh sizes and a fix when the inputs cannot be split."""
     op = "context_attention"
+    segment_ids, q_positions, kv_positions = mask.segment_ids, mask.q_positions, mask.kv_positions
+    strategy, mesh, ring, uly, batch, heads = split.strategy, split.mesh, split.ring, split.uly, split.batch, split.heads
     qs, ks, vs = jnp.shape(q), jnp.shape(k), jnp.shape(v)
     if len(qs) != 4 or ks != vs or len(ks) != 4 or ks[:2] != qs[:2] or ks[3] != qs[3]:
         raise ValueError(f"{op}: needs q [B, S, H, D] and k, v [B, S, Hkv, D] (same B, S, D), got q {qs}, "

@@ -10,6 +10,7 @@ Softmax statistics and accumulators are fp32 whatever the input dtype.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -128,7 +129,21 @@ def _tied(q, k, v, ids_q, ids_k):
     return lax.optimization_barrier((q, k, v, ids_q, ids_k))
 
 
-def _ring_forward(axis, n, causal, scale, vary, nested, q, k, v, ids_q, ids_k):
+class Ring(NamedTuple):
+    """The ring of ``ring_attention``: mesh axis ``axis`` of size ``n``, the mask's ``causal``, the
+    logits' ``scale``, the mesh axes the inputs vary over (``vary``: all the axes of their
+    ``shard_map`` specs) and whether it runs inside a pipeline stage's op (``nested``, see ``_shift``)."""
+
+    axis: str
+    n: int
+    causal: bool
+    scale: float
+    vary: tuple[str, ...]
+    nested: bool = False
+
+
+def _ring_forward(ring: Ring, q, k, v, ids_q, ids_k):
+    axis, n, causal, scale, vary, nested = ring
     q, k, v, ids_q, ids_k = _tied(q, k, v, ids_q, ids_k)
 
     def body(carry, _):
@@ -184,8 +199,11 @@ def _fold(stats, q, k, v, ids_q, ids_k, causal: bool, scale: float):
     return tuple(jnp.concatenate([p[i] for p in parts], axis=3) for i in range(3))
 
 
-def _grads(q, k, v, do, delta, lse, ids_q, ids_k, causal: bool, scale: float, vary):
-    """`_block_grads` tile by tile, skipping the tiles the causal mask hides entirely."""
+def _grads(ring: Ring, q, k, v, do, softmax, ids_q, ids_k):
+    """`_block_grads` tile by tile, skipping the tiles the causal mask hides entirely; ``softmax``:
+    ``(delta, lse)`` of the forward."""
+    causal, scale, vary = ring.causal, ring.scale, ring.vary
+    delta, lse = softmax
     n = _tiles(q.shape[1], causal) if q.shape[1] == k.shape[1] else 1
     if n == 1:
         return _block_grads(q, k, v, do, delta, lse, ids_q, ids_k, causal, scale)
@@ -218,40 +236,38 @@ def _block_grads(q, k, v, do, delta, lse, ids_q, ids_k, causal, scale):
     return dq, dk, dv
 
 
-def ring_attention(axis: str, n: int, causal: bool, scale: float, vary: tuple[str, ...], q, k, v, ids_q, ids_k,
-                   nested: bool = False):
-    """Ring attention over mesh axis ``axis`` of size ``n`` (inside ``shard_map``).
+def ring_attention(ring: Ring, q, k, v, ids_q, ids_k):
+    """Ring attention over mesh axis ``ring.axis`` of size ``ring.n`` (inside ``shard_map``; see `Ring`).
 
     Each device keeps its queries and passes its key/value block (with its positions and
     segment ids) around the ring with ``ppermute``: after ``n - 1`` shifts every query block
-    has met every key block. ``vary``: the mesh axes the inputs vary over (all the axes of
-    their ``shard_map`` specs). Returns ``[B, Tq, K, G, D]``. The backward pass (``custom_vjp``)
+    has met every key block. Returns ``[B, Tq, K, G, D]``. The backward pass (``custom_vjp``)
     keeps only q, k, v, the output and the log-sum-exp, and passes K/V around the ring again
     together with their gradient accumulators, which arrive home after ``n`` shifts: no
     block's probabilities are kept. Under a causal mask, tiles the mask hides entirely are
-    skipped (`_fold`, `_grads`). ``nested``: inside a pipeline stage's op (see ``_shift``).
+    skipped (`_fold`, `_grads`).
     """
-    return _ring_vjp((axis, n, causal, scale, vary, nested), q, k, v, ids_q, ids_k)
+    return _ring_vjp(Ring(*ring), q, k, v, ids_q, ids_k)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring_vjp(statics, q, k, v, ids_q, ids_k):
-    return _ring_forward(*statics, q, k, v, ids_q, ids_k)[0]
+    return _ring_forward(statics, q, k, v, ids_q, ids_k)[0]
 
 
 def _fwd(statics, q, k, v, ids_q, ids_k):
-    out, lse = _ring_forward(*statics, q, k, v, ids_q, ids_k)
+    out, lse = _ring_forward(statics, q, k, v, ids_q, ids_k)
     return out, (q, k, v, ids_q, ids_k, out, lse)
 
 
 def _bwd(statics, res, do):
     q, k, v, ids_q, ids_k, out, lse = res
-    axis, n, causal, scale, vary, nested = statics
+    axis, n, vary, nested = statics.axis, statics.n, statics.vary, statics.nested
     delta = jnp.einsum("bqkgd,bqkgd->bkgq", do.astype(jnp.float32), out.astype(jnp.float32))
     do = do.astype(q.dtype)
 
     def step(dq, kv, dkv):
-        gq, gk, gv = _grads(q, kv[0], kv[1], do, delta, lse, ids_q, kv[2], causal, scale, vary)
+        gq, gk, gv = _grads(statics, q, kv[0], kv[1], do, (delta, lse), ids_q, kv[2])
         return dq + gq, (dkv[0] + gk, dkv[1] + gv)
 
     def body(carry, _):

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpar.config import ParallelConfig
-from jaxpar.ops.context import context_attention
+from jaxpar.ops.context import AttentionMask, context_attention
 from jaxpar.strategy import logical_axes, mesh_sizes
 
 RESIDUAL = ("batch", "length", "embed")   # the residual stream between the blocks' TP regions
@@ -87,8 +87,8 @@ class ContextParallel:
             # up to lcm(kv_heads, n), so every device keeps its share of the query heads
             r = math.lcm(k.shape[2], n) // k.shape[2]
             k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
-        return context_attention(q, k, v, axis=ctx.axis, strategy=ctx.strategy, mesh=self.mesh,
-                                 segment_ids=segment_ids, q_positions=positions,
+        mask = AttentionMask(segment_ids=segment_ids, q_positions=positions)
+        return context_attention(q, k, v, mask, axis=ctx.axis, strategy=ctx.strategy, mesh=self.mesh,
                                  batch_axis=batch or None, heads_axis=heads or None)
 
     def _axes(self, name: str, *dims: int) -> tuple[str, ...]:

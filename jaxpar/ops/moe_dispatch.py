@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar import _deprecation as _dep
+from jaxpar._deprecation import FormerForm, accepts_former_form, former_signature
 from jaxpar.ops.activations import swiglu
 from jaxpar.ops.grouped_matmul import KERNELS, grouped_matmul
 from jaxpar.ops._common import AnyMesh, axes_of, axes_size, axis_position, inner_shard_map, resolve_mesh
@@ -87,9 +87,9 @@ class ExpertDispatch:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(ExpertDispatch))
-_FORMER = _dep.FormerForm(
+_FORMER = FormerForm(
     "jaxpar.ops.moe_dispatch",
-    _dep.former_signature("x expert_ids weights gate up down", {"*": None, **{
+    former_signature("x expert_ids weights gate up down", {"*": None, **{
         f.name: f.default for f in dataclasses.fields(ExpertDispatch)}, "mesh": None}),
     lambda args, kwargs: any(name in kwargs for name in _FIELDS),
     lambda a: ((a["x"], a["expert_ids"], a["weights"], a["gate"], a["up"], a["down"],
@@ -122,7 +122,7 @@ class _Route:
         return grouped_matmul(x, w, group_sizes, kernel=self.dispatch.kernel)
 
 
-@_dep.accepts_former_form(_FORMER)
+@accepts_former_form(_FORMER)
 def moe_dispatch(
     x: jax.Array,
     expert_ids: jax.Array,

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpar import _deprecation as _dep
+from jaxpar._deprecation import FormerForm, accepts_former_form, former_signature
 
 from jaxpar.pipeline.program import (  # noqa: F401  (op codes re-exported for the job search's pricing)
     B, B_LAST, CHANNELS, DX_MB, F, F_LAST, FROM_INPUT, G_SLOT, IDLE, MB, OP, RECV_G, RECV_X, W, W_LAST,
@@ -57,27 +57,27 @@ LossFn = Callable[[Any, jax.Array, Any], jax.Array]
 EmbedFn = Callable[[Any, Any], jax.Array]
 
 
-_FORMER = _dep.former_signature(
+_FORMER = former_signature(
     "stage_fn loss_fn schedule mesh stage_params head_params inputs",
     {"targets": None, "*": None, "axis": "pipe", "specs": None, "consts": None, "embed_fn": None,
      "embed_params": None, "stage_batch": False, "stage_aux": False})
 _CALL_FIELDS = ("stage_fn", "loss_fn", "schedule", "mesh", "axis", "specs", "embed_fn", "stage_batch", "stage_aux")
 
 
-def _former_form(owner: str) -> _dep.FormerForm:
+def _former_form(owner: str) -> FormerForm:
     """0.1.0's call: the functions, the schedule and the mesh beside the arrays."""
     def convert(a: dict) -> tuple[tuple, dict]:
         call = PipelineCall(**{k: a[k] for k in _CALL_FIELDS})
         return ((call, a["stage_params"], a["head_params"], a["inputs"], a["targets"]),
                 {"consts": a["consts"], "embed_params": a["embed_params"]})
 
-    return _dep.FormerForm(owner, _FORMER, lambda args, kwargs: not (args and isinstance(args[0], PipelineCall)),
+    return FormerForm(owner, _FORMER, lambda args, kwargs: not (args and isinstance(args[0], PipelineCall)),
                            convert, f"{owner}(PipelineCall(stage_fn=..., loss_fn=..., schedule=..., mesh=..., "
                                     f"axis=..., ...), stage_params, head_params, inputs, targets, consts=..., "
                                     f"embed_params=...)")
 
 
-@_dep.accepts_former_form(_former_form("jaxpar.pipeline.pipeline_value_and_grad"))
+@accepts_former_form(_former_form("jaxpar.pipeline.pipeline_value_and_grad"))
 def pipeline_value_and_grad(
     call: PipelineCall,
     stage_params: Any,
@@ -123,7 +123,7 @@ def pipeline_value_and_grad(
     return ((loss, stats) if call.stage_aux else loss), (stage_grads, head_grads, last)
 
 
-@_dep.accepts_former_form(_former_form("jaxpar.pipeline.pipeline_forward"))
+@accepts_former_form(_former_form("jaxpar.pipeline.pipeline_forward"))
 def pipeline_forward(
     call: PipelineCall,
     stage_params: Any,
