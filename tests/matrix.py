@@ -324,6 +324,7 @@ def _trainer(config, gpt, devices):
     from flax import nnx
 
     import jaxpar
+    import jaxpar.auto
     from jaxpar.models import gpt as gpt_module
     from jaxpar.models import gpt_parallel, llama_parallel
     from jaxpar.models import llama as llama_module
@@ -349,8 +350,11 @@ def _trainer(config, gpt, devices):
     # blocks get the micro-batch (positions) and whose MoE auxiliary losses join the loss
     whole = (config.context is not None or gpt.moe is not None) and config.pipeline.stages == 1
     loss = loss_fn if whole else pipeline_loss()
-    return jaxpar.Trainer(model, optax.adamw(1e-3), loss, config, mesh,
-                          example_batch=_batches()[0] if config.mode == "auto" else None)
+    tx = optax.adamw(1e-3)
+    # mode "auto" is searched before the Trainer is built; the Trainer plans the other modes itself
+    plan = jaxpar.auto.plan_for(model, tx, loss, config, mesh, example_batch=_batches()[0]) \
+        if config.mode == "auto" else None
+    return jaxpar.Trainer(model, tx, loss, config, mesh, plan=plan)
 
 
 def _batches():

@@ -5,7 +5,8 @@ a fresh 5-step run from the same initial model:
 
 * ``local``: each process passes only its rows of every global batch (the default of a
   multi-process run; process ``i`` holds the ``i``-th block);
-* ``full``: every process passes the identical full global batch (``global_batch=True``);
+* ``full``: every process passes the identical full global batch
+  (``placement=jaxpar.Placement(global_batch=True)``);
 * ``assembled``: the process builds the global ``jax.Array`` itself with
   ``jaxpar.distributed.make_global_batch`` from its rows.
 
@@ -33,7 +34,7 @@ def train(feed, steps, dist):
     mesh = jaxpar.make_mesh(config)
     constrain = jaxpar.LogicalConstraint(mesh, config.rules)
     model = jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0), constrain=constrain), config, mesh)
-    options = {} if feed == "local" else {"global_batch": True}
+    options = {} if feed == "local" else {"placement": jaxpar.Placement(global_batch=True)}
     trainer = jaxpar.Trainer(model, optax.adamw(LR), loss_fn, config, mesh, **options)
     rows = dist.process_rows(BATCH)
     losses = []
