@@ -142,7 +142,7 @@ def test_bad_settings_name_the_fix(run, tmp_path):
         MetricsConfig(dir="")
     assert check_profile_steps("10:13") == (10, 13) and check_profile_steps([2, 3]) == (2, 3)
     for bad in ("13:10", "0:2", "5"):
-        with pytest.raises(ValueError, match="profile_steps"):
+        with pytest.raises(ValueError, match="the profile window"):
             check_profile_steps(bad)
     trained = run["trainer"]
     with pytest.raises(ValueError, match="pass metrics=MetricsConfig"):     # refused before any work
@@ -164,14 +164,14 @@ def test_profile_window_over_several_fits_and_a_run_that_ends_before_it(run, tmp
         for _ in range(3):
             t.fit(iter(batches(2, batch=BATCH)), steps=2, progress=False)
     assert list((tmp_path / "epochs").glob("profile/plugins/profile/*/*.xplane.pb"))
-    with pytest.warns(UserWarning, match=r"profile_steps=\(10, 13\) \(steps 10 to 12\): the run ended at step 4, "
+    with pytest.warns(UserWarning, match=r"Services\(profile=\(10, 13\)\) \(steps 10 to 12\): the run ended at step 4, "
                                          r"before the window: nothing was traced; run to step 12, or choose a "
                                          r"window inside steps 1 to 4"):
         with trainer("short", (10, 13)) as t:
-            with pytest.raises(ValueError, match=r"profile_steps=\(10, 13\) traces steps 10 to 12, but the run this "
+            with pytest.raises(ValueError, match=r"Services\(profile=\(10, 13\)\) traces steps 10 to 12, but the run this "
                                                  r"fit is part of ends at step until=5, so nothing would be traced; "
                                                  r"run to step 12 \(until=12 and the fits to reach it\), or choose "
-                                                 r"a window inside the run, e.g. profile_steps=\(5, 6\)"):
+                                                 r"a window inside the run, e.g. Services\(profile=\(5, 6\)\)"):
                 t.fit(iter(batches(5)), steps=5, until=5, progress=False)
             t.step_count = 7                                          # as if resumed at step 7
             with pytest.raises(ValueError, match=r"until=11, so the trace would stop short of step 12"):

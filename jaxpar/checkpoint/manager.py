@@ -168,7 +168,8 @@ class CheckpointDamagedError(ValueError):
         self.leaf, account = damage_of(error)
         what = _SECTION.get(self.leaf.split("/")[0], "array") if self.leaf else None
         self.damage = f"{what} {self.leaf}: {account}" if self.leaf else account
-        advice = advice or (f"Resume from the newest intact step with Trainer(resume='newest_intact') "
+        advice = advice or (f"Resume from the newest intact step with Trainer(..., services=jaxpar.Services("
+                            f"checkpoint=jaxpar.CheckpointConfig(dir=..., resume='newest_intact'))) "
                             f"(a job file: `jaxpar train --config JOB --checkpoint.resume newest_intact`) or read "
                             f"an earlier step with restore(trainer, {directory!r}, step=N) "
                             f"(`jaxpar ckpt inspect {directory}` lists the complete steps), or delete "
@@ -554,8 +555,8 @@ class Checkpointer:
             raise ValueError(f"Checkpointer: resume={resume!r}; choose one of {RESUME}")
         path = os.path.abspath(os.fspath(directory))
         if os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(f"checkpoint_dir={directory!r} is a file, not a directory; give a directory path "
-                             "(it is created if missing)")
+            raise ValueError(f"the checkpoint directory {directory!r} is a file, not a directory; give a directory "
+                             "path (it is created if missing)")
         self.directory = path
         self.save_every = save_every
         self.resume_policy = resume

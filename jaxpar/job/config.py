@@ -182,7 +182,7 @@ OPTIMIZER_RANGES = {
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainSection:
     """``steps``: optimizer steps; ``seed``: the model's init seed; ``offload``: what the
-    Trainer keeps in host memory between steps (``Trainer(offload=...)``, docs/offload.md):
+    Trainer keeps in host memory between steps (``jaxpar.Placement(offload=...)``, docs/offload.md):
     ``params`` and/or ``opt_state``, a list (``[params, opt_state]``) or one name; ``[]``: none.
     With stacked layers (``model.fields.scan_layers``) offloaded parameters stream into device
     memory one layer at a time inside the layer loop."""

@@ -62,7 +62,7 @@ class ArithmeticLoader:
     """Global batches of `jaxpar.models.data.ArithmeticData` from batch ``start`` on, keeping its
     position as `jaxpar.data.TokenLoader` does (``state()`` / ``restore(state)``), so a job on
     this data resumes from a checkpoint at the batch it stopped at. Every process reads the same
-    global batch (``Trainer(global_batch=True)``).
+    global batch (``jaxpar.Placement(global_batch=True)``).
 
     >>> loader = ArithmeticLoader(seq_len=8, batch=2, seed=0)
     >>> first = next(iter(loader)); loader.state()

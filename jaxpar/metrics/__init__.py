@@ -1,8 +1,8 @@
 """Watching a run: metrics to JSON lines and TensorBoard, ``jax.profiler`` traces of a step window.
 
-``Trainer(metrics=MetricsConfig(dir=..., every=10, tensorboard=True), profile_steps=(10, 13))``
-logs loss, eval loss and perplexity, learning rate, gradient norm, tokens/s, MFU and memory,
-reading the device only at logging steps. See docs/metrics.md.
+``Trainer(..., services=jaxpar.Services(metrics=MetricsConfig(dir=..., every=10, tensorboard=True),
+profile=(10, 13)))`` logs loss, eval loss and perplexity, learning rate, gradient norm, tokens/s,
+MFU and memory, reading the device only at logging steps. See docs/metrics.md.
 """
 
 from jaxpar.metrics.config import MetricsConfig, check_profile_steps, profile_window_outside, require_tensorboard

@@ -66,7 +66,7 @@ class MetricsConfig:
 
     @property
     def profile_dir(self) -> str:
-        """Where ``profile_steps`` traces go (TensorBoard's profile plugin layout)."""
+        """Where the ``Services(profile=...)`` window's traces go (TensorBoard's profile plugin layout)."""
         return os.path.join(os.fspath(self.dir), "profile")
 
 
@@ -88,7 +88,7 @@ def check_profile_steps(steps: Any) -> tuple[int, int] | None:
     """
     if steps is None:
         return None
-    fix = "give (start, stop) with 1 <= start < stop, e.g. profile_steps=(10, 13) for steps 10, 11 and 12"
+    fix = "give (start, stop) with 1 <= start < stop, e.g. (10, 13) or \"10:13\" for steps 10, 11 and 12"
     if isinstance(steps, str):
         head, sep, tail = steps.partition(":")
         try:
@@ -96,13 +96,13 @@ def check_profile_steps(steps: Any) -> tuple[int, int] | None:
                 raise ValueError
             steps = (int(head), int(tail))
         except ValueError:
-            raise ValueError(f"profile_steps={steps!r} is not START:STOP; {fix}") from None
+            raise ValueError(f"the profile window {steps!r} is not START:STOP; {fix}") from None
     if (not isinstance(steps, (tuple, list)) or len(steps) != 2
             or not all(isinstance(s, int) and not isinstance(s, bool) for s in steps)):
-        raise TypeError(f"profile_steps={steps!r} is not a pair of ints; {fix}")
+        raise TypeError(f"the profile window {steps!r} is not a pair of ints; {fix}")
     start, stop = steps
     if not 1 <= start < stop:
-        raise ValueError(f"profile_steps={tuple(steps)!r} is an empty or negative window; {fix}")
+        raise ValueError(f"the profile window {tuple(steps)!r} is empty or negative; {fix}")
     return int(start), int(stop)
 
 

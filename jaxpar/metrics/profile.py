@@ -71,7 +71,7 @@ class ProfileWindow:
         """What the window misses of its steps when the run ends now, or None."""
         if self.done or self.first is None or self.first >= self.stop or self.last >= self.stop - 1:
             return None
-        window = f"profile_steps=({self.start}, {self.stop}) (steps {self.start} to {self.stop - 1})"
+        window = f"Services(profile=({self.start}, {self.stop})) (steps {self.start} to {self.stop - 1})"
         fix = f"run to step {self.stop - 1}, or choose a window inside steps {self.first} to {self.last}"
         if self.active:
             return (f"{window}: the run ended at step {self.last}, so the trace holds steps "

@@ -1,6 +1,6 @@
 """Parameters streamed into device memory one layer at a time (``offload="params"``).
 
-With ``Trainer(offload="params")`` the parameters live in ``pinned_host`` memory between
+With ``jaxpar.Placement(offload="params")`` the parameters live in ``pinned_host`` memory between
 steps. For a model whose layers are stacked and run by ``scan`` (a block `find_blocks` finds
 with ``"layers"`` as the first logical axis of every parameter), the stacked parameters stay
 in host memory through the step as well: the block's class is swapped (as ``jaxpar.remat``

@@ -16,7 +16,7 @@ the Trainer calls
 3. ``source.push(handle, row_grads, step)`` on the host, after the step: the rows' optimizer
    (a host row optimizer, a server's) applies them.
 
-A step that is not finite (skipped with ``Trainer(nonfinite="skip")``, or the one a run stops
+A step that is not finite (skipped with ``Services(nonfinite="skip")``, or the one a run stops
 at) pushes ``None``: the source applies nothing and counts the step. The logged ``grad_norm``
 counts the rows' gradients with the parameters'; an optax clipping in ``tx`` sees the
 parameters' alone (the rows' optimizer is the source's).

@@ -99,7 +99,7 @@ class ServerRows:
     gradients of the unique rows are pushed, divided by the worker count so that the servers'
     sum is the gradient of the mean over the global batch. Steps are numbered as the servers
     expect from this worker (``client.next_step()`` at construction: a restarted worker rejoins).
-    With ``Trainer(checkpoint_dir=...)`` the servers snapshot their tables at each checkpoint
+    With ``Services(checkpoint=CheckpointConfig(dir=...))`` the servers snapshot their tables at each checkpoint
     (`save`) and go back to the step the Trainer resumes from (`restore`).
 
     A job of several processes (one worker each) needs ``mesh`` (the Trainer's): each process

@@ -121,8 +121,9 @@ class RowPath:
                     f"{type(self.source).__name__} keeps its tables in the Trainer's checkpoints (it was saved "
                     "without them: by a Trainer without rows=, or by a jaxpar that did not save them). To go on "
                     "from its dense state with the source's tables as they are now, restore the state alone on a "
-                    "Trainer made without checkpoint_dir=: trainer.state = jaxpar.checkpoint.restore_state("
-                    f"{directory!r}, trainer.state, trainer.mesh, step={step})[0]; its next save holds the tables")
+                    "Trainer made without services=Services(checkpoint=...): trainer.state = "
+                    f"jaxpar.checkpoint.restore_state({directory!r}, trainer.state, trainer.mesh, step={step})[0]; "
+                    "its next save holds the tables")
             load(tables)
         own = getattr(self.source, "restore", None)
         if own is not None:

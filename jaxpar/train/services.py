@@ -111,7 +111,10 @@ class Services:
         if self.metrics is not None and not isinstance(self.metrics, MetricsConfig):
             raise TypeError(f"Services: metrics must be a jaxpar.metrics.MetricsConfig, got "
                             f"{type(self.metrics).__name__}; e.g. metrics=MetricsConfig(dir='runs/exp1')")
-        window = check_profile_steps(self.profile)
+        try:
+            window = check_profile_steps(self.profile)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"Services: profile={self.profile!r}: {e}") from None
         if window is not None and self.metrics is None:
             raise ValueError(f"Services: profile={window} writes its trace under the run directory; pass "
                              "metrics=MetricsConfig(dir=...) as well")

@@ -554,7 +554,7 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, ski
     model with MoE layers adds ``moe_load_balance``, ``moe_z_loss`` and ``moe_dropped``
     (`record_moe`). With ``skip_nonfinite`` a step that was not keeps the previous parameters and
     optimizer state; the select costs the step temporary memory (old and new state side by
-    side), so it is the Trainer's ``nonfinite="skip"`` only.
+    side), so it is ``Services(nonfinite="skip")`` only.
 
     With pulled rows (``s.rows``) the step takes them after the batch and returns their
     gradients after the metrics (zeros for a skipped step); the gradient norm covers both."""

@@ -180,7 +180,7 @@ class Trainer:
             nonfinite.check()
 
     skipped_steps = property(lambda self: getattr(self.service("nonfinite"), "skipped", []),
-                             doc='The steps whose update was not finite (skipped under nonfinite="skip").')
+                             doc='The steps whose update was not finite (skipped under Services(nonfinite="skip")).')
 
     def lower(self, batch, *, platform: str | None = None) -> jax.stages.Lowered:
         """The lowered step for ``batch`` (``.compile()`` gives the program for reports; with

@@ -159,10 +159,10 @@ class ProfileHook(Hook):
             return
         start, stop = window.start, window.stop
         what = "nothing would be traced" if start > until else f"the trace would stop short of step {stop - 1}"
-        raise ValueError(f"Trainer.fit: profile_steps=({start}, {stop}) traces steps {start} to {stop - 1}, but "
+        raise ValueError(f"Trainer.fit: Services(profile=({start}, {stop})) traces steps {start} to {stop - 1}, but "
                          f"the run this fit is part of ends at step until={until}, so {what}; run to step "
                          f"{stop - 1} (until={stop - 1} and the fits to reach it), or choose a window inside the "
-                         f"run, e.g. profile_steps={inside}")
+                         f"run, e.g. Services(profile={inside})")
 
     def on_close(self, trainer) -> None:
         self._marker.close()
