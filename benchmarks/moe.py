@@ -58,7 +58,7 @@ def build(experts: int | None, batch: dict):
     rules = {"batch": "data"} if experts is None else {"batch": "data", "expert": "data"}
     config = jaxpar.ParallelConfig(mesh={"data": 8}, rules=rules)
     mesh = jaxpar.make_mesh(config)
-    constrain = jaxpar.LogicalConstraint(mesh, config.rules)
+    constrain = jaxpar.nn.model_constraint(mesh, config)
     cfg = model_config(experts)
     model = jaxpar.init(lambda: Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain), config, mesh)
     trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh)

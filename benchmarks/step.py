@@ -144,7 +144,7 @@ def bench_jaxpar(name: str, fields: dict, gpt: GPTConfig, batch: dict):
     """Compile jaxpar's step for one strategy: (row of compiled costs, a function running one step)."""
     config = jaxpar.ParallelConfig(**fields)
     mesh = jaxpar.make_mesh(config)
-    constrain = jaxpar.LogicalConstraint(mesh, config.rules)
+    constrain = jaxpar.nn.model_constraint(mesh, config)
     model = jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0), constrain=constrain), config, mesh)
     trainer = jaxpar.Trainer(model, optax.adamw(LR), loss_fn, config, mesh)
     placed = trainer.place(batch)

@@ -63,7 +63,7 @@ print(f"mesh {dict(mesh.shape)} on {mesh.devices.size} {jax.devices()[0].platfor
 
 # -- model, built directly sharded, and optimizer --------------------------------------------
 gpt = GPTConfig(vocab_size=16, seq_len=32, embed=64, heads=8, mlp=256, layers=2)
-constrain = jaxpar.LogicalConstraint(mesh, rules)  # activations follow the same rules
+constrain = jaxpar.nn.model_constraint(mesh, config)  # activations follow the same rules
 model = jaxpar.init(lambda: GPT(gpt, rngs=nnx.Rngs(0), constrain=constrain), config, mesh)
 warmup = min(20, args.steps // 5)  # short runs warm up for a fifth of their steps
 schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, warmup_steps=warmup,

@@ -39,10 +39,10 @@ from jaxpar.interop import hf_files as files
 from jaxpar.interop.hf_layout import IGNORED_SUFFIXES, Tensor, check_architecture, hf_config, llama_config, tensors
 from jaxpar.models.llama import Llama, LlamaConfig, no_constraint
 from jaxpar.models.llama_config import for_data
+from jaxpar.nn.constraint import model_constraint
 from jaxpar.nn.init import abstract_model
 from jaxpar.nn.specs import check_rules_used, declared_names, is_variable, path_str
 from jaxpar.plan.train_plan import make_train_plan
-from jaxpar.shard import LogicalConstraint
 from jaxpar.strategy import recording_rules
 
 MODEL_FAMILY = "llama"
@@ -112,7 +112,7 @@ def _check_rules(cfg: LlamaConfig, config: ParallelConfig, mesh, state, director
     used = declared_names(config, *state)
     if config.allow_unused_rules or set(config.rules) <= used:
         return
-    constrain = LogicalConstraint(mesh, config.rules)
+    constrain = model_constraint(mesh, config)      # as jaxpar train builds the model
     model = abstract_model(lambda: Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain))
     side = int(mesh.devices.size)                   # divides every mesh axis: no constraint is dropped
     tokens = jax.ShapeDtypeStruct((side, side), jnp.int32)

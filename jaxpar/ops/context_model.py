@@ -32,7 +32,8 @@ class ContextParallel:
     """``constrain(x, names)`` plus ``attention(q, k, v, segment_ids, positions)`` over the context axes.
 
     Args:
-      constrain: the model's activation constraint, e.g. ``jaxpar.LogicalConstraint(mesh, config.rules)``.
+      constrain: the model's activation constraint, a ``jaxpar.LogicalConstraint`` of the rules
+        (``jaxpar.nn.model_constraint(mesh, config)`` builds this wrapper around it).
       mesh: the training mesh.
       config: a ``ParallelConfig`` with ``context`` set.
       residual: optional constraint for the residual stream ``("batch", "length", "embed")``
@@ -45,7 +46,7 @@ class ContextParallel:
       >>> config = jaxpar.ParallelConfig(mesh={"data": 2, "context": 4}, rules={"batch": "data",
       ...     "length": "context"}, context={"strategy": "ring", "order": "zigzag"})
       >>> mesh = jaxpar.make_mesh(config)
-      >>> constrain = ContextParallel(jaxpar.LogicalConstraint(mesh, config.rules), mesh, config)
+      >>> constrain = jaxpar.nn.model_constraint(mesh, config)    # a ContextParallel
       >>> model = Llama(LlamaConfig.named("tiny"), rngs=nnx.Rngs(0), constrain=constrain)
     """
 
