@@ -81,6 +81,12 @@ class CostParams:
       inter_host_latency: seconds per collective between hosts (``None``: ``latency``).
       devices_per_host: devices that share a host's fast links; `jaxpar.auto.search_job`
         searches which factor of each axis spans hosts when its devices need several.
+      overlap: collectives that no operator waits for right away run behind compute, as
+        XLA's async collectives and Megatron's ``--overlap-grad-reduce`` / ``--overlap-param-gather``
+        run them (`jaxpar.auto.pricing`): the gradient reductions behind the last micro-batch's
+        backward pass, ZeRO 3's parameter gathers behind the micro-batch before; only what
+        does not fit under that compute is added to the step. ``False``: every collective is
+        exposed (the tests' and CPU's setting).
       hosts: the layout priced: mesh axis -> hosts it spans (``ParallelConfig.hosts``; set it
         with `placed`). A group over axes spanning ``h`` hosts is priced hierarchically (module
         docstring); the inside part of a spanning axis runs at ``default_bandwidth``, and its
@@ -109,6 +115,7 @@ class CostParams:
     inter_host_latency: float | None = None
     devices_per_host: int | None = None
     hosts: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    overlap: bool = False
 
     def __post_init__(self):
         for name in ("flops_per_s", "default_bandwidth", "combine_threshold_bytes", "combine_threshold_count"):

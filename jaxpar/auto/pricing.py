@@ -18,7 +18,9 @@ divisible by ``d``), ``f = 1 − 1/d`` and ``s`` the optimizer states per parame
   over ``data`` at ZeRO ≥ 2.
 * time: ``k ×`` (compute + activation collectives of one micro-batch) + the gradient
   collectives once (combined as XLA combines them: `jaxpar.auto.comm`); ZeRO 3 adds an all-gather of ``P`` per micro-batch for the forward
-  and one for the backward.
+  and one for the backward. With `CostParams.overlap` the gradient collectives run behind the
+  last micro-batch's backward (``2/3`` of its compute) and each gather behind a third of a
+  micro-batch's compute; only the excess counts (`hidden`).
 
 Recompute needs no formula of its own: the graph marks each ``jax.checkpoint`` region and
 the cost model (`jaxpar.auto.cost`) prices what its policy recomputes.
@@ -113,10 +115,23 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
         add = grads + (reduced if zero >= 2 else 0.0) + 2 * acc + gathered
         end = acc + (reduced if zero < 2 else 0.0)
         temp = max(during, add, end)
-    time = k * (cost.time_s - cost.grad_comm_s) + cost.grad_comm_s
-    if zero >= 3 and shardable:
-        time += k * 2 * params.collective_time("all-gather", (zero_axis,), shardable, sizes)
+    grad_s = cost.grad_comm_s
+    gather_s = params.collective_time("all-gather", (zero_axis,), shardable, sizes) if zero >= 3 and shardable else 0.0
+    if params.overlap:      # behind compute: the gradients behind the last backward, gathers behind a pass
+        grad_s = hidden(grad_s, 2 / 3 * cost.compute_s)
+        gather_s = hidden(gather_s, cost.compute_s / 3)
+    time = k * (cost.time_s - cost.grad_comm_s) + grad_s + k * 2 * gather_s
     return time, int(round(args)), int(round(temp))
+
+
+def hidden(comm_s: float, compute_s: float) -> float:
+    """Seconds of ``comm_s`` left exposed when it runs behind ``compute_s`` of compute
+    (`CostParams.overlap`).
+
+    >>> hidden(3.0, 2.0), hidden(1.0, 2.0)
+    (1.0, 0.0)
+    """
+    return max(0.0, comm_s - compute_s)
 
 
 def stacked_params(graph: Graph, layers: int) -> set[int]:
@@ -190,6 +205,8 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     # the embedding's and head's gradients: every stage holds them, summed over the pipeline
     grads.append(Comm("all-reduce", (axis,), rest, GRAD))
     grad_s = combined_time(grads, {**sizes, axis: p}, params).seconds
+    if params.overlap:      # behind the backward passes of the last micro-batch's chunks
+        grad_s = hidden(grad_s, back * f * v)
     time = pipe_s + program.steps * p2p + m * full["embed"] + grad_s
     d = sizes.get(zero_axis, 1)
     shardable = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, scale) if zero and d > 1 else 0.0
@@ -207,5 +224,6 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
               + params.temp_activation_factor * (act["blocks"] / (p * v) + act["head"] + m * act["embed"]))
     end = grads + (reduced - saved if zero >= 2 else reduced)
     if zero >= 3 and shardable:   # gathered once per step, before the pipeline runs
-        time += 2 * params.collective_time("all-gather", (zero_axis,), shardable, sizes)
+        gather_s = params.collective_time("all-gather", (zero_axis,), shardable, sizes)
+        time += 2 * (hidden(gather_s, f) if params.overlap else gather_s)
     return time, int(round(args)), int(round(max(during, end)))

@@ -1,0 +1,286 @@
+"""The planner against published multi-node runs (Megatron-LM, MaxText, gpu-recipes).
+
+For each run in ``benchmarks/published_runs.json`` (figures, sources, quotes, status), on a
+machine built from datasheet figures (`machine`: H100 / H200 nodes of 8 GPUs on NVLink and
+8 x 400 Gb/s InfiniBand, a TPU v5p slice on ICI):
+
+1. **the published layout**: TP on ``model``, DP (and FSDP) on the batch, PP as pipeline stages,
+   the published global batch, sequence length and bf16 compute; jaxpar predicts the step time
+   (`jaxpar.auto.pricing.price` / `price_pipeline` on the hand-written strategy), the memory per
+   device and the MFU. MFU is counted as the publisher counts it (`publisher_flops`: Megatron's
+   and MaxText's formulas, both with full, non-causal attention), so predicted / published MFU
+   is published / predicted step time.
+2. **the planner's own choice**: `jaxpar.auto.search_job` over ``data x model`` meshes (model
+   1, 2, 4, 8: inside a node), ZeRO 0/1/3, micro-batches and recompute, within the device's
+   memory, and its predicted step time.
+
+Models are abstract (`nnx.eval_shape`): the graph is traced at full size with scanned layers
+(shapes only; nothing is allocated). The sustained FLOP/s is the datasheet peak times one
+fraction fitted on one run (``FIT``); every other run is held out.
+
+    python benchmarks/published.py            # ~5-8 min on 2 shared CPU cores: table, JSON, plot
+    python benchmarks/published.py --quick    # two small rows, no search, no plot (the test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxpar  # noqa: E402
+from jaxpar.auto import CostParams, JobSearchSpace, build_graph, search_job  # noqa: E402
+from jaxpar.auto.assign import hand_axes  # noqa: E402
+from jaxpar.auto.cost import analyse, evaluate  # noqa: E402
+from jaxpar.auto.pricing import price, price_pipeline  # noqa: E402
+from jaxpar.models.gpt import GPT, GPTConfig  # noqa: E402
+from jaxpar.models.gpt import loss_fn as gpt_loss  # noqa: E402
+from jaxpar.models.gpt_parallel import pipeline_loss as gpt_pipeline  # noqa: E402
+from jaxpar.models.llama import Llama, LlamaConfig  # noqa: E402
+from jaxpar.models.llama import loss_fn as llama_loss  # noqa: E402
+from jaxpar.models.llama_report import llama_flops_per_token  # noqa: E402
+
+HERE = pathlib.Path(__file__).parent
+RUNS = HERE / "published_runs.json"
+FIT = ("megatron_7.1b",)        # the run the sustained FLOP/s fraction is fitted on
+QUICK = ("megatron_1.7b", "maxtext_llama2_7b_8gpu")
+
+
+def machine(hw: dict, fraction: float) -> CostParams:
+    """`CostParams` of one device kind from its datasheet figures: bytes/s one way on the fast
+    links (NVLink / ICI: half the bidirectional figure), the slower network per device, and
+    ``fraction`` of the peak FLOP/s sustained."""
+    peak = hw["peak_flops"]["value"]
+    if "ici_bytes_per_s" in hw:      # TPU v5p: one slice is the fast domain
+        return CostParams(flops_per_s=peak * fraction, default_bandwidth=hw["ici_bytes_per_s"]["value"] / 2,
+                          inter_host_bandwidth=hw["dcn_bits_per_s_per_chip"]["value"] / 8, overlap=True)
+    return CostParams(flops_per_s=peak * fraction, default_bandwidth=hw["nvlink_bytes_per_s"]["value"] / 2,
+                      inter_host_bandwidth=hw["inter_host_bits_per_s_per_gpu"]["value"] / 8,
+                      devices_per_host=hw["devices_per_host"], overlap=True)
+
+
+def abstract_model(run: dict):
+    s = run["shape"]
+    if run["model"] == "gpt":
+        cfg = GPTConfig(vocab_size=s["vocab"], seq_len=run["seq_len"], embed=s["embed"], heads=s["heads"],
+                        mlp=s["mlp"], layers=s["layers"], scan_layers=True, dtype="bfloat16")
+        return (lambda: GPT(cfg, rngs=nnx.Rngs(0))), gpt_loss, cfg
+    cfg = LlamaConfig(vocab_size=s["vocab"], embed=s["embed"], heads=s["heads"], kv_heads=s["kv_heads"],
+                      mlp=s["mlp"], layers=s["layers"], max_seq_len=run["seq_len"], scan_layers=True,
+                      dtype="bfloat16")
+    return (lambda: Llama(cfg, rngs=nnx.Rngs(0))), llama_loss, cfg
+
+
+def publisher_flops(run: dict, cfg) -> float:
+    """Model FLOPs of one step as the publisher counts them (full attention, not halved)."""
+    b, s = run["global_batch"], run["seq_len"]
+    if run["flop_count"] == "megatron":     # 72 B s L h^2 (1 + s / 6h + V / 12 h L)
+        h, L, V = cfg.embed, cfg.layers, cfg.vocab_size
+        return 72 * b * s * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+    f = llama_flops_per_token(cfg, s)        # MaxText before its causal halving: attention twice
+    return (f.dense + 2 * f.attention) * b * s
+
+
+def tokens(rows: int, seq: int) -> dict:
+    x = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
+    return {"inputs": x, "targets": x}
+
+
+def layout(run: dict) -> tuple[dict, dict, str, int]:
+    """(mesh sizes, hosts each axis spans, batch rule axes, micro-batches) of the published layout."""
+    lay, n = run["layout"], run["devices"]
+    if lay["fsdp"] > 1:      # MaxText: FSDP inside a node (or over fsdp_hosts), DP across
+        sizes = {"dp": lay["dp"], "fsdp": lay["fsdp"]}
+        hosts = {"dp": lay["dp"], "fsdp": lay.get("fsdp_hosts", 1)} if run["hardware"] != "v5p" else {}
+        return sizes, hosts, ("dp", "fsdp"), 1
+    sizes = {"data": lay["dp"], "model": lay["tp"]}
+    nodes = n // 8
+    hosts = {"data": nodes // lay["pp"]} if nodes > 1 else {}
+    if lay["pp"] > 1:
+        hosts = {"pipe": lay["pp"], "data": lay["dp"]}
+    return sizes, hosts, "data", run["global_batch"] // lay["dp"]     # one sequence per rank per micro-batch
+
+
+def predict(run: dict, params: CostParams) -> dict:
+    """Step time, memory per device and MFU jaxpar predicts for the published layout."""
+    model_fn, loss_fn, cfg = abstract_model(run)
+    model = nnx.eval_shape(model_fn)
+    sizes, hosts, batch_axes, k = layout(run)
+    lay = run["layout"]
+    rules = {"batch": batch_axes}
+    if lay["tp"] > 1:
+        rules |= {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
+    config = jaxpar.ParallelConfig(mesh=sizes, rules=rules)
+    rows = run["global_batch"] // k
+    if lay["pp"] > 1:
+        graph = build_graph(model, gpt_pipeline(), tokens(rows, run["seq_len"]))
+        full = {"pipe": lay["pp"], **sizes}
+        placed = params.placed(hosts, full)
+        step, args, temp = price_pipeline(graph, hand_axes(graph, config, sizes), sizes, placed, stages=lay["pp"],
+                                          microbatches=k, layers=cfg.layers,
+                                          activation_bytes=rows * run["seq_len"] * cfg.embed * 2)
+    else:
+        graph = build_graph(model, loss_fn, tokens(rows, run["seq_len"]))
+        placed = params.placed(hosts, sizes)
+        zero, axis = (3, "fsdp") if lay["fsdp"] > 1 else (1, "data")   # Megatron's distributed optimizer
+        step, args, temp = price(graph, hand_axes(graph, config, sizes), sizes, placed, zero=zero, zero_axis=axis,
+                                 grad_accum=k, flags=analyse(graph))
+    peak = params.flops_per_s / params_fraction(params, run)
+    flops = publisher_flops(run, cfg)
+    return {"step_s": step, "argument_bytes": args, "temp_bytes": temp, "memory_bytes": args + temp,
+            "mfu": flops / (step * run["devices"] * peak), "publisher_flops_per_step": flops,
+            "mesh": {**({"pipe": lay["pp"]} if lay["pp"] > 1 else {}), **sizes}, "hosts": hosts,
+            "micro_batches": k}
+
+
+def params_fraction(params: CostParams, run: dict) -> float:
+    return params.flops_per_s / PEAKS[run["hardware"]]
+
+
+PEAKS: dict[str, float] = {}
+
+
+def published_step(run: dict, cfg) -> float:
+    """The step time the published figures give: stated, or the publisher's FLOPs over its
+    TFLOP/s (or MFU x peak) on all devices."""
+    pub = run["published"]
+    if "step_time_s" in pub:
+        return pub["step_time_s"]["value"]
+    rate = pub["tflops_per_device"]["value"] * 1e12 if "tflops_per_device" in pub else \
+        pub["mfu"]["value"] * PEAKS[run["hardware"]]
+    return publisher_flops(run, cfg) / (rate * run["devices"])
+
+
+def planner(run: dict, params: CostParams, budget: float) -> dict:
+    """`search_job`'s own choice (data x model meshes with model inside a node) and its time."""
+    model_fn, loss_fn, _ = abstract_model(run)
+    n = run["devices"]
+    per = params.devices_per_host or n
+    meshes = tuple({"data": n // m, "model": m} for m in (1, 2, 4, 8) if n % m == 0 and m <= per)
+    rows = run["global_batch"]
+    accum = tuple(a for a in (1, 2, 4) if rows % a == 0 and (rows // a) % (n // 8) == 0) or (1,)
+    space = JobSearchSpace(devices=n, memory_budget=budget, meshes=meshes, zero_levels=(0, 1, 3),
+                           grad_accum=accum, remat=("none", "full"))
+    t0 = time.perf_counter()
+    try:
+        job = search_job(model_fn, loss_fn, tokens(rows, run["seq_len"]), space, cost_params=params)
+    except ValueError as e:
+        return {"chosen": None, "why": str(e).split(";")[0], "search_s": time.perf_counter() - t0}
+    c = job.chosen
+    return {"chosen": c.label(), "step_s": c.time_s, "memory_bytes": c.memory_bytes,
+            "search_s": time.perf_counter() - t0, "candidates": len(job.candidates)}
+
+
+def fit_fraction(runs: list[dict], hardware: dict) -> float:
+    """The sustained fraction of peak that makes the ``FIT`` run's predicted step equal the
+    published one: compute time scales with 1 / fraction, so a few fixed-point steps settle it."""
+    fraction = 1.0
+    for _ in range(6):
+        for run in runs:
+            if run["id"] in FIT:
+                p = predict(run, machine(hardware[run["hardware"]], fraction))
+                fraction *= p["step_s"] / published_step(run, abstract_model(run)[2])
+    return fraction
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'run':<32} {'dev':>5} {'layout':<26} {'pub MFU':>8} {'pred MFU':>8} {'err':>7} {'use':<9} "
+            f"{'mem GB':>7} {'pub s':>8} {'pred s':>8} {'planner s':>9}  planner choice")
+    out = [head, "-" * len(head)]
+    for r in rows:
+        pl = r["planner"]
+        ps = f"{pl['step_s']:.3g}" if pl.get("step_s") else "—"
+        out.append(f"{r['id']:<32} {r['devices']:>5} {r['layout_text']:<26} {r['published_mfu']:>8.1%} "
+                   f"{r['predicted']['mfu']:>8.1%} {r['error']:>+7.1%} {r['use']:<9} "
+                   f"{r['predicted']['memory_bytes'] / 1e9:>7.1f} {r['published_step_s']:>8.3g} "
+                   f"{r['predicted']['step_s']:>8.3g} {ps:>9}  {pl.get('chosen') or pl.get('why', 'not run')}")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    for use, marker in (("fitted", "*"), ("held out", "o")):
+        sel = [r for r in rows if r["use"] == use]
+        ax.scatter([r["published_mfu"] for r in sel], [r["predicted"]["mfu"] for r in sel], marker=marker,
+                   s=90 if use == "fitted" else 40, label=use)
+        for r in sel:
+            ax.annotate(r["id"].replace("megatron_", "M ").replace("maxtext_", "MT "), (r["published_mfu"],
+                        r["predicted"]["mfu"]), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    lo, hi = 0.2, 1.0
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+    ax.fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="grey", alpha=0.15, label="±15 %")
+    ax.set(xlim=(lo, hi), ylim=(lo, hi), xlabel="published MFU", ylabel="jaxpar predicted MFU (published layout)",
+           title="Predicted vs published MFU")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="two small rows, no search, no plot")
+    ap.add_argument("--out", default=str(HERE / "results" / "published.json"))
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args(argv)
+    data = json.loads(RUNS.read_text())
+    hardware, runs = data["hardware"], data["runs"]
+    PEAKS.update({k: v["peak_flops"]["value"] for k, v in hardware.items()})
+    t0 = time.perf_counter()
+    fraction = fit_fraction(runs, hardware)
+    if args.quick:
+        runs = [r for r in runs if r["id"] in QUICK]
+    rows = []
+    for run in runs:
+        params = machine(hardware[run["hardware"]], fraction)
+        cfg = abstract_model(run)[2]
+        pred = predict(run, params)
+        pub_mfu = run["published"]["mfu"]["value"]
+        lay = run["layout"]
+        text = " ".join(f"{k.upper()}{v}" for k, v in lay.items() if k in ("tp", "pp", "dp", "fsdp") and v > 1)
+        budget = hardware[run["hardware"]]["memory_bytes"]["value"]
+        pl = {"chosen": None, "why": "not run (--quick)"} if args.quick else planner(run, params, budget)
+        if pl.get("step_s"):
+            pl["faster_or_equal"] = pl["step_s"] <= pred["step_s"] * (1 + 1e-9)
+        rows.append({"id": run["id"], "source": run["source"], "devices": run["devices"], "layout_text": text,
+                     "use": "fitted" if run["id"] in FIT else "held out", "published_mfu": pub_mfu,
+                     "published_mfu_status": run["published"]["mfu"]["status"],
+                     "published_step_s": published_step(run, cfg), "predicted": pred,
+                     "error": pred["mfu"] / pub_mfu - 1, "planner": pl})
+        print(f"  {run['id']}: predicted MFU {pred['mfu']:.1%} (published {pub_mfu:.1%})", flush=True)
+    held = [abs(r["error"]) for r in rows if r["use"] == "held out"]
+    summary = {"sustained_fraction_of_peak": fraction, "fitted_on": list(FIT),
+               "held_out_mean_abs_error": sum(held) / len(held) if held else None,
+               "held_out_max_abs_error": max(held) if held else None,
+               "held_out_within_15pct": sum(e <= 0.15 for e in held), "held_out_count": len(held),
+               "planner_at_least_as_fast": sum(bool(r["planner"].get("faster_or_equal")) for r in rows),
+               "seconds": time.perf_counter() - t0}
+    print(table(rows))
+    print(json.dumps(summary, indent=1))
+    result = {"meta": {"command": "python benchmarks/published.py" + (" --quick" if args.quick else ""),
+                       "jax": jax.__version__, "runs_file": str(RUNS.relative_to(HERE.parent))},
+              "machines": {k: machine(v, fraction).to_dict() for k, v in hardware.items()},
+              "summary": summary, "rows": rows}
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=str))
+    if not args.quick:
+        plot(rows, pathlib.Path(args.plot) if args.plot else out.with_suffix(".png"))
+    return result
+
+
+if __name__ == "__main__":
+    main()

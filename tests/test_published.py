@@ -1,0 +1,47 @@
+"""benchmarks/published.py: the prediction for two small published rows, the JSON's fields, and a
+source on every published number of benchmarks/published_runs.json."""
+
+import importlib.util
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("published_bench", ROOT / "benchmarks" / "published.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_published_number_has_a_source_and_a_status():
+    data = json.loads((ROOT / "benchmarks" / "published_runs.json").read_text())
+    for run in data["runs"]:
+        src = run["source"]
+        assert src["repo"] and src["path"] and len(src["commit"]) == 40, run["id"]
+        assert run["quote"], run["id"]
+        assert run["published"]["mfu"], run["id"]
+        for name, figure in run["published"].items():
+            assert figure["status"] in ("SRC", "DERIVED"), (run["id"], name)
+            if figure["status"] == "DERIVED":
+                assert figure["arithmetic"], (run["id"], name)
+    for kind in data["hardware"].values():
+        for name, figure in kind.items():
+            if isinstance(figure, dict):
+                assert figure["status"] == "SRC" and figure["source"], name
+
+
+def test_quick_rows_predict_and_write_the_json(tmp_path):
+    out = tmp_path / "published.json"
+    result = _bench().main(["--quick", "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["summary"]["fitted_on"] == ["megatron_7.1b"]
+    assert 0 < written["summary"]["sustained_fraction_of_peak"] <= 1
+    assert [r["id"] for r in result["rows"]] == ["megatron_1.7b", "maxtext_llama2_7b_8gpu"]
+    for row in written["rows"]:
+        assert row["source"]["repo"] and len(row["source"]["commit"]) == 40
+        assert row["use"] in ("fitted", "held out")
+        p = row["predicted"]
+        assert p["step_s"] > 0 and p["memory_bytes"] > 0 and 0 < p["mfu"] < 1
+        assert abs(row["error"] - (p["mfu"] / row["published_mfu"] - 1)) < 1e-12
