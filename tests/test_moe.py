@@ -308,8 +308,8 @@ def test_step_metrics_and_metrics_jsonl_carry_the_routing(tmp_path):
         assert float(moe_metrics(trainer.model)["moe_load_balance"]) == pytest.approx(expected[1][0], rel=1e-5)
         history = trainer.fit(iter([{"x": x}] * 2), steps=2, log_every=1, progress=False)
     records = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [2, 3]
-    for record, row in zip(records, history):          # lr 0: every step routes as the first did
+    assert [r["step"] for r in records] == [1, 2, 3]     # the loop over step logs its first step too
+    for record, row in zip(records[1:], history):      # lr 0: every step routes as the first did
         assert record["moe_dropped"] == row["moe_dropped"] == dropped
         assert record["moe_load_balance"] == pytest.approx(balance, rel=1e-5)
         assert record["moe_z_loss"] == pytest.approx(z, rel=1e-5)
@@ -344,11 +344,13 @@ def test_dropped_assignments_stay_an_exact_integer_from_the_step_to_tensorboard(
     assert all(type(r["moe_dropped"]) is int for r in history)
     records = read_jsonl(tmp_path / "metrics.jsonl")
     dropped = 4 * big + routed
-    assert [(r["step"], r["moe_dropped"]) for r in records] == [(2, dropped), (3, dropped), (5, 2 * dropped)]
+    # the step before fit logs its first step too; fit logs its first (2), then every 2: 3, 5
+    assert [(r["step"], r["moe_dropped"]) for r in records] == [(1, dropped), (2, dropped), (3, dropped),
+                                                                (5, 2 * dropped)]
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     assert [(e.step, tensor_util.make_ndarray(e.tensor_proto).item()) for e in acc.Tensors("moe/dropped")] == \
-        [(2, dropped), (3, dropped), (5, 2 * dropped)]
+        [(1, dropped), (2, dropped), (3, dropped), (5, 2 * dropped)]
 
 
 class DroplessLayer(nnx.Module):

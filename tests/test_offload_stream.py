@@ -175,8 +175,10 @@ def test_an_offloaded_trainer_saves_resumes_and_hands_back_a_model_on_the_device
         cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data")
         mesh = jaxpar.make_mesh(cfg)
         model = jaxpar.init(lambda: Llama(CFG, rngs=nnx.Rngs(0)), cfg, mesh)
-        return jaxpar.Trainer(model, optax.adamw(1e-2), loss_fn, cfg, mesh, offload=offload,
-                              checkpoint_dir=directory, save_every=2)
+        saves = jaxpar.Services(checkpoint=jaxpar.CheckpointConfig(dir=str(directory), save_every=2)) if directory \
+            else None
+        return jaxpar.Trainer(model, optax.adamw(1e-2), loss_fn, cfg, mesh, services=saves,
+                              placement=jaxpar.Placement(offload=offload))
 
     plain = trainer(())
     losses = [float(plain.step(b)["loss"]) for b in data]
