@@ -6,7 +6,7 @@ model sharded (``init``) and train it (``Trainer``). Strategies come in MindSpor
 """
 
 from jaxpar import ops, report
-from jaxpar._deprecation import install_module_finder
+from jaxpar.deprecation import install_module_finder
 from jaxpar.config import OptimizerConfig, ParallelConfig, PipelineConfig
 from jaxpar.mesh import make_mesh
 from jaxpar.precision import Precision

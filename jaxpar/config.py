@@ -19,7 +19,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from jaxpar._deprecation import RenamedAttribute, renamed_keywords
+from jaxpar.deprecation import RenamedAttribute, renamed_keywords
 from jaxpar.precision import Precision, as_precision
 from jaxpar.strategy.layout import Layout, LayoutSpec
 

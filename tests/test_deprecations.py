@@ -4,7 +4,7 @@ or fails naming what to use and the doc page; and the record of 0.1.0's names is
 The frozen lists at the end were generated once from ``git show 11aa738:jaxpar/...``: every
 module, the public names of every package ``__all__`` (and of the modules of packages without
 one, such as ``jaxpar.models``), and the parameters and members of each public callable and
-class. A name dropped later without an entry in ``jaxpar/_deprecation.py`` fails here.
+class. A name dropped later without an entry in ``jaxpar/deprecation.py`` fails here.
 """
 
 import dataclasses
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import jaxpar
-from jaxpar import _deprecation as dep
+from jaxpar import deprecation as dep
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -128,7 +128,7 @@ def test_a_former_module_says_which_of_its_names_were_renamed():
 
 
 def test_the_table_is_the_code_s_table():
-    """Each entry of jaxpar/_deprecation.py is checked above, and nothing more is there."""
+    """Each entry of jaxpar/deprecation.py is checked above, and nothing more is there."""
     in_code = {f"{m}.{n}" for m, names in dep.FORMER.items() for n in names}
     assert in_code == set(EXPECTED)
     assert set(dep.MODULES) == set(EXPECTED_MODULES)
@@ -282,7 +282,7 @@ def test_every_public_name_of_0_1_0_is_there_or_has_an_entry():
                 warnings.simplefilter("error", DeprecationWarning)
                 if not hasattr(mod, name):
                     missing.append(f"{module}.{name}")
-    assert not missing, ("public names of 0.1.0 gone without an entry in jaxpar/_deprecation.py (a warning naming "
+    assert not missing, ("public names of 0.1.0 gone without an entry in jaxpar/deprecation.py (a warning naming "
                          f"the replacement, or an error naming what to use) and CHANGELOG.md: {missing}")
 
 
@@ -341,7 +341,7 @@ def test_every_parameter_and_member_of_0_1_0_is_there_or_has_an_entry():
         for name in params.rstrip(")").split(", "):
             if name and name != "None" and name not in current and (qualified, name) not in KEYWORDS:
                 wrong.append(f"{qualified}: parameter {name!r} gone")
-    assert not wrong, ("parameters or members of 0.1.0 gone without an entry (jaxpar/_deprecation.py, KEYWORDS / "
+    assert not wrong, ("parameters or members of 0.1.0 gone without an entry (jaxpar/deprecation.py, KEYWORDS / "
                        "MEMBERS here and CHANGELOG.md):\n" + "\n".join(wrong))
 
 

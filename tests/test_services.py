@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 import jaxpar
 from jaxpar.metrics import MetricsConfig
@@ -20,24 +19,8 @@ from jaxpar.train import (BUILT_IN, CheckpointHook, EveryHook, Hook, MetricsHook
                           ProfileHook)
 
 
-class Linear(nnx.Module):
-    def __init__(self):
-        self.w = nnx.Param(jnp.ones((4, 4)))
-
-    def __call__(self, x):
-        return x @ self.w[...]
-
-
-def _loss(model, batch):
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
-
-
-def _batch(i, bad=False):
-    rng = np.random.default_rng(i)
-    x = rng.normal(size=(8, 4)).astype(np.float32)
-    if bad:
-        x[0, 0] = np.nan
-    return {"x": x, "y": rng.normal(size=(8, 4)).astype(np.float32)}
+# the model, loss and batches of the reliability tests: one linear layer, NaN rows on demand
+from test_reliability import Linear, _batch, _loss  # noqa: E402
 
 
 def _trainer(services=None, **kw):

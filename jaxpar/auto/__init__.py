@@ -14,7 +14,7 @@ gives a `JobSearchResult`. Everything here is a pure function of (config, mesh s
 model, batch shapes, cost parameters): nothing compiles except `search_job`'s optional dry run.
 """
 
-from jaxpar._deprecation import module_getattr
+from jaxpar.deprecation import module_getattr
 from jaxpar.auto.balance import balance_stages, module_costs
 from jaxpar.auto.api import hand_strategy, make_strategy, mesh_sizes, plan_for, plan_training, search
 from jaxpar.auto.cost import Cost, CostParams, evaluate

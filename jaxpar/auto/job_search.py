@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar._deprecation import RenamedAttribute
+from jaxpar.deprecation import RenamedAttribute
 from jaxpar.auto.api import search
 from jaxpar.auto.cost import CostParams, analyse
 from jaxpar.auto.graph import build_graph

@@ -7,7 +7,7 @@
 See ``docs/checkpoint.md``; ``jaxpar ckpt {inspect,transform,merge,import-hf,export-hf}`` (``python -m jaxpar.cli ckpt``) works offline.
 """
 
-from jaxpar._deprecation import module_getattr
+from jaxpar.deprecation import module_getattr
 from jaxpar.checkpoint.manager import (CheckpointDamagedError, Checkpointer, CheckpointWriteError, latest_step,
                                        restore, restore_rows, restore_state, save, save_state)
 from jaxpar.checkpoint.offline import format_inspect, inspect, load_strategy, merge, leaf_specs, transform

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxpar._deprecation import RenamedAttribute
+from jaxpar.deprecation import RenamedAttribute
 from jaxpar.checkpoint import checksum
 from jaxpar.checkpoint import state as st
 from jaxpar.checkpoint.echoes import Echoes, first_line, os_error, release_frames

@@ -19,7 +19,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from jaxpar._deprecation import module_getattr
+from jaxpar.deprecation import module_getattr
 from jaxpar.cli import ckpt, data, launch, plan, report, train
 from jaxpar.cli.common import DEFAULT_DEVICES, JOB_ERRORS, Parser, UserError, jaxpar_raised, set_simulated_devices
 from jaxpar.cli.jobfile import job_file, parse_job_command

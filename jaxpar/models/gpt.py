@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar._deprecation import module_getattr
+from jaxpar.deprecation import module_getattr
 from jaxpar.models.llama_config import check_loss_chunks, refuse_remat
 from jaxpar.nn.moe import MoE, MoEConfig, moe_aux_loss
 from jaxpar.ops.cross_entropy import chunked_cross_entropy

@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpar._deprecation import module_getattr
+from jaxpar.deprecation import module_getattr
 from jaxpar.models.llama_config import SIZES, LlamaConfig, RopeScaling, describe, flops_per_token, param_count
 from jaxpar.nn import fp8
 from jaxpar.ops.activations import swiglu

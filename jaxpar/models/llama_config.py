@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxpar._deprecation import Removed, RemovedAttribute, removed_keywords
+from jaxpar.deprecation import Removed, RemovedAttribute, removed_keywords
 
 ATTENTION = ("auto", "xla", "cudnn", "reference")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -35,7 +35,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from jaxpar._deprecation import FormerForm, accepts_former_form, former_signature
+from jaxpar.deprecation import FormerForm, accepts_former_form, former_signature
 from jaxpar.config import ParallelConfig
 from jaxpar.models.llama_config import LlamaConfig, describe, matmul_params, param_count
 from jaxpar.models.report_request import ReportRequest

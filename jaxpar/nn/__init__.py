@@ -1,7 +1,7 @@
 """Flax NNX integration: the parameter specs, sharded init, the model's activation constraint, the
 mixture-of-experts layer (embedding tables in host memory live in ``jaxpar.ps``)."""
 
-from jaxpar._deprecation import module_getattr
+from jaxpar.deprecation import module_getattr
 from jaxpar.nn.constraint import model_constraint
 from jaxpar.nn.init import abstract_model, init, init_program, place
 from jaxpar.nn.moe import MoE, MoEAuxLoss, MoEConfig, MoEMetric, moe_aux_loss, moe_metrics, route

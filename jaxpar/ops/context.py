@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from jaxpar._deprecation import FormerForm, accepts_former_form, former_signature
+from jaxpar.deprecation import FormerForm, accepts_former_form, former_signature
 from jaxpar.config import CONTEXT_STRATEGIES
 from jaxpar.ops import context_kernels as kernels
 from jaxpar.ops._common import AnyMesh, axes_of, axes_size, inner_shard_map, resolve_mesh

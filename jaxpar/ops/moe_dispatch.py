@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from jaxpar._deprecation import FormerForm, accepts_former_form, former_signature
+from jaxpar.deprecation import FormerForm, accepts_former_form, former_signature
 from jaxpar.ops.activations import swiglu
 from jaxpar.ops.grouped_matmul import KERNELS, grouped_matmul
 from jaxpar.ops._common import AnyMesh, axes_of, axes_size, axis_position, inner_shard_map, resolve_mesh

@@ -7,7 +7,7 @@ pieces for a hand-written loop:
 >>> tx = jaxpar.optim.shard_optimizer(optax.adamw(1e-3), mesh, zero, params)             # doctest: +SKIP
 """
 
-from jaxpar._deprecation import module_getattr
+from jaxpar.deprecation import module_getattr
 from jaxpar.optim.accumulate import accumulate_grads, interleave_loss, split_batch
 from jaxpar.optim.fusion import bucketed_psum, compiler_options
 from jaxpar.optim.offload import on_host, to_device

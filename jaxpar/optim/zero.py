@@ -49,7 +49,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar._deprecation import renamed_keywords
+from jaxpar.deprecation import renamed_keywords
 from jaxpar.config import OptimizerConfig
 from jaxpar.strategy import mesh_sizes, spec_axes
 

@@ -36,7 +36,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxpar._deprecation import FormerForm, accepts_former_form, former_signature
+from jaxpar.deprecation import FormerForm, accepts_former_form, former_signature
 
 from jaxpar.pipeline.program import (  # noqa: F401  (op codes re-exported for the job search's pricing)
     B, B_LAST, CHANNELS, DX_MB, F, F_LAST, FROM_INPUT, G_SLOT, IDLE, MB, OP, RECV_G, RECV_X, W, W_LAST,

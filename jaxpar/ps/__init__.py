@@ -16,7 +16,7 @@ Example:
 
 import importlib
 
-from jaxpar._deprecation import former_attribute
+from jaxpar.deprecation import former_attribute
 from jaxpar.ps.host_embedding import HostEmbedding, HostRows, RowOptimizer
 from jaxpar.ps.rows import RowSource
 from jaxpar.ps.tables import SGD, Adagrad, Adam, TableSpec, init_rows

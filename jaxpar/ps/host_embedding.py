@@ -41,7 +41,7 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
-from jaxpar._deprecation import Removed, RemovedAttribute
+from jaxpar.deprecation import Removed, RemovedAttribute
 from jaxpar.ps.row_file import RowFile
 
 STORAGES = ("auto", "pinned_host", "callback", "file")

@@ -2,7 +2,7 @@
 (`jaxpar.train.programs`), the services around the loop as hooks (`Services`, `jaxpar.train.hooks`)
 and the Trainer that runs a plan made before it."""
 
-from jaxpar._deprecation import module_getattr
+from jaxpar.deprecation import module_getattr
 from jaxpar.train.checkpointing import CheckpointHook
 from jaxpar.train.compile import compile_step
 from jaxpar.train.hooks import EveryHook, Hook, NonfiniteHook, Preempted, PreemptionHook

@@ -199,12 +199,12 @@ PLACEMENT_KEYWORDS = ("offload", "donate", "global_batch")
 
 def former_keywords(init):
     """``Trainer.__init__`` accepting the flat keywords of 0.1.0 for one release: each warns naming
-    its new spelling (`jaxpar._deprecation.KEYWORDS`) and is folded into ``services=``,
+    its new spelling (`jaxpar.deprecation.KEYWORDS`) and is folded into ``services=``,
     ``placement=`` or (``example_batch``) ``plan=``. The signature lists them, keyword-only."""
     import functools
     import inspect
 
-    from jaxpar._deprecation import KEYWORDS, warn_renamed
+    from jaxpar.deprecation import KEYWORDS, warn_renamed
 
     entries = KEYWORDS["Trainer"]
 
@@ -250,7 +250,7 @@ def _fold(former: dict, kwargs: dict, args: tuple) -> dict:
     batch = former.get("example_batch")
     config = args[3] if len(args) > 3 else kwargs.get("config")
     if batch is not None and kwargs.get("plan") is None and getattr(config, "mode", None) == "auto":
-        from jaxpar._deprecation import resolve
+        from jaxpar.deprecation import resolve
 
         model, tx, loss_fn, _, mesh = (list(args) + [kwargs.get(k) for k in ("model", "tx", "loss_fn", "config",
                                                                              "mesh")][len(args):])[:5]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar._deprecation import Removed, RemovedAttribute
+from jaxpar.deprecation import Removed, RemovedAttribute
 from jaxpar.config import ParallelConfig
 from jaxpar.metrics import progress_text
 from jaxpar.nn.specs import declared_names
