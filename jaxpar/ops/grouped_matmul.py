@@ -134,7 +134,11 @@ def _mosaic_bwd(res, g):
     dx = _ragged_call(_pad_rows(g, _DX["block_m"]), w, gs, transpose_rhs=True, tiles=tuple(_DX.items()))[:m]
     dx = jnp.where(_rows_in_groups(m, group_sizes), dx, 0)
     dw = _transposed_call(_pad_rows(x, _DW["block_k"]), _pad_rows(g, _DW["block_k"]), gs, tiles=tuple(_DW.items()))
-    return dx, dw.astype(w.dtype), np.zeros(group_sizes.shape, jax.dtypes.float0)
+    # the kernels' outputs need not vary over the manual axes their operands vary over (inside
+    # moe_dispatch's shard_map): each cotangent takes its primal's type, as custom_vjp requires
+    dx, _ = match_varying(dx.astype(x.dtype), x)
+    dw, _ = match_varying(dw.astype(w.dtype), w)
+    return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0)
 
 
 _mosaic.defvjp(_mosaic_fwd, _mosaic_bwd)
