@@ -1,7 +1,7 @@
-"""The ``jaxpar`` command: train, plan, report, launch, k8s, ckpt, data.
+"""The ``jaxpar`` command: train, plan, report, launch, k8s, ckpt, data, goodput.
 
 One module per command group (``train``, ``plan``, ``report``, ``ckpt``, ``data``,
-``launch``), each registering its sub-parser; this module dispatches to them and turns a
+``launch``, ``goodput``), each registering its sub-parser; this module dispatches to them and turns a
 user's mistake into one paragraph on stderr and exit code 2 (`run_guarded`), for every command.
 
 ``jaxpar train`` with flags and ``jaxpar train --config job.yaml`` make the same value, a
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from jaxpar.deprecation import module_getattr
-from jaxpar.cli import ckpt, data, launch, plan, report, train
+from jaxpar.cli import ckpt, data, goodput, launch, plan, report, train
 from jaxpar.cli.common import DEFAULT_DEVICES, JOB_ERRORS, Parser, UserError, jaxpar_raised, set_simulated_devices
 from jaxpar.cli.jobfile import job_file, parse_job_command
 
@@ -47,6 +47,7 @@ def make_parser() -> argparse.ArgumentParser:
     launch.add_k8s_parser(sub)
     ckpt.add_parser(sub)
     data.add_parser(sub)
+    goodput.add_parser(sub)
     return parser
 
 

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
+
+import jax
 
 from jaxpar.metrics import (MetricsConfig, MetricsLogger, ProfileWindow, profile_window_outside, read,
                             tokens_per_example)
+from jaxpar.metrics.goodput import GoodputLedger
 from jaxpar.metrics.logger import ROUTING, examples_per_step
 from jaxpar.train.hooks import Hook
 
@@ -49,7 +53,8 @@ class Window:
 
 
 class MetricsHook(Hook):
-    """Writes loss, grad norm, lr, tokens/s, MFU and memory (`jaxpar.metrics.MetricsLogger`).
+    """Writes loss, grad norm, lr, tokens/s, MFU and memory (`jaxpar.metrics.MetricsLogger`),
+    and the goodput ledger beside them (`jaxpar.metrics.goodput`: where the wall time went).
 
     In a loop over ``step`` it reads the metrics every ``config.every`` steps, at the first step
     and when the Trainer closes; inside ``fit``, which reads them for its history anyway, fit
@@ -63,11 +68,15 @@ class MetricsHook(Hook):
     def __init__(self, config: MetricsConfig):
         self.config = config
         self.logger = MetricsLogger(config)
+        self.ledger = GoodputLedger(config.dir, writing=jax.process_index() == 0)
         self.window: Window | None = None
         self.steps = 0          # steps this hook has seen in a loop over `step`
 
     def __repr__(self) -> str:
         return f"MetricsHook({self.config!r})"
+
+    def on_start(self, trainer) -> None:
+        self.ledger.start(trainer.step_count, processes=jax.process_count(), devices=trainer.mesh.devices.size)
 
     def before_step(self, trainer, step: int) -> None:
         if self.window is None and not trainer.fitting:
@@ -92,6 +101,8 @@ class MetricsHook(Hook):
 
     def log(self, trainer, records: list[dict], window_s: float, checkpoint_s: float = 0.0) -> None:
         self.logger.log(records[-1]["step"], records, window_s, trainer.state.opt_state, checkpoint_s=checkpoint_s)
+        self.ledger.steps(records[0]["step"], records[-1]["step"], window_s, checkpoint_s,
+                          getattr(trainer, "data_wait_s", 0.0))     # a stand-in Trainer may keep no count
 
     def start(self, trainer, batch) -> int:
         """Tokens per step of ``batch``, and the compiled step's memory and FLOPs, read once per
@@ -113,6 +124,7 @@ class MetricsHook(Hook):
         try:
             if trainer is not None:
                 self.flush(trainer, check=False)     # the last steps of a loop over `step`
+                self.ledger.end(trainer.step_count)
         finally:
             self.logger.close()
 
@@ -196,3 +208,12 @@ def check_until(trainer, steps: int, until: int | None) -> None:
                          f"runs (steps={steps} after step {trainer.step_count}): the last step of the whole run")
     if (profile := trainer.service("profile")) is not None:
         profile.check_until(trainer.step_count + 1, until)
+
+
+def next_batch(trainer, it: Iterator):
+    """``next(it)``, its wait added to ``trainer.data_wait_s`` (the goodput ledger's data time)."""
+    start = time.perf_counter()
+    try:
+        return next(it)
+    finally:
+        trainer.data_wait_s += time.perf_counter() - start

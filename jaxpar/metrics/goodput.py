@@ -1,0 +1,272 @@
+"""Goodput: where a run's wall time went, across its restarts.
+
+A run with metrics (``Services(metrics=MetricsConfig(dir=...))``) appends a ledger,
+``goodput.jsonl``, beside ``metrics.jsonl`` on process 0: one ``start`` line per process start
+(the wall clock, when the process began, the step it resumed from), one ``steps`` line per
+metrics log (the steps logged and how their window's seconds divide: compiling, waiting for
+data, checkpoint saves that held the step, the rest productive) and an ``end`` line at a clean
+close. A killed process writes no ``end``: its last ``steps`` line is where it stopped. The
+ledger is appended to, never truncated, so it spans every restart of the run (start a new
+experiment in a new directory).
+
+`summarize` reads it into the time of each cause, summed over the run's processes' lives:
+
+- ``startup``: from a process's start (the operating system's clock of it) to its first step:
+  imports, ``jax.distributed``, building the model, restoring a checkpoint;
+- ``compile``: tracing, lowering and compiling (or loading from the persistent cache) inside
+  the logged windows, read from JAX's own events (``jax.monitoring``), overlapping spans counted once;
+- ``data``: ``Trainer.fit`` waiting for its next batch;
+- ``checkpoint``: saves that held the host (an asynchronous save's device-to-host copy);
+- ``recomputed``: productive time of steps a later start did again (it resumed from an older step);
+- ``restart``: from the last line a process wrote to the next process's start;
+- ``other``: inside a process's life but in no logged window (evaluation, user code between fits);
+- ``productive``: the rest of the logged windows, less ``recomputed``.
+
+Goodput is productive time over the wall time from the first start to the last line; the
+effective MFU is the steady steps' MFU (the median of ``metrics.jsonl``'s ``mfu`` after its first
+record) times goodput. ``jaxpar goodput RUN_DIR`` prints it (docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+LEDGER = "goodput.jsonl"
+CAUSES = ("productive", "startup", "compile", "data", "checkpoint", "recomputed", "restart", "other")
+_COMPILE_EVENTS = frozenset({
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+    "/jax/compilation_cache/cache_retrieval_time_sec",
+})
+_IMPORTED = time.time()
+
+
+class CompileClock:
+    """The spans JAX spent tracing, lowering and compiling in this process (from its
+    ``jax.monitoring`` duration events), as wall-clock intervals; nested spans count once."""
+
+    def __init__(self):
+        self._spans: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+        self._installed = False
+
+    def install(self) -> None:
+        with self._lock:
+            if self._installed:
+                return
+            import jax.monitoring
+
+            jax.monitoring.register_event_duration_secs_listener(self._heard)
+            self._installed = True
+
+    def _heard(self, event: str, duration: float, **_: Any) -> None:
+        if event in _COMPILE_EVENTS:
+            now = time.time()
+            with self._lock:
+                self._spans.append((now - duration, now))
+
+    def spent(self, start: float, end: float) -> float:
+        """Seconds of ``[start, end]`` (wall clock) inside a compile span; spans ending before
+        ``start`` are dropped (windows are asked for in order)."""
+        with self._lock:
+            self._spans = [s for s in self._spans if s[1] > start]
+            spans = sorted((max(a, start), min(b, end)) for a, b in self._spans if a < end)
+        total, reach = 0.0, start
+        for a, b in spans:
+            if b > reach:
+                total += b - max(a, reach)
+                reach = b
+        return total
+
+
+COMPILE_CLOCK = CompileClock()
+
+
+def process_start_time() -> float:
+    """When this process started (wall clock): the kernel's record of it on Linux, else when
+    jaxpar was imported."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return _IMPORTED
+
+
+class GoodputLedger:
+    """Appends the ledger's lines (module docstring) to ``directory/goodput.jsonl``; writes
+    nothing where ``writing`` is False (processes other than 0)."""
+
+    def __init__(self, directory: str | os.PathLike, *, writing: bool = True):
+        self.path = os.path.join(os.fspath(directory), LEDGER)
+        self.writing = writing
+        self._data_seen = 0.0
+        if writing:
+            COMPILE_CLOCK.install()
+
+    def _write(self, record: dict) -> None:
+        if not self.writing:
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "a") as f:      # one whole line a write: a kill leaves the earlier lines whole
+            f.write(json.dumps(record) + "\n")
+
+    def start(self, step: int, *, processes: int, devices: int) -> None:
+        self._write({"event": "start", "time": time.time(), "process_start": process_start_time(), "step": int(step),
+                     "pid": os.getpid(), "processes": processes, "devices": devices})
+
+    def steps(self, first: int, last: int, window_s: float, checkpoint_s: float, data_total_s: float) -> None:
+        """The steps ``first..last`` logged now, which took ``window_s`` seconds (checkpoint saves
+        apart: ``checkpoint_s``); ``data_total_s``: the Trainer's running total of batch waits."""
+        now = time.time()
+        data = max(data_total_s - self._data_seen, 0.0)
+        self._data_seen = data_total_s
+        compile_s = COMPILE_CLOCK.spent(now - window_s - checkpoint_s, now) if self.writing else 0.0
+        compile_s = min(compile_s, window_s)
+        data = min(data, window_s - compile_s)
+        self._write({"event": "steps", "time": now, "first": int(first), "last": int(last),
+                     "wall_s": window_s + checkpoint_s, "compile_s": compile_s, "data_s": data,
+                     "checkpoint_s": checkpoint_s, "productive_s": max(window_s - compile_s - data, 0.0)})
+
+    def end(self, step: int) -> None:
+        self._write({"event": "end", "time": time.time(), "step": int(step)})
+
+
+def read_ledger(path: str) -> tuple[list[dict], int]:
+    """The ledger's records, and how many lines could not be read (a line cut by a kill)."""
+    records, bad = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                bad += 1
+                continue
+            if isinstance(record, dict) and record.get("event") in ("start", "steps", "end"):
+                records.append(record)
+            else:
+                bad += 1
+    return records, bad
+
+
+def _runs(records: list[dict]) -> list[dict]:
+    runs: list[dict] = []
+    for r in records:
+        if r["event"] == "start":
+            runs.append({"start": r, "windows": [], "end": None})
+        elif runs:          # lines before any start (a ledger cut at its head) belong to no life
+            if r["event"] == "steps":
+                runs[-1]["windows"].append(r)
+            else:
+                runs[-1]["end"] = r
+    return runs
+
+
+def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """Seconds per cause (`CAUSES`), goodput and effective MFU of the run in ``run_dir``."""
+    run_dir = os.fspath(run_dir)
+    path = os.path.join(run_dir, LEDGER)
+    if not os.path.isfile(path):
+        raise ValueError(f"goodput: {path} does not exist; a run writes it when trained with metrics "
+                         f"(Services(metrics=MetricsConfig(dir={run_dir!r})) or a job's logging.dir)")
+    records, unreadable = read_ledger(path)
+    runs = _runs(records)
+    if not runs:
+        raise ValueError(f"goodput: {path} holds no start of a run ({len(records)} records, {unreadable} "
+                         "unreadable lines)")
+    seconds = dict.fromkeys(CAUSES, 0.0)
+    lives, previous = [], None
+    for run in runs:    # born: the process's start, or where the life before it in the same process ended
+        start = run["start"]
+        run["last"] = max([start["time"]] + [w["time"] for w in run["windows"]]
+                          + ([run["end"]["time"]] if run["end"] else []))
+        run["born"] = min(start["process_start"], start["time"])
+        if previous is not None:
+            run["born"] = max(run["born"], previous)
+        previous = run["last"]
+    for k, run in enumerate(runs):
+        start, windows, born, last = run["start"], run["windows"], run["born"], run["last"]
+        first_window = windows[0]["time"] - windows[0]["wall_s"] if windows else last
+        seconds["startup"] += max(first_window - born, 0.0)
+        logged = 0.0
+        for w in windows:
+            seconds["compile"] += w["compile_s"]
+            seconds["data"] += w["data_s"]
+            seconds["checkpoint"] += w["checkpoint_s"]
+            seconds["productive"] += w["productive_s"]
+            logged += w["wall_s"]
+        seconds["other"] += max(last - first_window - logged, 0.0)
+        if k + 1 < len(runs):      # steps past where the next life resumed were done again
+            resumed = runs[k + 1]["start"]["step"]
+            for w in windows:
+                done_again = w["last"] - max(w["first"] - 1, resumed)
+                if done_again > 0:
+                    seconds["recomputed"] += w["productive_s"] * done_again / (w["last"] - w["first"] + 1)
+            seconds["restart"] += runs[k + 1]["born"] - last
+        lives.append({"resumed_from": start["step"], "last_step": windows[-1]["last"] if windows else start["step"],
+                      "seconds": last - born, "clean_end": run["end"] is not None})
+    seconds["productive"] -= seconds["recomputed"]
+    wall = runs[-1]["last"] - runs[0]["born"]
+    goodput = seconds["productive"] / wall if wall > 0 else 0.0
+    mfu = steady_mfu(os.path.join(run_dir, "metrics.jsonl"))
+    return {"run_dir": run_dir, "wall_s": wall, "seconds": seconds, "goodput": goodput,
+            "badput": {c: s / wall if wall > 0 else 0.0 for c, s in seconds.items() if c != "productive"},
+            "mfu": mfu, "effective_mfu": None if mfu is None else mfu * goodput,
+            "restarts": len(runs) - 1, "lives": lives, "unreadable_lines": unreadable}
+
+
+def steady_mfu(path: str) -> float | None:
+    """The median ``mfu`` of ``metrics.jsonl`` after its first record (which holds the compile),
+    or None without one (no peak FLOPs on this backend, or no metrics file)."""
+    if not os.path.isfile(path):
+        return None
+    values = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("mfu"), (int, float)):
+                values.append(float(record["mfu"]))
+    values = values[1:] or values
+    if not values:
+        return None
+    values.sort()
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def plot(summary: dict[str, Any], path: str) -> str:
+    """A bar of the run's wall time by cause, saved to ``path`` (needs matplotlib: the ``plot`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ValueError(f"goodput: --plot {path} needs matplotlib ({e}); pip install 'jaxpar[plot]'") from None
+    fig, ax = plt.subplots(figsize=(8, 2.2))
+    left = 0.0
+    for cause in CAUSES:
+        width = summary["seconds"][cause]
+        if width > 0:
+            ax.barh([0], [width], left=left, label=f"{cause} {width:.1f} s")
+            left += width
+    mfu = summary["effective_mfu"]
+    ax.set_title(f"goodput {summary['goodput']:.1%} of {summary['wall_s']:.1f} s, {summary['restarts']} restarts"
+                 + (f", effective MFU {mfu:.1%}" if mfu is not None else ""))
+    ax.set_yticks([])
+    ax.set_xlabel("seconds")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
