@@ -42,7 +42,7 @@ import jaxpar  # noqa: E402
 from jaxpar.auto import CostParams, JobSearchSpace, build_graph, search_job  # noqa: E402
 from jaxpar.auto.assign import hand_axes  # noqa: E402
 from jaxpar.auto.cost import analyse, evaluate  # noqa: E402
-from jaxpar.auto.pricing import price, price_pipeline  # noqa: E402
+from jaxpar.auto.pricing import PipelineShape, price, price_pipeline  # noqa: E402
 from jaxpar.models.gpt import GPT, GPTConfig  # noqa: E402
 from jaxpar.models.gpt import loss_fn as gpt_loss  # noqa: E402
 from jaxpar.models.gpt_parallel import pipeline_loss as gpt_pipeline  # noqa: E402
@@ -126,9 +126,9 @@ def predict(run: dict, params: CostParams) -> dict:
         graph = build_graph(model, gpt_pipeline(), tokens(rows, run["seq_len"]))
         full = {"pipe": lay["pp"], **sizes}
         placed = params.placed(hosts, full)
-        step, args, temp = price_pipeline(graph, hand_axes(graph, config, sizes), sizes, placed, stages=lay["pp"],
-                                          microbatches=k, layers=cfg.layers,
-                                          activation_bytes=rows * run["seq_len"] * cfg.embed * 2)
+        shape = PipelineShape(stages=lay["pp"], microbatches=k, layers=cfg.layers,
+                              activation_bytes=rows * run["seq_len"] * cfg.embed * 2)
+        step, args, temp = price_pipeline(graph, hand_axes(graph, config, sizes), sizes, placed, shape)
     else:
         graph = build_graph(model, loss_fn, tokens(rows, run["seq_len"]))
         placed = params.placed(hosts, sizes)

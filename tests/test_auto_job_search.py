@@ -296,7 +296,7 @@ def test_explain_says_when_the_batch_is_replicated():
 def test_pipeline_price_follows_the_schedule():
     """More micro-batches: a smaller bubble per micro-batch and fewer activations in flight;
     the head runs in the last stage's backward (its F is idle), so the table's length rules."""
-    from jaxpar.auto.pricing import micro_batch, price_pipeline
+    from jaxpar.auto.pricing import PipelineShape, micro_batch, price_pipeline
     from jaxpar.pipeline import build, lower
 
     batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
@@ -308,8 +308,8 @@ def test_pipeline_price_follows_the_schedule():
         graph = build_graph(model, loss, part)
         axes = hand_axes(graph, jaxpar.ParallelConfig(mesh={"data": 2}), {"data": 2})
         h = jax.eval_shape(loss.embed, model, part)
-        rows[schedule, m] = price_pipeline(graph, axes, {"data": 2}, COSTS, stages=4, microbatches=m, layers=4,
-                                           activation_bytes=h.size * 4, schedule=schedule)
+        shape = PipelineShape(stages=4, microbatches=m, layers=4, activation_bytes=h.size * 4, schedule=schedule)
+        rows[schedule, m] = price_pipeline(graph, axes, {"data": 2}, COSTS, shape)
     assert rows["gpipe", 8][1] == rows["1f1b", 4][1]                     # same parameters per stage
     assert rows["1f1b", 8][2] < rows["1f1b", 4][2]                       # smaller micro-batches
     assert rows["1f1b", 8][2] < rows["gpipe", 8][2]                      # 1F1B holds fewer inputs
@@ -435,7 +435,7 @@ def test_the_strategy_search_weighs_every_micro_batch_against_the_gradient_all_r
     devices ('batch replicated'), which price_pipeline itself prices slower than the split."""
     from jaxpar.auto import search
     from jaxpar.auto.cost import CostParams
-    from jaxpar.auto.pricing import micro_batch, price_pipeline
+    from jaxpar.auto.pricing import PipelineShape, micro_batch, price_pipeline
 
     costs = CostParams()
     batch = batches(1, batch=256, seq=SCANNED.seq_len)[0]
@@ -450,8 +450,8 @@ def test_the_strategy_search_weighs_every_micro_batch_against_the_gradient_all_r
     graph = build_graph(model, loss, part)
     h = jax.eval_shape(loss.embed, model, part)
     whole = hand_axes(graph, jaxpar.ParallelConfig(mesh=inner, dataset_strategy="full_batch"), inner)
-    full = price_pipeline(graph, whole, inner, costs, stages=2, microbatches=8, layers=4,
-                          activation_bytes=h.size * h.dtype.itemsize, schedule="1f1b")[0]
+    shape = PipelineShape(stages=2, microbatches=8, layers=4, activation_bytes=h.size * h.dtype.itemsize)
+    full = price_pipeline(graph, whole, inner, costs, shape)[0]
     assert split.time_s < full
     # the search alone: one run of the graph keeps the batch whole, the step's 9 runs split it
     config = jaxpar.ParallelConfig(mesh=inner, mode="auto", search="dynamic_programming")

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from jaxpar.data import TokenLoader, prepare
+from jaxpar.data import LoaderProcess, TokenLoader, prepare
 from jaxpar.launch.ports import free_port
 from jaxpar.models.data import arithmetic_text
 from workers.loader_worker import digest, train
@@ -45,7 +45,7 @@ def test_two_processes_read_the_global_batches_of_one(tmp_path, tag):
         assert r["state"]["next_batch"] == BATCHES
     # each process fed the Trainer its 4 rows of every global batch of 8 on {"data": 8}: the
     # training and evaluation of one process reading the whole batches
-    losses, evaluated = train(str(tmp_path / "store"), STEPS, process_index=0, process_count=1)
+    losses, evaluated = train(str(tmp_path / "store"), STEPS, process=LoaderProcess(index=0, count=1))
     for r in results:
         assert r["train"][0] == pytest.approx(losses, rel=1e-5)
         assert r["train"][1] == pytest.approx(evaluated, rel=1e-5)

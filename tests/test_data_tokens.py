@@ -10,7 +10,7 @@ from flax import nnx
 
 import jaxpar
 from jaxpar.cli import main
-from jaxpar.data import ByteTokenizer, TokenLoader, TokenStore, prepare
+from jaxpar.data import ByteTokenizer, LoaderProcess, TokenLoader, TokenStore, prepare
 from jaxpar.models.data import arithmetic_text
 from jaxpar.models.llama import Llama, LlamaConfig, loss_fn
 
@@ -116,10 +116,25 @@ def test_each_epoch_visits_every_sequence_once(store):
 def test_process_rows_assemble_the_global_batch(store, packing):
     full = TokenLoader(store, seq_len=SEQ, global_batch=BATCH, packing=packing, seed=1)
     for count in (2, 4):
-        parts = [TokenLoader(store, seq_len=SEQ, global_batch=BATCH, packing=packing, seed=1, process_index=p,
-                             process_count=count).batch(7) for p in range(count)]
+        parts = [TokenLoader(store, seq_len=SEQ, global_batch=BATCH, packing=packing, seed=1,
+                             process=LoaderProcess(index=p, count=count)).batch(7) for p in range(count)]
         for key, value in full.batch(7).items():
             np.testing.assert_array_equal(np.concatenate([part[key] for part in parts]), value)
+
+
+def test_the_former_process_keywords_warn_and_read_the_same_rows(store):
+    """0.1.0's ``TokenLoader(..., process_index=, process_count=)`` still reads the same rows, warning
+    with the ``LoaderProcess`` spelling; mixing both spellings is refused naming both."""
+    want = TokenLoader(store, seq_len=SEQ, global_batch=BATCH, seed=1, process=LoaderProcess(index=1, count=2))
+    with pytest.warns(DeprecationWarning, match=r"TokenLoader\(store, \*, seq_len.*process_count=None\) is deprecated: "
+                                                r"call TokenLoader\(store, \.\.\., process=jaxpar.data.LoaderProcess"):
+        got = TokenLoader(store, seq_len=SEQ, global_batch=BATCH, seed=1, process_index=1, process_count=2)
+    assert got.rows == want.rows == slice(4, 8)
+    np.testing.assert_array_equal(got.batch(3)["inputs"], want.batch(3)["inputs"])
+    with pytest.warns(DeprecationWarning):
+        assert TokenLoader(store, seq_len=SEQ, global_batch=BATCH, process_count=1).rows == slice(0, BATCH)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'process'.*in the former form"):
+        TokenLoader(store, seq_len=SEQ, global_batch=BATCH, process=LoaderProcess(), process_index=0)
 
 
 def test_segments_follow_documents(store):
@@ -147,7 +162,13 @@ def test_bad_input_names_the_file_or_value(store, corpus, tmp_path):
     with pytest.raises(ValueError, match="fewer than global_batch=4096"):
         TokenLoader(store, seq_len=SEQ, global_batch=4096)
     with pytest.raises(ValueError, match="global_batch_size=6 does not split over 4 processes"):
-        TokenLoader(store, seq_len=SEQ, global_batch=6, process_index=0, process_count=4)
+        TokenLoader(store, seq_len=SEQ, global_batch=6, process=LoaderProcess(index=0, count=4))
+    with pytest.raises(ValueError, match=r"LoaderProcess: index=4 must be in 0..3 \(count=4\)"):
+        LoaderProcess(index=4, count=4)
+    with pytest.raises(ValueError, match=r"LoaderProcess: count=0 must be an int >= 1, or None"):
+        LoaderProcess(index=0, count=0)
+    with pytest.raises(TypeError, match=r"process=\(1, 2\) must be a jaxpar.data.LoaderProcess\(index="):
+        TokenLoader(store, seq_len=SEQ, global_batch=BATCH, process=(1, 2))
     # numpy integers are taken as ints: the position stays JSON (json.dumps failed on an int64 seed)
     loader = TokenLoader(store, seq_len=np.int64(SEQ), global_batch=np.int32(BATCH), seed=np.int64(3), prefetch=0)
     assert json.loads(json.dumps(loader.state()))["seed"] == 3

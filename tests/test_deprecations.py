@@ -245,6 +245,8 @@ KEYWORDS = {
                     "param_dtype", "grad_dtype", "opt_state_dtype", "compute_dtype", "compiled", "compiled_note")},
     **{("jaxpar.ops.context_attention", name): "warns (test_context.py: test_the_former_mask_keywords_...)"
        for name in ("causal", "segment_ids", "q_positions", "kv_positions")},
+    **{("jaxpar.data.TokenLoader", name): "warns (test_data_tokens.py: test_the_former_process_keywords_...)"
+       for name in ("process_index", "process_count")},
 }
 # Former members of classes, answered by a RenamedAttribute / RemovedAttribute (test_former_members_...) or
 # by the renamed class they belong to.

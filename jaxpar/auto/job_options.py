@@ -56,17 +56,18 @@ def plain_options(job, abstract, loss_of: Mapping[str, Callable], batch, base, s
                     d = shape.get("data", 1)
                     if (rows // k) % d:
                         continue
-                    sizes = dict(shape) if cp == 1 else {**shape, "data": d * cp}   # context folded into data
                     mesh = dict(shape) if cp == 1 else {"context": cp, **shape}
                     for ep in _expert_sizes(moe, d, cp):
+                        option = Candidate(shape=shape, micro_batches=k, part=part, context=cp, seq=seq, experts=ep)
+                        sizes = option.sizes
                         cfg = base if ep is None else _pinned(base, moe, ep)
                         # a step runs the graph of one micro-batch k times, its gradient collectives once
                         for strategy in strategies_of(graph, loss_fn, batch, cfg, sizes, space.search_name, params,
                                                       space.memory_budget, runs=k):
                             axes = [a for _, _, a in strategy.classes]
                             cost = evaluate(graph, axes, sizes, params, flags=flags)
-                            for cost2, extra in _variants(cost, graph, axes, sizes, flags, cp, seq, strategies, moe,
-                                                          ep, part, d, k, shape, params, space.moe_imbalance):
+                            for cost2, extra in _variants(cost, graph, axes, flags, option, strategies, moe, params,
+                                                          space.moe_imbalance):
                                 for z in space.zero_levels:
                                     if z and sizes.get("data", 1) == 1:
                                         continue
@@ -75,6 +76,36 @@ def plain_options(job, abstract, loss_of: Mapping[str, Callable], batch, base, s
                                     if math.isfinite(t):
                                         out.append(job(mesh, k, z, strategy, t, a, tmp, remat=policy, **extra))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One unpipelined job option before its strategy, context strategy and ZeRO level are
+    chosen: the ``data x model`` mesh ``shape`` (the context axis apart), ``micro_batches`` a
+    step (``part``: the abstract shapes of one), the ``context`` size with the ``seq``uence it
+    splits (0 without a context axis), and the ``experts``' size (1: replicated, ``data``'s
+    size: on ``data``; None without MoE layers).
+
+    >>> Candidate(shape={"data": 2, "model": 2}, micro_batches=1, part=None, context=2, seq=64).sizes
+    {'data': 4, 'model': 2}
+    """
+
+    shape: Mapping[str, int]
+    micro_batches: int
+    part: Any
+    context: int = 1
+    seq: int = 0
+    experts: int | None = None
+
+    @property
+    def data(self) -> int:
+        """The ``data`` axis's size (the context axis apart)."""
+        return self.shape.get("data", 1)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The axis sizes the search sees: the context axis folded into ``data``."""
+        return dict(self.shape) if self.context == 1 else {**self.shape, "data": self.data * self.context}
 
 
 def _expert_sizes(moe, d: int, cp: int = 1) -> list:
@@ -97,9 +128,10 @@ def _pinned(base, moe, ep: int):
                                                          **pins(moe, "data" if ep > 1 else None)})
 
 
-def _variants(cost, graph, axes, sizes, flags, cp, seq, strategies, moe, ep, part, d, k, shape, params, imbalance):
-    """``(cost, JobOption fields)`` for each context strategy (one without a context axis)."""
-    tp = shape.get("model", 1)
+def _variants(cost, graph, axes, flags, option: Candidate, strategies, moe, params, imbalance):
+    """``(cost, JobOption fields)`` of ``option`` for each context strategy (one without a context axis)."""
+    cp, seq, ep, part, d = option.context, option.seq, option.experts, option.part, option.data
+    sizes, tp = option.sizes, option.shape.get("model", 1)
     extra: dict[str, Any] = {}
     if moe:
         tokens = tokens_per_device(part, d, context=cp)

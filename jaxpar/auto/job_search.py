@@ -51,7 +51,7 @@ from jaxpar.auto.api import search
 from jaxpar.auto.cost import CostParams, analyse
 from jaxpar.auto.graph import build_graph
 from jaxpar.auto.job_options import needs_constraint, option_config, plain_options, with_constraint
-from jaxpar.auto.pricing import micro_batch, price_pipeline, stacked_params
+from jaxpar.auto.pricing import PipelineShape, micro_batch, price_pipeline, stacked_params
 from jaxpar.auto.search_space import JobSearchSpace
 from jaxpar.auto.strategy import Strategy, glob_escape
 from jaxpar.nn.blocks import remat_loss
@@ -480,9 +480,10 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, space: Jo
                         continue
                     for name in fits:
                         v = 2 if name == "interleaved" else 1       # the config's virtual_stages
-                        t, a, tmp = price_pipeline(graph, axes, inner, placed, stages=p, microbatches=m,
-                                                   layers=layers, activation_bytes=h.size * h.dtype.itemsize,
-                                                   schedule=name, virtual_stages=v, zero=z,
+                        shape = PipelineShape(stages=p, microbatches=m, layers=layers,
+                                              activation_bytes=h.size * h.dtype.itemsize, schedule=name,
+                                              virtual_stages=v)
+                        t, a, tmp = price_pipeline(graph, axes, inner, placed, shape, zero=z,
                                                    threshold_kb=base.optimizer.threshold_kb, flags=flags)
                         if math.isfinite(t):
                             pipe = {"stages": p, "microbatches": m, "schedule": name, "virtual_stages": v}

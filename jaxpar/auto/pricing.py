@@ -40,6 +40,7 @@ micro-batch and the gradients.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -141,20 +142,44 @@ def stacked_params(graph: Graph, layers: int) -> set[int]:
             and op.ins[0] in params and graph.tensors[op.ins[0]].shape[:1] == (layers,)}
 
 
-def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, stages: int,
-                   microbatches: int, layers: int, activation_bytes: float, schedule: str = "1f1b",
-                   virtual_stages: int = 1, zero: int = 0, zero_axis: str = "data", threshold_kb: float = 0.0,
-                   axis: str = "pipe", flags=None) -> tuple[float, int, int]:
+@dataclasses.dataclass(frozen=True)
+class PipelineShape:
+    """The pipeline `price_pipeline` prices: ``stages`` stages on mesh axis ``axis``, a step of
+    ``microbatches`` micro-batches under ``schedule`` with ``virtual_stages`` chunks a stage (the
+    config's; the V schedules place two whatever it says), over the model's ``layers`` stacked
+    blocks, and ``activation_bytes``: one micro-batch's block input (global bytes; divided by the
+    batch split when priced).
+
+    >>> PipelineShape(stages=4, microbatches=8, layers=16, activation_bytes=2**20).schedule
+    '1f1b'
+    """
+
+    stages: int
+    microbatches: int
+    layers: int
+    activation_bytes: float
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    axis: str = "pipe"
+
+
+def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, pipe: PipelineShape, *,
+                   zero: int = 0, zero_axis: str = "data", threshold_kb: float = 0.0,
+                   flags=None) -> tuple[float, int, int]:
     """``(step seconds, argument bytes, temp bytes)`` per device of a pipelined job (module docstring).
 
     ``graph``: one pipeline micro-batch of the unpipelined loss, its blocks a scan over
-    ``layers``; ``axes`` / ``sizes``: the strategy of the other mesh axes; ``activation_bytes``:
-    one micro-batch's block input (global bytes; divided here by the batch split)."""
+    ``pipe.layers``; ``axes`` / ``sizes``: the strategy of the other mesh axes; ``pipe``: the
+    pipeline (`PipelineShape`)."""
     from jaxpar.pipeline import build, lower
     from jaxpar.pipeline.executor import B, B_LAST, F, F_LAST, IDLE, OP, W, W_LAST
 
+    if not isinstance(pipe, PipelineShape):
+        raise TypeError(f"price_pipeline: pipe={pipe!r} must be a jaxpar.auto.pricing.PipelineShape(stages=..., "
+                        "microbatches=..., layers=..., activation_bytes=...)")
     flags = analyse(graph) if flags is None else flags
-    p, m, v = stages, microbatches, virtual_stages
+    p, m, v = pipe.stages, pipe.microbatches, pipe.virtual_stages
+    layers, schedule, axis = pipe.layers, pipe.schedule, pipe.axis
     stacked = stacked_params(graph, layers)
     # the blocks: from the scan's first slice of a stacked parameter to the end of its body
     starts = [i for i, op in enumerate(graph.ops) if op.prim == "copy" and op.get("scan") == "xs"
@@ -194,7 +219,7 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     pipe_s = float(cost[program.code[:, :, OP]].max(axis=1).sum())
     batch_class = graph.tensors[graph.batch[0][1]].classes[0] if graph.batch else -1
     split = math.prod(sizes[a] for a in axes[batch_class]) if batch_class >= 0 else 1
-    x = activation_bytes / split
+    x = pipe.activation_bytes / split
     bw = params.bandwidth.get(axis, params.default_bandwidth)
     # one ppermute per step and channel between stages (a V sends both ways; its turn is local)
     sends = sum(c != "self" for c in program.sends_x + program.sends_g)

@@ -127,7 +127,7 @@ def config_of(args, devices):
 def resolve_job(args, logging=None):
     """``(JobConfig, devices)`` of the flags; a mistake in them raises `UserError` (exit 2).
     ``logging``: the job's `jaxpar.job.config.LoggingSection` (``jaxpar train``'s watch flags)."""
-    from jaxpar.job.example import example_job
+    from jaxpar.job.example import ExampleModel, example_job
 
     try:
         devices = devices_of(args)
@@ -137,8 +137,9 @@ def resolve_job(args, logging=None):
         if args.embed % args.heads:
             refuse(f"--embed {args.embed} is not divisible by --heads {args.heads}; use an embed that is a "
                    f"multiple of the heads, e.g. --embed {args.heads * max(1, args.embed // args.heads)}")
-        job = example_job(config, layers=args.layers, embed=args.embed, heads=args.heads, seq_len=args.seq_len or 32,
-                          scan=args.scan, batch=args.batch or DEFAULT_BATCH, steps=getattr(args, "steps", 1),
+        model = ExampleModel(layers=args.layers, embed=args.embed, heads=args.heads, seq_len=args.seq_len or 32,
+                             scan=args.scan)
+        job = example_job(config, model, batch=args.batch or DEFAULT_BATCH, steps=getattr(args, "steps", 1),
                           lr=getattr(args, "lr", 3e-3), seed=getattr(args, "seed", 0), logging=logging)
     except JOB_ERRORS as e:
         raise UserError(str(e)) from e

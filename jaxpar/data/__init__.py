@@ -7,18 +7,19 @@ of several processes (``jaxpar/data/processes.py``: checked against the batch sh
 devices hold, never against the devices of the whole mesh). A ``TrainPlan`` holds it
 (``plan.batch_layout``); the functions below are its functional forms.
 
-Token datasets: `TokenStore` (``prepare``, ``verify_store``), `TokenLoader`, tokenizers.
+Token datasets: `TokenStore` (``prepare``, ``verify_store``), `TokenLoader` (``LoaderProcess``:
+whose rows it reads), tokenizers.
 """
 
 from jaxpar.data.layout import (BatchLayout, batch_axes, batch_shardings, batch_specs, check_rows, leaf_spec,
                                 part_shapes, place_batch, process_view, split_rows, step_parts)
 from jaxpar.data.processes import ProcessShards, check_process_rows, mesh_process_shards, process_shards
 # Token datasets (after the batch layout, which jaxpar.plan imports without them).
-from jaxpar.data.loader import TokenLoader  # noqa: E402
+from jaxpar.data.loader import LoaderProcess, TokenLoader  # noqa: E402
 from jaxpar.data.store import ShardDamage, TokenStore, prepare, verify_store  # noqa: E402
 from jaxpar.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, train_tokenizer  # noqa: E402
 
-__all__ = ["BatchLayout", "ByteTokenizer", "HFTokenizer", "ProcessShards", "ShardDamage", "TokenLoader", "TokenStore",
-           "batch_axes", "batch_shardings", "batch_specs", "check_process_rows", "check_rows", "leaf_spec",
-           "load_tokenizer", "mesh_process_shards", "part_shapes", "place_batch", "prepare", "process_shards",
-           "process_view", "split_rows", "step_parts", "train_tokenizer", "verify_store"]
+__all__ = ["BatchLayout", "ByteTokenizer", "HFTokenizer", "LoaderProcess", "ProcessShards", "ShardDamage",
+           "TokenLoader", "TokenStore", "batch_axes", "batch_shardings", "batch_specs", "check_process_rows",
+           "check_rows", "leaf_spec", "load_tokenizer", "mesh_process_shards", "part_shapes", "place_batch", "prepare",
+           "process_shards", "process_view", "split_rows", "step_parts", "train_tokenizer", "verify_store"]

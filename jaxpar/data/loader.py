@@ -31,6 +31,8 @@ devices resumes on 2 x 4 (or any other split) with exactly the same global batch
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import queue
 import threading
@@ -39,10 +41,66 @@ from typing import Any
 import numpy as np
 
 from jaxpar.data.store import ShardDamage, TokenStore
+from jaxpar.deprecation import FormerForm, accepts_former_form, former_signature
 from jaxpar.distributed import process_rows
 
 KIND = "jaxpar.TokenLoader"
 _FIXED = ("dataset", "seed", "seq_len", "global_batch", "packing", "shuffle")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoaderProcess:
+    """Whose rows of each global batch a `TokenLoader` reads: process ``index`` of ``count``
+    (each None: this process of the job, ``jax.process_index()`` / ``jax.process_count()``).
+    Process ``index`` reads the contiguous block ``[index * rows, (index + 1) * rows)``,
+    ``rows = global_batch // count`` (`jaxpar.distributed.process_rows`).
+
+    >>> LoaderProcess(index=1, count=2).rows(8)
+    slice(4, 8, None)
+    """
+
+    index: int | None = None
+    count: int | None = None
+
+    def __post_init__(self):
+        for name, value, low in (("index", self.index, 0), ("count", self.count, 1)):
+            if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_))
+                                      or value < low):
+                raise ValueError(f"LoaderProcess: {name}={value!r} must be an int >= {low}, or None for this "
+                                 "process of the job")
+        if self.index is not None and self.count is not None and self.index >= self.count:
+            raise ValueError(f"LoaderProcess: index={self.index} must be in 0..{self.count - 1} (count={self.count})")
+
+    def rows(self, global_batch: int) -> slice:
+        """This process's rows of a global batch of ``global_batch`` rows."""
+        return process_rows(global_batch, None if self.index is None else int(self.index),
+                            None if self.count is None else int(self.count))
+
+
+def _former_call(arguments: dict) -> tuple[tuple, dict]:
+    """``TokenLoader(..., process_index=i, process_count=n)`` → ``process=LoaderProcess(i, n)``."""
+    self, store = arguments.pop("self"), arguments.pop("store")
+    index, count = arguments.pop("process_index"), arguments.pop("process_count")
+    return (self, store), {**arguments, "process": LoaderProcess(index=index, count=count)}
+
+
+class _InitSignature(inspect.Signature):
+    """An ``__init__``'s signature, shown as the class is called: without ``self``."""
+
+    def __str__(self) -> str:
+        return str(inspect.Signature(list(self.parameters.values())[1:]))
+
+
+# 0.1.0's TokenLoader took the process as two keywords; they warn through the next release
+_FORMER = FormerForm(
+    owner="TokenLoader",
+    signature=_InitSignature(former_signature("self store", {
+        "*": None, "seq_len": dataclasses.MISSING, "global_batch": dataclasses.MISSING, "seed": 0,
+        "packing": "packed", "shuffle": True, "tokenizer": None, "model_config": None, "prefetch": 2,
+        "process_index": None, "process_count": None}).parameters.values()),
+    is_former=lambda args, kwargs: "process_index" in kwargs or "process_count" in kwargs,
+    convert=_former_call,
+    instead="TokenLoader(store, ..., process=jaxpar.data.LoaderProcess(index=..., count=...))")
 
 
 class TokenLoader:
@@ -58,16 +116,19 @@ class TokenLoader:
       model_config: if given (e.g. a ``LlamaConfig``), ``seq_len`` must be at most its
         ``max_seq_len`` and the store's vocabulary at most its ``vocab_size``.
       prefetch: batches prepared ahead in a background thread (0: none).
-      process_index, process_count: whose rows to read (default: this process of the job).
+      process: whose rows to read, a `LoaderProcess` (default: this process of the job).
+        ``process_index=i, process_count=n`` (0.1.0) still work through the next release,
+        with a ``DeprecationWarning``: they are ``process=LoaderProcess(index=i, count=n)``.
 
     Iterating yields this process's rows of global batch 0, 1, ...; ``state()`` is the
     position as a JSON-able dict (what ``Trainer.fit`` stores in ``TrainState.data``) and
     ``restore(state)`` goes back to it.
     """
 
+    @accepts_former_form(_FORMER)
     def __init__(self, store: TokenStore | str, *, seq_len: int, global_batch: int, seed: int = 0,
                  packing: str = "packed", shuffle: bool = True, tokenizer: Any = None, model_config: Any = None,
-                 prefetch: int = 2, process_index: int | None = None, process_count: int | None = None):
+                 prefetch: int = 2, process: LoaderProcess | None = None):
         if not isinstance(store, (TokenStore, str, os.PathLike)):
             raise TypeError(f"TokenLoader: store={store!r} must be a TokenStore or the path of one (the directory "
                             "'jaxpar data prepare --out' wrote)")
@@ -80,9 +141,12 @@ class TokenLoader:
                              "segment_ids apart) or 'padded' (a document per row)")
         if not isinstance(shuffle, (bool, np.bool_)):
             raise TypeError(f"TokenLoader: shuffle={shuffle!r} must be True or False")
+        if process is not None and not isinstance(process, LoaderProcess):
+            raise TypeError(f"TokenLoader: process={process!r} must be a jaxpar.data.LoaderProcess(index=..., "
+                            "count=...), or None for this process of the job")
         self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
         self.packing, self.shuffle, self.prefetch = packing, bool(shuffle), prefetch
-        self.rows = process_rows(global_batch, process_index, process_count)
+        self.rows = (process or LoaderProcess()).rows(global_batch)
         if tokenizer is not None:
             self.store.check_tokenizer(tokenizer)
         if model_config is not None:

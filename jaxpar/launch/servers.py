@@ -87,6 +87,32 @@ def job_token(env: Mapping[str, str], several_nodes: bool) -> str:
     return secrets.token_hex(16)
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerSpec:
+    """How the job's servers are started (the contract in the module docstring): ``count``
+    servers ``python -m <module>`` bound to ``host`` at ``ports`` (None: free ones found on this
+    host), saving into ``checkpoint_dir``, with ``extra_args`` after the contract's flags.
+
+    Example:
+        >>> spec = ServerSpec(count=2, module="jaxpar.ps.server", host="127.0.0.1", ports=[9000, 9001],
+        ...                   checkpoint_dir="ckpt")
+        >>> spec.command(1, "127.0.0.1:9001")[3:]
+        ['jaxpar.ps.server', '--index', '1', '--count', '2', '--bind', '127.0.0.1:9001', '--checkpoint-dir', 'ckpt']
+    """
+
+    count: int
+    module: str
+    host: str
+    ports: list[int] | None
+    checkpoint_dir: str
+    extra_args: tuple[str, ...] = ()
+
+    def command(self, index: int, address: str) -> list[str]:
+        """Server ``index``'s command line, bound to ``address``."""
+        return [sys.executable, "-u", "-m", self.module, "--index", str(index), "--count", str(self.count),
+                "--bind", address, "--checkpoint-dir", self.checkpoint_dir, *self.extra_args]
+
+
 class _ServerProcess(Worker):
     """A server process whose output goes straight into its log file: no pipe and no copying
     thread (the launcher forks workers, and restarted servers, while it runs), and the ready
@@ -134,28 +160,26 @@ class _Server:
 class ServerPool:
     """The job's servers: start them, wait until they serve, restart the dead, stop them all.
 
+    ``spec``: how the servers are started (`ServerSpec`); ``log_dir``: where each writes its
+    log; ``restarts``: the restarts a server may use; ``token``: the job's token;
+    ``base_env``: the servers' environment (the token added); ``log``: the launcher's log.
+
     Example:
-        >>> pool = ServerPool(count=2, module="jaxpar.ps.server", host="127.0.0.1",
-        ...                   ports=[9000, 9001], checkpoint_dir="ckpt", log_dir="logs",
-        ...                   restarts=3, token="t", base_env={}, log=print)
+        >>> spec = ServerSpec(count=2, module="jaxpar.ps.server", host="127.0.0.1", ports=[9000, 9001],
+        ...                   checkpoint_dir="ckpt")
+        >>> pool = ServerPool(spec, log_dir="logs", restarts=3, token="t", base_env={}, log=print)
         >>> pool.worker_env()[ADDRESSES]
         '127.0.0.1:9000,127.0.0.1:9001'
     """
 
-    def __init__(self, *, count: int, module: str, host: str, ports: list[int] | None,
-                 checkpoint_dir: str, log_dir: str, restarts: int, token: str,
-                 base_env: Mapping[str, str], log: Callable[[str], None],
-                 extra_args: tuple[str, ...] = ()):
-        ports = ports if ports is not None else [free_port() for _ in range(count)]
-        self.addresses = server_addresses(host, ports)
+    def __init__(self, spec: ServerSpec, *, log_dir: str, restarts: int, token: str, base_env: Mapping[str, str],
+                 log: Callable[[str], None]):
+        ports = spec.ports if spec.ports is not None else [free_port() for _ in range(spec.count)]
+        self.spec, self.addresses = spec, server_addresses(spec.host, ports)
         self.token, self.restarts, self._log = token, restarts, log
         env = {**base_env, TOKEN: token, "PYTHONUNBUFFERED": "1"}
-        self.servers = [
-            _Server(i, [sys.executable, "-u", "-m", module, "--index", str(i), "--count",
-                        str(count), "--bind", address, "--checkpoint-dir", checkpoint_dir,
-                        *extra_args],
-                    env, os.path.join(log_dir, f"server_{i}.log"), address)
-            for i, address in enumerate(self.addresses)]
+        self.servers = [_Server(i, spec.command(i, address), env, os.path.join(log_dir, f"server_{i}.log"), address)
+                        for i, address in enumerate(self.addresses)]
 
     def worker_env(self) -> dict[str, str]:
         """What every worker gets to find and talk to the servers."""
@@ -327,10 +351,11 @@ def pool_for(config: LaunchConfig, environ: Mapping[str, str], log: Callable[[st
             sources.PROCESS_ID, sources.LOCAL_PROCESS_ID, sources.LOCAL_DEVICE_IDS}
     base = {k: v for k, v in environ.items() if k not in drop}
     base["JAX_PLATFORMS"] = "cpu"
-    pool = ServerPool(
+    spec = ServerSpec(
         count=config.servers, module=config.server_module, host=config.master_addr, ports=ports,
         checkpoint_dir=config.server_checkpoint_dir or os.path.join(config.log_dir, "ps_checkpoints"),
-        log_dir=config.log_dir, restarts=config.server_restarts, token=token, base_env=base, log=log,
         extra_args=(() if config.server_checkpoint_every is None
                     else ("--checkpoint-every", str(config.server_checkpoint_every))))
+    pool = ServerPool(spec, log_dir=config.log_dir, restarts=config.server_restarts, token=token, base_env=base,
+                      log=log)
     return pool, pool.worker_env()

@@ -25,10 +25,11 @@ def digest(batch) -> str:
 TRAIN_BATCH = 8      # global rows of a training batch: 4 a process on 2 processes
 
 
-def train(store, steps, **where):
+def train(store, steps, process=None):
     """``(losses, eval loss)``: ``steps`` adamw steps of the tiny Llama, mode data on
-    ``{"data": 8}``, through ``Trainer.fit`` on a ``TokenLoader`` (``where``: whose rows it
-    reads, by default this process's), then ``evaluate`` on a loader of other batches."""
+    ``{"data": 8}``, through ``Trainer.fit`` on a ``TokenLoader`` (``process``: whose rows it
+    reads, a ``LoaderProcess``; by default this process's), then ``evaluate`` on a loader of
+    other batches."""
     import optax
     from flax import nnx
 
@@ -41,9 +42,9 @@ def train(store, steps, **where):
     mesh = jaxpar.make_mesh(config)
     trainer = jaxpar.Trainer(jaxpar.init(lambda: Llama(cfg, rngs=nnx.Rngs(0)), config, mesh), optax.adamw(3e-3),
                              loss_fn, config, mesh)
-    loader = TokenLoader(store, seq_len=16, global_batch=TRAIN_BATCH, seed=7, model_config=cfg, **where)
+    loader = TokenLoader(store, seq_len=16, global_batch=TRAIN_BATCH, seed=7, model_config=cfg, process=process)
     losses = [h["loss"] for h in trainer.fit(loader, steps, progress=False)]
-    held_out = TokenLoader(store, seq_len=16, global_batch=TRAIN_BATCH, seed=8, model_config=cfg, **where)
+    held_out = TokenLoader(store, seq_len=16, global_batch=TRAIN_BATCH, seed=8, model_config=cfg, process=process)
     return losses, trainer.evaluate(held_out, steps=2)
 
 
