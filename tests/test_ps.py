@@ -587,3 +587,23 @@ def test_a_damaged_log_record_is_named_and_the_server_exits_2(tmp_path):
     run = subprocess.run([sys.executable, "-m", "jaxpar.ps.server", "--index", "0", "--count", "1",
                           "--checkpoint-dir", str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "Traceback" not in run.stderr and "record 0 at byte 16 is damaged" in run.stderr
+
+
+def test_server_rows_refuses_process_layouts_its_blocks_do_not_follow():
+    """Several processes: process p's rows are block p of the rows array over batch_axis, so a
+    mesh whose devices are not in process order along that axis is refused by name (it used to
+    place rows where another process's indices pointed, or divide by zero)."""
+    from jaxpar.ps.worker import check_process_blocks
+
+    check_process_blocks(np.arange(8).reshape(8, 1) // 2, ("data", "model"), "data", 4)        # 4 x 2, in order
+    check_process_blocks(np.array([[0, 0, 1, 1], [0, 0, 1, 1]]), ("model", "data"), "data", 2)
+    grid = np.array([[0, 0, 1, 1], [2, 2, 3, 3]])      # {"model": 2, "data": 4}, 4 processes of 2 devices
+    with pytest.raises(ValueError, match=r"position 0 of 'data' is driven by process\(es\) \[0, 2\], but process 0's"):
+        check_process_blocks(grid, ("model", "data"), "data", 4)
+    with pytest.raises(ValueError, match=r"mesh \{'model': 2, 'data': 4\}, batch_axis='model' has 2 positions, "
+                                         r"not a multiple of the 4 processes"):
+        check_process_blocks(grid, ("model", "data"), "model", 4)
+    with pytest.raises(ValueError, match=r"batch_axis='batch' is not an axis of the mesh \('model', 'data'\)"):
+        check_process_blocks(grid, ("model", "data"), "batch", 4)
+    with pytest.raises(ValueError, match=r"position 1 of 'data' is driven by process\(es\) \[1\], but process 0's"):
+        check_process_blocks(np.array([[0, 1, 0, 1]]), ("model", "data"), "data", 2)

@@ -88,6 +88,37 @@ def lookup(batch: Mapping[str, Any], fields: Mapping[str, str]) -> Lookup:
     return Lookup(unique, index)
 
 
+def check_process_blocks(grid, axis_names, batch_axis: str, processes: int) -> None:
+    """`ServerRows` in a job of several processes puts process ``p``'s rows at block ``p`` of a
+    global rows array split over ``batch_axis``: the devices process ``p`` drives (``grid``: the
+    driving process of each of the mesh's devices, shaped like it) must sit at positions
+    ``p * k ... (p + 1) * k - 1`` of that axis, ``k = axis size / processes``, and no other
+    process's devices there. Anything else is refused here, naming the layout.
+
+    >>> check_process_blocks(np.array([[0, 0, 1, 1]]), ("model", "data"), "data", 2)   # passes
+    """
+    names = tuple(axis_names)
+    grid = np.asarray(grid)
+    fix = (f"give batch_axis= the mesh axis the batch is split over, with the processes in order along it and "
+           f"each process's devices together on it (e.g. jaxpar.make_mesh(ParallelConfig(mesh={{'data': -1}})), or "
+           f"the data axis first in the mesh)")
+    if batch_axis not in names:
+        raise ValueError(f"ServerRows: batch_axis={batch_axis!r} is not an axis of the mesh {names}; {fix}")
+    size = grid.shape[names.index(batch_axis)]
+    where = f"mesh {dict(zip(names, grid.shape))}, batch_axis={batch_axis!r}"
+    if size % processes:
+        raise ValueError(f"ServerRows: {where} has {size} positions, not a multiple of the {processes} processes "
+                         f"(each process's rows are a block of the axis); {fix}")
+    k = size // processes
+    along = np.moveaxis(grid, names.index(batch_axis), 0).reshape(size, -1)
+    for position in range(size):
+        held = sorted(set(along[position].tolist()))
+        if held != [position // k]:
+            raise ValueError(f"ServerRows: in {where}, position {position} of {batch_axis!r} is driven by "
+                             f"process(es) {held}, but process {position // k}'s rows go there (block {position // k} "
+                             f"of {k} positions); {fix}")
+
+
 class ServerRows:
     """Tables on parameter servers as the row source of a `jaxpar.Trainer`.
 
@@ -127,6 +158,9 @@ class ServerRows:
                              "each process's rows are its block of one global rows array over it")
         self.client, self.fields, self.buckets = client, dict(fields), buckets
         self.mesh, self.batch_axis = mesh, batch_axis or (mesh.axis_names[0] if mesh is not None else None)
+        if self.processes > 1:
+            grid = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+            check_process_blocks(grid, mesh.axis_names, self.batch_axis, self.processes)
         self.step = client.next_step()
         self.timings = {"pull_wait_s": 0.0, "prefetched": 0}
         self._prefetched = None         # (batch, future of its pull) from `prefetching`
