@@ -14,14 +14,8 @@ of the per-round ratios to the hand-written step (p10-p90 beside it). The cases 
 
 - ``1b`` Llama-3.2-1B shape, unscanned and scanned, without and with recompute
   (``dots_with_no_batch_dims_saveable`` on each block), and at 8k tokens;
-- ``125m``, and the same under each offload mode
-  (``Trainer(placement=jaxpar.Placement(offload="opt_state"|"params"))``,
-  ``ParallelConfig(remat="offload_dots")``) against the plain hand-written step, and
-  ``offload="opt_state"`` with 4 micro-batches a step (``grad_accum=4``) against the same without
-  offload; each offload row against its case's jaxpar row without offload: time ratio, bytes kept
-  on the host, compiled peak saved, and whether it pays (`offload_costs`). The modes jaxpar refuses
-  on a GPU are built with the refusal lifted (`refusal_lifted`) so that they can be measured again;
-- an MoE 125m (8 experts, top-2) and its ratio of tokens/s to its dense twin;
+- ``125m``, the dense twin of an MoE 125m (8 experts, top-2), and the MoE's ratio of tokens/s
+  to it;
 - ``tiny`` on one device, host-bound: what the Trainer's per-step host path costs;
 - ``jaxpar.init`` against eager Flax init (``Llama(cfg, rngs=...)``) of the 1b model;
 - with ``torch`` and ``transformers`` importable, Hugging Face ``LlamaForCausalLM`` of the 1b
@@ -47,7 +41,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
@@ -68,6 +61,7 @@ from jaxpar.models.llama import Llama, LlamaConfig, flops_per_token, loss_fn  # 
 from jaxpar.report import memory, throughput  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+DENSE_TWIN = "125m-shape"       # the MoE case's dense twin (`derive` looks it up by this name)
 REMAT = "dots_with_no_batch_dims_saveable"
 GIB = 2.0**30
 
@@ -134,24 +128,19 @@ class HandStep:
 
 
 class JaxparStep:
-    """``jaxpar.Trainer`` of the same model; ``options``: ``offload``, ``model`` (fields of the
-    model's config that differ from the hand-written step's, e.g. ``loss_chunks``) and
-    ParallelConfig fields."""
+    """``jaxpar.Trainer`` of the same model; ``options``: ``model`` (fields of the model's config
+    that differ from the hand-written step's, e.g. ``loss_chunks``) and ParallelConfig fields."""
 
     def __init__(self, label: str, cfg: LlamaConfig, devices, remat: str, options: dict):
         self.label = label
         options = dict(options)
-        offload = options.pop("offload", ())
-        lift = options.pop("measure_refused", False)
         cfg = dataclasses.replace(cfg, **options.pop("model", {}))
         config = jaxpar.ParallelConfig(**{"mesh": {"data": -1}, "precision": "bf16", "remat": remat, **options})
         mesh = jaxpar.make_mesh(config, devices)
         # the constraint a model built for the config holds: MoE layers route each device's tokens
         constrain = jaxpar.nn.model_constraint(mesh, config)
         model = jaxpar.init(lambda: Llama(cfg, rngs=nnx.Rngs(0), constrain=constrain), config, mesh)
-        with refusal_lifted(lift):
-            self.trainer = jaxpar.Trainer(model, make_tx(), loss_fn, config, mesh,
-                                          placement=jaxpar.Placement(offload=offload))
+        self.trainer = jaxpar.Trainer(model, make_tx(), loss_fn, config, mesh)
 
     def step(self, batch):
         return self.trainer.step(batch)
@@ -160,32 +149,6 @@ class JaxparStep:
 
     def compiled_bytes(self, batch) -> int:
         return memory(self.trainer.lower(batch).compile()).total
-
-    def host_bytes(self) -> int:
-        """Bytes per device of the state kept in ``pinned_host`` memory between steps: what an
-        offload mode moves in and out once per step (read from the placed arrays)."""
-        state = (self.trainer.params, self.trainer.opt_state)
-        return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(state)
-                   if x.sharding.memory_kind == "pinned_host")
-
-
-@contextlib.contextmanager
-def refusal_lifted(lift: bool):
-    """With ``lift``, build a Trainer jaxpar refuses on this backend: the offload modes on a GPU
-    are refused because this benchmark measured them not to pay; measuring them again (after a
-    change to how they run) needs the refusal out of the way, here and nowhere else."""
-    if not lift:
-        yield
-        return
-    from jaxpar.optim import offload   # the plan's checks call offload.unpaid_on
-
-    refuse = offload.unpaid_on
-    offload.unpaid_on = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        offload.unpaid_on = refuse
-
 
 class HFStep:
     """Hugging Face ``LlamaForCausalLM`` of the same shape: fp32 weights, bf16 autocast, SDPA
@@ -287,29 +250,10 @@ def cases(mode: str) -> list[Case]:
     # on a CPU "auto" is XLA's already
     kernels = (("jaxpar", {}),) + ((("jaxpar, XLA ragged_dot", {"model": {"moe": {**moe, "kernel": "xla"}}}),)
                                    if mode == "gpu" else ())
-    # refused on a GPU (measured not to pay): lifted here to measure them again (`refusal_lifted`)
-    lift = {"measure_refused": True}
-    offload = (("jaxpar", {}), ("jaxpar offload opt_state", {"offload": "opt_state", **lift}),
-               ("jaxpar offload params", {"offload": "params", **lift}),
-               ("jaxpar remat offload_dots", {"remat": "offload_dots", **lift}))
-    # stacked layers: offload="params" streams them into device memory one layer at a time
-    # inside the layer loop (jaxpar.nn.stream), with and without the optimizer state offloaded
-    streamed = (("jaxpar", {}), ("jaxpar offload params (streamed)", {"offload": "params", **lift}),
-                ("jaxpar offload params+opt_state (streamed)", {"offload": ("params", "opt_state"), **lift}))
-    # the state's round trip is paid once per step: with 4 micro-batches a step it is a quarter
-    accum = (("jaxpar, grad_accum 4", {"grad_accum": 4}),
-             ("jaxpar offload opt_state, grad_accum 4", {"grad_accum": 4, "offload": "opt_state", **lift}))
     return [
         Case("1b-shape", big, seq, batch, variants=chunked),
-        # offload at the shape it is for: the 1b state is 13 GiB of the step's 50
-        Case("1b-shape: offload modes", big, seq, batch, variants=offload),
-        Case("125m-shape: offload modes", mid, seq, mid_batch, variants=offload),   # also the MoE's dense twin
+        Case(DENSE_TWIN, mid, seq, mid_batch),
         Case("125m-shape MoE 8 x top-2", dataclasses.replace(mid, moe=moe), seq, mid_batch, variants=kernels),
-        # 4 micro-batches of 2 rows: the hand-written step takes the 8 rows at once
-        Case("1b-shape, 4 micro-batches: offload", big, seq, max(batch, 4), variants=accum),
-        Case("125m-shape scanned: parameters streamed", dataclasses.replace(mid, scan_layers=True), seq, mid_batch,
-             variants=streamed),
-        Case("125m-shape, 4 micro-batches: offload", mid, seq, 4 * mid_batch, variants=accum),
         Case("tiny host-bound, 1 device", tiny, tiny_seq, 8, one_device=True),
         Case("jaxpar.init, 1b-shape", big, seq, batch, init=True),
         Case("1b-shape scanned, recompute", dataclasses.replace(big, scan_layers=True), seq, batch, remat=REMAT),
@@ -407,8 +351,7 @@ def measure(case: Case, run, times: list[float], hand: list[float], tokens: int,
     t = throughput(flops_per_token=flops_per_token(case.cfg, case.seq), tokens_per_step=tokens, step_time_s=step_s,
                    num_devices=n, dtype="bfloat16", peak_flops=peak)
     ratios = np.array(times) / np.array(hand)
-    moved = run.host_bytes() if isinstance(run, JaxparStep) else 0
-    return row_for(case, run.label, ms_per_step=1e3 * step_s, host_gib=moved / GIB, tokens_per_s=tokens / step_s,
+    return row_for(case, run.label, ms_per_step=1e3 * step_s, tokens_per_s=tokens / step_s,
                    mfu=t.mfu, mfu_text=t.mfu_text, compiled_gib=run.compiled_bytes(batch) / GIB,
                    memory_source="torch.cuda.max_memory_allocated" if isinstance(run, HFStep) else "compiled step",
                    ratio_to_hand=float(np.median(ratios)),
@@ -456,34 +399,13 @@ def moe_experts(row: dict, dense: dict, case: Case) -> None:
     row["memory_within_bound"] = row["compiled_gib"] <= row["memory_bound_gib"]
 
 
-def offload_costs(row: dict, base: dict) -> None:
-    """An offload row against the jaxpar row of its case without offload: the step's ratio (the
-    median of the per-round ratios: they ran in turns), the bytes kept on the host between steps,
-    the compiled peak saved, and whether the mode pays by issue #30's rule: the peak lower by at
-    least 80 % of the bytes moved at no more than 1.25x the step (activations, whose bytes moved
-    the compiled program does not tell: a peak lower by over 1 % at no more than 1.3x)."""
-    ratio = float(np.median(np.array(row["step_times_ms"]) / np.array(base["step_times_ms"])))
-    saved = base["compiled_gib"] - row["compiled_gib"]
-    row.update(ratio_to_jaxpar=ratio, peak_saved_gib=saved)
-    if row["host_gib"]:
-        row["saved_over_moved"] = saved / row["host_gib"]
-        row["pays"] = bool(saved >= 0.8 * row["host_gib"] and ratio <= 1.25)
-    else:   # lower: by more than 1 % of the peak, not by noise
-        row["pays"] = bool(saved > 0.01 * base["compiled_gib"] and ratio <= 1.3)
-
-
 def derive(rows: list[dict], mode: str) -> list[dict]:
-    """The figures that compare rows: MoE against its dense twin, offload against no offload."""
+    """The figures that compare rows: MoE against its dense twin."""
     measured = [r for r in rows if r["status"] == "measured" and "ms_per_step" in r]
-    dense = next((r for r in measured if r["case"].startswith("125m-shape:") and r["entry"] == "jaxpar"), None)
+    dense = next((r for r in measured if r["case"] == DENSE_TWIN and r["entry"] == "jaxpar"), None)
     for r in measured:
         if "MoE" in r["case"] and dense is not None:
             moe_experts(r, dense, next(c for c in cases(mode) if c.name == r["case"]))
-        if "offload" in r["entry"]:
-            base = next((b for b in measured if b["case"] == r["case"] and b["entry"].startswith("jaxpar")
-                         and "offload" not in b["entry"]), None)
-            if base is not None:
-                offload_costs(r, base)
     return rows
 
 
@@ -533,11 +455,7 @@ def print_table(rows: list[dict], meta: dict) -> None:
 
 
 def twin_text(r: dict) -> str:
-    """The comparison `derive` made for a row: offload against no offload, MoE against dense."""
-    if "ratio_to_jaxpar" in r:
-        moved = f" of {r['host_gib']:.2f} moved" if r["host_gib"] else ""
-        return (f"x{r['ratio_to_jaxpar']:.2f} time, {r['peak_saved_gib']:.2f} GiB saved{moved}: "
-                f"{'pays' if r['pays'] else 'does not pay'}")
+    """The comparison `derive` made for a row: MoE against dense."""
     if "efficiency_over_dense" in r:
         return (f"{r['efficiency_over_dense']:.2f} of dense per active FLOP; memory "
                 f"{'within' if r['memory_within_bound'] else 'over'} {r['memory_bound_gib']:.1f} GiB")

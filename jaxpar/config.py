@@ -19,7 +19,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
-from jaxpar.deprecation import RenamedAttribute, renamed_keywords
+from jaxpar.deprecation import RenamedAttribute, check_policy, renamed_keywords
 from jaxpar.precision import Precision, as_precision
 from jaxpar.strategy.layout import Layout, LayoutSpec
 
@@ -35,7 +35,6 @@ REMAT_POLICIES = (
     "everything_saveable",
     "save_collectives",
     "everything_except_collectives",
-    "offload_dots",
 )
 FUSION_MODES = ("size", "auto")
 CONTEXT_STRATEGIES = ("all_gather", "ring", "ulysses", "hybrid")
@@ -357,6 +356,7 @@ class ParallelConfig:
         setf("pipeline", _sub(PipelineConfig, self.pipeline, "pipeline"))
         if not isinstance(self.grad_accum, int) or isinstance(self.grad_accum, bool) or self.grad_accum < 1:
             raise _fail("grad_accum", self.grad_accum, "use a positive int")
+        check_policy(self.remat, f"ParallelConfig(remat={self.remat!r})")   # offload_dots: removed with offload
         if self.remat not in REMAT_POLICIES:
             raise _fail("remat", self.remat, f"choose one of {REMAT_POLICIES}")
         if self.comm_fusion is not None:

@@ -7,7 +7,8 @@ removed since (``CHANGELOG.md`` lists the same with their migrations):
 * `Renamed` — a faithful replacement exists: the former name still works and warns once per
   use site (``DeprecationWarning``, shown by default in ``__main__`` and under pytest);
 * `Removed` — nothing behaves as the former name did: using it raises ``AttributeError``
-  (a module attribute), ``ModuleNotFoundError`` (a module) or ``TypeError`` (a keyword),
+  (a module attribute), ``ModuleNotFoundError`` (a module) or ``TypeError`` (a keyword; a
+  ``ValueError`` for the removed host offload, `OFFLOAD`, whose settings were values),
   naming the replacement and the doc page.
 
 A package or module hands its unknown attribute names to `former_attribute` (its module
@@ -72,6 +73,39 @@ def removed_message(old: str, entry: Removed) -> str:
     return f"{old} was removed after jaxpar {SINCE}: {entry.instead} (see {entry.doc} and {CHANGELOG})"
 
 
+def refusal(what: str, entry: Removed) -> str:
+    """A removed setting refused where it is given: ``what`` (``"Placement(offload='params')"``),
+    then what to use instead and the page."""
+    return f"{what}: {entry.instead} (see {entry.doc} and {CHANGELOG})"
+
+
+# ------------------------------------------------------------------ host offload (removed)
+# Issue #42: a mode stays when it lowers the peak by >= 80 % of the bytes it moves at <= 1.25x the
+# step. Measured on one H200 (jax 0.11.2; benchmarks/results/gpu_nvidia_h200*.json) none did.
+OFFLOAD = Removed(
+    "host offload was removed in this release because it did not pay on a GPU (one H200, Llama-1B shape, "
+    "8 x 2048 tokens: offload='opt_state' made the step 2.17x slower, offload='params' 1.42x with no lower "
+    "peak, remat='offload_dots' 1.88x); to lower device memory use ZeRO-3 parameter sharding "
+    "(ParallelConfig(optimizer={'level': 3})), recompute (ParallelConfig(remat='full') or "
+    "remat='dots_with_no_batch_dims_saveable'), gradient accumulation (ParallelConfig(grad_accum=4)) or "
+    "the model's chunked loss (LlamaConfig(loss_chunks=8), GPTConfig(loss_chunks=8))",
+    "docs/offload.md")
+# recompute policies that offloaded: ParallelConfig.remat, jaxpar.remat and the job search refuse them
+REMOVED_POLICIES: dict[str, Removed] = {"offload_dots": OFFLOAD}
+
+
+def offload_removed(what: str) -> ValueError:
+    """The ``ValueError`` that refuses a host-offload setting ``what`` (``"Placement(offload='params')"``)."""
+    return ValueError(refusal(what, OFFLOAD))
+
+
+def check_policy(name: Any, what: str) -> None:
+    """Refuse a recompute policy ``name`` that was removed (`REMOVED_POLICIES`); ``what`` says
+    where it was given (``"ParallelConfig(remat='offload_dots')"``)."""
+    if isinstance(name, str) and name in REMOVED_POLICIES:
+        raise ValueError(refusal(what, REMOVED_POLICIES[name]))
+
+
 def warn_renamed(old: str, entry: Renamed, stacklevel: int = 2) -> None:
     """The ``DeprecationWarning`` of a former name, pointed at ``stacklevel`` frames up."""
     warnings.warn(renamed_message(old, entry), DeprecationWarning, stacklevel=stacklevel + 1)
@@ -117,6 +151,8 @@ FORMER: dict[str, dict[str, Renamed | Removed]] = {
     "jaxpar.optim": {
         "ZeroPlan": Renamed("jaxpar.optim:ZeroSpecs"),
         "zero_plan": Renamed("jaxpar.optim:zero_specs"),
+        "on_host": OFFLOAD,
+        "to_device": OFFLOAD,
     },
     "jaxpar.ps": {
         "SparseTrainer": Removed("train with jaxpar.Trainer(..., rows=jaxpar.ps.ServerRows(client, fields)) (one "
@@ -160,6 +196,8 @@ MODULES: dict[str, Renamed | Removed] = {
     "jaxpar.data.cli": Removed(_CLI.format("data"), "docs/data_loading.md"),
     "jaxpar.launch.cli": Removed(_CLI.format("launch") + " or python -m jaxpar.launch", "docs/startup.md"),
     "jaxpar.metrics.cli": Removed(_CLI.format("train --metrics-dir DIR"), "docs/metrics.md"),
+    "jaxpar.optim.offload": OFFLOAD,
+    "jaxpar.nn.stream": OFFLOAD,      # parameters streamed layer by layer (offload="params"), never released
 }
 
 
@@ -168,7 +206,7 @@ MODULES: dict[str, Renamed | Removed] = {
 _SERVICE = "Trainer(services=jaxpar.Services({}))"
 _CHECKPOINT = _SERVICE.format("checkpoint=jaxpar.CheckpointConfig({}=...)")
 _PLACEMENT = "Trainer(placement=jaxpar.Placement({}=...))"
-KEYWORDS: dict[str, dict[str, Renamed]] = {
+KEYWORDS: dict[str, dict[str, Renamed | Removed]] = {
     "Trainer": {
         "checkpoint_dir": Renamed(_CHECKPOINT.format("dir")),
         "save_every": Renamed(_CHECKPOINT.format("save_every")),
@@ -179,7 +217,7 @@ KEYWORDS: dict[str, dict[str, Renamed]] = {
         "metrics": Renamed(_SERVICE.format("metrics=jaxpar.metrics.MetricsConfig(...)"),
                            "a loop over Trainer.step logs them too"),
         "profile_steps": Renamed(_SERVICE.format("metrics=..., profile=..."), "the window needs metrics"),
-        "offload": Renamed(_PLACEMENT.format("offload")),
+        "offload": OFFLOAD,          # refused with a ValueError, as Placement(offload=...) was
         "donate": Renamed(_PLACEMENT.format("donate")),
         "global_batch": Renamed(_PLACEMENT.format("global_batch")),
         "example_batch": Renamed("Trainer(plan=jaxpar.auto.plan_for(model, tx, loss_fn, config, mesh, "
@@ -232,11 +270,19 @@ class _FormerModule(types.ModuleType):
 class FormerModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds the former module paths of `MODULES` (last on ``sys.meta_path``: only a path that
     no longer exists reaches it): a renamed one imports with a warning and reads the new
-    module; a removed one raises ``ModuleNotFoundError`` naming what to use."""
+    module; a removed one raises ``ModuleNotFoundError`` naming what to use, as ``from package
+    import name`` of a removed name of `FORMER` raises ``ImportError`` (Python looks for it as a
+    submodule once the package's ``__getattr__`` refuses it)."""
 
     def find_spec(self, fullname, path=None, target=None):
         entry = MODULES.get(fullname)
         if entry is None:
+            # `from package import name` of a removed name: Python, not finding the attribute,
+            # looks for a submodule of that name; the refusal names what to use (not "cannot import")
+            package, _, name = fullname.rpartition(".")
+            removed = FORMER.get(package, {}).get(name)
+            if isinstance(removed, Removed):
+                raise ImportError(removed_message(f"{package}.{name}", removed), name=fullname)
             return None
         if isinstance(entry, Removed):
             raise ModuleNotFoundError(removed_message(f"module {fullname}", entry), name=fullname)
@@ -283,23 +329,25 @@ def renamed_keywords(owner: str, renames: Mapping[str, str]) -> Callable:
     return decorate
 
 
-def removed_keywords(owner: str, removed: Mapping[str, Callable[[Any], Removed]]) -> Callable:
-    """Class decorator: a keyword of ``removed`` raises ``TypeError`` naming what to use
-    (``removed[keyword](value)`` gives the `Removed` entry, so the fix can quote the value)."""
-    def decorate(cls: type) -> type:
-        init = cls.__init__
+def removed_keywords(owner: str, removed: Mapping[str, Callable[[Any], Removed]], *,
+                     error: type[Exception] = TypeError) -> Callable:
+    """Decorator for a function or class: a keyword of ``removed`` raises ``error`` naming what
+    to use (``removed[keyword](value)`` gives the `Removed` entry, so the fix can quote the
+    value). The signature shown stays the current one."""
+    def decorate(obj):
+        fn = obj.__init__ if isinstance(obj, type) else obj
 
-        @functools.wraps(init)
-        def __init__(self, *args, **kwargs):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
             for name, entry in removed.items():
                 if name in kwargs:
-                    found = entry(kwargs[name])
-                    raise TypeError(f"{owner}({name}={kwargs[name]!r}): {found.instead} (see {found.doc} and "
-                                    f"{CHANGELOG})")
-            init(self, *args, **kwargs)
+                    raise error(refusal(f"{owner}({name}={kwargs[name]!r})", entry(kwargs[name])))
+            return fn(*args, **kwargs)
 
-        cls.__init__ = __init__
-        return cls
+        if isinstance(obj, type):
+            obj.__init__ = wrapper
+            return obj
+        return wrapper
     return decorate
 
 

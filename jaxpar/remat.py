@@ -15,9 +15,10 @@ name                              saves
 ``"save_collectives"``            only results of collectives (psum, all_gather, ...):
                                   recompute compute, never communication
 ``"everything_except_collectives"``  everything but collective results (they are redone)
-``"offload_dots"``                matmul outputs (no batch dims), moved to host memory
-                                  (``pinned_host``) and brought back for the backward
 ================================  ===================================================
+
+``"offload_dots"`` (matmul outputs moved to host memory) was removed with host offload: it
+made the step 1.88x slower on a GPU (see ``docs/offload.md``); it is refused naming what to use.
 
 The collective policies see collectives that are explicit in the program (``shard_map``
 code, ``mode="hybrid"``, the ``jaxpar.ops`` operators); collectives that XLA inserts
@@ -45,6 +46,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxpar.deprecation import check_policy
+
 COLLECTIVES = frozenset({
     "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant", "all_to_all",
     "ppermute", "reduce_scatter", "psum_scatter", "ragged_all_to_all",
@@ -63,10 +66,6 @@ def _everything_except_collectives(prim, *_, **__) -> bool:
     return not _is_collective(prim)
 
 
-def _offload_dots():
-    return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
-
-
 _POLICIES: dict[str, Callable[[], Any]] = {
     "full": lambda: None,
     "nothing_saveable": lambda: jax.checkpoint_policies.nothing_saveable,
@@ -75,13 +74,13 @@ _POLICIES: dict[str, Callable[[], Any]] = {
     "dots_with_no_batch_dims_saveable": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_collectives": lambda: _save_collectives,
     "everything_except_collectives": lambda: _everything_except_collectives,
-    "offload_dots": _offload_dots,
 }
 POLICY_NAMES = ("none", *_POLICIES)
 
 
 def checkpoint_policy(name: str):
     """The ``jax.checkpoint`` policy for ``name`` (``None`` = save nothing, for ``"full"``)."""
+    check_policy(name, f"jaxpar.remat policy {name!r}")
     if name not in _POLICIES:
         raise ValueError(f"remat policy {name!r} is unknown; choose one of {POLICY_NAMES}")
     return _POLICIES[name]()
@@ -119,7 +118,7 @@ def remat(fn_or_module, policy: str = "full"):
 _CLASSES: dict[tuple[type, str], type] = {}
 
 
-def checkpointed_method(method: Callable, policy, *, prevent_cse: bool = True) -> Callable:
+def checkpointed_method(method: Callable, policy) -> Callable:
     """A ``__call__`` that runs ``method(self, *args, **kwargs)`` under ``nnx.remat`` with
     ``policy``: arrays (and pytrees of them) go through the checkpoint; other arguments (hooks,
     flags) are closed over as constants."""
@@ -131,7 +130,7 @@ def checkpointed_method(method: Callable, policy, *, prevent_cse: bool = True) -
             it = iter(data_args)
             return method(module, *[next(it) if d else a for a, d in zip(args, is_data)], **kwargs)
 
-        return nnx.remat(call, policy=policy, prevent_cse=prevent_cse)(self, *data)
+        return nnx.remat(call, policy=policy)(self, *data)
 
     return __call__
 

@@ -8,14 +8,11 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-import jaxpar
-from jaxpar.models.llama import MLP, Llama, LlamaConfig, loss_fn
-from jaxpar.nn.stream import stream_blocks
+from jaxpar.models.llama import MLP, LlamaConfig
 from jaxpar.ops import swiglu
 
 T, D, F, LAYERS = 4096, 256, 1024, 3
@@ -188,41 +185,11 @@ CFG = LlamaConfig.named("tiny", scan_layers=True, layers=3, mlp=96)     # mlp: n
 
 def test_an_enclosing_checkpoint_keeps_no_intermediate_of_silu():
     """A checkpoint's policy applies to the checkpoints nested in it; swiglu's backward keeps
-    its inputs whatever encloses it: of a Llama MLP under everything_saveable, and of the
-    stacked layers streamed from host memory (jaxpar.nn.stream, whose checkpoint saves
-    everything but the fetched weights), the [tokens, mlp] residuals are gate, up and their
-    product (the down projection's input, which the plain program keeps too), not silu's."""
+    its inputs whatever encloses it: of a Llama MLP under everything_saveable the [tokens, mlp]
+    residuals are gate, up and their product (the down projection's input, which the plain
+    program keeps too), not silu's."""
     graph, params = nnx.split(MLP(CFG, nnx.Rngs(0)))
     x = jnp.ones((2, 16, CFG.embed))
     mlp = jax.checkpoint(lambda p: jnp.sum(jnp.sin(nnx.merge(graph, p)(x))),
                          policy=jax.checkpoint_policies.everything_saveable)
     assert _shapes(_saved(mlp, params)).count((2, 16, CFG.mlp)) == 3, _saved(mlp, params)
-
-    graph, params, rest = nnx.split(Llama(CFG, rngs=nnx.Rngs(0)), nnx.Param, ...)
-    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
-    params["blocks"] = jax.device_put(params["blocks"], host)
-    tokens = jnp.zeros((2, 16), jnp.int32)
-
-    def streamed(p):
-        return loss_fn(stream_blocks(nnx.merge(graph, p, rest), ("blocks",)), {"inputs": tokens, "targets": tokens})
-
-    shapes = _shapes(_saved(streamed, params))
-    assert [s for s in shapes if s[-1] == CFG.mlp] == [(CFG.layers, 2, 16, CFG.mlp)] * 3, shapes
-
-
-def _temp(offload) -> int:
-    cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", remat="none")
-    mesh = jaxpar.make_mesh(cfg)
-    model = jaxpar.init(lambda: Llama(CFG, rngs=nnx.Rngs(0)), cfg, mesh)
-    trainer = jaxpar.Trainer(model, optax.adamw(1e-2), loss_fn, cfg, mesh, offload=offload)
-    t = np.zeros((8, 16), np.int32)
-    return trainer.lower({"inputs": t, "targets": t}).compile().memory_analysis().temp_size_in_bytes
-
-
-def test_streamed_layers_keep_no_more_than_without_offload():
-    """offload="params" with remat="none": the streamed layers' compiled temp (on CPU host and
-    device are one RAM) is not above the same step without offload by silu's intermediates
-    (3 [tokens, mlp] fp32 tensors per layer, while its checkpoint nested in the stream's kept them)."""
-    one = 16 * CFG.mlp * 4          # one [tokens, mlp] fp32 tensor per device: 8 x 16 tokens over 8 devices
-    extra = _temp(("params",)) - _temp(())
-    assert extra < CFG.layers * one, extra / one

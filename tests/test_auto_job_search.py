@@ -349,7 +349,7 @@ def test_job_search_errors_name_the_fix():
     (dict(pipeline_stages=(3,)), r"pipeline_stages has 3; use positive divisors of devices=8"),
     (dict(context=(1, 3)), r"context has 3; use positive divisors of devices=8"),
     (dict(remat=("sometimes",)), "remat has 'sometimes'"),
-    (dict(remat=("none", "offload_dots")), "remat has .offload_dots.; the search does not price host transfers"),
+    (dict(remat=("none", "offload_dots")), "remat has 'offload_dots': host offload was removed .* ZeRO-3"),
     (dict(remat=("none", "full"), pipeline_stages=(2, 4)),
      r"remat=\('none', 'full'\) with pipeline_stages=\(2, 4\): recompute policies are priced for options without "
      r"a pipeline only .* add 1 to pipeline_stages or leave remat at \('none',\)"),

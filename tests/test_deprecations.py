@@ -40,6 +40,8 @@ EXPECTED = {
     "jaxpar.nn.plan_state": ("warns", "jaxpar.nn.state_specs"),
     "jaxpar.optim.ZeroPlan": ("warns", "jaxpar.optim.ZeroSpecs"),
     "jaxpar.optim.zero_plan": ("warns", "jaxpar.optim.zero_specs"),
+    "jaxpar.optim.on_host": ("fails", "ZeRO-3", "docs/offload.md"),        # host offload: removed
+    "jaxpar.optim.to_device": ("fails", "ZeRO-3", "docs/offload.md"),
     "jaxpar.ps.SparseTrainer": ("fails", "jaxpar.ps.ServerRows", "docs/parameter_server.md"),
     "jaxpar.models.gpt.pipeline_loss": ("warns", "jaxpar.models.gpt_parallel.pipeline_loss"),
     "jaxpar.models.llama.pipeline_loss": ("warns", "jaxpar.models.llama_parallel.pipeline_loss"),
@@ -63,6 +65,8 @@ EXPECTED_MODULES = {
     "jaxpar.data.cli": ("fails", "python -m jaxpar.cli data", "docs/data_loading.md"),
     "jaxpar.launch.cli": ("fails", "python -m jaxpar.launch", "docs/startup.md"),
     "jaxpar.metrics.cli": ("fails", "python -m jaxpar.cli train", "docs/metrics.md"),
+    "jaxpar.optim.offload": ("fails", "ZeRO-3", "docs/offload.md"),        # host offload: removed
+    "jaxpar.nn.stream": ("fails", "ZeRO-3", "docs/offload.md"),
 }
 
 
@@ -102,6 +106,10 @@ def test_a_former_name_warns_naming_its_replacement_or_fails_naming_it(name):
         with pytest.raises(AttributeError, match=re.escape(name) + ".*" + re.escape(replacement)
                            + ".*" + re.escape(doc[0])):
             getattr(module, _split(name)[1])
+        # `from package import name` says the same (not Python's bare "cannot import name")
+        with pytest.raises(ImportError, match=re.escape(name) + ".*" + re.escape(replacement)
+                           + ".*" + re.escape(doc[0])):
+            exec(f"from {_split(name)[0]} import {_split(name)[1]}", {})
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_MODULES))
@@ -245,6 +253,11 @@ KEYWORDS = {
                     "param_dtype", "grad_dtype", "opt_state_dtype", "compute_dtype", "compiled", "compiled_note")},
     **{("jaxpar.ops.context_attention", name): "warns (test_context.py: test_the_former_mask_keywords_...)"
        for name in ("causal", "segment_ids", "q_positions", "kv_positions")},
+    # host offload was removed: each is a ValueError naming what to use (test_offload_removed.py)
+    **{(owner, "offload"): "fails (test_offload_removed.py)"
+       for owner in ("jaxpar.TrainPlan", "jaxpar.plan.TrainPlan", "jaxpar.make_train_plan",
+                     "jaxpar.plan.make_train_plan", "jaxpar.auto.plan_training")},
+    ("jaxpar.report.MemoryEstimate", "host"): "fails (test_offload_removed.py)",
     **{("jaxpar.data.TokenLoader", name): "warns (test_data_tokens.py: test_the_former_process_keywords_...)"
        for name in ("process_index", "process_count")},
 }
@@ -254,7 +267,10 @@ MEMBERS = {"jaxpar.ParallelConfig.parameter_plan", "jaxpar.config.ParallelConfig
            "jaxpar.models.gpt.GPTConfig.remat", "jaxpar.models.llama.LlamaConfig.remat",
            "jaxpar.models.llama_config.LlamaConfig.remat", "jaxpar.Trainer.shardings", "jaxpar.train.Trainer.shardings",
            "jaxpar.checkpoint.Checkpointer.save_state", "jaxpar.checkpoint.Checkpointer.restore_state",
-           "jaxpar.auto.JobPlan.plan", "jaxpar.nn.HostEmbedding.gather"}
+           "jaxpar.auto.JobPlan.plan", "jaxpar.nn.HostEmbedding.gather",
+           # host offload was removed (test_offload_removed.py)
+           "jaxpar.TrainPlan.offload", "jaxpar.plan.TrainPlan.offload", "jaxpar.Trainer.offload",
+           "jaxpar.train.Trainer.offload", "jaxpar.report.MemoryEstimate.host"}
 
 
 def _answered(module: str, name: str) -> bool:

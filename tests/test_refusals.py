@@ -107,8 +107,8 @@ TOKENS = jax.ShapeDtypeStruct((8, GPT_CFG.seq_len), jax.numpy.int32)
 
 # Refusals the Trainer once made only when its step was traced (or that make_train_plan could not
 # make for want of an argument): name -> (fields, model builder, loss, what the message names,
-# the Trainer's and make_train_plan's further arguments: offload, rows (a builder), example_batch
-# (the Trainer lowers its step on it), host_memory=False (devices without a pinned_host space)).
+# the Trainer's and make_train_plan's further arguments: rows (a builder), example_batch (the
+# Trainer lowers its step on it)).
 CASES |= {
     "pipeline-stages-against-the-pipe-axis": (
         dict(mesh={"pipe": 4, "data": 2}, rules={"layers": "pipe", "batch": "data"}, pipeline=PIPE),
@@ -126,10 +126,6 @@ CASES |= {
         loss_fn, r"ParallelConfig\.rules: 'mlpp' -> 'data' \(did you mean 'mlp'\?\) names a logical axis that no "
                  r"parameter, activation constraint or batch of GPT uses",
         dict(example_batch={"inputs": TOKENS, "targets": TOKENS})),
-    "offload-without-host-memory": (
-        dict(mesh={"data": 8}), lambda c, m: GPT(GPT_CFG, rngs=nnx.Rngs(0)), loss_fn,
-        r"offload=\('opt_state',\) needs a 'pinned_host' memory space, which cpu devices here do not have; "
-        r"drop offload", dict(offload=("opt_state",), host_memory=False)),
     "row-source-with-a-pipeline": (
         dict(mesh={"pipe": 2, "data": 4}, rules={"layers": "pipe", "batch": "data"}, pipeline=PIPE),
         lambda c, m: GPT(GPT_CFG, rngs=nnx.Rngs(0)), pipeline_loss(),
@@ -138,25 +134,21 @@ CASES |= {
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_make_train_plan_refuses_what_the_trainer_refuses(name, monkeypatch):
+def test_make_train_plan_refuses_what_the_trainer_refuses(name):
     fields, build, loss, names, *more = CASES[name]
     args = dict(more[0]) if more else {}
-    if args.pop("host_memory", True) is False:
-        from jaxpar.optim import offload
-
-        monkeypatch.setattr(offload, "host_memory_available", lambda mesh: False)
-    batch, offload = args.pop("example_batch", None), args.pop("offload", ())
+    batch = args.pop("example_batch", None)
     config = jaxpar.ParallelConfig(**fields)
     mesh = jaxpar.make_mesh(config)
     model = build(config, mesh)
     with pytest.raises((ValueError, TypeError), match=names) as by_trainer:
-        trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss, config, mesh, offload=offload,
+        trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss, config, mesh,
                                  rows=args["rows"]() if "rows" in args else None)
         if batch is not None:      # rules nothing consults: refused where the step is traced
             trainer.lower(jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), batch))
     with pytest.raises(by_trainer.type, match=names) as by_plan:
         make_train_plan(config, mesh, nnx.eval_shape(lambda: build(config, mesh)), optax.adamw(1e-3), loss_fn=loss,
-                        offload=offload, rows=args["rows"]() if "rows" in args else None, example_batch=batch)
+                        rows=args["rows"]() if "rows" in args else None, example_batch=batch)
     assert str(by_trainer.value).removeprefix("Trainer") == str(by_plan.value).removeprefix("make_train_plan")
 
 
@@ -185,24 +177,6 @@ def test_without_a_loss_the_plan_still_refuses_what_the_model_decides():
     with pytest.raises(ValueError, match="make_train_plan: ParallelConfig.context=.*ContextParallel"):
         make_train_plan(config, jaxpar.make_mesh(config), model, optax.adamw(1e-3))
     assert jax.device_count() == 8
-
-
-def test_offload_that_cannot_pay_on_a_gpu_is_refused_there_with_what_to_use():
-    """Measured on an H200 (jaxpar.optim.offload): no offload mode lowers the peak or keeps the
-    step within 1.25x; a GPU run is refused with the alternatives, CPU (the tests) and TPU are not."""
-    from jaxpar.optim.offload import unpaid_on
-    from jaxpar.plan.checks import check_combination
-
-    why = unpaid_on("gpu", ("opt_state",))
-    assert "offload=('opt_state',) cannot pay on a GPU" in why and "ZeRO" in why and "drop offload" in why
-    assert "remat='offload_dots' cannot pay on a GPU" in unpaid_on("gpu", (), "offload_dots")
-    assert unpaid_on("gpu", (), "full") is None and unpaid_on("cpu", ("params",), "offload_dots") is None
-    assert unpaid_on("tpu", ("params",)) is None
-    with pytest.raises(ValueError, match="make_train_plan: offload=\\('params',\\) cannot pay on a GPU"):
-        check_combination(jaxpar.ParallelConfig(), platform="gpu", offload=("params",))
-    with pytest.raises(ValueError, match="Trainer: remat='offload_dots' cannot pay on a GPU"):
-        check_combination(jaxpar.ParallelConfig(remat="offload_dots"), platform="gpu", who="Trainer")
-    check_combination(jaxpar.ParallelConfig(remat="offload_dots"), platform="cpu", offload=("opt_state",))
 
 
 def test_a_minus_one_axis_is_judged_on_the_mesh_the_plan_is_for():
@@ -279,10 +253,9 @@ def test_a_trainer_advises_each_batch_by_what_it_is_for():
     assert trainer.evaluate([batches(1, 16)[0]]) > 0
 
 
-def test_make_train_plan_refuses_bad_mesh_sizes_offload_and_arguments_by_name():
+def test_make_train_plan_refuses_bad_mesh_sizes_and_arguments_by_name():
     """A mesh dict bypassed ParallelConfig's own checks: sizes -4 and 2.5 planned (2.5 read as 2), an axis
-    the config lacks planned; offload=('parms',) planned with nothing offloaded and offload='params' as
-    the letters of 'params'; tx=None / model=None gave AttributeError / TypeError from deep inside."""
+    the config lacks planned; tx=None / model=None gave AttributeError / TypeError from deep inside."""
     import optax
     from flax import nnx
 
@@ -297,12 +270,6 @@ def test_make_train_plan_refuses_bad_mesh_sizes_offload_and_arguments_by_name():
     for mesh in ({"dta": 8}, {"data": 4}):
         with pytest.raises(ValueError, match=r"config.mesh \{'data': 8\} does not match the mesh"):
             make_train_plan(config, mesh, model, tx)
-    with pytest.raises(ValueError, match=r"unknown targets \['parms'\]; choose from \('opt_state', 'params'\) "
-                                         r"\('parms': did you mean 'params'\?\)"):
-        make_train_plan(config, {"data": 8}, model, tx, offload=("parms",))
-    with pytest.raises(ValueError, match=r"names \['params'\] more than once"):
-        make_train_plan(config, {"data": 8}, model, tx, offload=("params", "params"))
-    assert make_train_plan(config, {"data": 8}, model, tx, offload="params").offload == ("params",)
     with pytest.raises(TypeError, match=r"make_train_plan: tx must be an optax.GradientTransformation .*got NoneType"):
         make_train_plan(config, {"data": 8}, model, None)
     with pytest.raises(TypeError, match=r"make_train_plan: model_or_state must be a flax.nnx.Module .*got NoneType"):

@@ -42,8 +42,8 @@ def test_pairings_and_bad_values_are_refused_when_the_value_is_built(tmp_path):
         jaxpar.CheckpointConfig(dir=str(tmp_path), resume="latest")
     with pytest.raises(TypeError, match=r"hooks holds 'print', which has none of"):
         jaxpar.Services(hooks=("print",))
-    with pytest.raises(ValueError, match=r"offload=\('opt_sate',\): unknown targets"):
-        jaxpar.Placement(offload="opt_sate")
+    with pytest.raises(TypeError, match=r"Placement: donate='yes' must be True or False"):
+        jaxpar.Placement(donate="yes")
     assert jaxpar.Services(metrics=MetricsConfig(dir=str(tmp_path)), profile="2:4").profile == (2, 4)
 
 

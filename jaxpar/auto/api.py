@@ -16,6 +16,7 @@ from jaxpar.auto.graph import Graph, build_graph
 from jaxpar.auto.strategy import Strategy
 from jaxpar.auto.search import SEARCHES, Problem
 from jaxpar.data import leaf_spec
+from jaxpar.deprecation import OFFLOAD, removed_keywords
 from jaxpar.plan import make_train_plan
 from jaxpar.strategy import mesh_sizes, to_partition_spec
 
@@ -142,8 +143,8 @@ def hand_strategy(model, loss_fn, batch, config, mesh, *, cost_params: CostParam
     return make_strategy(graph, hand_axes(graph, config, sizes), sizes, cost_params or CostParams(), "hand")
 
 
-def plan_training(model, loss_fn: Callable, batch: Any, config, mesh, tx, *, offload: tuple[str, ...] = (),
-                  **search_options):
+@removed_keywords("plan_training", {"offload": lambda _: OFFLOAD}, error=ValueError)   # host offload: removed
+def plan_training(model, loss_fn: Callable, batch: Any, config, mesh, tx, **search_options):
     """Search a strategy and return ``(TrainPlan, Strategy)``: the plan to train under, and the search's
     own record (its predicted cost, operators and notes).
 
@@ -153,8 +154,7 @@ def plan_training(model, loss_fn: Callable, batch: Any, config, mesh, tx, *, off
     >>> trainer = jaxpar.Trainer(model, tx, loss_fn, train_plan.config, mesh, plan=train_plan)      # doctest: +SKIP
     """
     found = search(model, loss_fn, batch, config, mesh, **search_options)
-    train_plan = make_train_plan(found.to_config(config), mesh, model, tx, offload=offload,
-                                 source=f"searched:{found.search}")
+    train_plan = make_train_plan(found.to_config(config), mesh, model, tx, source=f"searched:{found.search}")
     return train_plan, found
 
 
@@ -166,8 +166,8 @@ NO_BATCH = ("mode='auto' searches the strategies on a batch before training, and
             "docs/parallel_modes.md and CHANGELOG.md)")
 
 
-def plan_for(model, tx, loss_fn: Callable, config, mesh, *, example_batch: Any = None, searched: Any = None,
-             offload: tuple[str, ...] = ()):
+@removed_keywords("plan_for", {"offload": lambda _: OFFLOAD}, error=ValueError)   # host offload: removed
+def plan_for(model, tx, loss_fn: Callable, config, mesh, *, example_batch: Any = None, searched: Any = None):
     """``(TrainPlan, search record)``: the plan to train ``model`` with ``tx`` and ``loss_fn`` under
     ``config`` on ``mesh``, made before the Trainer is built, and the strategy search's `Strategy`
     (``None`` when nothing was searched). Give both to the Trainer as ``plan=``.
@@ -184,13 +184,13 @@ def plan_for(model, tx, loss_fn: Callable, config, mesh, *, example_batch: Any =
     >>> trainer.searched.table()                                                        # doctest: +SKIP
     """
     if config.mode != "auto":
-        return make_train_plan(config, mesh, model, tx, offload=offload, loss_fn=loss_fn), None
+        return make_train_plan(config, mesh, model, tx, loss_fn=loss_fn), None
     if searched is not None:
         if not isinstance(searched, Strategy):
             raise TypeError(f"plan_for: searched must be a jaxpar.auto.Strategy (e.g. jaxpar.auto.Strategy.from_json(path)), "
                             f"got {type(searched).__name__}")
-        return make_train_plan(searched.to_config(config), mesh, model, tx, offload=offload, loss_fn=loss_fn,
+        return make_train_plan(searched.to_config(config), mesh, model, tx, loss_fn=loss_fn,
                                source=f"searched:{searched.search}"), searched
     if example_batch is None:
         raise ValueError(NO_BATCH)
-    return plan_training(model, loss_fn, example_batch, config, mesh, tx, offload=offload)
+    return plan_training(model, loss_fn, example_batch, config, mesh, tx)

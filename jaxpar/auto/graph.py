@@ -112,8 +112,9 @@ class Op:
     ``repeat``: how many times the operator runs per step (the trip count of an enclosing loop).
     ``region``: the recompute (``jax.checkpoint``) region it is in, an index into
     ``Graph.regions`` (``-1``: none); ``keep``: what that region's policy does with its outputs:
-    ``"device"`` (saved for the backward pass, also outside regions), ``"host"`` (offloaded)
-    or ``"recompute"`` (recomputed in the backward pass)."""
+    ``"device"`` (saved for the backward pass, also outside regions), ``"host"`` (moved to host
+    memory by a JAX policy the model sets itself, e.g. ``jax.checkpoint_policies.offload_dot_with_no_batch_dims``:
+    jaxpar has no such policy of its own) or ``"recompute"`` (recomputed in the backward pass)."""
 
     prim: str
     ins: tuple[int, ...]

@@ -17,6 +17,7 @@ import numpy as np
 from jaxpar.auto.context import STRATEGIES as CONTEXT_STRATEGIES
 from jaxpar.auto.search import SEARCHES
 from jaxpar.config import REMAT_POLICIES, SCHEDULES
+from jaxpar.deprecation import check_policy
 
 
 def _is_count(x) -> bool:
@@ -125,12 +126,9 @@ class JobSearchSpace:
                 if not _is_count(k):
                     raise ValueError(f"JobSearchSpace: {name} has {k!r}; use positive micro-batch counts")
         for r in self.remat:
+            check_policy(r, f"JobSearchSpace: remat has {r!r}")      # offload_dots: removed with host offload
             if r not in REMAT_POLICIES:
                 raise ValueError(f"JobSearchSpace: remat has {r!r}; choose policies from {REMAT_POLICIES}")
-            if r == "offload_dots":
-                raise ValueError("JobSearchSpace: remat has 'offload_dots'; the search does not price host "
-                                 "transfers, so an offloading policy would look free. Leave it out of remat and "
-                                 "set it by hand")
         if 1 not in self.pipeline_stages and set(self.remat) != {"none"}:
             raise ValueError(f"JobSearchSpace: remat={tuple(self.remat)} with pipeline_stages="
                              f"{tuple(self.pipeline_stages)}: recompute policies are priced for options without a "

@@ -80,10 +80,7 @@ _saved_jit = jax.jit(lambda x, nan_only: (_leaf(x), _unusable(x, nan_only)), sta
 
 
 def _on_device(x) -> jax.Array:
-    x = x if isinstance(x, jax.Array) else jnp.asarray(x)
-    if x.sharding.memory_kind not in (None, "device"):     # offloaded state: summed where it can be
-        x = jax.device_put(x, x.sharding.with_memory_kind("device"))
-    return x
+    return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
 def checksums(flat: dict[str, Any]) -> dict[str, list[int]]:

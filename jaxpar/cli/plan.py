@@ -214,9 +214,4 @@ def plan_file(args: argparse.Namespace, overrides: list[str]) -> int:
     print(plan)
     if memory is not None:
         print(memory)
-    if job.train.offload:
-        counted = ("; the memory table counts them in device memory, as a step without offload holds them (what "
-                   "streaming saves at the peak is not estimated)" if memory is not None else "")
-        print(f"train.offload {list(job.train.offload)}: kept in pinned_host between steps (docs/offload.md)"
-              f"{counted}")
     return 0

@@ -6,7 +6,7 @@ Sections (every one optional; the defaults train the Llama ``tiny`` model)::
     data:       {path: runs/data/stdlib, seq_len: 128, batch: 16}
     optimizer:  {lr: 3.0e-3, warmup_steps: 20, schedule: cosine, clip_norm: 1.0, weight_decay: 0.1}
     parallel:   {mesh: {data: 8}}                                     # ParallelConfig fields
-    train:      {steps: 300, seed: 0, offload: [params, opt_state]}
+    train:      {steps: 300, seed: 0}
     checkpoint: {dir: runs/ckpt, every: 100, keep: 3}
     logging:    {dir: runs/log, every: 10, tensorboard: true, profile_steps: "10:13"}
     eval:       {every: 100, steps: 4}
@@ -32,8 +32,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jaxpar.config import ParallelConfig, current_names
+from jaxpar.deprecation import OFFLOAD, refusal
 
 SCHEDULES = ("cosine", "linear", "constant")
+# keys of former jobs, refused in any section naming what to use: train.offload (host offload) was removed
+REMOVED_KEYS = {"offload": OFFLOAD}
 
 
 def _loader():
@@ -181,47 +184,13 @@ OPTIMIZER_RANGES = {
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainSection:
-    """``steps``: optimizer steps; ``seed``: the model's init seed; ``offload``: what the
-    Trainer keeps in host memory between steps (``jaxpar.Placement(offload=...)``, docs/offload.md):
-    ``params`` and/or ``opt_state``, a list (``[params, opt_state]``) or one name; ``[]``: none.
-    With stacked layers (``model.fields.scan_layers``) offloaded parameters stream into device
-    memory one layer at a time inside the layer loop."""
+    """``steps``: optimizer steps; ``seed``: the model's init seed."""
 
     steps: int = 300
     seed: int = 0
-    offload: tuple[str, ...] = ()
 
     def __post_init__(self):
         _positive("train.steps", self.steps)
-        object.__setattr__(self, "offload", check_offload(self.offload))
-
-
-def check_offload(value: Any) -> tuple[str, ...]:
-    """``train.offload`` as the Trainer's targets (a tuple of names); ``ValueError`` naming the
-    field, the value and the choices for an unknown or repeated one, ``TypeError`` for a value
-    that is not a name or a list of names."""
-    from jaxpar.optim.offload import TARGETS, check_targets
-
-    if value is None:
-        return ()
-    names = (value,) if isinstance(value, str) else value
-    wrong = (names if not isinstance(names, (list, tuple))
-             else next((t for t in names if not isinstance(t, str)), None))
-    if wrong is not None:
-        kind = type(wrong).__name__
-        what = "" if wrong is value else f" holds {wrong!r}, {'an' if kind[0] in 'aeiou' else 'a'} {kind};"
-        raise TypeError(f"job config train.offload={value!r}{what or f' is a {type(value).__name__};'} it must be "
-                        f"a list of names among {list(TARGETS)}, e.g. [params, opt_state], or [] for none")
-    try:
-        targets = check_targets(tuple(names))
-    except ValueError as e:
-        raise _fail("train.offload", value, f"{e}; e.g. --train.offload '[params, opt_state]', or [] for "
-                    "no offload") from None
-    repeated = sorted({t for t in targets if targets.count(t) > 1})
-    if repeated:
-        raise _fail("train.offload", value, f"{repeated} given more than once; name each of "
-                    f"{list(TARGETS)} at most once")
-    return targets
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -390,6 +359,8 @@ def _fields(cls) -> dict[str, Any]:
 
 def _unknown(prefix: str, given: Mapping[str, Any], known: Mapping[str, Any]) -> None:
     for key in given:
+        if key not in known and key in REMOVED_KEYS:
+            raise ValueError(refusal(f"job config key '{prefix}{key}' (delete it)", REMOVED_KEYS[key]))
         if key not in known:
             close = difflib.get_close_matches(str(key), list(known), n=1)
             hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
@@ -411,8 +382,6 @@ def _section(name: str, cls, value: Any):
 
 def _typed(where: str, value: Any, hint: Any) -> Any:
     """``value`` checked against a field's annotation (ints accepted where floats are wanted)."""
-    if typing.get_origin(hint) is tuple:     # a list of names (train.offload): its section checks it
-        return value
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None and type(None) in options:
         return None

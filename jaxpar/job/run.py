@@ -215,21 +215,6 @@ def check_outputs(job: JobConfig) -> None:
             check_directory(field, directory)
 
 
-def check_offload_on(job: JobConfig, mesh) -> None:
-    """Refuse ``train.offload`` where the Trainer would (a GPU, where no offload mode pays:
-    `jaxpar.optim.offload.unpaid_on`; devices without a ``pinned_host`` memory), before the
-    model is built, naming the job field and the way out."""
-    from jaxpar.plan.checks import check_offload_memory
-
-    targets = job.train.offload
-    if not targets:
-        return
-    try:     # the Trainer's own refusal (GPU, host memory), said in the job's words
-        check_offload_memory(mesh, targets, who=f"job config train.offload={list(targets)}")
-    except ValueError as e:
-        raise ValueError(f"{e}; in this job: drop train.offload (or give --train.offload '[]')") from None
-
-
 def build(job: JobConfig, *, devices=None) -> Built:
     """The mesh, model, data, optimizer and Trainer of ``job`` (`run_job` checks its outputs
     first); the Trainer resumes from ``checkpoint.dir`` when it holds steps."""
@@ -240,7 +225,6 @@ def build(job: JobConfig, *, devices=None) -> Built:
     log, ck = job.logging, job.checkpoint
     mesh = jaxpar.make_mesh(job.parallel, devices)
     check_batch(job, mesh)      # the processes, the step's parts and the batch axes all split data.batch
-    check_offload_on(job, mesh)
     store = eval_store = None
     if job.data.source == "store":
         from jaxpar.data import TokenStore
@@ -269,15 +253,14 @@ def build(job: JobConfig, *, devices=None) -> Built:
     if job.parallel.mode == "auto":
         from jaxpar.auto import plan_for
 
-        plan = plan_for(model, tx, loss, job.parallel, mesh, example_batch=train.batch(train.position),
-                                    offload=job.train.offload)
+        plan = plan_for(model, tx, loss, job.parallel, mesh, example_batch=train.batch(train.position))
     # generated data: every process makes the same global batch and jaxpar keeps each device's rows
     global_batch = True if job.data.source == "arithmetic" else None
     checkpoint = None if ck.dir is None else jaxpar.CheckpointConfig(dir=ck.dir, save_every=ck.every, keep=ck.keep,
                                                                      resume=ck.resume)
     services = jaxpar.Services(checkpoint=checkpoint, metrics=metrics, profile=log.profile_steps)
     trainer = jaxpar.Trainer(model, tx, loss, job.parallel, mesh, plan=plan, services=services,
-                             placement=jaxpar.Placement(offload=job.train.offload, global_batch=global_batch))
+                             placement=jaxpar.Placement(global_batch=global_batch))
     return Built(mesh=mesh, trainer=trainer, train=train, held_out=held_out, store=store)
 
 
@@ -379,7 +362,7 @@ def _samples(trainer, store, count: int, window: int) -> list[str]:
     from jaxpar.models.generate import greedy
 
     tokenizer = store.tokenizer()
-    model = trainer.model        # in device memory, offloaded parameters included
+    model = trainer.model
     out = []
     for prompt in PROMPTS[:count]:
         ids = greedy(model, tokenizer.encode(prompt), 48, window=window)

@@ -64,7 +64,7 @@ def plan_of_job(job: JobConfig, sizes: dict[str, int]):
     constrain = model_constraint(AbstractMesh(tuple(sizes.values()), tuple(sizes)), job.parallel)
     model = abstract_model(lambda: make(cfg, rngs=nnx.Rngs(0), constrain=constrain))
     loss = parallel.training_loss(job.parallel)
-    plan = make_train_plan(job.parallel, sizes, model, tx, loss_fn=loss, offload=job.train.offload)
+    plan = make_train_plan(job.parallel, sizes, model, tx, loss_fn=loss)
     tokens = jax.ShapeDtypeStruct((job.data.batch, job.data.seq_len), jnp.int32)
     check_rules_consulted(job.parallel, model, module.loss_fn, {"inputs": tokens, "targets": tokens})   # as train
     memory = None

@@ -398,7 +398,7 @@ def _memory_table(r: ModelReport) -> Table:
     t = _table("memory per device (estimate)", "part", "bytes", "exact")
     for part in ("params", "grads", "opt_state", "activations"):
         value = getattr(m, part)
-        t.add_row(part + (" (host)" if part in m.host else ""), format_bytes(value), f"{value:,}")
+        t.add_row(part, format_bytes(value), f"{value:,}")
     t.add_section()
     t.add_row("total", format_bytes(m.total), f"{m.total:,}")
     return t

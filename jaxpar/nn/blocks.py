@@ -20,7 +20,7 @@ from jaxpar.nn.specs import logical_names
 from jaxpar.remat import remat
 
 __all__ = ["BLOCKS_HOOK", "block_policy", "find_blocks", "module_at", "recompute_paths", "recomputed_loss",
-           "remat_blocks", "remat_loss", "stacked_blocks"]
+           "remat_blocks", "remat_loss"]
 
 BLOCKS_HOOK = "jaxpar_blocks"
 """The model attribute that names its blocks: module paths, as ``StagedLoss.order``."""
@@ -67,25 +67,6 @@ def find_blocks(model: nnx.Module, order: Sequence[str] | None = None) -> tuple[
         elif path and isinstance(node, nnx.Module) and _stacked(path, params):
             found.append(path)
     return tuple("/".join(map(str, path)) for path in found)
-
-
-def stacked_blocks(model: nnx.Module, order: Sequence[str] | None = None) -> tuple[str, ...]:
-    """The paths of ``find_blocks`` whose parameters are all stacked on a first ``"layers"`` axis:
-    the blocks a ``scan`` runs one layer at a time (what ``offload="params"`` streams).
-
-    Example:
-        >>> class M(nnx.Module):
-        ...     def __init__(self):
-        ...         self.layers = nnx.List([nnx.Linear(2, 2, rngs=nnx.Rngs(0)) for _ in range(2)])
-        >>> stacked_blocks(M())     # unrolled layers: each is a separate array
-        ()
-    """
-    paths = find_blocks(model, order)
-    if not paths:
-        return ()
-    params = [(path, var) for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)]
-    keys = lambda p: tuple(int(k) if k.isdigit() else k for k in p.split("/"))  # noqa: E731
-    return tuple(p for p in paths if _stacked(keys(p), params))
 
 
 def block_policy(model: nnx.Module, paths: Sequence[str]) -> str | None:

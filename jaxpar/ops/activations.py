@@ -11,9 +11,8 @@ Not measured on a GPU yet.
 
 A ``custom_vjp`` rather than a ``jax.checkpoint``: a checkpoint's policy applies to the
 checkpoints nested in it, so an enclosing recompute whose policy saves elementwise values
-(``ParallelConfig(remat="everything_saveable")``, ``"save_collectives"``, the parameter streaming
-of ``offload="params"``, `jaxpar.nn.stream`) would keep silu's intermediates after all; what a
-``custom_vjp`` keeps is its forward's residuals, whatever encloses it. It works under ``jit``,
+(``ParallelConfig(remat="everything_saveable")``, ``"save_collectives"``) would keep silu's
+intermediates after all; what a ``custom_vjp`` keeps is its forward's residuals, whatever encloses it. It works under ``jit``,
 ``vmap``, ``shard_map``, ``lax.scan`` and any checkpoint; like every ``custom_vjp`` it has no
 forward-mode derivative (``jax.jvp`` / ``jax.linearize`` of it raise).
 

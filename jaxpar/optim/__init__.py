@@ -1,4 +1,4 @@
-"""Optimizer parallel (ZeRO), gradient accumulation, communication fusion, host offload.
+"""Optimizer parallel (ZeRO), gradient accumulation, communication fusion.
 
 The ``Trainer`` applies these from ``ParallelConfig``; the functions here are the same
 pieces for a hand-written loop:
@@ -10,7 +10,6 @@ pieces for a hand-written loop:
 from jaxpar.deprecation import module_getattr
 from jaxpar.optim.accumulate import accumulate_grads, interleave_loss, split_batch
 from jaxpar.optim.fusion import bucketed_psum, compiler_options
-from jaxpar.optim.offload import on_host, to_device
 from jaxpar.optim.zero import ZeroSpecs, opt_state_specs, shard_optimizer, zero_axes, zero_specs, zero_spec
 
 __all__ = [
@@ -19,11 +18,9 @@ __all__ = [
     "bucketed_psum",
     "compiler_options",
     "interleave_loss",
-    "on_host",
     "opt_state_specs",
     "shard_optimizer",
     "split_batch",
-    "to_device",
     "zero_axes",
     "zero_specs",
     "zero_spec",

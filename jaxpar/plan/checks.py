@@ -25,7 +25,6 @@ from jaxpar.mesh import resolve_axes
 from jaxpar.nn.fp8 import fp8_unavailable
 from jaxpar.nn.moe import MoE
 from jaxpar.nn.specs import is_variable, logical_names, matching_patterns, path_str, variable_spec
-from jaxpar.optim import offload as host
 from jaxpar.optim.zero import zero_axes
 from jaxpar.ops import ContextParallel
 from jaxpar.pipeline import PipelineLoss, StagedLoss
@@ -35,15 +34,14 @@ from jaxpar.strategy import mesh_sizes, spec_axes
 
 
 def check_combination(config: ParallelConfig, model: nnx.Module | None = None, loss_fn: Any = None, *,
-                      mesh: Any = None, platform: str | None = None, offload: tuple[str, ...] = (),
-                      rows: Any = None, batch: Any = None, who: str = "make_train_plan") -> None:
+                      mesh: Any = None, platform: str | None = None, rows: Any = None, batch: Any = None,
+                      who: str = "make_train_plan") -> None:
     """Raise a ``ValueError`` / ``TypeError`` naming both features when ``config`` cannot train
     ``model`` with ``loss_fn`` on ``platform``. What is not given (``None``) is not checked:
     without ``loss_fn`` the loss-dependent refusals wait for the Trainer, which gives it.
     ``mesh`` (a ``Mesh``, ``AbstractMesh`` or ``{axis: size}``) is the mesh the plan is for: a
     ``-1`` axis of ``config.mesh`` takes the rest of its devices (without it, of
-    ``jax.device_count()``, as ``jaxpar.make_mesh(config)`` would); a ``Mesh`` is also asked
-    for host memory when ``offload`` names targets. ``rows``: the row source the Trainer pulls
+    ``jax.device_count()``, as ``jaxpar.make_mesh(config)`` would). ``rows``: the row source the Trainer pulls
     embedding rows through (``Trainer(rows=...)``), if any. ``batch``: an example global batch
     (arrays or ``jax.ShapeDtypeStruct`` leaves); with it and ``loss_fn``, rules that nothing
     consults are refused as the first traced step refuses them (`check_rules_used`).
@@ -54,10 +52,6 @@ def check_combination(config: ParallelConfig, model: nnx.Module | None = None, l
     check_pipe_axis(config, mesh, who)
     if platform is not None:
         _check_platform(config, platform)
-    if isinstance(mesh, jax.sharding.Mesh):
-        check_offload_memory(mesh, offload, remat=config.remat, who=who)
-    elif platform is not None:
-        _check_unpaid(platform, offload, config.remat, who)
     if rows is not None:
         check_rows_pipeline(config, who)
     check_hybrid_optimizer_axis(config, sizes, who)
@@ -103,26 +97,6 @@ def check_pipe_axis(config: ParallelConfig, mesh: Any = None, who: str = "make_t
     raise ValueError(f"{who}: pipeline.stages={pipe.stages} but mesh axis {pipe.axis!r} has size {size} (mesh "
                      f"{dict(sizes)}): each stage runs on its own devices along that axis; make them equal "
                      f"(pipeline.stages={size}, or mesh {{{pipe.axis!r}: {pipe.stages}, ...}})")
-
-
-def check_offload_memory(mesh: Any, offload: tuple[str, ...], *, remat: str | None = None,
-                         who: str = "make_train_plan") -> None:
-    """What host offload asks of the devices of ``mesh`` (a ``jax.sharding.Mesh``): on a GPU no
-    offload mode pays (`jaxpar.optim.offload.unpaid_on`: refused with what to use instead); and
-    ``offload`` keeps its targets in the ``pinned_host`` memory space between steps, which the
-    devices must have. The job runner asks it too, before it builds the model."""
-    platform = mesh.devices.flat[0].platform
-    _check_unpaid(platform, offload, remat, who)
-    if not offload or host.host_memory_available(mesh):
-        return
-    raise ValueError(f"{who}: offload={tuple(offload)} needs a '{host.HOST}' memory space, which "
-                     f"{platform} devices here do not have; drop offload")
-
-
-def _check_unpaid(platform: str, offload: tuple[str, ...], remat: str | None, who: str) -> None:
-    why = host.unpaid_on(platform, tuple(offload), remat)
-    if why:
-        raise ValueError(f"{who}: {why}")
 
 
 def check_rows_pipeline(config: ParallelConfig, who: str = "make_train_plan") -> None:
@@ -375,23 +349,20 @@ def _shapes(batch: Any) -> Any:
                                                        np.result_type(x)), batch)
 
 
-def check_plan_args(config: Any, mesh: Any, model_or_state: Any, tx: Any, offload: Any,
-                    who: str = "make_train_plan") -> tuple[str, ...]:
-    """The arguments of `make_train_plan`, refused by name with what would be valid; returns
-    ``offload`` as a tuple of targets (one name given alone is that one target).
+def check_plan_args(config: Any, mesh: Any, model_or_state: Any, tx: Any, who: str = "make_train_plan") -> None:
+    """The arguments of `make_train_plan`, refused by name with what would be valid.
 
     A mesh given as ``{axis: size}`` is read for its sizes only, so it is checked here as
     ``ParallelConfig`` checks its own: each size a positive int (a plan needs the sizes a ``-1``
     resolves to), the config's axes present with the config's sizes.
 
-    >>> check_plan_args(ParallelConfig(mesh={"data": 8}), {"data": 2.5}, None, None, ())
+    >>> check_plan_args(ParallelConfig(mesh={"data": 8}), {"data": 2.5}, None, None)
     Traceback (most recent call last):
     ...
     ValueError: make_train_plan: mesh={'data': 2.5}: axis 'data' has size 2.5; ...
     """
     import optax
 
-    from jaxpar.optim.offload import TARGETS, check_targets
     from jaxpar.strategy.resolve import mesh_sizes
 
     if not isinstance(config, ParallelConfig):
@@ -414,22 +385,4 @@ def check_plan_args(config: Any, mesh: Any, model_or_state: Any, tx: Any, offloa
     if not isinstance(tx, optax.GradientTransformation):
         raise TypeError(f"{who}: tx must be an optax.GradientTransformation (optax.adamw(1e-3), optax.chain(...)), "
                         f"got {type(tx).__name__}")
-    if offload is not None and not isinstance(offload, (str, tuple, list)):
-        raise TypeError(f"{who}: offload={offload!r} must be names among {list(TARGETS)}, e.g. ('opt_state',)")
-    try:
-        targets = check_targets(offload)
-    except ValueError as e:
-        close = [_close(t, TARGETS) for t in ((offload,) if isinstance(offload, str) else offload or ())]
-        hint = "".join(f" ({t!r}: did you mean {c!r}?)" for t, c in close if c and t not in TARGETS)
-        raise ValueError(f"{who}: {e}{hint}") from None
-    if repeated := sorted({t for t in targets if targets.count(t) > 1}):
-        raise ValueError(f"{who}: offload={tuple(offload)!r} names {repeated} more than once; name each of "
-                         f"{list(TARGETS)} at most once")
-    return targets
 
-
-def _close(name: Any, choices: tuple[str, ...]) -> tuple[Any, str | None]:
-    import difflib
-
-    close = difflib.get_close_matches(str(name), choices, n=1)
-    return name, close[0] if close else None

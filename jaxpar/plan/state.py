@@ -21,7 +21,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxpar.optim.offload import to_device
 from jaxpar.optim.zero import shard_optimizer
 from jaxpar.precision import cast_floats, with_precision
 
@@ -155,7 +154,7 @@ def init_state(plan, mesh, model: nnx.Module | tuple, tx: optax.GradientTransfor
     rest = jax.device_put(rest, plan.shardings("rest", rest, mesh))
     tx = sharded_tx(plan, mesh, tx, params)
     opt_like = jax.eval_shape(tx.init, shaped(params))
-    init = jax.jit(lambda p: tx.init(to_device(p, stored)), out_shardings=plan.shardings("opt_state", opt_like, mesh))
+    init = jax.jit(tx.init, out_shardings=plan.shardings("opt_state", opt_like, mesh))
     step = jax.device_put(jnp.zeros((), jnp.int32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     return graphdef, TrainState(params, rest, init(params), step, data)
 

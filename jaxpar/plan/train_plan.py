@@ -4,7 +4,7 @@ A plan is a pure function of (config, mesh sizes, abstract state, optimizer): th
 always give the same plan. It holds, by parameter path, where each parameter is used
 (compute specs), where it is stored (ZeRO-3), how its gradient is kept (ZeRO-2), where every
 optimizer-state leaf and every non-parameter variable lives, and the techniques the step
-applies (pipeline, recompute, accumulation, multi-copy, communication fusion, offload). It
+applies (pipeline, recompute, accumulation, multi-copy, communication fusion). It
 prints as a table, saves to JSON, loads back and diffs against another plan::
 
     >>> plan = make_train_plan(config, mesh, model, optax.adamw(1e-3))      # doctest: +SKIP
@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig, to_plain, from_plain
+from jaxpar.deprecation import OFFLOAD, RemovedAttribute, offload_removed, removed_keywords
 from jaxpar.pipeline.schedules import build as _build_schedule
 from jaxpar.data.layout import BatchLayout
 from jaxpar.nn.specs import check_strategy_covers, is_variable, itemsize, path_str, state_specs
@@ -44,7 +45,6 @@ from jaxpar.precision import cast_floats
 from jaxpar.strategy import mesh_sizes, spec_axes
 
 SECTIONS = ("params", "stored", "grads", "update", "opt_state", "rest")
-_OFFLOADED = {"stored": "params", "opt_state": "opt_state"}   # plan section -> offload target
 FORMAT = "jaxpar.train_plan/1"
 _is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
 
@@ -62,6 +62,7 @@ def _flat_specs(specs) -> dict[str, PartitionSpec]:
     return out
 
 
+@removed_keywords("TrainPlan", {"offload": lambda _: OFFLOAD}, error=ValueError)   # host offload: removed
 @dataclasses.dataclass(frozen=True)
 class TrainPlan:
     """Where every array of a training job lives and how the step is built (see module doc).
@@ -81,7 +82,6 @@ class TrainPlan:
       rest: path -> ``PartitionSpec`` of every non-parameter variable (RNG state, statistics).
       zero_axes: the mesh axes ZeRO shards over (``()`` at level 0).
       unsharded: parameters above the ZeRO threshold that no dimension could take.
-      offload: ``"params"`` / ``"opt_state"`` kept in host memory between steps.
       shapes: path -> (shape, dtype) of every parameter, for the table and byte counts.
     """
 
@@ -96,8 +96,8 @@ class TrainPlan:
     rest: Mapping[str, PartitionSpec]
     zero_axes: tuple[str, ...] = ()
     unsharded: tuple[str, ...] = ()
-    offload: tuple[str, ...] = ()
     shapes: Mapping[str, tuple[tuple[int, ...], str]] = dataclasses.field(default_factory=dict)
+    offload = RemovedAttribute(OFFLOAD)     # a field of 0.1.0: host offload was removed
 
     # ----------------------------------------------------------------- techniques
     @property
@@ -184,12 +184,9 @@ class TrainPlan:
         return ZeroSpecs(tree("params"), tree("stored"), tree("grads"), tree("update"), self.zero_axes, self.unsharded)
 
     def shardings(self, section: str, like, mesh) -> Any:
-        """``NamedSharding`` tree of ``section`` (host memory where the plan offloads it)."""
-        memory = "pinned_host" if _OFFLOADED.get(section) in self.offload else None
-
+        """``NamedSharding`` tree of ``section``."""
         def one(s):
-            sharding = NamedSharding(mesh, s)
-            return sharding.with_memory_kind(memory) if memory else sharding
+            return NamedSharding(mesh, s)
 
         return jax.tree.map(one, self.specs(section, like), is_leaf=_is_spec)
 
@@ -235,8 +232,6 @@ class TrainPlan:
             parts.append(f"comm_fusion {c.comm_fusion.mode}")
         if c.precision is not None:
             parts.append(f"precision {c.precision.label}")
-        if self.offload:
-            parts.append(f"offload {list(self.offload)}")
         if idle := self.idle_axes():
             parts.append(f"idle mesh axes {idle} (no rule, batch split or parameter uses them: unless the "
                          "model's own jaxpar.shard / jaxpar.ops strategies split over them, which a plan cannot see, "
@@ -302,7 +297,7 @@ class TrainPlan:
         return {
             "format": FORMAT, "config": self.config.to_dict(), "mesh": dict(self.mesh), "source": self.source,
             **{section: {p: spec(s) for p, s in getattr(self, section).items()} for section in SECTIONS},
-            "zero_axes": list(self.zero_axes), "unsharded": list(self.unsharded), "offload": list(self.offload),
+            "zero_axes": list(self.zero_axes), "unsharded": list(self.unsharded),
             "shapes": {p: [list(shape), dtype] for p, (shape, dtype) in self.shapes.items()},
         }
 
@@ -311,12 +306,13 @@ class TrainPlan:
         if not isinstance(d, Mapping) or d.get("format") != FORMAT:
             raise ValueError(f"not a jaxpar train plan (format {getattr(d, 'get', lambda k: None)('format')!r}; "
                              f"expected {FORMAT!r})")
+        if d.get("offload"):     # a plan file saved before host offload was removed ([] there: read on)
+            raise offload_removed(f"train plan with offload={list(d['offload'])}")
         spec = lambda entries: from_plain({"PartitionSpec": entries})  # noqa: E731
         return cls(
             config=ParallelConfig.from_dict(d["config"]), mesh=dict(d["mesh"]), source=d["source"],
             **{section: {p: spec(e) for p, e in d[section].items()} for section in SECTIONS},
             zero_axes=tuple(d.get("zero_axes", ())), unsharded=tuple(d.get("unsharded", ())),
-            offload=tuple(d.get("offload", ())),
             shapes={p: (tuple(shape), dtype) for p, (shape, dtype) in d.get("shapes", {}).items()},
         )
 
@@ -367,8 +363,9 @@ def _abstract(x):
     return jax.ShapeDtypeStruct(np.shape(value), value.dtype)
 
 
+@removed_keywords("make_train_plan", {"offload": lambda _: OFFLOAD}, error=ValueError)   # host offload: removed
 def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.GradientTransformation, *,
-                    offload: tuple[str, ...] = (), source: str = "given", loss_fn: Any = None, rows: Any = None,
+                    source: str = "given", loss_fn: Any = None, rows: Any = None,
                     example_batch: Any = None) -> TrainPlan:
     """The `TrainPlan` of ``config`` on ``mesh`` for a model and optimizer.
 
@@ -379,12 +376,10 @@ def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.Grad
       model_or_state: an NNX module (abstract ones from ``nnx.eval_shape`` work) or its
         ``(params, rest)`` states.
       tx: the optax optimizer (its state's layout follows the parameters').
-      offload: ``"params"`` and/or ``"opt_state"`` to keep in host memory.
       source: recorded as the plan's origin.
       loss_fn: the loss to train with, when known: a combination the Trainer would refuse
         for it (e.g. a pipeline without a ``PipelineLoss``) is refused here too
-        (`check_combination`, which also runs on the model and, for a ``Mesh``, its backend
-        and host memory).
+        (`check_combination`, which also runs on the model and, for a ``Mesh``, its backend).
       rows: the row source the Trainer will pull embedding rows through (``Trainer(rows=...)``),
         when there is one: what it cannot train with is refused here too.
       example_batch: one global batch (arrays or ``jax.ShapeDtypeStruct`` leaves), when known:
@@ -393,13 +388,13 @@ def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.Grad
 
     >>> plan = make_train_plan(config, {"data": 8}, nnx.eval_shape(make_model), optax.adamw(1e-3))  # doctest: +SKIP
     """
-    offload = check_plan_args(config, mesh, model_or_state, tx, offload)
+    check_plan_args(config, mesh, model_or_state, tx)
     if config.mode == "auto":
         raise ValueError("make_train_plan: mode='auto' has no strategies to plan yet; search first with "
                          "jaxpar.auto.plan_training(model, loss_fn, batch, config, mesh, tx)")
     platform = mesh.devices.flat[0].platform if isinstance(mesh, jax.sharding.Mesh) else None
     check_combination(config, model_or_state if isinstance(model_or_state, nnx.Module) else None, loss_fn,
-                      mesh=mesh, platform=platform, offload=tuple(offload), rows=rows, batch=example_batch)
+                      mesh=mesh, platform=platform, rows=rows, batch=example_batch)
     sizes = mesh_sizes(mesh)
     if isinstance(model_or_state, nnx.Module):
         _, params, rest = nnx.split(model_or_state, nnx.Param, ...)
@@ -420,7 +415,7 @@ def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.Grad
         params=_flat_specs(pure_specs), stored=_flat_specs(zero.params), grads=_flat_specs(zero.grads),
         update=_flat_specs(zero.state),
         opt_state=_flat_specs(opt), rest=_flat_specs(rest_specs),
-        zero_axes=tuple(zero.axes), unsharded=tuple(zero.unsharded), offload=tuple(offload), shapes=shapes,
+        zero_axes=tuple(zero.axes), unsharded=tuple(zero.unsharded), shapes=shapes,
     )
 
 

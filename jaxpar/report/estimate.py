@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec
 
+from jaxpar.deprecation import OFFLOAD, RemovedAttribute, removed_keywords
 from jaxpar.nn.specs import itemsize
 from jaxpar.plan.train_plan import TrainPlan, flat_paths
 from jaxpar.strategy import spec_axes
@@ -38,6 +39,7 @@ from jaxpar.strategy import spec_axes
 PARTS = ("params", "grads", "opt_state", "activations")
 
 
+@removed_keywords("MemoryEstimate", {"host": lambda _: OFFLOAD}, error=ValueError)   # host offload: removed
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
     """Analytic bytes on one device, by what they hold.
@@ -49,7 +51,6 @@ class MemoryEstimate:
       activations: saved forward values for the backward pass; ``None`` when not estimated.
       zero_level: the plan's optimizer-parallel level.
       dtypes: the dtypes used, ``{"params", "grads", "opt_state"}`` (``"own"`` = each array's).
-      host: bytes kept in host memory instead (``plan.offload``), by part.
 
     ``total`` sums the four device parts (activations counted as 0 when ``None``).
     """
@@ -60,16 +61,16 @@ class MemoryEstimate:
     activations: int | None
     zero_level: int
     dtypes: Mapping[str, str]
-    host: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    host = RemovedAttribute(OFFLOAD)     # a field of 0.1.0 (bytes offloaded): host offload was removed
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.opt_state + (self.activations or 0)
 
     def summary(self) -> dict[str, Any]:
-        """JSON-friendly: the parts, the total, the level, dtypes and host bytes."""
+        """JSON-friendly: the parts, the total, the level and dtypes."""
         return {**{p: getattr(self, p) for p in PARTS}, "total": self.total, "zero_level": self.zero_level,
-                "dtypes": dict(self.dtypes), "host": dict(self.host)}
+                "dtypes": dict(self.dtypes)}
 
 
 def shard_elements(shape: tuple[int, ...], spec: PartitionSpec, sizes: Mapping[str, int]) -> int:
@@ -161,8 +162,6 @@ def estimate_memory(plan: TrainPlan, tx: optax.GradientTransformation, *, param_
     o_dtype = _check_dtype("opt_state_dtype", opt_state_dtype)
     parts = {"params": _param_bytes(plan, "stored", p_dtype), "grads": _param_bytes(plan, "grads", g_dtype),
              "opt_state": _opt_state_bytes(plan, tx, p_dtype, o_dtype)}
-    host = {part: parts[part] for part in ("params", "opt_state") if part in plan.offload}
-    device = {part: 0 if part in host else value for part, value in parts.items()}
-    return MemoryEstimate(**device, activations=None if activations is None else int(activations),
-                          zero_level=plan.zero_level, host=host,
+    return MemoryEstimate(**parts, activations=None if activations is None else int(activations),
+                          zero_level=plan.zero_level,
                           dtypes={"params": p_dtype or "own", "grads": g_dtype or "own", "opt_state": o_dtype or "own"})

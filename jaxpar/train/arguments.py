@@ -1,6 +1,5 @@
 """The Trainer's arguments checked before anything is opened: their types, the mesh against the
-config and the plan, the combinations `jaxpar.plan.check_combination` refuses, and the offload
-the plan carries."""
+config and the plan, and the combinations `jaxpar.plan.check_combination` refuses."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import optax
 from flax import nnx
 
 from jaxpar.config import ParallelConfig
-from jaxpar.optim import offload as host
 from jaxpar.plan import TrainPlan, check_combination
 from jaxpar.train.services import Placement, Services
 
@@ -60,14 +58,12 @@ def check_args(model, tx, loss_fn, config, mesh, plan, services, placement) -> N
                         "services=jaxpar.Services(checkpoint=jaxpar.CheckpointConfig(dir='ckpt'))")
     if not isinstance(placement, Placement):
         raise TypeError(f"Trainer: placement must be a jaxpar.Placement, got {type(placement).__name__}; e.g. "
-                        "placement=jaxpar.Placement(offload='opt_state')")
+                        "placement=jaxpar.Placement(donate=False)")
     for axis, size in config.mesh.items():
         if axis not in mesh.shape or (size != -1 and mesh.shape[axis] != size):
             raise ValueError(f"Trainer: config.mesh {config.mesh} does not match the mesh {dict(mesh.shape)}; "
                              "build the mesh with jaxpar.make_mesh(config)")
-    offload = tuple(plan.offload) if isinstance(plan, TrainPlan) else placement.offload
-    check_combination(config, model, loss_fn, mesh=mesh, platform=mesh.devices.flat[0].platform, offload=offload,
-                      who="Trainer")
+    check_combination(config, model, loss_fn, mesh=mesh, platform=mesh.devices.flat[0].platform, who="Trainer")
     if plan is not None:
         if not isinstance(plan, TrainPlan):
             raise TypeError(f"Trainer: plan must be a jaxpar.TrainPlan (or what jaxpar.auto.plan_for returns), got "
@@ -83,16 +79,3 @@ def check_args(model, tx, loss_fn, config, mesh, plan, services, placement) -> N
                              f"{differ}); pass config=plan.config, or make the plan from this config "
                              "(jaxpar.make_train_plan)")
 
-
-def check_offload(plan: TrainPlan | None, offload: tuple[str, ...], mesh) -> tuple[str, ...]:
-    """What the state keeps in host memory: the plan carries its own (``offload`` may only repeat
-    it); the devices must have a host memory space."""
-    if plan is not None:
-        if offload and set(offload) != set(plan.offload):
-            raise ValueError(f"Trainer: offload={offload} but the plan offloads {plan.offload}; drop "
-                             "offload= (the plan's is used) or make the plan with this offload")
-        offload = tuple(plan.offload)
-    if offload and not host.host_memory_available(mesh):
-        raise ValueError(f"Trainer: offload={offload} needs a '{host.HOST}' memory space, which "
-                         f"{mesh.devices.flat[0].platform} devices here do not have; drop offload")
-    return offload

@@ -24,7 +24,7 @@ from jaxpar.optim import fusion
 from jaxpar.plan import IdleAxisWarning, TrainPlan, state_shardings
 from jaxpar.report.stage_collectives import checked_step
 from jaxpar.strategy import recording_axes, recording_rules, spec_axes
-from jaxpar.train.step import Setting, build_eval, build_grads, build_step, enter
+from jaxpar.train.step import Setting, build_eval, build_grads, build_step
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")   # what Trainer.lower(platform=) may lower for
 
@@ -103,8 +103,7 @@ class Programs:
 
             # keep_unused: a state leaf the step only overwrites (a counter of the model's) would be
             # pruned from the program's inputs, and donation would then alias the next input of the
-            # same shape and dtype to its output, whatever its memory kind: with the optimizer state
-            # on the host, Adam's count (pinned_host) to that leaf's output (device), a runtime error
+            # same shape and dtype to its output instead of its own
             fn = jax.jit(flat_step, in_shardings=(s_sh, b_sh, *r_sh), out_shardings=(s_sh, None, *r_sh),
                          donate_argnums=(0,) if self.donate else (), keep_unused=True,
                          compiler_options=fusion.compiler_options(self.plan.config.comm_fusion,
@@ -226,7 +225,7 @@ class Programs:
         grads = build_grads(s, self.loss_fn, self.global_view(placed))
         sh = state_shardings(self.plan, self.mesh, state)
         b_sh = jax.tree.map(lambda x: x.sharding, placed)
-        fn = jax.jit(lambda p, r, b: grads(enter(s, p), r, b)[3], in_shardings=(sh.params, sh.rest, b_sh),
+        fn = jax.jit(lambda p, r, b: grads(p, r, b)[3], in_shardings=(sh.params, sh.rest, b_sh),
                      out_shardings=s.shardings(s.zero.grads))
         return fn.lower(state.params, state.rest, placed)
 

@@ -18,8 +18,8 @@ import dataclasses
 import os
 from typing import Any
 
+from jaxpar.deprecation import OFFLOAD, removed_keywords
 from jaxpar.metrics import MetricsConfig, check_profile_steps
-from jaxpar.optim import offload as host
 
 RESUME = ("newest", "newest_intact")
 NONFINITE = ("stop", "skip")
@@ -166,17 +166,15 @@ class Services:
 HOOK_METHODS = ("on_start", "before_step", "after_step", "on_close")
 
 
+@removed_keywords("Placement", {"offload": lambda _: OFFLOAD}, error=ValueError)   # host offload: removed
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Placement:
     """Where the state lives between steps and how batches arrive.
 
-    >>> Placement(offload="opt_state").offload
-    ('opt_state',)
+    >>> Placement(donate=False).donate
+    False
     """
 
-    offload: str | tuple[str, ...] = ()
-    """``"opt_state"`` and/or ``"params"`` kept in host memory between steps (a plan given to the
-    Trainer carries its own: this may only repeat it)."""
     donate: bool = True
     """The step reuses the state's device buffers (the model's arrays are the Trainer's from then on)."""
     global_batch: bool | None = None
@@ -184,7 +182,6 @@ class Placement:
     passes its own rows."""
 
     def __post_init__(self):
-        object.__setattr__(self, "offload", host.check_targets(self.offload))
         if not isinstance(self.donate, bool):
             raise TypeError(f"Placement: donate={self.donate!r} must be True or False")
         if self.global_batch is not None and not isinstance(self.global_batch, bool):
@@ -194,7 +191,7 @@ class Placement:
 # ------------------------------------------------------------------ former keywords
 CHECKPOINT_KEYWORDS = {"save_every": 0, "keep": 3, "resume": "newest", "preemption": True}   # 0.1.0's defaults
 SERVICE_KEYWORDS = ("checkpoint_dir", *CHECKPOINT_KEYWORDS, "nonfinite", "metrics", "profile_steps")
-PLACEMENT_KEYWORDS = ("offload", "donate", "global_batch")
+PLACEMENT_KEYWORDS = ("donate", "global_batch")
 
 
 def former_keywords(init):
@@ -204,7 +201,7 @@ def former_keywords(init):
     import functools
     import inspect
 
-    from jaxpar.deprecation import KEYWORDS, warn_renamed
+    from jaxpar.deprecation import KEYWORDS, Removed, refusal, warn_renamed
 
     entries = KEYWORDS["Trainer"]
 
@@ -212,6 +209,8 @@ def former_keywords(init):
     def __init__(self, *args, **kwargs):
         former = {k: kwargs.pop(k) for k in list(kwargs) if k in entries}
         for k in former:
+            if isinstance(entries[k], Removed):     # offload=: host offload was removed
+                raise ValueError(refusal(f"Trainer({k}={former[k]!r})", entries[k]))
             warn_renamed(f"Trainer({k}=...)", entries[k], stacklevel=2)
         if former:
             kwargs = _fold(former, kwargs, args)
@@ -245,8 +244,7 @@ def _fold(former: dict, kwargs: dict, args: tuple) -> dict:
         kwargs["services"] = Services(checkpoint=checkpoint, nonfinite=former.get("nonfinite", "stop"),
                                       metrics=former.get("metrics"), profile=former.get("profile_steps"))
     if any(k in former for k in PLACEMENT_KEYWORDS):
-        kwargs["placement"] = Placement(offload=former.get("offload", ()), donate=former.get("donate", True),
-                                        global_batch=former.get("global_batch"))
+        kwargs["placement"] = Placement(donate=former.get("donate", True), global_batch=former.get("global_batch"))
     batch = former.get("example_batch")
     config = args[3] if len(args) > 3 else kwargs.get("config")
     if batch is not None and kwargs.get("plan") is None and getattr(config, "mode", None) == "auto":
@@ -254,12 +252,10 @@ def _fold(former: dict, kwargs: dict, args: tuple) -> dict:
 
         model, tx, loss_fn, _, mesh = (list(args) + [kwargs.get(k) for k in ("model", "tx", "loss_fn", "config",
                                                                              "mesh")][len(args):])[:5]
-        offload = kwargs["placement"].offload if kwargs.get("placement") is not None else ()
         # the search lives in jaxpar.auto, after this package in the data flow: reached by name, as
         # the deprecation table reaches every replacement, for this former keyword's release only
         plan_for = resolve("jaxpar.auto:plan_for")
-        kwargs["plan"] = plan_for(model, _as_transformation(tx), loss_fn, config, mesh, example_batch=batch,
-                                  offload=offload)
+        kwargs["plan"] = plan_for(model, _as_transformation(tx), loss_fn, config, mesh, example_batch=batch)
     return kwargs
 
 

@@ -35,12 +35,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.data import part_shapes
 from jaxpar.nn import fp8
-from jaxpar.nn.blocks import recompute_paths, recomputed_loss, stacked_blocks
+from jaxpar.nn.blocks import recompute_paths, recomputed_loss
 from jaxpar.nn.moe import MoEMetric, moe_metrics
 from jaxpar.optim import accumulate, fusion
-from jaxpar.nn.stream import streamed_loss
-from jaxpar.optim.offload import in_host_memory, land, to_device
-from jaxpar.optim.zero import gather_params, mirrored, param_index, reduce_gradients
+from jaxpar.optim.zero import gather_params, reduce_gradients
 from jaxpar.pipeline.model import pipelined
 from jaxpar.pipeline.stages import StagedLoss
 from jaxpar.plan.state import TrainState, sharded_tx
@@ -62,10 +60,6 @@ class Setting:
         self.precision = plan.precision
         # MoE layers record routing figures the step returns with its metrics (`record_moe`)
         self.moe = bool(jax.tree.leaves(nnx.state(nnx.merge(graphdef, params_like, rest_like), MoEMetric)))
-        self.streamed = _streamed_blocks(plan, nnx.merge(graphdef, params_like, rest_like))
-        # per parameter leaf: whether a streamed block holds it (stays in host memory in the step)
-        self.in_stream = jax.tree_util.tree_map_with_path(
-            lambda path, _: any(_in_block(path, b) for b in self.streamed), params_like)
         self.rows = rows_like       # shapes of the pulled rows (None: the model holds every parameter)
         # Replicated unless the source placed them (a job of several processes: each process's block)
         self.row_specs = row_specs if rows_like is None or row_specs is not None else \
@@ -147,11 +141,6 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
     # Recompute goes on each of the model's blocks (the scan body, or each layer), in the
     # pipeline's stages too: around the whole loss XLA keeps a scan's stacked activations.
     # A model without blocks keeps the whole-loss recompute below (`whole`: its policy).
-    # offload="params": the stacked layers come into device memory one at a time inside the
-    # scan (`jaxpar.nn.stream`). Wrapped before recompute, so the recompute's class swap runs
-    # first and the streamed block makes one checkpoint of both policies (`policy_for`): the
-    # fetched parameters are never saved, whatever the recompute policy saves.
-    loss_fn = stream(s, loss_fn)
     loss_fn, whole = recompute_blocks(s, loss_fn, plan.remat, order)
     # MoE routing figures leave the model loss beside its aux: every wrapper below carries
     # them as it carries aux (accumulation and multi-copy average them over the parts, and
@@ -178,7 +167,7 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
         # shards), and inside differentiate, so gradients come back in the stored dtype and
         # the update lands on the master weights.
         loss = cast(s, loss)
-        grads = reduce_in(s, land_grads(s, differentiate(loss)))
+        grads = reduce_in(s, differentiate(loss))
     # Accumulation scans everything above over k micro-batches; the running sum is kept in
     # the ZeRO gradient layout (sharded from level 2) and the reduce dtype; the optimizer
     # then gets the gradients in the stored dtype.
@@ -197,10 +186,10 @@ def build_eval(s: Setting, loss_fn: Callable, batch) -> Callable:
     """``(TrainState, batch) -> loss``: the forward of the chain, no gradients, the model in
     evaluation mode (`Setting.evaluating`: dropout off, batch norm on its running statistics)."""
     s = s.evaluating()
-    loss = cast(s, gather(s, merge(s, stream(s, pipeline(s, loss_fn)), batch)))
+    loss = cast(s, gather(s, merge(s, pipeline(s, loss_fn), batch)))
 
     def evaluate(state: TrainState, batch, *rows):
-        return loss(s.join(enter(s, state.params), rows), state.rest, batch)[0]
+        return loss(s.join(state.params, rows), state.rest, batch)[0]
 
     return evaluate
 
@@ -215,15 +204,6 @@ def pipeline(s: Setting, loss_fn: Callable) -> Callable:
     specs = nnx.merge(s.graphdef, s.plan.specs("params", s.params_like), s.rest_specs)
     return pipelined(loss_fn, s.plan.config, s.mesh, specs=specs, schedule=s.plan.schedule,
                      layout=s.plan.batch_layout)
-
-
-def stream(s: Setting, loss_fn: Callable) -> Callable:
-    """``offload="params"`` on a model with stacked (scanned) blocks: each block fetches its
-    layer's parameters into device memory where it runs, cast to the compute dtype
-    (`jaxpar.nn.stream`); the stacked arrays stay in host memory through the step."""
-    if not s.streamed:
-        return loss_fn
-    return streamed_loss(loss_fn, s.streamed, s.precision.compute if s.precision is not None else None)
 
 
 def merge(s: Setting, loss_fn: Callable, batch) -> Callable:
@@ -345,9 +325,7 @@ def cast(s: Setting, loss: Callable) -> Callable:
 
     def cast_loss(params, rest, batch):
         with fp8.matmuls(kind):     # the model's projections in fp8 where the preset asks (jaxpar.nn.fp8)
-            # streamed layers stay in host memory: they are cast where they are fetched (`stream`)
-            on_device = jax.tree.map(lambda x: x if in_host_memory(x) else cast_floats(x, dtype), params)
-            value, (aux, new_rest) = loss(on_device, rest, cast_floats(batch, dtype))
+            value, (aux, new_rest) = loss(cast_floats(params, dtype), rest, cast_floats(batch, dtype))
         return value.astype(jnp.float32), (aux, cast_like(new_rest, rest))
 
     return cast_loss
@@ -358,33 +336,6 @@ def _map_grads(grads: Callable, fn: Callable) -> Callable:
     def compute(params, rest, batch):
         loss, aux, rest, g = grads(params, rest, batch)
         return loss, aux, rest, fn(g, params)
-
-    return compute
-
-
-def land_grads(s: Setting, grads: Callable) -> Callable:
-    """Streamed layers: their gradients, which the backward sends to host memory layer by layer
-    (the transpose of each fetch), back in device memory, where the reductions and the update run.
-    A loss that reads a streamed parameter outside its block (a penalty on the weights, a tied
-    weight) reads it in host memory: refused, naming the blocks and the fixes."""
-    if not s.streamed:
-        return grads
-
-    def compute(params, rest, batch):
-        try:
-            loss, aux, rest, g = grads(params, rest, batch)
-        except ValueError as e:
-            if "<host>" not in str(e):
-                raise
-            raise ValueError(
-                f"offload='params' keeps the parameters of the scanned blocks {list(s.streamed)} in host memory and "
-                f"brings each layer into device memory where its block runs (jaxpar.nn.stream); a value in host "
-                f"memory met one in device memory ({str(e).splitlines()[0]}), most likely because the loss reads a "
-                f"streamed parameter outside its block's __call__ (a penalty on the weights, a tied or shared "
-                f"weight). Read it inside the block (e.g. return the penalty from the block), offload only the "
-                f"optimizer state (offload=('opt_state',)), or run the layers unrolled, whose parameters come in "
-                f"where the step starts") from e
-        return loss, aux, rest, land(g)
 
     return compute
 
@@ -463,88 +414,6 @@ def accumulate_grads(s: Setting, grads: Callable, k: int, micro, *,
                                        dtype=s.precision.reduce if s.precision is not None else None)
 
 
-def enter(s: Setting, params):
-    """Host-offloaded parameters into device memory, where the step starts using them; the
-    layers a scan streams (`stream`) stay in host memory."""
-    if "params" not in s.plan.offload:
-        return params
-    shardings = s.plan.shardings("stored", s.params_like, s.mesh)
-    return jax.tree.map(lambda x, sh, streamed: x if streamed else jax.device_put(x, sh.with_memory_kind("device")),
-                        params, shardings, s.in_stream)
-
-
-def arrive_streamed(s: Setting, params, grads):
-    """The streamed layers' parameters into device memory for the update, each behind its own
-    gradient (as `arrive_after` brings the optimizer state), not at the start of the step."""
-    if not s.streamed:
-        return params
-    def arrive(x, g, sh, streamed):
-        if not streamed:
-            return x
-        return jax.device_put(jax.lax.optimization_barrier((g, x))[1], sh.with_memory_kind("device"))
-
-    return jax.tree.map(arrive, params, grads, s.plan.shardings("stored", s.params_like, s.mesh), s.in_stream)
-
-
-def _streamed_blocks(plan, model) -> tuple[str, ...]:
-    """The blocks whose parameters `stream` fetches layer by layer: stacked blocks of a model whose
-    parameters are offloaded, where the loss runs as one program on the stored layout (not in a
-    pipeline, whose stages run the layers; not per device (hybrid); not under ZeRO-3, whose gather
-    to the compute layout would run on the host arrays); none otherwise (the parameters come in
-    where the step starts)."""
-    if ("params" not in plan.offload or plan.loss_runs == "per_device" or plan.pipeline.stages > 1
-            or plan.zero_level >= 3):
-        return ()
-    stacked = stacked_blocks(model)
-    if not stacked:
-        return ()
-    # a block whose "layers" axis is split over devices (a rule for "layers") is not sliced one
-    # layer per device in the scan: its parameters come in where the step starts
-    specs = jax.tree_util.tree_flatten_with_path(plan.specs("stored", nnx.state(model, nnx.Param)), is_leaf=_is_spec)[0]
-    split = [path for path, spec in specs if len(spec) and spec[0] is not None]
-    return tuple(b for b in stacked if not any(_in_block(path, b) for path in split))
-
-
-def _in_block(path, block: str) -> bool:
-    """Whether the state leaf at ``path`` (a pytree key path) lies in the module at ``block``."""
-    prefix = tuple(block.split("/"))
-    keys = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-    return keys[:len(prefix)] == prefix
-
-
-def arrive_after(s: Setting, opt_state, grads):
-    """Host-offloaded optimizer state into device memory as the gradients come, not before.
-
-    Without an order XLA may schedule the copies at the start of the step, and the device then
-    holds the state through the forward and backward, where the peak is (measured on an H200:
-    no lower peak than without offload). Here each state leaf that mirrors a parameter (Adam's
-    moments) goes through an optimization barrier with that parameter's gradient, so its copy
-    starts once the backward has produced it (the last layers' first, while the backward goes on)
-    and its update can follow at once. Scalars (step counters) come in unordered: they free no
-    memory by waiting, and every parameter's update reads them (Adam's bias correction), so one
-    behind every gradient would hold every update back until the backward ends. Other leaves
-    that mirror no parameter (e.g. factored statistics) wait for every gradient. The updated
-    state leaves through the step's ``out_shardings``."""
-    return to_device(waiting_for(opt_state, grads), s.plan.shardings("opt_state", opt_state, s.mesh))
-
-
-def waiting_for(opt_state, grads):
-    """``opt_state`` with each leaf behind an optimization barrier with its parameter's gradient
-    (found by path and shape), or with every gradient where it mirrors no parameter; scalars
-    that mirror no parameter (step counters) as they are (see `arrive_after`)."""
-    index = param_index(grads, jax.tree.leaves(grads))
-
-    def arrive(path, x):
-        g = mirrored(path, jnp.shape(x), index)
-        if g is not None:
-            return jax.lax.optimization_barrier((g, x))[1]
-        if jnp.ndim(x) == 0:      # a counter: every update reads it, and holding it back frees nothing
-            return x
-        return jax.lax.optimization_barrier((grads, x))[1]
-
-    return jax.tree_util.tree_map_with_path(arrive, opt_state)
-
-
 def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, skip_nonfinite: bool = False
            ) -> Callable:
     """One optimizer update after ``grads``; the step counter advances on the device.
@@ -558,18 +427,12 @@ def update(s: Setting, grads: Callable, tx: optax.GradientTransformation, *, ski
 
     With pulled rows (``s.rows``) the step takes them after the batch and returns their
     gradients after the metrics (zeros for a skipped step); the gradient norm covers both."""
-    offload_state = "opt_state" in s.plan.offload
-
     def step(state: TrainState, batch, *rows):
-        params = enter(s, state.params)
-        opt_state = state.opt_state
+        params, opt_state = state.params, state.opt_state
         loss, aux, rest, g = grads(s.join(params, rows), state.rest, batch)
         aux, routing = aux if s.moe else (aux, None)
         norm = optax.tree.norm(g)
         g, row_grads = s.split(g)
-        params = arrive_streamed(s, params, g)
-        if offload_state:
-            opt_state = arrive_after(s, opt_state, g)
         updates, new_opt_state = tx.update(g, opt_state, params)
         new_params = optax.apply_updates(params, updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm)

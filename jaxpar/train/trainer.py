@@ -20,18 +20,18 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jaxpar.deprecation import Removed, RemovedAttribute
+from jaxpar.deprecation import OFFLOAD, Removed, RemovedAttribute
 from jaxpar.config import ParallelConfig
 from jaxpar.metrics import progress_text
 from jaxpar.nn.specs import declared_names
 from jaxpar.plan import TrainPlan, TrainState, check_data, init_state, make_train_plan
-from jaxpar.train.arguments import NO_PLAN, check_args, check_offload, plan_and_record, transformation
+from jaxpar.train.arguments import NO_PLAN, check_args, plan_and_record, transformation
 from jaxpar.train import checkpointing
 from jaxpar.train.hooks import EveryHook, Preempted, running
 from jaxpar.train.programs import Programs
 from jaxpar.train.rows import RowPath, check_rows
 from jaxpar.train.services import Placement, Services, former_keywords
-from jaxpar.train.watch import Window, check_until, flush, tokens_per_step
+from jaxpar.train.watch import Window, check_until, flush, next_batch, tokens_per_step
 
 
 class Trainer:
@@ -53,7 +53,7 @@ class Trainer:
     (resumed at construction; with preemption, a SIGTERM saves at the next step boundary and
     raises `Preempted`, exit code 0), the non-finite policy, metrics, the profile window and the
     user's hooks (docs/reliability.md, docs/metrics.md). ``placement``: a `jaxpar.Placement` —
-    offload, donation, per-process batches. ``rows``: a row source (`jaxpar.ps.HostRows`,
+    donation, per-process batches. ``rows``: a row source (`jaxpar.ps.HostRows`,
     `jaxpar.ps.ServerRows`) for embedding rows the model does not hold: pulled before each step,
     their gradients pushed after it, their tables kept with the checkpoints (`jaxpar.train.rows`).
     ``pipeline.stages > 1`` needs ``loss_fn`` as a ``jaxpar.pipeline.PipelineLoss``. Saves in
@@ -78,16 +78,15 @@ class Trainer:
             self.row_path = None if rows is None else RowPath(rows, mesh)
             self.mesh, self.tx, self.loss_fn = mesh, tx, loss_fn
             self.global_batch = jax.process_count() == 1 if placement.global_batch is None else placement.global_batch
-            self._offload = check_offload(plan, placement.offload, mesh)
             self._hooks = services.build()     # opens the checkpoint directory: a bad one is refused before planning
             self._preemption = self.service("preemption")
             if plan is None:                  # the Trainer makes the config's plan; it never searches
                 if config.mode == "auto":
                     raise ValueError(NO_PLAN)
-                plan = make_train_plan(config, mesh, model, tx, offload=self._offload, loss_fn=loss_fn)
+                plan = make_train_plan(config, mesh, model, tx, loss_fn=loss_fn)
             self.plan = plan
             self._leaves, self._treedef, self._data, self._state_view = None, None, {}, None
-            self._steps, self.save_s, self.fitting, self.last_batch = 0, 0.0, False, None
+            self._steps, self.save_s, self.data_wait_s, self.fitting, self.last_batch = 0, 0.0, 0.0, False, None
             self.flops_per_token = getattr(model, "flops_per_token", None)   # model FLOPs per token (MFU)
             nonfinite = self.service("nonfinite")
             self.programs = Programs(plan, mesh, None, loss_fn, tx, state=lambda: (self._state, self._treedef),
@@ -261,7 +260,7 @@ class Trainer:
                 self.save_s, window = 0.0, Window()
                 for i in range(steps):
                     try:
-                        batch = next(it)
+                        batch = next_batch(self, it)
                     except StopIteration:
                         flush(self, window, history, callback, watcher)
                         raise ValueError(f"Trainer.fit: the batches ran out after {i} of {steps} steps; the "
@@ -348,7 +347,7 @@ class Trainer:
     config = property(lambda self: self.plan.config, doc="The config the plan realises (searched: semi_auto).")
     params = property(lambda self: self.state.params)
     opt_state = property(lambda self: self.state.opt_state)
-    offload = property(lambda self: self._offload, doc="What the state keeps in host memory between steps.")
+    offload = RemovedAttribute(OFFLOAD)    # a property of 0.1.0: host offload was removed
     compute_specs = property(lambda self: self.plan.specs("params", self.params),
                              doc="Where parameters are used (the plan's compute specs).")
     param_specs = property(lambda self: self.plan.specs("stored", self.params),
@@ -384,13 +383,9 @@ class Trainer:
 
     @property
     def model(self) -> nnx.Module:
-        """The model with the current parameters, in device memory (with ``offload="params"`` a
-        device copy of those the Trainer keeps on the host: each read makes one, read it once)."""
+        """The model with the current parameters."""
         state = self.state
-        params = state.params
-        if "params" in self._offload:
-            params = jax.tree.map(lambda x: jax.device_put(x, x.sharding.with_memory_kind("device")), params)
-        return nnx.merge(self.graphdef, params, state.rest)
+        return nnx.merge(self.graphdef, state.params, state.rest)
 
 
 def _call(hook, method: str, *args) -> None:
