@@ -50,7 +50,8 @@ def test_a_run_writes_its_ledger_and_the_causes_add_up_to_the_wall_time(tmp_path
     assert [r["event"] for r in records][0] == "start" and records[-1]["event"] == "end"
     windows = [r for r in records if r["event"] == "steps"]
     assert [(w["first"], w["last"]) for w in windows] == [(1, 1), (2, 2), (3, 4), (5, 6), (7, 7), (8, 8)]
-    assert windows[0]["compile_s"] > 0.05      # the first step compiles
+    # the first step compiles (or loads from the persistent cache); the others run what it made
+    assert windows[0]["compile_s"] > 0 and all(w["compile_s"] < windows[0]["compile_s"] / 2 for w in windows[1:])
     assert sum(w["data_s"] for w in windows) >= 0.9 * 6 * 0.1
     summary = summarize(tmp_path / "run")
     seconds = summary["seconds"]

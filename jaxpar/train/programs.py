@@ -7,6 +7,7 @@ per-step host path is a dictionary lookup, one ``device_put`` and the dispatch.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from collections.abc import Callable
@@ -39,24 +40,36 @@ class Program:
         self.row_shardings = row_shardings      # where the step takes pulled rows (None: no row source)
 
 
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How a Trainer's compiled step runs: ``donate`` the state's buffers to the step;
+    ``global_batch``: every process passes the whole global batch (False: its own rows);
+    ``skip_nonfinite``: a step whose loss or gradients are not finite leaves the state as it was;
+    ``rule_names``: the logical names the model declares, and ``model_name`` its class's name,
+    for the check that every rule of the config names one of them."""
+
+    donate: bool = True
+    global_batch: bool = True
+    skip_nonfinite: bool = False
+    rule_names: frozenset = frozenset()
+    model_name: str = "model"
+
+
 class Programs:
     """The cache of compiled programs of one plan on one mesh.
 
     ``state()`` gives ``(TrainState, treedef of its flat leaves)`` when a program is built (only
-    then: a step never rebuilds the state's pytree). ``rows``: the row source's path or None.
+    then: a step never rebuilds the state's pytree). ``rows``: the row source's path or None;
+    ``options``: how the step runs (`StepOptions`).
 
     >>> programs = Programs(plan, mesh, graphdef, loss_fn, tx, state=lambda: (state, treedef))  # doctest: +SKIP
     >>> program, leaves = programs.get(batch)                                                  # doctest: +SKIP
     """
 
     def __init__(self, plan: TrainPlan, mesh, graphdef, loss_fn: Callable, tx, *, state: Callable[[], tuple],
-                 leaves: Callable[[], list],
-                 donate: bool = True, global_batch: bool = True, skip_nonfinite: bool = False, rows=None,
-                 rule_names: set = frozenset(), model_name: str = "model"):
+                 leaves: Callable[[], list], rows=None, options: StepOptions = StepOptions()):
         self.plan, self.mesh, self.graphdef, self.loss_fn, self.tx = plan, mesh, graphdef, loss_fn, tx
-        self.state, self.leaves, self.rows = state, leaves, rows
-        self.donate, self.global_batch, self.skip_nonfinite = donate, global_batch, skip_nonfinite
-        self.rule_names, self.model_name = rule_names, model_name
+        self.state, self.leaves, self.rows, self.options = state, leaves, rows, options
         self.cache: dict = {}
         self.idle_checked = False     # idle mesh axes: warned of once, at the first traced train step
 
@@ -94,7 +107,7 @@ class Programs:
         setting = self.setting(*(self.rows.abstract(rows, r_sh[0]) if r_sh else ()))
         if kind == "train":
             step = self._checking_rules(build_step(setting, self.loss_fn, self.tx, shapes,
-                                                   skip_nonfinite=self.skip_nonfinite), r_sh)
+                                                   skip_nonfinite=self.options.skip_nonfinite), r_sh)
 
             def flat_step(state_leaves, batch_leaves, *rows):
                 state, metrics, *row_grads = step(jax.tree.unflatten(state_def, state_leaves),
@@ -105,7 +118,7 @@ class Programs:
             # pruned from the program's inputs, and donation would then alias the next input of the
             # same shape and dtype to its output instead of its own
             fn = jax.jit(flat_step, in_shardings=(s_sh, b_sh, *r_sh), out_shardings=(s_sh, None, *r_sh),
-                         donate_argnums=(0,) if self.donate else (), keep_unused=True,
+                         donate_argnums=(0,) if self.options.donate else (), keep_unused=True,
                          compiler_options=fusion.compiler_options(self.plan.config.comm_fusion,
                                                                   self.mesh.devices.flat[0].platform) or None)
         else:
@@ -129,7 +142,8 @@ class Programs:
             if all(type(x) is np.ndarray for x in leaves):
                 return leaves
             return jax.device_put(leaves, program.shardings)
-        return jax.tree.leaves(place_batch(self.plan.config, self.mesh, batch, global_batch=self.global_batch))
+        return jax.tree.leaves(place_batch(self.plan.config, self.mesh, batch,
+                                           global_batch=self.options.global_batch))
 
     def place(self, batch):
         """A host batch on the mesh by ``dataset_strategy`` (with rows: the batch the step gets,
@@ -167,7 +181,7 @@ class Programs:
         def traced(*args):
             with recording_rules() as seen, recording_axes() as used:
                 out = step(*args)
-            check_rules_used(self.plan.config, self.rule_names | seen, self.model_name)
+            check_rules_used(self.plan.config, self.options.rule_names | seen, self.options.model_name)
             if not self.idle_checked:
                 self.idle_checked = True
                 used.update(a for sh in jax.tree.leaves(row_shardings) for e in sh.spec for a in spec_axes(e))
@@ -182,7 +196,7 @@ class Programs:
         the global batch has those rows times the process count, and they are checked against
         the batch shards this process's devices hold, not against the whole mesh
         (`jaxpar.data.process_view`; ``training``: cut into the step's parts)."""
-        if jax.process_count() > 1 and not self.global_batch:
+        if jax.process_count() > 1 and not self.options.global_batch:
             return process_view(self.plan.config, self.mesh, batch, training=training)
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)), batch)
 

@@ -28,7 +28,7 @@ from jaxpar.plan import TrainPlan, TrainState, check_data, init_state, make_trai
 from jaxpar.train.arguments import NO_PLAN, check_args, plan_and_record, transformation
 from jaxpar.train import checkpointing
 from jaxpar.train.hooks import EveryHook, Preempted, running
-from jaxpar.train.programs import Programs
+from jaxpar.train.programs import Programs, StepOptions
 from jaxpar.train.rows import RowPath, check_rows
 from jaxpar.train.services import Placement, Services, former_keywords
 from jaxpar.train.watch import Window, check_until, flush, next_batch, tokens_per_step
@@ -89,12 +89,12 @@ class Trainer:
             self._steps, self.save_s, self.data_wait_s, self.fitting, self.last_batch = 0, 0.0, 0.0, False, None
             self.flops_per_token = getattr(model, "flops_per_token", None)   # model FLOPs per token (MFU)
             nonfinite = self.service("nonfinite")
+            options = StepOptions(donate=placement.donate, global_batch=self.global_batch,
+                                  skip_nonfinite=nonfinite is not None and nonfinite.policy == "skip",
+                                  rule_names=frozenset(declared_names(plan.config, nnx.state(model))),
+                                  model_name=type(model).__name__)
             self.programs = Programs(plan, mesh, None, loss_fn, tx, state=lambda: (self._state, self._treedef),
-                                     leaves=lambda: self._leaves, donate=placement.donate,
-                                     global_batch=self.global_batch, rows=self.row_path,
-                                     skip_nonfinite=nonfinite is not None and nonfinite.policy == "skip",
-                                     rule_names=declared_names(plan.config, nnx.state(model)),
-                                     model_name=type(model).__name__)
+                                     leaves=lambda: self._leaves, rows=self.row_path, options=options)
             self.graphdef, state = init_state(plan, mesh, model, tx)
             self.programs.graphdef = self.graphdef
             self._set(state)
