@@ -10,6 +10,8 @@ The lines (``"37+5=42"``) are learnable, so the loss visibly falls within a few 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 VOCAB = "\n0123456789+-*= "   # 16 symbols: divides evenly over 2, 4, 8 or 16 devices
@@ -31,6 +33,15 @@ def encode(text: str) -> np.ndarray:
     return np.array([table[c] for c in text], dtype=np.int32)
 
 
+@functools.lru_cache(maxsize=8)
+def corpus_tokens(lines: int, seed: int) -> np.ndarray:
+    """The encoded corpus of ``lines`` lines from ``seed``, made once per process (read-only:
+    every `ArithmeticData` of the same corpus shares it)."""
+    tokens = encode(arithmetic_text(lines, seed))
+    tokens.flags.writeable = False
+    return tokens
+
+
 def decode(ids) -> str:
     return "".join(VOCAB[int(i)] for i in ids)
 
@@ -41,7 +52,7 @@ class ArithmeticData:
     def __init__(self, seq_len: int, seed: int = 0, lines: int = 20000):
         self.seq_len = seq_len
         self.seed = seed
-        self.tokens = encode(arithmetic_text(lines, seed))
+        self.tokens = corpus_tokens(lines, seed)
 
     def batch(self, batch_size: int, step: int) -> dict[str, np.ndarray]:
         """The global batch for ``step`` (same on every process)."""
