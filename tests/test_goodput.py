@@ -69,7 +69,8 @@ def test_a_restart_from_an_older_step_counts_the_steps_done_again(tmp_path):
         assert again.step_count == 4
         again.fit((_batch(i) for i in range(4, 8)), 4, log_every=1, progress=False)
     summary = summarize(tmp_path / "run")
-    assert summary["restarts"] == 1 and [life["resumed_from"] for life in summary["lives"]] == [0, 4]
+    # two Trainers of one process: two lives, no restart of a process
+    assert summary["restarts"] == 0 and [life["resumed_from"] for life in summary["lives"]] == [0, 4]
     first = [r for r in _ledger(tmp_path) if r["event"] == "steps"][4]
     assert first["first"] == first["last"] == 5
     assert summary["seconds"]["recomputed"] == pytest.approx(first["productive_s"])
@@ -87,13 +88,13 @@ def test_the_summary_of_a_ledger_with_a_kill_a_restart_and_a_torn_line(tmp_path)
         return {"event": "steps", "time": t, "first": first, "last": last, "wall_s": wall, "compile_s": compile_s,
                 "data_s": data, "checkpoint_s": ckpt, "productive_s": wall - compile_s - data - ckpt}
     _write(tmp_path, [
-        {"event": "start", "time": 2.0, "process_start": 0.0, "step": 0},
+        {"event": "start", "time": 2.0, "process_start": 0.0, "step": 0, "pid": 10},
         window(14.0, 1, 1, 4.0, compile_s=3.0),            # startup 0..10, then compile
         window(24.0, 2, 10, 10.0, data=1.0, ckpt=1.0),      # killed after step 10
-        {"event": "start", "time": 31.0, "process_start": 30.0, "step": 6},     # resumed at 6: 7..10 again
+        {"event": "start", "time": 31.0, "process_start": 30.0, "step": 6, "pid": 11},   # resumed at 6: 7..10 again
         window(40.0, 7, 10, 8.0, compile_s=2.0),
         window(44.0, 11, 12, 2.0),                          # 2 s of "other" between the windows
-        {"event": "end", "time": 45.0, "step": 12}], torn=True)
+        {"event": "end", "time": 45.0, "step": 12, "pid": 11}], torn=True)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "mfu": m}) + "\n"
                                                     for s, m in ((1, 0.1), (2, 0.4), (4, 0.5), (6, 0.6))))
     s = summarize(tmp_path)
@@ -129,6 +130,58 @@ def test_the_command_prints_the_table_writes_a_plot_and_refuses_a_bad_directory(
     assert main(["goodput", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert "RUN_DIR" in err and "is not a directory" in err and "Traceback" not in err
+    (tmp_path / "a_file").write_text("")
+    assert main(["goodput", str(tmp_path / "run"), "--plot", str(tmp_path / "a_file" / "g.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--plot" in err and "cannot be written" in err and "Traceback" not in err
     (tmp_path / "empty").mkdir()
     assert main(["goodput", str(tmp_path / "empty")]) == 2
     assert "goodput.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_a_later_life_resuming_further_back_makes_earlier_steps_recomputed_too(tmp_path):
+    def life(pid, born, step, windows):
+        return [{"event": "start", "time": born, "process_start": born, "step": step, "pid": pid}] + [
+            {"event": "steps", "time": t, "first": a, "last": b, "wall_s": w, "compile_s": 0.0, "data_s": 0.0,
+             "checkpoint_s": 0.0, "productive_s": w} for t, a, b, w in windows]
+    _write(tmp_path, life(1, 0.0, 0, [(10.0, 1, 10, 10.0)]) + life(2, 11.0, 6, [(16.0, 7, 12, 5.0)])
+           + life(3, 17.0, 4, [(25.0, 5, 12, 8.0)]) + [{"event": "end", "time": 25.0, "step": 12, "pid": 3},
+                                                        {"event": "start", "time": "x", "step": 0},   # not a record
+                                                        {"event": "end", "time": 26.0}])
+    s = summarize(tmp_path)
+    # life 1: steps 5..10 done again (life 3 resumed at 4); life 2: all of 7..12 (6 of 6 steps)
+    assert s["seconds"]["recomputed"] == pytest.approx(6.0 + 5.0)
+    assert s["restarts"] == 2 and s["seconds"]["restart"] == pytest.approx(1.0 + 1.0)
+    assert s["unreadable_lines"] == 2 and s["lives"][-1]["clean_end"]
+    assert sum(s["seconds"].values()) == pytest.approx(s["wall_s"]) and s["wall_s"] == 25.0
+
+
+def test_fit_between_two_loops_over_step_is_counted_once(tmp_path):
+    with _trainer(tmp_path) as trainer:
+        for i in range(2):
+            trainer.step(_batch(i))
+        trainer.fit((_batch(i) for i in range(2, 8)), 6, log_every=3, progress=False)
+        time.sleep(0.3)                     # user code between the fit and the next loop: "other"
+        for i in range(2):
+            trainer.step(_batch(10 + i))
+    summary = summarize(tmp_path / "run")
+    windows = [r for r in _ledger(tmp_path) if r["event"] == "steps"]
+    # the loop: its first step and step 2; fit: its first step, then every 3; the loop again: 9..10
+    assert [(w["first"], w["last"]) for w in windows] == [(1, 1), (2, 2), (3, 3), (4, 5), (6, 8), (9, 10)]
+    assert windows[-1]["wall_s"] < 0.3 and summary["seconds"]["other"] >= 0.3     # not the fit, not the sleep
+    assert sum(summary["seconds"].values()) == pytest.approx(summary["wall_s"], rel=0.02)
+
+
+def test_a_trainer_whose_construction_fails_writes_no_end_line(tmp_path):
+    """The checkpoint hook's restore fails before the metrics hook starts: no start, so no end."""
+    from jaxpar.checkpoint import CheckpointDamagedError
+    from test_reliability import _damage
+
+    with _trainer(tmp_path, save_every=2) as trainer:
+        trainer.fit((_batch(i) for i in range(2)), 2, log_every=1, progress=False)
+    _damage(tmp_path / "ckpt", 2)
+    lines = len(_ledger(tmp_path))
+    with pytest.raises(CheckpointDamagedError):
+        _trainer(tmp_path, save_every=2)
+    assert _ledger(tmp_path)[lines:] == []
+    assert summarize(tmp_path / "run")["lives"][0]["clean_end"]

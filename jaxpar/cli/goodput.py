@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 
-from jaxpar.cli.common import UserError
+from jaxpar.cli.common import UserError, check_writable
 
 
 def add_parser(sub) -> None:
@@ -25,6 +25,8 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isdir(args.run_dir):
         raise UserError(f"RUN_DIR {args.run_dir!r} is not a directory; give the run's metrics directory "
                         "(MetricsConfig(dir=...) or the job's logging.dir), which holds goodput.jsonl")
+    if args.plot:
+        check_writable("--plot", args.plot)       # before any work, not after it
     summary = summarize(args.run_dir)
     if args.plot:
         plot(summary, args.plot)

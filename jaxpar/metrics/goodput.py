@@ -11,15 +11,18 @@ experiment in a new directory).
 
 `summarize` reads it into the time of each cause, summed over the run's processes' lives:
 
-- ``startup``: from a process's start (the operating system's clock of it) to its first step:
-  imports, ``jax.distributed``, building the model, restoring a checkpoint;
+- ``startup``: from a process's start (the operating system's clock of it; for a later Trainer
+  of the same process, from when it began to be built) to its first logged window: imports,
+  ``jax.distributed``, building the model, restoring a checkpoint;
 - ``compile``: tracing, lowering and compiling (or loading from the persistent cache) inside
   the logged windows, read from JAX's own events (``jax.monitoring``), overlapping spans counted once;
 - ``data``: ``Trainer.fit`` waiting for its next batch;
 - ``checkpoint``: saves that held the host (an asynchronous save's device-to-host copy);
 - ``recomputed``: productive time of steps a later start did again (it resumed from an older step);
-- ``restart``: from the last line a process wrote to the next process's start;
-- ``other``: inside a process's life but in no logged window (evaluation, user code between fits);
+- ``restart``: from the last line a process wrote to the next process's start (after a crash
+  or a resubmission); ``restarts`` counts those changes of process;
+- ``other``: inside a process's life but in no logged window (evaluation, user code between fits,
+  the time between two Trainers of one process);
 - ``productive``: the rest of the logged windows, less ``recomputed``.
 
 Goodput is productive time over the wall time from the first start to the last line; the
@@ -44,6 +47,8 @@ _COMPILE_EVENTS = frozenset({
     "/jax/compilation_cache/cache_retrieval_time_sec",
 })
 _IMPORTED = time.time()
+_MAX_SPANS = 10_000
+_FIRST_LIFE = [True]     # the first Trainer start of this process begins at the process's start
 
 
 class CompileClock:
@@ -69,6 +74,8 @@ class CompileClock:
             now = time.time()
             with self._lock:
                 self._spans.append((now - duration, now))
+                if len(self._spans) > _MAX_SPANS:     # a long process with no ledger asking: keep the newest
+                    del self._spans[:len(self._spans) - _MAX_SPANS // 2]
 
     def spent(self, start: float, end: float) -> float:
         """Seconds of ``[start, end]`` (wall clock) inside a compile span; spans ending before
@@ -102,12 +109,17 @@ def process_start_time() -> float:
 
 class GoodputLedger:
     """Appends the ledger's lines (module docstring) to ``directory/goodput.jsonl``; writes
-    nothing where ``writing`` is False (processes other than 0)."""
+    nothing where ``writing`` is False (processes other than 0). Made when the Trainer is
+    being built: a life begins at the process's start for the first ledger of a process, else
+    here (a second Trainer in one process, a notebook)."""
 
     def __init__(self, directory: str | os.PathLike, *, writing: bool = True):
         self.path = os.path.join(os.fspath(directory), LEDGER)
         self.writing = writing
         self._data_seen = 0.0
+        self._started = False
+        self._began = process_start_time() if _FIRST_LIFE[0] else time.time()
+        _FIRST_LIFE[0] = False
         if writing:
             COMPILE_CLOCK.install()
 
@@ -119,8 +131,9 @@ class GoodputLedger:
             f.write(json.dumps(record) + "\n")
 
     def start(self, step: int, *, processes: int, devices: int) -> None:
-        self._write({"event": "start", "time": time.time(), "process_start": process_start_time(), "step": int(step),
-                     "pid": os.getpid(), "processes": processes, "devices": devices})
+        self._write({"event": "start", "time": time.time(), "began": self._began, "process_start": process_start_time(),
+                     "step": int(step), "pid": os.getpid(), "processes": processes, "devices": devices})
+        self._started = True
 
     def steps(self, first: int, last: int, window_s: float, checkpoint_s: float, data_total_s: float) -> None:
         """The steps ``first..last`` logged now, which took ``window_s`` seconds (checkpoint saves
@@ -136,11 +149,19 @@ class GoodputLedger:
                      "checkpoint_s": checkpoint_s, "productive_s": max(window_s - compile_s - data, 0.0)})
 
     def end(self, step: int) -> None:
-        self._write({"event": "end", "time": time.time(), "step": int(step)})
+        """A clean close (nothing when this ledger wrote no start: a Trainer whose construction failed)."""
+        if self._started:
+            self._write({"event": "end", "time": time.time(), "step": int(step), "pid": os.getpid()})
+            self._started = False
+
+
+_FIELDS = {"start": ("time", "step"), "steps": ("time", "first", "last", "wall_s", "compile_s", "data_s",
+                                                  "checkpoint_s", "productive_s"), "end": ("time", "step")}
 
 
 def read_ledger(path: str) -> tuple[list[dict], int]:
-    """The ledger's records, and how many lines could not be read (a line cut by a kill)."""
+    """The ledger's records, and how many lines could not be read (a line cut by a kill, or a
+    record without the numbers its kind has)."""
     records, bad = [], 0
     with open(path) as f:
         for line in f:
@@ -149,7 +170,9 @@ def read_ledger(path: str) -> tuple[list[dict], int]:
             except json.JSONDecodeError:
                 bad += 1
                 continue
-            if isinstance(record, dict) and record.get("event") in ("start", "steps", "end"):
+            fields = _FIELDS.get(record.get("event")) if isinstance(record, dict) else None
+            if fields is not None and all(isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool)
+                                          for k in fields):
                 records.append(record)
             else:
                 bad += 1
@@ -164,9 +187,13 @@ def _runs(records: list[dict]) -> list[dict]:
         elif runs:          # lines before any start (a ledger cut at its head) belong to no life
             if r["event"] == "steps":
                 runs[-1]["windows"].append(r)
-            else:
+            elif r.get("pid", runs[-1]["start"].get("pid")) == runs[-1]["start"].get("pid"):
                 runs[-1]["end"] = r
     return runs
+
+
+def _began(start: dict) -> float:
+    return min(start.get("began", start.get("process_start", start["time"])), start["time"])
 
 
 def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -180,17 +207,17 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
     runs = _runs(records)
     if not runs:
         raise ValueError(f"goodput: {path} holds no start of a run ({len(records)} records, {unreadable} "
-                         "unreadable lines)")
+                         "unreadable lines); it is not a ledger a jaxpar Trainer wrote: give the run's metrics "
+                         "directory, or move the file aside and train again")
     seconds = dict.fromkeys(CAUSES, 0.0)
     lives, previous = [], None
-    for run in runs:    # born: the process's start, or where the life before it in the same process ended
+    for run in runs:    # born: when the life began, or where the life before it ended if later
         start = run["start"]
         run["last"] = max([start["time"]] + [w["time"] for w in run["windows"]]
                           + ([run["end"]["time"]] if run["end"] else []))
-        run["born"] = min(start["process_start"], start["time"])
-        if previous is not None:
-            run["born"] = max(run["born"], previous)
+        run["born"] = _began(start) if previous is None else max(_began(start), previous)
         previous = run["last"]
+    restarts = 0
     for k, run in enumerate(runs):
         start, windows, born, last = run["start"], run["windows"], run["born"], run["last"]
         first_window = windows[0]["time"] - windows[0]["wall_s"] if windows else last
@@ -203,13 +230,16 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
             seconds["productive"] += w["productive_s"]
             logged += w["wall_s"]
         seconds["other"] += max(last - first_window - logged, 0.0)
-        if k + 1 < len(runs):      # steps past where the next life resumed were done again
-            resumed = runs[k + 1]["start"]["step"]
+        if k + 1 < len(runs):      # steps past where a later life resumed were done again
+            resumed = min(r["start"]["step"] for r in runs[k + 1:])
             for w in windows:
                 done_again = w["last"] - max(w["first"] - 1, resumed)
                 if done_again > 0:
                     seconds["recomputed"] += w["productive_s"] * done_again / (w["last"] - w["first"] + 1)
-            seconds["restart"] += runs[k + 1]["born"] - last
+            # between two processes: a restart; between two Trainers of one process: other work
+            new_process = runs[k + 1]["start"].get("pid") != start.get("pid")
+            restarts += new_process
+            seconds["restart" if new_process else "other"] += runs[k + 1]["born"] - last
         lives.append({"resumed_from": start["step"], "last_step": windows[-1]["last"] if windows else start["step"],
                       "seconds": last - born, "clean_end": run["end"] is not None})
     seconds["productive"] -= seconds["recomputed"]
@@ -219,7 +249,7 @@ def summarize(run_dir: str | os.PathLike) -> dict[str, Any]:
     return {"run_dir": run_dir, "wall_s": wall, "seconds": seconds, "goodput": goodput,
             "badput": {c: s / wall if wall > 0 else 0.0 for c, s in seconds.items() if c != "productive"},
             "mfu": mfu, "effective_mfu": None if mfu is None else mfu * goodput,
-            "restarts": len(runs) - 1, "lives": lives, "unreadable_lines": unreadable}
+            "restarts": restarts, "lives": lives, "unreadable_lines": unreadable}
 
 
 def steady_mfu(path: str) -> float | None:

@@ -244,7 +244,7 @@ class Trainer:
             raise ValueError(f"Trainer.fit: log_every={log_every!r} must be a positive int")
         check_until(self, steps, until)
         if watcher is not None:
-            watcher.flush(self)        # steps run outside fit are logged first
+            watcher.flush(self, end=True)     # steps run outside fit are logged first
         history: list[dict[str, float]] = []
         resumable = callable(getattr(batches, "state", None)) and callable(getattr(batches, "restore", None))
         if resumable and self.data_state:

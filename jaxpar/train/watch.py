@@ -92,12 +92,14 @@ class MetricsHook(Hook):
         if self.steps == 1 or not step % self.config.every:
             self.flush(trainer)
 
-    def flush(self, trainer, *, check: bool = True) -> None:
-        """Log the steps read since the last log (a loop over ``step``)."""
-        if self.window is None or not self.window.pending:
-            return
-        records, window, saving = self.window.read(trainer, check=check)
-        self.log(trainer, [r for _, r in records], window, saving)
+    def flush(self, trainer, *, check: bool = True, end: bool = False) -> None:
+        """Log the steps read since the last log (a loop over ``step``); ``end``: the loop is
+        over (``fit`` starts, which keeps its own window): the next loop starts a new window."""
+        if self.window is not None and self.window.pending:
+            records, window, saving = self.window.read(trainer, check=check)
+            self.log(trainer, [r for _, r in records], window, saving)
+        if end:
+            self.window = None
 
     def log(self, trainer, records: list[dict], window_s: float, checkpoint_s: float = 0.0) -> None:
         self.logger.log(records[-1]["step"], records, window_s, trainer.state.opt_state, checkpoint_s=checkpoint_s)
