@@ -14,6 +14,7 @@ a YAML file, or command-line style overrides::
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -457,6 +458,20 @@ class ParallelConfig:
         if extra:
             raise ValueError(f"unknown ParallelConfig fields {sorted(extra)}; known: {sorted(known)}")
         return cls(**d)
+
+    @classmethod
+    def from_saved(cls, d: Mapping[str, Any]) -> "ParallelConfig":
+        """`from_dict` for a config jaxpar saved (checkpoint metadata, strategy and plan files):
+        a recompute policy removed since (``"offload_dots"``) is read as ``remat="full"`` with a
+        warning, since it does not change where anything lives, so that the file still loads."""
+        from jaxpar.deprecation import REMOVED_POLICIES
+
+        if isinstance(d, Mapping) and isinstance(d.get("remat"), str) and d["remat"] in REMOVED_POLICIES:
+            warnings.warn(f"the saved ParallelConfig has remat={d['remat']!r}, which was removed "
+                          f"({REMOVED_POLICIES[d['remat']].instead}); read as remat='full' (recompute every block: "
+                          "the least memory); give another remat= to train with it", UserWarning, stacklevel=2)
+            d = {**d, "remat": "full"}
+        return cls.from_dict(d)
 
     @classmethod
     def from_yaml(cls, path: str) -> "ParallelConfig":

@@ -333,15 +333,25 @@ def removed_keywords(owner: str, removed: Mapping[str, Callable[[Any], Removed]]
                      error: type[Exception] = TypeError) -> Callable:
     """Decorator for a function or class: a keyword of ``removed`` raises ``error`` naming what
     to use (``removed[keyword](value)`` gives the `Removed` entry, so the fix can quote the
-    value). The signature shown stays the current one."""
+    value). A removed setting (``error=ValueError``) given its empty value (``()``, ``[]``,
+    ``None``: 0.1.0's default, which asked for nothing) is dropped with a ``DeprecationWarning``
+    instead, through the next release. The signature shown stays the current one."""
     def decorate(obj):
         fn = obj.__init__ if isinstance(obj, type) else obj
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
             for name, entry in removed.items():
-                if name in kwargs:
-                    raise error(refusal(f"{owner}({name}={kwargs[name]!r})", entry(kwargs[name])))
+                if name not in kwargs:
+                    continue
+                value = kwargs[name]
+                if error is ValueError and (value is None or (isinstance(value, (tuple, list)) and not value)):
+                    warnings.warn(refusal(f"{owner}({name}={value!r}) asks for nothing and is ignored", entry(value))
+                                  + f"; delete the keyword (ignored {UNTIL}, then refused)",
+                                  DeprecationWarning, stacklevel=2)
+                    kwargs = {k: v for k, v in kwargs.items() if k != name}
+                    continue
+                raise error(refusal(f"{owner}({name}={value!r})", entry(value)))
             return fn(*args, **kwargs)
 
         if isinstance(obj, type):

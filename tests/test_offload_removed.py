@@ -32,11 +32,17 @@ def _loss(model, batch):
     return (model(batch["x"]) ** 2).mean()
 
 
-@pytest.mark.parametrize("value", ["opt_state", "params", ("params", "opt_state"), (), None])
+@pytest.mark.parametrize("value", ["opt_state", "params", ("params", "opt_state"), ["opt_state"]])
 def test_placement_refuses_any_offload(value):
     with pytest.raises(ValueError, match=re.escape(f"Placement(offload={value!r}): ") + WHY):
         jaxpar.Placement(offload=value)
-    assert jaxpar.Placement(donate=False, global_batch=True) == jaxpar.Placement(global_batch=True, donate=False)
+
+
+@pytest.mark.parametrize("value", [(), [], None])
+def test_an_empty_offload_is_ignored_with_a_warning(value):
+    with pytest.warns(DeprecationWarning, match=re.escape(f"Placement(offload={value!r}) asks for nothing and is "
+                                                          "ignored: ") + WHY):
+        assert jaxpar.Placement(offload=value, donate=False) == jaxpar.Placement(donate=False)
 
 
 def test_the_trainer_s_former_offload_keyword_is_refused_not_folded():
@@ -109,8 +115,11 @@ def test_the_plan_s_offload_is_refused_and_a_0_1_0_plan_file_still_loads(tmp_pat
         plan.offload  # noqa: B018
     fields = {f: getattr(plan, f) for f in ("config", "mesh", "source", "params", "stored", "grads", "update",
                                             "opt_state", "rest")}
-    with pytest.raises(ValueError, match=re.escape("TrainPlan(offload=()): ") + WHY):
-        jaxpar.TrainPlan(**fields, offload=())
+    with pytest.raises(ValueError, match=re.escape("TrainPlan(offload=('params',)): ") + WHY):
+        jaxpar.TrainPlan(**fields, offload=("params",))
+    # 0.1.0's default, which asked for nothing: ignored with a warning through the next release
+    with pytest.warns(DeprecationWarning, match=re.escape("TrainPlan(offload=()) asks for nothing and is ignored")):
+        assert jaxpar.TrainPlan(**fields, offload=()) == jaxpar.TrainPlan(**fields)
     # 0.1.0 wrote "offload": [] into every plan file: it loads; one that offloaded is refused
     saved = {**plan.to_dict(), "offload": []}
     (tmp_path / "plan.json").write_text(json.dumps(saved))
@@ -137,3 +146,24 @@ def test_the_memory_estimate_has_no_host_part():
         estimate.host  # noqa: B018
     with pytest.raises(ValueError, match=re.escape("MemoryEstimate(host={}): ") + WHY):
         MemoryEstimate(params=1, grads=1, opt_state=1, activations=None, zero_level=0, dtypes={}, host={})
+
+
+def test_a_saved_config_with_the_removed_policy_still_loads_as_full_recompute():
+    """Checkpoint metadata, strategy files and plan files saved with remat="offload_dots" load
+    (the policy does not change where anything lives), read as remat="full" with a warning;
+    a config a user writes is still refused."""
+    from jaxpar.checkpoint.strategy import strategy_config
+
+    saved = jaxpar.ParallelConfig(mesh={"data": 8}).to_dict() | {"remat": "offload_dots"}
+    with pytest.warns(UserWarning, match=r"remat='offload_dots', which was removed .*read as remat='full'"):
+        assert jaxpar.ParallelConfig.from_saved(saved).remat == "full"
+    with pytest.warns(UserWarning, match="read as remat='full'"):
+        assert strategy_config({"config": saved, "leaves": {}}).remat == "full"
+    with pytest.raises(ValueError, match="host offload was removed"):
+        jaxpar.ParallelConfig.from_dict(saved)
+
+
+def test_jaxpar_plan_names_the_removed_policy_in_its_options(capsys):
+    assert main(["plan", "--remat-options", "none,offload_dots"]) == 2
+    err = capsys.readouterr().err
+    assert "--remat-options offload_dots" in err and "host offload was removed" in err and "Traceback" not in err

@@ -92,7 +92,7 @@ def strategy_config(strategy: dict[str, Any]) -> ParallelConfig:
     >>> config = strategy_config(load_strategy("ckpt"))
     >>> mesh = jaxpar.make_mesh(config)
     """
-    saved = ParallelConfig.from_dict(strategy["config"])   # files saved earlier: "parameter_plan"
+    saved = ParallelConfig.from_saved(strategy["config"])   # files saved earlier: "parameter_plan"
     if saved.mode == "data":
         return saved
     pinned = {path.split("/", 1)[1]: spec_from_json(e["spec"])

@@ -16,6 +16,7 @@ from jaxpar.cli.common import (DEFAULT_DEVICES, check_writable, flags_text, give
                                set_simulated_devices, verb)
 from jaxpar.cli.jobflags import add_job_args, resolve_job
 from jaxpar.config import REMAT_POLICIES, SCHEDULES, SEARCHES
+from jaxpar.deprecation import check_policy
 from jaxpar.job.search import (DEFAULT_ACCUM, DEFAULT_CONTEXT, DEFAULT_CONTEXT_STRATEGIES, DEFAULT_REMAT,
                                DEFAULT_SCHEDULE, DEFAULT_STAGES, DEFAULT_ZERO_LEVELS, PLANNED_CONTEXT_STRATEGIES,
                                SearchSettings)
@@ -40,6 +41,11 @@ def name_list(flag: str, choices: tuple[str, ...], what: str):
     """An argparse ``type=`` for comma-separated names among ``choices``."""
     def parse(text: str) -> tuple[str, ...]:
         names = tuple(r.strip() for r in text.split(",") if r.strip())
+        for n in names:      # a removed policy says why it went (offload_dots), not "unknown"
+            try:
+                check_policy(n, f"{flag} {n}")
+            except ValueError as e:
+                raise argparse.ArgumentTypeError(str(e)) from None
         unknown = [n for n in names if n not in choices]
         if not names or unknown:
             raise argparse.ArgumentTypeError(f"{flag} {text!r}: unknown {what} {unknown}; choose among "

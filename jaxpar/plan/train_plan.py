@@ -310,7 +310,7 @@ class TrainPlan:
             raise offload_removed(f"train plan with offload={list(d['offload'])}")
         spec = lambda entries: from_plain({"PartitionSpec": entries})  # noqa: E731
         return cls(
-            config=ParallelConfig.from_dict(d["config"]), mesh=dict(d["mesh"]), source=d["source"],
+            config=ParallelConfig.from_saved(d["config"]), mesh=dict(d["mesh"]), source=d["source"],
             **{section: {p: spec(e) for p, e in d[section].items()} for section in SECTIONS},
             zero_axes=tuple(d.get("zero_axes", ())), unsharded=tuple(d.get("unsharded", ())),
             shapes={p: (tuple(shape), dtype) for p, (shape, dtype) in d.get("shapes", {}).items()},
