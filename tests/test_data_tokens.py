@@ -167,6 +167,8 @@ def test_bad_input_names_the_file_or_value(store, corpus, tmp_path):
         LoaderProcess(index=4, count=4)
     with pytest.raises(ValueError, match=r"LoaderProcess: count=0 must be an int >= 1, or None"):
         LoaderProcess(index=0, count=0)
+    with pytest.raises(TypeError, match=r"LoaderProcess: index='0' must be an int >= 0, or None"):
+        LoaderProcess(index="0", count=2)
     with pytest.raises(TypeError, match=r"process=\(1, 2\) must be a jaxpar.data.LoaderProcess\(index="):
         TokenLoader(store, seq_len=SEQ, global_batch=BATCH, process=(1, 2))
     # numpy integers are taken as ints: the position stays JSON (json.dumps failed on an int64 seed)

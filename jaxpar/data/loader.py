@@ -64,8 +64,12 @@ class LoaderProcess:
 
     def __post_init__(self):
         for name, value, low in (("index", self.index, 0), ("count", self.count, 1)):
-            if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_))
-                                      or value < low):
+            if value is None:
+                continue
+            if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"LoaderProcess: {name}={value!r} must be an int >= {low}, or None for this "
+                                "process of the job")
+            if value < low:
                 raise ValueError(f"LoaderProcess: {name}={value!r} must be an int >= {low}, or None for this "
                                  "process of the job")
         if self.index is not None and self.count is not None and self.index >= self.count:
