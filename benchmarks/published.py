@@ -20,6 +20,7 @@ fraction fitted on one run (``FIT``); every other run is held out.
 
     python benchmarks/published.py            # ~5-8 min on 2 shared CPU cores: table, JSON, plot
     python benchmarks/published.py --quick    # two small rows, no search, no plot (the test)
+    python benchmarks/published.py --runs megatron_70b --no-search --out /tmp/p.json   # a subset
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ def machine(hw: dict, fraction: float) -> CostParams:
     peak = hw["peak_flops"]["value"]
     if "ici_bytes_per_s" in hw:      # TPU v5p: one slice is the fast domain
         return CostParams(flops_per_s=peak * fraction, default_bandwidth=hw["ici_bytes_per_s"]["value"] / 2,
-                          inter_host_bandwidth=hw["dcn_bits_per_s_per_chip"]["value"] / 8, overlap=True)
+                          inter_host_bandwidth=hw["dcn_bits_per_s_per_chip"]["value"] / 8, overlap=True,
+                          matmul_overlap=True)
     return CostParams(flops_per_s=peak * fraction, default_bandwidth=hw["nvlink_bytes_per_s"]["value"] / 2,
                       inter_host_bandwidth=hw["inter_host_bits_per_s_per_gpu"]["value"] / 8,
-                      devices_per_host=hw["devices_per_host"], overlap=True)
+                      devices_per_host=hw["devices_per_host"], overlap=True, matmul_overlap=True)
 
 
 def abstract_model(run: dict):
@@ -122,25 +124,29 @@ def predict(run: dict, params: CostParams) -> dict:
         rules |= {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
     config = jaxpar.ParallelConfig(mesh=sizes, rules=rules)
     rows = run["global_batch"] // k
+    parts: dict = {}
     if lay["pp"] > 1:
         graph = build_graph(model, gpt_pipeline(), tokens(rows, run["seq_len"]))
         full = {"pipe": lay["pp"], **sizes}
         placed = params.placed(hosts, full)
         shape = PipelineShape(stages=lay["pp"], microbatches=k, layers=cfg.layers,
-                              activation_bytes=rows * run["seq_len"] * cfg.embed * 2)
-        step, args, temp = price_pipeline(graph, hand_axes(graph, config, sizes), sizes, placed, shape)
+                              activation_bytes=rows * run["seq_len"] * cfg.embed * 2, executor="async")
+        # Megatron's distributed optimizer (ZeRO 1 over data: --overlap-param-gather needs it);
+        # its 1F1B stages run as their inputs arrive, without recompute (none is stated)
+        step, args, temp = price_pipeline(graph, hand_axes(graph, config, sizes), sizes, placed, shape,
+                                          zero=1, breakdown=parts)
     else:
         graph = build_graph(model, loss_fn, tokens(rows, run["seq_len"]))
         placed = params.placed(hosts, sizes)
         zero, axis = (3, "fsdp") if lay["fsdp"] > 1 else (1, "data")   # Megatron's distributed optimizer
         step, args, temp = price(graph, hand_axes(graph, config, sizes), sizes, placed, zero=zero, zero_axis=axis,
-                                 grad_accum=k, flags=analyse(graph))
+                                 grad_accum=k, flags=analyse(graph), breakdown=parts)
     peak = params.flops_per_s / params_fraction(params, run)
     flops = publisher_flops(run, cfg)
     return {"step_s": step, "argument_bytes": args, "temp_bytes": temp, "memory_bytes": args + temp,
             "mfu": flops / (step * run["devices"] * peak), "publisher_flops_per_step": flops,
             "mesh": {**({"pipe": lay["pp"]} if lay["pp"] > 1 else {}), **sizes}, "hosts": hosts,
-            "micro_batches": k}
+            "micro_batches": k, "breakdown": parts}
 
 
 def params_fraction(params: CostParams, run: dict) -> float:
@@ -235,14 +241,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="two small rows, no search, no plot")
     ap.add_argument("--out", default=str(HERE / "results" / "published.json"))
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--runs", nargs="+", metavar="ID", help="only these runs (the fit still runs on FIT); no plot")
+    ap.add_argument("--no-search", action="store_true", help="skip the planner's search (fast)")
     args = ap.parse_args(argv)
     data = json.loads(RUNS.read_text())
     hardware, runs = data["hardware"], data["runs"]
     PEAKS.update({k: v["peak_flops"]["value"] for k, v in hardware.items()})
     t0 = time.perf_counter()
     fraction = fit_fraction(runs, hardware)
-    if args.quick:
-        runs = [r for r in runs if r["id"] in QUICK]
+    if args.quick or args.runs:
+        runs = [r for r in runs if r["id"] in (QUICK if args.quick else args.runs)]
     rows = []
     for run in runs:
         params = machine(hardware[run["hardware"]], fraction)
@@ -252,7 +260,8 @@ def main(argv=None) -> dict:
         lay = run["layout"]
         text = " ".join(f"{k.upper()}{v}" for k, v in lay.items() if k in ("tp", "pp", "dp", "fsdp") and v > 1)
         budget = hardware[run["hardware"]]["memory_bytes"]["value"]
-        pl = {"chosen": None, "why": "not run (--quick)"} if args.quick else planner(run, params, budget)
+        pl = {"chosen": None, "why": "not run (--quick / --no-search)"} if args.quick or args.no_search \
+            else planner(run, params, budget)
         if pl.get("step_s"):
             pl["faster_or_equal"] = pl["step_s"] <= pred["step_s"] * (1 + 1e-9)
         rows.append({"id": run["id"], "source": run["source"], "devices": run["devices"], "layout_text": text,
@@ -260,7 +269,9 @@ def main(argv=None) -> dict:
                      "published_mfu_status": run["published"]["mfu"]["status"],
                      "published_step_s": published_step(run, cfg), "predicted": pred,
                      "error": pred["mfu"] / pub_mfu - 1, "planner": pl})
-        print(f"  {run['id']}: predicted MFU {pred['mfu']:.1%} (published {pub_mfu:.1%})", flush=True)
+        print(f"  {run['id']}: predicted MFU {pred['mfu']:.1%} (published {pub_mfu:.1%}); step "
+              f"{pred['step_s']:.3g} s: " + ", ".join(f"{k} {v:.3g}" for k, v in pred["breakdown"].items()
+                                                      if k.endswith("_s")), flush=True)
     held = [abs(r["error"]) for r in rows if r["use"] == "held out"]
     summary = {"sustained_fraction_of_peak": fraction, "fitted_on": list(FIT),
                "held_out_mean_abs_error": sum(held) / len(held) if held else None,
@@ -277,7 +288,7 @@ def main(argv=None) -> dict:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
-    if not args.quick:
+    if not (args.quick or args.runs):
         plot(rows, pathlib.Path(args.plot) if args.plot else out.with_suffix(".png"))
     return result
 

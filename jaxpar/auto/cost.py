@@ -5,7 +5,8 @@ tuple of mesh axis names, ``()`` = not split). Each tensor then has a split: dim
 is divided by the product of the sizes of its class's axes. For every operator of the
 forward program, with ``A(t)`` = the set of mesh axes splitting tensor ``t``:
 
-* **compute**: ``flops × 3 / (product of the sizes of every axis in A(op))`` for matmuls,
+* **compute**: ``flops × 3 / (product of the sizes of every axis in A(op))`` for matmuls
+  (``2 ·`` result elements ``·`` contracting length, from the dot's dimension numbers),
   grouped matmuls (``ragged_dot``: ``2·m·k·n``, the groups cut the rows, they multiply
   nothing), gathers and convolutions (forward + two backward products),
   ``elements × 3 / shards`` for the rest; time = flops / ``CostParams.flops_per_s``.
@@ -87,6 +88,12 @@ class CostParams:
         backward pass, ZeRO 3's parameter gathers behind the micro-batch before; only what
         does not fit under that compute is added to the step. ``False``: every collective is
         exposed (the tests' and CPU's setting).
+      matmul_overlap: a matmul's own collectives (the all-reduce of its partial sums, the one of
+        its input's gradient: tensor parallelism's) run in chunks behind that matmul's compute,
+        as Megatron's ``--tp-comm-overlap`` (Transformer Engine's userbuffers: the GEMM split
+        and pipelined with its all-gather / reduce-scatter) and XLA:GPU's windowed einsum
+        (collective matmul) run them: only the bytes' time above the matmul's forward and
+        backward compute counts (`matmul_hidden`); the latencies stay. ``False``: exposed.
       hosts: the layout priced: mesh axis -> hosts it spans (``ParallelConfig.hosts``; set it
         with `placed`). A group over axes spanning ``h`` hosts is priced hierarchically (module
         docstring); the inside part of a spanning axis runs at ``default_bandwidth``, and its
@@ -116,6 +123,7 @@ class CostParams:
     devices_per_host: int | None = None
     hosts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     overlap: bool = False
+    matmul_overlap: bool = False
 
     def __post_init__(self):
         for name in ("flops_per_s", "default_bandwidth", "combine_threshold_bytes", "combine_threshold_count"):
@@ -318,7 +326,24 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
     return flops, comms, act, invalid
 
 
+def matmul_hidden(op: Op, flops: float, comms: Sequence[Comm], sizes: Mapping[str, int],
+                  params: "CostParams") -> float:
+    """Seconds of a product's own (uncombined) collectives that run behind its compute under
+    `CostParams.matmul_overlap`: their bytes' time, at most the operator's ``flops`` time."""
+    if not params.matmul_overlap or op.prim not in _PRODUCTS:
+        return 0.0
+    wire = sum(params.collective_time(c.kind, c.axes, c.nbytes, sizes, True) for c in comms if not c.combined)
+    return min(wire, flops / params.flops_per_s)
+
+
 def _iteration_space(graph: Graph, op: Op) -> float:
+    """Multiply-adds of one product. A ``dot_general``: its result's elements times the length of
+    its contracting dims, read from the operator's own dimension numbers (not the dimension
+    classes: attention's ``q·kᵀ`` has two sequence dims of one class, and counting a class once
+    dropped the ``s²`` of its scores and of ``probs·v``)."""
+    if op.prim == "dot_general" and op.get("contract") is not None and op.outs and op.outs[0] >= 0:
+        lhs = graph.tensors[op.ins[0]].shape
+        return math.prod(graph.tensors[op.outs[0]].shape) * math.prod(lhs[d] for d in op.get("contract")[0])
     sizes: dict[int, int] = {}
     fixed = 1
     tensors = [(t, ()) for t in (*op.ins, *op.outs)]
@@ -444,9 +469,11 @@ def evaluate(graph: Graph, axes: Sequence[tuple[str, ...]], sizes: Mapping[str, 
     invalid = 0
     args, grads, comms = param_terms(graph, axes, sizes, params)
     per_op = []
+    behind = 0.0       # collectives run behind their own matmul (`CostParams.matmul_overlap`)
     for op in graph.ops:
         f, c, a, bad = op_terms(graph, op, axes, sizes, flags)
         flops, act, invalid = flops + f, act + a, invalid + bad
+        behind += matmul_hidden(op, f, c, sizes, params)
         per_op.append(c)
     comms += levels(graph, per_op)
     priced = combined_time(comms, sizes, params)
@@ -455,7 +482,7 @@ def evaluate(graph: Graph, axes: Sequence[tuple[str, ...]], sizes: Mapping[str, 
         by_axes[key] = by_axes.get(key, 0) + c.nbytes
     parts = temp_parts(graph, axes, sizes, flags)
     temp = _peak(parts, params)
-    return Cost(flops / params.flops_per_s, priced.seconds, int(round(sum(by_axes.values()))),
+    return Cost(flops / params.flops_per_s, priced.seconds - behind, int(round(sum(by_axes.values()))),
                 {k: int(round(v)) for k, v in by_axes.items()}, int(round(args)), int(round(temp)), invalid,
                 priced.grad_s, parts, priced.count, int(round(priced.grad_bytes)), priced.grad_count)
 
@@ -548,7 +575,8 @@ def op_scalar(graph: Graph, op: Op, axes, sizes, params: CostParams, flags: Flag
         return math.inf, math.inf
     once = sum(comm_share(c, sizes, params) for c in comms if c.combined and c.combined != TAIL)
     each = f / params.flops_per_s + sum(comm_share(c, sizes, params) for c in comms
-                                        if not c.combined or c.combined == TAIL)
+                                        if not c.combined or c.combined == TAIL) \
+        - matmul_hidden(op, f, comms, sizes, params)
     return runs * each + once, params.temp_activation_factor * act
 
 

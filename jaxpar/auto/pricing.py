@@ -49,7 +49,7 @@ import jax
 import numpy as np
 
 from jaxpar.auto.comm import GRAD, Comm, combined_time, comm_share
-from jaxpar.auto.cost import Cost, CostParams, analyse, evaluate, local_bytes, op_terms, tensor_axes
+from jaxpar.auto.cost import Cost, CostParams, analyse, evaluate, local_bytes, matmul_hidden, op_terms, tensor_axes
 from jaxpar.auto.graph import Graph
 
 
@@ -91,10 +91,12 @@ def _zero_terms(zero: int, shardable: float, d: int, params: CostParams) -> tupl
 
 def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, zero: int = 0,
           grad_accum: int = 1, zero_axis: str = "data", threshold_kb: float = 0.0,
-          flags=None, cost: Cost | None = None) -> tuple[float, int, int]:
+          flags=None, cost: Cost | None = None, breakdown: dict | None = None) -> tuple[float, int, int]:
     """``(step seconds, argument bytes, temp bytes)`` per device of a strategy on the graph of
     one micro-batch, with ``grad_accum`` micro-batches and ZeRO level ``zero`` (module docstring).
-    ``cost``: the strategy's `evaluate` result, when the caller prices several levels of it."""
+    ``cost``: the strategy's `evaluate` result, when the caller prices several levels of it;
+    ``breakdown``: a dict filled with the step's parts (seconds: compute, serial and exposed
+    collectives; bytes: activations, gradients), for reports."""
     if cost is None:
         cost = evaluate(graph, axes, sizes, params, flags=analyse(graph) if flags is None else flags)
     act, grads, reduced = cost.temp_parts
@@ -117,11 +119,25 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
         end = acc + (reduced if zero < 2 else 0.0)
         temp = max(during, add, end)
     grad_s = cost.grad_comm_s
+    # a ring all-reduce is a reduce-scatter and an all-gather of equal time; at ZeRO >= 1 the
+    # shardable gradients' all-gather half moves the *updated parameters* (after the optimizer
+    # step, ZeRO 1-2) or does not happen (ZeRO 3: the parameters stay sharded, gathered per pass)
+    half = grad_s * min(1.0, shardable / cost.temp_parts[1]) / 2 \
+        if zero and d > 1 and shardable and cost.temp_parts[1] else 0.0
+    after_s = half if zero < 3 else 0.0
+    grad_s -= half
     gather_s = params.collective_time("all-gather", (zero_axis,), shardable, sizes) if zero >= 3 and shardable else 0.0
     if params.overlap:      # behind compute: the gradients behind the last backward, gathers behind a pass
         grad_s = hidden(grad_s, 2 / 3 * cost.compute_s)
         gather_s = hidden(gather_s, cost.compute_s / 3)
-    time = k * (cost.time_s - cost.grad_comm_s) + grad_s + k * 2 * gather_s
+        # the updated parameters' gather behind the next step's first forward, layer by layer
+        # (Megatron's --overlap-param-gather)
+        after_s = hidden(after_s, cost.compute_s / 3)
+    time = k * (cost.time_s - cost.grad_comm_s) + grad_s + after_s + k * 2 * gather_s
+    if breakdown is not None:
+        breakdown.update(compute_s=k * cost.compute_s, serial_comm_s=k * (cost.comm_s - cost.grad_comm_s),
+                         grad_comm_exposed_s=grad_s, param_gather_after_s=after_s, zero3_gather_s=k * 2 * gather_s,
+                         activation_bytes=act, gradient_bytes=grads)
     return time, int(round(args)), int(round(temp))
 
 
@@ -148,7 +164,14 @@ class PipelineShape:
     ``microbatches`` micro-batches under ``schedule`` with ``virtual_stages`` chunks a stage (the
     config's; the V schedules place two whatever it says), over the model's ``layers`` stacked
     blocks, and ``activation_bytes``: one micro-batch's block input (global bytes; divided by the
-    batch split when priced).
+    batch split when priced). ``executor``: ``"lockstep"``, jaxpar's executor (every stage runs one
+    step of the lowered program at a time, a backward recomputes its chunk's forward);
+    ``"async"``, a framework whose stages run as soon as their inputs arrive and keep their
+    activations (Megatron's 1F1B / interleaved schedules, no recompute): the step is the
+    schedule's critical path ``(m·v + p − 1)`` chunk forwards and backwards (``B = 2F``) plus
+    the head's passes, its sends behind compute under `CostParams.overlap`
+    (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+    Using Megatron-LM", §2.2: bubble ``(p − 1) / (v·m)``).
 
     >>> PipelineShape(stages=4, microbatches=8, layers=16, activation_bytes=2**20).schedule
     '1f1b'
@@ -161,12 +184,14 @@ class PipelineShape:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     axis: str = "pipe"
+    executor: str = "lockstep"
 
 
 def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, pipe: PipelineShape, *,
                    zero: int = 0, zero_axis: str = "data", threshold_kb: float = 0.0,
-                   flags=None) -> tuple[float, int, int]:
-    """``(step seconds, argument bytes, temp bytes)`` per device of a pipelined job (module docstring).
+                   flags=None, breakdown: dict | None = None) -> tuple[float, int, int]:
+    """``(step seconds, argument bytes, temp bytes)`` per device of a pipelined job (module docstring;
+    ``breakdown``: as `price`'s).
 
     ``graph``: one pipeline micro-batch of the unpipelined loss, its blocks a scan over
     ``pipe.layers``; ``axes`` / ``sizes``: the strategy of the other mesh axes; ``pipe``: the
@@ -205,7 +230,8 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
             return math.inf, 0, 0
         share = 1 / p if where == "blocks" else 1.0
         full[where] += flops / params.flops_per_s + sum(comm_share(c, sizes, params) for c in comms
-                                                        if not c.combined)
+                                                        if not c.combined) \
+            - matmul_hidden(op, flops, comms, sizes, params)
         grads += [c._replace(nbytes=share * c.nbytes) for c in comms if c.combined]
         act[where] += a
     table = build(schedule, p, m, v)
@@ -217,6 +243,11 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     # the last chunk's F is idle: its B runs the forward, the head and the backward at once
     cost[[IDLE, F, F_LAST, B, B_LAST, W, W_LAST]] = [0, f, 0, back * f, back * (f + h), 2 * f, 2 * (f + h)]
     pipe_s = float(cost[program.code[:, :, OP]].max(axis=1).sum())
+    if pipe.executor == "async":    # critical path: m·v chunks through, p − 1 chunks of fill and drain
+        back = 2
+        pipe_s = (m * v + p - 1) * 3 * f + m * 3 * h
+    elif pipe.executor != "lockstep":
+        raise ValueError(f"PipelineShape.executor={pipe.executor!r}: use 'lockstep' or 'async'")
     batch_class = graph.tensors[graph.batch[0][1]].classes[0] if graph.batch else -1
     split = math.prod(sizes[a] for a in axes[batch_class]) if batch_class >= 0 else 1
     x = pipe.activation_bytes / split
@@ -230,13 +261,21 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     # the embedding's and head's gradients: every stage holds them, summed over the pipeline
     grads.append(Comm("all-reduce", (axis,), rest, GRAD))
     grad_s = combined_time(grads, {**sizes, axis: p}, params).seconds
-    if params.overlap:      # behind the backward passes of the last micro-batch's chunks
-        grad_s = hidden(grad_s, back * f * v)
-    time = pipe_s + program.steps * p2p + m * full["embed"] + grad_s
     d = sizes.get(zero_axis, 1)
     shardable = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, scale) if zero and d > 1 else 0.0
     args_saved, gathered, saved = _zero_terms(zero, shardable, d, params)
     grads = sum(held.values())
+    # ZeRO >= 1: the shardable gradients' all-gather half moves the updated parameters (as `price`)
+    half = grad_s * min(1.0, shardable / grads) / 2 if shardable and grads else 0.0
+    after_s = half if zero < 3 else 0.0
+    grad_s -= half
+    if params.overlap:      # behind the backward passes of the last micro-batch's chunks
+        grad_s = hidden(grad_s, back * f * v)
+        after_s = hidden(after_s, f * v)     # behind the next step's first forward
+    p2p_s = program.steps * p2p
+    if pipe.executor == "async" and params.overlap:     # sends behind the next chunk's compute
+        p2p_s = 0.0
+    time = pipe_s + p2p_s + m * full["embed"] + grad_s + after_s
     others = sum(local_bytes(graph, t, axes, sizes) for _, t in graph.others)
     batch = m * sum(local_bytes(graph, t, axes, sizes) for _, t in graph.batch)
     args = params.optimizer_scalar_bytes + grads * (1 + params.optimizer_states) + others + batch - args_saved
@@ -245,10 +284,20 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     # the pipeline holds: its input and gradient buffers, the embedding output (and its micro-batch
     # view) and input gradient for the whole batch, one chunk's recomputed activations, the head's
     # activations of one micro-batch and the gradients it accumulates
+    # (async: no recompute; the first stage holds the activations of its chunks for the min(m, p)
+    # micro-batches in flight)
+    chunk = act["blocks"] / (p * v) if pipe.executor == "lockstep" else min(m, p) * act["blocks"] / p
     during = ((program.x_slots + program.g_slots + 3 * m) * x + grads + gathered
-              + params.temp_activation_factor * (act["blocks"] / (p * v) + act["head"] + m * act["embed"]))
+              + params.temp_activation_factor * (chunk + act["head"] + m * act["embed"]))
     end = grads + (reduced - saved if zero >= 2 else reduced)
+    gather_s = 0.0
     if zero >= 3 and shardable:   # gathered once per step, before the pipeline runs
         gather_s = params.collective_time("all-gather", (zero_axis,), shardable, sizes)
-        time += 2 * (hidden(gather_s, f) if params.overlap else gather_s)
+        gather_s = 2 * (hidden(gather_s, f) if params.overlap else gather_s)
+        time += gather_s
+    if breakdown is not None:
+        busy = m * v * (1 + back) * f + m * (1 + back) * h
+        breakdown.update(pipeline_s=pipe_s, pipeline_busy_s=busy, bubble_s=pipe_s - busy, p2p_s=p2p_s,
+                         embed_s=m * full["embed"], grad_comm_exposed_s=grad_s, param_gather_after_s=after_s,
+                         zero3_gather_s=gather_s, steps=program.steps, activation_bytes=during)
     return time, int(round(args)), int(round(max(during, end)))
