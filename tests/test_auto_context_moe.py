@@ -1,6 +1,7 @@
 """The job search with a context axis and with MoE experts: it picks them when memory asks for
 them, the dry run confirms, and the predicted collective bytes match the compiled step's."""
 
+import dataclasses
 import doctest
 import re
 
@@ -71,8 +72,12 @@ def test_long_sequences_pick_a_context_axis_and_short_ones_do_not():
     assert "ring" in job.explain() and "cp/ep coll. B" in job.explain()
     assert job.to_dict()["chosen"]["context"]["bytes"] == chosen.context["bytes"] > 0
 
+    # at S = 16 on a machine whose collectives cost what a GPU's do against its FLOPs (the suite's
+    # COSTS make FLOPs so dear that halving a 16-token causal attention pays for any collective)
+    gpu_like = dataclasses.replace(COSTS, flops_per_s=4e14, default_bandwidth=1e11, latency=5e-6)
     short = search_job(llama_fn(LlamaConfig.named("tiny")), loss_fn, tokens(8, 16),
-                       space(memory_budget=1e9, context=(1, 4), context_strategy=strategies), dry_run=False, **COMMON)
+                       space(memory_budget=1e9, context=(1, 4), context_strategy=strategies), dry_run=False,
+                       base_config=BASE, cost_params=gpu_like)
     assert not short.chosen.context and "context" not in short.config.mesh
     assert any(o.context for o in short.candidates)
 
