@@ -194,8 +194,8 @@ def test_the_example_flags_are_refused_with_the_field_to_use(job_file, tmp_path,
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_a_job_resumes_with_the_same_losses_on_one_or_two_processes(job_file, tmp_path, tag):
+@pytest.mark.timeout(600)
+def test_a_job_resumes_with_the_same_losses_on_one_two_or_four_processes(job_file, tmp_path, tag):
     whole, part = tmp_path / "whole", tmp_path / "part"
     # the uninterrupted run also evaluates every 5 steps (four fits, one run) and traces steps 7-8,
     # a profile window inside the second fit; neither changes the training losses
@@ -214,16 +214,23 @@ def test_a_job_resumes_with_the_same_losses_on_one_or_two_processes(job_file, tm
     assert _train(job_file, part) == 0                                  # same process count: resumes at 10
     assert _losses(part) == expected                                    # bit-identical, steps 1-20
 
-    two = tmp_path / "two"                                              # 2 processes x 4 devices, from 10
-    args = ["--worker-num", 2, "--local-worker-num", 2, "--simulated-devices", 4, "--master-port", free_port(),
-            "--cluster-time-out", 60]
-    run = Launch(tmp_path, tag, args, ["--config", job_file, "--checkpoint.dir", two / "ckpt",
-                                       "--logging.dir", two / "log", "--quiet"],
-                 script=os.path.join(WORKERS, "job_worker.py"), entry=("-m", "jaxpar.cli", "launch"))
-    try:
-        assert run.wait(timeout=240) == 0, run.stderr + run.log(0) + run.log(1)
-    finally:
-        run.close()
+    # the checkpoint goes from process count to process count, each run resuming where the last
+    # stopped: 1 -> 2 -> 4 -> 2 -> 1 (steps 10, 13, 16, 18, 20), every loss the uninterrupted one's
+    two = tmp_path / "two"
+    for processes, until in ((2, 13), (4, 16), (2, 18), (1, 20)):
+        flags = ["--config", job_file, "--checkpoint.dir", two / "ckpt", "--logging.dir", two / "log", "--quiet",
+                 "--train.steps", str(until)]
+        if processes == 1:
+            assert main([str(f) for f in ["train", *flags]]) == 0
+            continue
+        args = ["--worker-num", processes, "--local-worker-num", processes, "--simulated-devices", 8 // processes,
+                "--master-port", free_port(), "--cluster-time-out", 60]
+        run = Launch(tmp_path, tag, args, flags, script=os.path.join(WORKERS, "job_worker.py"),
+                     entry=("-m", "jaxpar.cli", "launch"))
+        try:
+            assert run.wait(timeout=240) == 0, run.stderr + "".join(run.log(i) for i in range(processes))
+        finally:
+            run.close()
     resumed = _losses(two)
     assert sorted(resumed) == list(range(1, 21))
     for step in range(11, 21):
