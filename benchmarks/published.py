@@ -42,7 +42,6 @@ from flax import nnx  # noqa: E402
 import jaxpar  # noqa: E402
 from jaxpar.auto import CostParams, JobSearchSpace, build_graph, search_job  # noqa: E402
 from jaxpar.auto.assign import hand_axes  # noqa: E402
-from jaxpar.auto.cost import analyse, evaluate  # noqa: E402
 from jaxpar.auto.pricing import PipelineShape, price, price_pipeline  # noqa: E402
 from jaxpar.models.gpt import GPT, GPTConfig  # noqa: E402
 from jaxpar.models.gpt import loss_fn as gpt_loss  # noqa: E402
@@ -140,7 +139,7 @@ def predict(run: dict, params: CostParams) -> dict:
         placed = params.placed(hosts, sizes)
         zero, axis = (3, "fsdp") if lay["fsdp"] > 1 else (1, "data")   # Megatron's distributed optimizer
         step, args, temp = price(graph, hand_axes(graph, config, sizes), sizes, placed, zero=zero, zero_axis=axis,
-                                 grad_accum=k, flags=analyse(graph), breakdown=parts)
+                                 grad_accum=k, breakdown=parts)
     peak = params.flops_per_s / params_fraction(params, run)
     flops = publisher_flops(run, cfg)
     return {"step_s": step, "argument_bytes": args, "temp_bytes": temp, "memory_bytes": args + temp,

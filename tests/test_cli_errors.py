@@ -46,6 +46,11 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "afile").write_text("x")
     (tmp_path / "t.py").write_text("")                  # the script `jaxpar launch` is given
     (tmp_path / "adir").mkdir()
+    (tmp_path / "run").mkdir()                          # a run's goodput ledger (jaxpar goodput)
+    (tmp_path / "run" / "goodput.jsonl").write_text(
+        '{"event": "start", "time": 1.0, "process_start": 0.0, "step": 0, "pid": 1}\n'
+        '{"event": "steps", "time": 5.0, "first": 1, "last": 3, "wall_s": 4.0, "compile_s": 1.0, "data_s": 0.0, '
+        '"checkpoint_s": 0.0, "productive_s": 3.0}\n')
     (tmp_path / "binary.yaml").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")
     (tmp_path / "job.yaml").write_text("model: {size: tiny}\ndata: {path: store}\n")     # a job file
     (tmp_path / "arith.yaml").write_text("model: {name: gpt}\ndata: {source: arithmetic}\n")   # the example's data
@@ -193,6 +198,9 @@ BAD = [
     (["data", "prepare", "afile", "--out", "store", "--docs", "para"], "invalid choice: 'para'"),
     (["data", "prepare", "afile"], "the following arguments are required: --out"),
     (["sideways"], "invalid choice: 'sideways'"),
+    (["goodput", "nodir"], "RUN_DIR 'nodir' is not a directory"),
+    (["goodput", "adir"], "goodput.jsonl does not exist"),
+    (["goodput", "run", "--plot", "afile/g.png"], "--plot 'afile/g.png' cannot be written"),
 ]
 
 
@@ -247,6 +255,7 @@ VALUES = {
                   "--server-restarts": "1", "--server-port": "9100", "--server-time-out": "5",
                   "--server-checkpoint-dir": "C", "--server-module": "m.server", "--worker-restarts": "1",
                   "--server-checkpoint-every": "5"},
+    ("goodput",): {"--json": None, "--plot": "g.png"},
     ("k8s",): {"--workers": "3", "--image": "other", "--name": "job2", "--jobset": None, "--port": "9001",
                "--namespace": "ns", "--gpus-per-worker": "1", "--simulated-devices": "2",
                "--cluster-time-out": "9", "--env": "A=1", "--servers": "2", "--server-port": "8600",
@@ -269,6 +278,7 @@ BASE = {
     ("launch",): ["launch", "--worker-num", "4", "--local-worker-num", "2"],
     ("data", "prepare"): ["data", "prepare", "afile", "--out", "store"],
     ("k8s",): ["k8s", "--workers", "2", "--image", "img"],
+    ("goodput",): ["goodput", "run"],
 }
 BUDGET_FLAGS = {"--zero-levels", "--accum-options", "--remat-options", "--pipeline-options", "--microbatch-options",
                 "--schedule", "--context-options", "--context-strategies"}

@@ -91,14 +91,15 @@ def _zero_terms(zero: int, shardable: float, d: int, params: CostParams) -> tupl
 
 def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, zero: int = 0,
           grad_accum: int = 1, zero_axis: str = "data", threshold_kb: float = 0.0,
-          flags=None, cost: Cost | None = None, breakdown: dict | None = None) -> tuple[float, int, int]:
+          cost: Cost | None = None, breakdown: dict | None = None) -> tuple[float, int, int]:
     """``(step seconds, argument bytes, temp bytes)`` per device of a strategy on the graph of
     one micro-batch, with ``grad_accum`` micro-batches and ZeRO level ``zero`` (module docstring).
-    ``cost``: the strategy's `evaluate` result, when the caller prices several levels of it;
+    ``cost``: the strategy's `evaluate` result, when the caller prices several levels of it
+    (without it the graph is analysed and the strategy evaluated here);
     ``breakdown``: a dict filled with the step's parts (seconds: compute, serial and exposed
     collectives; bytes: activations, gradients), for reports."""
     if cost is None:
-        cost = evaluate(graph, axes, sizes, params, flags=analyse(graph) if flags is None else flags)
+        cost = evaluate(graph, axes, sizes, params, flags=analyse(graph))
     act, grads, reduced = cost.temp_parts
     k, d = grad_accum, sizes.get(zero_axis, 1)
     batch = sum(local_bytes(graph, t, axes, sizes) for _, t in graph.batch)
