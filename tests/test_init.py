@@ -1,5 +1,7 @@
 """jaxpar.init: sharded from the start; parameter strategies by logical names or by path."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -57,7 +59,7 @@ def test_no_device_holds_a_full_replica():
 
     patterns = {"up/kernel": (1, 8), "down/kernel": (8, 1), "table": (8, 1)}
     cfg = jaxpar.ParallelConfig(mesh={"model": 8}, parameter_strategy=patterns)
-    _, program = init_program(lambda: Wide(nnx.Rngs(0)), cfg, mesh)
+    _, program = init_program(lambda: Wide(nnx.Rngs(0)), cfg, mesh, split="variables")
     programs = program.programs()
     # Only the computed variables have a program; the closed-over table and the scalar are
     # placed shard by shard (device_put), the biases share one program per shape.
@@ -69,9 +71,19 @@ def test_no_device_holds_a_full_replica():
         full = (256 * 1024 if "kernel" in path else 1024 if "up" in path else 256) * 4
         if "kernel" in path:   # split 8 ways: its shard out, and no room for the whole of it
             assert per_device.output_bytes == full // 8, path
-            assert per_device.output_bytes + per_device.temp_bytes < full, (path, per_device)
+            assert per_device.output_bytes + per_device.temp_bytes < full, path
         else:
             assert per_device.output_bytes == full, path
+    # as one program (what split="auto" picks for a model this small): every shard out, and no
+    # room for one whole kernel
+    _, whole = init_program(lambda: Wide(nnx.Rngs(0)), cfg, mesh)
+    assert whole.whole
+    [(path, jitted, args)] = whole.programs()
+    assert path == "(whole model)" and all(np.size(a) <= SMALL for a in args)
+    per_device = jaxpar.report.memory(jitted.lower(*args).compile())
+    shards = 2 * 256 * 1024 * 4 // 8 + (1024 + 256) * 4
+    assert 0 <= per_device.output_bytes - shards <= 64     # and the output tuple's pointers
+    assert per_device.output_bytes + per_device.temp_bytes < 256 * 1024 * 4
     params, _ = program()
     table = params["table"].get_value()
     assert {s.data.shape for s in table.addressable_shards} == {(8, 8)}
@@ -108,12 +120,15 @@ MODELS = {
 }
 
 
+@pytest.mark.parametrize("split", ["variables", "whole"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_init_equals_one_whole_model_program(name):
+def test_init_equals_one_whole_model_program(name, split):
     """Variable by variable, bit for bit, the values and placements of one jitted init."""
     cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
     mesh = jaxpar.make_mesh(cfg)
-    mine = nnx.to_flat_state(nnx.state(jaxpar.init(MODELS[name], cfg, mesh)))
+    graphdef, program = init_program(MODELS[name], cfg, mesh, split=split)
+    assert program.whole == (split == "whole")
+    mine = nnx.to_flat_state(nnx.state(nnx.merge(graphdef, *program())))
     theirs = dict(nnx.to_flat_state(nnx.state(whole_program_init(MODELS[name], cfg, mesh))))
     assert len(mine) == len(theirs) > 5
     for path, variable in mine:
@@ -132,6 +147,28 @@ def test_unrolled_layers_share_their_programs():
               .program_count for n in (1, 3)]
     # tiny: embedding = down (64, 32), gate = up = head (32, 64), wq, wk = wv, wo, the norm scales
     assert counts == [6, 6]
+
+
+def test_auto_split_compiles_the_cheaper_way_and_a_second_init_compiles_nothing(caplog):
+    """A model with variables of many kinds runs one program, a tiny Llama a program per kind
+    (`sliced_init.WHOLE_EQNS_PER_PROGRAM`); building either again reuses its jitted programs."""
+    cfg = jaxpar.ParallelConfig(mesh={"data": 2, "model": 4}, rules=MEGATRON)
+    mesh = jaxpar.make_mesh(cfg)
+    many = lambda: KeepsRngs(nnx.Rngs(0, dropout=5))  # noqa: E731
+    few = lambda: Llama(LlamaConfig.named("tiny", layers=2), rngs=nnx.Rngs(3))  # noqa: E731
+    assert init_program(many, cfg, mesh)[1].whole
+    assert not init_program(few, cfg, mesh)[1].whole
+    with pytest.raises(ValueError, match=r"split='layers' is not one of \('auto', 'variables', 'whole'\)"):
+        init_program(few, cfg, mesh, split="layers")
+    for fn in (many, few):
+        jaxpar.init(fn, cfg, mesh)
+        programs = [jitted for _, jitted, _ in init_program(fn, cfg, mesh)[1].programs()]
+        again = [jitted for _, jitted, _ in init_program(fn, cfg, mesh)[1].programs()]
+        assert all(a is b for a, b in zip(programs, again)) and len(programs) == len(again)
+        caplog.clear()
+        with jax.log_compiles(), caplog.at_level(logging.WARNING):
+            jaxpar.init(fn, cfg, mesh)
+        assert not [r for r in caplog.records if "Compiling" in r.getMessage()]   # nothing traced or compiled again
 
 
 class PrintsAParameter(nnx.Module):

@@ -1,10 +1,10 @@
 """``init``: build a Flax NNX model directly sharded on the mesh.
 
 One trace of the constructor (``jax.make_jaxpr``: shapes, no memory), then the plan, then the
-init: one small jitted program per variable (shared by variables of the same kind,
-``sliced_init``) whose ``out_shardings`` is the plan's. Each device computes only its own
-shards, so no device ever holds a full replica of a sharded parameter, and nothing compiles
-one program for the whole model.
+init: one small jitted program per kind of variable (``sliced_init``), or one program for the
+whole model where that compiles sooner (a small model with variables of many kinds), whose
+``out_shardings`` are the plan's. Each device computes only its own shards, so no device ever
+holds a full replica of a sharded parameter, and a large model never compiles as one program.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ def abstract_model(model_fn: Callable[[], nnx.Module]) -> nnx.Module:
         return nnx.eval_shape(model_fn)
 
 
-def init_program(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mesh):
+def init_program(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mesh, *, split: str = "auto"):
     """``(graphdef, program)``: ``program()`` returns ``(params, rest)``, already sharded.
 
     ``program`` is a ``jaxpar.nn.sliced_init.SlicedInit``: ``program.programs()`` lists the
-    jitted program of each variable with its arguments, to inspect
-    (``jitted.lower(*args).compile()``).
+    jitted programs that run with their arguments, to inspect (``jitted.lower(*args).compile()``).
+    ``split``: ``"auto"`` (what ``init`` does), ``"variables"`` (a program per kind of variable)
+    or ``"whole"`` (one program), to compare the two.
     """
     if isinstance(model_fn, nnx.Module) or not callable(model_fn):
         raise TypeError(f"init expects a function that builds the model, got {type(model_fn).__name__}; "
@@ -55,7 +56,7 @@ def init_program(model_fn: Callable[[], nnx.Module], config: ParallelConfig, mes
         param_specs = zero_specs(config.optimizer, mesh, param_specs, abs_params).params
     shardings = (to_shardings(param_specs, mesh),
                  to_shardings(state_specs(config, mesh, abs_rest, check_unused=False), mesh))
-    return graphdef, SlicedInit(traced, shardings)
+    return graphdef, SlicedInit(traced, shardings, split)
 
 
 def _trace(model_fn):

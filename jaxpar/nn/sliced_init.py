@@ -1,4 +1,5 @@
-"""Run a model's init as one small jitted program per variable, not one program for all.
+"""Run a model's init as one small jitted program per kind of variable, or as one program
+when that compiles sooner.
 
 XLA compiles one program holding every initializer of a large unrolled model for a minute
 (a Llama 1B: 60 s, eager Flax init 5 s), while tracing it takes a fraction of a second. So
@@ -16,6 +17,16 @@ and splits it:
    one jitted program: the ``wq`` of every unrolled layer differs only in its key input, so
    a model compiles one program per kind of variable.
 
+A small model whose variables are of many kinds is the other way round: each program costs
+about as much to lower and compile as ``WHOLE_EQNS_PER_PROGRAM`` equations of one program
+holding them all. When the model has no more such equations than that many per distinct program,
+``split="auto"`` runs one program with every variable's ``out_shardings`` instead (the same
+values, bit for bit, and still no device holding a whole replica of a sharded variable).
+
+Jitted programs are kept (``_PROGRAMS``, the newest ``PROGRAM_CACHE`` of them) by what they
+compute, so building the same model again in a process — a second trainer, a restart, a
+benchmark round — runs the programs it compiled the first time instead of tracing them again.
+
 A variable whose value is a literal or an array ``model_fn`` closed over has no program: it is
 placed with ``jax.device_put(value, sharding)``, which sends each device its shards only. (A
 closed-over array that a variable is computed from is an argument of its program, whole on
@@ -25,6 +36,7 @@ each device, as it was in one whole-model program.)
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 import jax
@@ -32,6 +44,28 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
 
 SMALL = 4096  # elements: an eagerly computed value (keys, counters) is at most this large
+# One more program costs about as much to lower and compile as this many more equations (those
+# left to the programs, not the eager bookkeeping) in one program holding every variable.
+# Measured with XLA:CPU on 8 devices, each alone with the cache off: about 0.2 s per distinct
+# program split by variable, 0.045 s per equation whole. The matrix's GPT (34 equations, 14
+# programs): 2.7 s split, 1.5 s whole; a tiny Llama (37, 6): 1.2 s split, 1.5 s whole; Llama
+# 125m (197, 8): 1.7 s, 7.3 s; Llama 1B (259, 7): 1.5 s, 12.7 s.
+WHOLE_EQNS_PER_PROGRAM = 4
+PROGRAM_CACHE = 256  # jitted init programs kept per process (_PROGRAMS), the least recently used dropped
+SPLITS = ("auto", "variables", "whole")
+_PROGRAMS: OrderedDict = OrderedDict()
+
+
+def _program(key, make):
+    """The jitted program cached under ``key`` (equal keys compute equal values), else ``make()``."""
+    fn = _PROGRAMS.get(key)
+    if fn is None:
+        fn = _PROGRAMS[key] = make()
+        while len(_PROGRAMS) > PROGRAM_CACHE:
+            _PROGRAMS.popitem(last=False)
+    else:
+        _PROGRAMS.move_to_end(key)
+    return fn
 
 
 class _Identity:
@@ -60,14 +94,19 @@ class _Slice(NamedTuple):
 class SlicedInit:
     """``program()`` → ``(params, rest)``, each variable computed already sharded.
 
-    ``program.programs()`` lists ``(path, jitted, args)`` per variable computed by a program:
-    ``jitted.lower(*args).compile()`` is what runs; ``program.program_count`` counts the
-    distinct programs.
+    ``program.programs()`` lists ``(path, jitted, args)`` per variable computed by a program
+    (one entry, path ``"(whole model)"``, when ``program.whole``): ``jitted.lower(*args).compile()``
+    is what runs; ``program.program_count`` counts the distinct programs of the split by variable.
     """
 
-    def __init__(self, traced, shardings):
+    def __init__(self, traced, shardings, split: str = "auto"):
         """``traced``: ``jax.make_jaxpr(make, return_shape=True)()`` of a function with no
-        arguments; ``shardings``: a tree of shardings matching ``make()``'s outputs."""
+        arguments; ``shardings``: a tree of shardings matching ``make()``'s outputs; ``split``:
+        ``"variables"`` (a program per kind of variable), ``"whole"`` (one program) or ``"auto"``
+        (whichever compiles sooner, by ``WHOLE_EQNS_PER_PROGRAM``)."""
+        if split not in SPLITS:
+            raise ValueError(f"init_program: split={split!r} is not one of {SPLITS}; use 'auto' unless "
+                             "comparing the two ways")
         closed, out_shape = traced
         self._closed = closed
         self._out_tree = jax.tree.structure(out_shape)
@@ -88,10 +127,14 @@ class SlicedInit:
                 deferred.append(eqn)
         producer = {v: eqn for eqn in deferred for v in eqn.outvars}
         order = {id(eqn): i for i, eqn in enumerate(deferred)}
-        programs: dict = {}
+        programs: set = set()
         self._slices = [_plan_slice(producer, order, known, out, sharding, programs)
                         for out, sharding in zip(jaxpr.outvars, flat_shardings)]
         self.program_count = len(programs)
+        computed = [s for s in self._slices if s.fn is not None]
+        self.whole = bool(computed) and (split == "whole" or (
+            split == "auto" and len(deferred) <= WHOLE_EQNS_PER_PROGRAM * self.program_count))
+        self._whole = _plan_whole(computed, order) if self.whole else None
 
     def _known_values(self) -> dict:
         env = dict(zip(self._closed.jaxpr.constvars, self._closed.consts))
@@ -100,12 +143,21 @@ class SlicedInit:
 
     def __call__(self):
         env = self._known_values()
-        leaves = [s.fn(*(env[v] for v in s.free)) if s.fn is not None
-                  else jax.device_put(_read(env, s.out), s.sharding) for s in self._slices]
+        if self._whole is not None:
+            free, fn = self._whole
+            computed = iter(fn(*(env[v] for v in free)))
+            leaves = [next(computed) if s.fn is not None else jax.device_put(_read(env, s.out), s.sharding)
+                      for s in self._slices]
+        else:
+            leaves = [s.fn(*(env[v] for v in s.free)) if s.fn is not None
+                      else jax.device_put(_read(env, s.out), s.sharding) for s in self._slices]
         return jax.tree.unflatten(self._out_tree, leaves)
 
     def programs(self) -> list[tuple[str, Any, tuple]]:
         env = self._known_values()
+        if self._whole is not None:
+            free, fn = self._whole
+            return [("(whole model)", fn, tuple(env[v] for v in free))]
         return [(path, s.fn, tuple(env[v] for v in s.free))
                 for path, s in zip(self._paths, self._slices) if s.fn is not None]
 
@@ -125,12 +177,24 @@ def _check_no_effects(eqn) -> None:
     if eqn.effects:
         raise ValueError(f"jaxpar.init: model_fn runs {eqn.primitive.name!r}, which has side effects "
                          f"({', '.join(sorted(map(str, eqn.effects)))}), on values that initializers compute; "
-                         "jaxpar.init builds each variable in a program of its own and cannot run it there. "
+                         "jaxpar.init may build each variable in a program of its own and cannot run it there. "
                          "Remove it from the model's constructor, or build the model eagerly and place it "
                          "with jaxpar.nn.place(model, config, mesh)")
 
 
-def _plan_slice(producer: dict, order: dict, known, out, sharding, programs: dict) -> _Slice:
+def _plan_whole(computed: list, order: dict) -> tuple:
+    """``(free, jitted)``: one program computing every slice of ``computed``, each output with its
+    sharding."""
+    eqns = tuple(sorted({id(e): e for s in computed for e in s.eqns}.values(), key=lambda e: order[id(e)]))
+    free = tuple(dict.fromkeys(v for s in computed for v in s.free))
+    outs, shardings = tuple(s.out for s in computed), tuple(s.sharding for s in computed)
+    names = {v: i for i, v in enumerate(free)}
+    key = ("whole", tuple(v.aval for v in free), _eqns_key(eqns, names), tuple(_atom_key(o, names) for o in outs),
+           shardings)
+    return free, _program(key, lambda: jax.jit(_interpreter(eqns, free, outs), out_shardings=shardings))
+
+
+def _plan_slice(producer: dict, order: dict, known, out, sharding, programs: set) -> _Slice:
     if isinstance(out, Literal) or out in known:
         return _Slice((), (), out, sharding, None)
     needed, stack = {}, [out]
@@ -146,16 +210,18 @@ def _plan_slice(producer: dict, order: dict, known, out, sharding, programs: dic
     free = tuple(dict.fromkeys(v for eqn in eqns for v in eqn.invars
                                if not isinstance(v, Literal) and v in known))
     key = _slice_key(eqns, free, out, sharding)
-    if key not in programs:
-        programs[key] = jax.jit(_interpreter(eqns, free, out), out_shardings=sharding)
-    return _Slice(eqns, free, out, sharding, programs[key])
+    programs.add(key)
+    return _Slice(eqns, free, out, sharding,
+                  _program(key, lambda: jax.jit(_interpreter(eqns, free, out), out_shardings=sharding)))
 
 
 def _interpreter(eqns, free, out):
+    """The function of ``free``'s values that runs ``eqns`` and returns ``out`` (an atom, or a
+    tuple of them)."""
     def run(*values):
         env = dict(zip(free, values))
         _eval(eqns, env)
-        return _read(env, out)
+        return tuple(_read(env, o) for o in out) if isinstance(out, tuple) else _read(env, out)
 
     return run
 
