@@ -5,22 +5,48 @@ model sharded (``init``) and train it (``Trainer``). Strategies come in MindSpor
 (integer tuples, ``Layout``) or JAX forms (logical names with rules, ``PartitionSpec``).
 """
 
-from jaxpar import ops, report
-from jaxpar.deprecation import install_module_finder
-from jaxpar.config import OptimizerConfig, ParallelConfig, PipelineConfig
-from jaxpar.mesh import make_mesh
-from jaxpar.precision import Precision
-from jaxpar.nn import init
-from jaxpar.pipeline import PipelineLoss
-from jaxpar.plan import TrainPlan, TrainState, make_train_plan
-from jaxpar.shard import LogicalConstraint, shard
-from jaxpar.strategy import Layout, to_partition_spec
-from jaxpar.train import CheckpointConfig, Placement, Services, Trainer
-from jaxpar import optim
-from jaxpar.config import CommFusionConfig
-from jaxpar.remat import remat  # the function; the policies live in the jaxpar.remat module
+import importlib
+import importlib.util
 
-from jaxpar.version import __version__  # noqa: E402
+from jaxpar.deprecation import install_module_finder
+from jaxpar.remat import remat  # the function (light: JAX loads when it runs); the policies live in the jaxpar.remat module
+from jaxpar.version import __version__
+
+# The package face is read on first use (PEP 562): `import jaxpar.launch` (the launcher, the
+# CLI's light commands, every worker of a job before it needs JAX) does not import JAX, Flax,
+# optax and orbax. Each name, and the module that defines it:
+_FACE = {
+    "CheckpointConfig": "jaxpar.train", "Placement": "jaxpar.train", "Services": "jaxpar.train",
+    "Trainer": "jaxpar.train",
+    "CommFusionConfig": "jaxpar.config", "OptimizerConfig": "jaxpar.config", "ParallelConfig": "jaxpar.config",
+    "PipelineConfig": "jaxpar.config",
+    "Layout": "jaxpar.strategy", "to_partition_spec": "jaxpar.strategy",
+    "LogicalConstraint": "jaxpar.shard", "shard": "jaxpar.shard",
+    "PipelineLoss": "jaxpar.pipeline",
+    "Precision": "jaxpar.precision",
+    "TrainPlan": "jaxpar.plan", "TrainState": "jaxpar.plan", "make_train_plan": "jaxpar.plan",
+    "init": "jaxpar.nn",
+    "make_mesh": "jaxpar.mesh",
+}
+_SUBPACKAGES = ("ops", "optim", "report")
+
+
+def __getattr__(name: str):
+    if name in _FACE:
+        value = getattr(importlib.import_module(_FACE[name]), name)
+    elif name in _SUBPACKAGES or (not name.startswith("_") and importlib.util.find_spec(f"jaxpar.{name}")):
+        value = importlib.import_module(f"jaxpar.{name}")   # jaxpar.nn, jaxpar.checkpoint, ...: as when all were loaded
+    else:
+        from jaxpar.deprecation import former_attribute
+
+        return former_attribute("jaxpar", name, stacklevel=2)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_FACE) | set(_SUBPACKAGES))
+
 
 install_module_finder()   # module paths of 0.1.0 that moved: a warning naming the new one, or an error saying what to use
 

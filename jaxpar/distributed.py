@@ -292,6 +292,32 @@ def process_rows(
     return slice(index * rows, (index + 1) * rows)
 
 
+def place(tree: Any, shardings: Any) -> Any:
+    """``jax.device_put(tree, shardings)`` that also works where the shardings span several
+    processes: a leaf already laid out so is kept, a global array laid out otherwise is moved by
+    XLA (a jitted identity), and a host value (a NumPy array, a scalar, an array of this
+    process's devices, a PRNG key) becomes the global array each process builds its own
+    devices' shards of (every process must hold the same value)."""
+    return jax.tree.map(place_leaf, tree, shardings)
+
+
+def place_leaf(x: Any, sharding: jax.sharding.Sharding) -> Any:
+    """One leaf of `place`."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        return _reshard(sharding)(x)
+    if jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+        data = jax.random.key_data(x)
+        spec = tuple(sharding.spec) + (None,) * (data.ndim - len(sharding.spec))
+        placed = place_leaf(data, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec)))
+        return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=jax.random.key_impl(x)), out_shardings=sharding)(placed)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def _process_major_sharding(devices: Sequence[Any]) -> jax.sharding.NamedSharding:
     """Rows split by process, in process order, replicated over each process's devices."""
     devices = sorted(devices, key=lambda d: (d.process_index, d.id))

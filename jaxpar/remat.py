@@ -43,10 +43,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
-from flax import nnx
-
 from jaxpar.deprecation import check_policy
+
+# JAX and Flax are imported where they are used: the package face binds `jaxpar.remat` (the
+# function) from this module, and `import jaxpar` must not import JAX (the launcher does not).
+
+
+def _jax():
+    import jax
+
+    return jax
 
 COLLECTIVES = frozenset({
     "psum", "psum_invariant", "pmax", "pmin", "all_gather", "all_gather_invariant", "all_to_all",
@@ -68,10 +74,10 @@ def _everything_except_collectives(prim, *_, **__) -> bool:
 
 _POLICIES: dict[str, Callable[[], Any]] = {
     "full": lambda: None,
-    "nothing_saveable": lambda: jax.checkpoint_policies.nothing_saveable,
-    "everything_saveable": lambda: jax.checkpoint_policies.everything_saveable,
-    "dots_saveable": lambda: jax.checkpoint_policies.dots_saveable,
-    "dots_with_no_batch_dims_saveable": lambda: jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "nothing_saveable": lambda: _jax().checkpoint_policies.nothing_saveable,
+    "everything_saveable": lambda: _jax().checkpoint_policies.everything_saveable,
+    "dots_saveable": lambda: _jax().checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": lambda: _jax().checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_collectives": lambda: _save_collectives,
     "everything_except_collectives": lambda: _everything_except_collectives,
 }
@@ -105,6 +111,8 @@ def remat(fn_or_module, policy: str = "full"):
     if policy == "none":
         checkpoint_policy("full")   # nothing to wrap, but still a known name
         return fn_or_module
+    from flax import nnx
+
     pol = checkpoint_policy(policy)
     if isinstance(fn_or_module, nnx.Module):
         module = fn_or_module
@@ -123,6 +131,9 @@ def checkpointed_method(method: Callable, policy) -> Callable:
     ``policy``: arrays (and pytrees of them) go through the checkpoint; other arguments (hooks,
     flags) are closed over as constants."""
     def __call__(self, *args, **kwargs):
+        import jax
+        from flax import nnx
+
         is_data = [all(hasattr(x, "dtype") for x in jax.tree.leaves(a)) for a in args]
         data = [a for a, d in zip(args, is_data) if d]
 

@@ -51,11 +51,18 @@ def tag():
 def pytest_configure(config):
     """Under ``-n``, xdist hands a worker one test at a time as it frees up (``--maxschedchunk 1``;
     its default hands each worker a quarter of its share up front: the slow tests, sorted first,
-    all went to one worker, which ran 8 minutes after the other had finished). Set here rather
-    than in pyproject's addopts, so that pytest runs without xdist too (``-p no:xdist``, or an
-    install without the dev extra); a ``--maxschedchunk`` on the command line wins."""
+    all went to one worker, which ran 8 minutes after the other had finished), and keeps the
+    tests of one ``xdist_group`` on one worker (``--dist loadgroup``): a module whose tests share
+    a costly module-scoped fixture marks itself so, and the fixture is built once, not once per
+    worker (test_zero's and test_pipeline_v's took 23 s each, twice). Groups keep their place in
+    the slow-first order (no reordering by size). Set here rather than in pyproject's addopts, so
+    that pytest runs without xdist too (``-p no:xdist``, or an install without the dev extra);
+    a ``--dist`` other than ``load`` (what ``-n`` alone gives) wins."""
     if getattr(config.option, "maxschedchunk", 0) is None:     # xdist is loaded, the flag not given
         config.option.maxschedchunk = 1
+    if getattr(config.option, "dist", None) == "load":         # -n without --dist
+        config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config, items):

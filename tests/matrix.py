@@ -126,6 +126,21 @@ PRODUCT = [dict(BASE, layout="megatron", pipeline=p, zero=z)
            for p in FEATURES["pipeline"] for z in (0, 1)]
 
 
+# Cells run under `jaxpar launch` (tests/workers/matrix_launch_worker.py: 2 processes x 4 devices
+# and 4 x 2, each process feeding its own rows of every global batch): the features whose
+# collectives or layouts meet process boundaries there. Pipelined cells put the pipe axis first,
+# so that stages sit on different processes.
+LAUNCHED = [
+    dict(BASE, layout="megatron", zero=1),                         # Megatron, the vocabulary split
+    dict(BASE, zero=3, accum=2),                                   # ZeRO-3 x accumulation
+    dict(BASE, precision="bf16", zero=1),
+    dict(BASE, layout="megatron", pipeline="1f1b", pipe_outer=True),
+    dict(BASE, pipeline="zb-v", pipe_outer=True),
+    dict(BASE, context="ring"),
+    dict(BASE, moe="ep"),                                          # the expert axis over every process
+]
+
+
 # Cells beside the cover, whose model is not the matrix's GPT: the job of issue #29, a Llama
 # (RMSNorm, rotary positions, grouped-query attention whose kv heads stay whole, SwiGLU, untied
 # head) under Megatron with the vocabulary split, exactly as reported: the pipe axis first in the
@@ -264,6 +279,8 @@ def config_for(cell: dict):
         mesh = {"data": 4, "pipe": 2} if piped else {"data": 8}
     if piped:
         rules["layers"] = "pipe"
+        if cell.get("pipe_outer"):      # the pipe axis first: on several processes, stages on other processes
+            mesh = {"pipe": mesh.pop("pipe"), **mesh}
     if cell.get("model") == "llama":   # the reported job (see EXTRA): pipe first, embed named and unsplit
         mesh = {"pipe": 2, "data": 2, "model": 2} if piped else mesh
         rules |= {"embed": None}
@@ -368,19 +385,26 @@ def _params(trainer):
     import jax
     import numpy as np
     from flax import nnx
+    from jax.experimental import multihost_utils
 
-    return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param)))
+    params = nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param))
+    if jax.process_count() > 1:     # every process gets the whole of each parameter
+        return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), params)
+    return jax.tree.map(np.asarray, params)
 
 
-def run_cell(cell: dict, tmp_dir: str | None = None, inspect=None):
+def run_cell(cell: dict, tmp_dir: str | None = None, inspect=None, rows=None):
     """``(losses, params)`` of ``STEPS`` steps under ``cell`` (``ckpt="restore"``: the first
     `SAVE_AT` steps under the cell, saved, the rest in a plain ``data=8`` trainer restored
-    from that checkpoint). ``inspect(trainer, batch)`` runs before the first step."""
+    from that checkpoint). ``inspect(trainer, batch)`` runs before the first step. ``rows``:
+    on several processes, the slice of each global batch's rows this process feeds."""
     import jaxpar
 
     gpt = model_config(cell)
     trainer = _trainer(config_for(cell), gpt, 8)
     batches = _batches()
+    if rows is not None:
+        batches = [{k: v[rows] for k, v in b.items()} for b in batches]
     if inspect is not None:
         inspect(trainer, batches[0])
     if cell["ckpt"] == "no":
@@ -477,6 +501,27 @@ def reference_key(cell: dict) -> tuple:
 def reference_name(key: tuple) -> str:
     """The name of a reference in the references file."""
     return "-".join(str(k) for k in key)
+
+
+def load_references(path: str, timeout: float = 600.0) -> dict:
+    """``{name: (losses, [params in sorted path order])}`` from a references file, waiting up to
+    ``timeout`` seconds for it to appear (another pytest worker may still be computing it)."""
+    import os
+    import time
+
+    import numpy as np
+
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the matrix references {path} did not appear within {timeout:.0f} s")
+        time.sleep(0.5)
+    refs = {}
+    with np.load(path, allow_pickle=False) as z:
+        for name in {k.split("/")[0] for k in z.files}:
+            keys = sorted(k for k in z.files if k.startswith(f"{name}/p/"))
+            refs[name] = (z[f"{name}/losses"], [z[k] for k in keys])
+    return refs
 
 
 def flat_params(params) -> dict:

@@ -50,7 +50,10 @@ def test_interleave_matches_one_device_and_is_unrolled():
     losses, params, trainer = train_gpt(cfg)
     assert_losses_close(losses, ref_losses)
     assert_close(params, ref_params, what="interleave=2")
-    assert "while" not in trainer.lower(batches(1)[0]).compile().as_text()   # copies run one after another
+    # copies run one after another: no loop but those XLA:CPU may expand a scatter-add into
+    loops = [line for line in trainer.lower(batches(1)[0]).compile().as_text().splitlines()
+             if " while(" in line and "scatter" not in line]
+    assert not loops, loops[:2]
 
 
 def test_accumulation_memory_well_under_the_big_batch():

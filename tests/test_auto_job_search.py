@@ -23,6 +23,9 @@ from jaxpar.nn.blocks import remat_loss
 from jaxpar.report import memory
 from jaxpar.train import compile_step
 
+# one worker runs this module: its module-scoped fixtures are built once (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("test_auto_job_search")
+
 SCANNED = GPTConfig(vocab_size=16, seq_len=32, embed=64, heads=4, mlp=256, layers=4, scan_layers=True)
 BASE = jaxpar.ParallelConfig(mode="auto", optimizer=jaxpar.OptimizerConfig(threshold_kb=0))
 

@@ -42,13 +42,18 @@ def _references(cells, path) -> str:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """The references file, computed once per run: under xdist the first worker to need it
-    writes it to the run's shared temporary folder (under a lock) and the others read it."""
+    writes it to the run's shared temporary folder (under a lock). A worker that finds the lock
+    held does not wait: its cells' process trains its first cell meanwhile and reads the file
+    when it appears (`matrix.load_references`)."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None:       # one process (no xdist, or no -n)
         return _references(matrix.CELLS, tmp_path_factory.mktemp("matrix") / "reference.npz")
     shared = tmp_path_factory.getbasetemp().parent     # one folder per run, shared by its workers
     path = shared / "matrix_reference.npz"
     with open(shared / "matrix_reference.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:         # another worker is writing it
+            return str(path)
         if not path.exists():
             os.replace(_references(matrix.CELLS, shared / "matrix_reference.partial.npz"), path)
     return str(path)
@@ -95,6 +100,36 @@ def test_cells_cover_every_pair():
 @pytest.mark.parametrize("cells", GROUPS, ids=[f"cells{i * GROUP}-{i * GROUP + len(g) - 1}" for i, g in enumerate(GROUPS)])
 def test_cells_match_one_device(cells, references, tmp_path):
     failures = _failures(_run_worker(cells, references, tmp_path))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(560)
+@pytest.mark.parametrize("processes, devices", [(2, 4), (4, 2)])
+def test_cells_under_launch_match_one_device(references, tmp_path, tag, processes, devices):
+    """`matrix.LAUNCHED` under `jaxpar launch` on localhost, every process feeding only its own
+    rows of each global batch: the one-device losses and parameters, as in one process."""
+    from workers.procs import WORKERS, Launch
+
+    from jaxpar.launch.ports import free_port
+
+    spec = tmp_path / "cells.json"
+    spec.write_text(json.dumps(matrix.LAUNCHED))
+    args = ["--worker-num", processes, "--local-worker-num", processes, "--simulated-devices", devices,
+            "--master-port", free_port(), "--cluster-time-out", 60]
+    run = Launch(tmp_path, tag, args, ["--cells", spec, "--references", references],
+                 script=os.path.join(WORKERS, "matrix_launch_worker.py"), entry=("-m", "jaxpar.cli", "launch"))
+    try:
+        code = run.wait(timeout=500)
+    finally:
+        run.close()
+    out = run.out_dir / "out.jsonl"
+    lines = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    assert len(lines) == len(matrix.LAUNCHED), (code, run.stderr[-3000:], run.log(0)[-3000:])
+    assert code == 0, run.stderr[-3000:]
+    assert all(line["processes"] == processes for line in lines)
+    failures = _failures(lines)
     assert not failures, "\n".join(failures)
 
 

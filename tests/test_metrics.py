@@ -20,6 +20,9 @@ from jaxpar.models.gpt import GPT, gpt_flops_per_token, loss_fn
 from jaxpar.report import flops, memory
 from helpers import MEGATRON, TINY, batches
 
+# one worker runs this module: its module-scoped fixtures are built once (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("test_metrics")
+
 BATCH = 64            # a step long enough on the device that the host is ahead of it between logs
 PEAK = 1e12
 SCHEDULE = optax.linear_schedule(1e-3, 0.0, 20)

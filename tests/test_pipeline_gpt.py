@@ -11,6 +11,9 @@ from helpers import batches
 from jaxpar.models.gpt import GPT, GPTConfig
 from jaxpar.models.gpt_parallel import pipeline_loss
 
+# one worker runs this module: its module-scoped fixtures are built once (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("test_pipeline_gpt")
+
 GPT4 = GPTConfig(vocab_size=16, seq_len=16, embed=32, heads=8, mlp=64, layers=4, scan_layers=True)
 RULES = {"layers": "pipe", "batch": "data", "heads": "model", "mlp": "model"}
 

@@ -16,6 +16,9 @@ from jaxpar.models.gpt_parallel import pipeline_loss
 from jaxpar.models.llama import Llama, LlamaConfig, loss_fn as llama_loss_fn
 from jaxpar.pipeline import pipelined
 
+# one worker runs this module: its module-scoped fixtures are built once (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("test_pipeline_stages")
+
 GPT4 = GPTConfig(vocab_size=16, seq_len=16, embed=32, heads=4, mlp=64, layers=4, scan_layers=True)
 # Megatron TP with the vocabulary split over the tensor axis *and* the pipe axis: each stage
 # stores 1/pipe of the embedding and the head (and of their optimizer state)

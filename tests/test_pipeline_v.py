@@ -18,6 +18,9 @@ from jaxpar.pipeline import vshape
 from jaxpar.pipeline import forward_only, lower
 from jaxpar.pipeline.schedules import Kind
 
+# one worker runs this module: its module-scoped fixtures are built once (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("test_pipeline_v")
+
 SIZES = [(p, m) for p in (2, 4, 8) for m in range(1, 4 * p + 1)]
 
 

@@ -16,6 +16,9 @@ from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
 from jaxpar.optim import shard_optimizer, zero_specs, zero_spec
 from jaxpar.report import collectives, memory
 
+# one worker runs this module: its module-scoped fixtures are built once (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("test_zero")
+
 SIZES = {"data": 8, "model": 4}
 
 

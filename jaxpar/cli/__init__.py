@@ -20,7 +20,6 @@ import sys
 from collections.abc import Callable, Sequence
 
 from jaxpar.deprecation import module_getattr
-from jaxpar.cli import ckpt, data, goodput, launch, plan, report, train
 from jaxpar.cli.common import DEFAULT_DEVICES, JOB_ERRORS, Parser, UserError, jaxpar_raised, set_simulated_devices
 from jaxpar.cli.jobfile import job_file, parse_job_command
 
@@ -35,11 +34,24 @@ traceback instead.
 """
 
 
-def make_parser() -> argparse.ArgumentParser:
-    """The ``jaxpar`` argument parser with every subcommand."""
+# Commands that need no JAX: run alone, their parser is built without the others, whose modules
+# import JAX, Flax and orbax (a second and a half), so the launcher starts in a fraction of one.
+_LIGHT = ("launch", "k8s")
+
+
+def make_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``jaxpar`` argument parser with every subcommand (with ``command`` one of `_LIGHT`:
+    that command's only)."""
+    from jaxpar.cli import launch
+
     parser = Parser(prog="jaxpar", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true", help="show the Python traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    if command in _LIGHT:
+        (launch.add_launch_parser if command == "launch" else launch.add_k8s_parser)(sub)
+        return parser
+    from jaxpar.cli import ckpt, data, goodput, plan, report, train
+
     train.add_parser(sub)
     plan.add_parser(sub)
     report.add_parser(sub)
@@ -93,12 +105,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if job_file(argv):       # train|plan --config JOB.yaml: the job's own flags and --section.field overrides
+        from jaxpar.cli import plan, train
+
         command = next(a for a in argv if a in ("train", "plan"))
         rest = [a for a in argv if a not in (command, "--debug")]
         run_file = train.train_file if command == "train" else plan.plan_file
         return run_guarded(command, lambda: run_file(*parse_job_command(command, rest)), debug="--debug" in argv)
+    first = next((a for a in argv if not a.startswith("-")), None)
     try:
-        args, unknown = make_parser().parse_known_args(argv)
+        args, unknown = make_parser(first if first in _LIGHT else None).parse_known_args(argv)
     except SystemExit as e:   # --help (0) or a flag argparse refused (2, the paragraph is printed)
         return e.code if isinstance(e.code, int) else 2
     if unknown:

@@ -146,11 +146,11 @@ class SlicedInit:
         if self._whole is not None:
             free, fn = self._whole
             computed = iter(fn(*(env[v] for v in free)))
-            leaves = [next(computed) if s.fn is not None else jax.device_put(_read(env, s.out), s.sharding)
+            leaves = [next(computed) if s.fn is not None else _place(_read(env, s.out), s.sharding)
                       for s in self._slices]
         else:
             leaves = [s.fn(*(env[v] for v in s.free)) if s.fn is not None
-                      else jax.device_put(_read(env, s.out), s.sharding) for s in self._slices]
+                      else _place(_read(env, s.out), s.sharding) for s in self._slices]
         return jax.tree.unflatten(self._out_tree, leaves)
 
     def programs(self) -> list[tuple[str, Any, tuple]]:
@@ -160,6 +160,14 @@ class SlicedInit:
             return [("(whole model)", fn, tuple(env[v] for v in free))]
         return [(path, s.fn, tuple(env[v] for v in s.free))
                 for path, s in zip(self._paths, self._slices) if s.fn is not None]
+
+
+def _place(value, sharding):
+    """``value`` (a literal, a closed-over array, a key) laid out by ``sharding``, also where it
+    spans several processes (`jaxpar.distributed.place_leaf`)."""
+    from jaxpar.distributed import place_leaf
+
+    return place_leaf(value, sharding)
 
 
 def _bookkeeping(aval) -> bool:

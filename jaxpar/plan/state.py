@@ -21,6 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxpar.distributed import place
 from jaxpar.optim.zero import shard_optimizer
 from jaxpar.precision import cast_floats, with_precision
 
@@ -150,12 +151,12 @@ def init_state(plan, mesh, model: nnx.Module | tuple, tx: optax.GradientTransfor
     stored = plan.shardings("stored", params, mesh)
     if plan.precision is not None:      # master weights in the stored dtype (float leaves only)
         params = cast_floats(params, plan.precision.params)
-    params = jax.device_put(params, stored)
-    rest = jax.device_put(rest, plan.shardings("rest", rest, mesh))
+    params = place(params, stored)      # jax.device_put, also for shardings over several processes
+    rest = place(rest, plan.shardings("rest", rest, mesh))
     tx = sharded_tx(plan, mesh, tx, params)
     opt_like = jax.eval_shape(tx.init, shaped(params))
     init = jax.jit(tx.init, out_shardings=plan.shardings("opt_state", opt_like, mesh))
-    step = jax.device_put(jnp.zeros((), jnp.int32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    step = place(np.zeros((), np.int32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     return graphdef, TrainState(params, rest, init(params), step, data)
 
 

@@ -24,11 +24,7 @@ import matrix  # noqa: E402
 def main(cells_path, ref_path, out_path, tmp):
     with open(cells_path) as f:
         cells = json.load(f)
-    refs = {}
-    with np.load(ref_path, allow_pickle=False) as z:
-        for name in {k.split("/")[0] for k in z.files}:
-            keys = sorted(k for k in z.files if k.startswith(f"{name}/p/"))
-            refs[name] = (z[f"{name}/losses"], [z[k] for k in keys])
+    refs = None     # read once the first cell has trained: another worker may still be writing them
     for i, cell in enumerate(cells):
         line = {"name": matrix.name(cell)}
         try:
@@ -39,6 +35,7 @@ def main(cells_path, ref_path, out_path, tmp):
                     line["stray"] = matrix.stray_collectives(trainer, batch)
             losses, params = matrix.run_cell(cell, os.path.join(tmp, f"ckpt{i}"), inspect)
             flat = [np.asarray(p, np.float32) for _, p in sorted(matrix.flat_params(params).items())]
+            refs = refs or matrix.load_references(ref_path)
             name = matrix.reference_name(matrix.reference_key(cell))
             line["loss_err"], line["param_err"] = matrix.errors((losses, flat), refs[name])
             line["tolerance"] = matrix.TOLERANCE[cell["precision"]]
