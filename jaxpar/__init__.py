@@ -7,6 +7,8 @@ model sharded (``init``) and train it (``Trainer``). Strategies come in MindSpor
 
 import importlib
 import importlib.util
+import sys
+import types
 
 from jaxpar.deprecation import install_module_finder
 from jaxpar.remat import remat  # the function (light: JAX loads when it runs); the policies live in the jaxpar.remat module
@@ -21,7 +23,7 @@ _FACE = {
     "CommFusionConfig": "jaxpar.config", "OptimizerConfig": "jaxpar.config", "ParallelConfig": "jaxpar.config",
     "PipelineConfig": "jaxpar.config",
     "Layout": "jaxpar.strategy", "to_partition_spec": "jaxpar.strategy",
-    "LogicalConstraint": "jaxpar.shard", "shard": "jaxpar.shard",
+    "LogicalConstraint": "jaxpar.shard", "shard": "jaxpar.shard",   # the function, as remat below
     "PipelineLoss": "jaxpar.pipeline",
     "Precision": "jaxpar.precision",
     "TrainPlan": "jaxpar.plan", "TrainState": "jaxpar.plan", "make_train_plan": "jaxpar.plan",
@@ -46,6 +48,20 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_FACE) | set(_SUBPACKAGES))
+
+
+class _Face(types.ModuleType):
+    """The package: ``jaxpar.shard`` and ``jaxpar.remat`` stay the functions of those names
+    when their modules are imported (the import system binds a submodule to its package's
+    attribute of the same name; the modules stay importable by their paths)."""
+
+    def __setattr__(self, name, value):
+        if name in ("shard", "remat") and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Face
 
 
 install_module_finder()   # module paths of 0.1.0 that moved: a warning naming the new one, or an error saying what to use
