@@ -23,6 +23,8 @@ from collections.abc import Iterable, Mapping
 import jax
 import numpy as np
 
+from jaxpar.report.hlo import INSTRUCTION, HloModule, hlo_text, loop_context, parse_module
+
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 Groups = tuple[tuple[int, ...], ...]
@@ -129,9 +131,13 @@ def collectives(compiled_or_hlo_text, mesh=None, *, hosts=None) -> list[Collecti
       >>> [(c.kind, c.mesh_axes, c.bytes) for c in collectives(f.lower(x, w).compile(), mesh)]
       [('all-reduce', ('model',), 256)]
     """
-    text = _hlo_text(compiled_or_hlo_text)
+    return module_collectives(parse_module(hlo_text(compiled_or_hlo_text)), mesh, hosts=hosts)
+
+
+def module_collectives(module: HloModule, mesh=None, *, hosts=None, computations=None) -> list[Collective]:
+    """`collectives` of a parsed module (`jaxpar.report.hlo.parse_module`); ``computations``: only
+    the instructions of these computations."""
     mesh_shape = _mesh_shape(mesh)
-    module = _parse_module(text)
     if mesh_shape is not None and module.num_devices not in (None, math.prod(mesh_shape.values())):
         raise ValueError(
             f"collectives(): the program runs on {module.num_devices} devices but the mesh "
@@ -139,10 +145,14 @@ def collectives(compiled_or_hlo_text, mesh=None, *, hosts=None) -> list[Collecti
             "program was compiled for.")
     num_devices = module.num_devices or (math.prod(mesh_shape.values()) if mesh_shape else 1)
     host_of = _host_map(mesh, hosts, num_devices)
-    context = _loop_context(module)
+    context = loop_context(module)
     found = []
     for comp, line in module.lines:
-        instr = _INSTR.match(line)
+        if computations is not None and comp not in computations:
+            continue
+        if not any(kind in line for kind in KINDS):     # most lines: no collective's name in them
+            continue
+        instr = INSTRUCTION.match(line)
         if instr is None or not _is_collective(instr["op"], instr["rest"]):
             continue
         in_loop, executions = context.get(comp, (False, None))
@@ -199,25 +209,6 @@ def _group(cols: list[Collective], key) -> dict:
 
 # --------------------------------------------------------------------------- inputs
 
-def _hlo_text(obj) -> str:
-    if isinstance(obj, jax.stages.Compiled):
-        text = obj.as_text()
-        if not text:
-            raise ValueError("collectives(): compiled.as_text() returned no HLO text for this "
-                             "program; pass the optimized HLO text yourself.")
-        return text
-    if isinstance(obj, jax.stages.Lowered):
-        raise TypeError("collectives() got a jax.stages.Lowered: XLA chooses the collectives "
-                        "when it compiles, so call .compile() on it and pass the result.")
-    if not isinstance(obj, str):
-        raise TypeError(f"collectives() expects a jax.stages.Compiled or its HLO text "
-                        f"(compiled.as_text()), got {type(obj).__name__}.")
-    if "stablehlo." in obj or obj.lstrip().startswith("module"):
-        raise ValueError("collectives() got StableHLO/MLIR text (from Lowered.as_text()); "
-                         "it needs the optimized HLO: pass lowered.compile().as_text().")
-    return obj
-
-
 def _mesh_shape(mesh) -> dict[str, int] | None:
     if mesh is None:
         return None
@@ -226,86 +217,6 @@ def _mesh_shape(mesh) -> dict[str, int] | None:
         raise TypeError(f"mesh must be a jax.sharding.Mesh or AbstractMesh, got "
                         f"{type(mesh).__name__}; build one with jax.make_mesh(...).")
     return dict(shape)
-
-
-# --------------------------------------------------------------------------- module structure
-
-_COMP = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s*=\s*(?P<shape>.*?)\s"
-                    r"(?P<op>[a-z][a-z0-9\-]*)\((?P<rest>.*)$")
-_CALLEE = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)"
-                     r"=%?([\w.\-]+)")
-_CALLEE_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-
-
-@dataclasses.dataclass
-class _Module:
-    lines: list[tuple[str, str]]                  # (computation, instruction line)
-    calls: dict[str, list[tuple[str, str, int | None]]]  # caller -> (callee, op, trips)
-    entry: str | None
-    num_devices: int | None
-    async_wrapped: set[str]
-
-
-def _parse_module(text: str) -> _Module:
-    module = _Module([], {}, None, _num_devices(text), set())
-    comp = None
-    for line in text.splitlines():
-        header = _COMP.match(line)
-        if header and " = " not in line:
-            comp = header["name"]
-            module.entry = comp if header["entry"] else module.entry
-        elif line.startswith("}"):
-            comp = None
-        elif comp is not None and "=" in line:
-            module.lines.append((comp, line))
-            _add_calls(module, comp, line)
-    return module
-
-
-def _num_devices(text: str) -> int | None:
-    header = next((ln for ln in text.splitlines() if ln.startswith("HloModule")), "")
-    partitions = re.search(r"num_partitions=(\d+)", header)
-    replicas = re.search(r"replica_count=(\d+)", header)
-    if not (partitions or replicas):
-        return None
-    return int(partitions[1] if partitions else 1) * int(replicas[1] if replicas else 1)
-
-
-def _add_calls(module: _Module, comp: str, line: str) -> None:
-    instr = _INSTR.match(line)
-    op = instr["op"] if instr else ""
-    trips = _TRIPS.search(line)
-    edges = [(name, op if attr in ("body", "condition") else "call")
-             for attr, name in _CALLEE.findall(line)]
-    for names in _CALLEE_LIST.findall(line):
-        edges += [(n.strip().lstrip("%"), "call") for n in names.split(",") if n.strip()]
-    for callee, kind in edges:
-        module.calls.setdefault(comp, []).append((callee, kind, int(trips[1]) if trips else None))
-        if op.endswith("-start"):
-            module.async_wrapped.add(callee)
-
-
-def _loop_context(module: _Module) -> dict[str, tuple[bool, int | None]]:
-    """(in_loop, executions) per computation, propagated from the entry along calls."""
-    callees = {c for edges in module.calls.values() for c, _, _ in edges}
-    roots = [module.entry] if module.entry else [c for c, _ in module.lines if c not in callees]
-    context = {root: (False, 1) for root in roots}
-    stack = list(context)
-    while stack:
-        comp = stack.pop()
-        in_loop, runs = context[comp]
-        for callee, kind, trips in module.calls.get(comp, ()):
-            loop = kind == "while"
-            new = (in_loop or loop, runs if not loop else (
-                runs * trips if runs is not None and trips is not None else None))
-            old = context.get(callee, new)
-            merged = (old[0] or new[0], old[1] if old[1] == new[1] else None)
-            if callee not in context or merged != old:
-                context[callee] = merged
-                stack.append(callee)
-    return context
 
 
 # --------------------------------------------------------------------------- one instruction

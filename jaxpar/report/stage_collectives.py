@@ -25,7 +25,8 @@ from collections import deque
 import numpy as np
 
 from jaxpar.pipeline.branches import parse_branch_label
-from jaxpar.report.collectives import Collective, _hlo_text, _INSTR, _parse_module, collectives
+from jaxpar.report.collectives import Collective, module_collectives
+from jaxpar.report.hlo import INSTRUCTION, field, hlo_text, parse_module, stack_frames
 
 __all__ = ["StageCollective", "StageCollectiveError", "stage_collectives", "check_stage_collectives", "checked_step"]
 
@@ -71,30 +72,35 @@ def stage_collectives(compiled_or_hlo_text, mesh, axis: str = "pipe") -> list[St
       >>> [(f.collective.kind, f.collective.mesh_axes, f.branch["stages"]) for f in found]  # doctest: +SKIP
       [('collective-permute', ('model',), (0,))]
     """
-    text = _hlo_text(compiled_or_hlo_text)
-    module = _parse_module(text)
+    text = hlo_text(compiled_or_hlo_text, "stage_collectives()")
+    module = parse_module(text)
     inside = _branch_computations(module)
     if not inside:
         return []
     where = list(mesh.axis_names).index(axis)
     coords = np.indices(mesh.devices.shape)[where].reshape(-1)   # position in the mesh -> stage
-    lines = {instr["name"].lstrip("%"): line for _, line in module.lines if (instr := _INSTR.match(line))}
-    frames = _stack_frames(text)
     found = []
-    for c in collectives(text, mesh):
-        if c.computation not in inside:
-            continue
+    for c in module_collectives(module, mesh, computations=inside):
         if c.kind == "collective-permute":
             reason = "a collective-permute waits for every device of the program (XLA:CPU)"
         elif any(len({int(coords[d]) for d in group}) > 1 for group in c.replica_groups):
             reason = "its device groups hold devices of more than one pipeline stage"
         else:
             continue
+        found.append((c, reason))
+    if not found:
+        return []
+    names = {c.name.lstrip("%") for c, _ in found}
+    lines = {instr["name"].lstrip("%"): line for _, line in module.lines
+             if (instr := INSTRUCTION.match(line)) and instr["name"].lstrip("%") in names}
+    frames = stack_frames(text)
+    out = []
+    for c, reason in found:
         line = lines.get(c.name.lstrip("%"), "")
-        op_name = _field(line, "op_name") or ""
+        op_name = field(line, "op_name") or ""
         branch = parse_branch_label(op_name) or inside[c.computation]
-        found.append(StageCollective(c, branch, _frames_of(line, frames), op_name, reason))
-    return found
+        out.append(StageCollective(c, branch, _frames_of(line, frames), op_name, reason))
+    return out
 
 
 def check_stage_collectives(compiled_or_hlo_text, mesh, axis: str = "pipe", jaxpr=None) -> None:
@@ -176,14 +182,6 @@ class CheckedStep:
 
 # --------------------------------------------------------------------------- the HLO side
 
-_FIELD = r'{}="((?:[^"\\]|\\.)*)"'
-
-
-def _field(line: str, name: str) -> str | None:
-    m = re.search(_FIELD.format(name), line)
-    return m[1] if m else None
-
-
 def _branch_computations(module) -> dict[str, dict | None]:
     """``{computation: the label of the branch it runs in}`` for every computation a branch of a
     pipeline op's conditional reaches (the conditionals whose branches hold labelled ops)."""
@@ -203,7 +201,9 @@ def _branch_computations(module) -> dict[str, dict | None]:
 
     inside: dict[str, dict | None] = {}
     for comp, line in module.lines:
-        instr = _INSTR.match(line)
+        if " conditional(" not in line:
+            continue
+        instr = INSTRUCTION.match(line)
         if instr is None or instr["op"] != "conditional":
             continue
         m = re.search(r"branch_computations=\{([^}]*)\}", line)
@@ -211,55 +211,18 @@ def _branch_computations(module) -> dict[str, dict | None]:
             n for n in re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line)]
         for name in names:
             comps = reach(name)
-            labels = [parse_branch_label(op) for c in comps for ln in body.get(c, ())
-                      if _MARK in ln and (op := _field(ln, "op_name"))]
-            labels = [x for x in labels if x]
-            if labels:
+            label = next((x for c in comps for ln in body.get(c, ())
+                          if _MARK in ln and (x := parse_branch_label(field(ln, "op_name") or ""))), None)
+            if label:
                 for c in comps:
-                    inside.setdefault(c, labels[0])
+                    inside.setdefault(c, label)
     return inside
-
-
-def _stack_frames(text: str) -> dict[int, tuple[tuple[str, int, str], ...]]:
-    """The module's stack frame table: ``{frame id: ((file, line, function), ...)}`` innermost first."""
-    tables: dict[str, dict[int, str]] = {}
-    section = None
-    for line in text.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            section = line
-            tables[section] = {}
-        elif section and (m := re.match(r"^(\d+) (.*)$", line)):
-            tables[section][int(m[1])] = m[2]
-        elif section and line.strip():
-            section = None
-    files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
-    funcs = {k: v.strip('"') for k, v in tables.get("FunctionNames", {}).items()}
-    locs = {}
-    for k, v in tables.get("FileLocations", {}).items():
-        get = lambda f: int(m[1]) if (m := re.search(rf"\b{f}=(\d+)", v)) else 0  # noqa: E731
-        locs[k] = (files.get(get("file_name_id"), "?"), get("line"), funcs.get(get("function_name_id"), "?"))
-    parent = {}
-    for k, v in tables.get("StackFrames", {}).items():
-        loc = re.search(r"file_location_id=(\d+)", v)
-        up = re.search(r"parent_frame_id=(\d+)", v)
-        parent[k] = (int(loc[1]) if loc else 0, int(up[1]) - 1 if up else 0)   # parent ids count from 1
-
-    def chain(k: int) -> tuple:
-        out, seen = [], set()
-        while k in parent and k not in seen:
-            seen.add(k)
-            loc, k = parent[k]
-            if loc in locs:
-                out.append(locs[loc])
-        return tuple(out)
-
-    return {k: chain(k) for k in parent}
 
 
 def _frames_of(line: str, frames: dict) -> tuple[tuple[str, int, str], ...]:
     if (m := re.search(r"stack_frame_id=(\d+)", line)) and int(m[1]) in frames:
         return frames[int(m[1])]
-    file, num = _field(line, "source_file"), re.search(r"source_line=(\d+)", line)
+    file, num = field(line, "source_file"), re.search(r"source_line=(\d+)", line)
     return ((file, int(num[1]), "?"),) if file and num else ()
 
 
