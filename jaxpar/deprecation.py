@@ -308,25 +308,17 @@ def renamed_keywords(owner: str, renames: Mapping[str, str]) -> Callable:
     """Decorator for a function or class: each former keyword in ``renames`` (former → current)
     is accepted with a ``DeprecationWarning`` and passed as the current one; both given is a
     ``TypeError`` naming both. ``owner``: the name the messages use (``"ParallelConfig"``)."""
-    def decorate(obj):
-        fn = obj.__init__ if isinstance(obj, type) else obj
+    def fix(kwargs):
+        for old, new in renames.items():
+            if old in kwargs:
+                if new in kwargs:
+                    raise TypeError(f"{owner}: both {old}= and {new}= are given ({old} is the former name of "
+                                    f"{new}); keep only {new}=")
+                warn_renamed(f"{owner}({old}=...)", Renamed(f"{owner}({new}=...)"), stacklevel=3)
+                kwargs[new] = kwargs.pop(old)
+        return kwargs
 
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            for old, new in renames.items():
-                if old in kwargs:
-                    if new in kwargs:
-                        raise TypeError(f"{owner}: both {old}= and {new}= are given ({old} is the former name of "
-                                        f"{new}); keep only {new}=")
-                    warn_renamed(f"{owner}({old}=...)", Renamed(f"{owner}({new}=...)"), stacklevel=2)
-                    kwargs[new] = kwargs.pop(old)
-            return fn(*args, **kwargs)
-
-        if isinstance(obj, type):
-            obj.__init__ = wrapper
-            return obj
-        return wrapper
-    return decorate
+    return lambda obj: _fixing_keywords(obj, fix)
 
 
 def removed_keywords(owner: str, removed: Mapping[str, Callable[[Any], Removed]], *,
@@ -336,29 +328,36 @@ def removed_keywords(owner: str, removed: Mapping[str, Callable[[Any], Removed]]
     value). A removed setting (``error=ValueError``) given its empty value (``()``, ``[]``,
     ``None``: 0.1.0's default, which asked for nothing) is dropped with a ``DeprecationWarning``
     instead, through the next release. The signature shown stays the current one."""
-    def decorate(obj):
-        fn = obj.__init__ if isinstance(obj, type) else obj
+    def fix(kwargs):
+        for name, entry in removed.items():
+            if name not in kwargs:
+                continue
+            value = kwargs[name]
+            if error is ValueError and (value is None or (isinstance(value, (tuple, list)) and not value)):
+                warnings.warn(refusal(f"{owner}({name}={value!r}) asks for nothing and is ignored", entry(value))
+                              + f"; delete the keyword (ignored {UNTIL}, then refused)",
+                              DeprecationWarning, stacklevel=3)
+                kwargs = {k: v for k, v in kwargs.items() if k != name}
+                continue
+            raise error(refusal(f"{owner}({name}={value!r})", entry(value)))
+        return kwargs
 
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            for name, entry in removed.items():
-                if name not in kwargs:
-                    continue
-                value = kwargs[name]
-                if error is ValueError and (value is None or (isinstance(value, (tuple, list)) and not value)):
-                    warnings.warn(refusal(f"{owner}({name}={value!r}) asks for nothing and is ignored", entry(value))
-                                  + f"; delete the keyword (ignored {UNTIL}, then refused)",
-                                  DeprecationWarning, stacklevel=2)
-                    kwargs = {k: v for k, v in kwargs.items() if k != name}
-                    continue
-                raise error(refusal(f"{owner}({name}={value!r})", entry(value)))
-            return fn(*args, **kwargs)
+    return lambda obj: _fixing_keywords(obj, fix)
 
-        if isinstance(obj, type):
-            obj.__init__ = wrapper
-            return obj
-        return wrapper
-    return decorate
+
+def _fixing_keywords(obj, fix: Callable[[dict], dict]):
+    """``obj`` (a function, or a class: its ``__init__``) passing its keywords through ``fix``
+    first; warnings ``fix`` gives with ``stacklevel=3`` point at the caller."""
+    fn = obj.__init__ if isinstance(obj, type) else obj
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **fix(kwargs))
+
+    if isinstance(obj, type):
+        obj.__init__ = wrapper
+        return obj
+    return wrapper
 
 
 def former_signature(positional: str, keywords: Mapping[str, Any]) -> inspect.Signature:

@@ -41,6 +41,8 @@ __all__ = [
     "initialize",
     "is_initialized",
     "make_global_batch",
+    "place",
+    "place_leaf",
     "process_rows",
     "shutdown",
 ]
@@ -313,9 +315,13 @@ def place_leaf(x: Any, sharding: jax.sharding.Sharding) -> Any:
         data = jax.random.key_data(x)
         spec = tuple(sharding.spec) + (None,) * (data.ndim - len(sharding.spec))
         placed = place_leaf(data, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec)))
-        return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=jax.random.key_impl(x)), out_shardings=sharding)(placed)
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        return _wrap_keys(jax.random.key_impl(x), sharding)(placed)
+    return _full_leaf(x, sharding)
+
+
+@functools.lru_cache(maxsize=64)
+def _wrap_keys(impl, sharding: jax.sharding.Sharding):
+    return jax.jit(lambda data: jax.random.wrap_key_data(data, impl=impl), out_shardings=sharding)
 
 
 def _process_major_sharding(devices: Sequence[Any]) -> jax.sharding.NamedSharding:

@@ -545,5 +545,44 @@ def errors(result, expected) -> tuple[float, float]:
     return loss_err, param_err
 
 
+class References:
+    """The one-device references file at ``path``, read when a cell first needs it (another
+    process may still be writing it: the cell's process trains meanwhile)."""
+
+    def __init__(self, path: str):
+        self.path, self._refs = path, None
+
+    def errors(self, cell: dict, losses, params) -> tuple[float, float]:
+        """`errors` of a cell's losses and parameters against its reference."""
+        import numpy as np
+
+        flat = [np.asarray(p, np.float32) for _, p in sorted(flat_params(params).items())]
+        self._refs = self._refs or load_references(self.path)
+        return errors((losses, flat), self._refs[reference_name(reference_key(cell))])
+
+
+def cell_line(cell: dict, references: References, tmp_dir: str, rows=None) -> dict:
+    """One cell's result as a JSON-able line: ``{"name", "loss_err", "param_err", "tolerance"}``
+    (a Llama cell also its stage branches' ``"stray"`` collectives), ``{"name", "refused", "where"}``
+    (a ``ValueError``: jaxpar refused the cell; where it was raised) or ``{"name", "error"}``;
+    ``rows`` as `run_cell`'s."""
+    import traceback
+
+    line = {"name": name(cell)}
+    try:
+        inspect = None
+        if cell.get("model") == "llama":     # the cells beside the cover also report their branches' collectives
+            def inspect(trainer, batch):
+                line["stray"] = stray_collectives(trainer, batch)
+        losses, params = run_cell(cell, tmp_dir, inspect, rows=rows)
+        line["loss_err"], line["param_err"] = references.errors(cell, losses, params)
+        line["tolerance"] = TOLERANCE[cell["precision"]]
+    except ValueError as e:     # the test checks that the cell expects a refusal, and its words
+        line["refused"], line["where"] = str(e), traceback.format_exc(limit=-12)
+    except Exception as e:  # reported by the test with the cell's name
+        line["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+    return line
+
+
 __all__ = ["CELLS", "EXTRA", "FEATURES", "MISALIGNED", "MISALIGNED_REFUSAL", "REFUSED", "TOLERANCE", "all_pairs", "reference_key", "reference_name", "config_for", "errors", "flat_params", "name", "reference",
-           "run_cell", "stray_collectives"]
+           "run_cell", "stray_collectives", "References", "cell_line"]

@@ -77,7 +77,7 @@ def _failures(lines) -> list[str]:
     failures = []
     for line in lines:
         if "error" in line or "refused" in line:
-            failures.append(f"{line['name']}: {line.get('error') or line['refused']}")
+            failures.append(f"{line['name']}: {line.get('error') or line['refused'] + chr(10) + line.get('where', '')}")
         elif line["loss_err"] > line["tolerance"][0] or line["param_err"] > line["tolerance"][1]:
             failures.append(f"{line['name']}: losses {line['loss_err']:.2e}, parameters {line['param_err']:.2e}")
         elif line.get("stray"):

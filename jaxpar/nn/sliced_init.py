@@ -43,6 +43,8 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
 
+from jaxpar.distributed import place_leaf
+
 SMALL = 4096  # elements: an eagerly computed value (keys, counters) is at most this large
 # One more program costs about as much to lower and compile as this many more equations (those
 # left to the programs, not the eager bookkeeping) in one program holding every variable.
@@ -143,14 +145,16 @@ class SlicedInit:
 
     def __call__(self):
         env = self._known_values()
-        if self._whole is not None:
+        if self._whole is not None:     # one program computes every slice, in order
             free, fn = self._whole
-            computed = iter(fn(*(env[v] for v in free)))
-            leaves = [next(computed) if s.fn is not None else _place(_read(env, s.out), s.sharding)
-                      for s in self._slices]
+            done = iter(fn(*(env[v] for v in free)))
+            compute = lambda s: next(done)  # noqa: E731
         else:
-            leaves = [s.fn(*(env[v] for v in s.free)) if s.fn is not None
-                      else _place(_read(env, s.out), s.sharding) for s in self._slices]
+            compute = lambda s: s.fn(*(env[v] for v in s.free))  # noqa: E731
+        # a slice without a program is a literal, a closed-over array or a key: placed as it is,
+        # also where its sharding spans several processes
+        leaves = [compute(s) if s.fn is not None else place_leaf(_read(env, s.out), s.sharding)
+                  for s in self._slices]
         return jax.tree.unflatten(self._out_tree, leaves)
 
     def programs(self) -> list[tuple[str, Any, tuple]]:
@@ -160,14 +164,6 @@ class SlicedInit:
             return [("(whole model)", fn, tuple(env[v] for v in free))]
         return [(path, s.fn, tuple(env[v] for v in s.free))
                 for path, s in zip(self._paths, self._slices) if s.fn is not None]
-
-
-def _place(value, sharding):
-    """``value`` (a literal, a closed-over array, a key) laid out by ``sharding``, also where it
-    spans several processes (`jaxpar.distributed.place_leaf`)."""
-    from jaxpar.distributed import place_leaf
-
-    return place_leaf(value, sharding)
 
 
 def _bookkeeping(aval) -> bool:

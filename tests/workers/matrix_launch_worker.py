@@ -14,7 +14,6 @@ import json
 import os
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,27 +31,16 @@ def main():
 
     spec = dist.initialize()
     import jax
-    import numpy as np
 
     import matrix
 
     with open(args.cells) as f:
         cells = json.load(f)
-    refs = None     # read once the first cell has trained: a pytest worker may still be writing them
+    references = matrix.References(args.references)
     rows = dist.process_rows(matrix.BATCH)
     for i, cell in enumerate(cells):
-        line = {"name": matrix.name(cell), "processes": jax.process_count()}
-        try:
-            losses, params = matrix.run_cell(cell, os.path.join(args.out, f"ckpt{i}"), rows=rows)
-            flat = [np.asarray(x, np.float32) for _, x in sorted(matrix.flat_params(params).items())]
-            refs = refs or matrix.load_references(args.references)
-            name = matrix.reference_name(matrix.reference_key(cell))
-            line["loss_err"], line["param_err"] = matrix.errors((losses, flat), refs[name])
-            line["tolerance"] = matrix.TOLERANCE[cell["precision"]]
-        except ValueError as e:     # none expected: the test reports it with where it was raised
-            line["refused"] = f"{e}\n{traceback.format_exc(limit=-12)}"
-        except Exception as e:  # reported by the test with the cell's name
-            line["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+        line = {**matrix.cell_line(cell, references, os.path.join(args.out, f"ckpt{i}"), rows=rows),
+                "processes": jax.process_count()}
         print(f"process {spec.process_id}: {json.dumps(line)} ({time.monotonic() - started:.1f} s)", flush=True)
         if spec.process_id == 0:
             with open(os.path.join(args.out, "out.jsonl"), "a") as f:
