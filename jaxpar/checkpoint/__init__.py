@@ -8,8 +8,9 @@ See ``docs/checkpoint.md``; ``jaxpar ckpt {inspect,transform,merge,import-hf,exp
 """
 
 from jaxpar.deprecation import module_getattr
-from jaxpar.checkpoint.manager import (CheckpointDamagedError, Checkpointer, CheckpointWriteError, latest_step,
-                                       restore, restore_rows, restore_state, save, save_state)
+from jaxpar.checkpoint.damage import CheckpointDamagedError, CheckpointWriteError
+from jaxpar.checkpoint.manager import (Checkpointer, latest_step, restore, restore_rows, restore_state, save,
+                                       save_state)
 from jaxpar.checkpoint.offline import format_inspect, inspect, load_strategy, merge, leaf_specs, transform
 from jaxpar.checkpoint.state import CheckpointMismatchError
 from jaxpar.checkpoint.strategy import strategy_config, strategy_specs

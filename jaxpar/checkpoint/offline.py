@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.checkpoint import state as st
 from jaxpar.checkpoint.checksum import KEY as CHECKSUMS, ROWS_KEY as ROW_CHECKSUMS
-from jaxpar.checkpoint.manager import (check_values, complete_step, complete_steps, open_manager, read_rows, reading,
-                                       saved_leaves, writing)
+from jaxpar.checkpoint.damage import check_values, reading, writing
+from jaxpar.checkpoint.manager import complete_step, complete_steps, open_manager, read_rows, saved_leaves
 from jaxpar.checkpoint.strategy import spec_from_json, spec_to_json, strategy_file
 from jaxpar.config import ParallelConfig
 from jaxpar.mesh import make_mesh

@@ -253,7 +253,8 @@ def _checkpoint_params(directory: str, step: int | None) -> tuple[dict[str, jax.
     import orbax.checkpoint as ocp
 
     from jaxpar.checkpoint import state as st
-    from jaxpar.checkpoint.manager import check_values, complete_step, open_manager, saved_leaves
+    from jaxpar.checkpoint.damage import check_values
+    from jaxpar.checkpoint.manager import complete_step, open_manager, saved_leaves
     from jaxpar.checkpoint.offline import damaged_step_advice, read_strategy, reading_step
 
     one = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("one",)), PartitionSpec())
