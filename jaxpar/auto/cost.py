@@ -89,11 +89,18 @@ class CostParams:
         does not fit under that compute is added to the step. ``False``: every collective is
         exposed (the tests' and CPU's setting).
       matmul_overlap: a matmul's own collectives (the all-reduce of its partial sums, the one of
-        its input's gradient: tensor parallelism's) run in chunks behind that matmul's compute,
-        as Megatron's ``--tp-comm-overlap`` (Transformer Engine's userbuffers: the GEMM split
-        and pipelined with its all-gather / reduce-scatter) and XLA:GPU's windowed einsum
-        (collective matmul) run them: only the bytes' time above the matmul's forward and
-        backward compute counts (`matmul_hidden`); the latencies stay. ``False``: exposed.
+        its input's gradient: tensor parallelism's) run in chunks behind the matmuls of their
+        layer, as Megatron's ``--tp-comm-overlap`` (Transformer Engine's userbuffers: each
+        all-gather / reduce-scatter pipelined with the GEMM next to it in the forward, the
+        backward's bulk-overlapped with the dgrad / wgrad GEMMs) and XLA:GPU's windowed einsum
+        (collective matmul) run them: per layer (the operators of one loop body; those outside
+        loops are one pool) only the bytes' time above that layer's matmul compute counts
+        (`pooled_hidden`); the latencies stay. ``False``: exposed.
+      fused_attention: attention runs as one fused kernel (FlashAttention, cuDNN's fused
+        attention, TPU Splash): its score matrices (``[..., s, s]``: the scores, their mask,
+        softmax and probabilities; `attention_scores`) stay in on-chip memory, are never saved
+        for the backward pass (the kernel recomputes them there) and take no device memory.
+        ``False``: saved as XLA saves any materialised value (jaxpar's own attention on CPU).
       hosts: the layout priced: mesh axis -> hosts it spans (``ParallelConfig.hosts``; set it
         with `placed`). A group over axes spanning ``h`` hosts is priced hierarchically (module
         docstring); the inside part of a spanning axis runs at ``default_bandwidth``, and its
@@ -124,6 +131,7 @@ class CostParams:
     hosts: Mapping[str, int] = dataclasses.field(default_factory=dict)
     overlap: bool = False
     matmul_overlap: bool = False
+    fused_attention: bool = False
 
     def __post_init__(self):
         for name in ("flops_per_s", "default_bandwidth", "combine_threshold_bytes", "combine_threshold_count"):
@@ -145,6 +153,9 @@ class CostParams:
                                                   or self.devices_per_host < 1):
             raise ValueError(f"CostParams.devices_per_host={self.devices_per_host!r} is invalid: use a positive "
                              "int (the devices one host holds), or None for one host")
+        for name in ("overlap", "matmul_overlap", "fused_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CostParams.{name}={getattr(self, name)!r} is invalid: use True or False")
         if not isinstance(self.hosts, Mapping) or any(
                 not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in self.hosts.values()):
             raise ValueError(f"CostParams.hosts={self.hosts!r} is invalid: give mesh axis -> hosts it spans "
@@ -329,11 +340,35 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
 def matmul_hidden(op: Op, flops: float, comms: Sequence[Comm], sizes: Mapping[str, int],
                   params: "CostParams") -> float:
     """Seconds of a product's own (uncombined) collectives that run behind its compute under
-    `CostParams.matmul_overlap`: their bytes' time, at most the operator's ``flops`` time."""
+    `CostParams.matmul_overlap`: their bytes' time, at most the operator's ``flops`` time (one
+    operator alone; `pooled_hidden` pools the products of one layer)."""
+    wire, compute = matmul_terms(op, flops, comms, sizes, params)
+    return min(wire, compute)
+
+
+def matmul_terms(op: Op, flops: float, comms: Sequence[Comm], sizes: Mapping[str, int],
+                 params: "CostParams") -> tuple[float, float]:
+    """``(seconds of a product's own uncombined collectives' bytes, seconds of its compute)``
+    under `CostParams.matmul_overlap`; ``(0, 0)`` for anything else."""
     if not params.matmul_overlap or op.prim not in _PRODUCTS:
-        return 0.0
+        return 0.0, 0.0
     wire = sum(params.collective_time(c.kind, c.axes, c.nbytes, sizes, True) for c in comms if not c.combined)
-    return min(wire, flops / params.flops_per_s)
+    return wire, flops / params.flops_per_s
+
+
+def pooled_hidden(terms: Mapping[int, Sequence[float]]) -> float:
+    """Seconds of tensor-parallel collectives hidden when each runs behind any matmul of its
+    layer (`CostParams.matmul_overlap`): per pool (the operators of one loop body, keyed by its
+    trip count: one layer, repeated; or the operators outside loops) the collectives' bytes'
+    time, at most the pool's matmul compute. A layer's all-gather / reduce-scatter hides behind
+    the GEMMs next to it, not only the one it feeds: Transformer Engine's userbuffers overlap
+    pipelines each with the adjacent GEMM in the forward and bulk-overlaps the backward's with
+    the dgrad / wgrad GEMMs; XLA's windowed einsum likewise.
+
+    >>> pooled_hidden({1: (2.0, 1.0), 24: (1.0, 3.0)})
+    2.0
+    """
+    return sum(min(wire, compute) for wire, compute in terms.values())
 
 
 def _iteration_space(graph: Graph, op: Op) -> float:
@@ -376,7 +411,7 @@ class Flags:
     tail: tuple[bool, ...] = ()           # `comm.derivations`: the backward pass never reads it
 
 
-def analyse(graph: Graph, loops: bool = True) -> Flags:
+def analyse(graph: Graph, loops: bool = True, *, fused_attention: bool = False) -> Flags:
     """The per-tensor flags the cost model reads (computed once per graph).
 
     Saved for the backward pass: of the operators XLA materialises rather than fuses
@@ -415,6 +450,8 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
         return t not in inputs and graph.tensors[t].itemsize >= 4 and len(graph.tensors[t].shape) > 0
 
     n = len(graph.tensors)
+    if fused_attention:     # `CostParams.fused_attention`: score matrices stay in on-chip memory
+        inputs = inputs | {t for t in range(n) if attention_scores(graph, t)}
     saved = tuple(real(t) and ((t in base and keep.get(t, "device") == "device") or t in residual)
                   for t in range(n))
     recomputed = tuple(real(t) and t in base and keep.get(t) == "recompute" and t not in residual
@@ -425,6 +462,20 @@ def analyse(graph: Graph, loops: bool = True) -> Flags:
             calls[t] = max(calls[t], r.repeat)
     source, tail = derivations(graph, grad)
     return Flags(tuple(grad), tuple(t in params for t in range(n)), saved, recomputed, tuple(calls), source, tail)
+
+
+def attention_scores(graph: Graph, t: int) -> bool:
+    """Whether tensor ``t`` is an attention score matrix (or its softmax, mask, probabilities):
+    its last two dimensions are one class (query and key positions of one sequence) of equal
+    length, after at least one other (batch, heads)."""
+    tensor = graph.tensors[t]
+    c, shape = tensor.classes, tensor.shape
+    return len(shape) >= 3 and c[-1] >= 0 and c[-1] == c[-2] and shape[-1] == shape[-2]
+
+
+def flags_for(graph: Graph, params: "CostParams", loops: bool = True) -> Flags:
+    """`analyse` with the machine's settings (`CostParams.fused_attention`)."""
+    return analyse(graph, loops, fused_attention=params.fused_attention)
 
 
 def needs_grad(graph: Graph) -> list[bool]:
@@ -463,18 +514,21 @@ def param_terms(graph: Graph, axes, sizes, params: CostParams, batch_bytes: bool
 def evaluate(graph: Graph, axes: Sequence[tuple[str, ...]], sizes: Mapping[str, int],
              params: CostParams = CostParams(), *, flags: Flags | None = None) -> Cost:
     """The predicted `Cost` of the strategy ``axes`` (one tuple of mesh axes per class)."""
-    flags = analyse(graph) if flags is None else flags
+    flags = flags_for(graph, params) if flags is None else flags
     flops = act = 0.0
     by_axes: dict[str, float] = {}
     invalid = 0
     args, grads, comms = param_terms(graph, axes, sizes, params)
     per_op = []
-    behind = 0.0       # collectives run behind their own matmul (`CostParams.matmul_overlap`)
+    pools: dict[int, list[float]] = {}     # `CostParams.matmul_overlap`: per layer, `pooled_hidden`
     for op in graph.ops:
         f, c, a, bad = op_terms(graph, op, axes, sizes, flags)
         flops, act, invalid = flops + f, act + a, invalid + bad
-        behind += matmul_hidden(op, f, c, sizes, params)
+        wire, compute = matmul_terms(op, f, c, sizes, params)
+        pool = pools.setdefault(op.repeat, [0.0, 0.0])
+        pool[0], pool[1] = pool[0] + wire, pool[1] + compute
         per_op.append(c)
+    behind = pooled_hidden(pools)
     comms += levels(graph, per_op)
     priced = combined_time(comms, sizes, params)
     for c in comms:

@@ -22,7 +22,7 @@ import jax
 from jax.sharding import PartitionSpec
 
 from jaxpar.auto.context import attention_terms, check_sequence, context_cost, fold
-from jaxpar.auto.cost import analyse, evaluate
+from jaxpar.auto.cost import evaluate, flags_for
 from jaxpar.auto.experts import experts_cost, moe_layers, pins, tokens_per_device
 from jaxpar.auto.graph import build_graph
 from jaxpar.auto.pricing import micro_batch, price
@@ -49,7 +49,7 @@ def plain_options(job, abstract, loss_of: Mapping[str, Callable], batch, base, s
                     continue
                 part = micro_batch(batch, k) if k > 1 else batch
                 graph = build_graph(abstract, loss_fn, fold(part, cp) if cp > 1 else part)
-                flags = analyse(graph)
+                flags = flags_for(graph, params)
                 meshes = shapes if cp == 1 else [{"data": devices // cp // m, "model": m}
                                                  for m in range(1, devices // cp + 1) if (devices // cp) % m == 0]
                 for shape in meshes:

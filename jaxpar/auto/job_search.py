@@ -48,7 +48,7 @@ import numpy as np
 
 from jaxpar.deprecation import RenamedAttribute
 from jaxpar.auto.api import search
-from jaxpar.auto.cost import CostParams, analyse
+from jaxpar.auto.cost import CostParams, flags_for
 from jaxpar.auto.graph import build_graph
 from jaxpar.auto.job_options import needs_constraint, option_config, plain_options, with_constraint
 from jaxpar.auto.pricing import PipelineShape, micro_batch, price_pipeline, stacked_params
@@ -461,7 +461,7 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, space: Jo
                 continue
             part = micro_batch(batch, m)
             graph = build_graph(abstract, loss_fn, part)
-            flags = analyse(graph)
+            flags = flags_for(graph, params)
             stacked = stacked_params(graph, layers)
             paths |= {path for path, t in graph.params if t in stacked}
             h = jax.eval_shape(loss_fn.embed, abstract, part)

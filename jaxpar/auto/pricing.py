@@ -17,7 +17,11 @@ divisible by ``d``), ``f = 1 − 1/d`` and ``s`` the optimizer states per parame
   micro-batch's gradients, and at ZeRO ≥ 2 their all-reduced sum, are added), sharded
   over ``data`` at ZeRO ≥ 2.
 * time: ``k ×`` (compute + activation collectives of one micro-batch) + the gradient
-  collectives once (combined as XLA combines them: `jaxpar.auto.comm`); ZeRO 3 adds an all-gather of ``P`` per micro-batch for the forward
+  collectives once (combined as XLA combines them: `jaxpar.auto.comm`). At ZeRO ≥ 1 the
+  shardable gradients' collective is a reduce-scatter of ``P`` over the ZeRO axis and an
+  all-reduce of each device's ``P / d`` shard over the other batch axes (FSDP inside a host,
+  data parallel across hosts: MaxText's ``ici_fsdp`` × ``dcn_data``); ZeRO 1-2 then all-gather
+  the updated parameters over the ZeRO axis. ZeRO 3 adds an all-gather of ``P`` per micro-batch for the forward
   and one for the backward. With `CostParams.overlap` the gradient collectives run behind the
   last micro-batch's backward (``2/3`` of its compute) and each gather behind a third of a
   micro-batch's compute; only the excess counts (`hidden`).
@@ -49,7 +53,7 @@ import jax
 import numpy as np
 
 from jaxpar.auto.comm import GRAD, Comm, combined_time, comm_share
-from jaxpar.auto.cost import Cost, CostParams, analyse, evaluate, local_bytes, matmul_hidden, op_terms, tensor_axes
+from jaxpar.auto.cost import Cost, CostParams, evaluate, flags_for, local_bytes, matmul_terms, op_terms, tensor_axes
 from jaxpar.auto.graph import Graph
 
 
@@ -91,15 +95,20 @@ def _zero_terms(zero: int, shardable: float, d: int, params: CostParams) -> tupl
 
 def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, zero: int = 0,
           grad_accum: int = 1, zero_axis: str = "data", threshold_kb: float = 0.0,
-          cost: Cost | None = None, breakdown: dict | None = None) -> tuple[float, int, int]:
+          cost: Cost | None = None, breakdown: dict | None = None,
+          gather_itemsize: int | None = None) -> tuple[float, int, int]:
     """``(step seconds, argument bytes, temp bytes)`` per device of a strategy on the graph of
     one micro-batch, with ``grad_accum`` micro-batches and ZeRO level ``zero`` (module docstring).
     ``cost``: the strategy's `evaluate` result, when the caller prices several levels of it
     (without it the graph is analysed and the strategy evaluated here);
     ``breakdown``: a dict filled with the step's parts (seconds: compute, serial and exposed
-    collectives; bytes: activations, gradients), for reports."""
+    collectives; bytes: activations, gradients), for reports; ``gather_itemsize``: bytes per
+    element of the updated parameters' all-gather at ZeRO 1-2 (``None``: the parameters' own
+    dtype, as jaxpar gathers its fp32 master weights; ``2``: a framework whose optimizer shards
+    fp32 master weights and gathers the bf16 model weights, as Megatron's distributed optimizer)."""
+    _check_gather_itemsize("price", gather_itemsize)
     if cost is None:
-        cost = evaluate(graph, axes, sizes, params, flags=analyse(graph))
+        cost = evaluate(graph, axes, sizes, params, flags=flags_for(graph, params))
     act, grads, reduced = cost.temp_parts
     k, d = grad_accum, sizes.get(zero_axis, 1)
     batch = sum(local_bytes(graph, t, axes, sizes) for _, t in graph.batch)
@@ -119,14 +128,8 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
         add = grads + (reduced if zero >= 2 else 0.0) + 2 * acc + gathered
         end = acc + (reduced if zero < 2 else 0.0)
         temp = max(during, add, end)
-    grad_s = cost.grad_comm_s
-    # a ring all-reduce is a reduce-scatter and an all-gather of equal time; at ZeRO >= 1 the
-    # shardable gradients' all-gather half moves the *updated parameters* (after the optimizer
-    # step, ZeRO 1-2) or does not happen (ZeRO 3: the parameters stay sharded, gathered per pass)
-    half = grad_s * min(1.0, shardable / cost.temp_parts[1]) / 2 \
-        if zero and d > 1 and shardable and cost.temp_parts[1] else 0.0
-    after_s = half if zero < 3 else 0.0
-    grad_s -= half
+    grad_s, after_s = zero_collectives(graph, axes, sizes, params, cost.grad_comm_s, cost.temp_parts[1], shardable,
+                                       zero=zero, zero_axis=zero_axis, gather_itemsize=gather_itemsize)
     gather_s = params.collective_time("all-gather", (zero_axis,), shardable, sizes) if zero >= 3 and shardable else 0.0
     if params.overlap:      # behind compute: the gradients behind the last backward, gathers behind a pass
         grad_s = hidden(grad_s, 2 / 3 * cost.compute_s)
@@ -140,6 +143,45 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
                          grad_comm_exposed_s=grad_s, param_gather_after_s=after_s, zero3_gather_s=k * 2 * gather_s,
                          activation_bytes=act, gradient_bytes=grads)
     return time, int(round(args)), int(round(temp))
+
+
+def zero_collectives(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, grad_s: float,
+                     grads: float, shardable: float, *, zero: int, zero_axis: str,
+                     gather_itemsize: int | None = None) -> tuple[float, float]:
+    """``(gradient collectives' seconds, seconds of the updated parameters' all-gather)`` at ZeRO
+    level ``zero``: ``grad_s``, the gradients' all-reduce time (``grads`` bytes), with the
+    ``shardable`` bytes' share replaced by a reduce-scatter over ``zero_axis`` and an
+    all-reduce of each device's ``1 / d`` shard over the other batch axes (those that do not
+    shard the parameters: FSDP inside a host, data parallel across hosts). ZeRO 1-2 then
+    all-gather the updated parameters over ``zero_axis`` (``gather_itemsize``: bytes per
+    element it moves, `price`); ZeRO 3 keeps them sharded (gathered per pass instead)."""
+    d = sizes.get(zero_axis, 1)
+    if not (zero and d > 1 and shardable and grads):
+        return grad_s, 0.0
+    share = min(1.0, shardable / grads)
+    scatter = params.collective_time("all-gather", (zero_axis,), shardable, sizes, True)
+    others = tuple(a for a in batch_axes(graph, axes) if a != zero_axis and sizes[a] > 1)
+    rest = params.collective_time("all-reduce", others, shardable / d, sizes, True) if others else 0.0
+    if zero >= 3:
+        return grad_s * (1 - share) + scatter + rest, 0.0
+    itemsize = max((graph.tensors[t].itemsize for _, t in graph.params), default=4)
+    return grad_s * (1 - share) + scatter + rest, scatter * (gather_itemsize or itemsize) / itemsize
+
+
+def _check_gather_itemsize(fn: str, gather_itemsize) -> None:
+    if gather_itemsize is not None and (not isinstance(gather_itemsize, int) or isinstance(gather_itemsize, bool)
+                                        or gather_itemsize not in (1, 2, 4, 8)):
+        raise ValueError(f"{fn}: gather_itemsize={gather_itemsize!r} is invalid: use None (the parameters' own "
+                         "dtype) or the bytes of the dtype the updated parameters are gathered in: 1, 2, 4 or 8 "
+                         "(2: bf16 model weights beside fp32 master weights, as Megatron's distributed optimizer)")
+
+
+def batch_axes(graph: Graph, axes) -> tuple[str, ...]:
+    """The mesh axes splitting the batch (its leading dimension's class)."""
+    if not graph.batch:
+        return ()
+    c = graph.tensors[graph.batch[0][1]].classes[0]
+    return tuple(axes[c]) if c >= 0 else ()
 
 
 def hidden(comm_s: float, compute_s: float) -> float:
@@ -190,20 +232,22 @@ class PipelineShape:
 
 def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, pipe: PipelineShape, *,
                    zero: int = 0, zero_axis: str = "data", threshold_kb: float = 0.0,
-                   flags=None, breakdown: dict | None = None) -> tuple[float, int, int]:
+                   flags=None, breakdown: dict | None = None,
+                   gather_itemsize: int | None = None) -> tuple[float, int, int]:
     """``(step seconds, argument bytes, temp bytes)`` per device of a pipelined job (module docstring;
     ``breakdown``: as `price`'s).
 
     ``graph``: one pipeline micro-batch of the unpipelined loss, its blocks a scan over
     ``pipe.layers``; ``axes`` / ``sizes``: the strategy of the other mesh axes; ``pipe``: the
-    pipeline (`PipelineShape`)."""
+    pipeline (`PipelineShape`); ``gather_itemsize``: as `price`'s."""
+    _check_gather_itemsize("price_pipeline", gather_itemsize)
     from jaxpar.pipeline import build, lower
     from jaxpar.pipeline.executor import B, B_LAST, F, F_LAST, IDLE, OP, W, W_LAST
 
     if not isinstance(pipe, PipelineShape):
         raise TypeError(f"price_pipeline: pipe={pipe!r} must be a jaxpar.auto.pricing.PipelineShape(stages=..., "
                         "microbatches=..., layers=..., activation_bytes=...)")
-    flags = analyse(graph) if flags is None else flags
+    flags = flags_for(graph, params) if flags is None else flags
     p, m, v = pipe.stages, pipe.microbatches, pipe.virtual_stages
     layers, schedule, axis = pipe.layers, pipe.schedule, pipe.axis
     stacked = stacked_params(graph, layers)
@@ -221,8 +265,9 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     full = {"embed": 0.0, "blocks": 0.0, "head": 0.0}     # forward + backward seconds, one micro-batch
     act = dict(full)
     grads: list[Comm] = []       # combined once per step, as XLA combines them
+    pools: dict[tuple, list[float]] = {}     # `CostParams.matmul_overlap`: `cost.pooled_hidden`
     # one chunk's layers run as a loop only if there are several (XLA removes a loop of one)
-    chunk_flags = flags if layers // (p * v) > 1 else analyse(graph, loops=False)
+    chunk_flags = flags if layers // (p * v) > 1 else flags_for(graph, params, loops=False)
     for op, where in zip(graph.ops, part):
         flops, comms, a, bad = op_terms(graph, op, axes, sizes, flags)
         if chunk_flags is not flags:
@@ -231,10 +276,14 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
             return math.inf, 0, 0
         share = 1 / p if where == "blocks" else 1.0
         full[where] += flops / params.flops_per_s + sum(comm_share(c, sizes, params) for c in comms
-                                                        if not c.combined) \
-            - matmul_hidden(op, flops, comms, sizes, params)
+                                                        if not c.combined)
+        wire, compute = matmul_terms(op, flops, comms, sizes, params)
+        pool = pools.setdefault((where, op.repeat), [0.0, 0.0])
+        pool[0], pool[1] = pool[0] + wire, pool[1] + compute
         grads += [c._replace(nbytes=share * c.nbytes) for c in comms if c.combined]
         act[where] += a
+    for (where, _), (wire, compute) in pools.items():     # TP collectives behind their layer's GEMMs
+        full[where] -= min(wire, compute)
     table = build(schedule, p, m, v)
     program = lower(table)
     v = table.virtual_stages                                 # the V schedules place two chunks per stage
@@ -266,10 +315,8 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     shardable = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, scale) if zero and d > 1 else 0.0
     args_saved, gathered, saved = _zero_terms(zero, shardable, d, params)
     grads = sum(held.values())
-    # ZeRO >= 1: the shardable gradients' all-gather half moves the updated parameters (as `price`)
-    half = grad_s * min(1.0, shardable / grads) / 2 if shardable and grads else 0.0
-    after_s = half if zero < 3 else 0.0
-    grad_s -= half
+    grad_s, after_s = zero_collectives(graph, axes, sizes, params, grad_s, grads, shardable, zero=zero,
+                                       zero_axis=zero_axis, gather_itemsize=gather_itemsize)
     if params.overlap:      # behind the backward passes of the last micro-batch's chunks
         grad_s = hidden(grad_s, back * f * v)
         after_s = hidden(after_s, f * v)     # behind the next step's first forward

@@ -28,7 +28,7 @@ import numpy as np
 
 from jaxpar.config import SEARCHES as SEARCH_NAMES
 from jaxpar.auto.assign import Axes, domains
-from jaxpar.auto.cost import CostParams, Flags, analyse, evaluate, op_scalar, param_scalar
+from jaxpar.auto.cost import CostParams, Flags, evaluate, flags_for, op_scalar, param_scalar
 from jaxpar.auto.graph import Graph
 
 
@@ -48,7 +48,7 @@ class Problem:
 
     @classmethod
     def make(cls, graph: Graph, sizes: Mapping[str, int], params: CostParams, runs: float = 1.0) -> "Problem":
-        flags = analyse(graph)
+        flags = flags_for(graph, params)
         op_classes, op_keys = [], []
         class_ops: list[list[int]] = [[] for _ in range(graph.num_classes)]
         for i, op in enumerate(graph.ops):

@@ -1,0 +1,102 @@
+"""Cost-model mechanisms the published runs (benchmarks/published.py) asked for: tensor-parallel
+collectives hidden behind their layer's matmuls, ZeRO over an axis inside a host with data
+parallel across hosts, and fused attention's score matrices kept off the device."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import jaxpar
+from jaxpar.auto import CostParams, build_graph
+from jaxpar.auto.assign import hand_axes
+from jaxpar.auto.cost import attention_scores, evaluate, flags_for, matmul_hidden, op_terms, pooled_hidden
+from jaxpar.auto.pricing import _zero_shardable, price
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
+
+CFG = GPTConfig(vocab_size=64, seq_len=32, embed=64, heads=4, mlp=256, layers=2, scan_layers=True)
+TP = {"batch": "data", "heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
+
+
+def graph_and_axes(sizes, rules, rows=8):
+    model = nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0)))
+    x = jax.ShapeDtypeStruct((rows, CFG.seq_len), jnp.int32)
+    graph = build_graph(model, loss_fn, {"inputs": x, "targets": x})
+    return graph, hand_axes(graph, jaxpar.ParallelConfig(mesh=sizes, rules=rules), sizes)
+
+
+def test_tensor_parallel_collectives_hide_behind_their_layers_matmuls():
+    sizes = {"data": 2, "model": 4}
+    graph, axes = graph_and_axes(sizes, TP)
+    slow = CostParams(flops_per_s=1e12, default_bandwidth=1e9, latency=0.0)
+    exposed = evaluate(graph, axes, sizes, slow)
+    behind = evaluate(graph, axes, sizes, dataclasses.replace(slow, matmul_overlap=True))
+    flags = flags_for(graph, slow)
+    on = dataclasses.replace(slow, matmul_overlap=True)
+    alone = pools = 0.0
+    per: dict[int, list[float]] = {}
+    for op in graph.ops:
+        f, comms, _, _ = op_terms(graph, op, axes, sizes, flags)
+        alone += matmul_hidden(op, f, comms, sizes, on)
+        if op.prim == "dot_general":
+            wire = sum(on.collective_time(c.kind, c.axes, c.nbytes, sizes, True) for c in comms if not c.combined)
+            pool = per.setdefault(op.repeat, [0.0, 0.0])
+            pool[0], pool[1] = pool[0] + wire, pool[1] + f / on.flops_per_s
+    pools = pooled_hidden(per)
+    # a layer's collectives hide behind all of its matmuls: at least what each hides behind its own
+    assert exposed.comm_s - behind.comm_s == pytest.approx(pools)
+    assert pools > alone > 0
+    assert behind.compute_s == exposed.compute_s
+
+
+def test_zero_inside_a_host_all_reduces_each_shard_across_hosts():
+    sizes = {"dp": 2, "fsdp": 4}
+    graph, axes = graph_and_axes(sizes, {"batch": ("dp", "fsdp")})
+    machine = CostParams(flops_per_s=1e12, default_bandwidth=1e11, latency=0.0, inter_host_bandwidth=1e9,
+                         devices_per_host=4).placed({"dp": 2}, sizes)
+    parts: dict = {}
+    price(graph, axes, sizes, machine, zero=3, zero_axis="fsdp", breakdown=parts)
+    cost = evaluate(graph, axes, sizes, machine)
+    shardable = _zero_shardable(graph, axes, sizes, "fsdp", 0.0)
+    share = shardable / cost.temp_parts[1]
+    scatter = machine.collective_time("all-gather", ("fsdp",), shardable, sizes, True)
+    across = machine.collective_time("all-reduce", ("dp",), shardable / 4, sizes, True)
+    # a reduce-scatter inside the host, then an all-reduce (not a reduce-scatter) of each quarter
+    # between the hosts: data parallel over dp replicates the fsdp shards
+    assert parts["grad_comm_exposed_s"] == pytest.approx(cost.grad_comm_s * (1 - share) + scatter + across)
+    assert across == pytest.approx(2 * 0.5 * (shardable / 4) / 1e9)
+    assert parts["param_gather_after_s"] == 0.0       # ZeRO 3 keeps the parameters sharded
+
+
+def test_fused_attention_keeps_the_score_matrices_off_the_device():
+    sizes = {"data": 2}
+    graph, axes = graph_and_axes(sizes, {"batch": "data"})
+    scores = [t for t in range(len(graph.tensors)) if attention_scores(graph, t)]
+    assert scores and all(graph.tensors[t].shape[-2:] == (CFG.seq_len, CFG.seq_len) for t in scores)
+    plain = CostParams(flops_per_s=1e12, default_bandwidth=1e11)
+    fused = dataclasses.replace(plain, fused_attention=True)
+    a, b = evaluate(graph, axes, sizes, plain), evaluate(graph, axes, sizes, fused)
+    kept = flags_for(graph, plain).saved
+    assert any(kept[t] for t in scores) and not any(flags_for(graph, fused).saved[t] for t in scores)
+    # the saved score matrices (per device: the batch split in 2) leave the peak, nothing else moves
+    assert 0 < a.temp_bytes - b.temp_bytes <= sum(graph.tensors[t].nbytes / 2 * CFG.layers for t in scores if kept[t])
+    assert a.compute_s == b.compute_s and a.comm_s == b.comm_s and a.argument_bytes == b.argument_bytes
+    with pytest.raises(ValueError, match="CostParams.fused_attention=1 is invalid: use True or False"):
+        CostParams(fused_attention=1)
+
+
+def test_the_updated_parameters_gather_moves_the_dtype_asked_for():
+    sizes = {"data": 8}
+    graph, axes = graph_and_axes(sizes, {"batch": "data"})
+    machine = CostParams(flops_per_s=1e12, default_bandwidth=1e9, latency=0.0)
+    own, half = {}, {}
+    price(graph, axes, sizes, machine, zero=1, breakdown=own)
+    price(graph, axes, sizes, machine, zero=1, breakdown=half, gather_itemsize=2)
+    # fp32 master weights gathered as they are, or bf16 model weights (Megatron's distributed optimizer)
+    assert own["param_gather_after_s"] > 0
+    assert half["param_gather_after_s"] == pytest.approx(own["param_gather_after_s"] / 2)
+    assert half["grad_comm_exposed_s"] == own["grad_comm_exposed_s"]
+    with pytest.raises(ValueError, match=r"price: gather_itemsize=3 is invalid: use None .* 1, 2, 4 or 8"):
+        price(graph, axes, sizes, machine, zero=1, gather_itemsize=3)
