@@ -385,11 +385,12 @@ def _params(trainer):
     import jax
     import numpy as np
     from flax import nnx
-    from jax.experimental import multihost_utils
 
     params = nnx.to_pure_dict(nnx.state(trainer.model, nnx.Param))
-    if jax.process_count() > 1:     # every process gets the whole of each parameter
-        return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), params)
+    if jax.process_count() > 1:     # every process gets the whole of each parameter: one program for all
+        whole = jax.jit(lambda tree: tree, out_shardings=jax.sharding.NamedSharding(
+            trainer.mesh, jax.sharding.PartitionSpec()))(params)
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), whole)
     return jax.tree.map(np.asarray, params)
 
 
