@@ -398,8 +398,10 @@ def test_a_search_space_is_a_frozen_value():
         JobSearchSpace(8, 1e9)                     # keyword-only: which number is which is never guessed
     import doctest
 
-    from jaxpar.auto import search_space
-    assert doctest.testmod(search_space).attempted and not doctest.testmod(search_space).failed
+    from jaxpar.auto import cost, search_space
+    for module in (search_space, cost):
+        result = doctest.testmod(module)
+        assert result.attempted and not result.failed, module.__name__
 
 
 def test_a_budget_below_the_floor_is_refused_at_once():

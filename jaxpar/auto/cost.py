@@ -204,8 +204,9 @@ class CostParams:
         (an earlier layout's figures dropped), as one-axis pricing (context attention, the
         experts' all-to-alls, pipeline sends) reads them.
 
-        >>> CostParams(inter_host_bandwidth=1e9).placed({"pipe": 2}, {"pipe": 2, "data": 4}).bandwidth
-        {'pipe': 1000000000.0}
+        >>> placed = CostParams(inter_host_bandwidth=1e9).placed({"pipe": 2}, {"pipe": 2, "data": 4})
+        >>> {axis: round(b / 1e9, 6) for axis, b in placed.bandwidth.items()}     # GB/s: the network between hosts
+        {'pipe': 1.0}
         """
         for a, n in hosts.items():
             if a not in sizes or sizes[a] % n:
