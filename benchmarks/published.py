@@ -138,19 +138,19 @@ def predict(run: dict, params: CostParams) -> dict:
     if lay["pp"] > 1:
         graph = build_graph(model, gpt_pipeline(), tokens(rows, run["seq_len"]))
         full = {"pipe": lay["pp"], **sizes}
-        placed = params.placed(hosts, full)
+        placed = dataclasses.replace(params.placed(hosts, full), gather_itemsize=MEGATRON_GATHER)
         shape = PipelineShape(stages=lay["pp"], microbatches=k, layers=cfg.layers,
                               activation_bytes=rows * run["seq_len"] * cfg.embed * 2, executor="async")
         # Megatron's distributed optimizer (ZeRO 1 over data: --overlap-param-gather needs it);
         # its 1F1B stages run as their inputs arrive, without recompute (none is stated)
         step, args, temp = price_pipeline(graph, hand_axes(graph, config, sizes), sizes, placed, shape,
-                                          zero=1, breakdown=parts, gather_itemsize=MEGATRON_GATHER)
+                                          zero=1, breakdown=parts)
     else:
         graph = build_graph(model, loss_fn, tokens(rows, run["seq_len"]))
-        placed = params.placed(hosts, sizes)
         zero, axis = (3, "fsdp") if lay["fsdp"] > 1 else (1, "data")   # Megatron's distributed optimizer
+        placed = dataclasses.replace(params.placed(hosts, sizes), gather_itemsize=None if zero == 3 else MEGATRON_GATHER)
         step, args, temp = price(graph, hand_axes(graph, config, sizes), sizes, placed, zero=zero, zero_axis=axis,
-                                 grad_accum=k, breakdown=parts, gather_itemsize=None if zero == 3 else MEGATRON_GATHER)
+                                 grad_accum=k, breakdown=parts)
     peak = params.flops_per_s / params_fraction(params, run)
     flops = publisher_flops(run, cfg)
     return {"step_s": step, "argument_bytes": args, "temp_bytes": temp, "memory_bytes": args + temp,

@@ -93,10 +93,10 @@ def test_the_updated_parameters_gather_moves_the_dtype_asked_for():
     machine = CostParams(flops_per_s=1e12, default_bandwidth=1e9, latency=0.0)
     own, half = {}, {}
     price(graph, axes, sizes, machine, zero=1, breakdown=own)
-    price(graph, axes, sizes, machine, zero=1, breakdown=half, gather_itemsize=2)
+    price(graph, axes, sizes, dataclasses.replace(machine, gather_itemsize=2), zero=1, breakdown=half)
     # fp32 master weights gathered as they are, or bf16 model weights (Megatron's distributed optimizer)
     assert own["param_gather_after_s"] > 0
     assert half["param_gather_after_s"] == pytest.approx(own["param_gather_after_s"] / 2)
     assert half["grad_comm_exposed_s"] == own["grad_comm_exposed_s"]
-    with pytest.raises(ValueError, match=r"price: gather_itemsize=3 is invalid: use None .* 1, 2, 4 or 8"):
-        price(graph, axes, sizes, machine, zero=1, gather_itemsize=3)
+    with pytest.raises(ValueError, match=r"CostParams.gather_itemsize=3 is invalid: use None .* 1, 2, 4 or 8"):
+        CostParams(gather_itemsize=3)

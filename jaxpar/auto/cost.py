@@ -100,6 +100,10 @@ class CostParams:
         attention, TPU Splash): its score matrices (``[..., s, s]``: the scores, their mask,
         softmax and probabilities; `attention_scores`) stay in on-chip memory, are never saved
         for the backward pass (the kernel recomputes them there) and take no device memory.
+      gather_itemsize: bytes per element of the updated parameters' all-gather at ZeRO 1-2
+        (`jaxpar.auto.pricing.price`): ``None``, the parameters' own dtype, as jaxpar gathers its
+        fp32 master weights; ``2`` for a framework whose optimizer shards fp32 master weights and
+        gathers the bf16 model weights (Megatron's distributed optimizer).
         ``False``: saved as XLA saves any materialised value (jaxpar's own attention on CPU).
       hosts: the layout priced: mesh axis -> hosts it spans (``ParallelConfig.hosts``; set it
         with `placed`). A group over axes spanning ``h`` hosts is priced hierarchically (module
@@ -132,6 +136,7 @@ class CostParams:
     overlap: bool = False
     matmul_overlap: bool = False
     fused_attention: bool = False
+    gather_itemsize: int | None = None
 
     def __post_init__(self):
         for name in ("flops_per_s", "default_bandwidth", "combine_threshold_bytes", "combine_threshold_count"):
@@ -156,6 +161,13 @@ class CostParams:
         for name in ("overlap", "matmul_overlap", "fused_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CostParams.{name}={getattr(self, name)!r} is invalid: use True or False")
+        if self.gather_itemsize is not None and (not isinstance(self.gather_itemsize, int)
+                                                 or isinstance(self.gather_itemsize, bool)
+                                                 or self.gather_itemsize not in (1, 2, 4, 8)):
+            raise ValueError(f"CostParams.gather_itemsize={self.gather_itemsize!r} is invalid: use None (the "
+                             "parameters' own dtype) or the bytes of the dtype the updated parameters are gathered "
+                             "in: 1, 2, 4 or 8 (2: bf16 model weights beside fp32 master weights, as Megatron's "
+                             "distributed optimizer)")
         if not isinstance(self.hosts, Mapping) or any(
                 not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in self.hosts.values()):
             raise ValueError(f"CostParams.hosts={self.hosts!r} is invalid: give mesh axis -> hosts it spans "

@@ -95,18 +95,14 @@ def _zero_terms(zero: int, shardable: float, d: int, params: CostParams) -> tupl
 
 def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, zero: int = 0,
           grad_accum: int = 1, zero_axis: str = "data", threshold_kb: float = 0.0,
-          cost: Cost | None = None, breakdown: dict | None = None,
-          gather_itemsize: int | None = None) -> tuple[float, int, int]:
+          cost: Cost | None = None, breakdown: dict | None = None) -> tuple[float, int, int]:
     """``(step seconds, argument bytes, temp bytes)`` per device of a strategy on the graph of
     one micro-batch, with ``grad_accum`` micro-batches and ZeRO level ``zero`` (module docstring).
     ``cost``: the strategy's `evaluate` result, when the caller prices several levels of it
     (without it the graph is analysed and the strategy evaluated here);
     ``breakdown``: a dict filled with the step's parts (seconds: compute, serial and exposed
-    collectives; bytes: activations, gradients), for reports; ``gather_itemsize``: bytes per
-    element of the updated parameters' all-gather at ZeRO 1-2 (``None``: the parameters' own
-    dtype, as jaxpar gathers its fp32 master weights; ``2``: a framework whose optimizer shards
-    fp32 master weights and gathers the bf16 model weights, as Megatron's distributed optimizer)."""
-    _check_gather_itemsize("price", gather_itemsize)
+    collectives; bytes: activations, gradients), for reports. The updated parameters' all-gather
+    at ZeRO 1-2 moves `CostParams.gather_itemsize` bytes per element."""
     if cost is None:
         cost = evaluate(graph, axes, sizes, params, flags=flags_for(graph, params))
     act, grads, reduced = cost.temp_parts
@@ -129,7 +125,7 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
         end = acc + (reduced if zero < 2 else 0.0)
         temp = max(during, add, end)
     grad_s, after_s = zero_collectives(graph, axes, sizes, params, cost.grad_comm_s, cost.temp_parts[1], shardable,
-                                       zero=zero, zero_axis=zero_axis, gather_itemsize=gather_itemsize)
+                                       zero=zero, zero_axis=zero_axis, gather_itemsize=params.gather_itemsize)
     gather_s = params.collective_time("all-gather", (zero_axis,), shardable, sizes) if zero >= 3 and shardable else 0.0
     if params.overlap:      # behind compute: the gradients behind the last backward, gathers behind a pass
         grad_s = hidden(grad_s, 2 / 3 * cost.compute_s)
@@ -166,14 +162,6 @@ def zero_collectives(graph: Graph, axes, sizes: Mapping[str, int], params: CostP
         return grad_s * (1 - share) + scatter + rest, 0.0
     itemsize = max((graph.tensors[t].itemsize for _, t in graph.params), default=4)
     return grad_s * (1 - share) + scatter + rest, scatter * (gather_itemsize or itemsize) / itemsize
-
-
-def _check_gather_itemsize(fn: str, gather_itemsize) -> None:
-    if gather_itemsize is not None and (not isinstance(gather_itemsize, int) or isinstance(gather_itemsize, bool)
-                                        or gather_itemsize not in (1, 2, 4, 8)):
-        raise ValueError(f"{fn}: gather_itemsize={gather_itemsize!r} is invalid: use None (the parameters' own "
-                         "dtype) or the bytes of the dtype the updated parameters are gathered in: 1, 2, 4 or 8 "
-                         "(2: bf16 model weights beside fp32 master weights, as Megatron's distributed optimizer)")
 
 
 def batch_axes(graph: Graph, axes) -> tuple[str, ...]:
@@ -232,15 +220,13 @@ class PipelineShape:
 
 def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, pipe: PipelineShape, *,
                    zero: int = 0, zero_axis: str = "data", threshold_kb: float = 0.0,
-                   flags=None, breakdown: dict | None = None,
-                   gather_itemsize: int | None = None) -> tuple[float, int, int]:
+                   flags=None, breakdown: dict | None = None) -> tuple[float, int, int]:
     """``(step seconds, argument bytes, temp bytes)`` per device of a pipelined job (module docstring;
     ``breakdown``: as `price`'s).
 
     ``graph``: one pipeline micro-batch of the unpipelined loss, its blocks a scan over
     ``pipe.layers``; ``axes`` / ``sizes``: the strategy of the other mesh axes; ``pipe``: the
-    pipeline (`PipelineShape`); ``gather_itemsize``: as `price`'s."""
-    _check_gather_itemsize("price_pipeline", gather_itemsize)
+    pipeline (`PipelineShape`)."""
     from jaxpar.pipeline import build, lower
     from jaxpar.pipeline.executor import B, B_LAST, F, F_LAST, IDLE, OP, W, W_LAST
 
@@ -316,7 +302,7 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     args_saved, gathered, saved = _zero_terms(zero, shardable, d, params)
     grads = sum(held.values())
     grad_s, after_s = zero_collectives(graph, axes, sizes, params, grad_s, grads, shardable, zero=zero,
-                                       zero_axis=zero_axis, gather_itemsize=gather_itemsize)
+                                       zero_axis=zero_axis, gather_itemsize=params.gather_itemsize)
     if params.overlap:      # behind the backward passes of the last micro-batch's chunks
         grad_s = hidden(grad_s, back * f * v)
         after_s = hidden(after_s, f * v)     # behind the next step's first forward
