@@ -168,7 +168,9 @@ def test_fit_between_two_loops_over_step_is_counted_once(tmp_path):
     windows = [r for r in _ledger(tmp_path) if r["event"] == "steps"]
     # the loop: its first step and step 2; fit: its first step, then every 3; the loop again: 9..10
     assert [(w["first"], w["last"]) for w in windows] == [(1, 1), (2, 2), (3, 3), (4, 5), (6, 8), (9, 10)]
-    assert windows[-1]["wall_s"] < 0.3 and summary["seconds"]["other"] >= 0.3     # not the fit, not the sleep
+    # not the fit, not the sleep; the windows' edges are stamped around the ledger's own writes, so
+    # the sleep is "other" to within a few milliseconds (one run of the suite read 0.2992 s)
+    assert windows[-1]["wall_s"] < 0.3 and summary["seconds"]["other"] >= 0.29
     assert sum(summary["seconds"].values()) == pytest.approx(summary["wall_s"], rel=0.02)
 
 
