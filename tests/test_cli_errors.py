@@ -502,6 +502,8 @@ def test_the_example_data_keeps_its_position_for_a_resume():
     (["--parallel.mesh", "{data: 4}"], "parallel.mesh: mesh {'data': 4} has 4 devices but 8 are available; make the "
      "sizes multiply to 8, or set one axis to -1 to take the rest; or give --devices 4 to run on the first 4"),
     (["--checkpoint.keep", "0"], "job config checkpoint.keep=0: the number of newest steps to keep must be 1 or more"),
+    (["--checkpoint.local_every", "5"], "job config checkpoint.local_every=5: the local tier needs both "
+     "checkpoint.local_dir (node-local storage, e.g. /dev/shm/run1) and checkpoint.local_every"),
     (["--devices", "0"], "error: --devices 0: out of range; expected an integer >= 1"),
     (["--samples", "-1"], "error: --samples -1: out of range; expected an integer >= 0"),
 ])

@@ -409,6 +409,42 @@ def test_asynchronous_saves_hold_the_tables_of_their_step(storage, row_kind, tmp
     first.close()
 
 
+def test_the_local_tier_holds_the_tables_of_its_step(tmp_path):
+    """The local checkpoint tier keeps the tables of each of its steps (a copy taken when the
+    save starts) and a new Trainer resumes them with the state: the uninterrupted run's losses
+    and table."""
+    want_losses, want_table, _ = _uninterrupted("callback", "adagrad", tmp_path)
+    services = jaxpar.Services(checkpoint=jaxpar.CheckpointConfig(
+        dir=tmp_path / "ckpt", save_every=100, local_dir=tmp_path / "local", local_every=K))
+    first = host_trainer(_table("callback", "adagrad"), services=services)
+    _steps(first, 0, K + 1)     # local step K, then the table moves on
+    first.close()
+    fresh = _table("callback", "adagrad")
+    resumed = host_trainer(fresh, services=services)
+    assert resumed.step_count == K and resumed.service("checkpoint").local.recovery.step == K
+    assert _steps(resumed, K, MORE) == want_losses
+    np.testing.assert_array_equal(fresh.numpy(), want_table)
+    resumed.close()
+
+
+class _ServerKept(_Placed):
+    """A row source whose servers keep their own tables at each checkpoint (as ServerRows)."""
+
+    def save(self, step):
+        pass
+
+    def restore(self, step):
+        pass
+
+
+def test_the_local_tier_refuses_a_source_whose_servers_keep_their_tables(tmp_path):
+    services = jaxpar.Services(checkpoint=jaxpar.CheckpointConfig(
+        dir=tmp_path / "ckpt", local_dir=tmp_path / "local", local_every=2))
+    with pytest.raises(ValueError, match=r"CheckpointConfig\(local_dir=\.\.\., local_every=2\) with the row source "
+                       r"_ServerKept, whose servers save their own tables at persistent checkpoints only"):
+        host_trainer(_ServerKept(lambda x: x), services=services)
+
+
 def test_a_checkpoint_without_tables_is_refused_naming_the_way_out(tmp_path):
     """A step saved without row tables (a source that keeps none in the checkpoint, or an older
     jaxpar) does not restore into HostRows, whose tables would silently start afresh: refused,

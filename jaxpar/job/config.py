@@ -199,8 +199,21 @@ class CheckpointSection:
     every: int = 0
     keep: int | None = 3
     resume: str = "newest"
+    local_dir: str | None = None     # the fast tier on node-local storage (jaxpar.CheckpointConfig.local_dir)
+    local_every: int = 0
+    peer: bool = True
 
     def __post_init__(self):
+        if self.local_every < 0:
+            raise _fail("checkpoint.local_every", self.local_every, "use 0 (no local tier) or a step count")
+        if (self.local_dir is None) != (self.local_every == 0):
+            what = ("checkpoint.local_every", self.local_every) if self.local_dir is None else ("checkpoint.local_dir",
+                                                                                               self.local_dir)
+            raise _fail(*what, "the local tier needs both checkpoint.local_dir (node-local storage, e.g. "
+                        "/dev/shm/run1) and checkpoint.local_every (a step count); set both, or neither")
+        if self.local_dir is not None and self.dir is None:
+            raise _fail("checkpoint.local_dir", self.local_dir, "the local tier sits beside the persistent one; "
+                        "set checkpoint.dir too")
         if self.every < 0:
             raise _fail("checkpoint.every", self.every, "use 0 (only at the end) or a step count")
         if self.keep is not None and self.keep < 1:

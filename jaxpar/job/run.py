@@ -257,7 +257,8 @@ def build(job: JobConfig, *, devices=None) -> Built:
     # generated data: every process makes the same global batch and jaxpar keeps each device's rows
     global_batch = True if job.data.source == "arithmetic" else None
     checkpoint = None if ck.dir is None else jaxpar.CheckpointConfig(dir=ck.dir, save_every=ck.every, keep=ck.keep,
-                                                                     resume=ck.resume)
+                                                                     resume=ck.resume, local_dir=ck.local_dir,
+                                                                     local_every=ck.local_every, peer=ck.peer)
     services = jaxpar.Services(checkpoint=checkpoint, metrics=metrics, profile=log.profile_steps)
     trainer = jaxpar.Trainer(model, tx, loss, job.parallel, mesh, plan=plan, services=services,
                              placement=jaxpar.Placement(global_batch=global_batch))

@@ -31,12 +31,32 @@ class CheckpointHook(Hook):
         self.checkpointer = Checkpointer(config.dir, save_every=config.save_every, keep=config.keep,
                                          resume=config.resume)
         self.diverges: tuple[int, bool] | None = None    # (step, from elsewhere) after a restore
+        self.local = None
+        if config.local_dir is not None:
+            from jaxpar.checkpoint.local import LocalTier
+
+            self.local = LocalTier(config.local_dir, run=self.checkpointer.directory, peer=config.peer)
 
     def __repr__(self) -> str:
         return f"CheckpointHook({self.config!r})"
 
     def on_start(self, trainer) -> None:
-        """Resume the newest complete step, if any (with its row tables: a damaged table is a damaged step)."""
+        """Resume the newest complete step, if any (with its row tables: a damaged table is a
+        damaged step): from the local tier when it holds a step every process can get that is at
+        least as new as the persistent tier's newest, else from the persistent tier."""
+        if self.local is not None:
+            _check_rows_for_local(trainer, self.config)
+            from jaxpar.checkpoint.manager import complete_steps
+
+            newest = max(complete_steps(self.checkpointer.manager), default=None)
+            resumed = self.local.resume(trainer.state, trainer.mesh, newer_than=newest)
+            if resumed is not None:
+                step = int(resumed[1]["step"])
+                rows = trainer.row_path
+                if rows is not None:
+                    rows.restore(step, lambda: resumed[2], self.local.root)
+                trainer.state = resumed[0]
+                return
         resumed = self.checkpointer.resume(trainer.state, trainer.mesh, rows=trainer.row_path is not None)
         if resumed is not None:
             restore_rows(trainer, int(resumed[1]["step"]), None, self.checkpointer, *resumed[2:])
@@ -49,6 +69,12 @@ class CheckpointHook(Hook):
         if self.config.save_every and not step % self.config.save_every:
             trainer.check_finite()          # a step that did not update must not pass silently into a save
             self.save_unless_saved(trainer)
+        if self.local is not None and not step % self.config.local_every:
+            trainer.check_finite()
+            start = time.perf_counter()
+            rows = trainer.row_path
+            self.local.save(trainer.step_count, trainer.state, rows=None if rows is None else rows.snapshot_tables())
+            trainer.save_s += time.perf_counter() - start
 
     def save_unless_saved(self, trainer) -> None:
         if trainer.step_count not in self.checkpointer.manager.all_steps():
@@ -66,9 +92,27 @@ class CheckpointHook(Hook):
             step, elsewhere = self.diverges
             self.diverges = None
             self.checkpointer.retire_after(step, including=elsewhere)
+            if self.local is not None:
+                self.local.drop_after(step)
 
     def on_close(self, trainer) -> None:
-        self.checkpointer.close()
+        try:
+            if self.local is not None:
+                self.local.close()
+        finally:
+            self.checkpointer.close()
+
+
+def _check_rows_for_local(trainer, config) -> None:
+    """A row source whose servers keep their own state at each checkpoint (``save(step)``, as
+    `jaxpar.ps.ServerRows`) has no state of a local step to go back to: refused, naming both."""
+    rows = trainer.row_path
+    if rows is not None and getattr(rows.source, "save", None) is not None:
+        raise ValueError(
+            f"Trainer: CheckpointConfig(local_dir=..., local_every={config.local_every}) with the row source "
+            f"{type(rows.source).__name__}, whose servers save their own tables at persistent checkpoints only: a "
+            "local step would resume dense state newer than the servers' tables. Drop local_dir (the persistent "
+            "tier saves both together), or use a row source whose tables the Trainer saves (jaxpar.ps.HostRows)")
 
 
 def save_now(trainer, directory: str | None = None, *, checkpointer: Checkpointer | None = None,

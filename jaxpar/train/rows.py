@@ -99,6 +99,11 @@ class RowPath:
         own = getattr(self.source, "save", None)
         if own is not None:
             own(step)
+        return self.snapshot_tables()
+
+    def snapshot_tables(self) -> Any:
+        """The tables the source keeps in the Trainer's checkpoints (``snapshot()``, a copy
+        taken now), or None; without the source's own ``save`` (the local checkpoint tier)."""
         snapshot = getattr(self.source, "snapshot", None)
         if snapshot is None:
             return None

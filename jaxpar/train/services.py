@@ -61,6 +61,17 @@ class CheckpointConfig:
     preemption: bool = True
     """On SIGTERM, save at the next step boundary (the same step on every process) and raise
     ``jaxpar.train.Preempted`` (exit code 0), so a restart resumes exactly there."""
+    local_dir: str | os.PathLike | None = None
+    """The fast tier (`jaxpar.checkpoint.local`): a directory on node-local storage (e.g.
+    ``/dev/shm/<run>``) where each process keeps its own shards of the newest steps, every
+    ``local_every`` steps; each is copied to a peer process on another host. A restart resumes
+    the newest step every process can get from there (its own copy, else the peer's), when it
+    is at least as new as the persistent tier's newest."""
+    local_every: int = 0
+    """Save to ``local_dir`` every ``local_every`` steps (the loop waits for the device-to-host
+    copy only)."""
+    peer: bool = True
+    """Copy each local step to a peer process (of another host, when there are several)."""
 
     def __post_init__(self):
         if not isinstance(self.dir, (str, os.PathLike)) or not os.fspath(self.dir):
@@ -72,6 +83,19 @@ class CheckpointConfig:
             raise ValueError(f"CheckpointConfig: resume={self.resume!r}; choose one of {RESUME}")
         if not isinstance(self.preemption, bool):
             raise TypeError(f"CheckpointConfig: preemption={self.preemption!r} must be True or False")
+        _int("CheckpointConfig", "local_every", self.local_every, 0, "0 = no local tier")
+        if self.local_dir is not None and (not isinstance(self.local_dir, (str, os.PathLike))
+                                           or not os.fspath(self.local_dir)):
+            raise TypeError(f"CheckpointConfig: local_dir={self.local_dir!r} must be a non-empty path on node-local "
+                            "storage, e.g. local_dir='/dev/shm/run1'")
+        if self.local_every and self.local_dir is None:
+            raise ValueError(f"CheckpointConfig: local_every={self.local_every} saves into local_dir, and none was "
+                             "given; pass local_dir= (node-local storage, e.g. '/dev/shm/run1')")
+        if self.local_dir is not None and not self.local_every:
+            raise ValueError(f"CheckpointConfig: local_dir={os.fspath(self.local_dir)!r} with local_every=0 keeps "
+                             "nothing there; pass local_every=N (save there every N steps), or drop local_dir")
+        if not isinstance(self.peer, bool):
+            raise TypeError(f"CheckpointConfig: peer={self.peer!r} must be True or False")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,511 @@
+"""The fast checkpoint tiers: each process's newest steps on node-local storage, and a copy of
+them on a peer process of another host.
+
+A `LocalTier` (``CheckpointConfig(local_dir=..., local_every=N)``) saves, every ``N`` steps, the
+shards this process holds of every leaf of the `TrainState` — each distinct shard once — with
+the step's data position and a row source's tables. The loop waits only for the device-to-host
+copy; a background thread writes the files, and then sends them to this process's peer
+(`jaxpar.checkpoint.peer`). Layout on disk, under ``local_dir``::
+
+    process-<p>/own/step-<s>/{manifest.json, shards.bin[, rows.npz]}   this process's steps
+    process-<p>/peer-<q>/step-<s>/...                                   process q's, held for it
+
+A step is written into a ``tmp-...`` directory, synced and renamed into place, so a kill during
+a write leaves no step that a restore could take (the leftovers are removed at the next start).
+Every shard and row table carries its CRC-32 in the manifest; a read checks every byte.
+
+Retention is agreed: at each save the processes exchange their newest written step (one small
+collective, at the same step on every process) and each drops its own and held steps older
+than the oldest of those, so a step every process can read is always kept (a kill during a
+write leaves the one before it).
+
+Recovery (`LocalTier.resume`): the processes exchange which steps they hold, own and for
+others; the newest step every process can get (its own copy, else its peer's) is read when it
+is at least as new as the persistent tier's newest. Each process reads its own copy, or —
+missing (a replaced host, a wiped disk) or damaged (moved aside to ``damaged-step-<s>``) —
+fetches its peer's copy back first. The arrays are put straight into the target state's
+shards: any layout whose shards on this process lie within what it saved (the same mesh, or
+one this process's saved shards cover, such as a ZeRO level that splits further). A step one
+process cannot use (no copy intact, or a layout its shards do not cover) is unusable on every
+process alike: the persistent tier is resumed instead, with a warning saying why.
+
+The peer of a process is the process of the same local rank on the next host (hosts in the
+order of their first process; a host is ``JAXPAR_HOST_ID`` when set, else the host name), so a
+lost host's steps live on in the next one. In a job on one host the peer is the next process:
+a copy that outlives a lost process, not a lost host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import secrets
+import shutil
+import socket
+import sys
+import time
+import warnings
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpar.checkpoint import peer as wire
+from jaxpar.checkpoint import state as st
+
+FORMAT = 1
+SOURCES = 3         # held copies of at most this many other processes are reported at a resume
+STEPS = 3           # ... and at most this many steps of each
+
+
+class LocalDamage(Exception):
+    """A local step that does not read back whole (a file missing or short, a CRC that differs)."""
+
+
+class LayoutNotCovered(Exception):
+    """The target's shards on this process are not within what this process saved."""
+
+
+def host_id() -> str:
+    """The host a process counts as: ``JAXPAR_HOST_ID`` when set (simulated hosts, containers
+    that share a host name), else the host name."""
+    return os.environ.get("JAXPAR_HOST_ID") or socket.gethostname()
+
+
+def peers(hosts: list[str]) -> dict[int, int]:
+    """``{process: the process that holds its copy}`` for the processes' hosts: the same local
+    rank on the next host (a host with fewer processes takes them round), or the next process
+    when every process is on one host.
+
+    >>> peers(["a", "a", "b", "b"])
+    {0: 2, 1: 3, 2: 0, 3: 1}
+    >>> peers(["a", "a", "a"])
+    {0: 1, 1: 2, 2: 0}
+    """
+    order = list(dict.fromkeys(hosts))
+    if len(hosts) < 2:
+        return {}
+    if len(order) == 1:
+        return {p: (p + 1) % len(hosts) for p in range(len(hosts))}
+    members = {h: [p for p, x in enumerate(hosts) if x == h] for h in order}
+    out = {}
+    for i, h in enumerate(order):
+        nxt = members[order[(i + 1) % len(order)]]
+        for rank, p in enumerate(members[h]):
+            out[p] = nxt[rank % len(nxt)]
+    return out
+
+
+def _box(index, shape) -> tuple[tuple[int, int], ...]:
+    """A shard's index (a tuple of slices) as ((start, stop), ...) per dimension."""
+    return tuple((0 if s.start is None else int(s.start), dim if s.stop is None else int(s.stop))
+                 for s, dim in zip(index, shape))
+
+
+def _region(pieces: dict, box: tuple, dtype) -> np.ndarray:
+    """The values of ``box`` from the saved ``pieces`` ({box: array}); `LayoutNotCovered` when
+    they do not cover it."""
+    if box in pieces:
+        return pieces[box]
+    shape = tuple(b - a for a, b in box)
+    out, covered = np.empty(shape, dtype), 0
+    for pbox, arr in pieces.items():
+        meet = [(max(a, pa), min(b, pb)) for (a, b), (pa, pb) in zip(box, pbox)]
+        if any(lo >= hi for lo, hi in meet):
+            continue
+        out[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(meet, box))] = \
+            arr[tuple(slice(lo - pa, hi - pa) for (lo, hi), (pa, _) in zip(meet, pbox))]
+        covered += math.prod(hi - lo for lo, hi in meet)
+    if covered != math.prod(shape):
+        raise LayoutNotCovered(f"the shard {list(box)} is not within the shards this process saved "
+                               f"({[list(b) for b in list(pieces)[:3]]}...)")
+    return out
+
+
+def _flat_tables(tables: dict) -> tuple[list[list[str]], list[np.ndarray]]:
+    paths, arrays = [], []
+    for path, x in jax.tree_util.tree_flatten_with_path(tables)[0]:
+        paths.append([str(k.key) for k in path])
+        arrays.append(np.ascontiguousarray(x))
+    return paths, arrays
+
+
+def _nest_tables(paths: list[list[str]], arrays: list[np.ndarray]) -> dict:
+    out: dict = {}
+    for path, x in zip(paths, arrays):
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = x
+    return out
+
+
+@dataclasses.dataclass
+class Recovery:
+    """What `LocalTier.resume` did: the step taken, where each process got it, the seconds."""
+
+    step: int
+    source: str            # "own" or "peer" (this process)
+    seconds: float
+
+
+class LocalTier:
+    """The local tier (and its peer copy) of one process; see the module docstring.
+
+    ``run``: the persistent checkpoint directory this tier belongs to (recorded in every step;
+    steps written for another run are not taken)."""
+
+    def __init__(self, directory, *, run: str = "", peer: bool = True):
+        path = os.path.abspath(os.fspath(directory))
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"CheckpointConfig: local_dir={os.fspath(directory)!r} is a file, not a directory; give "
+                             "a directory on fast node-local storage (e.g. /dev/shm/<run>), created if missing")
+        self.root, self.run, self.use_peer = path, run, peer
+        self.process, self.processes = jax.process_index(), jax.process_count()
+        self.mine = os.path.join(path, f"process-{self.process}")
+        self.own = os.path.join(self.mine, "own")
+        self.server: wire.PeerServer | None = None
+        self.addresses: dict[int, tuple[str, int]] = {}
+        self.key = b""
+        self.send_to: int | None = None          # the process that holds this one's copy
+        self.save_s = 0.0                         # seconds saves held the loop (the device-to-host copies)
+        self.saved: list[int] = []                # steps this process wrote, in order
+        self.peer_failures: list[str] = []
+        self.recovery: Recovery | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxpar-local-tier")
+        self._pending: Future | None = None
+        self._started = False
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> None:
+        """Create the directories, remove a killed write's leftovers, and (several processes, a
+        peer wanted) start this process's peer server and learn every process's address; a
+        collective: every process calls it at the same point."""
+        if self._started:
+            return
+        self._started = True
+        os.makedirs(self.own, exist_ok=True)
+        for parent in [self.own] + [os.path.join(self.mine, d) for d in os.listdir(self.mine) if d.startswith("peer-")]:
+            for name in os.listdir(parent):
+                if name.startswith("tmp-"):
+                    shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        if not (self.use_peer and self.processes > 1):
+            return
+        from jax.experimental import multihost_utils
+
+        self.key = bytes(np.asarray(multihost_utils.broadcast_one_to_all(
+            np.frombuffer(secrets.token_bytes(32), np.uint8))).astype(np.uint8))
+        self.server = wire.PeerServer(self.mine, self.key)
+        ip = _advertised_ip()
+        mine = np.asarray([zlib.crc32(host_id().encode()) & 0x7FFFFFFF, *map(int, ip.split(".")), self.server.port],
+                          np.int32)
+        every = np.asarray(multihost_utils.process_allgather(mine)).reshape(self.processes, -1)
+        self.addresses = {p: (".".join(str(int(v)) for v in row[1:5]), int(row[5])) for p, row in enumerate(every)}
+        self.send_to = peers([str(int(row[0])) for row in every]).get(self.process)
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state, rows: dict | None = None) -> None:
+        """Save this process's shards of ``state`` as local step ``step``: returns once they are
+        on the host; the files (and the peer's copy) are written in the background. Waits for
+        the previous save first and raises its error (an own write that failed)."""
+        start = time.perf_counter()
+        self.start()
+        self.wait()
+        self._prune()
+        leaves, arrays = {}, []
+        for path, x in st.savable(st.flat_state(state)).items():
+            shape = tuple(int(d) for d in np.shape(x))
+            entry = {"dtype": str(jnp.dtype(x.dtype)), "shape": list(shape), "pieces": []}
+            if isinstance(x, jax.Array):
+                seen = set()
+                for shard in x.addressable_shards:
+                    box = _box(shard.index, shape)
+                    if box not in seen:
+                        seen.add(box)
+                        entry["pieces"].append({"box": [list(b) for b in box]})
+                        arrays.append(shard.data)
+            else:
+                entry["pieces"].append({"box": [[0, d] for d in shape]})
+                arrays.append(np.asarray(x))
+            leaves[path] = entry
+        for a in arrays:
+            if isinstance(a, jax.Array):
+                a.copy_to_host_async()
+        host = [np.array(a, copy=True) for a in arrays]     # the buffers may be donated to the next step
+        manifest = {"format": FORMAT, "run": self.run, "step": int(step), "process": self.process,
+                    "processes": self.processes, "data_state": state.data, "leaves": leaves}
+        tables = None if rows is None else _flat_tables(rows)
+        self._pending = self._pool.submit(self._write, int(step), manifest, host, tables)
+        self.save_s += time.perf_counter() - start
+
+    def _write(self, step: int, manifest: dict, host: list[np.ndarray], tables) -> None:
+        tmp = os.path.join(self.own, f"tmp-step-{step}-{secrets.token_hex(4)}")
+        final = os.path.join(self.own, f"step-{step}")
+        os.makedirs(tmp)
+        try:
+            pieces = [p for leaf in manifest["leaves"].values() for p in leaf["pieces"]]
+            with open(os.path.join(tmp, "shards.bin"), "wb") as f:
+                offset = 0
+                for piece, arr in zip(pieces, host):
+                    data = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+                    f.write(data)
+                    piece.update(offset=offset, nbytes=len(data), crc32=zlib.crc32(data))
+                    offset += len(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if tables is not None:
+                paths, arrays = tables
+                with open(os.path.join(tmp, "rows.npz"), "wb") as f:
+                    np.savez(f, *arrays)
+                    f.flush()
+                    os.fsync(f.fileno())
+                manifest["rows"] = {"paths": paths, "crc32": [zlib.crc32(a) for a in arrays]}
+            with open(os.path.join(tmp, "manifest.json"), "w") as f:
+                json.dump(manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            wire.commit(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.saved.append(step)
+        if self.send_to is not None:
+            try:
+                wire.put_step(self.addresses[self.send_to], self.key, self.process, step, final)
+            except wire.PeerError as e:     # the job goes on: the own copy is there; a restart says what is missing
+                self.peer_failures.append(f"step {step}: {e}")
+                print(f"jaxpar: local tier: the copy of step {step} on process {self.send_to} failed ({e}); "
+                      "the step is kept on this host only", file=sys.stderr)
+
+    def wait(self) -> None:
+        """Block until the newest save is written (and sent); raise the error of one that failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except OSError as e:
+                raise OSError(e.errno, f"local checkpoint tier {self.own}: writing a step failed ({e}); free space on "
+                              "the local storage, or point CheckpointConfig(local_dir=...) elsewhere") from e
+
+    def _prune(self) -> None:
+        """Drop own and held steps older than the oldest newest-written step of any process (an
+        exchange on several processes): a step every process holds is always kept."""
+        newest = max(self._steps(self.own), default=-1)
+        oldest = newest
+        if self.processes > 1:
+            from jax.experimental import multihost_utils
+
+            oldest = int(np.min(np.asarray(multihost_utils.process_allgather(np.asarray([newest], np.int32)))))
+        if oldest < 0:
+            return
+        for parent in self._parents():
+            for step in self._steps(parent, check=False):
+                if step < oldest:
+                    shutil.rmtree(os.path.join(parent, f"step-{step}"), ignore_errors=True)
+
+    def drop_after(self, step: int) -> None:
+        """Training went back to ``step`` (a restore) and goes on: own and held steps after it hold
+        the abandoned history and are removed (every process does so at the same point)."""
+        self.wait()
+        for parent in self._parents():
+            for s in self._steps(parent, check=False):
+                if s > step:
+                    shutil.rmtree(os.path.join(parent, f"step-{s}"), ignore_errors=True)
+
+    # ------------------------------------------------------------------ listing
+    def _parents(self) -> list[str]:
+        if not os.path.isdir(self.mine):
+            return []
+        return [self.own] + sorted(os.path.join(self.mine, d) for d in os.listdir(self.mine) if d.startswith("peer-"))
+
+    def _steps(self, parent: str, *, source: int | None = None, check: bool = True) -> list[int]:
+        """The committed steps under ``parent`` (newest first); ``check``: only those whose
+        manifest says they are ``source``'s (default this process) of this run and job size."""
+        if not os.path.isdir(parent):
+            return []
+        out = []
+        for name in os.listdir(parent):
+            if not name.startswith("step-") or not name[5:].isdigit():
+                continue
+            step = int(name[5:])
+            if check:
+                try:
+                    with open(os.path.join(parent, name, "manifest.json")) as f:
+                        m = json.load(f)
+                    if (m.get("format"), m.get("run"), m.get("step"), m.get("process"), m.get("processes")) != (
+                            FORMAT, self.run, step, self.process if source is None else source, self.processes):
+                        continue
+                except (OSError, ValueError, AttributeError):
+                    continue
+            out.append(step)
+        return sorted(out, reverse=True)
+
+    def _held(self) -> dict[int, list[int]]:
+        out = {}
+        for parent in self._parents()[1:]:
+            name = os.path.basename(parent)
+            if name[5:].isdigit():
+                q = int(name[5:])
+                steps = self._steps(parent, source=q)
+                if steps:
+                    out[q] = steps
+        return out
+
+    # ------------------------------------------------------------------ resume
+    def resume(self, state, mesh, *, newer_than: int | None) -> tuple | None:
+        """``(TrainState, meta, tables)`` of the newest step every process can get from the local
+        tiers, when it is at least as new as ``newer_than`` (the persistent tier's newest, or
+        None); None when there is none, or when a process cannot use it (then a warning says
+        why, the same on every process). A collective: every process calls it."""
+        start = time.perf_counter()
+        self.start()
+        own, held = self._steps(self.own), self._held()
+        step, holders = self._common(own, held)
+        if step is None or (newer_than is not None and step < newer_than):
+            return None
+        code, why, result, source = 0, "", None, "own"
+        try:
+            pieces = None
+            if step in own:
+                try:
+                    pieces = self._load(os.path.join(self.own, f"step-{step}"))
+                except LocalDamage as e:
+                    why = f"process {self.process}'s own copy is damaged ({e}); "
+                    aside = os.path.join(self.own, f"damaged-step-{step}-{secrets.token_hex(2)}")
+                    os.rename(os.path.join(self.own, f"step-{step}"), aside)
+            if pieces is None:
+                holder = holders.get(step)
+                if holder is None:
+                    raise LocalDamage(f"{why}no other process holds a copy of process {self.process}'s step {step}")
+                source = "peer"
+                wire.get_step(self.addresses[holder], self.key, self.process, step,
+                              os.path.join(self.own, f"step-{step}"))
+                pieces = self._load(os.path.join(self.own, f"step-{step}"))
+            result = self._install(state, mesh, pieces)
+        except LayoutNotCovered as e:
+            code, why = 1, f"the layout changed: {e}"
+        except (LocalDamage, wire.PeerError, OSError, ValueError) as e:
+            code, why = 2, f"{why}{e}"
+        codes = [code]
+        if self.processes > 1:
+            from jax.experimental import multihost_utils
+
+            codes = [int(c) for c in np.asarray(multihost_utils.process_allgather(np.asarray([code], np.int32))).ravel()]
+        if any(codes):
+            bad = [p for p, c in enumerate(codes) if c]
+            mine = f" (process {self.process}: {why})" if code else ""
+            warnings.warn(f"local checkpoint tier {self.root}: step {step} could not be taken on process(es) {bad}"
+                          f"{mine}; resuming from the persistent tier instead", stacklevel=3)
+            return None
+        self.recovery = Recovery(step, source, time.perf_counter() - start)
+        print(f"jaxpar: resumed step {step} from the local checkpoint tier ({source} copy) in "
+              f"{self.recovery.seconds:.2f} s", file=sys.stderr)
+        return result
+
+    def _common(self, own: list[int], held: dict[int, list[int]]) -> tuple[int | None, dict[int, int]]:
+        """The newest step every process can get (own or held by another), and for this process
+        ``{step: a process holding its copy}``."""
+        row = [*own[:STEPS], *[-1] * (STEPS - len(own[:STEPS]))]
+        for q in sorted(held)[:SOURCES]:
+            steps = held[q][:STEPS]
+            row += [q, *steps, *[-1] * (STEPS - len(steps))]
+        row += [-1] * (1 + STEPS + SOURCES * (1 + STEPS) - len(row))
+        rows = np.asarray([row], np.int32)
+        if self.processes > 1:
+            from jax.experimental import multihost_utils
+
+            rows = np.asarray(multihost_utils.process_allgather(np.asarray(row, np.int32))).reshape(self.processes, -1)
+        available = {p: {int(s) for s in rows[p, :STEPS] if s >= 0} for p in range(self.processes)}
+        holders: dict[int, int] = {}
+        for p in range(self.processes):
+            for i in range(SOURCES):
+                q, *steps = (int(v) for v in rows[p, STEPS + i * (1 + STEPS): STEPS + (i + 1) * (1 + STEPS)])
+                if 0 <= q < self.processes and q != p:
+                    for s in steps:
+                        if s >= 0:
+                            available[q].add(s)
+                            if q == self.process:
+                                holders.setdefault(s, p)
+        common = set.intersection(*available.values()) if available else set()
+        return (max(common) if common else None), holders
+
+    def _load(self, directory: str) -> dict:
+        """``{"manifest", "pieces": {path: {box: array}}, "tables"}`` of a local step, every byte
+        checked against its CRC-32 (`LocalDamage` otherwise)."""
+        try:
+            with open(os.path.join(directory, "manifest.json")) as f:
+                manifest = json.load(f)
+            leaves = manifest["leaves"]
+            pieces: dict = {}
+            with open(os.path.join(directory, "shards.bin"), "rb") as f:
+                for path, leaf in leaves.items():
+                    dtype = jnp.dtype(leaf["dtype"])
+                    pieces[path] = {}
+                    for piece in leaf["pieces"]:
+                        box = tuple(tuple(int(v) for v in b) for b in piece["box"])
+                        f.seek(piece["offset"])
+                        data = f.read(piece["nbytes"])
+                        if len(data) != piece["nbytes"] or zlib.crc32(data) != piece["crc32"]:
+                            raise LocalDamage(f"{path} {list(box)}: its bytes differ from those saved (CRC-32)")
+                        pieces[path][box] = np.frombuffer(data, dtype).reshape([b - a for a, b in box])
+            tables = None
+            if manifest.get("rows") is not None:
+                rows = manifest["rows"]
+                with np.load(os.path.join(directory, "rows.npz"), allow_pickle=False) as z:
+                    arrays = [z[f"arr_{i}"] for i in range(len(rows["paths"]))]
+                bad = [p for p, a, c in zip(rows["paths"], arrays, rows["crc32"]) if zlib.crc32(np.ascontiguousarray(a)) != c]
+                if bad:
+                    raise LocalDamage(f"row tables {bad}: their bytes differ from those saved (CRC-32)")
+                tables = _nest_tables(rows["paths"], arrays)
+        except LocalDamage:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, EOFError) as e:
+            raise LocalDamage(f"{directory} does not read back ({type(e).__name__}: {e})") from e
+        return {"manifest": manifest, "pieces": pieces, "tables": tables}
+
+    def _install(self, state, mesh, loaded: dict) -> tuple:
+        manifest, pieces = loaded["manifest"], loaded["pieces"]
+        target = st.target(state, mesh)
+        if set(target) != set(pieces):
+            raise ValueError(f"the saved leaves differ from the trainer's ({sorted(set(target) ^ set(pieces))[:3]})")
+        flat = {}
+        for path, t in target.items():
+            leaf = manifest["leaves"][path]
+            if tuple(leaf["shape"]) != tuple(t.shape) or jnp.dtype(leaf["dtype"]) != jnp.dtype(t.dtype):
+                raise ValueError(f"{path}: saved {leaf['shape']} {leaf['dtype']}, the trainer has {t.shape} {t.dtype}")
+            dtype = jnp.dtype(t.dtype)
+            flat[path] = jax.make_array_from_callback(
+                t.shape, t.sharding, lambda index, p=pieces[path], s=t.shape, d=dtype: _region(p, _box(index, s), d))
+        new = st.install(state, flat)
+        step = int(manifest["step"])
+        step_value = jax.device_put(jnp.asarray(step, jnp.int32), state.step.sharding)
+        data = dict(manifest.get("data_state") or {})
+        meta = {"step": step, "data_state": data, "tier": "local"}
+        return new.replace(step=step_value, data=data), meta, loaded["tables"]
+
+    # ------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Finish the save in flight (and its peer copy), then stop the peer server."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            if self.server is not None:
+                self.server.close()
+
+
+def _advertised_ip() -> str:
+    """The IPv4 address peers reach this process at: ``JAXPAR_PEER_ADDRESS``, else the host
+    name's, else the loopback address (every process on one host)."""
+    given = os.environ.get("JAXPAR_PEER_ADDRESS")
+    if given:
+        return given
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
