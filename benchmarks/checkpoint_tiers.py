@@ -116,7 +116,7 @@ def main() -> None:
                     shutil.rmtree(directory, ignore_errors=True)
                 else:
                     tier_dir = os.path.join(local_root, f"r{r}")
-                    local = LocalTier(tier_dir, run="bench")
+                    local = LocalTier(tier_dir, run=os.path.join(tier_dir, "run"))
                     local.start()
                     start = time.perf_counter()
                     local.save(step, trainer.state)

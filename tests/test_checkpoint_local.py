@@ -176,6 +176,31 @@ def test_kills_during_local_writes_never_leave_a_step_a_restore_takes(tmp_path):
     assert torn >= 1, "no kill landed inside a write"
 
 
+def test_local_steps_of_another_run_are_not_taken(tmp_path):
+    # the persistent directory was deleted to start afresh: the local steps in the same local_dir
+    # belong to the run that is gone (its identity lived there), so nothing is resumed and they go
+    t = _trainer(tmp_path)
+    for b in worker.batches()[:2]:
+        t.step(b)
+    t.close()
+    shutil.rmtree(tmp_path / "ckpt")
+    t = _trainer(tmp_path)
+    assert t.step_count == 0 and t.service("checkpoint").local.recovery is None
+    assert not os.listdir(tmp_path / "local" / "process-0" / "own")
+    t.close()
+
+
+def test_a_region_is_cut_from_the_saved_pieces_or_refused_when_they_do_not_cover_it():
+    from jaxpar.checkpoint.local import LayoutNotCovered, _region
+
+    whole = np.arange(32.0).reshape(4, 8)
+    pieces = {((0, 2), (0, 8)): whole[:2], ((2, 4), (0, 4)): whole[2:, :4]}
+    np.testing.assert_array_equal(_region(pieces, ((1, 3), (2, 4)), whole.dtype), whole[1:3, 2:4])   # across two
+    assert _region(pieces, ((0, 2), (0, 8)), whole.dtype) is pieces[((0, 2), (0, 8))]                  # as saved
+    with pytest.raises(LayoutNotCovered, match=r"the shard \[\(2, 4\), \(0, 8\)\] is not within"):
+        _region(pieces, ((2, 4), (0, 8)), whole.dtype)
+
+
 def test_local_tier_settings_are_checked():
     with pytest.raises(ValueError, match=r"local_every=3 saves into local_dir, and none was given"):
         jaxpar.CheckpointConfig(dir="c", local_every=3)
@@ -194,19 +219,29 @@ def test_peers_are_the_same_rank_on_the_next_host():
     assert peers(["a"]) == {}
 
 
-def _raw(port, payload: bytes = b"", *, handshake=None):
-    """Connect, optionally answer the handshake with ``handshake`` key, send ``payload``, read what comes back."""
-    import hashlib
-    import hmac
+def _exactly(sock, n):
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
 
+
+def _raw(port, payload: bytes = b"", *, handshake=None, attack=None):
+    """Connect; answer the handshake with the key ``handshake`` (or, with ``attack``, try to get
+    past it without the key: "echo" sends the server's nonce back as this side's, "reflect"
+    sends the server's own proof back as this side's); send ``payload``; read what comes back."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        if handshake is not None:
-            nonce = s.recv(32)
-            s.sendall(b"n" * 32)
-            s.sendall(hmac.new(handshake, b"jaxpar-peer" + nonce, hashlib.sha256).digest())
-            s.recv(32)
         out = b""
         try:
+            if handshake is not None or attack is not None:
+                nonce = _exactly(s, 32)
+                mine = nonce if attack == "echo" else os.urandom(32)
+                s.sendall(mine)
+                theirs = _exactly(s, 32)            # the server's proof
+                s.sendall(theirs if attack else wire._proof(handshake, b"client", nonce, mine))
             s.sendall(payload)
             s.shutdown(socket.SHUT_WR)
             while chunk := s.recv(65536):
@@ -227,6 +262,10 @@ def test_the_peer_server_survives_any_frame_and_serves_after(tmp_path):
         frame = lambda obj: struct.pack("!Q", len(json.dumps(obj))) + json.dumps(obj).encode()  # noqa: E731
         _raw(server.port, os.urandom(200))                                       # no handshake at all
         _raw(server.port, b"", handshake=b"wrong" * 7)                           # a wrong key
+        put = frame({"op": "put", "source": 3, "step": 9, "files": [{"name": "manifest.json", "size": 2}]}) + b"{}"
+        for attack in ("echo", "reflect"):                                       # no key: its own proofs sent back
+            assert b'"ok"' not in _raw(server.port, put, attack=attack)
+        assert not (tmp_path / "holder" / "peer-3").exists()
         bad = [struct.pack("!Q", 1 << 40),                                       # an oversized header
                struct.pack("!Q", 5) + b"notjs",                                  # not JSON
                frame([1, 2]), frame({"op": "delete"}),                           # not an object; unknown op
@@ -235,7 +274,7 @@ def test_the_peer_server_survives_any_frame_and_serves_after(tmp_path):
                frame({"op": "put", "source": 1, "step": 1, "files": [{"name": "manifest.json", "size": 99}]}) + b"{"]
         replies = [_raw(server.port, payload, handshake=key) for payload in bad]
         assert all(b'"error"' in r for r in replies[1:]), replies
-        assert server.rejected == 2 + len(bad)
+        assert server.rejected == 4 + len(bad)
         assert not (tmp_path / "holder" / "peer-1").exists() or not any(
             n.startswith("step-") for n in os.listdir(tmp_path / "holder" / "peer-1"))
         wire.put_step(("127.0.0.1", server.port), key, 5, 7, str(step))

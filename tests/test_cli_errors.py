@@ -546,3 +546,12 @@ def test_report_config_refuses_a_job_file_with_the_command_for_it(files, recorde
     assert "--config 'job.yaml' is a job file (sections model, data)" in err, err
     assert "jaxpar plan --config job.yaml" in err and "unknown ParallelConfig fields" not in err, err
     assert not recorded
+
+
+def test_the_scripts_flags_reach_it_untouched_even_when_they_begin_a_launcher_flag(files, recorded):
+    # --local began --local-worker-num and --worker began --worker-num / --worker-restarts: with
+    # argparse's abbreviations the launcher refused them as "ambiguous" before the script ran
+    argv = ["--local", "--worker", "3", "--log-dir", "x", "--steps", "2"]
+    assert main(["launch", "--worker-num", "1", "--local-worker-num", "1", "t.py", *argv]) == 0
+    (name, (config, script, script_args), _), = recorded
+    assert (name, script, script_args, config.log_dir) == ("launch", "t.py", argv, launcher.LaunchConfig().log_dir)

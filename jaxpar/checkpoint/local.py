@@ -59,6 +59,8 @@ from jaxpar.checkpoint import peer as wire
 from jaxpar.checkpoint import state as st
 
 FORMAT = 1
+RUN_ID_BYTES = 16
+RUN_ID_FILE = "jaxpar-local-tier-run"   # in the persistent directory: which run the local steps belong to
 SOURCES = 3         # held copies of at most this many other processes are reported at a resume
 STEPS = 3           # ... and at most this many steps of each
 
@@ -157,10 +159,11 @@ class Recovery:
 class LocalTier:
     """The local tier (and its peer copy) of one process; see the module docstring.
 
-    ``run``: the persistent checkpoint directory this tier belongs to (recorded in every step;
-    steps written for another run are not taken)."""
+    ``run``: the persistent checkpoint directory of the run this tier belongs to; the run's
+    identity is kept there (`_run_id`) and recorded in every local step, so steps written for
+    another run are never taken."""
 
-    def __init__(self, directory, *, run: str = "", peer: bool = True):
+    def __init__(self, directory, *, run: str, peer: bool = True):
         path = os.path.abspath(os.fspath(directory))
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"CheckpointConfig: local_dir={os.fspath(directory)!r} is a file, not a directory; give "
@@ -172,6 +175,7 @@ class LocalTier:
         self.server: wire.PeerServer | None = None
         self.addresses: dict[int, tuple[str, int]] = {}
         self.key = b""
+        self.run_id = ""                          # of the run (`_run_id`), set by `start`
         self.send_to: int | None = None          # the process that holds this one's copy
         self.save_s = 0.0                         # seconds saves held the loop (the device-to-host copies)
         self.saved: list[int] = []                # steps this process wrote, in order
@@ -183,40 +187,62 @@ class LocalTier:
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
-        """Create the directories, remove a killed write's leftovers, and (several processes, a
-        peer wanted) start this process's peer server and learn every process's address; a
-        collective: every process calls it at the same point."""
+        """Create the directories, remove a killed write's leftovers, learn the run's identity
+        and (several processes, a peer wanted) start this process's peer server and learn every
+        process's address; a collective: every process calls it at the same point."""
         if self._started:
             return
         self._started = True
+        ip = _advertised_ip() if self.use_peer and self.processes > 1 else "127.0.0.1"
         os.makedirs(self.own, exist_ok=True)
         for parent in [self.own] + [os.path.join(self.mine, d) for d in os.listdir(self.mine) if d.startswith("peer-")]:
             for name in os.listdir(parent):
                 if name.startswith("tmp-"):
                     shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        run_id = _run_id(self.run) if self.process == 0 else bytes(RUN_ID_BYTES)
+        drawn = np.frombuffer(run_id + secrets.token_bytes(32), np.uint8)
+        if self.processes > 1:
+            from jax.experimental import multihost_utils
+
+            drawn = np.asarray(multihost_utils.broadcast_one_to_all(drawn)).astype(np.uint8)
+        self.run_id, self.key = bytes(drawn[:RUN_ID_BYTES]).hex(), bytes(drawn[RUN_ID_BYTES:])
         if not (self.use_peer and self.processes > 1):
             return
         from jax.experimental import multihost_utils
 
-        self.key = bytes(np.asarray(multihost_utils.broadcast_one_to_all(
-            np.frombuffer(secrets.token_bytes(32), np.uint8))).astype(np.uint8))
-        self.server = wire.PeerServer(self.mine, self.key)
-        ip = _advertised_ip()
-        mine = np.asarray([zlib.crc32(host_id().encode()) & 0x7FFFFFFF, *map(int, ip.split(".")), self.server.port],
+        self.server = wire.PeerServer(self.mine, self.key, host=ip)
+        crc = lambda name: zlib.crc32(name.encode()) & 0x7FFFFFFF    # noqa: E731
+        mine = np.asarray([crc(host_id()), crc(socket.gethostname()), *map(int, ip.split(".")), self.server.port],
                           np.int32)
         every = np.asarray(multihost_utils.process_allgather(mine)).reshape(self.processes, -1)
-        self.addresses = {p: (".".join(str(int(v)) for v in row[1:5]), int(row[5])) for p, row in enumerate(every)}
-        self.send_to = peers([str(int(row[0])) for row in every]).get(self.process)
+        self.addresses = {p: (".".join(str(int(v)) for v in row[2:6]), int(row[6])) for p, row in enumerate(every)}
+        hosts = [str(int(row[0])) for row in every]
+        loopback = sorted(p for p, (a, _) in self.addresses.items() if a.startswith("127."))
+        if len({int(row[1]) for row in every}) > 1 and loopback:      # machines of other names: not one host
+            self.server.close()
+            raise ValueError(
+                f"local checkpoint tier: process(es) {loopback} would be reached by their peers on another host at a "
+                f"loopback address ({self.addresses[loopback[0]][0]}: their host name resolves to it); set "
+                "JAXPAR_PEER_ADDRESS to each host's address on the network between hosts, or "
+                "CheckpointConfig(peer=False)")
+        self.send_to = peers(hosts).get(self.process)
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state, rows: dict | None = None) -> None:
         """Save this process's shards of ``state`` as local step ``step``: returns once they are
         on the host; the files (and the peer's copy) are written in the background. Waits for
-        the previous save first and raises its error (an own write that failed)."""
+        the previous save first; one that failed on any process raises on every process (a
+        collective: every process calls it at the same step)."""
         start = time.perf_counter()
         self.start()
-        self.wait()
-        self._prune()
+        error = None
+        try:
+            self.wait()
+        except OSError as e:
+            error = e
+        self._prune(failed=error is not None)
+        if error is not None:
+            raise error
         leaves, arrays = {}, []
         for path, x in st.savable(st.flat_state(state)).items():
             shape = tuple(int(d) for d in np.shape(x))
@@ -237,7 +263,7 @@ class LocalTier:
             if isinstance(a, jax.Array):
                 a.copy_to_host_async()
         host = [np.array(a, copy=True) for a in arrays]     # the buffers may be donated to the next step
-        manifest = {"format": FORMAT, "run": self.run, "step": int(step), "process": self.process,
+        manifest = {"format": FORMAT, "run": self.run_id, "step": int(step), "process": self.process,
                     "processes": self.processes, "data_state": state.data, "leaves": leaves}
         tables = None if rows is None else _flat_tables(rows)
         self._pending = self._pool.submit(self._write, int(step), manifest, host, tables)
@@ -292,16 +318,22 @@ class LocalTier:
                 raise OSError(e.errno, f"local checkpoint tier {self.own}: writing a step failed ({e}); free space on "
                               "the local storage, or point CheckpointConfig(local_dir=...) elsewhere") from e
 
-    def _prune(self) -> None:
+    def _prune(self, failed: bool = False) -> None:
         """Drop own and held steps older than the oldest newest-written step of any process (an
-        exchange on several processes): a step every process holds is always kept."""
+        exchange on several processes, which also carries whether a process's last write
+        failed: then every process raises), so a step every process holds is always kept."""
         newest = max(self._steps(self.own), default=-1)
-        oldest = newest
+        oldest, failures = newest, [self.process] if failed else []
         if self.processes > 1:
             from jax.experimental import multihost_utils
 
-            oldest = int(np.min(np.asarray(multihost_utils.process_allgather(np.asarray([newest], np.int32)))))
-        if oldest < 0:
+            every = np.asarray(multihost_utils.process_allgather(np.asarray([newest, int(failed)], np.int32)))
+            every = every.reshape(self.processes, 2)
+            oldest, failures = int(every[:, 0].min()), [p for p in range(self.processes) if every[p, 1]]
+        if failures and not failed:
+            raise OSError(f"local checkpoint tier {self.root}: writing a step failed on process(es) {failures} (see "
+                          "their messages); every process stops alike")
+        if oldest < 0 or failures:
             return
         for parent in self._parents():
             for step in self._steps(parent, check=False):
@@ -309,9 +341,16 @@ class LocalTier:
                     shutil.rmtree(os.path.join(parent, f"step-{step}"), ignore_errors=True)
 
     def drop_after(self, step: int) -> None:
-        """Training went back to ``step`` (a restore) and goes on: own and held steps after it hold
-        the abandoned history and are removed (every process does so at the same point)."""
+        """The run goes on from ``step`` (a restore, or a resume from the persistent tier): own
+        and held steps after it hold another history and are removed. A collective: every
+        process's copies in flight land first (each waits for its own, then all meet), so no
+        copy of the old history arrives after the removal."""
+        self.start()
         self.wait()
+        if self.processes > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jaxpar local tier: drop after {step}")
         for parent in self._parents():
             for s in self._steps(parent, check=False):
                 if s > step:
@@ -338,7 +377,7 @@ class LocalTier:
                     with open(os.path.join(parent, name, "manifest.json")) as f:
                         m = json.load(f)
                     if (m.get("format"), m.get("run"), m.get("step"), m.get("process"), m.get("processes")) != (
-                            FORMAT, self.run, step, self.process if source is None else source, self.processes):
+                            FORMAT, self.run_id, step, self.process if source is None else source, self.processes):
                         continue
                 except (OSError, ValueError, AttributeError):
                     continue
@@ -359,72 +398,86 @@ class LocalTier:
     # ------------------------------------------------------------------ resume
     def resume(self, state, mesh, *, newer_than: int | None) -> tuple | None:
         """``(TrainState, meta, tables)`` of the newest step every process can get from the local
-        tiers, when it is at least as new as ``newer_than`` (the persistent tier's newest, or
-        None); None when there is none, or when a process cannot use it (then a warning says
-        why, the same on every process). A collective: every process calls it."""
+        tiers that is at least as new as ``newer_than`` (the persistent tier's newest as process
+        0 sees it, or None); None when there is none. A step some process cannot use is passed
+        over on every process alike (a warning says which and why) for the next older one. A
+        collective: every process calls it."""
         start = time.perf_counter()
         self.start()
-        own, held = self._steps(self.own), self._held()
-        step, holders = self._common(own, held)
-        if step is None or (newer_than is not None and step < newer_than):
-            return None
-        code, why, result, source = 0, "", None, "own"
-        try:
-            pieces = None
-            if step in own:
-                try:
-                    pieces = self._load(os.path.join(self.own, f"step-{step}"))
-                except LocalDamage as e:
-                    why = f"process {self.process}'s own copy is damaged ({e}); "
-                    aside = os.path.join(self.own, f"damaged-step-{step}-{secrets.token_hex(2)}")
-                    os.rename(os.path.join(self.own, f"step-{step}"), aside)
-            if pieces is None:
-                holder = holders.get(step)
-                if holder is None:
-                    raise LocalDamage(f"{why}no other process holds a copy of process {self.process}'s step {step}")
-                source = "peer"
-                wire.get_step(self.addresses[holder], self.key, self.process, step,
-                              os.path.join(self.own, f"step-{step}"))
-                pieces = self._load(os.path.join(self.own, f"step-{step}"))
-            result = self._install(state, mesh, pieces)
-        except LayoutNotCovered as e:
-            code, why = 1, f"the layout changed: {e}"
-        except (LocalDamage, wire.PeerError, OSError, ValueError) as e:
-            code, why = 2, f"{why}{e}"
-        codes = [code]
-        if self.processes > 1:
-            from jax.experimental import multihost_utils
+        own = self._steps(self.own)
+        held = self._held() if self.addresses else {}     # held copies are reached through the peer servers
+        candidates, holders = self._common(own, held, newer_than)
+        for k, step in enumerate(candidates):
+            code, why, result, source = self._take(step, own, holders, state, mesh)
+            codes = [code]
+            if self.processes > 1:
+                from jax.experimental import multihost_utils
 
-            codes = [int(c) for c in np.asarray(multihost_utils.process_allgather(np.asarray([code], np.int32))).ravel()]
-        if any(codes):
+                codes = [int(c) for c in
+                         np.asarray(multihost_utils.process_allgather(np.asarray([code], np.int32))).ravel()]
+            if not any(codes):
+                self.recovery = Recovery(step, source, time.perf_counter() - start)
+                print(f"jaxpar: resumed step {step} from the local checkpoint tier ({source} copy) in "
+                      f"{self.recovery.seconds:.2f} s", file=sys.stderr)
+                return result
             bad = [p for p, c in enumerate(codes) if c]
+            then = f"trying its step {candidates[k + 1]}" if k + 1 < len(candidates) else \
+                "resuming from the persistent tier instead"
             mine = f" (process {self.process}: {why})" if code else ""
             warnings.warn(f"local checkpoint tier {self.root}: step {step} could not be taken on process(es) {bad}"
-                          f"{mine}; resuming from the persistent tier instead", stacklevel=3)
-            return None
-        self.recovery = Recovery(step, source, time.perf_counter() - start)
-        print(f"jaxpar: resumed step {step} from the local checkpoint tier ({source} copy) in "
-              f"{self.recovery.seconds:.2f} s", file=sys.stderr)
-        return result
+                          f"{mine}; {then}", stacklevel=3)
+        return None
 
-    def _common(self, own: list[int], held: dict[int, list[int]]) -> tuple[int | None, dict[int, int]]:
-        """The newest step every process can get (own or held by another), and for this process
-        ``{step: a process holding its copy}``."""
-        row = [*own[:STEPS], *[-1] * (STEPS - len(own[:STEPS]))]
-        for q in sorted(held)[:SOURCES]:
+    def _take(self, step: int, own: list[int], holders: dict[int, int], state, mesh) -> tuple:
+        """``(code, why, result, source)`` of reading ``step`` on this process: its own copy, else
+        (missing or damaged: moved aside) the peer's, fetched back first; code 0 read, 1 the
+        layout is not within the saved shards, 2 no intact copy, 3 another failure. Never raises:
+        every process reports before any acts."""
+        why, source = "", "own"
+        try:
+            loaded = None
+            final = os.path.join(self.own, f"step-{step}")
+            if step in own:
+                try:
+                    loaded = self._load(final, step)
+                except LocalDamage as e:
+                    why = f"its own copy is damaged ({e}); "
+                    os.rename(final, os.path.join(self.own, f"damaged-step-{step}-{secrets.token_hex(2)}"))
+            if loaded is None:
+                holder = holders.get(step)
+                if holder is None:
+                    raise LocalDamage(f"no other process holds a copy of process {self.process}'s step {step}")
+                source = "peer"
+                wire.get_step(self.addresses[holder], self.key, self.process, step, final)
+                loaded = self._load(final, step)
+            return 0, "", self._install(state, mesh, loaded), source
+        except LayoutNotCovered as e:
+            return 1, f"{why}the layout changed: {e}", None, source
+        except (LocalDamage, wire.PeerError) as e:
+            return 2, f"{why}{e}", None, source
+        except Exception as e:      # noqa: BLE001  (reported to every process, then the next source is tried)
+            return 3, f"{why}{type(e).__name__}: {e}", None, source
+
+    def _common(self, own: list[int], held: dict[int, list[int]], newer_than: int | None) -> tuple[list[int], dict]:
+        """The steps every process can get (own or held by another), newest first, down to
+        ``newer_than`` as process 0 has it; and for this process ``{step: a process holding its
+        copy}``. One exchange of a small table of steps."""
+        row = [-1 if newer_than is None else int(newer_than), *own[:STEPS], *[-1] * (STEPS - len(own[:STEPS]))]
+        for q in sorted(held, key=lambda q: -held[q][0])[:SOURCES]:       # the sources with the newest copies
             steps = held[q][:STEPS]
             row += [q, *steps, *[-1] * (STEPS - len(steps))]
-        row += [-1] * (1 + STEPS + SOURCES * (1 + STEPS) - len(row))
-        rows = np.asarray([row], np.int32)
+        width = 1 + STEPS + SOURCES * (1 + STEPS)
+        rows = np.asarray([row + [-1] * (width - len(row))], np.int32)
         if self.processes > 1:
             from jax.experimental import multihost_utils
 
-            rows = np.asarray(multihost_utils.process_allgather(np.asarray(row, np.int32))).reshape(self.processes, -1)
-        available = {p: {int(s) for s in rows[p, :STEPS] if s >= 0} for p in range(self.processes)}
+            rows = np.asarray(multihost_utils.process_allgather(rows[0])).reshape(self.processes, width)
+        floor = int(rows[0, 0])
+        available = {p: {int(s) for s in rows[p, 1:1 + STEPS] if s >= 0} for p in range(self.processes)}
         holders: dict[int, int] = {}
         for p in range(self.processes):
             for i in range(SOURCES):
-                q, *steps = (int(v) for v in rows[p, STEPS + i * (1 + STEPS): STEPS + (i + 1) * (1 + STEPS)])
+                q, *steps = (int(v) for v in rows[p, 1 + STEPS + i * (1 + STEPS): 1 + STEPS + (i + 1) * (1 + STEPS)])
                 if 0 <= q < self.processes and q != p:
                     for s in steps:
                         if s >= 0:
@@ -432,14 +485,19 @@ class LocalTier:
                             if q == self.process:
                                 holders.setdefault(s, p)
         common = set.intersection(*available.values()) if available else set()
-        return (max(common) if common else None), holders
+        return sorted((s for s in common if s >= floor), reverse=True), holders
 
-    def _load(self, directory: str) -> dict:
-        """``{"manifest", "pieces": {path: {box: array}}, "tables"}`` of a local step, every byte
-        checked against its CRC-32 (`LocalDamage` otherwise)."""
+    def _load(self, directory: str, step: int) -> dict:
+        """``{"manifest", "pieces": {path: {box: array}}, "tables"}`` of this process's local step
+        ``step``, every byte checked against its CRC-32 (`LocalDamage` otherwise, also for a
+        manifest of another step, process or run)."""
         try:
             with open(os.path.join(directory, "manifest.json")) as f:
                 manifest = json.load(f)
+            identity = (manifest.get("step"), manifest.get("process"), manifest.get("run"))
+            if identity != (step, self.process, self.run_id):
+                raise LocalDamage(f"{directory} holds step {identity[0]} of process {identity[1]} (another run, or "
+                                  f"misplaced), not step {step} of process {self.process}")
             leaves = manifest["leaves"]
             pieces: dict = {}
             with open(os.path.join(directory, "shards.bin"), "rb") as f:
@@ -499,13 +557,43 @@ class LocalTier:
                 self.server.close()
 
 
+def _run_id(directory: str) -> bytes:
+    """The identity of the run whose persistent checkpoints are in ``directory``: random bytes
+    kept there in `RUN_ID_FILE` (created by the first start). Local steps written under another
+    identity — an earlier run whose persistent directory was deleted to start afresh — are no
+    steps of this one."""
+    path = os.path.join(directory, RUN_ID_FILE)
+    try:
+        with open(path) as f:
+            value = bytes.fromhex(f.read().strip())
+        if len(value) == RUN_ID_BYTES:
+            return value
+    except (OSError, ValueError):
+        pass
+    value = secrets.token_bytes(RUN_ID_BYTES)
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    with open(tmp, "w") as f:
+        f.write(value.hex())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return value
+
+
 def _advertised_ip() -> str:
     """The IPv4 address peers reach this process at: ``JAXPAR_PEER_ADDRESS``, else the host
     name's, else the loopback address (every process on one host)."""
+    import ipaddress
+
     given = os.environ.get("JAXPAR_PEER_ADDRESS")
     if given:
-        return given
+        try:
+            return str(ipaddress.IPv4Address(given.strip()))
+        except ValueError:
+            raise ValueError(f"JAXPAR_PEER_ADDRESS={given!r} is not an IPv4 address; give this host's address on the "
+                             "network between hosts, e.g. JAXPAR_PEER_ADDRESS=10.0.0.5") from None
     try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
+        return str(ipaddress.IPv4Address(socket.gethostbyname(socket.gethostname())))
+    except (OSError, ValueError):
         return "127.0.0.1"

@@ -7,8 +7,8 @@ elsewhere, or on the same host with its storage wiped) fetch their step back fro
 
 The wire is plain TCP with length-prefixed frames: a JSON header (at most `HEADER_MAX` bytes),
 then raw file bytes when the header announces them. Both ends prove they know the job's key
-(32 random bytes process 0 drew and every process received) by an HMAC-SHA256 over the other's
-nonce before anything else is read. The server takes any frame: a wrong key, a malformed or
+(32 random bytes process 0 drew and every process received) before anything else is read: an
+HMAC-SHA256 over its role and both sides' fresh nonces (`_handshake`). The server takes any frame: a wrong key, a malformed or
 oversized header, an unknown operation, a file name or number it did not expect, a connection
 that stalls or drops — each ends that connection alone (with a reply saying why, where the
 peer can still read one); the server goes on. File names on disk are made by the server from
@@ -25,6 +25,7 @@ import shutil
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 HEADER_MAX = 1 << 20          # bytes of one JSON header
@@ -32,6 +33,8 @@ FILES = ("manifest.json", "shards.bin", "rows.npz")    # what a local step holds
 FILE_MAX = 1 << 40            # bytes of one file
 CHUNK = 8 << 20               # bytes read or written at a time
 TIMEOUT_S = 120.0             # a connection silent this long is dropped
+HANDSHAKE_S = 20.0            # the whole handshake must be done within this
+CONNECTIONS = 32              # connections served at once; more are closed at once
 _LENGTH = struct.Struct("!Q")
 
 
@@ -40,9 +43,11 @@ class PeerError(OSError):
 
 
 # ------------------------------------------------------------------ frames
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     out = bytearray()
     while len(out) < n:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"{len(out)} of {n} bytes arrived within the time allowed")
         chunk = sock.recv(min(n - len(out), CHUNK))
         if not chunk:
             raise ConnectionError(f"the connection closed after {len(out)} of {n} bytes")
@@ -65,14 +70,25 @@ def _recv_header(sock: socket.socket) -> dict:
     return header
 
 
-def _handshake(sock: socket.socket, key: bytes) -> None:
-    """Each side sends a nonce and answers the other's with HMAC-SHA256(key, role + nonce)."""
+def _proof(key: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(key, b"jaxpar-peer/" + role + first + second, "sha256").digest()
+
+
+def _handshake(sock: socket.socket, key: bytes, role: bytes) -> None:
+    """Each side sends a fresh nonce, then proves it holds the key with HMAC-SHA256 over its role
+    (``b"server"`` or ``b"client"``), the other's nonce and its own. A proof is bound to one role
+    and to both nonces, so one side's answer is never the other's (nothing can be reflected back)
+    and no answer of an earlier connection fits a later one."""
+    deadline = time.monotonic() + HANDSHAKE_S
     mine = secrets.token_bytes(32)
     sock.sendall(mine)
-    theirs = _recv_exact(sock, 32)
-    sock.sendall(hmac.new(key, b"jaxpar-peer" + theirs, "sha256").digest())
-    answer = _recv_exact(sock, 32)
-    if not hmac.compare_digest(answer, hmac.new(key, b"jaxpar-peer" + mine, "sha256").digest()):
+    theirs = _recv_exact(sock, 32, deadline)
+    if hmac.compare_digest(theirs, mine):
+        raise PermissionError("the other side sent this side's own nonce back")
+    other = b"client" if role == b"server" else b"server"
+    sock.sendall(_proof(key, role, theirs, mine))
+    answer = _recv_exact(sock, 32, deadline)
+    if not hmac.compare_digest(answer, _proof(key, other, mine, theirs)):
         raise PermissionError("the other side does not hold the job's key")
 
 
@@ -168,6 +184,7 @@ class PeerServer:
         self.port = self.sock.getsockname()[1]
         self.rejected = 0          # connections ended for a bad frame, key or request
         self._closed = False
+        self._slots = threading.BoundedSemaphore(CONNECTIONS)
         self._thread = threading.Thread(target=self._accept, name="jaxpar-peer-server", daemon=True)
         self._thread.start()
 
@@ -181,14 +198,30 @@ class PeerServer:
             except OSError:
                 if self._closed:
                     return
+                time.sleep(0.1)          # out of file descriptors, say: wait instead of spinning
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="jaxpar-peer-conn", daemon=True).start()
+            if not self._slots.acquire(blocking=False):     # too many at once: this one waits for none
+                self.rejected += 1
+                conn.close()
+                continue
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="jaxpar-peer-conn", daemon=True).start()
+            except RuntimeError:         # no thread to be had: drop this connection, keep accepting
+                self._slots.release()
+                self.rejected += 1
+                conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
+        try:
+            self._serve_one(conn)
+        finally:
+            self._slots.release()
+
+    def _serve_one(self, conn: socket.socket) -> None:
         with conn:
             conn.settimeout(TIMEOUT_S)
             try:
-                _handshake(conn, self.key)
+                _handshake(conn, self.key, b"server")
             except Exception:        # noqa: BLE001  (anyone may connect: a wrong key ends this connection)
                 self.rejected += 1
                 return
@@ -233,7 +266,7 @@ def _connect(address: tuple[str, int], key: bytes) -> socket.socket:
     except OSError as e:
         raise PeerError(f"could not reach the peer at {address[0]}:{address[1]} ({e})") from e
     try:
-        _handshake(sock, key)
+        _handshake(sock, key, b"client")
     except Exception as e:
         sock.close()
         raise PeerError(f"the peer at {address[0]}:{address[1]} failed the handshake ({e})") from e

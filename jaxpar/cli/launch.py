@@ -101,6 +101,9 @@ def add_launch_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "launch", help=_LAUNCH_HELP, description=_LAUNCH_HELP, epilog=_LAUNCH_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # the script's own flags follow it untouched: with abbreviations on, a script flag that begins
+        # a launcher flag's name (--local, --worker) was refused as "ambiguous" before the script ran
+        allow_abbrev=False,
     )
     _add_launch_arguments(p)
     p.set_defaults(func=run_launch)

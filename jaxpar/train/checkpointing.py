@@ -61,6 +61,8 @@ class CheckpointHook(Hook):
         if resumed is not None:
             restore_rows(trainer, int(resumed[1]["step"]), None, self.checkpointer, *resumed[2:])
             trainer.state = resumed[0]
+        if self.local is not None:       # local steps past the one resumed are of another history now
+            self.local.drop_after(trainer.step_count)
 
     def before_step(self, trainer, step: int) -> None:
         self.diverge()           # the first step after a restore: a new history starts
