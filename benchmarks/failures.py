@@ -19,6 +19,7 @@ of each killed run equal the no-failure run's at the same step (bit for bit: one
 
     python benchmarks/failures.py                           # 3 x 15 min, kills every 120 s
     python benchmarks/failures.py --minutes 3 --kill-every 45 --out /tmp/f.json   # a shorter look
+    python benchmarks/failures.py --reanalyze benchmarks/results/failures_cpu.json  # its runs read again
 """
 
 from __future__ import annotations
@@ -130,22 +131,32 @@ def run_variant(name: str, args, out_dir: str, rng: random.Random) -> dict:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    with open(os.path.join(run_dir, "kills.json"), "w") as f:
+        json.dump(kills, f)
+    return analyze(name, run_dir, kills, proc.returncode)
+
+
+def analyze(name: str, run_dir: str, kills: list[dict], code: int | None) -> dict:
+    """A variant's figures from its run directory (rank 0's log, the ledger, ``kills``): for
+    each kill the last step rank 0 had dispatched before it, the step the restarted group
+    resumed, and the seconds from the kill to the first step after that resume."""
     log = open(os.path.join(run_dir, "logs", "worker_0.log")).read()
-    steps = [(int(s), float(t)) for s, t in re.findall(r"^STEP (\d+) ([\d.]+)$", log, re.M)]
-    resumes = [(int(s), float(t)) for s, t in re.findall(r"^RESUMED (\d+) ([\d.]+)$", log, re.M)]
+    events = [(word, int(s), float(t)) for word, s, t in re.findall(r"^(STEP|RESUMED) (\d+) ([\d.]+)$", log, re.M)]
     for kill in kills:
-        before = [s for s, t in steps if t <= kill["time"]]
-        after = [(s, t) for s, t in resumes if t > kill["time"]]
-        first = [t for s, t in steps if t > kill["time"]]
+        before = [s for word, s, t in events if word == "STEP" and t <= kill["time"]]
         kill["last_step"] = max(before) if before else 0
-        kill["resumed"] = after[0][0] if after else None
-        kill["went_back"] = None if not after else kill["last_step"] - after[0][0]
-        kill["to_first_new_step_s"] = (first[0] - kill["time"]) if first else None
+        kill["resumed"] = kill["went_back"] = kill["to_first_new_step_s"] = None
+        later = [i for i, (word, _, t) in enumerate(events) if word == "RESUMED" and t > kill["time"]]
+        if later:
+            _, resumed, _ = events[later[0]]
+            kill["resumed"], kill["went_back"] = resumed, kill["last_step"] - resumed
+            first = [t for word, _, t in events[later[0]:] if word == "STEP"]
+            kill["to_first_new_step_s"] = (first[0] - kill["time"]) if first else None
     from jaxpar.metrics.goodput import summarize
 
     summary = summarize(os.path.join(run_dir, "metrics"))
     done = re.findall(r"^DONE (\d+)", log, re.M)
-    return {"variant": name, "code": proc.returncode, "final_step": int(done[-1]) if done else None,
+    return {"variant": name, "code": code, "final_step": int(done[-1]) if done else None,
             "goodput": summary["goodput"], "seconds": summary["seconds"], "restarts": summary["restarts"],
             "wall_s": summary["wall_s"], "kills": kills, "run_dir": run_dir}
 
@@ -177,6 +188,8 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--dir", default=os.path.join("/tmp", "jaxpar-failures"))
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "failures_cpu.json"))
+    p.add_argument("--reanalyze", metavar="JSON", help="read the runs of an earlier result file again (their "
+                   "run directories must still exist) instead of running")
     # the worker's flags (the launcher runs this file once per rank)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -187,8 +200,18 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
-    rng = random.Random(args.seed)
-    results = [run_variant(name, args, args.dir, rng) for name in args.variants]
+    earlier = None
+    if args.reanalyze:
+        with open(args.reanalyze) as f:
+            earlier = json.load(f)
+        for k in ("minutes", "save_every", "local_every"):
+            setattr(args, k, earlier[k])
+        args.kill_every = earlier["kill_every_s"]
+        results = [analyze(r["variant"], r["run_dir"], [{"time": k["time"], "rank": k["rank"]} for k in r["kills"]],
+                           r["code"]) for r in earlier["results"]]
+    else:
+        rng = random.Random(args.seed)
+        results = [run_variant(name, args, args.dir, rng) for name in args.variants]
     base = next((r for r in results if r["variant"] == VARIANTS[0]), None)
     for r in results:
         r["goodput_vs_no_failures"] = None if base is None else r["goodput"] / base["goodput"]
@@ -214,7 +237,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"minutes": args.minutes, "kill_every_s": args.kill_every, "save_every": args.save_every,
-                   "local_every": args.local_every, "command": " ".join(["python benchmarks/failures.py"] + sys.argv[1:]),
+                   "local_every": args.local_every, "command": (f"{earlier['command']}; figures read again with --reanalyze" if args.reanalyze
+                               else " ".join(["python benchmarks/failures.py"] + sys.argv[1:])),
                    "results": results}, f, indent=1)
     try:
         import matplotlib

@@ -284,8 +284,7 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
         pipe_s = (m * v + p - 1) * 3 * f + m * 3 * h
     elif pipe.executor != "lockstep":
         raise ValueError(f"PipelineShape.executor={pipe.executor!r}: use 'lockstep' or 'async'")
-    batch_class = graph.tensors[graph.batch[0][1]].classes[0] if graph.batch else -1
-    split = math.prod(sizes[a] for a in axes[batch_class]) if batch_class >= 0 else 1
+    split = math.prod(sizes[a] for a in batch_axes(graph, axes))
     x = pipe.activation_bytes / split
     bw = params.bandwidth.get(axis, params.default_bandwidth)
     # one ppermute per step and channel between stages (a V sends both ways; its turn is local)
