@@ -195,8 +195,6 @@ def main() -> None:
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     p.add_argument("--local", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--out-dir", help=argparse.SUPPRESS)
-    p.add_argument("--tag", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)

@@ -177,8 +177,7 @@ class LocalTier:
         self.key = b""
         self.run_id = ""                          # of the run (`_run_id`), set by `start`
         self.send_to: int | None = None          # the process that holds this one's copy
-        self.save_s = 0.0                         # seconds saves held the loop (the device-to-host copies)
-        self.saved: list[int] = []                # steps this process wrote, in order
+        self.written: int | None = None           # the newest step this process wrote (None: none since start)
         self.peer_failures: list[str] = []
         self.recovery: Recovery | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxpar-local-tier")
@@ -233,7 +232,6 @@ class LocalTier:
         on the host; the files (and the peer's copy) are written in the background. Waits for
         the previous save first; one that failed on any process raises on every process (a
         collective: every process calls it at the same step)."""
-        start = time.perf_counter()
         self.start()
         error = None
         try:
@@ -267,7 +265,6 @@ class LocalTier:
                     "processes": self.processes, "data_state": state.data, "leaves": leaves}
         tables = None if rows is None else _flat_tables(rows)
         self._pending = self._pool.submit(self._write, int(step), manifest, host, tables)
-        self.save_s += time.perf_counter() - start
 
     def _write(self, step: int, manifest: dict, host: list[np.ndarray], tables) -> None:
         tmp = os.path.join(self.own, f"tmp-step-{step}-{secrets.token_hex(4)}")
@@ -299,7 +296,7 @@ class LocalTier:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        self.saved.append(step)
+        self.written = step
         if self.send_to is not None:
             try:
                 wire.put_step(self.addresses[self.send_to], self.key, self.process, step, final)
@@ -322,7 +319,8 @@ class LocalTier:
         """Drop own and held steps older than the oldest newest-written step of any process (an
         exchange on several processes, which also carries whether a process's last write
         failed: then every process raises), so a step every process holds is always kept."""
-        newest = max(self._steps(self.own), default=-1)
+        # the step written last is known here; only the first save after a start reads the directory
+        newest = self.written if self.written is not None else max(self._steps(self.own), default=-1)
         oldest, failures = newest, [self.process] if failed else []
         if self.processes > 1:
             from jax.experimental import multihost_utils

@@ -51,8 +51,8 @@ def main():
     batch = {"x": np.ones((8, 1024), np.float32)}
     while True:
         trainer.step(batch)
-        if local.saved:
-            print(f"WRITTEN {local.saved[-1]}", flush=True)
+        if local.written is not None:
+            print(f"WRITTEN {local.written}", flush=True)
         print(f"STARTED {trainer.step_count}", flush=True)
 
 
