@@ -76,6 +76,16 @@ class Run:
                 raise AssertionError(f"never saw {paths}; launcher:\n{self.stderr}")
             time.sleep(0.005)
 
+    def wait_committed(self, step: int, timeout: float = 60) -> None:
+        """Waits for the workers' orbax checkpoint of ``step`` to commit (its folder renamed from
+        the temporary name orbax writes under to the step's own)."""
+        path = self.dir / "ckpt" / str(step)
+        deadline = time.monotonic() + timeout
+        while not path.is_dir():
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise AssertionError(f"never saw {path} committed; launcher:\n{self.stderr}")
+            time.sleep(0.005)
+
     def signal(self, what: str, sig: int) -> None:
         os.kill(self.pids(what)[-1], sig)
 
@@ -100,10 +110,13 @@ def test_example_survives_a_killed_server_and_a_killed_worker(tmp_path, tag):
         run.signal("server 0", signal.SIGSTOP)
         run.signal("server 1", signal.SIGKILL)
         run.signal("server 0", signal.SIGCONT)
-        # 2. Steps 20..24 run through the restarted server; at the checkpoint of step 25 (before
-        #    the workers' orbax save of it can complete) worker 1 is SIGKILLed; the launcher
-        #    starts the worker group again, which resumes from the orbax checkpoint of step 20.
+        # 2. Steps 20..24 run through the restarted server; at the checkpoint of step 25, once
+        #    the asynchronous orbax save of step 20 has committed (on a loaded machine it may
+        #    still be writing when the servers' snapshot of 25 appears) and before the save of 25
+        #    can (orbax starts it only after 20's), worker 1 is SIGKILLed; the launcher starts
+        #    the worker group again, which resumes from the orbax checkpoint of step 20.
         run.wait_snapshot(25)
+        run.wait_committed(20)
         run.signal("rank 1", signal.SIGKILL)
         code = run.finish(timeout=120)
     finally:
