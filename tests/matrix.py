@@ -335,7 +335,7 @@ def model_config(cell: dict | None = None):
     return gpt_config(cell)
 
 
-def _trainer(config, gpt, devices):
+def _trainer(config, gpt, devices, services=None):
     import jax
     import optax
     from flax import nnx
@@ -371,7 +371,7 @@ def _trainer(config, gpt, devices):
     # mode "auto" is searched before the Trainer is built; the Trainer plans the other modes itself
     plan = jaxpar.auto.plan_for(model, tx, loss, config, mesh, example_batch=_batches()[0]) \
         if config.mode == "auto" else None
-    return jaxpar.Trainer(model, tx, loss, config, mesh, plan=plan)
+    return jaxpar.Trainer(model, tx, loss, config, mesh, plan=plan, services=services)
 
 
 def _batches():

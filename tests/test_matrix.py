@@ -103,34 +103,102 @@ def test_cells_match_one_device(cells, references, tmp_path):
     assert not failures, "\n".join(failures)
 
 
+@pytest.fixture(scope="module")
+def launched_expected(tmp_path_factory):
+    """What the launched slice's extras (tests/workers/launched_extras.py) must equal, from one
+    process: a token store and the losses and evaluation of a TokenLoader reading whole batches
+    on it, and the ServerRows job's losses (one device, the tables in the process)."""
+    from jaxpar.data import LoaderProcess, prepare
+    from jaxpar.models.data import arithmetic_text
+    from workers import launched_extras
+    from workers.loader_worker import train
+    from workers.ps_model import reference
+
+    folder = tmp_path_factory.mktemp("launched")
+    (folder / "corpus.txt").write_text(arithmetic_text(800, seed=2))
+    store = str(folder / "store")
+    prepare([str(folder / "corpus.txt")], store, docs="line", progress=False)
+    losses, evaluated = train(store, 3, process=LoaderProcess(index=0, count=1))
+    return {"store": store, "loader": (losses, evaluated), "server_rows": reference(launched_extras.STEPS_PS)[0]}
+
+
+def _check_extras(extras: dict, processes: int) -> list[str]:
+    """The errors of the launched extras' lines (``{name: line}``), and HostRows not refused by name."""
+    failures = [f"{name}: {line['error']}" for name, line in extras.items() if "error" in line]
+    refused = extras["host_rows"].get("refused", "")
+    if not (f"a job of {processes} processes" in refused and "HostRows" in refused and "ServerRows" in refused):
+        failures.append(f"host_rows: not refused by name: {extras['host_rows']}")
+    return failures
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(560)
 @pytest.mark.parametrize("processes, devices", [(2, 4), (4, 2)])
-def test_cells_under_launch_match_one_device(references, tmp_path, tag, processes, devices):
+def test_cells_under_launch_match_one_device(references, launched_expected, tmp_path, tag, processes, devices):
     """`matrix.LAUNCHED` under `jaxpar launch` on localhost, every process feeding only its own
-    rows of each global batch: the one-device losses and parameters, as in one process."""
+    rows of each global batch: the one-device losses and parameters, as in one process. In the
+    same job (tests/workers/launched_extras.py): a TokenLoader per process and ServerRows with
+    one parameter-server worker per process equal one process; HostRows is refused by name; a
+    SIGTERM to one process makes every process save one agreed step, which one process restores
+    and trains on to the uninterrupted losses and parameters."""
     from workers.procs import WORKERS, Launch
+    from workers.ps_model import TOKEN
+    from workers.ps_servers import Servers
 
     from jaxpar.launch.ports import free_port
 
     spec = tmp_path / "cells.json"
     spec.write_text(json.dumps(matrix.LAUNCHED))
+    preempted = tmp_path / "preempted"
+    servers = Servers(tmp_path, tag, count=2, token=TOKEN)
     args = ["--worker-num", processes, "--local-worker-num", processes, "--simulated-devices", devices,
             "--master-port", free_port(), "--cluster-time-out", 60]
-    run = Launch(tmp_path, tag, args, ["--cells", spec, "--references", references],
+    run = Launch(tmp_path, tag, args, ["--cells", spec, "--references", references, "--store", launched_expected["store"],
+                                       "--servers", ",".join(servers.addresses), "--preempt", preempted],
                  script=os.path.join(WORKERS, "matrix_launch_worker.py"), entry=("-m", "jaxpar.cli", "launch"))
     try:
         code = run.wait(timeout=500)
     finally:
         run.close()
+        stopped = servers.stop()
     out = run.out_dir / "out.jsonl"
     lines = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    assert len(lines) == len(matrix.LAUNCHED), (code, run.stderr[-3000:], run.log(0)[-3000:])
-    assert code == 0, run.stderr[-3000:]
+    extras = {line["name"]: line for line in lines[len(matrix.LAUNCHED):]}
+    assert len(lines) == len(matrix.LAUNCHED) + 4, (code, run.stderr[-3000:], run.log(0)[-3000:])
+    assert code == 0 and stopped == [0, 0], (stopped, run.stderr[-3000:])
     assert all(line["processes"] == processes for line in lines)
-    failures = _failures(lines)
+    failures = _failures(lines[:len(matrix.LAUNCHED)]) + _check_extras(extras, processes)
     assert not failures, "\n".join(failures)
+    if "error" in extras["loader"] or "error" in extras["server_rows"]:
+        return
+    losses, evaluated = launched_expected["loader"]
+    np.testing.assert_allclose(extras["loader"]["losses"], losses, rtol=1e-5)
+    assert extras["loader"]["evaluated"] == pytest.approx(evaluated, rel=1e-5)
+    np.testing.assert_allclose(extras["server_rows"]["losses"], launched_expected["server_rows"], rtol=0, atol=1e-6)
+    _check_preempted(extras["preempt"], references, str(preempted), processes)
+
+
+def _check_preempted(line: dict, references: str, directory: str, processes: int) -> None:
+    """Every process stopped at one step after the SIGTERM, that step is the directory's newest,
+    and one process restoring it trains on to the one-device losses and parameters."""
+    from workers import launched_extras
+
+    stopped = line["stopped"]
+    assert len(stopped) == processes and len(set(stopped)) == 1, stopped
+    step = stopped[0]
+    assert launched_extras.PREEMPT_AFTER <= step < matrix.STEPS, stopped
+    assert jaxpar.checkpoint.latest_step(directory) == step
+    refs = matrix.References(references)
+    cell = matrix.BASE
+    expected = matrix.load_references(references)[matrix.reference_name(matrix.reference_key(cell))]
+    np.testing.assert_allclose(line["losses"], expected[0][:step], rtol=matrix.TOLERANCE["none"][0])
+    trainer = matrix._trainer(matrix.config_for(cell), matrix.gpt_config(cell), 8)
+    trainer.restore(directory)
+    assert trainer.step_count == step
+    losses = line["losses"] + [float(trainer.step(b)["loss"]) for b in matrix._batches()[step:]]
+    loss_err, param_err = refs.errors(cell, losses, matrix._params(trainer))
+    assert loss_err <= matrix.TOLERANCE["none"][0] and param_err <= matrix.TOLERANCE["none"][1], (loss_err, param_err)
 
 
 @pytest.mark.slow

@@ -3,8 +3,8 @@
 Each process reads only its rows, assembles the global ``jax.Array`` from them
 (``make_array_from_process_local_data``), gathers it and writes hashes of the local rows and of
 the global batches, from the start and resumed from a saved loader position, to ``rank_<i>.json``.
-With ``--train N``: then N steps of `train` with a ``TokenLoader`` of its 4 rows a process on
-2 processes x 4 devices, and an evaluation, their losses written too.
+`train` is what each process of the launched matrix slice runs with a ``TokenLoader`` of its rows
+(tests/workers/launched_extras.py).
 """
 
 import argparse
@@ -55,7 +55,6 @@ def main():
     p.add_argument("--store", required=True)
     p.add_argument("--state", required=True, help="JSON file of a saved TokenLoader.state()")
     p.add_argument("--batches", type=int, default=6)
-    p.add_argument("--train", type=int, default=0, help="steps of `train` after the reads (0: none)")
     args = p.parse_args()
     import jaxpar.distributed as dist
 
@@ -92,8 +91,6 @@ def main():
     result = {"rank": rank, "processes": jax.process_count(), "local_devices": jax.local_device_count(),
               "rows": [loader.rows.start, loader.rows.stop], "local": local, "global": full, "resumed": again,
               "state": loader.state()}
-    if args.train:
-        result["train"] = train(args.store, args.train)
     # written whole, then renamed: a test polling for reports never reads a half-written one
     path = os.path.join(args.out, f"rank_{rank}.json")
     with open(path + ".tmp", "w") as f:
