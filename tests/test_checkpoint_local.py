@@ -288,6 +288,26 @@ def test_the_peer_server_survives_any_frame_and_serves_after(tmp_path):
         server.close()
 
 
+def test_a_peer_step_larger_than_the_free_space_is_refused_before_a_byte_is_written(tmp_path, monkeypatch):
+    key = b"k" * 32
+    server = wire.PeerServer(str(tmp_path / "holder"), key, host="127.0.0.1")
+    step = tmp_path / "src"
+    step.mkdir()
+    (step / "manifest.json").write_text("{}")
+    (step / "shards.bin").write_bytes(os.urandom(3000))
+    usage = wire.shutil.disk_usage
+    monkeypatch.setattr(wire.shutil, "disk_usage", lambda path: usage(path)._replace(free=1000))
+    try:
+        with pytest.raises(wire.PeerError, match=r"a step of 3002 bytes does not fit the 1000 bytes free under"):
+            wire.put_step(("127.0.0.1", server.port), key, 5, 7, str(step))
+        assert not any(n.startswith(("step-", "tmp-")) for n in os.listdir(tmp_path / "holder" / "peer-5"))
+        monkeypatch.setattr(wire.shutil, "disk_usage", usage)
+        wire.put_step(("127.0.0.1", server.port), key, 5, 7, str(step))      # the server serves on
+        assert (tmp_path / "holder" / "peer-5" / "step-7" / "shards.bin").read_bytes() == (step / "shards.bin").read_bytes()
+    finally:
+        server.close()
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)

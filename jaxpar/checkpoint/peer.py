@@ -17,6 +17,7 @@ integers it checked, never from what a client sent.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import os
@@ -128,6 +129,9 @@ def _recv_files(sock: socket.socket, files: list[tuple[str, int]], final: str) -
     ``final`` (replacing an older copy): a half-received step is never under its final name."""
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
+    total, free = sum(size for _, size in files), shutil.disk_usage(parent).free
+    if total > free:        # refused before a byte is written: a peer never fills this host's storage
+        raise OSError(errno.ENOSPC, f"a step of {total} bytes does not fit the {free} bytes free under {parent}")
     tmp = os.path.join(parent, f"tmp-{os.path.basename(final)}-{secrets.token_hex(4)}")
     os.makedirs(tmp)
     try:
