@@ -20,6 +20,11 @@ of each killed run equal the no-failure run's at the same step (bit for bit: one
     python benchmarks/failures.py                           # 3 x 15 min, kills every 120 s
     python benchmarks/failures.py --minutes 3 --kill-every 45 --out /tmp/f.json   # a shorter look
     python benchmarks/failures.py --reanalyze benchmarks/results/failures_cpu.json  # its runs read again
+    python benchmarks/failures.py --restart-breakdown --save-every 10   # where one restart's seconds go
+
+``--restart-breakdown`` starts the job twice, the second resuming the first's step, and prints
+for every process the seconds from its start to each point of its start (imports, joining the
+job, the model, the Trainer with its resume, the first step) and what it compiled.
 """
 
 from __future__ import annotations
@@ -41,10 +46,45 @@ VARIANTS = ("no failures", "kills, local tier", "kills, persistent only")
 
 
 # ------------------------------------------------------------------ the worker (one rank)
+class Phases:
+    """Where a rank's start went: seconds from the process's start to each mark, and its
+    compiles (JAX's monitoring events: backend compile seconds, persistent-cache hits), written
+    to ``RUN_DIR/phases/<pid>.json`` once its first step is done."""
+
+    def __init__(self):
+        import jax.monitoring
+
+        from jaxpar.metrics.goodput import process_start_time
+
+        self.born, self.marks, self.compile_s, self.hits = process_start_time(), {}, 0.0, 0
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+
+    def _duration(self, event: str, duration: float, **_) -> None:
+        if event.endswith("backend_compile_duration"):
+            self.compile_s += duration
+
+    def _event(self, event: str, **_) -> None:
+        if event.endswith("cache_hits"):
+            self.hits += 1
+
+    def mark(self, what: str) -> None:
+        self.marks[what] = round(time.time() - self.born, 3)
+
+    def write(self, run_dir: str, process: int, resumed: int) -> None:
+        os.makedirs(os.path.join(run_dir, "phases"), exist_ok=True)
+        with open(os.path.join(run_dir, "phases", f"{os.getpid()}.json"), "w") as f:
+            json.dump({"process": process, "resumed": resumed, "born": self.born, "marks": self.marks,
+                       "compile_s": round(self.compile_s, 3), "cache_hits": self.hits}, f)
+
+
 def worker(args) -> None:
+    phases = Phases()
     import jaxpar.distributed as dist
 
+    phases.mark("imported")
     dist.initialize()
+    phases.mark("joined")
     import jax
     import optax
     from flax import nnx
@@ -61,6 +101,7 @@ def worker(args) -> None:
     config = jaxpar.ParallelConfig(mesh={"data": 8}, rules={"batch": "data"}, optimizer={"level": 1, "threshold_kb": 0})
     mesh = jaxpar.make_mesh(config)
     model = jaxpar.init(lambda: GPT(cfg, rngs=nnx.Rngs(0)), config, mesh)
+    phases.mark("model")
     local = {"local_dir": os.path.join(args.run_dir, "local"), "local_every": args.local_every} if args.local else {}
     services = jaxpar.Services(
         checkpoint=jaxpar.CheckpointConfig(dir=os.path.join(args.run_dir, "ckpt"), save_every=args.save_every,
@@ -69,10 +110,16 @@ def worker(args) -> None:
     trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh, services=services,
                              placement=jaxpar.Placement(global_batch=False))
     print(f"RESUMED {trainer.step_count} {time.time():.3f}", flush=True)
+    phases.mark("trainer")
+    resumed = trainer.step_count
     data, rows = ArithmeticData(16), dist.process_rows(GLOBAL)
     while True:
         batch = data.batch(GLOBAL, trainer.step_count)
         trainer.step({k: v[rows] for k, v in batch.items()})
+        if trainer.step_count == resumed + 1:
+            float(trainer.state.step)          # the first step is done on this process
+            phases.mark("first step")
+            phases.write(args.run_dir, me, resumed)
         if me == 0:
             print(f"STEP {trainer.step_count} {time.time():.3f}", flush=True)
         if trainer.step_count % args.save_every == 0:      # the processes agree to stop here
@@ -178,6 +225,44 @@ def final_params(run_dir: str, step: int) -> dict:
     return {path: np.asarray(x) for path, x in st.unnest(tree["state"]).items() if path.startswith("params/")}
 
 
+def restart_breakdown(args) -> None:
+    """One job started twice (the second resumes the first's step from the local tier), each
+    life stopping at step ``--save-every`` past its start: for every process of each life, the
+    seconds from its start to each mark, and what it compiled (backend seconds, persistent-cache
+    hits), from the workers' ``phases/*.json``."""
+    run_dir = os.path.join(args.dir, "restart_breakdown")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
+           "JAX_COMPILATION_CACHE_DIR": os.path.join(run_dir, "jax-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    for life in range(2):
+        command = [sys.executable, "-m", "jaxpar.cli", "launch", "--worker-num", "4", "--local-worker-num", "4",
+                   "--simulated-devices", "2", "--cluster-time-out", "120",
+                   "--log-dir", os.path.join(run_dir, f"logs{life}"), os.path.abspath(__file__), "--worker",
+                   "--run-dir", run_dir, "--deadline", "0", "--save-every", str(args.save_every),
+                   "--local-every", str(args.local_every), "--local"]
+        subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
+    lives: dict[int, list[dict]] = {}
+    for name in os.listdir(os.path.join(run_dir, "phases")):
+        with open(os.path.join(run_dir, "phases", name)) as f:
+            record = json.load(f)
+        lives.setdefault(record["resumed"], []).append(record)
+    marks = ("imported", "joined", "model", "trainer", "first step")
+    print(f"seconds from each process's start (4 processes x 2 CPU devices; local_every={args.local_every})")
+    print(f"{'life':>12} {'process':>7} " + " ".join(f"{m:>10}" for m in marks) + f" {'compile s':>10} {'cache hits':>10}")
+    for resumed in sorted(lives):
+        for r in sorted(lives[resumed], key=lambda r: r["process"]):
+            print(f"{'resumed ' + str(resumed) if resumed else 'first':>12} {r['process']:7d} "
+                  + " ".join(f"{r['marks'][m]:10.2f}" for m in marks) + f" {r['compile_s']:10.2f} {r['cache_hits']:10d}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"command": " ".join(["python benchmarks/failures.py"] + sys.argv[1:]), "save_every": args.save_every,
+                   "local_every": args.local_every, "marks": marks,
+                   "lives": {str(k): sorted(v, key=lambda r: r["process"]) for k, v in sorted(lives.items())}},
+                  f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=15.0)
@@ -187,7 +272,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--dir", default=os.path.join("/tmp", "jaxpar-failures"))
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "failures_cpu.json"))
+    p.add_argument("--out", help="the JSON file (default: benchmarks/results/failures_cpu.json, or "
+                   "restart_breakdown_cpu.json with --restart-breakdown); a plot beside it")
+    p.add_argument("--restart-breakdown", action="store_true", help="instead: start one job twice (the second "
+                   "resumes) and print where each process's start went: imports, joining, the model, the Trainer "
+                   "with its resume, the first step, and its compiles")
     p.add_argument("--reanalyze", metavar="JSON", help="read the runs of an earlier result file again (their "
                    "run directories must still exist) instead of running")
     # the worker's flags (the launcher runs this file once per rank)
@@ -198,6 +287,11 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         return worker(args)
+    results_dir = os.path.join(ROOT, "benchmarks", "results")
+    if args.restart_breakdown:
+        args.out = args.out or os.path.join(results_dir, "restart_breakdown_cpu.json")
+        return restart_breakdown(args)
+    args.out = args.out or os.path.join(results_dir, "failures_cpu.json")
     earlier = None
     if args.reanalyze:
         with open(args.reanalyze) as f:
