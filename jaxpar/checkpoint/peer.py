@@ -124,14 +124,22 @@ def _send_files(sock: socket.socket, directory: str, files: list[dict]) -> None:
                 sent += len(chunk)
 
 
+def _check_space(parent: str, total: int, reserved: int = 0) -> None:
+    """Refuse ``total`` bytes that do not fit the space free under ``parent`` less ``reserved``
+    (what other transfers in flight will still write): before a byte is written, so a peer never
+    fills this host's storage."""
+    free = shutil.disk_usage(parent).free - reserved
+    if total > free:
+        raise OSError(errno.ENOSPC, f"a step of {total} bytes does not fit the {max(free, 0)} bytes free under "
+                                    f"{parent}" + (f" ({reserved} bytes held for transfers in flight)" if reserved else ""))
+
+
 def _recv_files(sock: socket.socket, files: list[tuple[str, int]], final: str) -> None:
     """The announced files into a temporary directory beside ``final``, synced, then renamed to
     ``final`` (replacing an older copy): a half-received step is never under its final name."""
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
-    total, free = sum(size for _, size in files), shutil.disk_usage(parent).free
-    if total > free:        # refused before a byte is written: a peer never fills this host's storage
-        raise OSError(errno.ENOSPC, f"a step of {total} bytes does not fit the {free} bytes free under {parent}")
+    _check_space(parent, sum(size for _, size in files))
     tmp = os.path.join(parent, f"tmp-{os.path.basename(final)}-{secrets.token_hex(4)}")
     os.makedirs(tmp)
     try:
@@ -189,6 +197,7 @@ class PeerServer:
         self.rejected = 0          # connections ended for a bad frame, key or request
         self._closed = False
         self._slots = threading.BoundedSemaphore(CONNECTIONS)
+        self._space, self._reserved = threading.Lock(), 0     # bytes promised to puts in flight
         self._thread = threading.Thread(target=self._accept, name="jaxpar-peer-server", daemon=True)
         self._thread.start()
 
@@ -235,7 +244,16 @@ class PeerServer:
                 if op == "put":
                     source, step = _int(header, "source"), _int(header, "step")
                     files = _check_files(header.get("files"))
-                    _recv_files(conn, files, self.held_dir(source, step))
+                    held, total = self.held_dir(source, step), sum(size for _, size in files)
+                    with self._space:        # puts in flight together never promise more than is free
+                        os.makedirs(os.path.dirname(held), exist_ok=True)
+                        _check_space(os.path.dirname(held), total, self._reserved)
+                        self._reserved += total
+                    try:
+                        _recv_files(conn, files, held)
+                    finally:
+                        with self._space:
+                            self._reserved -= total
                     _send_header(conn, {"ok": True})
                 elif op == "get":
                     source, step = _int(header, "source"), _int(header, "step")
@@ -295,6 +313,14 @@ def put_step(address: tuple[str, int], key: bytes, source: int, step: int, direc
             _send_header(sock, {"op": "put", "source": source, "step": step, "files": files})
             _send_files(sock, directory, files)
         except OSError as e:
+            # the peer may have refused the step and closed while it was still arriving: its reply says why
+            sock.settimeout(2.0)
+            try:
+                reply = _recv_header(sock)
+            except Exception:        # noqa: BLE001  (no reply: the connection itself broke)
+                reply = {}
+            if "error" in reply:
+                raise PeerError(f"the peer at {address[0]}:{address[1]} refused: {reply['error']}") from e
             raise PeerError(f"sending step {step} to the peer at {address[0]}:{address[1]} broke off ({e})") from e
         _reply(sock, address)
 

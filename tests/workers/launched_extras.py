@@ -8,13 +8,15 @@ the test holds it against one process.
 - `server_rows`: `jaxpar.ps.ServerRows` with one parameter-server worker per process;
 - `host_rows`: `jaxpar.ps.HostRows` refused by name (one table per process would diverge);
 - `preempt`: a SIGTERM to the last process only, after its first step: every process stops at one
-  agreed step and saves it (the test restores it on one process and trains on).
+  agreed step (step 3: the last process waits 3 s after the signal, the others wait for it in their
+  second step) and saves it (the test restores it on one process and trains on).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 import traceback
 
 PREEMPT_AFTER = 1     # the last process sends itself SIGTERM after this step (the agreed one comes later)
@@ -98,6 +100,9 @@ def preempt(directory: str) -> dict:
             losses.append(float(trainer.step({k: v[rows] for k, v in b.items()})["loss"]))
             if jax.process_index() == last and trainer.step_count == PREEMPT_AFTER:
                 os.kill(os.getpid(), signal.SIGTERM)       # as a node's agent would, to this process alone
+                # JAX's notifier looks for the signal once a second; meanwhile the others wait for this
+                # process in their next step's collectives, so the step they agree on is the next but one
+                time.sleep(3)
     except Preempted as e:      # raised after the agreed step ran: its loss comes with it
         stopped = e.step
         losses.append(float(e.metrics["loss"]))

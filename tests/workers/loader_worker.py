@@ -22,7 +22,7 @@ def digest(batch) -> str:
     return h.hexdigest()
 
 
-TRAIN_BATCH = 8      # global rows of a training batch: 4 a process on 2 processes
+TRAIN_BATCH = 8      # global rows of a training batch: 4 a process on 2 processes, 2 on 4
 
 
 def train(store, steps, process=None):
