@@ -136,10 +136,10 @@ def _check_space(parent: str, total: int, reserved: int = 0) -> None:
 
 def _recv_files(sock: socket.socket, files: list[tuple[str, int]], final: str) -> None:
     """The announced files into a temporary directory beside ``final``, synced, then renamed to
-    ``final`` (replacing an older copy): a half-received step is never under its final name."""
+    ``final`` (replacing an older copy): a half-received step is never under its final name. The
+    caller has checked that they fit (`_check_space`)."""
     parent = os.path.dirname(final)
     os.makedirs(parent, exist_ok=True)
-    _check_space(parent, sum(size for _, size in files))
     tmp = os.path.join(parent, f"tmp-{os.path.basename(final)}-{secrets.token_hex(4)}")
     os.makedirs(tmp)
     try:
@@ -334,6 +334,9 @@ def get_step(address: tuple[str, int], key: bytes, source: int, step: int, final
         if "missing" in reply:
             raise PeerError(f"the peer at {address[0]}:{address[1]}: {reply['missing']}")
         try:
-            _recv_files(sock, _check_files(reply.get("files")), final)
+            files = _check_files(reply.get("files"))
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            _check_space(os.path.dirname(final), sum(size for _, size in files))
+            _recv_files(sock, files, final)
         except (OSError, ValueError) as e:
             raise PeerError(f"fetching step {step} from the peer at {address[0]}:{address[1]} broke off ({e})") from e

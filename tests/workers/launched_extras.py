@@ -39,25 +39,18 @@ def loader(store: str) -> dict:
 
 def server_rows(addresses: str) -> dict:
     import jax
-    import optax
-    from flax import nnx
 
     import jaxpar
     from jaxpar import ps
     from jaxpar.distributed import process_rows
-    from workers.ps_model import FIELDS, ITEMS, TOKEN, USERS, Tower, loss_fn, make_batches
+    from workers.ps_model import ITEMS, TOKEN, USERS, make_batches, mesh_trainer
 
-    config = jaxpar.ParallelConfig(mesh={"data": 8})
-    mesh = jaxpar.make_mesh(config)
     client = ps.connect([USERS, ITEMS], addresses=addresses.split(","), token=TOKEN, timeout=60)
     try:
         if (client.worker, client.workers) != (jax.process_index(), jax.process_count()):
             raise AssertionError(f"worker {client.worker} of {client.workers}, process "
                                  f"{jax.process_index()} of {jax.process_count()}")
-        source = ps.ServerRows(client, FIELDS, mesh=mesh)
-        trainer = jaxpar.Trainer(jaxpar.init(lambda: Tower(nnx.Rngs(0)), config, mesh), optax.sgd(0.05),
-                                 lambda model, batch, rows: loss_fn(model, source.embedded(batch, rows), batch),
-                                 config, mesh, rows=source)
+        source, trainer = mesh_trainer(client, jaxpar.ParallelConfig(mesh={"data": 8}))
         rows = process_rows(32)           # this process's rows of each batch of 32
         local = [{k: v[rows] for k, v in b.items()} for b in make_batches(STEPS_PS)]
         losses = [h["loss"] for h in trainer.fit(source.prefetching(local, STEPS_PS), STEPS_PS, progress=False)]

@@ -88,3 +88,14 @@ def trainer_for(client, config=None, **options):
     return source, jaxpar.Trainer(Tower(nnx.Rngs(options.pop("seed", 0))), optax.sgd(0.05),
                                   lambda model, batch, rows: loss_fn(model, source.embedded(batch, rows), batch),
                                   config, mesh, rows=source, **options)
+
+
+def mesh_trainer(client, config):
+    """``(source, trainer)``: the tower's jaxpar.Trainer on ``config``'s mesh of every device of the
+    job, its rows pulled by ServerRows as global arrays on that mesh (what a job of several
+    processes needs: each process pulls and pushes the rows of its own part of the batch)."""
+    mesh = jaxpar.make_mesh(config)
+    source = ps.ServerRows(client, FIELDS, mesh=mesh)
+    return source, jaxpar.Trainer(jaxpar.init(lambda: Tower(nnx.Rngs(0)), config, mesh), optax.sgd(0.05),
+                                  lambda model, batch, rows: loss_fn(model, source.embedded(batch, rows), batch),
+                                  config, mesh, rows=source)

@@ -24,21 +24,13 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(args.coordinator, num_processes=2, process_id=args.process,
                            initialization_timeout=60)
 
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-
 import jaxpar  # noqa: E402
 from jaxpar import ps  # noqa: E402
-from workers.ps_model import FIELDS, ITEMS, TOKEN, USERS, Tower, loss_fn, make_batches  # noqa: E402
+from workers.ps_model import ITEMS, TOKEN, USERS, make_batches, mesh_trainer  # noqa: E402
 
-config = jaxpar.ParallelConfig(mesh={"data": 4})
-mesh = jaxpar.make_mesh(config)
 client = ps.connect([USERS, ITEMS], addresses=args.addresses.split(","), token=TOKEN, timeout=60)
 assert (client.worker, client.workers) == (args.process, 2)
-source = ps.ServerRows(client, FIELDS, mesh=mesh)
-trainer = jaxpar.Trainer(jaxpar.init(lambda: Tower(nnx.Rngs(0)), config, mesh), optax.sgd(0.05),
-                         lambda model, batch, rows: loss_fn(model, source.embedded(batch, rows), batch), config, mesh,
-                         rows=source)
+source, trainer = mesh_trainer(client, jaxpar.ParallelConfig(mesh={"data": 4}))
 half = slice(16 * args.process, 16 * args.process + 16)  # this process's rows of each batch of 32
 local = [{k: v[half] for k, v in b.items()} for b in make_batches(20)]
 losses = [h["loss"] for h in trainer.fit(source.prefetching(local, 20), 20, progress=False)]
