@@ -153,8 +153,8 @@ def test_example_survives_a_killed_server_and_a_killed_worker(tmp_path, tag):
 def test_worker_restarts_validated():
     with pytest.raises(ValueError, match=r"worker_restarts=-1 .*--worker-restarts"):
         LaunchConfig(worker_num=2, local_worker_num=2, worker_restarts=-1)
-    with pytest.raises(ValueError, match="several nodes"):
-        LaunchConfig(worker_num=4, local_worker_num=2, worker_restarts=1)
+    with pytest.raises(ValueError, match="min_workers=2 with worker_restarts=0"):
+        LaunchConfig(worker_num=4, local_worker_num=2, min_workers=2)
     with pytest.raises(ValueError, match="server_checkpoint_every=0"):
         LaunchConfig(servers=2, server_checkpoint_every=0)
 

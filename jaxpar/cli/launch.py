@@ -70,8 +70,17 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
                "code 0, before the launcher stops the job (default %(default)s)")
     _flag(p, "--worker-restarts", type=int, default=d.worker_restarts, metavar="K",
           help="when a worker fails, stop the others and start the worker group again, at most "
-               "K times (one node; servers keep running; the script resumes from its own "
-               "checkpoint) (default %(default)s)")
+               "K times (servers keep running; the script resumes from its own checkpoint; on "
+               "several nodes the launchers agree through node 0's rendezvous) (default %(default)s)")
+    _flag(p, "--min-workers", type=int, default=None, metavar="N",
+          help="several nodes: after a failure, go on without the nodes that do not come back "
+               "within --rejoin-time-out while N workers remain (default: --worker-num, never fewer)")
+    _flag(p, "--rendezvous-port", type=int, default=None, metavar="P",
+          help="several nodes with --worker-restarts: port of node 0's rendezvous on --master-addr "
+               "(default: --master-port + 1)")
+    _flag(p, "--rejoin-time-out", type=float, default=d.rejoin_time_out,
+          help="several nodes: seconds to wait for every node to join again after a failure "
+               "(default %(default)s)")
     _add_server_arguments(p, d)
     p.add_argument("script", help="Python script (or executable) each worker runs")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -122,7 +131,8 @@ def launch_config(args: argparse.Namespace) -> launcher.LaunchConfig:
         server_restarts=args.server_restarts, server_port=args.server_port,
         server_time_out=args.server_time_out, server_checkpoint_dir=args.server_checkpoint_dir,
         server_module=args.server_module, server_checkpoint_every=args.server_checkpoint_every,
-        worker_restarts=args.worker_restarts,
+        worker_restarts=args.worker_restarts, min_workers=args.min_workers,
+        rendezvous_port=args.rendezvous_port, rejoin_time_out=args.rejoin_time_out,
     )
 
 

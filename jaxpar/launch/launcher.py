@@ -15,7 +15,10 @@ Supervision, in one loop:
   same, exit 1 (a rank that leaves early leaves its peers waiting in a collective);
 * with ``--worker-restarts K``, a worker that fails (not a join time-out) instead has the others
   killed and the whole group started again, up to K times, the servers left running: the
-  script resumes from its own checkpoint (``JAXPAR_WORKER_RESTART`` counts the restarts);
+  script resumes from its own checkpoint (``JAXPAR_WORKER_RESTART`` counts the restarts); on
+  several nodes every node's launcher stops and starts its workers as node 0's rendezvous
+  says, and with ``--min-workers`` the group goes on without a node that does not come back
+  (``jaxpar.launch.rendezvous``);
 * a worker gives up waiting for the cluster (status 124 from ``initialize``) → the same, with
   the ranks that never joined;
 * SIGINT / SIGTERM / SIGHUP to the launcher → SIGTERM to the workers (a loop that watches
@@ -41,7 +44,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from jaxpar.launch import cluster, deaths, servers, sources
+from jaxpar.launch import cluster, deaths, rendezvous, servers, sources
 from jaxpar.launch.ports import BIND_ADDRESS, check_bind_address, check_can_listen, port_problem
 from jaxpar.launch.worker import Worker, signal_name, stop_all
 
@@ -114,7 +117,18 @@ class LaunchConfig:
     log covers the steps between); ``None``: the server's default."""
     worker_restarts: int = 0
     """When a worker fails, stop the others and start the whole worker group again, at most
-    this many times (servers keep running); the script resumes from its own checkpoint."""
+    this many times (servers keep running); the script resumes from its own checkpoint. On
+    several nodes the launchers agree through node 0's rendezvous (``jaxpar.launch.rendezvous``)."""
+    min_workers: int | None = None
+    """Several nodes: after a failure, a node that does not come back within ``rejoin_time_out``
+    is left out and the group goes on with the others while they hold at least this many
+    workers (whole nodes: a multiple of ``local_worker_num``); ``None``: ``worker_num`` (never
+    fewer)."""
+    rendezvous_port: int | None = None
+    """Several nodes with ``worker_restarts``: the port of node 0's rendezvous on ``master_addr``;
+    ``None``: ``master_port + 1``."""
+    rejoin_time_out: float = 60.0
+    """Several nodes: seconds node 0 waits for every node to join again after a failure."""
 
     def __post_init__(self):
         _positive("worker_num", self.worker_num, "--worker-num")
@@ -122,6 +136,7 @@ class LaunchConfig:
         _positive("cluster_time_out", self.cluster_time_out, "--cluster-time-out", number=float)
         _positive("kill_time_out", self.kill_time_out, "--kill-time-out", number=float)
         _positive("exit_time_out", self.exit_time_out, "--exit-time-out", number=float)
+        _positive("rejoin_time_out", self.rejoin_time_out, "--rejoin-time-out", number=float)
         if self.bind_address is not None:
             check_bind_address(self.bind_address, self.master_port, "--bind-address")
         for name in ("simulated_devices", "devices_per_worker"):
@@ -151,6 +166,15 @@ class LaunchConfig:
         """The global ranks of this node's workers."""
         first = self.node_rank * self.local_worker_num
         return range(first, first + self.local_worker_num)
+
+    @property
+    def elastic(self) -> bool:
+        """Whether node 0's rendezvous decides the worker groups (several nodes, restarts)."""
+        return self.worker_restarts > 0 and self.worker_num > self.local_worker_num
+
+    @property
+    def rendezvous_address(self) -> tuple[str, int]:
+        return self.master_addr, self.rendezvous_port or self.master_port + 1
 
     @property
     def coordinator_address(self) -> str:
@@ -194,12 +218,29 @@ def _check_worker_restarts(config: "LaunchConfig") -> None:
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"worker_restarts={k!r} must be a whole number >= 0 (--worker-restarts); "
                          "0 ends the job at the first worker failure.")
-    if k and config.worker_num > config.local_worker_num:
-        raise ValueError(
-            f"worker_restarts={k} on a job of several nodes (worker_num={config.worker_num}, "
-            f"local_worker_num={config.local_worker_num}): a node's launcher restarts only its own "
-            "workers, and the other nodes' would keep waiting for the dead ones. Use "
-            "--worker-restarts on a one-node job, or restart the job from its checkpoint.")
+    port = config.rendezvous_port
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
+                             or port == config.master_port):
+        raise ValueError(f"rendezvous_port={port!r} must be in 1..65535 and not --master-port "
+                         f"{config.master_port} (--rendezvous-port).")
+    m = config.min_workers
+    if m is None:
+        return
+    local, total = config.local_worker_num, config.worker_num
+    if isinstance(m, bool) or not isinstance(m, int) or not 0 < m <= total:
+        raise ValueError(f"min_workers={m!r} must be a whole number in 1..{total} (--min-workers; "
+                         f"--worker-num is {total}).")
+    if m < total and total == local:
+        raise ValueError(f"min_workers={m} on a one-node job (worker_num={total} = local_worker_num): the group "
+                         "shrinks by the nodes that do not come back, and this job has one; drop --min-workers, "
+                         "or start one jaxpar launch per node (--node-rank).")
+    if m < total and not k:
+        raise ValueError(f"min_workers={m} with worker_restarts=0: the job ends at the first failure and never "
+                         "goes on with fewer workers; add --worker-restarts K.")
+    if m % local:
+        raise ValueError(f"min_workers={m} is not a multiple of local_worker_num={local}: a group loses whole "
+                         f"nodes; use --min-workers {max(local, m // local * local)} or "
+                         f"{-(-m // local) * local}.")
 
 
 def worker_command(script: str, args: Sequence[str]) -> list[str]:
@@ -350,6 +391,8 @@ def _run(config, command, run_dir, log, signals, echo, lock) -> int:
         if not _servers_up(config, pool, server_env, signals):
             log(f"received {signal_name(signals.received)} before the servers were ready")
             return 128 + signals.received
+        if config.elastic:
+            return _run_elastic(config, command, run_dir, log, signals, echo, lock, pool, server_env, workers)
         restart = 0
         while True:
             _start(config, command, run_dir, log, workers, {**server_env, WORKER_RESTART: str(restart)})
@@ -369,6 +412,86 @@ def _run(config, command, run_dir, log, signals, echo, lock) -> int:
             w.close()
         if pool is not None:  # after the workers: their last pushes reach the final checkpoint
             pool.stop(config.kill_time_out, hurry=lambda: signals.count > 1)
+
+
+def _run_elastic(config, command, run_dir, log, signals, echo, lock, pool, server_env, workers) -> int:
+    """`_run` on several nodes with restarts: each worker group as node 0's rendezvous decides
+    (``jaxpar.launch.rendezvous``); node 0's launcher also serves it."""
+    terms = rendezvous.Terms(config.worker_num, config.local_worker_num, config.worker_restarts,
+                             config.min_workers or config.worker_num)
+    host, port = config.rendezvous_address
+    server = None
+    try:
+        if config.node_rank == 0:
+            bind = host
+            if config.bind_address is not None:
+                bind = check_bind_address(config.bind_address, port).rpartition(":")[0].strip("[]")
+            try:
+                server = rendezvous.Server(bind, port, terms, first_time_out=config.cluster_time_out,
+                                           rejoin_time_out=config.rejoin_time_out, log=log)
+            except OSError as err:
+                log(f"error: node 0's rendezvous cannot listen on {bind}:{port} ({err.strerror or err}); pick a "
+                    "free port with --rendezvous-port (the same on every node)")
+                return 1
+        client = rendezvous.Client(host, port, config.node_rank, terms, time_out=config.cluster_time_out)
+        try:
+            return _elastic_groups(config, command, run_dir, log, signals, echo, lock, pool, server_env,
+                                   workers, client, server)
+        finally:
+            client.close()
+    except rendezvous.RendezvousError as err:
+        stop_all(workers, 0.0)
+        log(f"error: {err}")
+        return 1
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _elastic_groups(config, command, run_dir, log, signals, echo, lock, pool, server_env, workers,
+                    client, server) -> int:
+    interrupted = lambda: signals.received is not None  # noqa: E731
+
+    def interrupt() -> int:
+        code = 128 + signals.received
+        if server is not None:     # node 0's coordinator goes with it: the job ends on every node
+            server.end(code, f"node 0's launcher received {signal_name(signals.received)}")
+        return code
+
+    while True:
+        got = client.wait(interrupted)
+        if got is None:
+            return interrupt()
+        if isinstance(got, rendezvous.End):
+            log(f"the job ended with status {got.code}: {got.reason}")
+            return got.code
+        group = dataclasses.replace(config, node_rank=got.index, worker_num=got.worker_num,
+                                    worker_restarts=0, min_workers=None)
+        if got.generation:
+            log(f"worker group {got.generation}: node index {got.index} of nodes {list(got.nodes)}, "
+                f"ranks {group.ranks.start}..{group.ranks.stop - 1} of {got.worker_num}")
+        _start(group, command, run_dir, log, workers, {**server_env, WORKER_RESTART: str(got.generation)})
+        for w in workers:
+            w.start_copying(echo, lock)
+        code, restartable = _watch(group, workers, run_dir, log, signals, pool, stopped=client.stopped)
+        if code is None:                                    # node 0 stopped the group (or ended the job)
+            _clear_group(workers, run_dir)
+            client.rejoin()
+            continue
+        _clear_group(workers, run_dir)
+        if interrupted():
+            return interrupt()
+        if code == 0:
+            client.done()
+            while (reason := client.stopped()) is None:      # every node done (end) or another failed (stop)
+                if interrupted():
+                    return interrupt()
+                time.sleep(0.05)
+        else:
+            client.failed(code, f"its worker group failed with status {code} (its launcher's log: "
+                                f"{os.path.join(config.log_dir, f'launcher_{config.node_rank}.log')})",
+                          final=not restartable)
+        client.rejoin()
 
 
 def _clear_group(workers: list[Worker], run_dir: str) -> None:
@@ -401,12 +524,19 @@ def _marked(run_dir: str, stage: str) -> set[int]:
     return {int(n.split(".", 1)[1]) for n in names if n.startswith(stage + ".")}
 
 
-def _watch(config, workers, run_dir, log, signals, pool) -> tuple[int, bool]:
+def _watch(config, workers, run_dir, log, signals, pool, stopped=None) -> tuple[int | None, bool]:
     """Supervises one worker group until it ends: (exit status, whether a worker failed in a
-    way a restarted group may get past)."""
+    way a restarted group may get past). ``stopped()``: why the rendezvous stopped the group,
+    or ``None``; when it says, the workers are killed and the status is ``None``."""
     while True:
         if signals.received is not None:
             return _interrupted(config, workers, signals, log), False
+        if stopped is not None and (reason := stopped()) is not None:
+            running = [w for w in workers if w.poll() is None]
+            took = stop_all(workers, 0.0)
+            log(f"node 0 stopped the worker group ({reason}): killed {len(running)} running worker(s) "
+                f"in {took:.2f} s")
+            return None, False
         if pool is not None:
             try:
                 pool.check()

@@ -1,0 +1,257 @@
+"""Several nodes' launchers restarting one job together, and going on without a node that is
+gone for good (`jaxpar.launch.rendezvous`; `jaxpar launch --worker-restarts K --min-workers N`)."""
+
+import json
+import os
+import re
+import signal
+import socket
+import time
+
+import pytest
+
+from jaxpar.launch import LaunchConfig, rendezvous
+from jaxpar.launch.ports import free_port
+from workers.procs import WORKERS, Launch
+
+TERMS = rendezvous.Terms(worker_num=6, local_worker_num=2, worker_restarts=2, min_workers=4)
+
+
+class Nodes:
+    """A rendezvous server and one client per node, in this process."""
+
+    def __init__(self, terms=TERMS, rejoin=1.0, first=5.0):
+        self.logs: list[str] = []
+        self.port = free_port()
+        self.server = rendezvous.Server("127.0.0.1", self.port, terms, first_time_out=first,
+                                        rejoin_time_out=rejoin, log=self.logs.append)
+        self.terms = terms
+
+    def client(self, node, terms=None):
+        return rendezvous.Client("127.0.0.1", self.port, node, terms or self.terms, time_out=5)
+
+    def close(self):
+        self.server.close()
+
+
+def _stopped(client, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while (reason := client.stopped()) is None:
+        assert time.monotonic() < deadline, "no stop came"
+        time.sleep(0.02)
+    return reason
+
+
+def test_a_failure_restarts_every_node_and_a_lost_node_is_left_out_while_enough_remain():
+    nodes = Nodes()
+    try:
+        c = [nodes.client(i) for i in range(3)]
+        first = [x.wait() for x in c]
+        assert [(s.generation, s.index, s.worker_num) for s in first] == [(0, 0, 6), (0, 1, 6), (0, 2, 6)]
+        # a worker of node 2 fails: every node is stopped and the whole group starts again
+        c[2].failed(137, "rank 5 was killed")
+        c[2].rejoin()
+        for x in c[:2]:
+            assert "node 2: rank 5 was killed" in _stopped(x)
+            x.rejoin()
+        again = [x.wait() for x in c]
+        assert [(s.generation, s.index, s.worker_num) for s in again] == [(1, 0, 6), (1, 1, 6), (1, 2, 6)]
+        # node 1's launcher is gone (its connection ends): the others go on without it after the
+        # rejoin time-out, renumbered: node 2 is now index 1 (ranks 2..3) of 4 workers
+        c[1].close()
+        for x in (c[0], c[2]):
+            assert "node 1's launcher is gone" in _stopped(x)
+            x.rejoin()
+        t = time.monotonic()
+        shrunk = [c[0].wait(), c[2].wait()]
+        assert time.monotonic() - t > 0.5                         # it waited for node 1 first
+        assert [(s.generation, s.index, s.nodes, s.worker_num) for s in shrunk] == \
+            [(2, 0, (0, 2), 4), (2, 1, (0, 2), 4)]
+        assert any("did not come back within 1 s (--rejoin-time-out): going on with 4 of 6 workers" in line
+                   for line in nodes.logs)
+        c[0].done()
+        c[2].done()
+        for x in (c[0], c[2]):
+            assert _stopped(x) == "all 2 node(s) finished"
+            assert x.wait() == rendezvous.End(0, "all 2 node(s) finished")
+    finally:
+        nodes.close()
+
+
+def test_no_restarts_left_or_too_few_workers_end_the_job_on_every_node():
+    nodes = Nodes(rendezvous.Terms(6, 2, 1, 4))
+    try:
+        c = [nodes.client(i) for i in range(3)]
+        [x.wait() for x in c]
+        c[1].close()
+        c[2].close()                                   # 2 of 6 workers would remain, fewer than 4
+        assert "gone" in _stopped(c[0])
+        c[0].rejoin()
+        end = c[0].wait()
+        assert end.code == 1 and "only 2 worker(s) came back within 1 s" in end.reason
+        assert "fewer than --min-workers 4" in end.reason
+    finally:
+        nodes.close()
+    nodes = Nodes(rendezvous.Terms(4, 2, 1, 4))
+    try:
+        c = [nodes.client(i) for i in range(2)]
+        [x.wait() for x in c]
+        c[0].failed(3, "one")
+        c[0].rejoin()
+        assert "one" in _stopped(c[1])
+        c[1].rejoin()
+        [x.wait() for x in c]
+        c[1].failed(7, "two")
+        assert "two" in _stopped(c[0])
+        end = c[0].wait()
+        assert end.code == 7 and "no restarts left (1, --worker-restarts)" in end.reason
+    finally:
+        nodes.close()
+    # a failure a restart cannot get past (a worker that never joined) ends the job at once
+    nodes = Nodes(rendezvous.Terms(4, 2, 3, 4))
+    try:
+        c = [nodes.client(i) for i in range(2)]
+        [x.wait() for x in c]
+        c[1].failed(124, "rank 3 never joined", final=True)
+        assert "rank 3 never joined" in _stopped(c[0])
+        assert c[0].wait() == rendezvous.End(124, "node 1: rank 3 never joined")
+    finally:
+        nodes.close()
+
+
+def test_a_node_that_never_joins_ends_the_first_group_with_124():
+    nodes = Nodes(rendezvous.Terms(4, 2, 1, 2), first=0.5)
+    try:
+        end = nodes.client(0).wait()
+        assert end.code == 124 and "node(s) [1] never joined within 0.5 s (--cluster-time-out)" in end.reason
+    finally:
+        nodes.close()
+
+
+def test_the_rendezvous_refuses_other_terms_and_survives_any_frame():
+    nodes = Nodes(rendezvous.Terms(4, 2, 1, 2))
+    try:
+        with pytest.raises(rendezvous.RendezvousError, match="node 1 was started with .*'min_workers': 4.*give "
+                                                             "every node's launcher the same"):
+            nodes.client(1, rendezvous.Terms(4, 2, 1, 4)).wait()
+        with pytest.raises(rendezvous.RendezvousError, match=r"node rank 5 is not in 0\.\.1"):
+            nodes.client(5).wait()
+        for frame in (b"\xff\xfe\n", b"[1, 2]\n", b'{"op": "fly"}\n', b'{"op": "done"}\n', b"x" * 70000,
+                      b'{"op": "join", "node": "0", "terms": 1}\n'):
+            with socket.create_connection(("127.0.0.1", nodes.port)) as raw:
+                raw.sendall(frame)
+                raw.settimeout(5)
+                try:
+                    raw.recv(4096)                           # a refusal, or the end of the connection
+                except OSError:
+                    pass
+        c = [nodes.client(i) for i in range(2)]
+        assert [x.wait().worker_num for x in c] == [4, 4]
+        assert any("bad frame" in line for line in nodes.logs)
+    finally:
+        nodes.close()
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(worker_num=4, local_worker_num=4, worker_restarts=1, min_workers=2),
+     "min_workers=2 on a one-node job"),
+    (dict(worker_num=4, local_worker_num=2, min_workers=2), "min_workers=2 with worker_restarts=0"),
+    (dict(worker_num=6, local_worker_num=2, worker_restarts=1, min_workers=3),
+     "min_workers=3 is not a multiple of local_worker_num=2: a group loses whole nodes; use --min-workers 2 or 4"),
+    (dict(worker_num=4, local_worker_num=2, worker_restarts=1, min_workers=5), r"must be a whole number in 1\.\.4"),
+    (dict(worker_num=4, local_worker_num=2, worker_restarts=1, rendezvous_port=8118),
+     "not --master-port 8118"),
+    (dict(worker_num=4, local_worker_num=2, rejoin_time_out=0), r"rejoin_time_out=0 must be a positive"),
+])
+def test_bad_elastic_settings_are_refused_by_name(kw, words):
+    with pytest.raises(ValueError, match=words):
+        LaunchConfig(**kw)
+    # several nodes with restarts are no longer refused
+    assert LaunchConfig(worker_num=4, local_worker_num=2, worker_restarts=1, min_workers=2).elastic
+
+
+JOB = """
+model: {{name: llama, size: tiny}}
+data: {{path: {store}, seq_len: 16, batch: 16, seed: 3}}
+optimizer: {{lr: 1.0e-2, warmup_steps: 1, schedule: constant}}
+parallel: {{mesh: {{data: -1}}}}
+train: {{steps: {steps}}}
+checkpoint: {{every: 2}}
+logging: {{every: 1}}
+"""
+STEPS = 12
+
+
+def _saved(ckpt) -> int:
+    return max((int(n) for n in os.listdir(ckpt) if n.isdigit()), default=0) if os.path.isdir(ckpt) else 0
+
+
+def _wait_saved(ckpt, step, launches, timeout=240.0):
+    deadline = time.monotonic() + timeout
+    while _saved(ckpt) < step:
+        for launch in launches:
+            assert launch.process.poll() is None, launch.stderr
+        assert time.monotonic() < deadline, f"step {step} was never saved"
+        time.sleep(0.2)
+
+
+def _losses(log_dir) -> dict:
+    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r and "eval_loss" not in r}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_two_nodes_restart_together_then_go_on_without_a_lost_node(tmp_path, tag):
+    """Two simulated nodes (one ``jaxpar launch`` each, 2 processes x 2 CPU devices) train a job
+    whose data axis takes every device (``mesh: {data: -1}``). A worker of node 1 is SIGKILLed:
+    both nodes restart the 4-process group, which resumes from its checkpoint. Then node 1's
+    launcher is SIGKILLed (its host is gone): node 0 waits ``--rejoin-time-out`` s, goes on with
+    its 2 processes (``--min-workers 2``) on 4 devices, resumes the same global batches and ends
+    with every loss of an uninterrupted one-process run."""
+    from jaxpar.cli import main
+    from jaxpar.data import prepare
+    from jaxpar.models.data import arithmetic_text
+
+    (tmp_path / "corpus.txt").write_text(arithmetic_text(2000, seed=1))
+    prepare([str(tmp_path / "corpus.txt")], str(tmp_path / "store"), docs="line", progress=False)
+    job = tmp_path / "job.yaml"
+    job.write_text(JOB.format(store=tmp_path / "store", steps=STEPS))
+    whole = tmp_path / "whole"
+    assert main(["train", "--config", str(job), "--checkpoint.dir", str(whole / "ckpt"), "--logging.dir",
+                 str(whole / "log"), "--quiet"]) == 0
+    expected = _losses(whole / "log")
+
+    ckpt, log = tmp_path / "run" / "ckpt", tmp_path / "run" / "log"
+    ports = ["--master-port", free_port(), "--rendezvous-port", free_port()]
+    launches = []
+    try:
+        for node in (0, 1):
+            folder = tmp_path / f"node{node}"
+            folder.mkdir()
+            launches.append(Launch(folder, tag, ["--worker-num", 4, "--local-worker-num", 2, "--node-rank", node,
+                                                 "--simulated-devices", 2, *ports, "--cluster-time-out", 60,
+                                                 "--worker-restarts", 2, "--min-workers", 2,
+                                                 "--rejoin-time-out", 3],
+                                   ["--config", job, "--checkpoint.dir", ckpt, "--logging.dir", log, "--quiet"],
+                                   script=os.path.join(WORKERS, "job_worker.py"), entry=("-m", "jaxpar.cli", "launch")))
+        node0, node1 = launches
+        _wait_saved(ckpt, 2, launches)
+        pid = int(re.findall(r"started rank 3 \(pid (\d+)\)", (node1.log_dir / "launcher_1.log").read_text())[-1])
+        os.kill(pid, signal.SIGKILL)                              # a worker of node 1 dies
+        restarted = _saved(ckpt)
+        _wait_saved(ckpt, restarted + 2, launches)                # the 4-process group trains again
+        os.kill(node1.process.pid, signal.SIGKILL)                # node 1 is gone, its workers with it
+        assert node0.wait(timeout=300) == 0, node0.stderr
+        text = (node0.log_dir / "launcher_0.log").read_text()
+        assert "restart 1 of 2" in text and "restart 2 of 2" in text, text
+        assert "node(s) [1] did not come back within 3 s (--rejoin-time-out): going on with 2 of 4 workers" in text
+        assert "ranks 0..1 of 2" in text and "all 1 node(s) finished" in text
+    finally:
+        for launch in launches:
+            launch.close()
+    resumed = _losses(log)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-5), step
