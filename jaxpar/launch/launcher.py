@@ -392,7 +392,8 @@ def _run(config, command, run_dir, log, signals, echo, lock) -> int:
             log(f"received {signal_name(signals.received)} before the servers were ready")
             return 128 + signals.received
         if config.elastic:
-            return _run_elastic(config, command, run_dir, log, signals, echo, lock, pool, server_env, workers)
+            return _run_elastic(_NodeRun(config, command, run_dir, log, signals, echo, lock, pool, server_env,
+                                         workers))
         restart = 0
         while True:
             _start(config, command, run_dir, log, workers, {**server_env, WORKER_RESTART: str(restart)})
@@ -414,9 +415,26 @@ def _run(config, command, run_dir, log, signals, echo, lock) -> int:
             pool.stop(config.kill_time_out, hurry=lambda: signals.count > 1)
 
 
-def _run_elastic(config, command, run_dir, log, signals, echo, lock, pool, server_env, workers) -> int:
+@dataclasses.dataclass
+class _NodeRun:
+    """What one node's supervision works with (`_run`'s state, for the elastic loop)."""
+
+    config: LaunchConfig
+    command: list
+    run_dir: str
+    log: _Log
+    signals: _Signals
+    echo: IO[str] | None
+    lock: threading.Lock
+    pool: object
+    server_env: dict
+    workers: list
+
+
+def _run_elastic(node: _NodeRun) -> int:
     """`_run` on several nodes with restarts: each worker group as node 0's rendezvous decides
     (``jaxpar.launch.rendezvous``); node 0's launcher also serves it."""
+    config, log, workers = node.config, node.log, node.workers
     terms = rendezvous.Terms(config.worker_num, config.local_worker_num, config.worker_restarts,
                              config.min_workers or config.worker_num)
     host, port = config.rendezvous_address
@@ -435,8 +453,7 @@ def _run_elastic(config, command, run_dir, log, signals, echo, lock, pool, serve
                 return 1
         client = rendezvous.Client(host, port, config.node_rank, terms, time_out=config.cluster_time_out)
         try:
-            return _elastic_groups(config, command, run_dir, log, signals, echo, lock, pool, server_env,
-                                   workers, client, server)
+            return _elastic_groups(node, client, server)
         finally:
             client.close()
     except rendezvous.RendezvousError as err:
@@ -448,8 +465,8 @@ def _run_elastic(config, command, run_dir, log, signals, echo, lock, pool, serve
             server.close()
 
 
-def _elastic_groups(config, command, run_dir, log, signals, echo, lock, pool, server_env, workers,
-                    client, server) -> int:
+def _elastic_groups(node: _NodeRun, client: rendezvous.Client, server: rendezvous.Server | None) -> int:
+    config, log, signals, workers, run_dir = node.config, node.log, node.signals, node.workers, node.run_dir
     interrupted = lambda: signals.received is not None  # noqa: E731
 
     def interrupt() -> int:
@@ -470,10 +487,10 @@ def _elastic_groups(config, command, run_dir, log, signals, echo, lock, pool, se
         if got.generation:
             log(f"worker group {got.generation}: node index {got.index} of nodes {list(got.nodes)}, "
                 f"ranks {group.ranks.start}..{group.ranks.stop - 1} of {got.worker_num}")
-        _start(group, command, run_dir, log, workers, {**server_env, WORKER_RESTART: str(got.generation)})
+        _start(group, node.command, run_dir, log, workers, {**node.server_env, WORKER_RESTART: str(got.generation)})
         for w in workers:
-            w.start_copying(echo, lock)
-        code, restartable = _watch(group, workers, run_dir, log, signals, pool, stopped=client.stopped)
+            w.start_copying(node.echo, node.lock)
+        code, restartable = _watch(group, workers, run_dir, log, node.signals, node.pool, stopped=client.stopped)
         if code is None:                                    # node 0 stopped the group (or ended the job)
             _clear_group(workers, run_dir)
             client.rejoin()
