@@ -100,7 +100,10 @@ def worker(args) -> None:
     cfg = GPTConfig(vocab_size=16, seq_len=32, embed=128, heads=4, mlp=512, layers=4, dropout=0.0, scan_layers=True)
     config = jaxpar.ParallelConfig(mesh={"data": 8}, rules={"batch": "data"}, optimizer={"level": 1, "threshold_kb": 0})
     mesh = jaxpar.make_mesh(config)
-    model = jaxpar.init(lambda: GPT(cfg, rngs=nnx.Rngs(0)), config, mesh)
+    # a restart resumes a step, which overwrites every variable: compute none (no init program)
+    values = "restored" if (not args.computed_init and jaxpar.checkpoint.latest_step(
+        os.path.join(args.run_dir, "ckpt")) is not None) else "computed"
+    model = jaxpar.init(lambda: GPT(cfg, rngs=nnx.Rngs(0)), config, mesh, values=values)
     phases.mark("model")
     local = {"local_dir": os.path.join(args.run_dir, "local"), "local_every": args.local_every} if args.local else {}
     services = jaxpar.Services(
@@ -149,7 +152,8 @@ def run_variant(name: str, args, out_dir: str, rng: random.Random) -> dict:
                "--simulated-devices", "2", "--worker-restarts", "1000", "--cluster-time-out", "120",
                "--log-dir", os.path.join(run_dir, "logs"), os.path.abspath(__file__), "--worker",
                "--run-dir", run_dir, "--deadline", str(deadline), "--save-every", str(args.save_every),
-               "--local-every", str(args.local_every)] + (["--local"] if name == VARIANTS[1] else [])
+               "--local-every", str(args.local_every)] + (["--local"] if name == VARIANTS[1] else []) \
+        + (["--computed-init"] if args.computed_init else [])
     stderr_path = os.path.join(run_dir, "launcher.stderr")
     # a warm restart: the group's programs come back from the persistent compilation cache
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu",
@@ -241,7 +245,7 @@ def restart_breakdown(args) -> None:
                    "--simulated-devices", "2", "--cluster-time-out", "120",
                    "--log-dir", os.path.join(run_dir, f"logs{life}"), os.path.abspath(__file__), "--worker",
                    "--run-dir", run_dir, "--deadline", "0", "--save-every", str(args.save_every),
-                   "--local-every", str(args.local_every), "--local"]
+                   "--local-every", str(args.local_every), "--local"] + (["--computed-init"] if args.computed_init else [])
         subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600)
     lives: dict[int, list[dict]] = {}
     for name in os.listdir(os.path.join(run_dir, "phases")):
@@ -280,6 +284,8 @@ def main() -> None:
     p.add_argument("--reanalyze", metavar="JSON", help="read the runs of an earlier result file again (their "
                    "run directories must still exist) instead of running")
     # the worker's flags (the launcher runs this file once per rank)
+    p.add_argument("--computed-init", action="store_true", help="a restart computes the initial values anyway "
+                   "(jaxpar.init's default), as before values='restored' existed")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)

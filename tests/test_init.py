@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxpar
-from helpers import MEGATRON, TINY, batches
+from helpers import LR, MEGATRON, TINY, batches
 from jaxpar.models.gpt import GPT, loss_fn
 from jaxpar.models.llama import Llama, LlamaConfig
 from jaxpar.nn import init_program
@@ -259,3 +259,65 @@ def test_init_benchmark_quick(tmp_path):
     assert all(r["seconds"] > 0 and r["over_eager"] > 0 for r in rows)
     assert {r["programs"] for r in rows if r["method"] == "jaxpar.init"} == {6, 9}
     assert (tmp_path / "init.png").stat().st_size > 0
+
+
+def test_restored_values_compile_nothing_and_a_resume_overwrites_every_one(tmp_path):
+    """``init(values="restored")`` places zeros (dropout keys included) without compiling a
+    program; the Trainer's resume overwrites every leaf of the state, which then equals a
+    computed model's resumed state, and trains on to the same losses."""
+    import dataclasses
+
+    gpt = dataclasses.replace(TINY, dropout=0.1)
+    cfg = jaxpar.ParallelConfig(mesh={"data": 4, "model": 2}, rules=MEGATRON, optimizer={"level": 3, "threshold_kb": 0})
+    mesh = jaxpar.make_mesh(cfg)
+    make = lambda: GPT(gpt, rngs=nnx.Rngs(0, dropout=1))  # noqa: E731
+    services = jaxpar.Services(checkpoint=jaxpar.CheckpointConfig(dir=str(tmp_path), save_every=2))
+    data = batches(4)
+    with jaxpar.Trainer(jaxpar.init(make, cfg, mesh), optax.adamw(LR), loss_fn, cfg, mesh, services=services) as t:
+        for b in data[:2]:
+            t.step(b)
+    compiled = []
+
+    def record(event, duration, **_):
+        if event.endswith("backend_compile_duration"):
+            compiled.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(record)
+    try:
+        placeholders = jaxpar.init(make, cfg, mesh, values="restored")
+    finally:
+        jax.monitoring.unregister_event_duration_listener(record)
+    assert not compiled
+    state = nnx.state(placeholders)
+    assert any(jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) for x in jax.tree.leaves(state))
+    computed = jaxpar.init(make, cfg, mesh)
+    for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(nnx.state(computed))):
+        assert x.shape == y.shape and x.dtype == y.dtype and x.sharding == y.sharding
+
+    resumed = [jaxpar.Trainer(m, optax.adamw(LR), loss_fn, cfg, mesh,
+                              services=jaxpar.Services(checkpoint=jaxpar.CheckpointConfig(dir=str(tmp_path))))
+               for m in (placeholders, computed)]
+    assert [t.step_count for t in resumed] == [2, 2]
+    keys = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x  # noqa: E731
+    for x, y in zip(jax.tree.leaves(resumed[0].state), jax.tree.leaves(resumed[1].state)):
+        np.testing.assert_array_equal(np.asarray(keys(x)), np.asarray(keys(y)))
+    losses = [[float(t.step(b)["loss"]) for b in data[2:]] for t in resumed]
+    assert losses[0] == losses[1]
+    for t in resumed:
+        t.close()
+
+
+def test_restored_values_are_refused_when_nothing_is_restored(tmp_path):
+    cfg = jaxpar.ParallelConfig(mesh={"data": 8})
+    mesh = jaxpar.make_mesh(cfg)
+    make = lambda: GPT(TINY, rngs=nnx.Rngs(0))  # noqa: E731
+    with pytest.raises(ValueError, match=r"values='mean' is not one of \('computed', 'restored'\)"):
+        jaxpar.init(make, cfg, mesh, values="mean")
+    for services, words in ((None, "services has no checkpoint to resume"),
+                            (jaxpar.Services(checkpoint=jaxpar.CheckpointConfig(dir=str(tmp_path / "empty"))),
+                             "services.checkpoint.dir=.*empty' holds no step to resume")):
+        with pytest.raises(ValueError, match="built with jaxpar.init\\(..., values='restored'\\), whose variables "
+                                             f"are zeros for a checkpoint to overwrite, but {words}; build it with "
+                                             "values='computed'"):
+            jaxpar.Trainer(jaxpar.init(make, cfg, mesh, values="restored"), optax.adamw(LR), loss_fn, cfg, mesh,
+                           services=services)

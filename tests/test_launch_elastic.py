@@ -1,6 +1,7 @@
 """Several nodes' launchers restarting one job together, and going on without a node that is
 gone for good (`jaxpar.launch.rendezvous`; `jaxpar launch --worker-restarts K --min-workers N`)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -20,26 +21,28 @@ TERMS = rendezvous.Terms(worker_num=6, local_worker_num=2, worker_restarts=2, mi
 class Nodes:
     """A rendezvous server and one client per node, in this process."""
 
-    def __init__(self, terms=TERMS, rejoin=1.0, first=5.0):
+    def __init__(self, terms=TERMS, rejoin=1.0, first=5.0, **kw):
         self.logs: list[str] = []
         self.port = free_port()
         self.server = rendezvous.Server("127.0.0.1", self.port, terms, first_time_out=first,
-                                        rejoin_time_out=rejoin, log=self.logs.append)
+                                        rejoin_time_out=rejoin, log=self.logs.append, **kw)
         self.terms = terms
 
     def client(self, node, terms=None):
         return rendezvous.Client("127.0.0.1", self.port, node, terms or self.terms, time_out=5)
 
     def close(self):
-        self.server.close()
+        self.server.close(linger=0.0)
 
 
-def _stopped(client, timeout=5.0):
+def _stopped(client, timeout=5.0, final=False):
+    """The reason of the next stop (``final``: the job's end) node 0 sends ``client``."""
     deadline = time.monotonic() + timeout
-    while (reason := client.stopped()) is None:
+    while (stop := client.stopped()) is None:
         assert time.monotonic() < deadline, "no stop came"
         time.sleep(0.02)
-    return reason
+    assert stop.final == final, stop
+    return stop.reason
 
 
 def test_a_failure_restarts_every_node_and_a_lost_node_is_left_out_while_enough_remain():
@@ -72,7 +75,7 @@ def test_a_failure_restarts_every_node_and_a_lost_node_is_left_out_while_enough_
         c[0].done()
         c[2].done()
         for x in (c[0], c[2]):
-            assert _stopped(x) == "all 2 node(s) finished"
+            assert _stopped(x, final=True) == "all 2 node(s) finished"
             assert x.wait() == rendezvous.End(0, "all 2 node(s) finished")
     finally:
         nodes.close()
@@ -102,7 +105,7 @@ def test_no_restarts_left_or_too_few_workers_end_the_job_on_every_node():
         c[1].rejoin()
         [x.wait() for x in c]
         c[1].failed(7, "two")
-        assert "two" in _stopped(c[0])
+        assert "two" in _stopped(c[0], final=True)
         end = c[0].wait()
         assert end.code == 7 and "no restarts left (1, --worker-restarts)" in end.reason
     finally:
@@ -113,10 +116,73 @@ def test_no_restarts_left_or_too_few_workers_end_the_job_on_every_node():
         c = [nodes.client(i) for i in range(2)]
         [x.wait() for x in c]
         c[1].failed(124, "rank 3 never joined", final=True)
-        assert "rank 3 never joined" in _stopped(c[0])
+        assert "rank 3 never joined" in _stopped(c[0], final=True)
         assert c[0].wait() == rendezvous.End(124, "node 1: rank 3 never joined")
     finally:
         nodes.close()
+
+
+def test_an_interrupt_a_late_finisher_a_silent_node_and_a_second_launcher_of_one_node():
+    # a signal to any node's launcher ends the job on every node (its workers get SIGTERM first)
+    nodes = Nodes(rendezvous.Terms(4, 2, 3, 2))
+    try:
+        c = [nodes.client(i) for i in range(2)]
+        [x.wait() for x in c]
+        c[1].interrupted(143, "its launcher received SIGTERM")
+        assert _stopped(c[0], final=True) == "node 1: its launcher received SIGTERM"
+        assert c[0].wait().code == 143
+    finally:
+        nodes.close()
+    # a node done while another runs on past --exit-time-out: the job ends with 1, naming both
+    nodes = Nodes(rendezvous.Terms(4, 2, 3, 2), exit_time_out=0.5)
+    try:
+        c = [nodes.client(i) for i in range(2)]
+        [x.wait() for x in c]
+        c[0].done()
+        end = _stopped(c[1], final=True)
+        assert "node(s) [0] finished, but node(s) [1] still ran 0.5 s later (--exit-time-out)" in end
+    finally:
+        nodes.close()
+    # a node that sends nothing (its host is down) is lost after the heartbeat time-out; a node that
+    # comes back after the group went on without it joins the next group
+    nodes = Nodes(rendezvous.Terms(4, 2, 3, 2), rejoin=0.5, heartbeat_time_out=3.0)
+    try:
+        c0 = nodes.client(0)
+        silent = socket.create_connection(("127.0.0.1", nodes.port))
+        silent.sendall((json.dumps({"op": "join", "node": 1, "terms": dataclasses.asdict(nodes.terms)}) + "\n").encode())
+        assert c0.wait().worker_num == 4
+        assert "node 1's launcher is gone (it sent nothing for 3 s)" in _stopped(c0, timeout=10)
+        c0.rejoin()
+        assert c0.wait() == rendezvous.Start(1, 0, (0,), 2)
+        back = nodes.client(1)                           # the host is back: it waits for the next group
+        c0.failed(1, "rank 0 crashed")
+        c0.rejoin()
+        assert [c0.wait(), back.wait()] == [rendezvous.Start(2, 0, (0, 1), 4), rendezvous.Start(2, 1, (0, 1), 4)]
+        # a second launcher as node 1 (restarted, or --node-rank given twice) replaces the first,
+        # which is told so; the running group is stopped
+        again = nodes.client(1)
+        with pytest.raises(rendezvous.RendezvousError, match="another launcher joined as node 1"):
+            back.wait()
+        assert "node 1's launcher started again" in _stopped(c0)
+        c0.rejoin()
+        assert again.wait().generation == 3
+        silent.close()
+    finally:
+        nodes.close()
+
+
+def test_a_silent_node_0_and_an_unreachable_one_end_a_launcher():
+    with socket.socket() as mute:                        # accepts and never answers, never beats
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(1)
+        client = rendezvous.Client("127.0.0.1", mute.getsockname()[1], 1, TERMS, time_out=5, heartbeat_time_out=0.5)
+        with pytest.raises(rendezvous.RendezvousError, match="node 0's launcher is gone"):
+            client.wait()
+        client.close()
+    with pytest.raises(rendezvous.RendezvousError, match=r"could not be reached within 0\.5 s"):
+        rendezvous.Client("127.0.0.1", free_port(), 1, TERMS, time_out=0.5)
+    with pytest.raises(rendezvous.RendezvousError, match="interrupted while reaching node 0's launcher"):
+        rendezvous.Client("127.0.0.1", free_port(), 1, TERMS, time_out=30, interrupted=lambda: True)
 
 
 def test_a_node_that_never_joins_ends_the_first_group_with_124():

@@ -94,8 +94,9 @@ def model_config(job: JobConfig, vocab: int | None = None):
         raise kind(f"job config model.fields={dict(m.fields)!r} ({model}): {e}") from None
 
 
-def build_model(job: JobConfig, mesh, vocab: int | None = None):
-    """``(model, loss_fn, model_config)`` placed on ``mesh`` by ``job.parallel``."""
+def build_model(job: JobConfig, mesh, vocab: int | None = None, values: str = "computed"):
+    """``(model, loss_fn, model_config)`` placed on ``mesh`` by ``job.parallel``; ``values`` as
+    `jaxpar.init`'s (``"restored"``: zeros for the resumed checkpoint to overwrite)."""
     from flax import nnx
 
     import jaxpar
@@ -114,7 +115,7 @@ def build_model(job: JobConfig, mesh, vocab: int | None = None):
                                 f"parallel.pipeline.stages={config.pipeline.stages} it must name a "
                                 "jaxpar.pipeline.PipelineLoss (or StagedLoss) defined in that module, e.g. "
                                 "'loss = PipelineLoss(embed=..., blocks=..., head=..., head_loss=...)'")
-        return jaxpar.init(lambda: _built(factory(rngs()), m.factory), config, mesh), loss, None
+        return jaxpar.init(lambda: _built(factory(rngs()), m.factory), config, mesh, values=values), loss, None
     cfg = model_config(job, vocab)
     if m.name == "llama":
         from jaxpar.models import llama as module
@@ -128,7 +129,7 @@ def build_model(job: JobConfig, mesh, vocab: int | None = None):
         make = lambda: module.GPT(cfg, rngs=rngs(), constrain=constrain)  # noqa: E731
     # pipelined: the loss in the parts the stages run (segment ids reach every stage's blocks)
     loss = parallel.training_loss(config)
-    return jaxpar.init(make, config, mesh), loss, cfg
+    return jaxpar.init(make, config, mesh, values=values), loss, cfg
 
 
 def _eval_store(job: JobConfig):
@@ -215,6 +216,15 @@ def check_outputs(job: JobConfig) -> None:
             check_directory(field, directory)
 
 
+def _resumes(job: JobConfig) -> bool:
+    """Whether the Trainer will resume a step of ``checkpoint.dir`` (its persistent tier holds a
+    complete one, and mode "auto" searches on a computed model first)."""
+    from jaxpar.checkpoint import latest_step
+
+    ck = job.checkpoint
+    return ck.dir is not None and job.parallel.mode != "auto" and latest_step(ck.dir) is not None
+
+
 def build(job: JobConfig, *, devices=None) -> Built:
     """The mesh, model, data, optimizer and Trainer of ``job`` (`run_job` checks its outputs
     first); the Trainer resumes from ``checkpoint.dir`` when it holds steps."""
@@ -232,15 +242,16 @@ def build(job: JobConfig, *, devices=None) -> Built:
         store = TokenStore(job.data.path)      # a damaged store is named first
         eval_store = _eval_store(job)
     tx, schedule = make_optimizer(job.optimizer, job.train.steps)     # the schedule is checked before the model
+    values = "restored" if _resumes(job) else "computed"    # a resumed run computes no initial values
     if job.data.source == "arithmetic":
         from jaxpar.job.example import ARITHMETIC_VOCAB, EVAL_START, ArithmeticLoader
 
-        model, loss, _ = build_model(job, mesh, vocab=ARITHMETIC_VOCAB)
+        model, loss, _ = build_model(job, mesh, vocab=ARITHMETIC_VOCAB, values=values)
         d = job.data
         train = ArithmeticLoader(seq_len=d.seq_len, batch=d.batch, seed=d.seed)
         held_out = ArithmeticLoader(seq_len=d.seq_len, batch=d.batch, seed=d.seed, start=EVAL_START)
     else:
-        model, loss, model_cfg = build_model(job, mesh, vocab=store.vocab_size)
+        model, loss, model_cfg = build_model(job, mesh, vocab=store.vocab_size, values=values)
         train, held_out = _loaders(job, store, eval_store, model_cfg)
     metrics = None
     if log.dir is not None:

@@ -446,22 +446,27 @@ def _run_elastic(node: _NodeRun) -> int:
                 bind = check_bind_address(config.bind_address, port).rpartition(":")[0].strip("[]")
             try:
                 server = rendezvous.Server(bind, port, terms, first_time_out=config.cluster_time_out,
-                                           rejoin_time_out=config.rejoin_time_out, log=log)
+                                           rejoin_time_out=config.rejoin_time_out, log=log,
+                                           exit_time_out=config.exit_time_out)
             except OSError as err:
                 log(f"error: node 0's rendezvous cannot listen on {bind}:{port} ({err.strerror or err}); pick a "
                     "free port with --rendezvous-port (the same on every node)")
                 return 1
-        client = rendezvous.Client(host, port, config.node_rank, terms, time_out=config.cluster_time_out)
+        client = rendezvous.Client(host, port, config.node_rank, terms, time_out=config.cluster_time_out,
+                                   interrupted=lambda: node.signals.received is not None)
         try:
             return _elastic_groups(node, client, server)
         finally:
             client.close()
     except rendezvous.RendezvousError as err:
         stop_all(workers, 0.0)
+        if node.signals.received is not None:
+            return 128 + node.signals.received
         log(f"error: {err}")
         return 1
     finally:
         if server is not None:
+            server.end(1, "node 0's launcher stopped (see its log)")     # nothing if the job has ended
             server.close()
 
 
@@ -471,8 +476,11 @@ def _elastic_groups(node: _NodeRun, client: rendezvous.Client, server: rendezvou
 
     def interrupt() -> int:
         code = 128 + signals.received
+        reason = f"its launcher received {signal_name(signals.received)}"
         if server is not None:     # node 0's coordinator goes with it: the job ends on every node
-            server.end(code, f"node 0's launcher received {signal_name(signals.received)}")
+            server.end(code, f"node 0: {reason}")
+        else:
+            client.interrupted(code, reason)
         return code
 
     while True:
@@ -500,7 +508,7 @@ def _elastic_groups(node: _NodeRun, client: rendezvous.Client, server: rendezvou
             return interrupt()
         if code == 0:
             client.done()
-            while (reason := client.stopped()) is None:      # every node done (end) or another failed (stop)
+            while client.stopped() is None:                  # every node done (end) or another failed (stop)
                 if interrupted():
                     return interrupt()
                 time.sleep(0.05)
@@ -548,10 +556,11 @@ def _watch(config, workers, run_dir, log, signals, pool, stopped=None) -> tuple[
     while True:
         if signals.received is not None:
             return _interrupted(config, workers, signals, log), False
-        if stopped is not None and (reason := stopped()) is not None:
+        if stopped is not None and (stop := stopped()) is not None:
             running = [w for w in workers if w.poll() is None]
-            took = stop_all(workers, 0.0)
-            log(f"node 0 stopped the worker group ({reason}): killed {len(running)} running worker(s) "
+            # the job's end: SIGTERM first (a preemption handler may save); a restart: SIGKILL at once
+            took = stop_all(workers, config.kill_time_out if stop.final else 0.0, hurry=lambda: signals.count > 1)
+            log(f"node 0 stopped the worker group ({stop.reason}): stopped {len(running)} running worker(s) "
                 f"in {took:.2f} s")
             return None, False
         if pool is not None:

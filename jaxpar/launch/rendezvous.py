@@ -20,7 +20,13 @@ launcher, node 0's included, is its client:
    kills its workers and joins ``g + 1``; past the restarts it sends **end** with the failure's
    status;
 4. a launcher whose workers all exit 0 reports **done**; when every node of the group is done,
-   node 0 sends **end** with status 0.
+   node 0 sends **end** with status 0 (and status 1 when some node still runs
+   ``--exit-time-out`` s after the first finished: its ranks wait for ones that left);
+5. a launcher interrupted by a signal reports **interrupted**: node 0 sends **end** with its
+   status, and every node's workers get SIGTERM and ``--kill-time-out`` s to save.
+
+Node 0 beats every second on every connection, as the launchers do towards it: a launcher
+that hears nothing for ``HEARTBEAT_TIME_OUT`` s counts node 0's host as gone and ends.
 
 Node 0 cannot be lost: its process 0 is JAX's coordinator, and its launcher this rendezvous.
 The wire is one JSON object per line over TCP (nothing is unpickled); a connection that sends
@@ -79,6 +85,15 @@ class End:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Node 0 stopped the running group (``final``: the job is over, so the workers get SIGTERM
+    and ``--kill-time-out`` seconds to save, rather than SIGKILL at once)."""
+
+    reason: str
+    final: bool
+
+
 class RendezvousError(RuntimeError):
     """The rendezvous refused this node or could not be reached; the message says why."""
 
@@ -124,8 +139,12 @@ class Server:
     """
 
     def __init__(self, host: str, port: int, terms: Terms, *, first_time_out: float,
-                 rejoin_time_out: float, log: Callable[[str], None]):
-        self.terms, self.log = terms, log
+                 rejoin_time_out: float, log: Callable[[str], None], exit_time_out: float = 10.0,
+                 heartbeat_time_out: float = HEARTBEAT_TIME_OUT):
+        self.terms, self.log, self.exit_time_out, self.heartbeat_time_out = terms, log, exit_time_out, heartbeat_time_out
+        self._closed = False
+        self._accepted: list[socket.socket] = []
+        self._first_done: float | None = None
         self.first_time_out, self.rejoin_time_out = first_time_out, rejoin_time_out
         self._cond = threading.Condition()
         self._conns: dict[int, tuple[socket.socket, threading.Lock]] = {}
@@ -153,10 +172,12 @@ class Server:
                 sock, _ = self._listener.accept()
             except OSError:
                 return           # closed
+            with self._cond:
+                self._accepted = [a for a in self._accepted if a.fileno() != -1] + [sock]
             threading.Thread(target=self._serve, args=(sock,), daemon=True, name="jaxpar-rendezvous-conn").start()
 
     def _serve(self, sock: socket.socket) -> None:
-        sock.settimeout(HEARTBEAT_TIME_OUT)
+        sock.settimeout(self.heartbeat_time_out)
         lock, lines, node = threading.Lock(), _Lines(sock), None
         why = "its connection ended"
         try:
@@ -176,12 +197,12 @@ class Server:
                     continue
                 if op == "join":
                     self._rejoin(node)
-                elif op in ("failed", "done"):
+                elif op in ("failed", "done", "interrupted"):
                     self._report(node, op, message)
                 else:
                     raise ValueError(f"an unknown operation {op!r}")
         except socket.timeout:
-            why = f"it sent nothing for {HEARTBEAT_TIME_OUT:g} s"
+            why = f"it sent nothing for {self.heartbeat_time_out:g} s"
         except (ValueError, KeyError, TypeError) as err:   # json.JSONDecodeError is a ValueError
             why = f"it sent a bad frame ({err}); closed its connection"
             self.log(f"rendezvous: {'node ' + str(node) if node is not None else 'a connection'}: {why}")
@@ -213,6 +234,8 @@ class Server:
                 return None
             if node in self._conns:        # a restarted launcher, before its old connection timed out
                 self.log(f"rendezvous: node {node} joined again on a new connection; the old one is closed")
+                _send(*self._conns[node], {"op": "refused", "reason": f"another launcher joined as node {node} "
+                                                                       "(a restarted one, or a --node-rank given twice)"})
                 try:
                     self._conns[node][0].shutdown(socket.SHUT_RDWR)
                 except OSError:
@@ -238,11 +261,17 @@ class Server:
 
     def _report(self, node: int, op: str, message: dict) -> None:
         with self._cond:
+            if op == "interrupted" and self._end is None:      # a signal to any launcher ends the job
+                code = message.get("code")
+                self._finish(End(code if isinstance(code, int) and not isinstance(code, bool) else 1,
+                                 f"node {node}: {str(message.get('reason', ''))[:500]}"))
+                return
             if message.get("generation") != self._generation or self._phase != "running" \
                     or node not in self._members:
                 return                     # about a group that has already ended
             if op == "done":
                 self._done.add(node)
+                self._first_done = self._first_done or time.monotonic()
                 if self._done == set(self._members):
                     self._finish(End(0, f"all {len(self._members)} node(s) finished"))
                 return
@@ -260,7 +289,7 @@ class Server:
                 return                     # a connection this node has since replaced
             del self._conns[node]
             self._joined.discard(node)
-            if self._end is None and self._phase == "running" and node in self._members:
+            if self._end is None and self._phase == "running" and node in self._members and node not in self._done:
                 self._failed(f"node {node}'s launcher is gone ({why})", 1)
 
     # -- decisions (called with the lock held) -------------------------------------------------
@@ -270,6 +299,7 @@ class Server:
             return
         self._generation += 1
         self._phase = "gathering"
+        self._first_done = None
         self._joined -= set(self._members)         # a node that came back late joins the next group
         self._expected = set(self._members) | self._joined
         self._done = set()
@@ -301,7 +331,7 @@ class Server:
                                     f"{self.terms.min_workers}"))
 
     def _launch(self, nodes: tuple[int, ...]) -> None:
-        self._members, self._phase, self._done = nodes, "running", set()
+        self._members, self._phase, self._done, self._first_done = nodes, "running", set(), None
         worker_num = len(nodes) * self.terms.local_worker_num
         self.log(f"rendezvous: generation {self._generation}: node(s) {list(nodes)}, {worker_num} workers")
         for index, node in enumerate(nodes):
@@ -319,13 +349,22 @@ class Server:
             _send(sock, lock, message)
 
     def _tick(self) -> None:
-        while True:
+        beat = time.monotonic()
+        while not self._closed:
             time.sleep(0.1)
             with self._cond:
+                if time.monotonic() - beat > HEARTBEAT_SECONDS:    # the clients see node 0's host alive
+                    beat = time.monotonic()
+                    self._broadcast({"op": "beat"})
                 if self._end is not None:
-                    return
+                    continue
                 if self._phase == "gathering" and time.monotonic() > self._deadline:
                     self._maybe_start(timed_out=True)
+                elif self._first_done is not None and time.monotonic() - self._first_done > self.exit_time_out:
+                    running = sorted(set(self._members) - self._done)
+                    self._finish(End(1, f"node(s) {sorted(self._done)} finished, but node(s) {running} still ran "
+                                        f"{self.exit_time_out:g} s later (--exit-time-out): a rank that leaves early "
+                                        "leaves the others waiting in a collective; every rank must run the same steps"))
 
     def end(self, code: int, reason: str) -> None:
         """Ends the job from node 0's side (its launcher was interrupted)."""
@@ -333,13 +372,19 @@ class Server:
             if self._end is None:
                 self._finish(End(code, reason))
 
-    def close(self) -> None:
+    def close(self, linger: float = 5.0) -> None:
+        """Stops serving: after an end, first waits up to ``linger`` s for the launchers to read
+        it and leave (a connection closed under unread data may reset before they do)."""
+        deadline = time.monotonic() + linger
+        while self._end is not None and self._conns and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._closed = True
         try:
             self._listener.close()
         except OSError:
             pass
         with self._cond:
-            for sock, _ in list(self._conns.values()):
+            for sock in [c for c, _ in self._conns.values()] + self._accepted:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
@@ -350,20 +395,23 @@ class Client:
     """One launcher's side: ``join`` → `Start` or `End`; while its workers run, ``stopped()``
     says whether node 0 has stopped the group; ``failed`` / ``done`` report how it ended."""
 
-    def __init__(self, host: str, port: int, node: int, terms: Terms, *, time_out: float):
+    def __init__(self, host: str, port: int, node: int, terms: Terms, *, time_out: float,
+                 interrupted: Callable[[], bool] = lambda: False, heartbeat_time_out: float = HEARTBEAT_TIME_OUT):
         deadline = time.monotonic() + time_out
         while True:
             try:
                 self._sock = socket.create_connection((host, port), timeout=5)
                 break
             except OSError as err:
+                if interrupted():
+                    raise RendezvousError("interrupted while reaching node 0's launcher") from None
                 if time.monotonic() > deadline:
                     raise RendezvousError(
                         f"node 0's launcher at {host}:{port} (--rendezvous-port) could not be reached within "
                         f"{time_out:g} s ({err}); start node 0's jaxpar launch, with the same --master-addr and "
                         "--rendezvous-port on every node") from None
                 time.sleep(0.5)
-        self._sock.settimeout(None)
+        self._sock.settimeout(heartbeat_time_out)     # node 0 beats every second: silence is a lost host
         self.node, self.terms = node, terms
         self._lock = threading.Lock()
         self._cond = threading.Condition()
@@ -381,6 +429,8 @@ class Client:
         lines = _Lines(self._sock)
         try:
             while (message := lines.read()) is not None:
+                if message["op"] == "beat":
+                    continue
                 with self._cond:
                     self._inbox.append(message)
                     self._cond.notify_all()
@@ -430,15 +480,15 @@ class Client:
                          int(message["worker_num"]))
         return None
 
-    def stopped(self) -> str | None:
-        """Why node 0 stopped the running group (or ended the job), or ``None`` while it runs on."""
+    def stopped(self) -> Stop | None:
+        """Whether node 0 stopped the running group (or ended the job), or ``None`` while it runs on."""
         message = self._take(("stop", "end"), 0)
         if message is None:
             return None
         if message["op"] == "end":       # put back: wait() reads it next
             with self._cond:
                 self._inbox.insert(0, message)
-        return str(message["reason"])
+        return Stop(str(message["reason"]), message["op"] == "end")
 
     def rejoin(self) -> None:
         self._send({"op": "join", "node": self.node})
@@ -451,6 +501,10 @@ class Client:
 
     def done(self) -> None:
         self._send({"op": "done", "generation": self.generation})
+
+    def interrupted(self, code: int, reason: str) -> None:
+        """This launcher was interrupted (a signal): node 0 ends the job on every node."""
+        self._send({"op": "interrupted", "code": code, "reason": reason})
 
     def close(self) -> None:
         self._closed = True

@@ -79,3 +79,16 @@ def check_args(model, tx, loss_fn, config, mesh, plan, services, placement) -> N
                              f"{differ}); pass config=plan.config, or make the plan from this config "
                              "(jaxpar.make_train_plan)")
 
+
+
+def check_restored(initial: list, leaves: list, checkpoint) -> None:
+    """Refuses a Trainer whose model was built with ``jaxpar.init(..., values="restored")`` when
+    a leaf of its state is still one it started with (``initial``): nothing restored it, and
+    placeholders must never train. ``checkpoint``: the Trainer's checkpoint hook, or None."""
+    if not any(x is y for x, y in zip(leaves, initial)):
+        return
+    where = (f"services.checkpoint.dir={getattr(getattr(checkpoint, 'config', None), 'dir', None)!r} holds no step "
+             "to resume" if checkpoint is not None else "services has no checkpoint to resume")
+    raise ValueError(f"Trainer: the model was built with jaxpar.init(..., values='restored'), whose variables are "
+                     f"zeros for a checkpoint to overwrite, but {where}; build it with values='computed' (the default) "
+                     "when there is no step to resume")

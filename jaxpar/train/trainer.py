@@ -23,9 +23,10 @@ from flax import nnx
 from jaxpar.deprecation import OFFLOAD, Removed, RemovedAttribute
 from jaxpar.config import ParallelConfig
 from jaxpar.metrics import progress_text
+from jaxpar.nn.init import holds_placeholders
 from jaxpar.nn.specs import declared_names
 from jaxpar.plan import TrainPlan, TrainState, check_data, init_state, make_train_plan
-from jaxpar.train.arguments import NO_PLAN, check_args, plan_and_record, transformation
+from jaxpar.train.arguments import NO_PLAN, check_args, check_restored, plan_and_record, transformation
 from jaxpar.train import checkpointing
 from jaxpar.train.hooks import EveryHook, Preempted, running
 from jaxpar.train.programs import Programs, StepOptions
@@ -95,11 +96,15 @@ class Trainer:
                                   model_name=type(model).__name__)
             self.programs = Programs(plan, mesh, None, loss_fn, tx, state=lambda: (self._state, self._treedef),
                                      leaves=lambda: self._leaves, rows=self.row_path, options=options)
+            placeholders = holds_placeholders(model)
             self.graphdef, state = init_state(plan, mesh, model, tx)
             self.programs.graphdef = self.graphdef
             self._set(state)
+            initial = self._leaves
             for hook in self._hooks:
                 _call(hook, "on_start", self)
+            if placeholders:
+                check_restored(initial, self._leaves, self.service("checkpoint"))
         except BaseException:
             with contextlib.suppress(Exception):     # the construction's error is the one to see
                 self.close()
