@@ -80,7 +80,6 @@ def check_args(model, tx, loss_fn, config, mesh, plan, services, placement) -> N
                              "(jaxpar.make_train_plan)")
 
 
-
 def check_restored(initial: list, leaves: list, checkpoint) -> None:
     """Refuses a Trainer whose model was built with ``jaxpar.init(..., values="restored")`` when
     a leaf of its state is still one it started with (``initial``): nothing restored it, and
