@@ -31,8 +31,21 @@ class Nodes:
     def client(self, node, terms=None):
         return rendezvous.Client("127.0.0.1", self.port, node, terms or self.terms, time_out=5)
 
+    def started(self, count: int) -> list:
+        """Clients of nodes 0..count-1, each past its first start."""
+        clients = [self.client(i) for i in range(count)]
+        for c in clients:
+            c.wait()
+        return clients
+
     def close(self):
         self.server.close(linger=0.0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _stopped(client, timeout=5.0, final=False):
@@ -46,8 +59,7 @@ def _stopped(client, timeout=5.0, final=False):
 
 
 def test_a_failure_restarts_every_node_and_a_lost_node_is_left_out_while_enough_remain():
-    nodes = Nodes()
-    try:
+    with Nodes() as nodes:
         c = [nodes.client(i) for i in range(3)]
         first = [x.wait() for x in c]
         assert [(s.generation, s.index, s.worker_num) for s in first] == [(0, 0, 6), (0, 1, 6), (0, 2, 6)]
@@ -77,15 +89,11 @@ def test_a_failure_restarts_every_node_and_a_lost_node_is_left_out_while_enough_
         for x in (c[0], c[2]):
             assert _stopped(x, final=True) == "all 2 node(s) finished"
             assert x.wait() == rendezvous.End(0, "all 2 node(s) finished")
-    finally:
-        nodes.close()
 
 
 def test_no_restarts_left_or_too_few_workers_end_the_job_on_every_node():
-    nodes = Nodes(rendezvous.Terms(6, 2, 1, 4))
-    try:
-        c = [nodes.client(i) for i in range(3)]
-        [x.wait() for x in c]
+    with Nodes(rendezvous.Terms(6, 2, 1, 4)) as nodes:
+        c = nodes.started(3)
         c[1].close()
         c[2].close()                                   # 2 of 6 workers would remain, fewer than 4
         assert "gone" in _stopped(c[0])
@@ -93,12 +101,8 @@ def test_no_restarts_left_or_too_few_workers_end_the_job_on_every_node():
         end = c[0].wait()
         assert end.code == 1 and "only 2 worker(s) came back within 1 s" in end.reason
         assert "fewer than --min-workers 4" in end.reason
-    finally:
-        nodes.close()
-    nodes = Nodes(rendezvous.Terms(4, 2, 1, 4))
-    try:
-        c = [nodes.client(i) for i in range(2)]
-        [x.wait() for x in c]
+    with Nodes(rendezvous.Terms(4, 2, 1, 4)) as nodes:
+        c = nodes.started(2)
         c[0].failed(3, "one")
         c[0].rejoin()
         assert "one" in _stopped(c[1])
@@ -108,45 +112,30 @@ def test_no_restarts_left_or_too_few_workers_end_the_job_on_every_node():
         assert "two" in _stopped(c[0], final=True)
         end = c[0].wait()
         assert end.code == 7 and "no restarts left (1, --worker-restarts)" in end.reason
-    finally:
-        nodes.close()
     # a failure a restart cannot get past (a worker that never joined) ends the job at once
-    nodes = Nodes(rendezvous.Terms(4, 2, 3, 4))
-    try:
-        c = [nodes.client(i) for i in range(2)]
-        [x.wait() for x in c]
+    with Nodes(rendezvous.Terms(4, 2, 3, 4)) as nodes:
+        c = nodes.started(2)
         c[1].failed(124, "rank 3 never joined", final=True)
         assert "rank 3 never joined" in _stopped(c[0], final=True)
         assert c[0].wait() == rendezvous.End(124, "node 1: rank 3 never joined")
-    finally:
-        nodes.close()
 
 
 def test_an_interrupt_a_late_finisher_a_silent_node_and_a_second_launcher_of_one_node():
     # a signal to any node's launcher ends the job on every node (its workers get SIGTERM first)
-    nodes = Nodes(rendezvous.Terms(4, 2, 3, 2))
-    try:
-        c = [nodes.client(i) for i in range(2)]
-        [x.wait() for x in c]
+    with Nodes(rendezvous.Terms(4, 2, 3, 2)) as nodes:
+        c = nodes.started(2)
         c[1].interrupted(143, "its launcher received SIGTERM")
         assert _stopped(c[0], final=True) == "node 1: its launcher received SIGTERM"
         assert c[0].wait().code == 143
-    finally:
-        nodes.close()
     # a node done while another runs on past --exit-time-out: the job ends with 1, naming both
-    nodes = Nodes(rendezvous.Terms(4, 2, 3, 2), exit_time_out=0.5)
-    try:
-        c = [nodes.client(i) for i in range(2)]
-        [x.wait() for x in c]
+    with Nodes(rendezvous.Terms(4, 2, 3, 2), exit_time_out=0.5) as nodes:
+        c = nodes.started(2)
         c[0].done()
         end = _stopped(c[1], final=True)
         assert "node(s) [0] finished, but node(s) [1] still ran 0.5 s later (--exit-time-out)" in end
-    finally:
-        nodes.close()
     # a node that sends nothing (its host is down) is lost after the heartbeat time-out; a node that
     # comes back after the group went on without it joins the next group
-    nodes = Nodes(rendezvous.Terms(4, 2, 3, 2), rejoin=0.5, heartbeat_time_out=3.0)
-    try:
+    with Nodes(rendezvous.Terms(4, 2, 3, 2), rejoin=0.5, heartbeat_time_out=3.0) as nodes:
         c0 = nodes.client(0)
         silent = socket.create_connection(("127.0.0.1", nodes.port))
         silent.sendall((json.dumps({"op": "join", "node": 1, "terms": dataclasses.asdict(nodes.terms)}) + "\n").encode())
@@ -167,8 +156,6 @@ def test_an_interrupt_a_late_finisher_a_silent_node_and_a_second_launcher_of_one
         c0.rejoin()
         assert again.wait().generation == 3
         silent.close()
-    finally:
-        nodes.close()
 
 
 def test_a_silent_node_0_and_an_unreachable_one_end_a_launcher():
@@ -186,17 +173,13 @@ def test_a_silent_node_0_and_an_unreachable_one_end_a_launcher():
 
 
 def test_a_node_that_never_joins_ends_the_first_group_with_124():
-    nodes = Nodes(rendezvous.Terms(4, 2, 1, 2), first=0.5)
-    try:
+    with Nodes(rendezvous.Terms(4, 2, 1, 2), first=0.5) as nodes:
         end = nodes.client(0).wait()
         assert end.code == 124 and "node(s) [1] never joined within 0.5 s (--cluster-time-out)" in end.reason
-    finally:
-        nodes.close()
 
 
 def test_the_rendezvous_refuses_other_terms_and_survives_any_frame():
-    nodes = Nodes(rendezvous.Terms(4, 2, 1, 2))
-    try:
+    with Nodes(rendezvous.Terms(4, 2, 1, 2)) as nodes:
         with pytest.raises(rendezvous.RendezvousError, match="node 1 was started with .*'min_workers': 4.*give "
                                                              "every node's launcher the same"):
             nodes.client(1, rendezvous.Terms(4, 2, 1, 4)).wait()
@@ -214,8 +197,6 @@ def test_the_rendezvous_refuses_other_terms_and_survives_any_frame():
         c = [nodes.client(i) for i in range(2)]
         assert [x.wait().worker_num for x in c] == [4, 4]
         assert any("bad frame" in line for line in nodes.logs)
-    finally:
-        nodes.close()
 
 
 @pytest.mark.parametrize("kw, words", [
