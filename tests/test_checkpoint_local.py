@@ -10,6 +10,7 @@ import shutil
 import socket
 import struct
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -165,9 +166,17 @@ def test_kills_during_local_writes_never_leave_a_step_a_restore_takes(tmp_path):
                     written = max(written, int(step))
                 else:
                     started = int(step)
+            deadline = time.monotonic() + 5       # kill it as soon as a write is seen under way
+            while not any(name.startswith("tmp-") for name in os.listdir(own)) and time.monotonic() < deadline:
+                time.sleep(0.001)
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=30)
             torn += any(name.startswith("tmp-") for name in os.listdir(own))
+            for line in proc.stdout.read().split("\n"):    # what it printed before it died
+                if line.startswith("WRITTEN"):
+                    written = max(written, int(line.split()[1]))
+                elif line.startswith("STARTED"):
+                    started = int(line.split()[1])
         finally:
             if proc.poll() is None:
                 proc.kill()

@@ -35,7 +35,7 @@ class Nodes:
         """Clients of nodes 0..count-1, each past its first start."""
         clients = [self.client(i) for i in range(count)]
         for c in clients:
-            c.wait()
+            _next(c)
         return clients
 
     def close(self):
@@ -46,6 +46,22 @@ class Nodes:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _next(client, timeout=30.0):
+    """The next `Start` or `End` node 0 sends ``client``, failing after ``timeout`` s (never a hang)."""
+    deadline = time.monotonic() + timeout
+    message = client.wait(interrupted=lambda: time.monotonic() > deadline)
+    assert message is not None, f"node {client.node}: no start or end came within {timeout:g} s"
+    return message
+
+
+def _logged(nodes, text, timeout=10.0):
+    """Waits until node 0's rendezvous has logged a line containing ``text``."""
+    deadline = time.monotonic() + timeout
+    while not any(text in line for line in nodes.logs):
+        assert time.monotonic() < deadline, f"never logged {text!r}: {nodes.logs}"
+        time.sleep(0.02)
 
 
 def _stopped(client, timeout=5.0, final=False):
@@ -61,7 +77,7 @@ def _stopped(client, timeout=5.0, final=False):
 def test_a_failure_restarts_every_node_and_a_lost_node_is_left_out_while_enough_remain():
     with Nodes() as nodes:
         c = [nodes.client(i) for i in range(3)]
-        first = [x.wait() for x in c]
+        first = [_next(x) for x in c]
         assert [(s.generation, s.index, s.worker_num) for s in first] == [(0, 0, 6), (0, 1, 6), (0, 2, 6)]
         # a worker of node 2 fails: every node is stopped and the whole group starts again
         c[2].failed(137, "rank 5 was killed")
@@ -69,7 +85,7 @@ def test_a_failure_restarts_every_node_and_a_lost_node_is_left_out_while_enough_
         for x in c[:2]:
             assert "node 2: rank 5 was killed" in _stopped(x)
             x.rejoin()
-        again = [x.wait() for x in c]
+        again = [_next(x) for x in c]
         assert [(s.generation, s.index, s.worker_num) for s in again] == [(1, 0, 6), (1, 1, 6), (1, 2, 6)]
         # node 1's launcher is gone (its connection ends): the others go on without it after the
         # rejoin time-out, renumbered: node 2 is now index 1 (ranks 2..3) of 4 workers
@@ -78,7 +94,7 @@ def test_a_failure_restarts_every_node_and_a_lost_node_is_left_out_while_enough_
             assert "node 1's launcher is gone" in _stopped(x)
             x.rejoin()
         t = time.monotonic()
-        shrunk = [c[0].wait(), c[2].wait()]
+        shrunk = [_next(c[0]), _next(c[2])]
         assert time.monotonic() - t > 0.5                         # it waited for node 1 first
         assert [(s.generation, s.index, s.nodes, s.worker_num) for s in shrunk] == \
             [(2, 0, (0, 2), 4), (2, 1, (0, 2), 4)]
@@ -88,7 +104,7 @@ def test_a_failure_restarts_every_node_and_a_lost_node_is_left_out_while_enough_
         c[2].done()
         for x in (c[0], c[2]):
             assert _stopped(x, final=True) == "all 2 node(s) finished"
-            assert x.wait() == rendezvous.End(0, "all 2 node(s) finished")
+            assert _next(x) == rendezvous.End(0, "all 2 node(s) finished")
 
 
 def test_no_restarts_left_or_too_few_workers_end_the_job_on_every_node():
@@ -98,7 +114,7 @@ def test_no_restarts_left_or_too_few_workers_end_the_job_on_every_node():
         c[2].close()                                   # 2 of 6 workers would remain, fewer than 4
         assert "gone" in _stopped(c[0])
         c[0].rejoin()
-        end = c[0].wait()
+        end = _next(c[0])
         assert end.code == 1 and "only 2 worker(s) came back within 1 s" in end.reason
         assert "fewer than --min-workers 4" in end.reason
     with Nodes(rendezvous.Terms(4, 2, 1, 4)) as nodes:
@@ -107,17 +123,17 @@ def test_no_restarts_left_or_too_few_workers_end_the_job_on_every_node():
         c[0].rejoin()
         assert "one" in _stopped(c[1])
         c[1].rejoin()
-        [x.wait() for x in c]
+        [_next(x) for x in c]
         c[1].failed(7, "two")
         assert "two" in _stopped(c[0], final=True)
-        end = c[0].wait()
+        end = _next(c[0])
         assert end.code == 7 and "no restarts left (1, --worker-restarts)" in end.reason
     # a failure a restart cannot get past (a worker that never joined) ends the job at once
     with Nodes(rendezvous.Terms(4, 2, 3, 4)) as nodes:
         c = nodes.started(2)
         c[1].failed(124, "rank 3 never joined", final=True)
         assert "rank 3 never joined" in _stopped(c[0], final=True)
-        assert c[0].wait() == rendezvous.End(124, "node 1: rank 3 never joined")
+        assert _next(c[0]) == rendezvous.End(124, "node 1: rank 3 never joined")
 
 
 def test_an_interrupt_a_late_finisher_a_silent_node_and_a_second_launcher_of_one_node():
@@ -126,7 +142,7 @@ def test_an_interrupt_a_late_finisher_a_silent_node_and_a_second_launcher_of_one
         c = nodes.started(2)
         c[1].interrupted(143, "its launcher received SIGTERM")
         assert _stopped(c[0], final=True) == "node 1: its launcher received SIGTERM"
-        assert c[0].wait().code == 143
+        assert _next(c[0]).code == 143
     # a node done while another runs on past --exit-time-out: the job ends with 1, naming both
     with Nodes(rendezvous.Terms(4, 2, 3, 2), exit_time_out=0.5) as nodes:
         c = nodes.started(2)
@@ -135,26 +151,38 @@ def test_an_interrupt_a_late_finisher_a_silent_node_and_a_second_launcher_of_one
         assert "node(s) [0] finished, but node(s) [1] still ran 0.5 s later (--exit-time-out)" in end
     # a node that sends nothing (its host is down) is lost after the heartbeat time-out; a node that
     # comes back after the group went on without it joins the next group
-    with Nodes(rendezvous.Terms(4, 2, 3, 2), rejoin=0.5, heartbeat_time_out=3.0) as nodes:
+    with Nodes(rendezvous.Terms(4, 2, 5, 2), rejoin=0.5, heartbeat_time_out=3.0) as nodes:
         c0 = nodes.client(0)
         silent = socket.create_connection(("127.0.0.1", nodes.port))
         silent.sendall((json.dumps({"op": "join", "node": 1, "terms": dataclasses.asdict(nodes.terms)}) + "\n").encode())
-        assert c0.wait().worker_num == 4
+        assert _next(c0).worker_num == 4
         assert "node 1's launcher is gone (it sent nothing for 3 s)" in _stopped(c0, timeout=10)
         c0.rejoin()
-        assert c0.wait() == rendezvous.Start(1, 0, (0,), 2)
+        assert _next(c0) == rendezvous.Start(1, 0, (0,), 2)
         back = nodes.client(1)                           # the host is back: it waits for the next group
+        _logged(nodes, "node 1 joined while generation 1 runs without it; it joins the group at the next restart")
         c0.failed(1, "rank 0 crashed")
         c0.rejoin()
-        assert [c0.wait(), back.wait()] == [rendezvous.Start(2, 0, (0, 1), 4), rendezvous.Start(2, 1, (0, 1), 4)]
+        assert [_next(c0), _next(back)] == [rendezvous.Start(2, 0, (0, 1), 4), rendezvous.Start(2, 1, (0, 1), 4)]
+        # a node that comes back while the others gather for a restart joins that very group
+        back.close()
+        assert "node 1's launcher is gone" in _stopped(c0)
+        c0.rejoin()
+        assert _next(c0) == rendezvous.Start(3, 0, (0,), 2)
+        c0.failed(1, "rank 1 crashed")
+        assert "rank 1 crashed" in _stopped(c0)
+        back = nodes.client(1)
+        _logged(nodes, "node 1 is back; it joins generation 4")
+        c0.rejoin()
+        assert [_next(c0), _next(back)] == [rendezvous.Start(4, 0, (0, 1), 4), rendezvous.Start(4, 1, (0, 1), 4)]
         # a second launcher as node 1 (restarted, or --node-rank given twice) replaces the first,
         # which is told so; the running group is stopped
         again = nodes.client(1)
         with pytest.raises(rendezvous.RendezvousError, match="another launcher joined as node 1"):
-            back.wait()
+            _next(back)
         assert "node 1's launcher started again" in _stopped(c0)
         c0.rejoin()
-        assert again.wait().generation == 3
+        assert _next(again).generation == 5
         silent.close()
 
 
@@ -164,7 +192,7 @@ def test_a_silent_node_0_and_an_unreachable_one_end_a_launcher():
         mute.listen(1)
         client = rendezvous.Client("127.0.0.1", mute.getsockname()[1], 1, TERMS, time_out=5, heartbeat_time_out=0.5)
         with pytest.raises(rendezvous.RendezvousError, match="node 0's launcher is gone"):
-            client.wait()
+            _next(client)
         client.close()
     with pytest.raises(rendezvous.RendezvousError, match=r"could not be reached within 0\.5 s"):
         rendezvous.Client("127.0.0.1", free_port(), 1, TERMS, time_out=0.5)
@@ -174,7 +202,7 @@ def test_a_silent_node_0_and_an_unreachable_one_end_a_launcher():
 
 def test_a_node_that_never_joins_ends_the_first_group_with_124():
     with Nodes(rendezvous.Terms(4, 2, 1, 2), first=0.5) as nodes:
-        end = nodes.client(0).wait()
+        end = _next(nodes.client(0))
         assert end.code == 124 and "node(s) [1] never joined within 0.5 s (--cluster-time-out)" in end.reason
 
 
@@ -182,9 +210,9 @@ def test_the_rendezvous_refuses_other_terms_and_survives_any_frame():
     with Nodes(rendezvous.Terms(4, 2, 1, 2)) as nodes:
         with pytest.raises(rendezvous.RendezvousError, match="node 1 was started with .*'min_workers': 4.*give "
                                                              "every node's launcher the same"):
-            nodes.client(1, rendezvous.Terms(4, 2, 1, 4)).wait()
+            _next(nodes.client(1, rendezvous.Terms(4, 2, 1, 4)))
         with pytest.raises(rendezvous.RendezvousError, match=r"node rank 5 is not in 0\.\.1"):
-            nodes.client(5).wait()
+            _next(nodes.client(5))
         for frame in (b"\xff\xfe\n", b"[1, 2]\n", b'{"op": "fly"}\n', b'{"op": "done"}\n', b"x" * 70000,
                       b'{"op": "join", "node": "0", "terms": 1}\n'):
             with socket.create_connection(("127.0.0.1", nodes.port)) as raw:
@@ -195,7 +223,7 @@ def test_the_rendezvous_refuses_other_terms_and_survives_any_frame():
                 except OSError:
                     pass
         c = [nodes.client(i) for i in range(2)]
-        assert [x.wait().worker_num for x in c] == [4, 4]
+        assert [_next(x).worker_num for x in c] == [4, 4]
         assert any("bad frame" in line for line in nodes.logs)
 
 

@@ -8,7 +8,8 @@ serves a small *rendezvous* (torchrun's elastic agent plays this part for PyTorc
 launcher, node 0's included, is its client:
 
 1. each launcher **joins** generation ``g`` (0 at first) and waits;
-2. when every node of the last group has joined — or, after a failure, when
+2. when every node of the last group has joined (a node that came back while they gathered
+   joins too) — or, after a failure, when
    ``--rejoin-time-out`` seconds have passed and the nodes that came back hold at least
    ``--min-workers`` workers — node 0 sends each a **start**: its node index in the new group
    (the order of the nodes' ``--node-rank``), the group's ``worker_num``, the generation;
@@ -247,6 +248,11 @@ class Server:
                 _send(sock, lock, {"op": "end", "code": self._end.code, "reason": self._end.reason})
                 return node
             self._joined.add(node)
+            if self._phase == "running" and node not in self._members:
+                self.log(f"rendezvous: node {node} joined while generation {self._generation} runs without it; "
+                         "it joins the group at the next restart")
+            elif self._generation > 0 and node not in self._expected:
+                self.log(f"rendezvous: node {node} is back; it joins generation {self._generation}")
             self._maybe_start()
         return node
 
@@ -313,7 +319,7 @@ class Server:
             return
         present = sorted(self._joined)
         if self._expected <= self._joined:
-            self._launch(tuple(sorted(self._expected)))
+            self._launch(tuple(present))          # with any node that came back meanwhile
         elif timed_out:
             workers = len(present) * self.terms.local_worker_num
             missing = sorted(self._expected - self._joined)
