@@ -89,10 +89,11 @@ def test_the_summary_of_a_ledger_with_a_kill_a_restart_and_a_torn_line(tmp_path)
                 "data_s": data, "checkpoint_s": ckpt, "productive_s": wall - compile_s - data - ckpt}
     _write(tmp_path, [
         {"event": "start", "time": 2.0, "process_start": 0.0, "step": 0, "pid": 10},
-        window(14.0, 1, 1, 4.0, compile_s=3.0),            # startup 0..10, then compile
+        window(14.0, 1, 1, 4.0, compile_s=3.0),            # startup 0..10, then compile, the first step's 1 s
         window(24.0, 2, 10, 10.0, data=1.0, ckpt=1.0),      # killed after step 10
         {"event": "start", "time": 31.0, "process_start": 30.0, "step": 6, "pid": 11},   # resumed at 6: 7..10 again
-        window(40.0, 7, 10, 8.0, compile_s=2.0),
+        window(35.0, 7, 7, 3.0, compile_s=2.0),            # the restart's first step: 1 s of startup
+        window(40.0, 8, 10, 5.0),
         window(44.0, 11, 12, 2.0),                          # 2 s of "other" between the windows
         {"event": "end", "time": 45.0, "step": 12, "pid": 11}], torn=True)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "mfu": m}) + "\n"
@@ -100,10 +101,10 @@ def test_the_summary_of_a_ledger_with_a_kill_a_restart_and_a_torn_line(tmp_path)
     s = summarize(tmp_path)
     sec = s["seconds"]
     assert s["wall_s"] == 45.0 and s["restarts"] == 1 and s["unreadable_lines"] == 1
-    assert sec["startup"] == 10.0 + 2.0 and sec["compile"] == 5.0 and sec["data"] == 1.0
+    assert sec["startup"] == 10.0 + 1.0 + 2.0 + 1.0 and sec["compile"] == 5.0 and sec["data"] == 1.0
     assert sec["checkpoint"] == 1.0 and sec["restart"] == 6.0 and sec["other"] == 2.0 + 1.0
     assert sec["recomputed"] == pytest.approx(8.0 * 4 / 9)          # 4 of the 9 steps of that window
-    assert sec["productive"] == pytest.approx(1.0 + 8.0 + 6.0 + 2.0 - 8.0 * 4 / 9)
+    assert sec["productive"] == pytest.approx(8.0 + 5.0 + 2.0 - 8.0 * 4 / 9)
     assert sum(sec.values()) == pytest.approx(45.0)
     assert s["goodput"] == pytest.approx(sec["productive"] / 45.0)
     assert s["mfu"] == 0.5 and s["effective_mfu"] == pytest.approx(0.5 * s["goodput"])
