@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.checkpoint import state as st
 from jaxpar.checkpoint.checksum import KEY as CHECKSUMS, ROWS_KEY as ROW_CHECKSUMS
 from jaxpar.checkpoint.damage import check_values, reading, writing
-from jaxpar.checkpoint.manager import complete_step, complete_steps, open_manager, read_rows, saved_leaves
+from jaxpar.checkpoint.manager import (StateRestore, StateSave, complete_step, complete_steps, open_manager, read_rows,
+                                      saved_leaves)
 from jaxpar.checkpoint.strategy import spec_from_json, spec_to_json, strategy_file
 from jaxpar.config import ParallelConfig
 from jaxpar.mesh import make_mesh
@@ -193,7 +194,7 @@ def transform(directory, out, config: ParallelConfig, *, step: int | None = None
                   for p, leaf in stored.items()}
         with reading_step(manager, directory, step):
             restored = manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
+                state=StateRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
             meta = dict(restored["meta"])
         # the checksums are kept in the new step's meta: they hold in any layout
         check_values(directory, step, st.unnest(restored["state"]), meta, damaged_step_advice(manager, directory, step))
@@ -202,7 +203,7 @@ def transform(directory, out, config: ParallelConfig, *, step: int | None = None
     new_strategy = strategy_file(leaves, mesh, config)
     if "model" in strategy:
         new_strategy["model"] = strategy["model"]      # the model description travels with the arrays
-    items = {"state": ocp.args.StandardSave(restored["state"]), "meta": ocp.args.JsonSave(meta),
+    items = {"state": StateSave(restored["state"]), "meta": ocp.args.JsonSave(meta),
              "strategy": ocp.args.JsonSave(new_strategy)}
     if rows is not None:
         items["rows"] = ocp.args.StandardSave(rows)

@@ -254,7 +254,7 @@ def _checkpoint_params(directory: str, step: int | None) -> tuple[dict[str, jax.
 
     from jaxpar.checkpoint import state as st
     from jaxpar.checkpoint.damage import check_values
-    from jaxpar.checkpoint.manager import complete_step, open_manager, saved_leaves
+    from jaxpar.checkpoint.manager import StateRestore, complete_step, open_manager, saved_leaves
     from jaxpar.checkpoint.offline import damaged_step_advice, read_strategy, reading_step
 
     one = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("one",)), PartitionSpec())
@@ -265,7 +265,7 @@ def _checkpoint_params(directory: str, step: int | None) -> tuple[dict[str, jax.
             target = {p: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=one)
                       for p, leaf in saved_leaves(manager, step).items()}
             restored = manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
+                state=StateRestore(st.nest(target)), meta=ocp.args.JsonRestore()))
         flat = st.unnest(restored["state"])
         # values that decode without an error but differ from what was saved are refused, as restore does
         check_values(directory, step, flat, dict(restored["meta"]), damaged_step_advice(manager, directory, step))
