@@ -67,6 +67,39 @@ def test_resume_under_another_layout(gpt_run, layout):
     np.testing.assert_allclose(common.run(trainer, 5), straight[5:], rtol=1e-5, atol=0)
 
 
+def test_a_step_written_by_orbax_default_writer_restores_and_ours_splits_nothing(tmp_path, monkeypatch, caplog):
+    """jaxpar writes every shard whole from its first replica, compiling nothing to cut it; a step
+    that orbax's default writer split among the replicas (as jaxpar did before) restores alike."""
+    import orbax.checkpoint as ocp
+
+    from jaxpar.checkpoint import manager
+
+    def slices_compiled(save):
+        caplog.clear()
+        with caplog.at_level("WARNING"), jax.log_compiles():
+            save()
+        return sum("Compiling jit(slice)" in r.getMessage() for r in caplog.records)
+
+    trainer = common.gpt_trainer(common.DATA8)      # parameters replicated over 8 devices
+    common.run(trainer, 2)
+    assert slices_compiled(lambda: ckpt.save(trainer, tmp_path / "ours")) == 0
+    straight = common.run(trainer, 2)
+    init = manager._StateHandler.__init__
+
+    def orbax_default(self):
+        init(self)
+        self._writer = ocp.PyTreeCheckpointHandler()     # orbax's global registry: replica-parallel on CPU
+    monkeypatch.setattr(manager._StateHandler, "__init__", orbax_default)
+    first = common.gpt_trainer(common.DATA8)
+    common.run(first, 2)
+    assert slices_compiled(lambda: ckpt.save(first, tmp_path / "orbax")) > 0     # the check sees them
+    monkeypatch.undo()
+    for directory in ("ours", "orbax"):
+        again = common.gpt_trainer(common.DATA8)
+        assert ckpt.restore(again, tmp_path / directory)["step"] == 2
+        np.testing.assert_array_equal(common.run(again, 2), straight)
+
+
 @pytest.mark.slow
 def test_resume_zero1_into_zero3(tmp_path):
     """Optimizer-parallel levels store the same tree: ZeRO-1 saves restore into ZeRO-3."""
