@@ -219,13 +219,13 @@ def final_params(run_dir: str, step: int) -> dict:
     import orbax.checkpoint as ocp
 
     from jaxpar.checkpoint import state as st
-    from jaxpar.checkpoint.manager import open_manager, saved_leaves
+    from jaxpar.checkpoint.manager import StateRestore, open_manager, saved_leaves
 
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     with open_manager(os.path.join(run_dir, "ckpt"), read_only=True) as manager:
         target = {path: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=one)
                   for path, leaf in saved_leaves(manager, step).items()}
-        tree = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(st.nest(target))))
+        tree = manager.restore(step, args=ocp.args.Composite(state=StateRestore(st.nest(target))))
     return {path: np.asarray(x) for path, x in st.unnest(tree["state"]).items() if path.startswith("params/")}
 
 

@@ -62,7 +62,7 @@ def worker(writer: str, directory: str) -> dict:
     tree = st.nest(st.savable(st.flat_state(trainer.state)))
     jax.block_until_ready(tree)
     handler, save = ((ocp.StandardCheckpointHandler(), ocp.args.StandardSave) if writer == WRITERS[0]
-                     else (mgr._StateHandler(), mgr.StateSave))
+                     else (mgr.StateHandler(), mgr.StateSave))
     out = {"writer": writer}
     with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=True),
                                item_handlers={"state": handler}) as manager:

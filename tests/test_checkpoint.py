@@ -84,12 +84,12 @@ def test_a_step_written_by_orbax_default_writer_restores_and_ours_splits_nothing
     common.run(trainer, 2)
     assert slices_compiled(lambda: ckpt.save(trainer, tmp_path / "ours")) == 0
     straight = common.run(trainer, 2)
-    init = manager._StateHandler.__init__
+    init = manager.StateHandler.__init__
 
     def orbax_default(self):
         init(self)
         self._writer = ocp.PyTreeCheckpointHandler()     # orbax's global registry: replica-parallel on CPU
-    monkeypatch.setattr(manager._StateHandler, "__init__", orbax_default)
+    monkeypatch.setattr(manager.StateHandler, "__init__", orbax_default)
     first = common.gpt_trainer(common.DATA8)
     common.run(first, 2)
     assert slices_compiled(lambda: ckpt.save(first, tmp_path / "orbax")) > 0     # the check sees them

@@ -21,7 +21,9 @@ TERMS = rendezvous.Terms(worker_num=6, local_worker_num=2, worker_restarts=2, mi
 class Nodes:
     """A rendezvous server and one client per node, in this process."""
 
-    def __init__(self, terms=TERMS, rejoin=1.0, first=5.0, **kw):
+    # rejoin: how long node 0 waits for the nodes after a failure; the tests' own steps between a
+    # failure and a rejoin must fit in it on a loaded machine, so it is not made shorter
+    def __init__(self, terms=TERMS, rejoin=3.0, first=5.0, **kw):
         self.logs: list[str] = []
         self.port = free_port()
         self.server = rendezvous.Server("127.0.0.1", self.port, terms, first_time_out=first,
@@ -95,10 +97,10 @@ def test_a_failure_restarts_every_node_and_a_lost_node_is_left_out_while_enough_
             x.rejoin()
         t = time.monotonic()
         shrunk = [_next(c[0]), _next(c[2])]
-        assert time.monotonic() - t > 0.5                         # it waited for node 1 first
+        assert time.monotonic() - t > 2.0                         # it waited for node 1 first
         assert [(s.generation, s.index, s.nodes, s.worker_num) for s in shrunk] == \
             [(2, 0, (0, 2), 4), (2, 1, (0, 2), 4)]
-        assert any("did not come back within 1 s (--rejoin-time-out): going on with 4 of 6 workers" in line
+        assert any("did not come back within 3 s (--rejoin-time-out): going on with 4 of 6 workers" in line
                    for line in nodes.logs)
         c[0].done()
         c[2].done()
@@ -115,7 +117,7 @@ def test_no_restarts_left_or_too_few_workers_end_the_job_on_every_node():
         assert "gone" in _stopped(c[0])
         c[0].rejoin()
         end = _next(c[0])
-        assert end.code == 1 and "only 2 worker(s) came back within 1 s" in end.reason
+        assert end.code == 1 and "only 2 worker(s) came back within 3 s" in end.reason
         assert "fewer than --min-workers 4" in end.reason
     with Nodes(rendezvous.Terms(4, 2, 1, 4)) as nodes:
         c = nodes.started(2)
@@ -151,7 +153,7 @@ def test_an_interrupt_a_late_finisher_a_silent_node_and_a_second_launcher_of_one
         assert "node(s) [0] finished, but node(s) [1] still ran 0.5 s later (--exit-time-out)" in end
     # a node that sends nothing (its host is down) is lost after the heartbeat time-out; a node that
     # comes back after the group went on without it joins the next group
-    with Nodes(rendezvous.Terms(4, 2, 5, 2), rejoin=0.5, heartbeat_time_out=3.0) as nodes:
+    with Nodes(rendezvous.Terms(4, 2, 5, 2), heartbeat_time_out=3.0) as nodes:
         c0 = nodes.client(0)
         silent = socket.create_connection(("127.0.0.1", nodes.port))
         silent.sendall((json.dumps({"op": "join", "node": 1, "terms": dataclasses.asdict(nodes.terms)}) + "\n").encode())

@@ -56,7 +56,7 @@ ITEMS = ("state", "meta", "strategy", "rows")
 RESUME = ("newest", "newest_intact")
 
 
-class _StateHandler(ocp.StandardCheckpointHandler):
+class StateHandler(ocp.StandardCheckpointHandler):
     """orbax's handler of the ``state`` item, writing each shard from one replica.
 
     orbax splits a replicated array among its replicas on CPU and TPU by default ("replica-
@@ -65,8 +65,14 @@ class _StateHandler(ocp.StandardCheckpointHandler):
     a process's first save, which every restart paid again (`benchmarks/first_save.py`: on one
     process with ``{"data": 8}`` and a 4-layer GPT with ZeRO-1, 80 programs). Here every shard is
     written whole by its first replica (``ArrayHandler(use_replica_parallel=False)``), except on
-    TPU, where orbax's default stays. Restoring reads the same files either way; a step written
-    by either restores through either, and `restore`, metadata and the commit are orbax's own.
+    TPU, where orbax's default stays. Restoring reads the same files either way, and a step
+    written by either restores through either (`restore`, the tree metadata and the commit are
+    orbax's own). Two differences in what a step holds: no ``array_metadatas/`` (orbax's
+    per-process record of each array's written shape, which it compares across processes at the
+    commit; jaxpar's value checksums are checked at every restore instead), and the step's
+    metadata names this class as the ``state`` item's handler, so an orbax ``restore`` without
+    arguments needs jaxpar imported (with ``args``, or ``StandardCheckpointer().restore`` of the
+    item's directory, plain orbax reads it).
     """
 
     def __init__(self):
@@ -83,22 +89,22 @@ class _StateHandler(ocp.StandardCheckpointHandler):
     async def async_save(self, directory, item=None, save_args=None, args=None):
         if args is None:
             args = ocp.args.StandardSave(item, save_args)
-        self._validate_save_state(args.item, save_args=args.save_args)
+        item = self._validate_save_state(args.item, save_args=args.save_args)
         return await self._writer.async_save(directory, args=ocp.args.PyTreeSave(
-            args.item, save_args=args.save_args, custom_metadata=args.custom_metadata))
+            item, save_args=args.save_args, custom_metadata=args.custom_metadata))
 
     def close(self):
         self._writer.close()
         super().close()
 
 
-@ocp.args.register_with_handler(_StateHandler, for_save=True)
+@ocp.args.register_with_handler(StateHandler, for_save=True)
 class StateSave(ocp.args.StandardSave):
     """``ocp.args.StandardSave`` of the ``state`` item (its own class, so that orbax hands it to
-    `_StateHandler` without changing where its ``StandardSave`` goes)."""
+    `StateHandler` without changing where its ``StandardSave`` goes)."""
 
 
-@ocp.args.register_with_handler(_StateHandler, for_restore=True)
+@ocp.args.register_with_handler(StateHandler, for_restore=True)
 class StateRestore(ocp.args.StandardRestore):
     """``ocp.args.StandardRestore`` of the ``state`` item (see `StateSave`)."""
 
@@ -119,7 +125,7 @@ def open_manager(directory: str, *, keep: int | None = None, read_only: bool = F
         # Leftovers of a killed save are removed by the next writer, never by a reader.
         cleanup_tmp_directories=not read_only, **local,
     )
-    handlers = {"state": _StateHandler(), "meta": ocp.JsonCheckpointHandler(),
+    handlers = {"state": StateHandler(), "meta": ocp.JsonCheckpointHandler(),
                 "strategy": ocp.JsonCheckpointHandler(), "rows": ocp.StandardCheckpointHandler()}
     return ocp.CheckpointManager(os.path.abspath(os.fspath(directory)), options=options, item_handlers=handlers)
 
