@@ -5,14 +5,17 @@ machine built from datasheet figures (`machine`: H100 / H200 nodes of 8 GPUs on 
 8 x 400 Gb/s InfiniBand, a TPU v5p slice on ICI):
 
 1. **the published layout**: TP on ``model``, DP (and FSDP) on the batch, PP as pipeline stages,
-   the published global batch, sequence length and bf16 compute; jaxpar predicts the step time
+   the published global batch, sequence length, bf16 compute and recompute policy (``remat`` in
+   the runs file: MaxText's ``minimal_flash`` is jaxpar's ``dots_saveable`` under fused
+   attention; the 70B runs' MLP-recomputing policies have no jaxpar match, the nearest is
+   recorded); jaxpar predicts the step time
    (`jaxpar.auto.pricing.price` / `price_pipeline` on the hand-written strategy), the memory per
    device and the MFU. MFU is counted as the publisher counts it (`publisher_flops`: Megatron's
    and MaxText's formulas, both with full, non-causal attention), so predicted / published MFU
    is published / predicted step time.
 2. **the planner's own choice**: `jaxpar.auto.search_job` over ``data x model`` meshes (model
-   1, 2, 4, 8: inside a node), ZeRO 0/1/3, micro-batches and recompute, within the device's
-   memory, and its predicted step time.
+   1, 2, 4, 8: inside a node), ZeRO 0/1/3, micro-batches and recompute (none, full, and the
+   two matmul-saving policies), within the device's memory, and its predicted step time.
 
 Models are abstract (`nnx.eval_shape`): the graph is traced at full size with scanned layers
 (shapes only; nothing is allocated). Two runs are fitted (``FIT``), every other run is held
@@ -53,12 +56,15 @@ from jaxpar.models.gpt_parallel import pipeline_loss as gpt_pipeline  # noqa: E4
 from jaxpar.models.llama import Llama, LlamaConfig  # noqa: E402
 from jaxpar.models.llama import loss_fn as llama_loss  # noqa: E402
 from jaxpar.models.llama_report import llama_flops_per_token  # noqa: E402
+from jaxpar.nn.blocks import remat_loss  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 RUNS = HERE / "published_runs.json"
 FIT = ("megatron_7.1b",          # the run the sustained FLOP/s fraction is fitted on
        "maxtext_llama2_7b_16gpu")  # the run the A3 network's collective overlap is chosen on
 QUICK = ("megatron_1.7b", "maxtext_llama2_7b_8gpu")
+# the recompute policies the planner chooses from
+REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 # Megatron's distributed optimizer keeps the fp32 main weights in its shards and all-gathers the
 # bf16 model weights after the step (its gradients are reduced in fp32: --accumulate-allreduce-
 # grads-in-fp32 is forced for bf16 unless --grad-reduce-in-bf16)
@@ -146,7 +152,7 @@ def predict(run: dict, params: CostParams) -> dict:
         step, args, temp = price_pipeline(graph, hand_axes(graph, config, sizes), sizes, placed, shape,
                                           zero=1, breakdown=parts)
     else:
-        graph = build_graph(model, loss_fn, tokens(rows, run["seq_len"]))
+        graph = build_graph(model, remat_loss(model, loss_fn, run["remat"]["value"]), tokens(rows, run["seq_len"]))
         zero, axis = (3, "fsdp") if lay["fsdp"] > 1 else (1, "data")   # Megatron's distributed optimizer
         placed = dataclasses.replace(params.placed(hosts, sizes), gather_itemsize=None if zero == 3 else MEGATRON_GATHER)
         step, args, temp = price(graph, hand_axes(graph, config, sizes), sizes, placed, zero=zero, zero_axis=axis,
@@ -156,7 +162,7 @@ def predict(run: dict, params: CostParams) -> dict:
     return {"step_s": step, "argument_bytes": args, "temp_bytes": temp, "memory_bytes": args + temp,
             "mfu": flops / (step * run["devices"] * peak), "publisher_flops_per_step": flops,
             "mesh": {**({"pipe": lay["pp"]} if lay["pp"] > 1 else {}), **sizes}, "hosts": hosts,
-            "micro_batches": k, "breakdown": parts}
+            "micro_batches": k, "remat": run["remat"]["value"], "breakdown": parts}
 
 
 def params_fraction(params: CostParams, run: dict) -> float:
@@ -187,7 +193,7 @@ def planner(run: dict, params: CostParams, budget: float) -> dict:
     rows = run["global_batch"]
     accum = tuple(a for a in (1, 2, 4) if rows % a == 0 and (rows // a) % (n // 8) == 0) or (1,)
     space = JobSearchSpace(devices=n, memory_budget=budget, meshes=meshes, zero_levels=(0, 1, 3),
-                           grad_accum=accum, remat=("none", "full"))
+                           grad_accum=accum, remat=REMAT)
     t0 = time.perf_counter()
     try:
         job = search_job(model_fn, loss_fn, tokens(rows, run["seq_len"]), space, cost_params=params)
@@ -211,13 +217,13 @@ def fit_fraction(runs: list[dict], hardware: dict) -> float:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'run':<32} {'dev':>5} {'layout':<26} {'pub MFU':>8} {'pred MFU':>8} {'err':>7} {'use':<9} "
+    head = (f"{'run':<32} {'dev':>5} {'layout':<40} {'pub MFU':>8} {'pred MFU':>8} {'err':>7} {'use':<9} "
             f"{'mem GB':>7} {'pub s':>8} {'pred s':>8} {'planner s':>9}  planner choice")
     out = [head, "-" * len(head)]
     for r in rows:
         pl = r["planner"]
         ps = f"{pl['step_s']:.3g}" if pl.get("step_s") else "—"
-        out.append(f"{r['id']:<32} {r['devices']:>5} {r['layout_text']:<26} {r['published_mfu']:>8.1%} "
+        out.append(f"{r['id']:<32} {r['devices']:>5} {r['layout_text']:<40} {r['published_mfu']:>8.1%} "
                    f"{r['predicted']['mfu']:>8.1%} {r['error']:>+7.1%} {r['use']:<9} "
                    f"{r['predicted']['memory_bytes'] / 1e9:>7.1f} {r['published_step_s']:>8.3g} "
                    f"{r['predicted']['step_s']:>8.3g} {ps:>9}  {pl.get('chosen') or pl.get('why', 'not run')}")
@@ -270,7 +276,8 @@ def main(argv=None) -> dict:
         pred = predict(run, params)
         pub_mfu = run["published"]["mfu"]["value"]
         lay = run["layout"]
-        text = " ".join(f"{k.upper()}{v}" for k, v in lay.items() if k in ("tp", "pp", "dp", "fsdp") and v > 1)
+        text = " ".join(f"{k.upper()}{v}" for k, v in lay.items() if k in ("tp", "pp", "dp", "fsdp") and v > 1) \
+            + ("" if run["remat"]["value"] == "none" else f" {run['remat']['published']}")
         budget = hardware[run["hardware"]]["memory_bytes"]["value"]
         pl = {"chosen": None, "why": "not run (--quick / --no-search)"} if args.quick or args.no_search \
             else planner(run, params, budget)

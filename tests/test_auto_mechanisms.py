@@ -87,6 +87,33 @@ def test_fused_attention_keeps_the_score_matrices_off_the_device():
         CostParams(fused_attention=1)
 
 
+def test_grouped_query_score_products_are_scores_and_half_precision_values_are_saved():
+    """The Llama's grouped-query score product comes out of ``dot_general`` with its group after
+    the key and query positions (``[B, K, S, T, G]``; a size-1 group when every head has its own
+    keys): fused attention keeps those off the device too (they
+    were 275 GB of a predicted 363 GB per H100 for Llama2-7B FSDP8), and bf16 values a loop's
+    backward reads (its matmul outputs) count like fp32 ones (they were not counted at all)."""
+    from jaxpar.models.llama import Llama, LlamaConfig
+    from jaxpar.models.llama import loss_fn as llama_loss
+
+    cfg = LlamaConfig(vocab_size=64, embed=64, heads=4, kv_heads=2, mlp=128, layers=2, max_seq_len=32,
+                      scan_layers=True, dtype="bfloat16", attention="reference")
+    x = jax.ShapeDtypeStruct((8, 32), jnp.int32)
+    graph = build_graph(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), llama_loss, {"inputs": x, "targets": x})
+    products = [op.outs[0] for op in graph.ops if op.prim == "dot_general" and graph.tensors[op.outs[0]].shape.count(32) == 2]
+    assert products and all(graph.tensors[t].shape == (8, 2, 32, 32, 2) for t in products)   # [B, K, S, T, G]
+    assert all(attention_scores(graph, t) for t in products)
+    # the values product [B, K, D, G, T] and the activations are no score matrices
+    assert not any(attention_scores(graph, t) for t in range(len(graph.tensors))
+                   if graph.tensors[t].shape in ((8, 2, 16, 2, 32), (8, 32, 4, 16), (8, 32, 64), (8, 32, 128)))
+    plain = CostParams(flops_per_s=1e12, default_bandwidth=1e11)
+    kept, fused = flags_for(graph, plain).saved, flags_for(graph, dataclasses.replace(plain, fused_attention=True)).saved
+    assert all(kept[t] for t in products) and not any(fused[t] for t in products)
+    halves = [t for op in graph.ops if op.prim == "dot_general" and op.repeat > 1 for t in op.outs
+              if graph.tensors[t].itemsize == 2 and graph.tensors[t].shape[-1] in (64, 128)]
+    assert halves and all(kept[t] for t in halves)       # q/k/v/o and the MLP's products, in bf16
+
+
 def test_the_updated_parameters_gather_moves_the_dtype_asked_for():
     sizes = {"data": 8}
     graph, axes = graph_and_axes(sizes, {"batch": "data"})

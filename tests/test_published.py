@@ -5,6 +5,8 @@ import importlib.util
 import json
 import pathlib
 
+from jaxpar.remat import POLICY_NAMES
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -26,6 +28,10 @@ def test_every_published_number_has_a_source_and_a_status():
             assert figure["status"] in ("SRC", "DERIVED"), (run["id"], name)
             if figure["status"] == "DERIVED":
                 assert figure["arithmetic"], (run["id"], name)
+        remat = run["remat"]      # the recompute policy its layout is priced with, and why
+        assert remat["value"] in POLICY_NAMES and remat["status"] in ("SRC", "NEAREST", "NOT STATED"), run["id"]
+        if remat["status"] == "NEAREST":
+            assert remat["published"] and remat["source"] and remat["why"], run["id"]
     for kind in data["hardware"].values():
         for name, figure in kind.items():
             if isinstance(figure, dict):

@@ -97,8 +97,8 @@ class CostParams:
         loops are one pool) only the bytes' time above that layer's matmul compute counts
         (`pooled_hidden`); the latencies stay. ``False``: exposed.
       fused_attention: attention runs as one fused kernel (FlashAttention, cuDNN's fused
-        attention, TPU Splash): its score matrices (``[..., s, s]``: the scores, their mask,
-        softmax and probabilities; `attention_scores`) stay in on-chip memory, are never saved
+        attention, TPU Splash): its score matrices (two dimensions of one sequence: the scores,
+        their mask, softmax and probabilities; `attention_scores`) stay in on-chip memory, are never saved
         for the backward pass (the kernel recomputes them there) and take no device memory.
       gather_itemsize: bytes per element of the updated parameters' all-gather at ZeRO 1-2
         (`jaxpar.auto.pricing.price`): ``None``, the parameters' own dtype, as jaxpar gathers its
@@ -436,7 +436,8 @@ def analyse(graph: Graph, loops: bool = True, *, fused_attention: bool = False) 
     cannot fuse them away across iterations; ``loops=False``: a loop of one iteration, which
     XLA removes). Inside a recompute region only what its policy keeps on the device is saved,
     plus the region's inputs and any of its values read after it; the rest is *recomputed*:
-    it lives only while the region's backward runs."""
+    it lives only while the region's backward runs. Values of one byte (masks) and scalars are
+    never counted; half-precision ones are (a bf16 model's matmul outputs)."""
     params = {t for _, t in graph.params}
     for op in graph.ops:      # a loop's slice of a stacked parameter is that parameter, per iteration
         if op.prim == "copy" and op.get("scan") == "xs" and op.ins[0] in params:
@@ -460,7 +461,7 @@ def analyse(graph: Graph, loops: bool = True, *, fused_attention: bool = False) 
             base.update(derivative_reads(op, grad))    # of a body reads is stacked (not one recomputed)
 
     def real(t):
-        return t not in inputs and graph.tensors[t].itemsize >= 4 and len(graph.tensors[t].shape) > 0
+        return t not in inputs and graph.tensors[t].itemsize >= 2 and len(graph.tensors[t].shape) > 0
 
     n = len(graph.tensors)
     if fused_attention:     # `CostParams.fused_attention`: score matrices stay in on-chip memory
@@ -479,11 +480,19 @@ def analyse(graph: Graph, loops: bool = True, *, fused_attention: bool = False) 
 
 def attention_scores(graph: Graph, t: int) -> bool:
     """Whether tensor ``t`` is an attention score matrix (or its softmax, mask, probabilities):
-    its last two dimensions are one class (query and key positions of one sequence) of equal
-    length, after at least one other (batch, heads)."""
+    two of its dimensions are one class (query and key positions of one sequence) of equal
+    length, beside at least one other (batch, heads). The two need not be the last ones: a
+    grouped-query product ``btkgd,bskd`` leaves its group between them (``[B, K, T, G, S]``)."""
     tensor = graph.tensors[t]
-    c, shape = tensor.classes, tensor.shape
-    return len(shape) >= 3 and c[-1] >= 0 and c[-1] == c[-2] and shape[-1] == shape[-2]
+    if len(tensor.shape) < 3:
+        return False
+    seen: dict[int, int] = {}
+    for c, n in zip(tensor.classes, tensor.shape):
+        if c >= 0 and n > 1:
+            if seen.get(c) == n:
+                return True
+            seen[c] = n
+    return False
 
 
 def flags_for(graph: Graph, params: "CostParams", loops: bool = True) -> Flags:
