@@ -32,6 +32,9 @@ def test_zero_spec_rules():
     assert z(P(), (3, 5)) is None                                # nothing divides: replicated
     assert z(P("data"), (16,)) == P("data")                      # already over data
     assert z(P(), (16, 4), kb=1) == P()                          # 256 B < 1 KB threshold
+    # a scanned block's stacked "layers" dimension last: each layer then splits on its own
+    assert zero_spec(P(), (16, 32, 8), 4, ("data",), SIZES, 0, layers_dim=0) == P(None, "data")
+    assert zero_spec(P(), (16, 3, 5), 4, ("data",), SIZES, 0, layers_dim=0) == P("data")   # nothing else divides
 
 
 def test_plan_levels_and_shard_size():
@@ -209,6 +212,37 @@ def test_level3_parameters_are_sharded_from_init():
     up = model.blocks[0].mlp.up.get_value()
     assert "data" in str(up.sharding.spec)
     assert up.addressable_shards[0].data.size == up.size // 8
+
+
+def test_level3_gathers_a_scanned_model_one_layer_at_a_time():
+    """ZeRO 3 on scanned layers: the stacked parameters are split off their "layers" axis, and
+    each layer's are gathered in the scan's step that runs it, not all before the loop. They
+    were, so the step's temp held every layer's parameters at once (a 16-layer Llama: 257.6 MB
+    against 196.8 MB without ZeRO, now 204.4 MB; with remat="full" 144.0 MB, now 30.0 MB). The
+    losses stay those of ZeRO 0."""
+    import re
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, embed=64, heads=4, mlp=256, layers=8, scan_layers=True)
+    batch = ArithmeticData(cfg.seq_len).batch(16, 0)
+    runs = {}
+    for level in (0, 3):
+        config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", optimizer=Z(level), remat="full")
+        mesh = jaxpar.make_mesh(config)
+        trainer = jaxpar.Trainer(jaxpar.init(lambda: GPT(cfg, rngs=nnx.Rngs(0)), config, mesh), optax.adamw(1e-3),
+                                 loss_fn, config, mesh)
+        compiled = trainer.lower(batch).compile()
+        runs[level] = (trainer, compiled, [float(trainer.step(batch)["loss"]) for _ in range(3)])
+    trainer, compiled, losses = runs[3]
+    assert losses == pytest.approx(runs[0][2], rel=1e-6)
+    stacked = [x for x in jax.tree.leaves(nnx.state(trainer.model.blocks, nnx.Param)) if x.shape[0] == cfg.layers]
+    assert stacked and all(x.sharding.spec[:1] in ((), (None,)) for x in stacked)    # layers whole, split inside
+    assert any("data" in str(x.sharding.spec) for x in stacked)
+    entry = compiled.as_text().split("\nENTRY ")[1].split("\n}\n")[0]
+    gathered = [ln for ln in entry.splitlines() if re.search(r"= \S+ all-gather(-start)?\(", ln)]
+    assert not any(re.search(rf"\[{cfg.layers},", ln.split("=")[1]) for ln in gathered), gathered   # no layer stack
+    layer_bytes = sum(x.nbytes for x in stacked)
+    extra = memory(compiled).temp_bytes - memory(runs[0][1]).temp_bytes
+    assert extra < layer_bytes / 4, (extra, layer_bytes)        # was about the whole stack
 
 
 @pytest.mark.parametrize("level", [0, 1])

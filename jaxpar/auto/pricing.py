@@ -85,6 +85,27 @@ def _zero_shardable(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str
     return total
 
 
+def _zero_layer_gathered(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str, threshold_kb: float) -> float:
+    """Per-device bytes ZeRO 3 holds gathered at once, the ``1/d`` shard included: every
+    sharded parameter's, except that a scan's stacked parameters (read one slice per step:
+    scanned layers) count one layer's, as the step gathers them (`jaxpar.train.step.gather_by_layer`)."""
+    from jax.sharding import PartitionSpec
+
+    from jaxpar.auto.assign import spec_of
+    from jaxpar.optim.zero import zero_spec
+
+    params = {t for _, t in graph.params}
+    stacked = {op.ins[0] for op in graph.ops if op.prim == "copy" and op.get("scan") == "xs" and op.ins[0] in params}
+    total = 0.0
+    for _, t in graph.params:
+        tensor = graph.tensors[t]
+        spec = PartitionSpec(*spec_of(graph, t, axes))
+        out = zero_spec(spec, tensor.shape, tensor.itemsize, (zero_axis,), dict(sizes), threshold_kb)
+        if out is not None and out != spec and zero_axis not in (tensor_axes(graph, t, axes) or ()):
+            total += local_bytes(graph, t, axes, sizes) / (tensor.shape[0] if t in stacked else 1)
+    return total
+
+
 def _zero_terms(zero: int, shardable: float, d: int, params: CostParams) -> tuple[float, float, float]:
     """``(argument bytes saved, bytes ZeRO-3 gathers, bytes saved per device of P)``."""
     f = (1 - 1 / d) if d > 1 else 0.0
@@ -110,6 +131,8 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
     batch = sum(local_bytes(graph, t, axes, sizes) for _, t in graph.batch)
     shardable = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb) if zero and d > 1 else 0.0
     args_saved, gathered, saved = _zero_terms(zero, shardable, d, params)
+    if gathered:        # scanned layers: one layer's parameters at a time
+        gathered = _zero_layer_gathered(graph, axes, sizes, zero_axis, threshold_kb) * (1 - 1 / d)
     args = cost.argument_bytes + (k - 1) * batch - args_saved
     if k == 1:
         during = params.temp_activation_factor * act + gathered

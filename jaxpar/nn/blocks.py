@@ -19,8 +19,8 @@ from flax import nnx
 from jaxpar.nn.specs import logical_names
 from jaxpar.remat import remat
 
-__all__ = ["BLOCKS_HOOK", "block_policy", "find_blocks", "module_at", "recompute_paths", "recomputed_loss",
-           "remat_blocks", "remat_loss"]
+__all__ = ["BLOCKS_HOOK", "block_policy", "find_blocks", "layer_constrained_loss", "module_at", "recompute_paths",
+           "recomputed_loss", "remat_blocks", "remat_loss", "stacked_blocks"]
 
 BLOCKS_HOOK = "jaxpar_blocks"
 """The model attribute that names its blocks: module paths, as ``StagedLoss.order``."""
@@ -169,6 +169,62 @@ def remat_loss(model: nnx.Module, loss_fn: Callable, policy: str, order: Sequenc
         return loss_fn
     paths = recompute_paths(model, policy, order)
     return recomputed_loss(loss_fn, paths, policy) if paths else remat(loss_fn, policy)
+
+
+def stacked_blocks(model: nnx.Module, order: Sequence[str] | None = None) -> tuple[str, ...]:
+    """The blocks of `find_blocks` whose parameters are all stacked on a leading ``"layers"``
+    axis: the bodies of scans, each call of which runs one layer.
+
+    Example:
+        >>> class M(nnx.Module):
+        ...     def __init__(self):
+        ...         self.layers = nnx.List([nnx.Linear(2, 2, rngs=nnx.Rngs(0)) for _ in range(2)])
+        >>> stacked_blocks(M())     # unrolled layers: no stack
+        ()
+    """
+    params = [(path, var) for path, var in nnx.iter_graph(model) if isinstance(var, nnx.Param)]
+    return tuple(path for path in find_blocks(model, order)
+                 if _stacked(tuple(int(k) if k.isdigit() else k for k in path.split("/")), params))
+
+
+def layer_constrained_loss(loss_fn: Callable, constraints: dict[str, dict[str, tuple]]) -> Callable:
+    """``loss_fn(model, batch, *rest)`` with each block at a path of ``constraints`` (a stacked
+    block: `stacked_blocks`) pinning, at each of its calls (one layer in the scan's step), its
+    parameters to the shardings ``constraints[path][param path in the block]`` in turn (e.g. the
+    ZeRO 3 shard, then the compute layout: the gather happens there, one layer at a time). The
+    parameters get their own values back when the call returns, so the block's state is what
+    it was; a recompute policy on the block (`remat_blocks`, applied inside this) redoes the
+    constraints in its backward."""
+    import jax
+
+    def with_constrained_layers(model, batch, *rest):
+        for path, by_param in constraints.items():
+            module = module_at(model, path)
+            module.__class__ = _constrained_class(type(module), by_param, jax.lax.with_sharding_constraint)
+        return loss_fn(model, batch, *rest)
+
+    return with_constrained_layers
+
+
+def _constrained_class(cls: type, by_param: dict[str, tuple], constrain: Callable) -> type:
+    def __call__(self, *args, **kwargs):
+        kept = []
+        for path, var in nnx.iter_graph(self):
+            shardings = by_param.get("/".join(str(k) for k in path)) if isinstance(var, nnx.Param) else None
+            if shardings:
+                value = var.get_value()
+                kept.append((var, value))
+                for sharding in shardings:
+                    value = constrain(value, sharding)
+                var.set_value(value)
+        try:
+            return cls.__call__(self, *args, **kwargs)
+        finally:
+            for var, value in kept:
+                var.set_value(value)
+
+    return type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
 
 
 def _order(path: tuple) -> tuple:

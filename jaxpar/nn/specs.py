@@ -26,9 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig
 from jaxpar.strategy import shard_count, to_partition_spec
-
-_LOGICAL_KEYS = ("out_sharding", "sharding_names", "sharding")
-
+from jaxpar.strategy.resolve import logical_names
 
 def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
@@ -43,15 +41,6 @@ def path_str(path) -> str:
     if parts and parts[-1] == "value":
         parts.pop()
     return "/".join(parts)
-
-
-def logical_names(var: nnx.Variable) -> tuple | None:
-    meta = var.get_metadata()
-    for key in _LOGICAL_KEYS:
-        names = meta.get(key)
-        if names:
-            return tuple(names)
-    return None
 
 
 def matching_patterns(path: str, plan: dict[str, Any]) -> list[str]:

@@ -18,9 +18,12 @@ The sharding rule (`zero_spec`), for a parameter of ``shape`` with compute ``spe
    their spec: their state is replicated (sharding tiny tensors costs more than it saves);
 2. a spec that already uses one of the ZeRO axes is kept;
 3. otherwise the ZeRO axes go on the *first dimension not already split* whose size the
-   ZeRO group size divides;
+   ZeRO group size divides, the stacked ``"layers"`` dimension of scanned blocks last: split
+   there, each step of the scan would need a layer another device holds, so every layer's
+   parameters would be gathered before the loop; split on another dimension, ZeRO 3 gathers
+   one layer's in each step (`jaxpar.nn.blocks.stacked_blocks`);
 4. failing that, on the first already-split dimension that still divides (the ZeRO axes
-   are appended after the existing ones, e.g. ``("model", "data")``);
+   are appended after the existing ones, e.g. ``("model", "data")``; ``"layers"`` last again);
 5. failing that, the spec is kept (replicated over the ZeRO axes) and `ZeroSpecs.unsharded`
    lists the parameter.
 
@@ -52,6 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jaxpar.deprecation import renamed_keywords
 from jaxpar.config import OptimizerConfig
 from jaxpar.strategy import mesh_sizes, spec_axes
+from jaxpar.strategy.resolve import logical_names
 
 _is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
 
@@ -108,25 +112,40 @@ def _spec(entries: list) -> PartitionSpec:
 
 
 def zero_spec(spec: PartitionSpec, shape: tuple[int, ...], itemsize: int, axes: tuple[str, ...],
-              sizes: dict[str, int], threshold_kb: float) -> PartitionSpec | None:
-    """``spec`` with the ZeRO ``axes`` added (module docstring, rule 1–5); ``None`` if rule 5."""
+              sizes: dict[str, int], threshold_kb: float, layers_dim: int = -1) -> PartitionSpec | None:
+    """``spec`` with the ZeRO ``axes`` added (module docstring, rule 1–5); ``None`` if rule 5.
+    ``layers_dim``: the dimension stacking scanned layers (`stacked_dim`), tried last; -1: none.
+
+    >>> zero_spec(PartitionSpec(), (4, 8, 8), 4, ("data",), {"data": 4}, 0.0)
+    PartitionSpec('data',)
+    >>> zero_spec(PartitionSpec(), (4, 8, 8), 4, ("data",), {"data": 4}, 0.0, layers_dim=0)
+    PartitionSpec(None, 'data')
+    """
     n = math.prod(sizes[a] for a in axes)
     used = {a for entry in spec for a in spec_axes(entry)}
     if n == 1 or math.prod(shape) * itemsize < threshold_kb * 1024 or used & set(axes):
         return spec
     entries = list(spec) + [None] * (len(shape) - len(spec))
     zero = axes[0] if len(axes) == 1 else tuple(axes)
-    for dim, entry in enumerate(entries):
-        if entry is None and shape[dim] % n == 0:
+    order = sorted(range(len(shape)), key=lambda d: d == layers_dim)
+    for dim in order:
+        if entries[dim] is None and shape[dim] % n == 0:
             return _spec([*entries[:dim], zero, *entries[dim + 1:]])
-    for dim, entry in enumerate(entries):
-        have = spec_axes(entry)
+    for dim in order:
+        have = spec_axes(entries[dim])
         if have and shape[dim] % (n * math.prod(sizes[a] for a in have)) == 0:
             return _spec([*entries[:dim], (*have, *axes), *entries[dim + 1:]])
     return None
 
 
-def zero_specs(config: OptimizerConfig, mesh, param_specs, params) -> ZeroSpecs:
+def stacked_dim(x) -> int:
+    """The dimension of a parameter whose logical name is ``"layers"`` (the stacking axis of
+    scanned blocks), from an ``nnx.Variable``'s metadata; -1 for other leaves."""
+    names = logical_names(x) if hasattr(x, "get_metadata") else None
+    return names.index("layers") if names and "layers" in names else -1
+
+
+def zero_specs(config: OptimizerConfig, mesh, param_specs, params, stacked=None) -> ZeroSpecs:
     """Storage specs for parameters, gradients and optimizer state at ``config.level``.
 
     Args:
@@ -134,6 +153,9 @@ def zero_specs(config: OptimizerConfig, mesh, param_specs, params) -> ZeroSpecs:
       mesh: the ``jax.sharding.Mesh``.
       param_specs: the parameter specs, a tree of ``PartitionSpec`` like ``params``.
       params: the parameters or their abstract shapes (anything with ``shape``/``dtype``).
+      stacked: a tree like ``params`` of each one's stacked ``"layers"`` dimension (-1: none),
+        for parameters given without their logical names; ``None``: read from ``params``
+        (`stacked_dim` of each ``nnx.Variable``).
 
     Example:
       >>> zero = zero_specs(OptimizerConfig(level=1), mesh, specs, params)   # doctest: +SKIP
@@ -144,14 +166,20 @@ def zero_specs(config: OptimizerConfig, mesh, param_specs, params) -> ZeroSpecs:
     sizes = mesh_sizes(mesh)
     unsharded: list[str] = []
 
-    def one(path, spec, x):
-        out = zero_spec(spec, tuple(x.shape), np.dtype(x.dtype).itemsize, axes, sizes, config.threshold_kb)
+    if stacked is None:     # shaped like params (a variable keeps its place, holding the number)
+        stacked = jax.tree.map(lambda x: x.replace(stacked_dim(x)) if hasattr(x, "get_metadata") else -1, params,
+                               is_leaf=lambda x: hasattr(x, "get_metadata"))
+
+    def one(path, spec, x, layers_dim):
+        layers_dim = layers_dim.get_value() if hasattr(layers_dim, "get_value") else layers_dim
+        out = zero_spec(spec, tuple(x.shape), np.dtype(x.dtype).itemsize, axes, sizes, config.threshold_kb,
+                        layers_dim)
         if out is None:
             unsharded.append(jax.tree_util.keystr(path))
             return spec
         return out
 
-    sharded = jax.tree_util.tree_map_with_path(one, param_specs, params, is_leaf=_is_spec)
+    sharded = jax.tree_util.tree_map_with_path(one, param_specs, params, stacked, is_leaf=_is_spec)
     level = config.level
     return ZeroSpecs(
         compute=param_specs,

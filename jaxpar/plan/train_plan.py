@@ -39,7 +39,7 @@ from jaxpar.deprecation import OFFLOAD, RemovedAttribute, offload_removed, remov
 from jaxpar.pipeline.schedules import build as _build_schedule
 from jaxpar.data.layout import BatchLayout
 from jaxpar.nn.specs import check_strategy_covers, is_variable, itemsize, path_str, state_specs
-from jaxpar.optim.zero import ZeroSpecs, opt_state_specs, zero_specs
+from jaxpar.optim.zero import ZeroSpecs, opt_state_specs, stacked_dim, zero_specs
 from jaxpar.plan.checks import check_combination, check_plan_args
 from jaxpar.precision import cast_floats
 from jaxpar.strategy import mesh_sizes, spec_axes
@@ -407,7 +407,8 @@ def make_train_plan(config: ParallelConfig, mesh, model_or_state, tx: optax.Grad
     if config.precision is not None:     # the plan's shapes and bytes are those of the stored dtype
         abstract = cast_floats(abstract, config.precision.params)
     pure_specs = jax.tree.map(lambda v: v.get_value(), param_specs, is_leaf=is_variable)
-    zero = zero_specs(config.optimizer, sizes, pure_specs, abstract)
+    zero = zero_specs(config.optimizer, sizes, pure_specs, abstract,
+                      stacked=jax.tree.map(stacked_dim, params, is_leaf=is_variable))
     opt = opt_state_specs(tx, zero.state, abstract)
     shapes = {p: (tuple(a.shape), str(a.dtype)) for p, a in flat_paths(abstract)}
     return TrainPlan(

@@ -33,6 +33,19 @@ from jaxpar.strategy.layout import Layout, LayoutSpec
 Strategy = Any  # tuple[int, ...] | tuple[str | None | tuple[str, ...], ...] | LayoutSpec | PartitionSpec
 
 
+_LOGICAL_KEYS = ("out_sharding", "sharding_names", "sharding")
+
+
+def logical_names(var) -> tuple | None:
+    """A variable's logical axis names (an ``nnx.Variable``'s sharding metadata), or ``None``."""
+    meta = var.get_metadata()
+    for key in _LOGICAL_KEYS:
+        names = meta.get(key)
+        if names:
+            return tuple(names)
+    return None
+
+
 def mesh_sizes(mesh: Any) -> dict[str, int]:
     """``{axis: size}`` in axis order, of a ``Mesh``, an ``AbstractMesh`` or a mapping.
 

@@ -35,8 +35,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.data import part_shapes
 from jaxpar.nn import fp8
-from jaxpar.nn.blocks import recompute_paths, recomputed_loss
+from jaxpar.nn.blocks import layer_constrained_loss, recompute_paths, recomputed_loss, stacked_blocks
 from jaxpar.nn.moe import MoEMetric, moe_metrics
+from jaxpar.nn.specs import is_variable, path_str
 from jaxpar.optim import accumulate, fusion
 from jaxpar.optim.zero import gather_params, reduce_gradients
 from jaxpar.pipeline.model import pipelined
@@ -142,6 +143,8 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
     # pipeline's stages too: around the whole loss XLA keeps a scan's stacked activations.
     # A model without blocks keeps the whole-loss recompute below (`whole`: its policy).
     loss_fn, whole = recompute_blocks(s, loss_fn, plan.remat, order)
+    # ZeRO-3 gathers scanned blocks' parameters one layer at a time, around their recompute
+    loss_fn, by_layer = gather_by_layer(s, loss_fn, order)
     # MoE routing figures leave the model loss beside its aux: every wrapper below carries
     # them as it carries aux (accumulation and multi-copy average them over the parts, and
     # sum the dropped assignments: `combine_parts`).
@@ -156,7 +159,7 @@ def build_grads(s: Setting, loss_fn: Callable, batch) -> Callable:
         loss = merge(s, loss_fn, part)
         # ZeRO-3 gathers the stored shards to the compute layout *inside* the loss, so that a
         # whole-loss recompute (next) gathers them again in the backward instead of keeping them.
-        loss = gather(s, loss)
+        loss = gather(s, loss, by_layer)
         loss = recompute(loss, whole)
         # Multi-copy: the parts run one after another in one program, so one part's
         # collectives can overlap the next part's compute.
@@ -186,7 +189,9 @@ def build_eval(s: Setting, loss_fn: Callable, batch) -> Callable:
     """``(TrainState, batch) -> loss``: the forward of the chain, no gradients, the model in
     evaluation mode (`Setting.evaluating`: dropout off, batch norm on its running statistics)."""
     s = s.evaluating()
-    loss = cast(s, gather(s, merge(s, pipeline(s, loss_fn), batch)))
+    order = loss_fn.order if isinstance(loss_fn, StagedLoss) else None
+    by_layer_loss, by_layer = gather_by_layer(s, pipeline(s, loss_fn), order)
+    loss = cast(s, gather(s, merge(s, by_layer_loss, batch), by_layer))
 
     def evaluate(state: TrainState, batch, *rows):
         return loss(s.join(state.params, rows), state.rest, batch)[0]
@@ -246,15 +251,56 @@ def per_device(s: Setting, loss_fn: Callable, batch) -> Callable:
     return compute
 
 
-def gather(s: Setting, loss: Callable) -> Callable:
-    """ZeRO-3: parameters stored sharded are constrained to their compute layout where used."""
+def gather(s: Setting, loss: Callable, by_layer: frozenset = frozenset()) -> Callable:
+    """ZeRO-3: parameters stored sharded are constrained to their compute layout where used;
+    those ``by_layer`` gathers one layer at a time (`gather_by_layer`) stay sharded here."""
     if s.plan.zero_level < 3 or s.plan.loss_runs == "per_device":
         return loss   # (per device, `reduce_per_device` all-gathers inside the shard_map)
+    specs = s.zero.compute if not by_layer else _specs_of(s, {**s.plan.params, **{k: s.plan.stored[k] for k in by_layer}})
 
     def gathered(params, rest, batch):
-        return loss(s.on_params(lambda p: s.constrain(p, s.zero.compute), params), rest, batch)
+        return loss(s.on_params(lambda p: s.constrain(p, specs), params), rest, batch)
 
     return gathered
+
+
+def gather_by_layer(s: Setting, loss_fn: Callable, order=None) -> tuple[Callable, frozenset]:
+    """ZeRO-3 with scanned blocks (`jaxpar.nn.blocks.stacked_blocks`): each layer's parameters
+    are gathered in the scan's step that runs it, not all before the loop (where XLA puts the
+    gather of parameters constrained to their compute layout at the loss's top: every layer's
+    at once, the memory ZeRO 3 is for). Each block's parameters are pinned, per call, to their
+    stored shard and then to their compute layout (`jaxpar.nn.blocks.layer_constrained_loss`;
+    inside a block's recompute, so its backward gathers again). Returns the loss and the plan
+    paths so gathered, which `gather` leaves sharded. Not in a pipeline (its stages hold their
+    own layers) nor per device (hybrid: `reduce_per_device` gathers)."""
+    plan = s.plan
+    if plan.zero_level < 3 or plan.loss_runs == "per_device" or plan.pipeline.stages > 1:
+        return loss_fn, frozenset()
+    constraints: dict[str, dict[str, tuple]] = {}
+    for block in stacked_blocks(nnx.merge(s.graphdef, s.params_like, s.rest_like), order):
+        by_param = {}
+        for key, stored in plan.stored.items():
+            compute = plan.params[key]
+            if not key.startswith(block + "/") or stored == compute or tuple(stored)[:1] not in ((), (None,)) \
+                    or tuple(compute)[:1] not in ((), (None,)):
+                continue        # not this block's, not sharded by ZeRO, or its layers split (kept whole)
+            by_param[key[len(block) + 1:]] = (NamedSharding(s.mesh, PartitionSpec(*tuple(stored)[1:])),
+                                              NamedSharding(s.mesh, PartitionSpec(*tuple(compute)[1:])))
+        if by_param:
+            constraints[block] = by_param
+    if not constraints:
+        return loss_fn, frozenset()
+    keys = frozenset(f"{block}/{rel}" for block, by_param in constraints.items() for rel in by_param)
+    return layer_constrained_loss(loss_fn, constraints), keys
+
+
+def _specs_of(s: Setting, table: dict) -> Any:
+    """A spec tree like the parameters from ``{plan path: spec}``."""
+    def one(path, x):
+        spec = table[path_str(path)]
+        return x.replace(spec) if is_variable(x) else spec
+
+    return jax.tree_util.tree_map_with_path(one, s.params_like, is_leaf=is_variable)
 
 
 def recompute_blocks(s: Setting, loss_fn: Callable, policy: str, order=None) -> tuple[Callable, str]:
