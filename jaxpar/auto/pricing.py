@@ -100,9 +100,12 @@ def _zero_layer_gathered(graph: Graph, axes, sizes: Mapping[str, int], zero_axis
     for _, t in graph.params:
         tensor = graph.tensors[t]
         spec = PartitionSpec(*spec_of(graph, t, axes))
-        out = zero_spec(spec, tensor.shape, tensor.itemsize, (zero_axis,), dict(sizes), threshold_kb)
+        layers = 0 if t in stacked else -1
+        out = zero_spec(spec, tensor.shape, tensor.itemsize, (zero_axis,), dict(sizes), threshold_kb, layers)
         if out is not None and out != spec and zero_axis not in (tensor_axes(graph, t, axes) or ()):
-            total += local_bytes(graph, t, axes, sizes) / (tensor.shape[0] if t in stacked else 1)
+            # split on its layers axis (nothing else divides), the step gathers it whole
+            by_layer = t in stacked and tuple(out)[:1] in ((), (None,)) and tuple(spec)[:1] in ((), (None,))
+            total += local_bytes(graph, t, axes, sizes) / (tensor.shape[0] if by_layer else 1)
     return total
 
 

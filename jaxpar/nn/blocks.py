@@ -193,20 +193,40 @@ def layer_constrained_loss(loss_fn: Callable, constraints: dict[str, dict[str, t
     parameters to the shardings ``constraints[path][param path in the block]`` in turn (e.g. the
     ZeRO 3 shard, then the compute layout: the gather happens there, one layer at a time). The
     parameters get their own values back when the call returns, so the block's state is what
-    it was; a recompute policy on the block (`remat_blocks`, applied inside this) redoes the
-    constraints in its backward."""
-    import jax
+    it was; a recompute policy on the block (`remat_blocks`, applied inside this, or
+    ``jaxpar.remat`` the model put on the block itself) redoes the constraints in its backward."""
+    frozen = {path: tuple(sorted(by_param.items())) for path, by_param in constraints.items()}
 
     def with_constrained_layers(model, batch, *rest):
-        for path, by_param in constraints.items():
+        for path, by_param in frozen.items():
             module = module_at(model, path)
-            module.__class__ = _constrained_class(type(module), by_param, jax.lax.with_sharding_constraint)
+            cls = type(module)
+            policy = getattr(cls, "_jaxpar_remat_policy", None)
+            # a block recomputed by the model itself: the constraints go inside its recompute
+            module.__class__ = _constrained_class(getattr(cls, "_jaxpar_remat_base", cls), by_param)
+            if policy is not None:
+                remat(module, policy)
         return loss_fn(model, batch, *rest)
 
     return with_constrained_layers
 
 
-def _constrained_class(cls: type, by_param: dict[str, tuple], constrain: Callable) -> type:
+_CONSTRAINED: dict[tuple, type] = {}
+
+
+def _constrained_class(cls: type, by_param: tuple) -> type:
+    """``cls`` whose calls pin its parameters (``by_param``: sorted ``(path, shardings)``
+    pairs), one class per block class and constraints, so the recompute classes built on it
+    are made once too."""
+    key = (cls, by_param)
+    if key not in _CONSTRAINED:
+        _CONSTRAINED[key] = _make_constrained(cls, dict(by_param))
+    return _CONSTRAINED[key]
+
+
+def _make_constrained(cls: type, by_param: dict[str, tuple]) -> type:
+    from jax.lax import with_sharding_constraint as constrain
+
     def __call__(self, *args, **kwargs):
         kept = []
         for path, var in nnx.iter_graph(self):

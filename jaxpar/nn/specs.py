@@ -28,6 +28,7 @@ from jaxpar.config import ParallelConfig
 from jaxpar.strategy import shard_count, to_partition_spec
 from jaxpar.strategy.resolve import logical_names
 
+
 def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 

@@ -281,6 +281,7 @@ def gather_by_layer(s: Setting, loss_fn: Callable, order=None) -> tuple[Callable
         by_param = {}
         for key, stored in plan.stored.items():
             compute = plan.params[key]
+            # (a stacked block's parameters all have "layers" first: `stacked_blocks`)
             if not key.startswith(block + "/") or stored == compute or tuple(stored)[:1] not in ((), (None,)) \
                     or tuple(compute)[:1] not in ((), (None,)):
                 continue        # not this block's, not sharded by ZeRO, or its layers split (kept whole)
