@@ -439,9 +439,8 @@ def analyse(graph: Graph, loops: bool = True, *, fused_attention: bool = False) 
     it lives only while the region's backward runs. Values of one byte (masks) and scalars are
     never counted; half-precision ones are (a bf16 model's matmul outputs)."""
     params = {t for _, t in graph.params}
-    for op in graph.ops:      # a loop's slice of a stacked parameter is that parameter, per iteration
-        if op.prim == "copy" and op.get("scan") == "xs" and op.ins[0] in params:
-            params.update(op.outs)
+    for op in scan_slices(graph):     # a loop's slice of a stacked parameter is that parameter, per iteration
+        params.update(op.outs)
     inputs = params | {t for _, t in (*graph.batch, *graph.others)}
     base = set()
     for op in graph.ops:
@@ -476,6 +475,13 @@ def analyse(graph: Graph, loops: bool = True, *, fused_attention: bool = False) 
             calls[t] = max(calls[t], r.repeat)
     source, tail = derivations(graph, grad)
     return Flags(tuple(grad), tuple(t in params for t in range(n)), saved, recomputed, tuple(calls), source, tail)
+
+
+def scan_slices(graph: Graph) -> list[Op]:
+    """The operators by which a scan reads one slice of a parameter per step (``copy`` of a
+    scan's ``xs``): stacked layers' parameters, each read one layer at a time."""
+    params = {t for _, t in graph.params}
+    return [op for op in graph.ops if op.prim == "copy" and op.get("scan") == "xs" and op.ins[0] in params]
 
 
 def attention_scores(graph: Graph, t: int) -> bool:

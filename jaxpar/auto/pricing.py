@@ -53,7 +53,8 @@ import jax
 import numpy as np
 
 from jaxpar.auto.comm import GRAD, Comm, combined_time, comm_share
-from jaxpar.auto.cost import Cost, CostParams, evaluate, flags_for, local_bytes, matmul_terms, op_terms, tensor_axes
+from jaxpar.auto.cost import (Cost, CostParams, evaluate, flags_for, local_bytes, matmul_terms, op_terms,
+                              scan_slices, tensor_axes)
 from jaxpar.auto.graph import Graph
 
 
@@ -67,54 +68,39 @@ def micro_batch(batch: Any, k: int) -> Any:
 
 
 def _zero_shardable(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str, threshold_kb: float,
-                    scale: Mapping[int, float] | None = None) -> float:
+                    scale: Mapping[int, float] | None = None, *, per_layer: bool = False) -> float:
     """Per-device bytes of the parameters ZeRO shards over ``zero_axis`` (``scale``: per
-    parameter tensor, the share a device holds, e.g. ``1/p`` for a pipeline stage's blocks)."""
+    parameter tensor, the share a device holds, e.g. ``1/p`` for a pipeline stage's blocks).
+    ``per_layer``: what ZeRO 3 holds gathered at once instead, a scan's stacked parameters
+    counting one layer's (`jaxpar.train.step.gather_by_layer` gathers them one at a time,
+    unless only their layers axis could be split)."""
     from jax.sharding import PartitionSpec
 
     from jaxpar.auto.assign import spec_of
     from jaxpar.optim.zero import zero_spec
 
+    stacked = {op.ins[0] for op in scan_slices(graph)} if per_layer else set()
     total = 0.0
     for _, t in graph.params:
         tensor = graph.tensors[t]
         spec = PartitionSpec(*spec_of(graph, t, axes))
-        out = zero_spec(spec, tensor.shape, tensor.itemsize, (zero_axis,), dict(sizes), threshold_kb)
+        out = zero_spec(spec, tensor.shape, tensor.itemsize, (zero_axis,), dict(sizes), threshold_kb,
+                        0 if t in stacked else -1)
         if out is not None and out != spec and zero_axis not in (tensor_axes(graph, t, axes) or ()):
-            total += local_bytes(graph, t, axes, sizes) * (scale or {}).get(t, 1.0)
+            layers = tensor.shape[0] if t in stacked and tuple(out)[:1] in ((), (None,)) else 1
+            total += local_bytes(graph, t, axes, sizes) * (scale or {}).get(t, 1.0) / layers
     return total
 
 
-def _zero_layer_gathered(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str, threshold_kb: float) -> float:
-    """Per-device bytes ZeRO 3 holds gathered at once, the ``1/d`` shard included: every
-    sharded parameter's, except that a scan's stacked parameters (read one slice per step:
-    scanned layers) count one layer's, as the step gathers them (`jaxpar.train.step.gather_by_layer`)."""
-    from jax.sharding import PartitionSpec
-
-    from jaxpar.auto.assign import spec_of
-    from jaxpar.optim.zero import zero_spec
-
-    params = {t for _, t in graph.params}
-    stacked = {op.ins[0] for op in graph.ops if op.prim == "copy" and op.get("scan") == "xs" and op.ins[0] in params}
-    total = 0.0
-    for _, t in graph.params:
-        tensor = graph.tensors[t]
-        spec = PartitionSpec(*spec_of(graph, t, axes))
-        layers = 0 if t in stacked else -1
-        out = zero_spec(spec, tensor.shape, tensor.itemsize, (zero_axis,), dict(sizes), threshold_kb, layers)
-        if out is not None and out != spec and zero_axis not in (tensor_axes(graph, t, axes) or ()):
-            # split on its layers axis (nothing else divides), the step gathers it whole
-            by_layer = t in stacked and tuple(out)[:1] in ((), (None,)) and tuple(spec)[:1] in ((), (None,))
-            total += local_bytes(graph, t, axes, sizes) / (tensor.shape[0] if by_layer else 1)
-    return total
-
-
-def _zero_terms(zero: int, shardable: float, d: int, params: CostParams) -> tuple[float, float, float]:
-    """``(argument bytes saved, bytes ZeRO-3 gathers, bytes saved per device of P)``."""
+def _zero_terms(zero: int, shardable: float, d: int, params: CostParams,
+                at_once: float | None = None) -> tuple[float, float, float]:
+    """``(argument bytes saved, bytes ZeRO-3 gathers, bytes saved per device of P)``;
+    ``at_once``: the shardable bytes ZeRO 3 holds gathered at once (default: all of them)."""
     f = (1 - 1 / d) if d > 1 else 0.0
     saved = shardable * f
     args = (params.optimizer_states * saved if zero >= 1 else 0.0) + (saved if zero >= 3 else 0.0)
-    return args, (saved if zero >= 3 else 0.0), saved
+    gathered = (shardable if at_once is None else at_once) * f if zero >= 3 else 0.0
+    return args, gathered, saved
 
 
 def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, zero: int = 0,
@@ -133,9 +119,9 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
     k, d = grad_accum, sizes.get(zero_axis, 1)
     batch = sum(local_bytes(graph, t, axes, sizes) for _, t in graph.batch)
     shardable = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb) if zero and d > 1 else 0.0
-    args_saved, gathered, saved = _zero_terms(zero, shardable, d, params)
-    if gathered:        # scanned layers: one layer's parameters at a time
-        gathered = _zero_layer_gathered(graph, axes, sizes, zero_axis, threshold_kb) * (1 - 1 / d)
+    at_once = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, per_layer=True) if zero >= 3 and d > 1 \
+        else None
+    args_saved, gathered, saved = _zero_terms(zero, shardable, d, params, at_once)
     args = cost.argument_bytes + (k - 1) * batch - args_saved
     if k == 1:
         during = params.temp_activation_factor * act + gathered

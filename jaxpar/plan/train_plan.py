@@ -157,13 +157,15 @@ class TrainPlan:
         return self.batch_layout.specs(batch, training=training)
 
     # ----------------------------------------------------------------- spec trees
-    def specs(self, section: str, like) -> Any:
+    def specs(self, section: str | dict, like) -> Any:
         """The ``PartitionSpec`` tree of ``section`` laid out like the state tree ``like``.
 
         ``like``'s leaves (or NNX Variables) are matched to the plan by path; a path the
         plan does not know is an error naming it (the plan was made for another model).
+        ``section`` may be a table of the plan's form (``{path: spec}``) made from its own.
         """
-        table = getattr(self, section)
+        table = section if isinstance(section, dict) else getattr(self, section)
+        section = "specs" if isinstance(section, dict) else section
 
         def one(path, x):
             if is_variable(x) and not jax.tree.leaves(x):

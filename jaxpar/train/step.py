@@ -37,7 +37,6 @@ from jaxpar.data import part_shapes
 from jaxpar.nn import fp8
 from jaxpar.nn.blocks import layer_constrained_loss, recompute_paths, recomputed_loss, stacked_blocks
 from jaxpar.nn.moe import MoEMetric, moe_metrics
-from jaxpar.nn.specs import is_variable, path_str
 from jaxpar.optim import accumulate, fusion
 from jaxpar.optim.zero import gather_params, reduce_gradients
 from jaxpar.pipeline.model import pipelined
@@ -256,7 +255,8 @@ def gather(s: Setting, loss: Callable, by_layer: frozenset = frozenset()) -> Cal
     those ``by_layer`` gathers one layer at a time (`gather_by_layer`) stay sharded here."""
     if s.plan.zero_level < 3 or s.plan.loss_runs == "per_device":
         return loss   # (per device, `reduce_per_device` all-gathers inside the shard_map)
-    specs = s.zero.compute if not by_layer else _specs_of(s, {**s.plan.params, **{k: s.plan.stored[k] for k in by_layer}})
+    specs = s.zero.compute if not by_layer else s.plan.specs(
+        {**s.plan.params, **{k: s.plan.stored[k] for k in by_layer}}, s.params_like)
 
     def gathered(params, rest, batch):
         return loss(s.on_params(lambda p: s.constrain(p, specs), params), rest, batch)
@@ -294,14 +294,6 @@ def gather_by_layer(s: Setting, loss_fn: Callable, order=None) -> tuple[Callable
     keys = frozenset(f"{block}/{rel}" for block, by_param in constraints.items() for rel in by_param)
     return layer_constrained_loss(loss_fn, constraints), keys
 
-
-def _specs_of(s: Setting, table: dict) -> Any:
-    """A spec tree like the parameters from ``{plan path: spec}``."""
-    def one(path, x):
-        spec = table[path_str(path)]
-        return x.replace(spec) if is_variable(x) else spec
-
-    return jax.tree_util.tree_map_with_path(one, s.params_like, is_leaf=is_variable)
 
 
 def recompute_blocks(s: Setting, loss_fn: Callable, policy: str, order=None) -> tuple[Callable, str]:
