@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "jaxpar"
 # Lower ranks come first in the data flow; a part may import parts of lower rank only.
 RANKS = {
     "strategy": 0, "launch": 0, "version": 0, "precision": 0, "deprecation": 0, "yaml_files": 0,
-    "config": 1, "distributed": 1,
+    "config": 1, "distributed": 1, "executables": 1,
     "mesh": 2, "shard": 2, "ops": 2, "remat": 2,
     "data": 3,
     "optim": 4,

@@ -344,6 +344,12 @@ def test_a_killed_rank_and_a_wiped_host_resume_from_the_local_tier_through_peers
     assert resumed == {0: {"step": 6, "source": "own"}, 1: {"step": 6, "source": "own"},
                        2: {"step": 6, "source": "peer"}, 3: {"step": 6, "source": "peer"}}, resumed
     assert not os.listdir(tmp_path / "ckpt") or all(not n.isdigit() for n in os.listdir(tmp_path / "ckpt"))
+    # the restarted processes other than 0, whose programs JAX's cache does not keep, read the
+    # step back from jaxpar.executables' folder: none compiles it again
+    compiled = {p: json.loads((run.out_dir / f"compiled-{p}.1.json").read_text()) for p in range(4)}
+    assert "flat_step" in compiled[0]["compiled"], compiled[0]      # process 0: JAX's cache (logged)
+    for p in (1, 2, 3):
+        assert "flat_step" not in compiled[p]["compiled"] and compiled[p]["read"] >= 1, (p, compiled[p])
     with np.load(run.out_dir / "params.npz") as z:
         got = {k: z[k] for k in z.files}
     assert sorted(got) == sorted(uninterrupted[1])

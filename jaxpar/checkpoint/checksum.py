@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxpar.executables import OnDisk
+
 KEY = "checksums"       # the entry of the ``meta`` item that holds them
 ROWS_KEY = "row_checksums"   # ... and the one that holds the row tables' (host arrays)
 
@@ -75,8 +77,10 @@ def _unusable(x: jax.Array, nan_only: bool) -> jax.Array:
 
 # One small program per (shape, dtype, sharding), shared by every leaf and every model that has
 # it, rather than one for the whole state, which would compile again for each model and layout.
-_leaf_jit = jax.jit(_leaf)
-_saved_jit = jax.jit(lambda x, nan_only: (_leaf(x), _unusable(x, nan_only)), static_argnums=1)
+# Every process keeps them on disk (jaxpar.executables), so a restarted process compiles none.
+_leaf_jit = OnDisk(jax.jit(_leaf))
+_saved_jit = {nan_only: OnDisk(jax.jit(lambda x, nan_only=nan_only: (_leaf(x), _unusable(x, nan_only))))
+              for nan_only in (False, True)}
 
 
 def _on_device(x) -> jax.Array:
@@ -107,7 +111,7 @@ def checksums_to_save(flat: dict[str, Any], step: int | None = None) -> dict[str
     naming the leaves (and ``step``, the state's), before anything is written."""
     out, bad = {}, []
     for path, x in flat.items():       # one program at a time (see `checksums`)
-        pair, unusable = jax.device_get(_saved_jit(_on_device(x), not path.startswith("params/")))
+        pair, unusable = jax.device_get(_saved_jit[not path.startswith("params/")](_on_device(x)))
         out[path] = [int(v) for v in np.asarray(pair)]
         if unusable:
             bad.append(path)

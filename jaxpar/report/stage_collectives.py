@@ -22,8 +22,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import deque
+import jax
 import numpy as np
 
+from jaxpar.executables import OnDisk, compiled_program
 from jaxpar.pipeline.branches import parse_branch_label
 from jaxpar.report.collectives import Collective, module_collectives
 from jaxpar.report.hlo import INSTRUCTION, field, hlo_text, parse_module, stack_frames
@@ -169,7 +171,9 @@ class CheckedStep:
     def __call__(self, *args):
         if not self._checked:
             traced = self._fn.trace(*args)
-            check_stage_collectives(traced.lower().compile(), self._mesh, self._axis, jaxpr=traced.jaxpr)
+            lowered = traced.lower()    # a program kept on disk (jaxpar.executables) is checked as read
+            compiled = self._fn.compile_for(args, lowered) if isinstance(self._fn, OnDisk) else lowered.compile()
+            check_stage_collectives(compiled, self._mesh, self._axis, jaxpr=traced.jaxpr)
             self._checked = True
         return self._fn(*args)
 
@@ -178,6 +182,10 @@ class CheckedStep:
 
     def trace(self, *args, **kwargs):
         return self._fn.trace(*args, **kwargs)
+
+    def compiled(self, *args) -> jax.stages.Compiled:
+        """The program a call with ``args`` runs (`jaxpar.executables.compiled_program`)."""
+        return compiled_program(self._fn, *args)
 
 
 # --------------------------------------------------------------------------- the HLO side

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.data import place_batch, process_view
 from jaxpar.data.sequence import reorder_batch
+from jaxpar.executables import compiled_program, on_disk
 from jaxpar.nn.specs import check_rules_used
 from jaxpar.optim import fusion
 from jaxpar.plan import IdleAxisWarning, TrainPlan, state_shardings
@@ -117,10 +118,10 @@ class Programs:
             # keep_unused: a state leaf the step only overwrites (a counter of the model's) would be
             # pruned from the program's inputs, and donation would then alias the next input of the
             # same shape and dtype to its output instead of its own
-            fn = jax.jit(flat_step, in_shardings=(s_sh, b_sh, *r_sh), out_shardings=(s_sh, None, *r_sh),
-                         donate_argnums=(0,) if self.options.donate else (), keep_unused=True,
-                         compiler_options=fusion.compiler_options(self.plan.config.comm_fusion,
-                                                                  self.mesh.devices.flat[0].platform) or None)
+            options = fusion.compiler_options(self.plan.config.comm_fusion, self.mesh.devices.flat[0].platform)
+            fn = on_disk(jax.jit(flat_step, in_shardings=(s_sh, b_sh, *r_sh), out_shardings=(s_sh, None, *r_sh),
+                                 donate_argnums=(0,) if self.options.donate else (), keep_unused=True,
+                                 compiler_options=options or None), salt=sorted((options or {}).items()))
         else:
             evaluate = build_eval(setting, self.loss_fn, shapes)
 
@@ -128,7 +129,7 @@ class Programs:
                 return evaluate(jax.tree.unflatten(state_def, state_leaves),
                                 jax.tree.unflatten(batch_def, batch_leaves), *rows)
 
-            fn = jax.jit(flat_eval, in_shardings=(s_sh, b_sh, *r_sh))
+            fn = on_disk(jax.jit(flat_eval, in_shardings=(s_sh, b_sh, *r_sh)))
         if self.plan.pipeline.stages > 1:   # compiled and checked before it runs (a stage's op must hold
             fn = checked_step(fn, self.mesh, self.plan.config.pipeline.axis)   # no cross-stage collective)
         return Program(fn, b_sh, batch_def, fast, r_sh[0] if r_sh else None)
@@ -158,20 +159,21 @@ class Programs:
             leaves = self.placed(program, batch, leaves)
         return jax.tree.unflatten(program.batch_def, leaves)
 
-    def last_step(self, batch) -> tuple[Program, Any, Callable[[], jax.stages.Lowered]]:
-        """``(program, placed batch, lowering)`` of the step a host ``batch`` ran, for the metrics'
-        first read (memory, FLOPs, tokens). With rows: of the batch and rows the last step pulled
-        (pulling again would read the rows anew)."""
+    def last_step(self, batch) -> tuple[Program, Any, Callable[[], jax.stages.Compiled]]:
+        """``(program, placed batch, compiled)`` of the step a host ``batch`` ran, for the metrics'
+        first read (memory, FLOPs, tokens): ``compiled()`` gives the program the step runs, not a
+        second compile of it. With rows: of the batch and rows the last step pulled (pulling again
+        would read the rows anew)."""
         if self.rows is not None:
             batch, rows = self.rows.pulled
             program, leaves = self.get(batch, rows=rows)
-            placed = jax.tree.unflatten(program.batch_def, jax.device_put(self.placed(program, batch, leaves),
-                                                                          program.shardings))
-            return program, placed, lambda: program.fn.lower(self.leaves(), placed,
+            batch_leaves = jax.device_put(self.placed(program, batch, leaves), program.shardings)
+            placed = jax.tree.unflatten(program.batch_def, batch_leaves)
+            return program, placed, lambda: compiled_program(program.fn, self.leaves(), batch_leaves,
                                                              self.rows.placed(program.row_shardings, rows))
-        program, _ = self.get(batch)
+        program, leaves = self.get(batch)
         placed = self.place(batch)   # global arrays: a process's host batch may hold only its rows
-        return program, placed, lambda: self.lowered(self.leaves(), batch, "train")
+        return program, placed, lambda: compiled_program(program.fn, self.leaves(), self.placed(program, batch, leaves))
 
     def _checking_rules(self, step: Callable, row_shardings: tuple = ()) -> Callable:
         """``step`` that, while it is traced, records the rules its activation constraints consult

@@ -109,9 +109,9 @@ class MetricsHook(Hook):
     def start(self, trainer, batch) -> int:
         """Tokens per step of ``batch``, and the compiled step's memory and FLOPs, read once per
         compiled step over the Trainer's life (a later run of batches shaped alike reads nothing)."""
-        program, placed, lowered = trainer.programs.last_step(batch)
+        program, placed, compiled = trainer.programs.last_step(batch)
         if not self.logger.started(program):
-            self.logger.start(lowered().compile(), placed, num_devices=trainer.mesh.devices.size,
+            self.logger.start(compiled(), placed, num_devices=trainer.mesh.devices.size,
                               resumed=trainer.step_count > 1, model_flops_per_token=trainer.flops_per_token,
                               key=program)
         return self.logger.tokens_per_step

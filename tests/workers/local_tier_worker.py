@@ -55,6 +55,29 @@ def trainer(services=None, placement=None, devices=None):
     return jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh, services=services, placement=placement)
 
 
+def watch_compiles() -> tuple[list, list]:
+    """``(names of the functions this process compiled (or loaded from JAX's cache), programs it
+    read back from jaxpar.executables' folder)``, filled as the process runs."""
+    import logging
+    import re
+
+    import jax
+
+    from jaxpar.executables import READ_EVENT
+
+    compiled, read = [], []
+
+    class Names(logging.Handler):
+        def emit(self, record):
+            if m := re.search(r"Finished XLA compilation of (?:jit\()?(\w+)", record.getMessage()):
+                compiled.append(m.group(1))
+
+    jax.config.update("jax_log_compiles", True)
+    logging.getLogger("jax").addHandler(Names())
+    jax.monitoring.register_event_listener(lambda event, **_: read.append(event) if event == READ_EVENT else None)
+    return compiled, read
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -73,6 +96,7 @@ def main():
     import jaxpar
 
     me, restart = jax.process_index(), int(os.environ.get("JAXPAR_WORKER_RESTART", "0"))
+    compiled, read = watch_compiles()
     os.environ["JAXPAR_HOST_ID"] = f"host{me // 2}"
     if restart == 1 and me // 2 == 1:      # host 1 was replaced: its local storage is empty
         shutil.rmtree(os.path.join(args.tier, f"process-{me}"), ignore_errors=True)
@@ -100,6 +124,8 @@ def main():
     flat = {jax.tree_util.keystr(k): np.asarray(v.addressable_data(0))
             for k, v in jax.tree_util.tree_flatten_with_path(whole)[0]}
     t.close()
+    with open(os.path.join(args.out, f"compiled-{me}.{restart}.json"), "w") as f:
+        json.dump({"compiled": sorted(set(compiled)), "read": len(read)}, f)
     if me == 0:
         np.savez(os.path.join(args.out, "params.npz"), **flat)
     sys.exit(0)

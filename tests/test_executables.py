@@ -1,0 +1,106 @@
+"""Compiled programs kept on disk by the processes JAX's persistent cache leaves out
+(`jaxpar.executables`). The restart of a real job (processes 1-3 read their step back) is in
+tests/test_checkpoint_local.py; here one process stands in for process 1 of a job."""
+
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxpar import executables
+from jaxpar.checkpoint import checksum
+
+
+EVENTS: list = []      # the programs read and written (jax.monitoring has no way to unregister a listener)
+jax.monitoring.register_event_listener(lambda event, **_: EVENTS.append(event) if event.startswith("/jaxpar/") else None)
+
+
+@pytest.fixture
+def kept(tmp_path, monkeypatch):
+    """This process keeps its programs in ``tmp_path`` (as process 1 of a job would), and the
+    programs read and written are counted from here."""
+    monkeypatch.setattr(executables, "cache_dir", lambda: str(tmp_path))
+    EVENTS.clear()
+    return tmp_path, EVENTS
+
+
+# The suite's JAX cache may hold a program compiled before, which jaxpar does not keep (see
+# `compile_lowered`): each test's programs are its own (a constant, a shape no other run has).
+UNIQUE = 1 + os.getpid() % 1000 + time.time_ns() % 1000
+
+
+def _program(k: int):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+    sharding = NamedSharding(mesh, PartitionSpec("data", "model"))
+    x = jax.device_put(np.arange(32, dtype=np.float32).reshape(4, 8), sharding)
+    return jax.jit(lambda x: (jnp.sin(x) @ x.T).sum() * (UNIQUE + k)), x
+
+
+def test_one_process_keeps_nothing_and_the_function_is_its_own():
+    fn = jax.jit(lambda x: x + 1)
+    assert executables.cache_dir() is None
+    assert executables.on_disk(fn) is fn
+
+
+def test_a_restarted_process_reads_its_program_back(kept):
+    folder, events = kept
+    fn, x = _program(1)
+    first = executables.on_disk(fn)
+    assert isinstance(first, executables.OnDisk)
+    want = first(x)
+    assert events == [executables.WRITTEN_EVENT] and len(os.listdir(folder)) == 1
+    assert executables.compiled_program(first, x) is executables.compiled_program(first, x)  # kept, not compiled again
+
+    again = executables.on_disk(jax.jit(lambda x: (jnp.sin(x) @ x.T).sum() * (UNIQUE + 1)))   # a new process's function
+    assert float(again(x)) == float(want)
+    assert events == [executables.WRITTEN_EVENT, executables.READ_EVENT]
+
+    # the same program on the devices in another order is another program
+    devices = np.array(jax.devices()[:4])[::-1].reshape(2, 2)
+    y = jax.device_put(np.asarray(x), NamedSharding(jax.sharding.Mesh(devices, ("data", "model")), x.sharding.spec))
+    assert float(executables.on_disk(fn)(y)) == float(want)
+    assert events[-1] == executables.WRITTEN_EVENT and len(os.listdir(folder)) == 2
+
+
+def test_a_damaged_entry_is_compiled_again_with_a_warning(kept):
+    folder, events = kept
+    fn, x = _program(2)
+    want = float(executables.on_disk(fn)(x))
+    (entry,) = os.listdir(folder)
+    with open(folder / entry, "r+b") as f:
+        f.truncate(100)
+    with pytest.warns(RuntimeWarning, match="could not be loaded.*compiling it again"):
+        assert float(executables.on_disk(fn)(x)) == want
+    assert events == [executables.WRITTEN_EVENT, executables.WRITTEN_EVENT]
+    assert os.path.getsize(folder / entry) > 100      # rewritten whole
+
+
+def _forget(fn: executables.OnDisk) -> None:
+    fn.programs.clear()
+    fn.last = None
+
+
+def test_checkpoint_checksums_are_kept_too(kept):
+    _, events = kept
+    x = jax.device_put(np.arange(2 * UNIQUE, dtype=np.float32), NamedSharding(
+        jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",)), PartitionSpec("data")))
+    _forget(checksum._leaf_jit)       # another test of this process may have kept it in memory
+    before = checksum.checksums({"w": x})
+    assert executables.WRITTEN_EVENT in events
+    _forget(checksum._leaf_jit)       # as a restarted process: nothing in memory
+    assert checksum.checksums({"w": x}) == before and events[-1] == executables.READ_EVENT
+
+
+def test_a_program_from_jax_cache_is_not_kept(kept):
+    """XLA:CPU serializes a program JAX loaded from its persistent cache without its machine code
+    (one read back from such an entry fails when it runs): only compiled programs are kept."""
+    folder, events = kept
+    fn, x = _program(3)
+    want = float(fn(x))           # compiled, and written to JAX's cache (this is its process 0)
+    jax.clear_caches()            # as a new process: JAX's cache on disk only
+    assert float(executables.on_disk(jax.jit(lambda x: (jnp.sin(x) @ x.T).sum() * (UNIQUE + 3)))(x)) == want
+    assert events == [] and os.listdir(folder) == []
