@@ -64,7 +64,8 @@ def main() -> None:
     import matrix
 
     flags = os.environ.get("XLA_FLAGS", "")
-    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false", XLA_FLAGS=f"{flags} --xla_backend_optimization_level=0")
+    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false",   # the suite's flags (tests/conftest.py)
+               XLA_FLAGS=f"{flags} --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
     open(args.out, "w").close()
     n = len(matrix.CELLS)
     procs = [subprocess.Popen([sys.executable, __file__, "--out", args.out, "--child",
