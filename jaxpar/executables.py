@@ -17,17 +17,21 @@ unchanged there.
 
 The key of a program is a SHA-256 of its StableHLO, the devices of its arguments' shardings in
 order, the compiler options, XLA's flags, the JAX and jaxlib versions, the backend's platform
-version and this process's index and count; a program read back must also take the arguments'
-shardings, else it is compiled again. A damaged or unreadable entry is compiled again and
-rewritten, with a warning. Reading an entry unpickles it: keep the cache folder as private as the
-checkpoints (JAX's own cache holds executables too).
+version, the device kind (on a CPU the host's instruction-set flags) and this process's index
+and count; a program read back must also take the arguments' shardings, else it is compiled
+again. A damaged or unreadable entry is removed and compiled again, with a warning. Kept are
+only programs compiled here, without host callbacks (`jax.debug.print`, `jax.pure_callback`:
+pointers into the process that wrote them). The folder only grows, as JAX's cache does by
+default: delete it with the cache. Reading an entry unpickles it: keep the cache folder as
+private as the checkpoints (JAX's own cache holds executables too).
 """
 
 from __future__ import annotations
 
 import hashlib
+import functools
 import os
-import pickle
+import re
 import tempfile
 import threading
 import warnings
@@ -42,15 +46,26 @@ FOLDER = "jaxpar-executables"
 READ_EVENT, WRITTEN_EVENT = "/jaxpar/executables/read", "/jaxpar/executables/written"
 
 
-_cache_hits = threading.local()     # programs this thread had from JAX's persistent cache
+# What this thread's compiles did (JAX records its events on the compiling thread): programs
+# JAX loaded from its persistent cache, and backend compiles (JAX records one for a load too).
+_seen = threading.local()
+_HIT, _COMPILE = "/jax/compilation_cache/cache_hits", "/jax/core/compile/backend_compile_duration"
+# a host callback (jax.debug.print, pure_callback) is baked into the program as a pointer into
+# this process: such a program is never kept (JAX's cache keeps none either)
+_CALLBACK = re.compile(r"custom_call @\w*python\w*callback")
 
 
-def _count_hit(event: str, **_) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        _cache_hits.count = getattr(_cache_hits, "count", 0) + 1
+def _count(event: str, *_, **__) -> None:
+    if event in (_HIT, _COMPILE):
+        setattr(_seen, event, getattr(_seen, event, 0) + 1)
 
 
-jax.monitoring.register_event_listener(_count_hit)
+jax.monitoring.register_event_listener(_count)
+jax.monitoring.register_event_duration_secs_listener(_count)
+
+
+def _counts() -> tuple[int, int]:
+    return getattr(_seen, _HIT, 0), getattr(_seen, _COMPILE, 0)
 
 
 def cache_dir() -> str | None:
@@ -77,21 +92,40 @@ def _placement(x) -> str:
     return repr(sharding)
 
 
-def _key(lowered: jax.stages.Lowered, args: Sequence, salt: str) -> str:
+@functools.cache
+def _machine() -> str:
+    """What the program's machine code was made for beyond the backend's version: the device
+    kind, and on a CPU the host's instruction-set flags (a folder shared between hosts of
+    another kind must not hand one host the other's code)."""
+    device = jax.devices()[0]
+    flags = ""
+    if device.platform == "cpu":
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+        except OSError:
+            import platform
+
+            flags = platform.processor() or platform.machine()
+    return f"{device.device_kind}|{flags.strip()}|{os.environ.get('LIBTPU_INIT_ARGS', '')}"
+
+
+def _key(text: str, args: Sequence, salt: str) -> str:
     backend = jax.devices()[0].client
-    parts = [lowered.as_text(), salt, os.environ.get("XLA_FLAGS", ""), jax.__version__, jaxlib.__version__,
-             backend.platform, backend.platform_version, f"{jax.process_index()}/{jax.process_count()}",
+    parts = [text, salt, os.environ.get("XLA_FLAGS", ""), jax.__version__, jaxlib.__version__,
+             backend.platform, backend.platform_version, _machine(), f"{jax.process_index()}/{jax.process_count()}",
              *(_placement(x) for x in jax.tree.leaves(args))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
 def _takes(compiled: jax.stages.Compiled, args: Sequence) -> bool:
-    """Whether a program read back takes ``args`` where they are (its input shardings)."""
-    wanted = jax.tree.leaves(compiled.input_shardings[0])
+    """Whether a program read back takes ``args`` where they are (its input shardings; None for
+    an argument the program does not use)."""
+    wanted = jax.tree.leaves(compiled.input_shardings[0], is_leaf=lambda s: s is None)
     leaves = jax.tree.leaves(args)
     if len(wanted) != len(leaves):
         return False
-    return all(getattr(x, "sharding", None) is None or s.is_equivalent_to(x.sharding, len(x.shape))
+    return all(s is None or getattr(x, "sharding", None) is None or s.is_equivalent_to(x.sharding, len(x.shape))
                for s, x in zip(wanted, leaves))
 
 
@@ -108,7 +142,7 @@ def _devices(args: Sequence) -> list | None:
     return None
 
 
-def _read(path: str, lowered: jax.stages.Lowered, args: Sequence) -> jax.stages.Compiled | None:
+def _read(path: str, lowered: jax.stages.Lowered, args: Sequence, devices: list) -> jax.stages.Compiled | None:
     from jax.experimental import serialize_executable
 
     try:
@@ -116,12 +150,20 @@ def _read(path: str, lowered: jax.stages.Lowered, args: Sequence) -> jax.stages.
             blob = f.read()
     except FileNotFoundError:
         return None
+    except OSError as e:
+        warnings.warn(f"jaxpar: the compiled program {path} could not be read ({e}); compiling it again",
+                      RuntimeWarning, stacklevel=3)
+        return None
     try:
         compiled = serialize_executable.deserialize_and_load(blob, lowered.in_tree, lowered.out_tree,
-                                                             execution_devices=_devices(args))
-    except Exception as e:      # a damaged or foreign entry: compiled again below and rewritten
+                                                             execution_devices=devices)
+    except Exception as e:      # a damaged or foreign entry: removed, compiled again below (and kept anew)
         warnings.warn(f"jaxpar: the compiled program {path} could not be loaded ({type(e).__name__}: {e}); "
                       "compiling it again", RuntimeWarning, stacklevel=3)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
         return None
     return compiled if _takes(compiled, args) else None
 
@@ -131,7 +173,9 @@ def _write(path: str, compiled: jax.stages.Compiled) -> bool:
 
     try:
         blob = serialize_executable.serialize(compiled)[0]
-    except (ValueError, NotImplementedError):      # a program JAX cannot serialize: compiled each time
+    except Exception as e:      # a program this backend or pickle cannot write: compiled at each start
+        warnings.warn(f"jaxpar: the compiled program cannot be kept ({type(e).__name__}: {e}); a restart of "
+                      "this process compiles it again", RuntimeWarning, stacklevel=3)
         return False
     folder = os.path.dirname(path)
     try:
@@ -153,25 +197,31 @@ def compile_lowered(lowered: jax.stages.Lowered, args: Sequence = (), salt: str 
     it was lowered for) is there, else compiled and written. ``salt``: what else decides the
     program (the compiler options given to ``jax.jit``)."""
     folder = cache_dir()
-    if folder is None or _devices(args) is None:
+    devices = None if folder is None else _devices(args)
+    text = None if devices is None else lowered.as_text()
+    if text is None or _CALLBACK.search(text):
         return lowered.compile()
-    path = os.path.join(folder, _key(lowered, args, salt))
-    compiled = _read(path, lowered, args)
+    path = os.path.join(folder, _key(text, args, salt))
+    compiled = _read(path, lowered, args, devices)
     if compiled is not None:
         jax.monitoring.record_event(READ_EVENT)
         return compiled
-    hits = getattr(_cache_hits, "count", 0)
+    hits, compiles = _counts()
     compiled = lowered.compile()
-    # an XLA:CPU program JAX loaded from its own cache serializes without its machine code (a
-    # program read back from such an entry fails when it runs): only what was compiled is kept
-    if getattr(_cache_hits, "count", 0) == hits and _write(path, compiled):
+    # Only a program compiled here is kept: an XLA:CPU program JAX loaded from its own cache
+    # serializes without its machine code (one read back from such an entry fails when it runs),
+    # and one JAX's in-memory caches handed back (no event) may have been such a load.
+    now_hits, now_compiles = _counts()
+    if now_hits == hits and now_compiles > compiles and _write(path, compiled):
         jax.monitoring.record_event(WRITTEN_EVENT)
     return compiled
 
 
 class OnDisk:
-    """A ``jax.jit`` function whose program for each argument signature comes from
-    `compile_lowered`; ``lower`` and ``trace`` are the function's. Build it with `on_disk`."""
+    """A ``jax.jit`` function (called with positional arguments only) whose program for each
+    argument signature comes from `compile_lowered` where this process keeps programs, else the
+    function's own dispatch; ``lower`` and ``trace`` are the function's. `on_disk` gives the
+    function itself where nothing is kept when it is built."""
 
     __slots__ = ("fn", "salt", "programs", "last")
 
@@ -179,6 +229,8 @@ class OnDisk:
         self.fn, self.salt, self.programs, self.last = fn, salt, {}, None
 
     def __call__(self, *args):
+        if not self.programs and cache_dir() is None:    # nothing kept here: the function's own dispatch
+            return self.fn(*args)
         # the program of the last call first: a step's arguments keep their signature, and the
         # program checks them itself before it runs (a TypeError or ValueError: another signature)
         if self.last is not None:

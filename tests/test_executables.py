@@ -3,7 +3,8 @@
 tests/test_checkpoint_local.py; here one process stands in for process 1 of a job."""
 
 import os
-import time
+import uuid
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ def kept(tmp_path, monkeypatch):
 
 # The suite's JAX cache may hold a program compiled before, which jaxpar does not keep (see
 # `compile_lowered`): each test's programs are its own (a constant, a shape no other run has).
-UNIQUE = 1 + os.getpid() % 1000 + time.time_ns() % 1000
+UNIQUE = 1 + uuid.uuid4().int % 100_000
 
 
 def _program(k: int):
@@ -75,8 +76,11 @@ def test_a_damaged_entry_is_compiled_again_with_a_warning(kept):
         f.truncate(100)
     with pytest.warns(RuntimeWarning, match="could not be loaded.*compiling it again"):
         assert float(executables.on_disk(fn)(x)) == want
-    assert events == [executables.WRITTEN_EVENT, executables.WRITTEN_EVENT]
-    assert os.path.getsize(folder / entry) > 100      # rewritten whole
+    # removed (here JAX's own caches gave the program back, which is not kept), or kept anew whole
+    assert not (folder / entry).exists() or os.path.getsize(folder / entry) > 100
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # the next start meets no damaged entry
+        assert float(executables.on_disk(jax.jit(lambda x: (jnp.sin(x) @ x.T).sum() * (UNIQUE + 2)))(x)) == want
 
 
 def _forget(fn: executables.OnDisk) -> None:
@@ -104,3 +108,19 @@ def test_a_program_from_jax_cache_is_not_kept(kept):
     jax.clear_caches()            # as a new process: JAX's cache on disk only
     assert float(executables.on_disk(jax.jit(lambda x: (jnp.sin(x) @ x.T).sum() * (UNIQUE + 3)))(x)) == want
     assert events == [] and os.listdir(folder) == []
+
+
+def test_a_program_that_drops_an_argument_is_read_back_and_one_with_a_host_callback_is_not_kept(kept):
+    folder, events = kept
+    _, x = _program(4)
+    unused = jax.jit(lambda x, y: x.sum() * (UNIQUE + 4))        # y is not used: no input sharding
+    want = float(executables.on_disk(unused)(x, x))
+    assert float(executables.on_disk(jax.jit(lambda x, y: x.sum() * (UNIQUE + 4)))(x, x)) == want
+    assert events == [executables.WRITTEN_EVENT, executables.READ_EVENT]
+
+    def shown(x):
+        jax.debug.print("{}", x.sum() * (UNIQUE + 5))
+        return x + 1
+    before = sorted(os.listdir(folder))
+    executables.on_disk(jax.jit(shown))(x)
+    assert sorted(os.listdir(folder)) == before and events[-1] == executables.READ_EVENT

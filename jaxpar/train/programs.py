@@ -171,9 +171,9 @@ class Programs:
             placed = jax.tree.unflatten(program.batch_def, batch_leaves)
             return program, placed, lambda: compiled_program(program.fn, self.leaves(), batch_leaves,
                                                              self.rows.placed(program.row_shardings, rows))
-        program, leaves = self.get(batch)
+        program, _ = self.get(batch)
         placed = self.place(batch)   # global arrays: a process's host batch may hold only its rows
-        return program, placed, lambda: compiled_program(program.fn, self.leaves(), self.placed(program, batch, leaves))
+        return program, placed, lambda: compiled_program(program.fn, self.leaves(), jax.tree.leaves(placed))
 
     def _checking_rules(self, step: Callable, row_shardings: tuple = ()) -> Callable:
         """``step`` that, while it is traced, records the rules its activation constraints consult
