@@ -28,8 +28,8 @@ private as the checkpoints (JAX's own cache holds executables too).
 
 from __future__ import annotations
 
-import hashlib
 import functools
+import hashlib
 import os
 import re
 import tempfile
