@@ -242,21 +242,18 @@ class OnDisk:
         return self.last(*args)
 
     def compiled(self, *args) -> jax.stages.Compiled:
-        """The program for ``args``: the one kept since its first call, else read or compiled."""
-        compiled = self.programs.get(self._signature(args))
-        return self.compile_for(args) if compiled is None else compiled
+        """The program for ``args``: the one kept since its first call, else read or compiled (and kept)."""
+        signature = self._signature(args)
+        compiled = self.programs.get(signature)
+        if compiled is None:
+            compiled = self.programs[signature] = compile_lowered(self.fn.lower(*args), args, self.salt)
+        return compiled
 
     @staticmethod
     def _signature(args) -> tuple:
         leaves, treedef = jax.tree.flatten(args)
         return treedef, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))),
                                getattr(x, "sharding", None)) for x in leaves)
-
-    def compile_for(self, args: tuple, lowered: jax.stages.Lowered | None = None) -> jax.stages.Compiled:
-        """The program for ``args`` (lowered here unless given), kept for the calls that follow."""
-        lowered = self.fn.lower(*args) if lowered is None else lowered
-        compiled = self.programs[self._signature(args)] = compile_lowered(lowered, args, self.salt)
-        return compiled
 
     def lower(self, *args, **kwargs):
         return self.fn.lower(*args, **kwargs)

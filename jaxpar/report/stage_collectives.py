@@ -25,7 +25,7 @@ from collections import deque
 import jax
 import numpy as np
 
-from jaxpar.executables import OnDisk, compiled_program
+from jaxpar.executables import compiled_program
 from jaxpar.pipeline.branches import parse_branch_label
 from jaxpar.report.collectives import Collective, module_collectives
 from jaxpar.report.hlo import INSTRUCTION, field, hlo_text, parse_module, stack_frames
@@ -170,10 +170,10 @@ class CheckedStep:
 
     def __call__(self, *args):
         if not self._checked:
-            traced = self._fn.trace(*args)
-            lowered = traced.lower()    # a program kept on disk (jaxpar.executables) is checked as read
-            compiled = self._fn.compile_for(args, lowered) if isinstance(self._fn, OnDisk) else lowered.compile()
-            check_stage_collectives(compiled, self._mesh, self._axis, jaxpr=traced.jaxpr)
+            # the program the call runs (one kept on disk by jaxpar.executables is checked as read);
+            # the trace is JAX's cached one
+            check_stage_collectives(compiled_program(self._fn, *args), self._mesh, self._axis,
+                                    jaxpr=self._fn.trace(*args).jaxpr)
             self._checked = True
         return self._fn(*args)
 
