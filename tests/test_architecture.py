@@ -244,8 +244,9 @@ def test_one_function_turns_a_mesh_into_sizes():
 
 
 # Processes that are no `jaxpar` subcommand but parse their own command line: a parameter
-# server the launcher starts with `python -m jaxpar.ps.server --index I ...`.
-OWN_COMMAND_LINE = {"jaxpar/ps/server.py"}
+# server the launcher starts with `python -m jaxpar.ps.server --index I ...`, and the replica
+# groups' coordinator (`python -m jaxpar.ps.replica_server --groups N`).
+OWN_COMMAND_LINE = {"jaxpar/ps/server.py", "jaxpar/ps/replica_server.py"}
 
 
 def argparse_users(root: pathlib.Path = ROOT) -> list[str]:

@@ -270,7 +270,7 @@ def _spec(d: Any) -> TableSpec:
                          f"does not take the fields {show(sorted(k for k in opt if k != 'kind'))}") from None
 
 
-def _send(sock, identity: bytes, rid: str | int | None, fields: dict, arrays: tuple = ()) -> None:
+def send_reply(sock, identity: bytes, rid: str | int | None, fields: dict, arrays: tuple = ()) -> None:
     """Sends one reply; a reply that cannot be encoded becomes an error reply (``rid`` is a short
     string, an integer or ``None``: that one always encodes)."""
     try:
@@ -281,10 +281,10 @@ def _send(sock, identity: bytes, rid: str | int | None, fields: dict, arrays: tu
     sock.send_multipart([identity, *frames])
 
 
-def _send_error(sock, identity: bytes, rid: str | int | None, message: str) -> None:
+def send_error(sock, identity: bytes, rid: str | int | None, message: str) -> None:
     if len(message) > MAX_ERROR_CHARS:
         message = f"{message[:MAX_ERROR_CHARS]}... (message cut at {MAX_ERROR_CHARS} characters)"
-    _send(sock, identity, rid, {"ok": False, "error": message})
+    send_reply(sock, identity, rid, {"ok": False, "error": message})
 
 
 def bind_address(text: str) -> tuple[str, int]:
@@ -347,11 +347,11 @@ def receive(server: Server, sock, identity: bytes, frames: list[bytes], waiting:
     try:
         header, arrays = decode(frames)
     except WireError as e:
-        _send_error(sock, identity, None, f"malformed message: {e}")
+        send_error(sock, identity, None, f"malformed message: {e}")
         return waiting
     rid = reply_rid(header)  # never echo unbounded client data: a short string, an integer or None
     if not token_ok(header, token):
-        _send_error(sock, identity, rid,
+        send_error(sock, identity, rid,
                     f"wrong job token: server {bind} refused the request ({TOKEN_ENV} differs)")
         return waiting
     header["rid"] = rid
@@ -369,12 +369,12 @@ def _answer(server: Server, sock, waiting: list) -> list:
             try:
                 reply = server.handle(header, arrays)
             except ValueError as e:      # (the handlers' checks: a message naming what is wrong)
-                _send_error(sock, identity, header["rid"], str(e))
+                send_error(sock, identity, header["rid"], str(e))
                 continue
             except Exception as e:   # noqa: BLE001 - one bad request (a step of 1e999, a huge table) never kills the server
                 print(f"request {show(header.get('op'))} failed: {type(e).__name__}: {str(e)[:MAX_ERROR_CHARS]}",
                       file=sys.stderr, flush=True)
-                _send_error(sock, identity, header["rid"],
+                send_error(sock, identity, header["rid"],
                             f"the server could not handle this {show(header.get('op'))} request ({type(e).__name__}; "
                             "its log has the detail); check the request against the wire format "
                             "(docs/parameter_server.md)")
@@ -383,7 +383,7 @@ def _answer(server: Server, sock, waiting: list) -> list:
                 left.append((identity, header, arrays))
                 continue
             fields, out = reply
-            _send(sock, identity, header["rid"], {"ok": True, **fields}, out)
+            send_reply(sock, identity, header["rid"], {"ok": True, **fields}, out)
             progress = progress or header.get("op") == "push"
         waiting = left
     return waiting

@@ -63,7 +63,8 @@ def reply_rid(header: dict[str, Any]) -> str | int | None:
 
 def encode(header: dict[str, Any], arrays: tuple[np.ndarray, ...] = ()) -> list[bytes]:
     """``[header, *arrays]`` as frames; the header gains the arrays' dtypes and shapes."""
-    arrays = tuple(np.ascontiguousarray(a) for a in arrays)
+    # (np.ascontiguousarray makes a 0-d array 1-d: the shape is kept as given)
+    arrays = tuple(np.ascontiguousarray(a).reshape(np.shape(a)) for a in arrays)
     for a in arrays:
         if a.dtype.name not in DTYPES:
             raise TypeError(f"cannot send an array of dtype {a.dtype}; allowed: {DTYPES}")

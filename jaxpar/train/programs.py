@@ -26,6 +26,7 @@ from jaxpar.optim import fusion
 from jaxpar.plan import IdleAxisWarning, TrainPlan, state_shardings
 from jaxpar.report.stage_collectives import checked_step
 from jaxpar.strategy import recording_axes, recording_rules, spec_axes
+from jaxpar.train.replicas import split_step
 from jaxpar.train.step import Setting, build_eval, build_grads, build_step
 
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")   # what Trainer.lower(platform=) may lower for
@@ -47,13 +48,15 @@ class StepOptions:
     ``global_batch``: every process passes the whole global batch (False: its own rows);
     ``skip_nonfinite``: a step whose loss or gradients are not finite leaves the state as it was;
     ``rule_names``: the logical names the model declares, and ``model_name`` its class's name,
-    for the check that every rule of the config names one of them."""
+    for the check that every rule of the config names one of them; ``exchange``: the mean over
+    replica groups between the gradients and the update (`jaxpar.train.replicas`), or None."""
 
     donate: bool = True
     global_batch: bool = True
     skip_nonfinite: bool = False
     rule_names: frozenset = frozenset()
     model_name: str = "model"
+    exchange: Callable | None = None
 
 
 class Programs:
@@ -106,7 +109,11 @@ class Programs:
         # Pulled rows (a row source): one more input, and their gradients one more output.
         r_sh = () if rows is None else (self.rows.shardings(rows),)
         setting = self.setting(*(self.rows.abstract(rows, r_sh[0]) if r_sh else ()))
-        if kind == "train":
+        if kind == "train" and self.options.exchange is not None:     # replica groups: two programs, the mean between
+            fn = split_step(setting, self.loss_fn, self.tx, shapes, (state_def, batch_def), (s_sh, b_sh),
+                            self.options.exchange, skip_nonfinite=self.options.skip_nonfinite,
+                            donate=self.options.donate, wrap=lambda f: self._checking_rules(f))
+        elif kind == "train":
             step = self._checking_rules(build_step(setting, self.loss_fn, self.tx, shapes,
                                                    skip_nonfinite=self.options.skip_nonfinite), r_sh)
 

@@ -204,6 +204,10 @@ class Placement:
     global_batch: bool | None = None
     """Batches hold every process's rows (None: only in a run of one process); else each process
     passes its own rows."""
+    replicas: Any = None
+    """A replica group (`jaxpar.ps.replicas.connect()`): this job is one of several data-parallel
+    copies that average their gradients every step through a coordinator, keep training when
+    one dies, and heal one that comes back from a live one (docs/reliability.md)."""
 
     def __post_init__(self):
         if not isinstance(self.donate, bool):

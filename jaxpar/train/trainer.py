@@ -30,6 +30,7 @@ from jaxpar.train.arguments import NO_PLAN, check_args, check_restored, plan_and
 from jaxpar.train import checkpointing
 from jaxpar.train.hooks import EveryHook, Preempted, running
 from jaxpar.train.programs import Programs, StepOptions
+from jaxpar.train.replicas import replica_hooks
 from jaxpar.train.rows import RowPath, check_rows
 from jaxpar.train.services import Placement, Services, former_keywords
 from jaxpar.train.watch import Window, check_until, flush, next_batch, tokens_per_step
@@ -54,7 +55,7 @@ class Trainer:
     (resumed at construction; with preemption, a SIGTERM saves at the next step boundary and
     raises `Preempted`, exit code 0), the non-finite policy, metrics, the profile window and the
     user's hooks (docs/reliability.md, docs/metrics.md). ``placement``: a `jaxpar.Placement` —
-    donation, per-process batches. ``rows``: a row source (`jaxpar.ps.HostRows`,
+    donation, per-process batches, replica groups. ``rows``: a row source (`jaxpar.ps.HostRows`,
     `jaxpar.ps.ServerRows`) for embedding rows the model does not hold: pulled before each step,
     their gradients pushed after it, their tables kept with the checkpoints (`jaxpar.train.rows`).
     ``pipeline.stages > 1`` needs ``loss_fn`` as a ``jaxpar.pipeline.PipelineLoss``. Saves in
@@ -79,21 +80,20 @@ class Trainer:
             self.row_path = None if rows is None else RowPath(rows, mesh)
             self.mesh, self.tx, self.loss_fn = mesh, tx, loss_fn
             self.global_batch = jax.process_count() == 1 if placement.global_batch is None else placement.global_batch
-            self._hooks = services.build()     # opens the checkpoint directory: a bad one is refused before planning
+            self._hooks = services.build() + replica_hooks(placement.replicas, rows)   # opens the checkpoint directory
             self._preemption = self.service("preemption")
             if plan is None:                  # the Trainer makes the config's plan; it never searches
                 if config.mode == "auto":
                     raise ValueError(NO_PLAN)
                 plan = make_train_plan(config, mesh, model, tx, loss_fn=loss_fn)
-            self.plan = plan
+            self.plan, replicas = plan, self.service("replicas")
             self._leaves, self._treedef, self._data, self._state_view = None, None, {}, None
             self._steps, self.save_s, self.data_wait_s, self.fitting, self.last_batch = 0, 0.0, 0.0, False, None
             self.flops_per_token = getattr(model, "flops_per_token", None)   # model FLOPs per token (MFU)
-            nonfinite = self.service("nonfinite")
             options = StepOptions(donate=placement.donate, global_batch=self.global_batch,
-                                  skip_nonfinite=nonfinite is not None and nonfinite.policy == "skip",
+                                  skip_nonfinite=getattr(self.service("nonfinite"), "policy", None) == "skip",
                                   rule_names=frozenset(declared_names(plan.config, nnx.state(model))),
-                                  model_name=type(model).__name__)
+                                  model_name=type(model).__name__, exchange=getattr(replicas, "average", None))
             self.programs = Programs(plan, mesh, None, loss_fn, tx, state=lambda: (self._state, self._treedef),
                                      leaves=lambda: self._leaves, rows=self.row_path, options=options)
             placeholders = holds_placeholders(model)
