@@ -362,6 +362,17 @@ def test_three_groups_one_killed_the_others_step_on_and_it_heals(tmp_path):
         assert digests[0][s] == digests[1][s] == digests[2][s], s
     assert all(digests[0][s] == digests[1][s] for s in range(1, killed_at + 1))
     # up to step 5 every group was in the mean: one device on the three groups' 12 rows
+    want = _one_device(5, 3)
+    for g in range(3):
+        got = np.load(tmp_path / f"params-{g}-at-5.npz")
+        got = [got[f"arr_{i}"] for i in range(len(want))]
+        assert_close(got, want, rtol=2e-5, what=f"group {g} at step 5 vs one device")
+
+
+def _one_device(steps: int, groups: int):
+    """The parameters one device trains on the rows of every group, step after step."""
+    import jax
+
     sys.path.insert(0, os.path.join(ROOT, "tests", "workers"))
     from replica_worker import group_batch, model_config
 
@@ -369,13 +380,41 @@ def test_three_groups_one_killed_the_others_step_on_and_it_heals(tmp_path):
     mesh = mesh_for(config)
     model = jaxpar.init(lambda: GPT(model_config(), rngs=nnx.Rngs(0)), config, mesh)
     ref = jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh)
-    for s in range(1, 6):
-        parts = [group_batch(s, g, 3) for g in range(3)]
+    for s in range(1, steps + 1):
+        parts = [group_batch(s, g, groups) for g in range(groups)]
         ref.step({k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
-    import jax
+    return [np.asarray(x) for x in jax.tree.leaves(ref.state.params)]
 
-    want = [np.asarray(x) for x in jax.tree.leaves(ref.state.params)]
-    for g in range(3):
-        got = np.load(tmp_path / f"params-{g}-at-5.npz")
-        got = [got[f"arr_{i}"] for i in range(len(want))]
-        assert_close(got, want, rtol=2e-5, what=f"group {g} at step 5 vs one device")
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(240)
+def test_groups_of_two_processes_average_rank_by_rank(tmp_path):
+    """Two groups, each a jax.distributed job of 2 processes (jaxpar launch, one device each,
+    each process its own rows): process p of each group averages with process p of the other,
+    and after 3 steps every process holds one device's parameters on the 8 rows."""
+    from jaxpar.launch.ports import free_port
+
+    proc, address = _coordinator(tmp_path, "--groups", "2", "--timeout", "10")
+    env = {**os.environ, "JAXPAR_REPLICAS_TOKEN": TOKEN, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    launches = []
+    try:
+        for g in range(2):
+            launches.append(subprocess.Popen(
+                [sys.executable, "-m", "jaxpar.cli", "launch", "--worker-num", "2", "--local-worker-num", "2",
+                 "--simulated-devices", "1", "--master-port", str(free_port()), "--log-dir", str(tmp_path / f"logs{g}"),
+                 WORKER, "--launched", "--group", str(g), "--groups", "2", "--address", address, "--out", str(tmp_path),
+                 "--steps", "3"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        codes = [p.wait(timeout=180) for p in launches]
+    finally:
+        for p in launches:
+            if p.poll() is None:
+                p.kill()
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert codes == [0, 0], [p.stderr.read()[-2000:] for p in launches]
+    want = _one_device(3, 2)
+    for name in ("0.0", "0.1", "1.0", "1.1"):
+        got = np.load(tmp_path / f"params-{name}.npz")
+        assert_close([got[f"arr_{i}"] for i in range(len(want))], want, rtol=2e-5, what=f"group.process {name}")
+        assert [r["groups"] for r in _records(tmp_path, name) if "time" in r] == [[0, 1]] * 3

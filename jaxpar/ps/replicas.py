@@ -39,10 +39,11 @@ class ReplicaGroup:
     """
 
     def __init__(self, address: str, group: int, *, token: str, rank: int, ranks: int,
-                 timeout: float = 600.0, beat_every: float = 1.0):
+                 timeout: float = 600.0, beat_every: float = 1.0, incarnation: str | None = None):
         self.address, self.group, self.rank, self.ranks = address, group, rank, ranks
         self.timeout, self.beat_every = timeout, beat_every
-        self.incarnation = uuid.uuid4().hex
+        # this start of the group: the same on its every process (`connect` agrees on it)
+        self.incarnation = incarnation or uuid.uuid4().hex
         self._token = token
         self._ctx = zmq.Context()
         self._sock = self._socket()
@@ -157,7 +158,8 @@ def connect(address: str | None = None, group: int | None = None, *, token: str 
     """This process's `ReplicaGroup`: the coordinator's ``address`` (``HOST:PORT``; default
     ``$JAXPAR_REPLICAS_ADDRESS``), this job's ``group`` number (default ``$JAXPAR_REPLICA_GROUP``)
     and the job ``token`` (default ``$JAXPAR_REPLICAS_TOKEN``). The rank and rank count are this
-    ``jax.distributed`` job's process index and count. Nothing is sent before the Trainer joins."""
+    ``jax.distributed`` job's process index and count; in a job of several processes every
+    process must call it (they agree on this start's name). Nothing is sent before the Trainer joins."""
     import jax
 
     address = os.environ.get(ADDRESS_ENV) if address is None else address
@@ -179,8 +181,14 @@ def connect(address: str | None = None, group: int | None = None, *, token: str 
     for name, value in (("timeout", timeout), ("beat_every", beat_every)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ValueError(f"jaxpar.ps.replicas.connect: {name}={value!r} must be a positive number of seconds")
+    incarnation = None
+    if jax.process_count() > 1:       # process 0's name for this start, on every process
+        from jax.experimental import multihost_utils
+
+        mine = np.frombuffer(uuid.uuid4().bytes, np.uint32)
+        incarnation = np.asarray(multihost_utils.broadcast_one_to_all(mine)).tobytes().hex()
     return ReplicaGroup(address, group, token=token, rank=jax.process_index(), ranks=jax.process_count(),
-                        timeout=float(timeout), beat_every=float(beat_every))
+                        timeout=float(timeout), beat_every=float(beat_every), incarnation=incarnation)
 
 
 __all__ = ["ReplicaGroup", "connect"]

@@ -8,7 +8,9 @@ After each step it appends ``{step, digest, groups, time, wait_s}`` to ``DIR/gro
 (``digest``: SHA-256 of every parameter's bytes) and, at its start, ``{start, healed, step}``;
 at the end it writes ``DIR/params-G.npz`` (and with ``--save-at K``, ``DIR/params-G-at-K.npz``
 after step K). ``--pace`` seconds of sleep per step stand in for a
-longer step. The job token comes from ``JAXPAR_REPLICAS_TOKEN``.
+longer step. The job token comes from ``JAXPAR_REPLICAS_TOKEN``. With ``--launched`` the group
+is a job of several processes started by ``jaxpar launch`` (one device each; each feeds its own
+rows of the group's and writes ``group-G.P`` files).
 """
 
 import argparse
@@ -30,7 +32,7 @@ def model_config():
 def parallel_config():
     import jaxpar
 
-    return jaxpar.ParallelConfig(mesh={"data": 2}, optimizer={"level": 1, "threshold_kb": 0})
+    return jaxpar.ParallelConfig(mesh={"data": 2}, optimizer={"level": 2, "threshold_kb": 0})
 
 
 def group_batch(step: int, group: int, groups: int):
@@ -42,13 +44,18 @@ def group_batch(step: int, group: int, groups: int):
     return {k: v[group * ROWS:(group + 1) * ROWS] for k, v in full.items()}
 
 
-def digest(trainer) -> str:
+def params(trainer) -> list:
+    """Every parameter as a host array (replicated: this process's copy)."""
     import jax
     import numpy as np
 
+    return [np.asarray(x.addressable_data(0)) for x in jax.tree.leaves(trainer.state.params)]
+
+
+def digest(trainer) -> str:
     h = hashlib.sha256()
-    for x in jax.tree.leaves(trainer.state.params):
-        h.update(np.asarray(x).tobytes())
+    for x in params(trainer):
+        h.update(x.tobytes())
     return h.hexdigest()
 
 
@@ -61,8 +68,16 @@ def main() -> int:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--pace", type=float, default=0.0)
     parser.add_argument("--save-at", type=int, default=0, help="also write params-G-at-K.npz after step K")
+    parser.add_argument("--launched", action="store_true",
+                        help="one process of a group started by jaxpar launch (one device each; own rows)")
+    parser.add_argument("--tag", default="")
     args = parser.parse_args()
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    if args.launched:
+        import jaxpar.distributed
+
+        jaxpar.distributed.initialize()
+    else:
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
     import jax
     import numpy as np
     import optax
@@ -76,7 +91,8 @@ def main() -> int:
     mesh = jaxpar.make_mesh(config)
     model = jaxpar.init(lambda: GPT(model_config(), rngs=nnx.Rngs(0)), config, mesh)
     group = replicas.connect(args.address, args.group, timeout=120, beat_every=0.2)
-    log = open(os.path.join(args.out, f"group-{args.group}.jsonl"), "a")
+    name = f"{args.group}" if jax.process_count() == 1 else f"{args.group}.{jax.process_index()}"
+    log = open(os.path.join(args.out, f"group-{name}.jsonl"), "a")
     trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh,
                              placement=jaxpar.Placement(replicas=group))
     path = trainer.service("replicas")
@@ -90,18 +106,20 @@ def main() -> int:
             if trainer.step_count >= last:
                 break
             step = trainer.step_count + 1
-            metrics = trainer.step(group_batch(step, args.group, args.groups))
+            rows = group_batch(step, args.group, args.groups)
+            if jax.process_count() > 1:      # each process feeds its own rows of the group's
+                n = ROWS // jax.process_count()
+                rows = {k: v[jax.process_index() * n:(jax.process_index() + 1) * n] for k, v in rows.items()}
+            metrics = trainer.step(rows)
             float(metrics["loss"])
             log.write(json.dumps({"step": step, "digest": digest(trainer), "groups": group.groups,
                                   "time": time.time(), "wait_s": round(group.wait_s, 4)}) + "\n")
             log.flush()
             if step == args.save_at:
-                np.savez(os.path.join(args.out, f"params-{args.group}-at-{step}.npz"),
-                         *[np.asarray(x) for x in jax.tree.leaves(trainer.state.params)])
+                np.savez(os.path.join(args.out, f"params-{name}-at-{step}.npz"), *params(trainer))
             if args.pace:
                 time.sleep(args.pace)
-        np.savez(os.path.join(args.out, f"params-{args.group}.npz"),
-                 *[np.asarray(x) for x in jax.tree.leaves(trainer.state.params)])
+        np.savez(os.path.join(args.out, f"params-{name}.npz"), *params(trainer))
     return 0
 
 
