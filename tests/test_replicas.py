@@ -14,7 +14,8 @@ from flax import nnx
 
 import jaxpar
 from helpers import TINY, assert_close, batches, mesh_for
-from jaxpar.models.gpt import GPT, loss_fn
+from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
+from jaxpar.models.gpt_parallel import pipeline_loss
 from jaxpar.ps.quorum import Quorum
 from workers.ps_servers import ROOT
 
@@ -164,6 +165,17 @@ def test_quorum_starts_with_the_groups_there_after_start_timeout():
     assert _average(q, 0, 5, [])[0][1]["donate"] is True
 
 
+def test_quorum_lets_a_waiting_group_go_on_alone_when_every_member_left():
+    q, clock, _ = _quorum(groups=1)
+    _join(q, 0, step=7)
+    assert _join(q, 1, step=3) == []        # waits for a live group's state
+    out = q.handle(b"g0r0", {"op": "leave", "group": 0, "incarnation": "i0", "rid": "l"}, [])
+    assert [f["rid"] for _, f, _ in out] == ["l"]
+    started = q.tick()                       # nobody to heal from: it goes on from its own state
+    assert [(f["rid"], f["heal"], f["step"]) for _, f, _ in started] == [("j1.0", False, 3)]
+    assert sorted(q.members) == [1] and q.step == 3
+
+
 # ------------------------------------------------------------------ the coordinator's process
 def _coordinator(tmp_path, *args):
     env = {**os.environ, "JAXPAR_REPLICAS_TOKEN": TOKEN, "PYTHONPATH": ROOT}
@@ -263,13 +275,18 @@ SPLIT = {
                                                         comm_fusion={"bucket_mb": 0.01}),
     "megatron data=2,model=2": jaxpar.ParallelConfig(mesh={"data": 2, "model": 2},
                                                      rules={"batch": "data", "heads": "model", "mlp": "model"}),
+    "1f1b pipe=2,data=2": jaxpar.ParallelConfig(mesh={"pipe": 2, "data": 2},
+                                                rules={"layers": "pipe", "batch": "data"},
+                                                pipeline={"stages": 2, "microbatches": 4, "schedule": "1f1b"}),
 }
+PIPELINED = GPTConfig(vocab_size=16, seq_len=16, embed=32, heads=8, mlp=64, layers=4, scan_layers=True)
 
 
 def _train(config, replicas, nonfinite="stop"):
     mesh = mesh_for(config)
-    model = jaxpar.init(lambda: GPT(TINY, rngs=nnx.Rngs(0)), config, mesh)
-    trainer = jaxpar.Trainer(model, optax.adamw(1e-3), loss_fn, config, mesh,
+    staged = config.pipeline.stages > 1
+    model = jaxpar.init(lambda: GPT(PIPELINED if staged else TINY, rngs=nnx.Rngs(0)), config, mesh)
+    trainer = jaxpar.Trainer(model, optax.adamw(1e-3), pipeline_loss() if staged else loss_fn, config, mesh,
                              services=jaxpar.Services(nonfinite=nonfinite),
                              placement=jaxpar.Placement(replicas=replicas))
     losses = [float(trainer.step(b)["loss"]) for b in batches(3)]
@@ -283,8 +300,8 @@ def test_two_program_step_equals_the_one_program_step(name):
     alone = Alone()
     losses, params, trainer = _train(SPLIT[name], alone, nonfinite="skip")
     assert alone.calls == 3 and trainer.service("replicas") is not None
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
-    assert_close(params, want, rtol=1e-6, what=name)
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_close(params, want, rtol=1e-5, what=name)     # (XLA fuses the two programs otherwise: 1e-6 apart)
     assert trainer.lower(batches(1)[0]).compile().cost_analysis() is not None   # the gradient program
 
 

@@ -98,6 +98,8 @@ class Quorum:
                                   f"(timeout {self.timeout} s)")
         if not self.started and self.first_join is not None and now - self.first_join >= self.start_timeout:
             out += self._start(force=True)
+        elif self.started and not self.members:      # every member left or died: those waiting go on alone
+            out += self._start(force=True)
         out += self._complete()
         out, self.outbox = self.outbox + out, []
         return out

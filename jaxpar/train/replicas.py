@@ -112,7 +112,7 @@ def layout(tree) -> str:
 # ------------------------------------------------------------------ the step
 class SplitStep:
     """``(state leaves, batch leaves) -> (state leaves, metrics)`` as two programs with the
-    groups' mean between them. ``lower`` and ``compiled`` give the gradient program (the one
+    groups' mean between them. ``lower``, ``trace`` and ``compiled`` give the gradient program (the one
     with the model's FLOPs; the update is the second, smaller one)."""
 
     def __init__(self, grads_fn, apply_fn, average: Callable[[list], list]):
@@ -128,8 +128,11 @@ class SplitStep:
         grads = jax.tree.unflatten(grad_def, [next(mean) for _ in grad_leaves])
         return self.apply_fn(state_leaves, (loss, aux, rest, grads))
 
-    def lower(self, *args):
-        return self.grads_fn.lower(*args)
+    def lower(self, *args, **kwargs):
+        return self.grads_fn.lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        return self.grads_fn.trace(*args, **kwargs)
 
     def compiled(self, *args):
         return compiled_program(self.grads_fn, *args)
