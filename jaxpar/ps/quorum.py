@@ -39,7 +39,8 @@ class Group:
     incarnation: str
     layout: str
     step: int
-    joined: dict[int, tuple[bytes, Any]] = dataclasses.field(default_factory=dict)  # rank -> (identity, rid) of its join
+    digest: str = ""           # a fingerprint of its state at the join (founders must agree)
+    joined: dict[int, tuple[bytes, Any]] = dataclasses.field(default_factory=dict)  # rank -> (identity, rid)
     beats: dict[int, float] = dataclasses.field(default_factory=dict)              # rank -> last beat (clock)
 
 
@@ -68,7 +69,8 @@ class Quorum:
         self.layout: str | None = None         # the state layout every group must have
         self.round: dict[tuple[int, int], tuple[bytes, Any, list[np.ndarray]]] = {}   # (group, rank) -> contribution
         self.donor: tuple[int, int] | None = None      # (group, step) asked to send its state
-        self.delivered: set[int] = set()                # ranks whose donor state went out
+        self.recipients: list[int] = []                 # the groups that donor's state goes to
+        self.states: dict[int, tuple[Any, list]] = {}   # rank -> (data, arrays) received from the donor
         self.history: list[dict[str, Any]] = []         # what happened, for stats and tests
         self.outbox: list[Reply] = []                   # errors for the requests of a dropped group
 
@@ -96,10 +98,8 @@ class Quorum:
                 if late:
                     self._drop(g, f"rank {late[0]} sent nothing for {now - g.beats[late[0]]:.1f} s "
                                   f"(timeout {self.timeout} s)")
-        if not self.started and self.first_join is not None and now - self.first_join >= self.start_timeout:
-            out += self._start(force=True)
-        elif self.started and not self.members:      # every member left or died: those waiting go on alone
-            out += self._start(force=True)
+        if not self.started:
+            out += self._start(force=self.first_join is not None and now - self.first_join >= self.start_timeout)
         out += self._complete()
         out, self.outbox = self.outbox + out, []
         return out
@@ -108,6 +108,9 @@ class Quorum:
     def _join(self, identity: bytes, h: dict, arrays) -> list[Reply]:
         group, rank, ranks = _int(h, "group", 0), _int(h, "rank", 0), _int(h, "ranks", 1)
         incarnation, layout, step = _str(h, "incarnation"), _str(h, "layout"), _int(h, "step", 0)
+        digest = h.get("digest", "")
+        if not isinstance(digest, str) or len(digest) > 128:
+            raise ValueError(f"join: field 'digest' is {show(digest)}; it must be a string of at most 128 characters")
         if rank >= ranks:
             raise ValueError(f"join: rank={rank} is not below ranks={ranks} (the group's process count)")
         if self.layout is not None and layout != self.layout:
@@ -120,11 +123,11 @@ class Quorum:
                 self._drop(old, "a new incarnation of it joined (it was restarted)")
         g = self.joining.get(group) or self.members.get(group)
         if g is None:
-            g = self.joining[group] = Group(group, ranks, incarnation, layout, step)
+            g = self.joining[group] = Group(group, ranks, incarnation, layout, step, digest)
         elif g.group in self.members:
             raise ValueError(f"join: group {group} rank {rank} is already in the mean (incarnation {incarnation}); "
                              "a process joins once per start")
-        if (g.ranks, g.layout, g.step) != (ranks, layout, step):
+        if (g.ranks, g.layout, g.step, g.digest) != (ranks, layout, step, digest):
             raise ValueError(f"join: group {group} rank {rank} says ranks={ranks}, step={step}; its rank "
                              f"{next(iter(g.joined), 0)} said ranks={g.ranks}, step={g.step}: the processes of a group "
                              "run one job and join at one step")
@@ -138,9 +141,6 @@ class Quorum:
             return self._complete()          # (a restarted group's old round entries are gone)
         if not self.started:
             return self._start()
-        if not self.members:               # every group was lost: this one's own state is the job's
-            self.step = g.step
-            return self._admit(g)
         self.history.append({"event": "waiting", "group": group, "step": self.step})
         return self._complete()            # it heals at the next round's end (`_complete` asks a donor)
 
@@ -150,10 +150,15 @@ class Quorum:
             return []
         self.started = True
         self.step = max(g.step for g in ready)
+        newest = [g for g in ready if g.step == self.step]
+        first = min(newest, key=lambda g: g.group)
         out: list[Reply] = []
-        for g in ready:
-            if g.step == self.step:       # the founders; a group behind them heals from one
+        for g in newest:     # the founders: the first of the newest and those whose state equals its own;
+            if g.digest == first.digest:    # a group behind them, or whose state differs, heals from one
                 out += self._admit(g)
+            else:
+                self.log(f"jaxpar replicas: group {g.group}'s state at step {self.step} differs from group "
+                         f"{first.group}'s (another seed or checkpoint?): it takes group {first.group}'s")
         for _, fields, _ in out:
             fields["members"] = sorted(self.members)
         self.log(f"jaxpar replicas: started at step {self.step} with groups {sorted(self.members)}"
@@ -176,26 +181,29 @@ class Quorum:
         return out
 
     def _state(self, identity: bytes, h: dict, arrays) -> list[Reply]:
-        """A donor rank's state after step ``step``: forwarded to that rank of every group waiting."""
+        """A donor rank's state after step ``step``. Once every rank of the donor has sent its
+        own, each group it was asked for gets them, rank by rank, and is in the next round; a
+        donor dropped before that sends nothing to anyone (the next round asks another)."""
         group, rank, step = _int(h, "group", 0), _int(h, "rank", 0), _int(h, "step", 0)
         self._member(h, "state")
         if self.donor != (group, step):
             raise ValueError(f"state: group {group} was not asked for its state of step {step} (asked: "
                              f"{self.donor}); it sends its state only when an average's reply says donate")
-        data = h.get("data")
+        self.states[rank] = (h.get("data"), list(arrays))
         out: list[Reply] = [(identity, {"rid": h.get("rid")}, ())]
-        waiting = [g for g in self.joining.values() if len(g.joined) == g.ranks]
-        for g in waiting:
-            ident, rid = g.joined[rank]
-            out.append((ident, {"rid": rid, "heal": True, "step": step, "donor": group, "data": data},
-                        tuple(arrays)))
-        self.delivered.add(rank)
-        if len(self.delivered) == self.members[group].ranks:
-            for g in waiting:             # every rank has its state: the group is in the next round
-                g.joined = {}
-                self._admit(g)
-                self.log(f"jaxpar replicas: group {g.group} healed from group {group} at step {step}")
-            self.donor, self.delivered = None, set()
+        if len(self.states) < self.members[group].ranks:
+            return out
+        for g in [self.joining[r] for r in self.recipients if r in self.joining]:
+            if len(g.joined) < g.ranks:
+                continue          # (it restarted again meanwhile: it waits for the next donor)
+            for r, (ident, rid) in g.joined.items():
+                data, shards = self.states[r]
+                out.append((ident, {"rid": rid, "heal": True, "step": step, "donor": group, "data": data},
+                            tuple(shards)))
+            g.joined = {}
+            self._admit(g)
+            self.log(f"jaxpar replicas: group {g.group} healed from group {group} at step {step}")
+        self.donor, self.recipients, self.states = None, [], {}
         return out
 
     # ------------------------------------------------------------------ the rounds
@@ -205,7 +213,7 @@ class Quorum:
         if step != self.step + 1:
             raise ValueError(f"average: group {g.group} sends step {step}, and the groups are at step {self.step + 1}; "
                              "a group out of step restarts and heals from a live one")
-        if self.donor is not None and self.donor[0] == g.group:
+        if self.donor is not None and self.donor[0] == g.group and rank not in self.states:
             raise ValueError(f"average: group {g.group} was asked for its state of step {self.donor[1]} and sent "
                              "no state first")
         self.round[(g.group, rank)] = (identity, h.get("rid"), arrays)
@@ -222,8 +230,10 @@ class Quorum:
         groups = sorted(self.members)
         ranks = self.members[groups[0]].ranks
         donate = None
-        if self.donor is None and any(len(g.joined) == g.ranks for g in self.joining.values()):
+        ready = [g.group for g in self.joining.values() if len(g.joined) == g.ranks]
+        if self.donor is None and ready:
             donate = self.donor = (groups[0], self.step + 1)
+            self.recipients, self.states = ready, {}
         out: list[Reply] = []
         for rank in range(ranks):
             parts = [self.round[(g, rank)][2] for g in groups]
@@ -278,12 +288,15 @@ class Quorum:
         for (group, _), (ident, rid, _) in self.round.items():
             if group == g.group:
                 self.outbox.append((ident, {"rid": rid, "ok": False, "error": message}, ()))
-        if not left:
-            for ident, rid in g.joined.values():
-                self.outbox.append((ident, {"rid": rid, "ok": False, "error": message}, ()))
+        for ident, rid in g.joined.values():
+            self.outbox.append((ident, {"rid": rid, "ok": False, "error": message}, ()))
         self.round = {k: v for k, v in self.round.items() if k[0] != g.group}
         if self.donor is not None and self.donor[0] == g.group:
-            self.donor, self.delivered = None, set()      # the next round asks another group
+            self.donor, self.recipients, self.states = None, [], {}    # the next round asks another group
+        if not self.members:      # every member is gone: the job starts again as at first, from those that join
+            self.started, self.first_join = False, self.clock() if self.joining else None
+            if not self.joining:
+                self.layout = None
         self.history.append({"event": "left" if left else "dropped", "group": g.group, "step": self.step})
         self.log(f"jaxpar replicas: group {g.group} {'left' if left else 'dropped'} at step {self.step}: {why}; "
                  f"the mean goes on over groups {sorted(self.members)}")

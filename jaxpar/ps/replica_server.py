@@ -5,8 +5,9 @@
 prints ``jaxpar-replicas ready HOST:PORT`` once it serves and exits 0 on SIGTERM. Each group's
 processes connect with `jaxpar.ps.replicas.connect` (docs/reliability.md, "Replica groups").
 One thread: requests are handled in arrival order (`jaxpar.ps.quorum.Quorum`), and every
-``--timeout / 10`` seconds the groups whose beats lapsed are dropped. It keeps no training
-state: a restarted coordinator starts a new mean, and the groups join it again.
+``--timeout / 10`` seconds (and after the requests that came meanwhile) the groups whose beats
+lapsed are dropped. It keeps no training state: after a restart of the coordinator, restart the
+groups too (their requests are refused); they resume from their checkpoints and join anew.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ def serve(quorum: Quorum, sock: zmq.Socket, bind: str, token: str, stop: list) -
     tick = max(0.01, min(0.1, quorum.timeout / 10))
     while not stop:
         if sock.poll(int(tick * 1000)):
-            identity, *frames = sock.recv_multipart()
-            _send_all(sock, receive(quorum, identity, frames, token, bind))
+            for _ in range(10_000):    # the requests that came meanwhile (beats too) before the drop check
+                identity, *frames = sock.recv_multipart()
+                _send_all(sock, receive(quorum, identity, frames, token, bind))
+                if not sock.poll(0):
+                    break
         _send_all(sock, quorum.tick())
 
 

@@ -50,7 +50,7 @@ class ReplicaGroup:
         self._rids = itertools.count()
         self._stop = threading.Event()
         self._beats: threading.Thread | None = None
-        self.member = False            # in the mean (as the last beat's answer said)
+        self.joined = False            # its join was answered (close() then says it leaves)
         self.donate = False            # the last average asked this group for its state
         self.groups: list[int] = []    # the groups of the last mean
         self.wait_s = 0.0              # time spent in averages (transfer and waiting for the others)
@@ -86,14 +86,27 @@ class ReplicaGroup:
                            "jaxpar.ps.replica_server), is the address right, did the other groups start?")
 
     # ------------------------------------------------------------------ the protocol
-    def join(self, step: int, layout: str) -> tuple[bool, int, Any, list[np.ndarray]]:
-        """Joins the mean at ``step`` with a state of ``layout``; returns ``(healed, step, data,
-        arrays)``: whether a live group's state (its shards for this rank, its step and data
-        position) came back to replace this one's. Beats start here."""
+    def join(self, step: int, layout: str, digest: str = "") -> tuple[bool, int, Any, list[np.ndarray]]:
+        """Joins the mean at ``step`` with a state of ``layout`` (and ``digest``, a fingerprint of
+        its values: founders that differ from the first take its state); returns ``(healed, step,
+        data, arrays)``: whether a live group's state (its shards for this rank, its step and
+        data position) came back to replace this one's. Beats start here."""
         self._start_beats()
-        reply, arrays = self._call({"op": "join", "ranks": self.ranks, "layout": layout, "step": int(step)})
-        self.member = True
+        reply, arrays = self._call({"op": "join", "ranks": self.ranks, "layout": layout, "step": int(step),
+                                    "digest": digest})
+        self.joined = True
         return bool(reply.get("heal")), int(reply["step"]), reply.get("data"), arrays
+
+    def loader_process(self, groups: int):
+        """The rows of each global batch this process reads when ``groups`` groups split it (a
+        `jaxpar.data.LoaderProcess` for `jaxpar.data.TokenLoader`): every group's loader reads
+        the same global batches, so a healed group's data position, taken from its donor, is its own."""
+        from jaxpar.data import LoaderProcess
+
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups <= self.group:
+            raise ValueError(f"ReplicaGroup.loader_process: groups={groups!r} must be an int above this group's "
+                             f"number {self.group} (the job's group count)")
+        return LoaderProcess(index=self.group * self.ranks + self.rank, count=groups * self.ranks)
 
     def average(self, step: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
         """The mean of ``arrays`` over the live groups' rank ``rank`` for ``step``; sets
@@ -129,9 +142,7 @@ class ReplicaGroup:
                 sock.send_multipart(encode({"op": "beat", "group": self.group, "rank": self.rank,
                                             "incarnation": self.incarnation, "token": self._token}))
                 while sock.poll(0):
-                    reply, _ = decode(sock.recv_multipart())
-                    if reply.get("ok"):
-                        self.member = self.member and bool(reply.get("member", True))
+                    sock.recv_multipart()       # (a dropped group learns it at its next request)
         finally:
             sock.close()
 
@@ -140,12 +151,12 @@ class ReplicaGroup:
         self._stop.set()
         if self._beats is not None:
             self._beats.join(timeout=5)
-            if self.member:
-                try:
-                    self._call({"op": "leave"}, timeout=5.0)
-                except (TimeoutError, RuntimeError):
-                    pass       # the coordinator is gone, or dropped this group already: nothing waits for it
-        self.member = False
+        if self.joined:
+            try:
+                self._call({"op": "leave"}, timeout=5.0)
+            except (TimeoutError, RuntimeError):
+                pass       # the coordinator is gone, or dropped this group already: nothing waits for it
+        self.joined = False
         self._sock.close()
         self._ctx.term()
 

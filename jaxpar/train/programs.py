@@ -109,10 +109,10 @@ class Programs:
         # Pulled rows (a row source): one more input, and their gradients one more output.
         r_sh = () if rows is None else (self.rows.shardings(rows),)
         setting = self.setting(*(self.rows.abstract(rows, r_sh[0]) if r_sh else ()))
+        options = fusion.compiler_options(self.plan.config.comm_fusion, self.mesh.devices.flat[0].platform)
         if kind == "train" and self.options.exchange is not None:     # replica groups: two programs, the mean between
             fn = split_step(setting, self.loss_fn, self.tx, shapes, (state_def, batch_def), (s_sh, b_sh),
-                            self.options.exchange, skip_nonfinite=self.options.skip_nonfinite,
-                            donate=self.options.donate, wrap=lambda f: self._checking_rules(f))
+                            self.options, wrap=lambda f: self._checking_rules(f), compiler_options=options)
         elif kind == "train":
             step = self._checking_rules(build_step(setting, self.loss_fn, self.tx, shapes,
                                                    skip_nonfinite=self.options.skip_nonfinite), r_sh)
@@ -125,7 +125,6 @@ class Programs:
             # keep_unused: a state leaf the step only overwrites (a counter of the model's) would be
             # pruned from the program's inputs, and donation would then alias the next input of the
             # same shape and dtype to its output instead of its own
-            options = fusion.compiler_options(self.plan.config.comm_fusion, self.mesh.devices.flat[0].platform)
             fn = on_disk(jax.jit(flat_step, in_shardings=(s_sh, b_sh, *r_sh), out_shardings=(s_sh, None, *r_sh),
                                  donate_argnums=(0,) if self.options.donate else (), keep_unused=True,
                                  compiler_options=options or None), salt=sorted((options or {}).items()))

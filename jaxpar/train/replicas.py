@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.executables import compiled_program
+from jaxpar.executables import compiled_program, on_disk
 from jaxpar.plan.state import sharded_tx
 from jaxpar.train.step import Setting, build_grads, update
 
@@ -47,9 +47,9 @@ def check_replicas(replicas, rows) -> None:
                          "in one group, or keep them in the model")
 
 
-def replica_hooks(replicas, rows) -> list:
-    """The Trainer's hook for ``Placement(replicas=...)`` (none without one)."""
-    check_replicas(replicas, rows)
+def replica_hooks(replicas) -> list:
+    """The Trainer's hook for ``Placement(replicas=...)`` (none without one; `check_replicas` has
+    checked it with the Trainer's arguments)."""
     return [] if replicas is None else [ReplicaPath(replicas)]
 
 
@@ -109,10 +109,30 @@ def layout(tree) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
+def fingerprint(leaves: list[jax.Array]) -> str:
+    """A digest of the values of ``leaves`` (the same on every process of a job): the wrapping
+    sum of each leaf's bits, computed where the leaf lives, so nothing but one small vector leaves
+    the devices. Groups founding a mean compare theirs: one that differs (another seed or
+    checkpoint) takes the first group's state."""
+    def bits(x):
+        x = jax.random.key_data(x) if _is_key(x) else x
+        x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]   # (8: two words)
+        return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).sum(dtype=jnp.uint32)
+
+    if not leaves:
+        return ""
+    mesh = next((x.sharding.mesh for x in leaves if hasattr(x.sharding, "mesh")), None)
+    out = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    sums = jax.jit(lambda xs: jnp.stack([bits(x) for x in xs]), out_shardings=out)(leaves)
+    return hashlib.sha256(np.asarray(sums.addressable_data(0)).tobytes()).hexdigest()
+
+
 # ------------------------------------------------------------------ the step
 class SplitStep:
     """``(state leaves, batch leaves) -> (state leaves, metrics)`` as two programs with the
-    groups' mean between them. ``lower``, ``trace`` and ``compiled`` give the gradient program (the one
+    groups' mean between them (of the loss, the non-parameter state's floats and the gradients;
+    ``metrics["loss"]`` is the mean over the live groups, the loss of their rows). ``lower``, ``trace`` and ``compiled`` give the gradient program (the one
     with the model's FLOPs; the update is the second, smaller one)."""
 
     def __init__(self, grads_fn, apply_fn, average: Callable[[list], list]):
@@ -123,7 +143,9 @@ class SplitStep:
         rest_leaves, rest_def = jax.tree.flatten(rest)
         grad_leaves, grad_def = jax.tree.flatten(grads)
         floats = [jnp.issubdtype(x.dtype, jnp.inexact) for x in rest_leaves]
-        mean = iter(self.average([x for x, f in zip(rest_leaves, floats) if f] + grad_leaves))
+        # the loss too: every group judges the step finite (and reports its loss) alike
+        mean = iter(self.average([loss] + [x for x, f in zip(rest_leaves, floats) if f] + grad_leaves))
+        loss = next(mean)
         rest = jax.tree.unflatten(rest_def, [next(mean) if f else x for x, f in zip(rest_leaves, floats)])
         grads = jax.tree.unflatten(grad_def, [next(mean) for _ in grad_leaves])
         return self.apply_fn(state_leaves, (loss, aux, rest, grads))
@@ -138,13 +160,14 @@ class SplitStep:
         return compiled_program(self.grads_fn, *args)
 
 
-def split_step(setting: Setting, loss_fn: Callable, tx, shapes, defs: tuple, shardings: tuple,
-               average: Callable[[list], list], *, skip_nonfinite: bool = False, donate: bool = True,
-               wrap: Callable = lambda f: f) -> SplitStep:
+def split_step(setting: Setting, loss_fn: Callable, tx, shapes, defs: tuple, shardings: tuple, options, *,
+               wrap: Callable = lambda f: f, compiler_options: dict | None = None) -> SplitStep:
     """The `SplitStep` of ``setting`` for batches of ``shapes``: ``defs`` are the treedefs of the
-    state's and the batch's flat leaves, ``shardings`` their shardings; ``average`` takes the
-    host-side mean over the groups; ``wrap``: applied to the gradient function as it is traced
-    (the rules check)."""
+    state's and the batch's flat leaves, ``shardings`` their shardings; ``options``: the step's
+    (`jaxpar.train.programs.StepOptions`: ``exchange`` takes the host-side mean over the groups,
+    ``skip_nonfinite``, ``donate``); ``wrap``: applied to the gradient function as it is traced
+    (the rules check); ``compiler_options``: XLA's, for both programs (communication fusion's).
+    Both programs are kept on disk where the one-program step would be (`jaxpar.executables`)."""
     state_def, batch_def = defs
     s_sh, b_sh = shardings
     grads = wrap(build_grads(setting, loss_fn, shapes))
@@ -155,17 +178,20 @@ def split_step(setting: Setting, loss_fn: Callable, tx, shapes, defs: tuple, sha
 
     # the update after the mean: the one-program step's last wrapper, given the averaged gradients
     step = update(setting, lambda params, rest, carried: carried,
-                  sharded_tx(setting.plan, setting.mesh, tx, setting.params_like), skip_nonfinite=skip_nonfinite)
+                  sharded_tx(setting.plan, setting.mesh, tx, setting.params_like), skip_nonfinite=options.skip_nonfinite)
 
     def flat_apply(state_leaves, carried):
         new, metrics = step(jax.tree.unflatten(state_def, state_leaves), carried)
         return state_def.flatten_up_to(new), metrics
 
     out = (None, None, setting.shardings(setting.rest_specs), setting.shardings(setting.zero.grads))
-    grads_fn = jax.jit(tree_grads, in_shardings=(s_sh, b_sh), out_shardings=out, keep_unused=True)
-    apply_fn = jax.jit(flat_apply, in_shardings=(s_sh, None), out_shardings=(s_sh, None),
-                       donate_argnums=(0,) if donate else (), keep_unused=True)
-    return SplitStep(grads_fn, apply_fn, average)
+    xla, salt = compiler_options or None, sorted((compiler_options or {}).items())
+    grads_fn = on_disk(jax.jit(tree_grads, in_shardings=(s_sh, b_sh), out_shardings=out, keep_unused=True,
+                               compiler_options=xla), salt=salt)
+    apply_fn = on_disk(jax.jit(flat_apply, in_shardings=(s_sh, None), out_shardings=(s_sh, None),
+                               donate_argnums=(0,) if options.donate else (), keep_unused=True,
+                               compiler_options=xla), salt=salt)
+    return SplitStep(grads_fn, apply_fn, options.exchange)
 
 
 # ------------------------------------------------------------------ the hook
@@ -187,7 +213,7 @@ class ReplicaPath:
     def on_start(self, trainer) -> None:
         detached = trainer.state.detach()[0]
         leaves, treedef = jax.tree.flatten(detached)
-        healed, step, data, arrays = self.group.join(trainer.step_count, layout(detached))
+        healed, step, data, arrays = self.group.join(trainer.step_count, layout(detached), fingerprint(leaves))
         if not healed:
             return
         state = jax.tree.unflatten(treedef, from_host(leaves, arrays))
@@ -209,4 +235,5 @@ class ReplicaPath:
         self.group.close()
 
 
-__all__ = ["ReplicaPath", "SplitStep", "check_replicas", "replica_hooks", "from_host", "layout", "split_step", "to_host"]
+__all__ = ["ReplicaPath", "SplitStep", "check_replicas", "fingerprint", "from_host", "layout", "replica_hooks",
+           "split_step", "to_host"]

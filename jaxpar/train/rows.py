@@ -17,10 +17,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.config import ParallelConfig
 from jaxpar.plan.checks import check_rows_pipeline
+from jaxpar.train.replicas import check_replicas
 
 
-def check_rows(rows, config: ParallelConfig, plan) -> None:
-    """A row source has ``pull`` and ``push``; the combinations it cannot run are refused by name."""
+def check_rows(rows, config: ParallelConfig, plan, replicas=None) -> None:
+    """A row source has ``pull`` and ``push``; the combinations it cannot run are refused by name
+    (``replicas``: the placement's replica group, `jaxpar.train.replicas.check_replicas`)."""
+    check_replicas(replicas, rows)
     if rows is None:
         return
     if not (callable(getattr(rows, "pull", None)) and callable(getattr(rows, "push", None))):

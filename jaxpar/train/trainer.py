@@ -76,11 +76,11 @@ class Trainer:
         self._hooks: list = []
         self._preemption = None
         try:     # a refused or failed construction leaves nothing open behind it (files, threads, handlers)
-            check_rows(rows, config, plan)
+            check_rows(rows, config, plan, placement.replicas)
             self.row_path = None if rows is None else RowPath(rows, mesh)
             self.mesh, self.tx, self.loss_fn = mesh, tx, loss_fn
             self.global_batch = jax.process_count() == 1 if placement.global_batch is None else placement.global_batch
-            self._hooks = services.build() + replica_hooks(placement.replicas, rows)   # opens the checkpoint directory
+            self._hooks = services.build() + replica_hooks(placement.replicas)   # opens the checkpoint directory
             self._preemption = self.service("preemption")
             if plan is None:                  # the Trainer makes the config's plan; it never searches
                 if config.mode == "auto":
