@@ -132,8 +132,9 @@ def fingerprint(leaves: list[jax.Array]) -> str:
 class SplitStep:
     """``(state leaves, batch leaves) -> (state leaves, metrics)`` as two programs with the
     groups' mean between them (of the loss, the non-parameter state's floats and the gradients;
-    ``metrics["loss"]`` is the mean over the live groups, the loss of their rows). ``lower``, ``trace`` and ``compiled`` give the gradient program (the one
-    with the model's FLOPs; the update is the second, smaller one)."""
+    ``metrics["loss"]`` is the mean over the live groups, the loss of their rows). ``lower``,
+    ``trace`` and ``compiled`` give the gradient program (the one with the model's FLOPs; the
+    update is the second, smaller one)."""
 
     def __init__(self, grads_fn, apply_fn, average: Callable[[list], list]):
         self.grads_fn, self.apply_fn, self.average = grads_fn, apply_fn, average
