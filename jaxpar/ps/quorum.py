@@ -165,18 +165,17 @@ class Quorum:
                  f"{'' if len(ready) == self.groups else f' ({len(ready)} of {self.groups} joined in time)'}")
         return out
 
-    def _admit(self, g: Group, fields: dict | None = None, arrays_of: Callable[[int], tuple] = lambda r: ()
-               ) -> list[Reply]:
-        """``g`` joins the mean from the next step; its ranks' join requests are answered."""
+    def _admit(self, g: Group, healed: bool = False) -> list[Reply]:
+        """``g`` joins the mean from the next step; the join requests of its ranks still waiting
+        are answered (a healed group's were, with the donor's state)."""
         self.joining.pop(g.group, None)
         self.members[g.group] = g
         g.step = self.step
         now = self.clock()
         g.beats = {r: now for r in range(g.ranks)}
-        healed = fields is not None
         self.history.append({"event": "healed" if healed else "joined", "group": g.group, "step": self.step})
-        reply = {"heal": healed, "step": self.step, "members": sorted(self.members), **(fields or {})}
-        out = [(ident, {"rid": rid, **reply}, arrays_of(r)) for r, (ident, rid) in g.joined.items()]
+        reply = {"heal": False, "step": self.step, "members": sorted(self.members)}
+        out = [(ident, {"rid": rid, **reply}, ()) for r, (ident, rid) in g.joined.items()]
         g.joined = {}
         return out
 
@@ -201,7 +200,7 @@ class Quorum:
                 out.append((ident, {"rid": rid, "heal": True, "step": step, "donor": group, "data": data},
                             tuple(shards)))
             g.joined = {}
-            self._admit(g)
+            self._admit(g, healed=True)
             self.log(f"jaxpar replicas: group {g.group} healed from group {group} at step {step}")
         self.donor, self.recipients, self.states = None, [], {}
         return out
