@@ -54,7 +54,6 @@ class ReplicaGroup:
         self.donate = False            # the last average asked this group for its state
         self.groups: list[int] = []    # the groups of the last mean
         self.wait_s = 0.0              # time spent in averages (transfer and waiting for the others)
-        self.fewer: dict[int, list[int]] = {}   # step -> groups, for the steps averaged without every group
 
     def _socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -148,6 +147,8 @@ class ReplicaGroup:
 
     def close(self) -> None:
         """Leaves the mean (the others stop waiting for this group at once) and stops beating."""
+        if self._sock.closed:
+            return
         self._stop.set()
         if self._beats is not None:
             self._beats.join(timeout=5)
