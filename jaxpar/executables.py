@@ -1,26 +1,30 @@
-"""Compiled programs kept on disk by every process of a job, where JAX keeps process 0's only.
+"""Compiled programs shared by the processes of a job on one host, where JAX keeps process 0's only.
 
 JAX writes its persistent compilation cache from process 0 alone, and on some backends (XLA:CPU)
-each process computes another cache key for the same program. So when a job restarts after a
-failure, process 0 loads its step from the cache while every other process compiles it again,
-and the whole job waits at the step's first collective for the slowest of them; the same again at
-the first checkpoint save (the checksum programs).
+each process computes another cache key for the same program. So every process of a job compiled
+every program itself — the same program, once per process — and when a job restarted after a
+failure, process 0 loaded its step from the cache while every other process compiled it again,
+the whole job waiting at the step's first collective for the slowest of them.
 
-`compile_lowered` is ``lowered.compile()`` that, in a process other than 0 of a job whose JAX
+`compile_lowered` is ``lowered.compile()`` that, in a job of several processes whose JAX
 compilation cache is on (``jax_compilation_cache_dir`` set to a local folder,
 ``jax_enable_compilation_cache`` true), first looks for the program in
-``<cache dir>/jaxpar-executables/process-<i>-of-<n>/`` and writes what it compiles there
-(`jax.experimental.serialize_executable`). `OnDisk` wraps a ``jax.jit`` function so that each
-argument signature's program goes through `compile_lowered`; `on_disk` gives the function itself
-where there is nothing to keep (one process, process 0, no cache), so the step's dispatch is
-unchanged there.
+``<cache dir>/jaxpar-executables/job-of-<n>/``, the folder the job's processes on this host
+share. On a miss one process claims the program (``<key>.lock``, holding its pid), compiles it
+and writes it there (`jax.experimental.serialize_executable`); the others wait and read it (an
+XLA:CPU program loads and runs in any process of the job: it is the same partitioned program on
+the same global devices). A claim whose process died is not waited for, and a live one for
+`WAIT_S` seconds at most; then the waiting process compiles the program itself. `OnDisk` wraps a
+``jax.jit`` function so that each argument signature's program goes through `compile_lowered`;
+`on_disk` gives the function itself where there is nothing to share (one process, no cache), so
+the step's dispatch is unchanged there.
 
 The key of a program is a SHA-256 of its StableHLO, the devices of its arguments' shardings in
 order, the compiler options, XLA's flags, the JAX and jaxlib versions, the backend's platform
-version, the device kind (on a CPU the host's instruction-set flags) and this process's index
-and count; a program read back must also take the arguments' shardings, else it is compiled
-again. A damaged or unreadable entry is removed and compiled again, with a warning. Kept are
-only programs compiled here, without host callbacks (`jax.debug.print`, `jax.pure_callback`:
+version, the device kind (on a CPU the host's instruction-set flags) and the job's process
+count; a program read back must also take the arguments' shardings, else it is compiled again.
+A damaged or unreadable entry is removed and compiled again, with a warning. Kept are only
+programs compiled here, without host callbacks (`jax.debug.print`, `jax.pure_callback`:
 pointers into the process that wrote them). The folder only grows, as JAX's cache does by
 default: delete it with the cache. Reading an entry unpickles it: keep the cache folder as
 private as the checkpoints (JAX's own cache holds executables too).
@@ -28,12 +32,14 @@ private as the checkpoints (JAX's own cache holds executables too).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
 import re
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,16 +75,17 @@ def _counts() -> tuple[int, int]:
 
 
 def cache_dir() -> str | None:
-    """This process's folder of programs, or None where JAX's cache serves (one process, process
-    0), where it is off, or where it is not a local folder (``gs://...``: JAX's cache only)."""
-    if jax.process_count() == 1 or jax.process_index() == 0:
+    """The folder of programs this job's processes share on this host, or None where JAX's cache
+    serves alone (one process), where it is off, or where it is not a local folder
+    (``gs://...``: JAX's cache only)."""
+    if jax.process_count() == 1:
         return None
     if not jax.config.jax_enable_compilation_cache:
         return None
     base = jax.config.jax_compilation_cache_dir
     if not base or "://" in str(base):
         return None
-    return os.path.join(str(base), FOLDER, f"process-{jax.process_index()}-of-{jax.process_count()}")
+    return os.path.join(str(base), FOLDER, f"job-of-{jax.process_count()}")
 
 
 def _placement(x) -> str:
@@ -113,7 +120,7 @@ def _machine() -> str:
 def _key(text: str, args: Sequence, salt: str) -> str:
     backend = jax.devices()[0].client
     parts = [text, salt, os.environ.get("XLA_FLAGS", ""), jax.__version__, jaxlib.__version__,
-             backend.platform, backend.platform_version, _machine(), f"{jax.process_index()}/{jax.process_count()}",
+             backend.platform, backend.platform_version, _machine(), f"of {jax.process_count()}",
              *(_placement(x) for x in jax.tree.leaves(args))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
@@ -191,35 +198,100 @@ def _write(path: str, compiled: jax.stages.Compiled) -> bool:
     return True
 
 
+# How long a process waits for another one of its job to compile a program it claimed, at most
+# (then it compiles the program itself); a claim whose process is gone is not waited for.
+WAIT_S = 900.0
+
+
+def _claim(lock: str) -> bool:
+    """Whether this process takes the compile of a program (creates ``lock``, holding its pid)."""
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        return False
+    except OSError:
+        return True          # (no claims in this folder: every process compiles, as without sharing)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()} {_host()}")
+    return True
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def _claimed_by_live_process(lock: str) -> bool:
+    """Whether ``lock`` exists and its process (on this host) still runs; one of another host is
+    taken as live (a shared folder: the wait is bounded by `WAIT_S`)."""
+    try:
+        with open(lock) as f:
+            pid, host = f.read().split()
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True           # being written
+    if host != _host():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        pass
+    return True
+
+
 def compile_lowered(lowered: jax.stages.Lowered, args: Sequence = (), salt: str = "") -> jax.stages.Compiled:
-    """``lowered.compile()``, kept on disk by this process where `cache_dir` names a folder:
-    read back when a program of the same key (see the module) that takes ``args`` (the arguments
-    it was lowered for) is there, else compiled and written. ``salt``: what else decides the
-    program (the compiler options given to ``jax.jit``)."""
+    """``lowered.compile()``, shared by the processes of a job on this host where `cache_dir`
+    names a folder: read back when a program of the same key (see the module) that takes
+    ``args`` (the arguments it was lowered for) is there; else one process claims it, compiles
+    and writes it while the others wait for it (a claim whose process died is not waited for).
+    ``salt``: what else decides the program (the compiler options given to ``jax.jit``)."""
     folder = cache_dir()
     devices = None if folder is None else _devices(args)
     text = None if devices is None else lowered.as_text()
     if text is None or _CALLBACK.search(text):
         return lowered.compile()
     path = os.path.join(folder, _key(text, args, salt))
-    compiled = _read(path, lowered, args, devices)
-    if compiled is not None:
-        jax.monitoring.record_event(READ_EVENT)
-        return compiled
-    hits, compiles = _counts()
-    compiled = lowered.compile()
-    # Only a program compiled here is kept: an XLA:CPU program JAX loaded from its own cache
-    # serializes without its machine code (one read back from such an entry fails when it runs),
-    # and one JAX's in-memory caches handed back (no event) may have been such a load.
-    now_hits, now_compiles = _counts()
-    if now_hits == hits and now_compiles > compiles and _write(path, compiled):
-        jax.monitoring.record_event(WRITTEN_EVENT)
+    lock = path + ".lock"
+    os.makedirs(folder, exist_ok=True)
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        compiled = _read(path, lowered, args, devices)
+        if compiled is not None:
+            jax.monitoring.record_event(READ_EVENT)
+            return compiled
+        if _claim(lock):
+            break
+        if not _claimed_by_live_process(lock):      # its process died: the claim is void
+            with contextlib.suppress(OSError):
+                os.remove(lock)
+            continue
+        if time.monotonic() > deadline:
+            lock = None          # compiled here too (another process's compile is overdue)
+            break
+        time.sleep(0.05)
+    try:
+        hits, compiles = _counts()
+        compiled = lowered.compile()
+        # Only a program compiled here is kept: an XLA:CPU program JAX loaded from its own cache
+        # serializes without its machine code (one read back from such an entry fails when it runs),
+        # and one JAX's in-memory caches handed back (no event) may have been such a load.
+        now_hits, now_compiles = _counts()
+        if now_hits == hits and now_compiles > compiles and _write(path, compiled):
+            jax.monitoring.record_event(WRITTEN_EVENT)
+    finally:
+        if lock is not None:     # those waiting read the program, or compile it themselves
+            with contextlib.suppress(OSError):
+                os.remove(lock)
     return compiled
 
 
 class OnDisk:
     """A ``jax.jit`` function (called with positional arguments only) whose program for each
-    argument signature comes from `compile_lowered` where this process keeps programs, else the
+    argument signature comes from `compile_lowered` where the job's processes share programs, else the
     function's own dispatch; ``lower`` and ``trace`` are the function's. `on_disk` gives the
     function itself where nothing is kept when it is built."""
 
@@ -271,8 +343,8 @@ def compiled_program(fn: Callable, *args) -> jax.stages.Compiled:
 
 
 def on_disk(fn: Callable, salt: Any = "") -> Callable:
-    """``fn`` (a ``jax.jit`` function without static arguments) as an `OnDisk` where this
-    process keeps programs (`cache_dir`), else ``fn`` itself. ``salt``: as `compile_lowered`'s."""
+    """``fn`` (a ``jax.jit`` function without static arguments) as an `OnDisk` where the job's
+    processes share programs (`cache_dir`), else ``fn`` itself. ``salt``: as `compile_lowered`'s."""
     return fn if cache_dir() is None else OnDisk(fn, str(salt))
 
 

@@ -124,3 +124,30 @@ def test_a_program_that_drops_an_argument_is_read_back_and_one_with_a_host_callb
     before = sorted(os.listdir(folder))
     executables.on_disk(jax.jit(shown))(x)
     assert sorted(os.listdir(folder)) == before and events[-1] == executables.READ_EVENT
+
+
+def test_a_claim_of_a_dead_process_is_void_and_a_live_one_is_waited_for(kept, monkeypatch):
+    """The processes of a job share the folder: one claims a program (``<key>.lock``) and
+    compiles it while the others wait to read it; a claim whose process died is not waited for,
+    and a live one only for `WAIT_S` seconds."""
+    import subprocess
+    import sys
+    import time
+
+    folder, events = kept
+    fn, x = _program(4)
+    lowered = fn.lower(x)
+    path = os.path.join(folder, executables._key(lowered.as_text(), (x,), ""))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    with open(path + ".lock", "w") as f:
+        f.write(f"{dead} {executables._host()}")
+    want = float(executables.compile_lowered(lowered, (x,))(x))      # not waited for
+    assert events == [executables.WRITTEN_EVENT] and not os.path.exists(path + ".lock")
+    os.remove(path)
+    with open(path + ".lock", "w") as f:
+        f.write(f"{os.getpid()} {executables._host()}")                 # a live claim (this process)
+    monkeypatch.setattr(executables, "WAIT_S", 0.5)
+    start = time.monotonic()
+    assert float(executables.compile_lowered(fn.lower(x), (x,))(x)) == want
+    assert time.monotonic() - start >= 0.5 and os.path.exists(path + ".lock")   # waited, then compiled itself

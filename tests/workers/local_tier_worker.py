@@ -108,8 +108,11 @@ def main():
     with open(os.path.join(args.out, f"resumed-{me}.{restart}.json"), "w") as f:
         json.dump({"step": t.step_count, "source": None if recovery is None else recovery.source}, f)
     rows = dist.process_rows(GLOBAL)
-    for batch in batches()[t.step_count:]:
+    for i, batch in enumerate(batches()[t.step_count:]):
         t.step({k: v[rows] for k, v in batch.items()})
+        if i == 0:       # what this life's first step compiled or read
+            with open(os.path.join(args.out, f"compiled-{me}.{restart}.first.json"), "w") as f:
+                json.dump({"compiled": sorted(set(compiled)), "read": len(read)}, f)
         if restart == 0 and t.step_count == KILL_AT:
             local.wait()                   # step KILL_AT - 1 is written (and copied) on every process
             multihost_utils.sync_global_devices("written")
