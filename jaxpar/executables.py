@@ -9,15 +9,18 @@ the whole job waiting at the step's first collective for the slowest of them.
 `compile_lowered` is ``lowered.compile()`` that, in a job of several processes whose JAX
 compilation cache is on (``jax_compilation_cache_dir`` set to a local folder,
 ``jax_enable_compilation_cache`` true), first looks for the program in
-``<cache dir>/jaxpar-executables/job-of-<n>/``, the folder the job's processes on this host
-share. On a miss one process claims the program (``<key>.lock``, holding its pid), compiles it
-and writes it there (`jax.experimental.serialize_executable`); the others wait and read it (an
-XLA:CPU program loads and runs in any process of the job: it is the same partitioned program on
-the same global devices). A claim whose process died is not waited for, and a live one for
-`WAIT_S` seconds at most; then the waiting process compiles the program itself. `OnDisk` wraps a
-``jax.jit`` function so that each argument signature's program goes through `compile_lowered`;
-`on_disk` gives the function itself where there is nothing to share (one process, no cache), so
-the step's dispatch is unchanged there.
+``<cache dir>/jaxpar-executables/job-of-<n>/<host>/``, the folder the job's processes on this
+host share (and any job of as many processes with the same cache folder). On a CPU, on a miss,
+one process claims the program (an exclusive `fcntl.flock` on ``<key>.lock``, which the kernel
+releases when the process ends, however it ends), compiles it and writes it
+(`jax.experimental.serialize_executable`); the others wait and read it (an XLA:CPU program loads
+and runs in any process of the job: the same partitioned program on the same global devices). A
+live claim is waited for `WAIT_S` seconds at most; a claimer that could keep nothing leaves
+``<key>.none``, and then every process compiles its own. On other backends, whose compiles may
+wait for the job's other processes (GPU autotuning shared between them), each process compiles
+and writes, and reads what is there. `OnDisk` wraps a ``jax.jit`` function so that each argument
+signature's program goes through `compile_lowered`; `on_disk` gives the function itself where
+there is nothing to share (one process, no cache), so the step's dispatch is unchanged there.
 
 The key of a program is a SHA-256 of its StableHLO, the devices of its arguments' shardings in
 order, the compiler options, XLA's flags, the JAX and jaxlib versions, the backend's platform
@@ -85,7 +88,13 @@ def cache_dir() -> str | None:
     base = jax.config.jax_compilation_cache_dir
     if not base or "://" in str(base):
         return None
-    return os.path.join(str(base), FOLDER, f"job-of-{jax.process_count()}")
+    return os.path.join(str(base), FOLDER, f"job-of-{jax.process_count()}", _host())
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
 
 
 def _placement(x) -> str:
@@ -199,94 +208,75 @@ def _write(path: str, compiled: jax.stages.Compiled) -> bool:
 
 
 # How long a process waits for another one of its job to compile a program it claimed, at most
-# (then it compiles the program itself); a claim whose process is gone is not waited for.
+# (then it compiles the program itself). A claim is an exclusive `fcntl.flock` on ``<key>.lock``,
+# which the kernel releases when its process ends, however it ends.
 WAIT_S = 900.0
 
 
-def _claim(lock: str) -> bool:
-    """Whether this process takes the compile of a program (creates ``lock``, holding its pid)."""
-    try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    except FileExistsError:
-        return False
-    except OSError:
-        return True          # (no claims in this folder: every process compiles, as without sharing)
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{os.getpid()} {_host()}")
-    return True
-
-
-def _host() -> str:
-    import socket
-
-    return socket.gethostname()
-
-
-def _claimed_by_live_process(lock: str) -> bool:
-    """Whether ``lock`` exists and its process (on this host) still runs; one of another host is
-    taken as live (a shared folder: the wait is bounded by `WAIT_S`)."""
-    try:
-        with open(lock) as f:
-            pid, host = f.read().split()
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError):
-        return True           # being written
-    if host != _host():
-        return True
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError):
-        pass
-    return True
+def _compile_and_keep(lowered: jax.stages.Lowered, path: str) -> jax.stages.Compiled:
+    hits, compiles = _counts()
+    compiled = lowered.compile()
+    # Only a program compiled here is kept: an XLA:CPU program JAX loaded from its own cache
+    # serializes without its machine code (one read back from such an entry fails when it runs),
+    # and one JAX's in-memory caches handed back (no event) may have been such a load.
+    now_hits, now_compiles = _counts()
+    if now_hits == hits and now_compiles > compiles and _write(path, compiled):
+        jax.monitoring.record_event(WRITTEN_EVENT)
+    return compiled
 
 
 def compile_lowered(lowered: jax.stages.Lowered, args: Sequence = (), salt: str = "") -> jax.stages.Compiled:
     """``lowered.compile()``, shared by the processes of a job on this host where `cache_dir`
     names a folder: read back when a program of the same key (see the module) that takes
-    ``args`` (the arguments it was lowered for) is there; else one process claims it, compiles
-    and writes it while the others wait for it (a claim whose process died is not waited for).
-    ``salt``: what else decides the program (the compiler options given to ``jax.jit``)."""
+    ``args`` (the arguments it was lowered for) is there. Else, on a CPU, one process claims it,
+    compiles and writes it while the others wait to read it (a process that claimed and wrote
+    nothing leaves ``<key>.none``: then each compiles its own); on other backends (whose compiles
+    may wait for the other processes: GPU autotuning shared between them) each process compiles,
+    and writes. ``salt``: what else decides the program (the compiler options given to ``jax.jit``)."""
     folder = cache_dir()
     devices = None if folder is None else _devices(args)
     text = None if devices is None else lowered.as_text()
     if text is None or _CALLBACK.search(text):
         return lowered.compile()
     path = os.path.join(folder, _key(text, args, salt))
-    lock = path + ".lock"
-    os.makedirs(folder, exist_ok=True)
-    deadline = time.monotonic() + WAIT_S
-    while True:
+    compiled = _read(path, lowered, args, devices)
+    if compiled is not None:
+        jax.monitoring.record_event(READ_EVENT)
+        return compiled
+    if devices[0].platform != "cpu" or os.path.exists(path + ".none"):
+        return _compile_and_keep(lowered, path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(path + ".lock", os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError:            # a folder this process cannot write: it compiles alone
+        return lowered.compile()
+    try:
+        import fcntl
+
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break           # claimed (or the claimer is done): read what it wrote, else compile
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return _compile_and_keep(lowered, path)    # its compile is overdue: this one's own
+                time.sleep(0.05)
+            except OSError:     # a filesystem without locks: each process compiles
+                return _compile_and_keep(lowered, path)
         compiled = _read(path, lowered, args, devices)
         if compiled is not None:
             jax.monitoring.record_event(READ_EVENT)
             return compiled
-        if _claim(lock):
-            break
-        if not _claimed_by_live_process(lock):      # its process died: the claim is void
+        if os.path.exists(path + ".none"):      # the claimer kept nothing: no more turns
+            return _compile_and_keep(lowered, path)
+        compiled = _compile_and_keep(lowered, path)
+        if not os.path.exists(path):
             with contextlib.suppress(OSError):
-                os.remove(lock)
-            continue
-        if time.monotonic() > deadline:
-            lock = None          # compiled here too (another process's compile is overdue)
-            break
-        time.sleep(0.05)
-    try:
-        hits, compiles = _counts()
-        compiled = lowered.compile()
-        # Only a program compiled here is kept: an XLA:CPU program JAX loaded from its own cache
-        # serializes without its machine code (one read back from such an entry fails when it runs),
-        # and one JAX's in-memory caches handed back (no event) may have been such a load.
-        now_hits, now_compiles = _counts()
-        if now_hits == hits and now_compiles > compiles and _write(path, compiled):
-            jax.monitoring.record_event(WRITTEN_EVENT)
+                open(path + ".none", "w").close()
+        return compiled
     finally:
-        if lock is not None:     # those waiting read the program, or compile it themselves
-            with contextlib.suppress(OSError):
-                os.remove(lock)
-    return compiled
+        os.close(fd)            # (releases the claim)
 
 
 class OnDisk:

@@ -34,6 +34,11 @@ def kept(tmp_path, monkeypatch):
 UNIQUE = 1 + uuid.uuid4().int % 100_000
 
 
+def _entries(folder) -> list[str]:
+    """The programs kept in ``folder`` (not the claims' lock files, nor ``.none`` markers)."""
+    return [n for n in os.listdir(folder) if not n.endswith((".lock", ".none"))]
+
+
 def _program(k: int):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
     sharding = NamedSharding(mesh, PartitionSpec("data", "model"))
@@ -53,7 +58,7 @@ def test_a_restarted_process_reads_its_program_back(kept):
     first = executables.on_disk(fn)
     assert isinstance(first, executables.OnDisk)
     want = first(x)
-    assert events == [executables.WRITTEN_EVENT] and len(os.listdir(folder)) == 1
+    assert events == [executables.WRITTEN_EVENT] and len(_entries(folder)) == 1
     assert executables.compiled_program(first, x) is executables.compiled_program(first, x)  # kept, not compiled again
 
     again = executables.on_disk(jax.jit(lambda x: (jnp.sin(x) @ x.T).sum() * (UNIQUE + 1)))   # a new process's function
@@ -64,14 +69,14 @@ def test_a_restarted_process_reads_its_program_back(kept):
     devices = np.array(jax.devices()[:4])[::-1].reshape(2, 2)
     y = jax.device_put(np.asarray(x), NamedSharding(jax.sharding.Mesh(devices, ("data", "model")), x.sharding.spec))
     assert float(executables.on_disk(fn)(y)) == float(want)
-    assert events[-1] == executables.WRITTEN_EVENT and len(os.listdir(folder)) == 2
+    assert events[-1] == executables.WRITTEN_EVENT and len(_entries(folder)) == 2
 
 
 def test_a_damaged_entry_is_compiled_again_with_a_warning(kept):
     folder, events = kept
     fn, x = _program(2)
     want = float(executables.on_disk(fn)(x))
-    (entry,) = os.listdir(folder)
+    (entry,) = _entries(folder)
     with open(folder / entry, "r+b") as f:
         f.truncate(100)
     with pytest.warns(RuntimeWarning, match="could not be loaded.*compiling it again"):
@@ -107,7 +112,7 @@ def test_a_program_from_jax_cache_is_not_kept(kept):
     want = float(fn(x))           # compiled, and written to JAX's cache (this is its process 0)
     jax.clear_caches()            # as a new process: JAX's cache on disk only
     assert float(executables.on_disk(jax.jit(lambda x: (jnp.sin(x) @ x.T).sum() * (UNIQUE + 3)))(x)) == want
-    assert events == [] and os.listdir(folder) == []
+    assert events == [] and _entries(folder) == []
 
 
 def test_a_program_that_drops_an_argument_is_read_back_and_one_with_a_host_callback_is_not_kept(kept):
@@ -121,15 +126,16 @@ def test_a_program_that_drops_an_argument_is_read_back_and_one_with_a_host_callb
     def shown(x):
         jax.debug.print("{}", x.sum() * (UNIQUE + 5))
         return x + 1
-    before = sorted(os.listdir(folder))
+    before = sorted(_entries(folder))
     executables.on_disk(jax.jit(shown))(x)
-    assert sorted(os.listdir(folder)) == before and events[-1] == executables.READ_EVENT
+    assert sorted(_entries(folder)) == before and events[-1] == executables.READ_EVENT
 
 
 def test_a_claim_of_a_dead_process_is_void_and_a_live_one_is_waited_for(kept, monkeypatch):
-    """The processes of a job share the folder: one claims a program (``<key>.lock``) and
-    compiles it while the others wait to read it; a claim whose process died is not waited for,
-    and a live one only for `WAIT_S` seconds."""
+    """The processes of a job share the folder: on a CPU one claims a program (an exclusive
+    flock on ``<key>.lock``) and compiles it while the others wait to read it; the claim of a
+    process that ended is gone with it, and a live one is waited for only `WAIT_S` seconds."""
+    import fcntl
     import subprocess
     import sys
     import time
@@ -138,16 +144,27 @@ def test_a_claim_of_a_dead_process_is_void_and_a_live_one_is_waited_for(kept, mo
     fn, x = _program(4)
     lowered = fn.lower(x)
     path = os.path.join(folder, executables._key(lowered.as_text(), (x,), ""))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
-    with open(path + ".lock", "w") as f:
-        f.write(f"{dead} {executables._host()}")
-    want = float(executables.compile_lowered(lowered, (x,))(x))      # not waited for
-    assert events == [executables.WRITTEN_EVENT] and not os.path.exists(path + ".lock")
+    os.makedirs(folder, exist_ok=True)
+    subprocess.run([sys.executable, "-c", f"import fcntl, os; fd = os.open({path + '.lock'!r}, os.O_CREAT | os.O_RDWR); "
+                    "fcntl.flock(fd, fcntl.LOCK_EX); os._exit(0)"], check=True)     # claimed, then killed
+    want = float(executables.compile_lowered(lowered, (x,))(x))                     # not waited for
+    assert events == [executables.WRITTEN_EVENT] and os.path.exists(path)
     os.remove(path)
-    with open(path + ".lock", "w") as f:
-        f.write(f"{os.getpid()} {executables._host()}")                 # a live claim (this process)
+    held = os.open(path + ".lock", os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)                   # a live claim (another open file: another claimer)
     monkeypatch.setattr(executables, "WAIT_S", 0.5)
     start = time.monotonic()
     assert float(executables.compile_lowered(fn.lower(x), (x,))(x)) == want
-    assert time.monotonic() - start >= 0.5 and os.path.exists(path + ".lock")   # waited, then compiled itself
+    assert time.monotonic() - start >= 0.5              # waited, then compiled itself
+    os.close(held)
+
+
+def test_a_claimer_that_kept_nothing_lets_each_process_compile_its_own(kept, monkeypatch):
+    folder, events = kept
+    fn, x = _program(5)
+    monkeypatch.setattr(executables, "_write", lambda path, compiled: False)   # (a disk that refuses it)
+    lowered = fn.lower(x)
+    path = os.path.join(folder, executables._key(lowered.as_text(), (x,), ""))
+    want = float(executables.compile_lowered(lowered, (x,))(x))
+    assert os.path.exists(path + ".none") and not os.path.exists(path)
+    assert float(executables.compile_lowered(fn.lower(x), (x,))(x)) == want     # no claim: compiled here

@@ -77,7 +77,7 @@ def _unusable(x: jax.Array, nan_only: bool) -> jax.Array:
 
 # One small program per (shape, dtype, sharding), shared by every leaf and every model that has
 # it, rather than one for the whole state, which would compile again for each model and layout.
-# Every process keeps them on disk (jaxpar.executables), so a restarted process compiles none.
+# The job's processes share them on disk (jaxpar.executables), so a restarted process compiles none.
 _leaf_jit = OnDisk(jax.jit(_leaf))
 _saved_jit = {nan_only: OnDisk(jax.jit(lambda x, nan_only=nan_only: (_leaf(x), _unusable(x, nan_only))))
               for nan_only in (False, True)}
