@@ -205,7 +205,7 @@ class ReplicaPath:
     def __init__(self, group):
         self.group = group
         self.step = None           # the step being run (set before it)
-        self.healed: dict[str, Any] | None = None    # {"step", "donor"} when this start took a live group's state
+        self.healed: dict[str, Any] | None = None    # {"step"} when this start took a live group's state
 
     def average(self, leaves: list[jax.Array]) -> list[jax.Array]:
         """The mean over the live groups of ``leaves`` (this process's shards of them)."""
@@ -222,7 +222,7 @@ class ReplicaPath:
         if int(trainer.state.step) != step:
             raise RuntimeError(f"replica groups: the state received from a live group is at step "
                                f"{int(trainer.state.step)}, and the coordinator said {step}")
-        self.healed = {"step": step, "donor": None}
+        self.healed = {"step": step}
 
     def before_step(self, trainer, step: int) -> None:
         self.step = step
