@@ -332,10 +332,18 @@ def compiled_program(fn: Callable, *args) -> jax.stages.Compiled:
     return compiled(*args) if compiled is not None else fn.lower(*args).compile()
 
 
+def jit_on_disk(fn: Callable, *, compiler_options: dict | None = None, **jit_kwargs) -> Callable:
+    """``jax.jit(fn, compiler_options=..., **jit_kwargs)`` through `on_disk`, its programs' key
+    salted with those compiler options (they decide the program as much as its StableHLO)."""
+    return on_disk(jax.jit(fn, compiler_options=compiler_options or None, **jit_kwargs),
+                   salt=sorted((compiler_options or {}).items()))
+
+
 def on_disk(fn: Callable, salt: Any = "") -> Callable:
     """``fn`` (a ``jax.jit`` function without static arguments) as an `OnDisk` where the job's
     processes share programs (`cache_dir`), else ``fn`` itself. ``salt``: as `compile_lowered`'s."""
     return fn if cache_dir() is None else OnDisk(fn, str(salt))
 
 
-__all__ = ["FOLDER", "READ_EVENT", "WRITTEN_EVENT", "OnDisk", "cache_dir", "compile_lowered", "compiled_program", "on_disk"]
+__all__ = ["FOLDER", "READ_EVENT", "WRITTEN_EVENT", "OnDisk", "cache_dir", "compile_lowered", "compiled_program", "jit_on_disk",
+           "on_disk"]

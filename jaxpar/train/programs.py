@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxpar.data import place_batch, process_view
 from jaxpar.data.sequence import reorder_batch
-from jaxpar.executables import compiled_program, on_disk
+from jaxpar.executables import compiled_program, jit_on_disk
 from jaxpar.nn.specs import check_rules_used
 from jaxpar.optim import fusion
 from jaxpar.plan import IdleAxisWarning, TrainPlan, state_shardings
@@ -125,9 +125,9 @@ class Programs:
             # keep_unused: a state leaf the step only overwrites (a counter of the model's) would be
             # pruned from the program's inputs, and donation would then alias the next input of the
             # same shape and dtype to its output instead of its own
-            fn = on_disk(jax.jit(flat_step, in_shardings=(s_sh, b_sh, *r_sh), out_shardings=(s_sh, None, *r_sh),
-                                 donate_argnums=(0,) if self.options.donate else (), keep_unused=True,
-                                 compiler_options=options or None), salt=sorted((options or {}).items()))
+            fn = jit_on_disk(flat_step, in_shardings=(s_sh, b_sh, *r_sh), out_shardings=(s_sh, None, *r_sh),
+                             donate_argnums=(0,) if self.options.donate else (), keep_unused=True,
+                             compiler_options=options)
         else:
             evaluate = build_eval(setting, self.loss_fn, shapes)
 
@@ -135,7 +135,7 @@ class Programs:
                 return evaluate(jax.tree.unflatten(state_def, state_leaves),
                                 jax.tree.unflatten(batch_def, batch_leaves), *rows)
 
-            fn = on_disk(jax.jit(flat_eval, in_shardings=(s_sh, b_sh, *r_sh)))
+            fn = jit_on_disk(flat_eval, in_shardings=(s_sh, b_sh, *r_sh))
         if self.plan.pipeline.stages > 1:   # compiled and checked before it runs (a stage's op must hold
             fn = checked_step(fn, self.mesh, self.plan.config.pipeline.axis)   # no cross-stage collective)
         return Program(fn, b_sh, batch_def, fast, r_sh[0] if r_sh else None)

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpar.executables import compiled_program, on_disk
+from jaxpar.executables import compiled_program, jit_on_disk
 from jaxpar.plan.state import sharded_tx
 from jaxpar.train.step import Setting, build_grads, update
 
@@ -186,12 +186,11 @@ def split_step(setting: Setting, loss_fn: Callable, tx, shapes, defs: tuple, sha
         return state_def.flatten_up_to(new), metrics
 
     out = (None, None, setting.shardings(setting.rest_specs), setting.shardings(setting.zero.grads))
-    xla, salt = compiler_options or None, sorted((compiler_options or {}).items())
-    grads_fn = on_disk(jax.jit(tree_grads, in_shardings=(s_sh, b_sh), out_shardings=out, keep_unused=True,
-                               compiler_options=xla), salt=salt)
-    apply_fn = on_disk(jax.jit(flat_apply, in_shardings=(s_sh, None), out_shardings=(s_sh, None),
-                               donate_argnums=(0,) if options.donate else (), keep_unused=True,
-                               compiler_options=xla), salt=salt)
+    grads_fn = jit_on_disk(tree_grads, in_shardings=(s_sh, b_sh), out_shardings=out, keep_unused=True,
+                           compiler_options=compiler_options)
+    apply_fn = jit_on_disk(flat_apply, in_shardings=(s_sh, None), out_shardings=(s_sh, None),
+                           donate_argnums=(0,) if options.donate else (), keep_unused=True,
+                           compiler_options=compiler_options)
     return SplitStep(grads_fn, apply_fn, options.exchange)
 
 
