@@ -113,7 +113,8 @@ def remat_rows():
     gpt = GPTConfig(vocab_size=16, seq_len=32, embed=32, heads=4, mlp=128, layers=4, scan_layers=True)
     batch = ArithmeticData(32).batch(128, 0)
     rows = []
-    for policy in ("none", "dots_saveable", "full"):     # ParallelConfig.remat: on each block (the scan body)
+    # ParallelConfig.remat: on each block (the scan body)
+    for policy in ("none", "dots_saveable", "dots_except_mlp_in", "dots_except_mlp", "full"):
         cfg = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", remat=policy)
         c = trainer_for(cfg, gpt, 8).lower(batch).compile()
         rows.append({"policy": policy, "temp": memory(c).temp_bytes, "flops": flops(c)})

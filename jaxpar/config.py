@@ -32,6 +32,8 @@ REMAT_POLICIES = (
     "full",
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
+    "dots_except_mlp",
+    "dots_except_mlp_in",
     "nothing_saveable",
     "everything_saveable",
     "save_collectives",

@@ -12,6 +12,11 @@ name                              saves
 ``"everything_saveable"``         everything (checkpoint boundary, no recompute)
 ``"dots_saveable"``               matmul outputs; elementwise work is recomputed
 ``"dots_with_no_batch_dims_saveable"``  matmuls without batch dims (weights × activations)
+``"dots_except_mlp"``              the attention's matmuls (query, key, value and output
+                                  projections) and its output; the MLP is recomputed
+``"dots_except_mlp_in"``           the attention's projections and the MLP's output
+                                  projection; the MLP's input projections and the
+                                  attention itself are recomputed
 ``"save_collectives"``            only results of collectives (psum, all_gather, ...):
                                   recompute compute, never communication
 ``"everything_except_collectives"``  everything but collective results (they are redone)
@@ -19,6 +24,13 @@ name                              saves
 
 ``"offload_dots"`` (matmul outputs moved to host memory) was removed with host offload: it
 made the step 1.88x slower on a GPU (see ``docs/offload.md``); it is refused naming what to use.
+
+The two ``dots_except_*`` policies save values by name (``jax.ad_checkpoint.checkpoint_name``):
+the models of ``jaxpar.models`` name them (``query_proj``, ``key_proj``, ``value_proj`` or a
+fused ``qkv_proj``, ``context``, ``out_proj``, ``mlp_in``, ``mlp_out``); in a model of your own,
+name the same values, or these policies find nothing to save and recompute everything. They
+save less than ``"dots_saveable"`` (a large model's MLP matmuls are most of its activations)
+and recompute less than ``"full"``.
 
 The collective policies see collectives that are explicit in the program (``shard_map``
 code, ``mode="hybrid"``, the ``jaxpar.ops`` operators); collectives that XLA inserts
@@ -60,6 +72,10 @@ COLLECTIVES = frozenset({
 })
 
 
+# the attention's projections, as the models of jaxpar.models name them (`checkpoint_name`)
+ATTENTION_NAMES = ("query_proj", "key_proj", "value_proj", "qkv_proj", "out_proj")
+
+
 def _is_collective(prim, *_, **__) -> bool:
     return prim.name in COLLECTIVES
 
@@ -78,6 +94,8 @@ _POLICIES: dict[str, Callable[[], Any]] = {
     "everything_saveable": lambda: _jax().checkpoint_policies.everything_saveable,
     "dots_saveable": lambda: _jax().checkpoint_policies.dots_saveable,
     "dots_with_no_batch_dims_saveable": lambda: _jax().checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_except_mlp": lambda: _jax().checkpoint_policies.save_only_these_names(*ATTENTION_NAMES, "context"),
+    "dots_except_mlp_in": lambda: _jax().checkpoint_policies.save_only_these_names(*ATTENTION_NAMES, "mlp_out"),
     "save_collectives": lambda: _save_collectives,
     "everything_except_collectives": lambda: _everything_except_collectives,
 }

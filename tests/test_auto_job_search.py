@@ -120,8 +120,20 @@ def test_region_results_read_later_are_saved_and_nested_regions_follow_the_outer
         f = lambda x: jax.numpy.sin(checkpoint_name(x @ model.w[...], "a")) @ model.v[...]  # noqa: E731
         return jax.checkpoint(f, policy=pol.save_only_these_names("a"))(x).sum()
 
-    keeps = {op.prim: op.keep for op in _graph(named).ops if op.region >= 0}
-    assert keeps["name"] == "device" and keeps["sin"] == "recompute"
+    ops = [op for op in _graph(named).ops if op.region >= 0]
+    keeps = {op.prim: op.keep for op in ops}
+    # the name is the value it names (no operator of its own); what made it is kept, not redone
+    assert "name" not in keeps and keeps["sin"] == "recompute"
+    assert [op.keep for op in ops if op.prim == "dot_general"] == ["device", "recompute"]
+
+    def shared(model, x):      # the named value's maker feeds another operator too: JAX redoes it
+        def f(x):
+            h = x @ model.w[...]
+            return (jax.numpy.sin(checkpoint_name(h.T, "s")).T * jax.numpy.tanh(h)).sum()
+        return jax.checkpoint(f, policy=pol.save_only_these_names("s"))(x)
+
+    keeps = [(op.prim, op.keep) for op in _graph(shared).ops if op.region >= 0]
+    assert keeps[:2] == [("dot_general", "recompute"), ("transpose", "device")]
 
     def odd(model, x):
         return jax.checkpoint(lambda x: jax.numpy.sin(x @ model.w[...]), policy=lambda *a, **k: 3)(x).sum()
@@ -208,7 +220,7 @@ def test_scatters_make_a_region_and_linear_operators_save_nothing():
         assert analyse(dataclasses.replace(graph, ops=ops)).saved[out] == kept, prim
 
 
-@pytest.mark.parametrize("remat", ["none", "full", "dots_saveable"])
+@pytest.mark.parametrize("remat", ["none", "full", "dots_saveable", "dots_except_mlp", "dots_except_mlp_in"])
 def test_scanned_recompute_temp_matches_the_compiled_step(remat):
     """Predicted temp of the scanned GPT under each policy (each block recomputed, as the job
     search prices it), against memory_analysis of the step with ``ParallelConfig.remat`` (15%)."""

@@ -12,7 +12,9 @@ from flax import nnx
 import jaxpar
 from jaxpar.auto import CostParams, build_graph
 from jaxpar.auto.assign import hand_axes
-from jaxpar.auto.cost import attention_scores, evaluate, flags_for, matmul_hidden, op_terms, pooled_hidden
+from jaxpar.auto.cost import (attention_scores, evaluate, flags_for, local_bytes, matmul_hidden, op_terms,
+                              pooled_hidden, tensor_axes)
+from jaxpar.auto.derivatives import FREE
 from jaxpar.auto.pricing import _zero_shardable, price
 from jaxpar.models.gpt import GPT, GPTConfig, loss_fn
 
@@ -127,3 +129,61 @@ def test_the_updated_parameters_gather_moves_the_dtype_asked_for():
     assert half["grad_comm_exposed_s"] == own["grad_comm_exposed_s"]
     with pytest.raises(ValueError, match=r"CostParams.gather_itemsize=3 is invalid: use None .* 1, 2, 4 or 8"):
         CostParams(gather_itemsize=3)
+
+
+def test_memory_bandwidth_prices_the_operators_that_are_not_matmuls_by_their_bytes():
+    """`CostParams.memory_bandwidth`: an elementwise or reduction operator costs its largest
+    operand's bytes three times at that rate (when slower than its FLOPs); matmuls and a fused
+    kernel's score matrices do not change; a bad value is refused by name."""
+    sizes = {"data": 2}
+    graph, axes = graph_and_axes(sizes, {"batch": "data"})
+    flags = flags_for(graph, CostParams(fused_attention=True))
+    base = CostParams(flops_per_s=1e15, fused_attention=True)
+    slow = dataclasses.replace(base, memory_bandwidth=1e9)
+    seen = {"matmul": 0, "scores": 0, "moved": 0}
+    for op in graph.ops:
+        f0 = op_terms(graph, op, axes, sizes, flags, base)[0]
+        f1 = op_terms(graph, op, axes, sizes, flags, slow)[0]
+        ts = [t for t in (*op.ins, *op.outs) if t >= 0]
+        if op.prim in ("dot_general", "gather") or op.prim in FREE:
+            assert f1 == f0, op.prim
+            seen["matmul"] += op.prim == "dot_general"
+        elif any(attention_scores(graph, t) for t in ts):
+            assert f1 == f0, op.prim        # on chip in the fused kernel
+            seen["scores"] += 1
+        elif op.repeat == 1 and op.keep == "device":
+            moved = 3 * max(local_bytes(graph, t, axes, sizes) for t in ts)
+            assert f1 == pytest.approx(max(f0, moved * 1e15 / 1e9), rel=1e-9), op.prim
+            seen["moved"] += f1 > f0
+    assert seen["matmul"] and seen["scores"] and seen["moved"]
+    assert evaluate(graph, axes, sizes, slow).compute_s > evaluate(graph, axes, sizes, base).compute_s
+    for bad in (0, -1.0, "2e12", True):
+        with pytest.raises(ValueError, match=f"memory_bandwidth={bad!r}"):
+            CostParams(memory_bandwidth=bad)
+
+
+def test_sequence_parallel_divides_the_bytes_of_the_work_between_tensor_parallel_matmuls():
+    """`CostParams.sequence_parallel`: an operator none of whose values is split over the axis
+    (a norm, a residual add) moves 1/size of its bytes; one split over it (the MLP's
+    activation) and the matmuls are priced as before; the collectives do not change."""
+    sizes = {"data": 2, "model": 4}
+    graph, axes = graph_and_axes(sizes, TP)
+    flags = flags_for(graph, CostParams(fused_attention=True))
+    plain = CostParams(flops_per_s=1e15, fused_attention=True, memory_bandwidth=1e9)
+    sp = dataclasses.replace(plain, sequence_parallel=("model",))
+    divided = kept = 0
+    for op in graph.ops:
+        f0, c0, _, _ = op_terms(graph, op, axes, sizes, flags, plain)
+        f1, c1, _, _ = op_terms(graph, op, axes, sizes, flags, sp)
+        assert c1 == c0
+        split = any("model" in (tensor_axes(graph, t, axes) or ()) for t in (*op.ins, *op.outs) if t >= 0)
+        if op.prim in FREE or op.prim in ("dot_general", "gather") or split or f0 == 0:
+            assert f1 == f0, op.prim
+            kept += split and f0 > 0
+        elif f1 < f0:
+            assert f1 == pytest.approx(f0 / 4, rel=1e-9), op.prim
+            divided += 1
+    assert divided and kept
+    for bad in ("model", 4, ("model", 4)):
+        with pytest.raises(ValueError, match=r"sequence_parallel=.*give a tuple of mesh axis names"):
+            CostParams(sequence_parallel=bad)

@@ -32,6 +32,9 @@ def test_every_published_number_has_a_source_and_a_status():
         assert remat["value"] in POLICY_NAMES and remat["status"] in ("SRC", "NEAREST", "NOT STATED"), run["id"]
         if remat["status"] == "NEAREST":
             assert remat["published"] and remat["source"] and remat["why"], run["id"]
+        if "sequence_parallel" in run:     # a reading of the source, said as one
+            sp = run["sequence_parallel"]
+            assert isinstance(sp["value"], bool) and sp["status"] == "INFERRED" and sp["why"], run["id"]
     for kind in data["hardware"].values():
         for name, figure in kind.items():
             if isinstance(figure, dict):

@@ -259,3 +259,18 @@ def test_staged_loss_names_the_blocks():
         trainer, params = run("full")
     assert trainer.lower(batch).as_text().count("optimization_barrier") == 3
     assert_close(params, run("none")[1], what="StagedLoss blocks")
+
+
+@pytest.mark.parametrize("policy", ["dots_except_mlp", "dots_except_mlp_in"])
+def test_named_policies_keep_numerics_and_save_between_full_and_dots(scanned, policy):
+    """The policies that save the Llama's named attention projections (and its context or MLP
+    output) and recompute the MLP: the same losses as no recompute, and temp
+    memory between recomputing everything and saving every matmul."""
+    trainer = _trainer(SCANNED, policy)
+    temp = {name: memory(t.lower(BATCHES[0]).compile()).temp_bytes
+            for name, t in (("full", scanned["config"]), ("named", trainer), ("dots", _trainer(SCANNED, "dots_saveable")))}
+    print(f"{policy} temp: {temp}")
+    assert temp["full"] < temp["named"] < temp["dots"]
+    reference = _trainer(SCANNED)        # a fresh one: the fixture's trainers are stepped elsewhere
+    ref_losses = [float(reference.step(b)["loss"]) for b in BATCHES]
+    assert_losses_close([float(trainer.step(b)["loss"]) for b in BATCHES], ref_losses)

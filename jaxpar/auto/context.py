@@ -88,8 +88,10 @@ def check_sequence(batch: Any, cp: int, strategy: str) -> int:
     return shape[1]
 
 
-def attention_terms(graph: Graph, axes, sizes: Mapping[str, int], flags, seq: int) -> Attention | None:
-    """The attention operators of a graph whose sequence length is ``seq`` (``None``: none).
+def attention_terms(graph: Graph, axes, sizes: Mapping[str, int], flags, seq: int,
+                    cost_params=None) -> Attention | None:
+    """The attention operators of a graph whose sequence length is ``seq`` (``None``: none);
+    their FLOPs as `jaxpar.auto.cost.evaluate` counts them with ``cost_params`` (a `CostParams`).
 
     An attention operator touches a value with two sequence dimensions (the scores);
     the score products are the ``dot_general`` s producing one, their K input gives the K/V
@@ -108,7 +110,7 @@ def attention_terms(graph: Graph, axes, sizes: Mapping[str, int], flags, seq: in
     for op in graph.ops:
         if not any(two_seq(t) for t in (*op.ins, *op.outs)):
             continue
-        flops += op_terms(graph, op, axes, sizes, flags)[0]
+        flops += op_terms(graph, op, axes, sizes, flags, cost_params)[0]
         saved += sum(local_bytes(graph, t, axes, sizes) * op.repeat for t in op.outs if two_seq(t) and flags.saved[t])
         if op.prim == "dot_general" and two_seq(op.outs[0]) and not any(t in params for t in op.ins):
             layers += op.repeat

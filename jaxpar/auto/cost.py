@@ -110,6 +110,18 @@ class CostParams:
         docstring); the inside part of a spanning axis runs at ``default_bandwidth``, and its
         ``bandwidth`` / ``latency_per_axis`` entries hold the figures of a collective over that
         axis alone (what `placed` writes, for code that prices one axis at a time).
+      memory_bandwidth: bytes/s the device's memory sustains for the operators that are not
+        matmuls (elementwise fusions, reductions, the loss's softmax): each is priced at its
+        largest operand's bytes, three times (forward and backward), at this rate, when that
+        takes longer than its FLOPs. Set it from the memory's datasheet rate scaled by what a
+        profile shows these operators reach (`op_terms`); ``None``: they are priced by FLOPs
+        alone, as on a machine where they take no time beside the matmuls.
+      sequence_parallel: mesh axes (tensor-parallel ones) over which the framework priced splits
+        the sequence of the work between its tensor-parallel matmuls -- norms, residual adds,
+        dropout (Megatron's ``--sequence-parallel``; in jaxpar, `jaxpar.ops.ContextParallel`'s
+        ``residual`` constraint): with `memory_bandwidth`, an operator none of whose values is
+        split over these axes moves its bytes divided by their sizes. Its collectives are priced
+        as they are: the reduce-scatter and all-gather that replace an all-reduce move its bytes.
 
     Example:
       >>> CostParams(flops_per_s=1e9, default_bandwidth=1e9, latency=1e-6).latency_of(("data",))
@@ -137,6 +149,8 @@ class CostParams:
     matmul_overlap: bool = False
     fused_attention: bool = False
     gather_itemsize: int | None = None
+    memory_bandwidth: float | None = None
+    sequence_parallel: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in ("flops_per_s", "default_bandwidth", "combine_threshold_bytes", "combine_threshold_count"):
@@ -150,6 +164,15 @@ class CostParams:
         if self.inter_host_bandwidth is not None and not self.inter_host_bandwidth > 0:
             raise ValueError(f"CostParams.inter_host_bandwidth={self.inter_host_bandwidth!r} is invalid: use a "
                              "positive number of bytes/s, or None for one network")
+        if not isinstance(self.sequence_parallel, (tuple, list)) or not all(
+                isinstance(a, str) for a in self.sequence_parallel):
+            raise ValueError(f"CostParams.sequence_parallel={self.sequence_parallel!r} is invalid: give a tuple of mesh "
+                             "axis names, e.g. ('model',)")
+        object.__setattr__(self, "sequence_parallel", tuple(self.sequence_parallel))
+        if self.memory_bandwidth is not None and (isinstance(self.memory_bandwidth, bool) or not isinstance(
+                self.memory_bandwidth, (int, float)) or not self.memory_bandwidth > 0):
+            raise ValueError(f"CostParams.memory_bandwidth={self.memory_bandwidth!r} is invalid: use a positive "
+                             "number of bytes/s (e.g. 2.5e12), or None to price elementwise operators by FLOPs")
         if self.inter_host_latency is not None and not self.inter_host_latency >= 0:
             raise ValueError(f"CostParams.inter_host_latency={self.inter_host_latency!r} is invalid: use seconds "
                              ">= 0, or None for `latency`")
@@ -293,9 +316,12 @@ def local_bytes(graph: Graph, t: int, axes, sizes: Mapping[str, int]) -> float:
     return graph.tensors[t].nbytes / math.prod(sizes[a] for a in ta)
 
 
-def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags"):
+def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags",
+             params: "CostParams | None" = None):
     """``(flops, [Comm], activation bytes, invalid)`` of one operator (`jaxpar.auto.comm.Comm`:
-    kind, axes, bytes per step, combined group, runs per step, the tensor it carries)."""
+    kind, axes, bytes per step, combined group, runs per step, the tensor it carries).
+    With ``params.memory_bandwidth`` an operator that is not a matmul counts the FLOPs that take
+    as long as moving its largest operand (`CostParams.memory_bandwidth`), when that is more."""
     ts = [t for t in (*op.ins, *op.outs) if t >= 0]
     per = {}
     invalid = 0
@@ -318,6 +344,11 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
         flops = 0.0
     else:
         flops = 3 * max((graph.tensors[t].nbytes / graph.tensors[t].itemsize for t in ts), default=0) / shards
+        if params is not None and params.memory_bandwidth and not (   # a fused kernel's scores stay on chip
+                params.fused_attention and any(attention_scores(graph, t) for t in ts)):
+            moved = 3 * max((graph.tensors[t].nbytes for t in ts), default=0) / shards
+            moved /= math.prod(sizes.get(a, 1) for a in params.sequence_parallel if a not in all_axes)
+            flops = max(flops, moved * params.flops_per_s / params.memory_bandwidth)
     out = op.outs[0] if op.outs else -1
     if out >= 0:
         ins_axes = frozenset().union(*(per[t] for t in op.ins if t >= 0)) if any(t >= 0 for t in op.ins) else frozenset()
@@ -550,7 +581,7 @@ def evaluate(graph: Graph, axes: Sequence[tuple[str, ...]], sizes: Mapping[str, 
     per_op = []
     pools: dict[int, list[float]] = {}     # `CostParams.matmul_overlap`: per layer, `pooled_hidden`
     for op in graph.ops:
-        f, c, a, bad = op_terms(graph, op, axes, sizes, flags)
+        f, c, a, bad = op_terms(graph, op, axes, sizes, flags, params)
         flops, act, invalid = flops + f, act + a, invalid + bad
         wire, compute = matmul_terms(op, f, c, sizes, params)
         pool = pools.setdefault(op.repeat, [0.0, 0.0])
@@ -652,7 +683,7 @@ def op_scalar(graph: Graph, op: Op, axes, sizes, params: CostParams, flags: Flag
     graph is one micro-batch): the operator's FLOPs and its own collectives count ``runs``
     times, the parameter-gradient collectives it adds to the step's combined ones once, as
     `jaxpar.auto.pricing` prices a step."""
-    f, comms, act, bad = op_terms(graph, op, axes, sizes, flags)
+    f, comms, act, bad = op_terms(graph, op, axes, sizes, flags, params)
     if bad:
         return math.inf, math.inf
     once = sum(comm_share(c, sizes, params) for c in comms if c.combined and c.combined != TAIL)

@@ -54,6 +54,9 @@ _INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_c
            "remat2": "jaxpr", "checkpoint": "jaxpr"}
 _CHECKPOINTS = ("checkpoint", "remat", "remat2")     # jax.checkpoint's primitive, by JAX version
 _CUSTOM_VJPS = ("custom_vjp_call", "custom_vjp_call_jaxpr")   # jax.custom_vjp's, by JAX version
+# operators that only carry a value on (`Builder._kept_by_name` walks back through them)
+_PASS_THROUGH = ("reshape", "convert_element_type", "sharding_constraint", "transpose", "squeeze",
+                 "expand_dims")
 # scatters carry their combiner (``x + y``, ``y``, ...) as a sub-program: it is elementwise on one
 # element, so the scatter is priced as one operator without reading it (an MoE layer's
 # one-device path scatters its outputs back into token order and counts tokens per expert)
@@ -222,6 +225,7 @@ class _Builder:
         self.regions: list[Region] = []
         self.region = -1                     # the recompute region ops appended now belong to
         self.policy: Any = None              # its jax.checkpoint policy (None: save nothing)
+        self.named: list[int] = []           # values its policy saves by name (`_kept_by_name`)
 
     # ------------------------------------------------------------ tensors and dims
     def var(self, v) -> int:
@@ -296,6 +300,12 @@ class _Builder:
 
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
+            if name == "name":       # checkpoint_name: the same value under a name a policy may save
+                t = tid(eqn.invars[0])
+                env[id(eqn.outvars[0])] = t
+                if t >= 0 and self.region >= 0 and self._keep(eqn) != "recompute":
+                    self.named.append(t)
+                continue
             if name in _LOOPS:
                 _LOOPS[name](self, eqn, [tid(a) for a in eqn.invars], env)
                 continue
@@ -339,12 +349,13 @@ class _Builder:
             return
         policy = eqn.params.get("policy")
         first, idx = len(self.ops), len(self.regions)
-        self.region, self.policy = idx, policy
+        self.region, self.policy, self.named = idx, policy, []
         self.regions.append(None)   # reserve the index
         try:
             self.inline(jaxpr, env)
+            self._kept_by_name(first)
         finally:
-            self.region, self.policy = -1, None
+            self.region, self.policy, self.named = -1, None, []
         if not any(materialised(op.prim) for op in self.ops[first:]):
             # elementwise work alone (an activation recomputed from its inputs, `jaxpar.ops.swiglu`):
             # outside loops the model counts such values as fused, saved or not, so no region; in
@@ -380,6 +391,26 @@ class _Builder:
         results = set(self._results(jaxpr, env))
         self.ops[first:] = [op if results.intersection(op.outs) else dataclasses.replace(op, keep="recompute")
                             for op in self.ops[first:]]
+
+    def _kept_by_name(self, first: int) -> None:
+        """The values the region's policy saves by name (``checkpoint_name``, `named`) are not
+        computed again in the backward pass: the operator that made each one, and those before
+        it through reshapes, casts and constraints, are kept, not recomputed -- up to a value
+        that another operator of the region also reads (that one still needs its maker)."""
+        ops = self.ops[first:]
+        made = {t: i for i, op in enumerate(ops) for t in op.outs}
+        readers: dict[int, int] = {}
+        for op in ops:
+            for t in set(op.ins):
+                readers[t] = readers.get(t, 0) + 1
+        for t in self.named:
+            while t in made:
+                i = made[t]
+                self.ops[first + i] = dataclasses.replace(ops[i], keep="device")
+                op = ops[i]
+                if op.prim not in _PASS_THROUGH or not op.ins or op.ins[0] < 0 or readers.get(op.ins[0], 0) > 1:
+                    break
+                t = op.ins[0]
 
     def _keep(self, eqn) -> str:
         """What the current region's policy does with ``eqn``'s outputs (see `Op`)."""

@@ -139,7 +139,7 @@ def _variants(cost, graph, axes, flags, option: Candidate, strategies, moe, para
         extra["experts"] = {"axis": "data", "size": ep, "bytes": int(nbytes)}
     if cp == 1:
         return [(cost, extra)]
-    att = attention_terms(graph, axes, sizes, flags, seq // cp)
+    att = attention_terms(graph, axes, sizes, flags, seq // cp, params)
     if att is None:
         raise ValueError(f"search_job: context={cp}, but the model's loss has no attention over a sequence of "
                          f"{seq // cp} folded tokens (no value with two sequence dimensions); leave context=(1,)")

@@ -68,26 +68,30 @@ def micro_batch(batch: Any, k: int) -> Any:
 
 
 def _zero_shardable(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str, threshold_kb: float,
-                    scale: Mapping[int, float] | None = None, *, per_layer: bool = False) -> float:
+                    scale: Mapping[int, float] | None = None, *, per_layer: bool = False,
+                    only_stacked: bool = False) -> float:
     """Per-device bytes of the parameters ZeRO shards over ``zero_axis`` (``scale``: per
     parameter tensor, the share a device holds, e.g. ``1/p`` for a pipeline stage's blocks).
     ``per_layer``: what ZeRO 3 holds gathered at once instead, a scan's stacked parameters
     counting one layer's (`jaxpar.train.step.gather_by_layer` gathers them one at a time,
-    unless only their layers axis could be split)."""
+    unless only their layers axis could be split); ``only_stacked``: the scan's stacked
+    parameters alone."""
     from jax.sharding import PartitionSpec
 
     from jaxpar.auto.assign import spec_of
     from jaxpar.optim.zero import zero_spec
 
-    stacked = {op.ins[0] for op in scan_slices(graph)} if per_layer else set()
+    stacked = {op.ins[0] for op in scan_slices(graph)} if per_layer or only_stacked else set()
     total = 0.0
     for _, t in graph.params:
+        if only_stacked and t not in stacked:
+            continue
         tensor = graph.tensors[t]
         spec = PartitionSpec(*spec_of(graph, t, axes))
         out = zero_spec(spec, tensor.shape, tensor.itemsize, (zero_axis,), dict(sizes), threshold_kb,
                         0 if t in stacked else -1)
         if out is not None and out != spec and zero_axis not in (tensor_axes(graph, t, axes) or ()):
-            layers = tensor.shape[0] if t in stacked and tuple(out)[:1] in ((), (None,)) else 1
+            layers = tensor.shape[0] if per_layer and t in stacked and tuple(out)[:1] in ((), (None,)) else 1
             total += local_bytes(graph, t, axes, sizes) * (scale or {}).get(t, 1.0) / layers
     return total
 
@@ -119,21 +123,32 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
     k, d = grad_accum, sizes.get(zero_axis, 1)
     batch = sum(local_bytes(graph, t, axes, sizes) for _, t in graph.batch)
     shardable = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb) if zero and d > 1 else 0.0
-    at_once = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, per_layer=True) if zero >= 3 and d > 1 \
-        else None
+    recomputed = blocks_recomputed(graph)
+    at_once = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, per_layer=True) \
+        if zero >= 3 and d > 1 and recomputed else None
     args_saved, gathered, saved = _zero_terms(zero, shardable, d, params, at_once)
+    # a scan's stacked gradients are a loop carry: where it is sharded as the update reads it,
+    # XLA reduce-scatters each layer's gradient as the backward pass makes it and the passes
+    # hold 1/d of them -- at ZeRO 1-2 without micro-batches, and wherever the layers are
+    # recomputed at ZeRO >= 2 (measured against the compiled step, XLA:CPU; without recompute
+    # ZeRO 3 and the micro-batch loop keep them whole until the backward pass ends; unrolled
+    # layers' gradients stay whole until the step's end)
+    scatter = d > 1 and ((zero in (1, 2) and k == 1) or (zero >= 2 and recomputed))
+    scattered = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, only_stacked=True) * (1 - 1 / d) \
+        if scatter else 0.0
     args = cost.argument_bytes + (k - 1) * batch - args_saved
     if k == 1:
-        during = params.temp_activation_factor * act + gathered
-        end = grads + (reduced - saved if zero >= 2 else reduced)
+        during = params.temp_activation_factor * (act - scattered) + gathered
+        # (ZeRO 2: the compiled step ends with one whole copy, the scattered sum beside it; measured)
+        end = grads + (reduced - saved if zero >= 2 else reduced) - (scattered if zero != 2 else 0.0)
         temp = max(during, end)
     else:
         # the accumulator (sharded at ZeRO >= 2, where each micro-batch's gradients are
         # reduced into it inside the loop) is a loop carry: old and new value both live
         # while a micro-batch's gradients are added
         acc = grads - (saved if zero >= 2 else 0.0)
-        during = params.temp_activation_factor * act + acc + gathered
-        add = grads + (reduced if zero >= 2 else 0.0) + 2 * acc + gathered
+        during = params.temp_activation_factor * (act - scattered) + acc + gathered
+        add = grads - scattered + (reduced - scattered if zero >= 2 else 0.0) + 2 * acc + gathered
         end = acc + (reduced if zero < 2 else 0.0)
         temp = max(during, add, end)
     grad_s, after_s = zero_collectives(graph, axes, sizes, params, cost.grad_comm_s, cost.temp_parts[1], shardable,
@@ -174,6 +189,18 @@ def zero_collectives(graph: Graph, axes, sizes: Mapping[str, int], params: CostP
         return grad_s * (1 - share) + scatter + rest, 0.0
     itemsize = max((graph.tensors[t].itemsize for _, t in graph.params), default=4)
     return grad_s * (1 - share) + scatter + rest, scatter * (gather_itemsize or itemsize) / itemsize
+
+
+def blocks_recomputed(graph: Graph) -> bool:
+    """Whether each layer of the scan is recomputed: a recompute region called once per
+    iteration (inside the loop body, not around the whole loop) reads every per-layer parameter
+    slice. ZeRO 3's gathered layer is then redone in the backward pass, one layer at a time;
+    otherwise the scan keeps every layer's gathered parameters for its backward (its
+    residuals), the whole model at once."""
+    slices = {t for op in scan_slices(graph) for t in op.outs}
+    read = {t for op in graph.ops if op.region >= 0 and graph.regions[op.region].repeat > 1
+            for t in op.ins if t in slices}
+    return bool(slices) and read == slices
 
 
 def batch_axes(graph: Graph, axes) -> tuple[str, ...]:
@@ -267,7 +294,7 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     # one chunk's layers run as a loop only if there are several (XLA removes a loop of one)
     chunk_flags = flags if layers // (p * v) > 1 else flags_for(graph, params, loops=False)
     for op, where in zip(graph.ops, part):
-        flops, comms, a, bad = op_terms(graph, op, axes, sizes, flags)
+        flops, comms, a, bad = op_terms(graph, op, axes, sizes, flags, params)
         if chunk_flags is not flags:
             a = op_terms(graph, op, axes, sizes, chunk_flags)[2]
         if bad:

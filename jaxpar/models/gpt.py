@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.deprecation import module_getattr
 from jaxpar.models.llama_config import check_loss_chunks, refuse_remat
@@ -109,24 +110,28 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, init, (cfg.heads, cfg.head_dim, cfg.embed), ("heads", "kv", "embed"))
 
     def _qkv(self, x):
+        # named for the recompute policies that keep some matmuls (`jaxpar.remat`, "dots_except_mlp")
         if self.fused:
-            qkv = x @ self.wqkv[...]
+            qkv = checkpoint_name(x @ self.wqkv[...], "qkv_proj")
             heads, dim = self.wo.shape[0], self.wo.shape[1]
             qkv = qkv.reshape(*x.shape[:2], 3, heads, dim)
             return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        return tuple(jnp.einsum("bse,ehd->bshd", x, w[...]) for w in (self.wq, self.wk, self.wv))
+        return tuple(checkpoint_name(jnp.einsum("bse,ehd->bshd", x, w[...]), name)
+                     for w, name in ((self.wq, "query_proj"), (self.wk, "key_proj"), (self.wv, "value_proj")))
+
+    def _out(self, out):
+        return checkpoint_name(jnp.einsum("bshd,hde->bse", checkpoint_name(out, "context"), self.wo[...]), "out_proj")
 
     def __call__(self, x, positions, constrain=no_constraint):
         q, k, v = self._qkv(x)
         # a constraint that attends across devices (jaxpar.ops.ContextParallel: the sequence split
         # and reordered over a context axis) masks by the tokens' original positions
         if (attend := getattr(constrain, "attention", None)) is not None:
-            return jnp.einsum("bshd,hde->bse", attend(q, k, v, None, positions), self.wo[...])
+            return self._out(attend(q, k, v, None, positions))
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(x.dtype)
         causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
         scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
-        out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
-        return jnp.einsum("bshd,hde->bse", out, self.wo[...])
+        return self._out(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v))
 
 
 class MLP(nnx.Module):
@@ -138,8 +143,8 @@ class MLP(nnx.Module):
         self.down_bias = _param(rngs, nnx.initializers.zeros, (cfg.embed,), ("embed",))
 
     def __call__(self, x):
-        h = jax.nn.gelu(x @ self.up[...] + self.up_bias[...])
-        return h @ self.down[...] + self.down_bias[...]
+        h = jax.nn.gelu(checkpoint_name(x @ self.up[...], "mlp_in") + self.up_bias[...])
+        return checkpoint_name(h @ self.down[...], "mlp_out") + self.down_bias[...]
 
 
 class Block(nnx.Module):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxpar.deprecation import module_getattr
 from jaxpar.models.llama_config import SIZES, LlamaConfig, RopeScaling, describe, flops_per_token, param_count
@@ -189,9 +190,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, segment_ids=None, constrain=no_constraint):
         dtype, freqs = x.dtype, rope_frequencies(self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
-        q = fp8.einsum("bse,ehd->bshd", x, self.wq[...].astype(dtype))
-        k = fp8.einsum("bse,ehd->bshd", x, self.wk[...].astype(dtype))
-        v = fp8.einsum("bse,ehd->bshd", x, self.wv[...].astype(dtype))
+        # named for the recompute policies that keep some matmuls (`jaxpar.remat`, "dots_except_mlp")
+        q = checkpoint_name(fp8.einsum("bse,ehd->bshd", x, self.wq[...].astype(dtype)), "query_proj")
+        k = checkpoint_name(fp8.einsum("bse,ehd->bshd", x, self.wk[...].astype(dtype)), "key_proj")
+        v = checkpoint_name(fp8.einsum("bse,ehd->bshd", x, self.wv[...].astype(dtype)), "value_proj")
         q = constrain(_rotate(q, positions, freqs), ("batch", "length", "heads", "head_dim"))
         k = constrain(_rotate(k, positions, freqs), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
@@ -200,8 +202,8 @@ class Attention(nnx.Module):
         attend = getattr(constrain, "attention", None)
         out = (attention(q, k, v, segment_ids, kind=self.cfg.attention) if attend is None
                else attend(q, k, v, segment_ids, positions))
-        out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return fp8.einsum("bshd,hde->bse", out, self.wo[...].astype(dtype))
+        out = checkpoint_name(constrain(out, ("batch", "length", "heads", "head_dim")), "context")
+        return checkpoint_name(fp8.einsum("bshd,hde->bse", out, self.wo[...].astype(dtype)), "out_proj")
 
 
 class MLP(nnx.Module):
@@ -219,9 +221,10 @@ class MLP(nnx.Module):
     def __call__(self, x, constrain=no_constraint):
         dtype = x.dtype
         # projections through jaxpar.nn.fp8.einsum: plain einsums, fp8 under precision="fp8"
-        h = swiglu(fp8.einsum("bse,ef->bsf", x, self.gate[...].astype(dtype)),
-                   fp8.einsum("bse,ef->bsf", x, self.up[...].astype(dtype)))
-        return fp8.einsum("bsf,fe->bse", constrain(h, ("batch", "length", "mlp")), self.down[...].astype(dtype))
+        h = swiglu(checkpoint_name(fp8.einsum("bse,ef->bsf", x, self.gate[...].astype(dtype)), "mlp_in"),
+                   checkpoint_name(fp8.einsum("bse,ef->bsf", x, self.up[...].astype(dtype)), "mlp_in"))
+        return checkpoint_name(fp8.einsum("bsf,fe->bse", constrain(h, ("batch", "length", "mlp")),
+                                          self.down[...].astype(dtype)), "mlp_out")
 
 
 class Block(nnx.Module):
