@@ -7,15 +7,17 @@ machine built from datasheet figures (`machine`: H100 / H200 nodes of 8 GPUs on 
 1. **the published layout**: TP on ``model``, DP (and FSDP) on the batch, PP as pipeline stages,
    the published global batch, sequence length, bf16 compute and recompute policy (``remat`` in
    the runs file: MaxText's ``minimal_flash`` is jaxpar's ``dots_saveable`` under fused
-   attention; the 70B runs' MLP-recomputing policies have no jaxpar match, the nearest is
-   recorded); jaxpar predicts the step time
+   attention; the 70B runs' MLP-recomputing policies are jaxpar's ``dots_except_mlp`` and
+   ``dots_except_mlp_in``); jaxpar predicts the step time
    (`jaxpar.auto.pricing.price` / `price_pipeline` on the hand-written strategy), the memory per
    device and the MFU. MFU is counted as the publisher counts it (`publisher_flops`: Megatron's
    and MaxText's formulas, both with full, non-causal attention), so predicted / published MFU
    is published / predicted step time.
 2. **the planner's own choice**: `jaxpar.auto.search_job` over ``data x model`` meshes (model
-   1, 2, 4, 8: inside a node), ZeRO 0/1/3, micro-batches and recompute (none, full, and the
-   two matmul-saving policies), within the device's memory, and its predicted step time.
+   1, 2, 4, 8: inside a node) and, where the device count has an odd factor, ``replica x data x
+   model`` meshes with that factor on ``replica`` (ZeRO shards over ``data`` alone, a power of
+   two that divides the weights), ZeRO 0/1/3, micro-batches and recompute (none, full, and the
+   four matmul-saving policies), within the device's memory, and its predicted step time.
 
 Models are abstract (`nnx.eval_shape`): the graph is traced at full size with scanned layers
 (shapes only; nothing is allocated). Two runs are fitted (``FIT``), every other run is held
@@ -23,7 +25,11 @@ out: the sustained FLOP/s is the datasheet peak times one fraction fitted on ``m
 and the A3 network's collectives are priced exposed (``collective_overlap: false`` in the runs
 file), a choice made on ``maxtext_llama2_7b_16gpu``. Every GPU run uses fused attention
 (`CostParams.fused_attention`: Transformer Engine / cuDNN flash attention, TPU Splash) and the
-Megatron rows its distributed optimizer's bf16 parameter gather (``MEGATRON_GATHER``).
+Megatron rows its distributed optimizer's bf16 parameter gather (``MEGATRON_GATHER``). The
+operators that are not matmuls are priced by the bytes they move (`CostParams.memory_bandwidth`):
+each device's datasheet memory rate times the factor the one GPU profile gives
+(`memory_calibration`: jaxpar's Llama-1B step on an H200) -- a measurement, not a fit to a
+published run.
 
     python benchmarks/published.py            # ~6 min on 2 shared CPU cores: table, JSON, plot
     python benchmarks/published.py --quick    # two small rows, no search, no plot (the test)
@@ -48,6 +54,7 @@ from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
 from jaxpar.auto import CostParams, JobSearchSpace, build_graph, search_job  # noqa: E402
+from jaxpar.auto.cost import evaluate  # noqa: E402
 from jaxpar.auto.assign import hand_axes  # noqa: E402
 from jaxpar.auto.pricing import PipelineShape, price, price_pipeline  # noqa: E402
 from jaxpar.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -60,30 +67,77 @@ from jaxpar.nn.blocks import remat_loss  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 RUNS = HERE / "published_runs.json"
+PROFILE = HERE / "results" / "gpu_probe_h200_1b.json"    # the one GPU profile: `memory_calibration`
 FIT = ("megatron_7.1b",          # the run the sustained FLOP/s fraction is fitted on
        "maxtext_llama2_7b_16gpu")  # the run the A3 network's collective overlap is chosen on
 QUICK = ("megatron_1.7b", "maxtext_llama2_7b_8gpu")
 # the recompute policies the planner chooses from
-REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_except_mlp", "dots_except_mlp_in")
 # Megatron's distributed optimizer keeps the fp32 main weights in its shards and all-gathers the
 # bf16 model weights after the step (its gradients are reduced in fp32: --accumulate-allreduce-
 # grads-in-fp32 is forced for bf16 unless --grad-reduce-in-bf16)
 MEGATRON_GATHER = 2
 
 
-def machine(hw: dict, fraction: float) -> CostParams:
+def machine(hw: dict, fraction: float, memory_factor: float) -> CostParams:
     """`CostParams` of one device kind from its datasheet figures: bytes/s one way on the fast
-    links (NVLink / ICI: half the bidirectional figure), the slower network per device, and
-    ``fraction`` of the peak FLOP/s sustained."""
+    links (NVLink / ICI: half the bidirectional figure), the slower network per device,
+    ``fraction`` of the peak FLOP/s sustained, and the memory's datasheet rate times
+    ``memory_factor`` for the operators that are not matmuls (`memory_calibration`)."""
     peak = hw["peak_flops"]["value"]
     overlap = hw.get("collective_overlap", True)     # False: every collective exposed (A3: fitted, see FIT)
+    memory = hw["hbm_bytes_per_s"]["value"] * memory_factor
     if "ici_bytes_per_s" in hw:      # TPU v5p: one slice is the fast domain
         return CostParams(flops_per_s=peak * fraction, default_bandwidth=hw["ici_bytes_per_s"]["value"] / 2,
                           inter_host_bandwidth=hw["dcn_bits_per_s_per_chip"]["value"] / 8, overlap=True,
-                          matmul_overlap=True, fused_attention=True)
+                          matmul_overlap=True, fused_attention=True, memory_bandwidth=memory)
     return CostParams(flops_per_s=peak * fraction, default_bandwidth=hw["nvlink_bytes_per_s"]["value"] / 2,
                       inter_host_bandwidth=hw["inter_host_bits_per_s_per_gpu"]["value"] / 8,
-                      devices_per_host=hw["devices_per_host"], overlap=overlap, matmul_overlap=overlap, fused_attention=True)
+                      devices_per_host=hw["devices_per_host"], overlap=overlap, matmul_overlap=overlap,
+                      fused_attention=True, memory_bandwidth=memory)
+
+
+def _kernel_kind(name: str) -> str:
+    """A profiled GPU kernel's kind: cuBLAS / Triton matmuls, cuDNN's fused attention, or the rest
+    (XLA's elementwise and reduction fusions, copies, the optimizer)."""
+    if name.startswith(("nvjet", "sm90_xmma", "cutlass")) or "gemm" in name:
+        return "matmul"
+    if "cudnn" in name or "sdpa" in name or "fmha" in name or "flash" in name:
+        return "attention"
+    return "other"
+
+
+def memory_calibration() -> dict:
+    """The rate the non-matmul operators reach on a GPU, from the one measured profile
+    (``PROFILE``: jaxpar's Llama-3.2-1B-shape step on one H200, bf16, 8 x 2048 tokens, the loss
+    in 8 chunks; its top kernels by time): the step's time less its matmul and attention
+    kernels is what the other operators took; the cost model's bytes for those operators on the
+    graph of that step (`CostParams.memory_bandwidth`: each one's largest operand, three times)
+    over that time is the rate they reached, and that rate over the H200's datasheet memory
+    bandwidth is the factor applied to every device's datasheet figure. Kernels below the top
+    40 are counted as "other" (every matmul and attention kernel of the step is in the top 40).
+    The factor is an effective one, not a memory rate: the model's bytes are a proxy (each
+    operator's largest operand three times, fused chains not merged), and the time includes
+    the optimizer's update, which the step's price has no term of its own for."""
+    prof = json.loads(PROFILE.read_text())["1b step"]
+    top = prof["top_ops"]
+    kinds = {"matmul": 0.0, "attention": 0.0}
+    for row in top["rows"]:
+        kind = _kernel_kind(row["op"])
+        if kind in kinds:
+            kinds[kind] += row["ms_per_step"] / 1e3
+    other_s = top["all_ms_per_step"] / 1e3 - kinds["matmul"] - kinds["attention"]
+    cfg = dataclasses.replace(LlamaConfig.named("1b", loss_chunks=prof["loss_chunks"]), dtype="bfloat16")
+    graph = build_graph(nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0))), llama_loss, tokens(8, 2048))
+    axes = [()] * graph.num_classes
+    flops_only = evaluate(graph, axes, {}, CostParams(fused_attention=True)).compute_s
+    per_byte = evaluate(graph, axes, {}, CostParams(fused_attention=True, memory_bandwidth=1.0)).compute_s
+    moved = per_byte - flops_only        # seconds at 1 B/s: the operators' bytes
+    datasheet = HARDWARE["h200"]["hbm_bytes_per_s"]["value"]
+    return {"profile": str(PROFILE.relative_to(HERE.parent)), "device": "NVIDIA H200", "step_s": top["all_ms_per_step"] / 1e3,
+            "matmul_s": kinds["matmul"], "attention_s": kinds["attention"], "other_s": other_s,
+            "modelled_bytes": moved, "effective_bytes_per_s": moved / other_s, "datasheet_bytes_per_s": datasheet,
+            "factor": moved / other_s / datasheet}
 
 
 def abstract_model(run: dict):
@@ -139,6 +193,8 @@ def predict(run: dict, params: CostParams) -> dict:
     if lay["tp"] > 1:
         rules |= {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model"}
     config = jaxpar.ParallelConfig(mesh=sizes, rules=rules)
+    if run.get("sequence_parallel", {}).get("value") and SEQUENCE_PARALLEL[0]:   # see the runs file's "why"
+        params = dataclasses.replace(params, sequence_parallel=("model",))
     rows = run["global_batch"] // k
     parts: dict = {}
     if lay["pp"] > 1:
@@ -170,6 +226,7 @@ def params_fraction(params: CostParams, run: dict) -> float:
 
 
 PEAKS: dict[str, float] = {}
+SEQUENCE_PARALLEL = [True]     # --no-sequence-parallel: the Megatron TP rows priced without it
 HARDWARE: dict[str, dict] = {}
 
 
@@ -185,11 +242,20 @@ def published_step(run: dict, cfg) -> float:
 
 
 def planner(run: dict, params: CostParams, budget: float) -> dict:
-    """`search_job`'s own choice (data x model meshes with model inside a node) and its time."""
+    """`search_job`'s own choice (data x model meshes with model inside a node, and replica x data
+    x model ones) and its time. It prices jaxpar's own program: without sequence parallel, which
+    the published layouts of the Megatron TP rows are priced with (`predict`)."""
     model_fn, loss_fn, _ = abstract_model(run)
     n = run["devices"]
     per = params.devices_per_host or n
     meshes = tuple({"data": n // m, "model": m} for m in (1, 2, 4, 8) if n % m == 0 and m <= per)
+    # ZeRO shards a dimension its axis divides: where the device count has an odd factor (768 =
+    # 3 x 256), a replica axis of that factor keeps the data axis a power of two (ZeRO inside it,
+    # data parallel across the replicas: the search places each on the hosts)
+    odd = n // (n & -n)
+    if odd > 1:
+        meshes += tuple({"replica": odd, "data": n // odd // m, "model": m} for m in (1, 2, 4, 8)
+                        if (n // odd) % m == 0 and m <= per)
     rows = run["global_batch"]
     accum = tuple(a for a in (1, 2, 4) if rows % a == 0 and (rows // a) % (n // 8) == 0) or (1,)
     space = JobSearchSpace(devices=n, memory_budget=budget, meshes=meshes, zero_levels=(0, 1, 3),
@@ -204,14 +270,14 @@ def planner(run: dict, params: CostParams, budget: float) -> dict:
             "search_s": time.perf_counter() - t0, "candidates": len(job.candidates)}
 
 
-def fit_fraction(runs: list[dict], hardware: dict) -> float:
+def fit_fraction(runs: list[dict], hardware: dict, memory_factor: float) -> float:
     """The sustained fraction of peak that makes the ``FIT`` run's predicted step equal the
-    published one: compute time scales with 1 / fraction, so a few fixed-point steps settle it."""
+    published one: matmul time scales with 1 / fraction, so a few fixed-point steps settle it."""
     fraction = 1.0
-    for _ in range(6):
+    for _ in range(10):
         for run in runs:
             if run["id"] == FIT[0]:
-                p = predict(run, machine(hardware[run["hardware"]], fraction))
+                p = predict(run, machine(hardware[run["hardware"]], fraction, memory_factor))
                 fraction *= p["step_s"] / published_step(run, abstract_model(run)[2])
     return fraction
 
@@ -260,18 +326,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--runs", nargs="+", metavar="ID", help="only these runs (the fit still runs on FIT); no plot")
     ap.add_argument("--no-search", action="store_true", help="skip the planner's search (fast)")
+    ap.add_argument("--no-sequence-parallel", action="store_true",
+                    help="price the Megatron TP rows without sequence parallel (the runs file's INFERRED setting)")
     args = ap.parse_args(argv)
+    SEQUENCE_PARALLEL[0] = not args.no_sequence_parallel
     data = json.loads(RUNS.read_text())
     hardware, runs = data["hardware"], data["runs"]
     PEAKS.update({k: v["peak_flops"]["value"] for k, v in hardware.items()})
     HARDWARE.update(hardware)
     t0 = time.perf_counter()
-    fraction = fit_fraction(runs, hardware)
+    calibration = memory_calibration()
+    factor = calibration["factor"]
+    print(f"memory: the non-matmul operators reached {calibration['effective_bytes_per_s'] / 1e12:.2f} TB/s of modelled "
+          f"bytes on the H200 profile ({calibration['other_s'] * 1e3:.1f} of {calibration['step_s'] * 1e3:.1f} ms): "
+          f"{factor:.3f} x each device's datasheet rate", flush=True)
+    fraction = fit_fraction(runs, hardware, factor)
     if args.quick or args.runs:
         runs = [r for r in runs if r["id"] in (QUICK if args.quick else args.runs)]
     rows = []
     for run in runs:
-        params = machine(hardware[run["hardware"]], fraction)
+        params = machine(hardware[run["hardware"]], fraction, factor)
         cfg = abstract_model(run)[2]
         pred = predict(run, params)
         pub_mfu = run["published"]["mfu"]["value"]
@@ -292,7 +366,7 @@ def main(argv=None) -> dict:
               f"{pred['step_s']:.3g} s: " + ", ".join(f"{k} {v:.3g}" for k, v in pred["breakdown"].items()
                                                       if k.endswith("_s")), flush=True)
     held = [abs(r["error"]) for r in rows if r["use"] == "held out"]
-    summary = {"sustained_fraction_of_peak": fraction, "fitted_on": list(FIT),
+    summary = {"sustained_fraction_of_peak": fraction, "memory_calibration": calibration, "fitted_on": list(FIT),
                "held_out_mean_abs_error": sum(held) / len(held) if held else None,
                "held_out_max_abs_error": max(held) if held else None,
                "held_out_within_15pct": sum(e <= 0.15 for e in held), "held_out_count": len(held),
@@ -302,7 +376,7 @@ def main(argv=None) -> dict:
     print(json.dumps(summary, indent=1))
     result = {"meta": {"command": "python benchmarks/published.py" + (" --quick" if args.quick else ""),
                        "jax": jax.__version__, "runs_file": str(RUNS.relative_to(HERE.parent))},
-              "machines": {k: machine(v, fraction).to_dict() for k, v in hardware.items()},
+              "machines": {k: machine(v, fraction, factor).to_dict() for k, v in hardware.items()},
               "summary": summary, "rows": rows}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
