@@ -261,14 +261,20 @@ def test_staged_loss_names_the_blocks():
     assert_close(params, run("none")[1], what="StagedLoss blocks")
 
 
+@pytest.fixture(scope="module")
+def dots_temp():
+    return memory(_trainer(SCANNED, "dots_saveable").lower(BATCHES[0]).compile()).temp_bytes
+
+
 @pytest.mark.parametrize("policy", ["dots_except_mlp", "dots_except_mlp_in"])
-def test_named_policies_keep_numerics_and_save_between_full_and_dots(scanned, policy):
+def test_named_policies_keep_numerics_and_save_between_full_and_dots(scanned, dots_temp, policy):
     """The policies that save the Llama's named attention projections (and its context or MLP
     output) and recompute the MLP: the same losses as no recompute, and temp
     memory between recomputing everything and saving every matmul."""
     trainer = _trainer(SCANNED, policy)
     temp = {name: memory(t.lower(BATCHES[0]).compile()).temp_bytes
-            for name, t in (("full", scanned["config"]), ("named", trainer), ("dots", _trainer(SCANNED, "dots_saveable")))}
+            for name, t in (("full", scanned["config"]), ("named", trainer))}
+    temp["dots"] = dots_temp
     print(f"{policy} temp: {temp}")
     assert temp["full"] < temp["named"] < temp["dots"]
     reference = _trainer(SCANNED)        # a fresh one: the fixture's trainers are stepped elsewhere
