@@ -16,7 +16,8 @@ machine built from datasheet figures (`machine`: H100 / H200 nodes of 8 GPUs on 
 2. **the planner's own choice**: `jaxpar.auto.search_job` over ``data x model`` meshes (model
    1, 2, 4, 8: inside a node) and, where the device count has an odd factor, ``replica x data x
    model`` meshes with that factor on ``replica`` (ZeRO shards over ``data`` alone, a power of
-   two that divides the weights), ZeRO 0/1/3, micro-batches and recompute (none, full, and the
+   two that divides the weights), else ``replica x data`` with ``data`` one host (ZeRO inside a
+   host, data parallel across), ZeRO 0/1/3, micro-batches and recompute (none, full, and the
    four matmul-saving policies), within the device's memory, and its predicted step time.
 
 Models are abstract (`nnx.eval_shape`): the graph is traced at full size with scanned layers
@@ -31,7 +32,7 @@ each device's datasheet memory rate times the factor the one GPU profile gives
 (`memory_calibration`: jaxpar's Llama-1B step on an H200) -- a measurement, not a fit to a
 published run.
 
-    python benchmarks/published.py            # ~6 min on 2 shared CPU cores: table, JSON, plot
+    python benchmarks/published.py            # ~16 min on 2 CPU cores: table, JSON, plot
     python benchmarks/published.py --quick    # two small rows, no search, no plot (the test)
     python benchmarks/published.py --runs megatron_70b --no-search --out /tmp/p.json   # a subset
 """
@@ -256,6 +257,8 @@ def planner(run: dict, params: CostParams, budget: float) -> dict:
     if odd > 1:
         meshes += tuple({"replica": odd, "data": n // odd // m, "model": m} for m in (1, 2, 4, 8)
                         if (n // odd) % m == 0 and m <= per)
+    elif n > per:       # ZeRO inside a host, data parallel across the hosts
+        meshes += ({"replica": n // per, "data": per},)
     rows = run["global_batch"]
     accum = tuple(a for a in (1, 2, 4) if rows % a == 0 and (rows // a) % (n // 8) == 0) or (1,)
     space = JobSearchSpace(devices=n, memory_budget=budget, meshes=meshes, zero_levels=(0, 1, 3),
