@@ -123,7 +123,7 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
     k, d = grad_accum, sizes.get(zero_axis, 1)
     batch = sum(local_bytes(graph, t, axes, sizes) for _, t in graph.batch)
     shardable = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb) if zero and d > 1 else 0.0
-    recomputed = blocks_recomputed(graph)
+    recomputed = zero >= 2 and d > 1 and blocks_recomputed(graph)     # read below at ZeRO >= 2 only
     at_once = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, per_layer=True) \
         if zero >= 3 and d > 1 and recomputed else None
     args_saved, gathered, saved = _zero_terms(zero, shardable, d, params, at_once)
