@@ -21,18 +21,19 @@ machine built from datasheet figures (`machine`: H100 / H200 nodes of 8 GPUs on 
    four matmul-saving policies), within the device's memory, and its predicted step time.
 
 Models are abstract (`nnx.eval_shape`): the graph is traced at full size with scanned layers
-(shapes only; nothing is allocated). Two runs are fitted (``FIT``), every other run is held
-out: the sustained FLOP/s is the datasheet peak times one fraction fitted on ``megatron_7.1b``,
-and the A3 network's collectives are priced exposed (``collective_overlap: false`` in the runs
-file), a choice made on ``maxtext_llama2_7b_16gpu``. Every GPU run uses fused attention
-(`CostParams.fused_attention`: Transformer Engine / cuDNN flash attention, TPU Splash) and the
-Megatron rows its distributed optimizer's bf16 parameter gather (``MEGATRON_GATHER``). The
-operators that are not matmuls are priced by the bytes they move (`CostParams.memory_bandwidth`):
-each device's datasheet memory rate times the factor the one GPU profile gives
-(`memory_calibration`: jaxpar's Llama-1B step on an H200) -- a measurement, not a fit to a
-published run.
+(shapes only; nothing is allocated). The machine is calibrated by measurement, not by the
+published runs (`gpu_calibration`: jaxpar's Llama-1B step profiled on an H200): the sustained
+FLOP/s is the datasheet peak times the fraction that step's matmul and attention kernels
+reached, and the operators that are not matmuls are priced by the bytes they move
+(`CostParams.memory_bandwidth`) at each device's datasheet memory rate times the factor that
+step's other kernels reached. No TPU was measured: the v5p row is priced at the GPU's fraction.
+One run is fitted (``FIT``), every other run is held out: the A3 network's collectives are
+priced exposed (``collective_overlap: false`` in the runs file), a choice made on
+``maxtext_llama2_7b_16gpu``. Every GPU run uses fused attention (`CostParams.fused_attention`:
+Transformer Engine / cuDNN flash attention, TPU Splash) and the Megatron rows its distributed
+optimizer's bf16 parameter gather (``MEGATRON_GATHER``).
 
-    python benchmarks/published.py            # ~16 min on 2 CPU cores: table, JSON, plot
+    python benchmarks/published.py            # ~17 min on 2 CPU cores: table, JSON, plot
     python benchmarks/published.py --quick    # two small rows, no search, no plot (the test)
     python benchmarks/published.py --runs megatron_70b --no-search --out /tmp/p.json   # a subset
 """
@@ -55,7 +56,7 @@ from flax import nnx  # noqa: E402
 
 import jaxpar  # noqa: E402
 from jaxpar.auto import CostParams, JobSearchSpace, build_graph, search_job  # noqa: E402
-from jaxpar.auto.cost import evaluate  # noqa: E402
+from jaxpar.auto.cost import evaluate, flags_for, op_terms  # noqa: E402
 from jaxpar.auto.assign import hand_axes  # noqa: E402
 from jaxpar.auto.pricing import PipelineShape, price, price_pipeline  # noqa: E402
 from jaxpar.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -68,9 +69,8 @@ from jaxpar.nn.blocks import remat_loss  # noqa: E402
 
 HERE = pathlib.Path(__file__).parent
 RUNS = HERE / "published_runs.json"
-PROFILE = HERE / "results" / "gpu_probe_h200_1b.json"    # the one GPU profile: `memory_calibration`
-FIT = ("megatron_7.1b",          # the run the sustained FLOP/s fraction is fitted on
-       "maxtext_llama2_7b_16gpu")  # the run the A3 network's collective overlap is chosen on
+PROFILE = HERE / "results" / "gpu_probe_h200_1b.json"    # the one GPU profile: `gpu_calibration`
+FIT = ("maxtext_llama2_7b_16gpu",)   # the one fitted run: the A3 network's collective overlap is chosen on it
 QUICK = ("megatron_1.7b", "maxtext_llama2_7b_8gpu")
 # the recompute policies the planner chooses from
 REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "dots_except_mlp", "dots_except_mlp_in")
@@ -84,7 +84,7 @@ def machine(hw: dict, fraction: float, memory_factor: float) -> CostParams:
     """`CostParams` of one device kind from its datasheet figures: bytes/s one way on the fast
     links (NVLink / ICI: half the bidirectional figure), the slower network per device,
     ``fraction`` of the peak FLOP/s sustained, and the memory's datasheet rate times
-    ``memory_factor`` for the operators that are not matmuls (`memory_calibration`)."""
+    ``memory_factor`` for the operators that are not matmuls (`gpu_calibration`)."""
     peak = hw["peak_flops"]["value"]
     overlap = hw.get("collective_overlap", True)     # False: every collective exposed (A3: fitted, see FIT)
     memory = hw["hbm_bytes_per_s"]["value"] * memory_factor
@@ -108,18 +108,25 @@ def _kernel_kind(name: str) -> str:
     return "other"
 
 
-def memory_calibration() -> dict:
-    """The rate the non-matmul operators reach on a GPU, from the one measured profile
-    (``PROFILE``: jaxpar's Llama-3.2-1B-shape step on one H200, bf16, 8 x 2048 tokens, the loss
-    in 8 chunks; its top kernels by time): the step's time less its matmul and attention
-    kernels is what the other operators took; the cost model's bytes for those operators on the
-    graph of that step (`CostParams.memory_bandwidth`: each one's largest operand, three times)
-    over that time is the rate they reached, and that rate over the H200's datasheet memory
-    bandwidth is the factor applied to every device's datasheet figure. Kernels below the top
-    40 are counted as "other" (every matmul and attention kernel of the step is in the top 40).
-    The factor is an effective one, not a memory rate: the model's bytes are a proxy (each
-    operator's largest operand three times, fused chains not merged), and the time includes
-    the optimizer's update, which the step's price has no term of its own for."""
+def gpu_calibration() -> dict:
+    """The rates a GPU reaches, from the one measured profile (``PROFILE``: jaxpar's
+    Llama-3.2-1B-shape step on one H200, bf16, 8 x 2048 tokens, the loss in 8 chunks; its top
+    kernels by time).
+
+    - **Matmuls** (``matmul_fraction``): the cost model's matmul FLOPs of that step (attention's
+      score and value products included, as the model prices them) over the time of its matmul
+      and fused-attention kernels, as a fraction of the H200's datasheet peak: the sustained
+      fraction every row is priced with (the TPU's too: no TPU was measured).
+    - **The other operators** (``factor``): the step's time less its matmul and attention
+      kernels is what they took; the cost model's bytes for them (`CostParams.memory_bandwidth`:
+      each one's largest operand, three times) over that time is the rate they reached, and that
+      rate over the H200's datasheet memory bandwidth is the factor applied to every device's
+      datasheet figure. The factor is an effective one, not a memory rate: the bytes are a proxy
+      (fused chains not merged), and the time includes the optimizer's update, which the step's
+      price has no term of its own for.
+
+    Kernels below the top 40 are counted as "other" (every matmul and attention kernel of the
+    step is in the top 40)."""
     prof = json.loads(PROFILE.read_text())["1b step"]
     top = prof["top_ops"]
     kinds = {"matmul": 0.0, "attention": 0.0}
@@ -134,9 +141,13 @@ def memory_calibration() -> dict:
     flops_only = evaluate(graph, axes, {}, CostParams(fused_attention=True)).compute_s
     per_byte = evaluate(graph, axes, {}, CostParams(fused_attention=True, memory_bandwidth=1.0)).compute_s
     moved = per_byte - flops_only        # seconds at 1 B/s: the operators' bytes
+    flags = flags_for(graph, CostParams(fused_attention=True))
+    matmul_flops = sum(op_terms(graph, op, axes, {}, flags)[0] for op in graph.ops if op.prim == "dot_general")
+    peak = HARDWARE["h200"]["peak_flops"]["value"]
     datasheet = HARDWARE["h200"]["hbm_bytes_per_s"]["value"]
     return {"profile": str(PROFILE.relative_to(HERE.parent)), "device": "NVIDIA H200", "step_s": top["all_ms_per_step"] / 1e3,
             "matmul_s": kinds["matmul"], "attention_s": kinds["attention"], "other_s": other_s,
+            "matmul_flops": matmul_flops, "matmul_fraction": matmul_flops / (kinds["matmul"] + kinds["attention"]) / peak,
             "modelled_bytes": moved, "effective_bytes_per_s": moved / other_s, "datasheet_bytes_per_s": datasheet,
             "factor": moved / other_s / datasheet}
 
@@ -273,18 +284,6 @@ def planner(run: dict, params: CostParams, budget: float) -> dict:
             "search_s": time.perf_counter() - t0, "candidates": len(job.candidates)}
 
 
-def fit_fraction(runs: list[dict], hardware: dict, memory_factor: float) -> float:
-    """The sustained fraction of peak that makes the ``FIT`` run's predicted step equal the
-    published one: matmul time scales with 1 / fraction, so a few fixed-point steps settle it."""
-    fraction = 1.0
-    for _ in range(10):
-        for run in runs:
-            if run["id"] == FIT[0]:
-                p = predict(run, machine(hardware[run["hardware"]], fraction, memory_factor))
-                fraction *= p["step_s"] / published_step(run, abstract_model(run)[2])
-    return fraction
-
-
 def table(rows: list[dict]) -> str:
     head = (f"{'run':<32} {'dev':>5} {'layout':<40} {'pub MFU':>8} {'pred MFU':>8} {'err':>7} {'use':<9} "
             f"{'mem GB':>7} {'pub s':>8} {'pred s':>8} {'planner s':>9}  planner choice")
@@ -338,12 +337,13 @@ def main(argv=None) -> dict:
     PEAKS.update({k: v["peak_flops"]["value"] for k, v in hardware.items()})
     HARDWARE.update(hardware)
     t0 = time.perf_counter()
-    calibration = memory_calibration()
-    factor = calibration["factor"]
+    calibration = gpu_calibration()
+    factor, fraction = calibration["factor"], calibration["matmul_fraction"]
     print(f"memory: the non-matmul operators reached {calibration['effective_bytes_per_s'] / 1e12:.2f} TB/s of modelled "
           f"bytes on the H200 profile ({calibration['other_s'] * 1e3:.1f} of {calibration['step_s'] * 1e3:.1f} ms): "
           f"{factor:.3f} x each device's datasheet rate", flush=True)
-    fraction = fit_fraction(runs, hardware, factor)
+    print(f"matmuls: the step's matmul FLOPs over its matmul and attention kernels' time on the H200 profile: "
+          f"{fraction:.3f} of the datasheet peak", flush=True)
     if args.quick or args.runs:
         runs = [r for r in runs if r["id"] in (QUICK if args.quick else args.runs)]
     rows = []
@@ -369,7 +369,7 @@ def main(argv=None) -> dict:
               f"{pred['step_s']:.3g} s: " + ", ".join(f"{k} {v:.3g}" for k, v in pred["breakdown"].items()
                                                       if k.endswith("_s")), flush=True)
     held = [abs(r["error"]) for r in rows if r["use"] == "held out"]
-    summary = {"sustained_fraction_of_peak": fraction, "memory_calibration": calibration, "fitted_on": list(FIT),
+    summary = {"sustained_fraction_of_peak": fraction, "gpu_calibration": calibration, "fitted_on": list(FIT),
                "held_out_mean_abs_error": sum(held) / len(held) if held else None,
                "held_out_max_abs_error": max(held) if held else None,
                "held_out_within_15pct": sum(e <= 0.15 for e in held), "held_out_count": len(held),

@@ -134,10 +134,14 @@ def test_propagation_from_first_matmuls_recovers_megatron(model, graph):
     cfg = jaxpar.ParallelConfig(mesh=MESH, mode="auto", search="sharding_propagation", parameter_strategy=FIRST_MATMULS)
     plan = search(model, loss_fn, BATCH, cfg, MESH, cost_params=COSTS, graph=graph)
     megatron = hand_strategy(model, loss_fn, BATCH, HANDS["data=2,model=4"], MESH, cost_params=COSTS, graph=graph)
-    assert plan.param_specs == megatron.param_specs
+    # every block and the head as Megatron splits them; the embedding table stays whole: a lookup
+    # reads one row per token, so splitting the table over vocab saves memory alone and costs an
+    # all-reduce of the embeddings (a gather is priced by its bytes, not as a one-hot matmul)
+    assert {k: v for k, v in plan.param_specs.items() if k != "wte"} == \
+        {k: v for k, v in megatron.param_specs.items() if k != "wte"}
     assert plan.param_specs["blocks/1/attn/wo"] == P("model")
     assert plan.param_specs["blocks/0/mlp/down"] == P("model")
-    assert plan.param_specs["wte"] == P("model") and plan.param_specs["head"] == P(None, "model")
+    assert plan.param_specs["wte"] == P() and plan.param_specs["head"] == P(None, "model")
     assert dict(plan.batch)["['inputs']"] == P("data")
 
 

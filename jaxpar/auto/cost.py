@@ -337,9 +337,8 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
         invalid += 1      # one mesh axis would split two dimensions of the iteration space
     shards = math.prod(sizes[a] for a in all_axes)
     comms = []
-    if op.prim in _PRODUCTS or op.prim == "gather":
-        space = _iteration_space(graph, op)
-        flops = (2 if op.prim != "gather" else 1) * space * 3 / shards
+    if op.prim in _PRODUCTS:
+        flops = 2 * _iteration_space(graph, op) * 3 / shards
     elif op.prim in FREE:
         flops = 0.0
     else:
