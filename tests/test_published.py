@@ -46,7 +46,12 @@ def test_quick_rows_predict_and_write_the_json(tmp_path):
     result = _bench().main(["--quick", "--out", str(out)])
     written = json.loads(out.read_text())
     assert written["summary"]["fitted_on"] == ["maxtext_llama2_7b_16gpu"]
-    assert 0 < written["summary"]["sustained_fraction_of_peak"] <= 1
+    # the machine is measured on the GPU profile, not fitted: the matmul fraction is the step's
+    # matmul FLOPs over its matmul and attention kernels' time, at the H200's peak
+    cal = written["summary"]["gpu_calibration"]
+    assert 0 < written["summary"]["sustained_fraction_of_peak"] == cal["matmul_fraction"] <= 1
+    assert abs(cal["matmul_flops"] / (cal["matmul_s"] + cal["attention_s"]) / 989e12 - cal["matmul_fraction"]) < 1e-12
+    assert abs(cal["matmul_s"] + cal["attention_s"] + cal["other_s"] - cal["step_s"]) < 1e-9
     assert [r["id"] for r in result["rows"]] == ["megatron_1.7b", "maxtext_llama2_7b_8gpu"]
     for row in written["rows"]:
         assert row["source"]["repo"] and len(row["source"]["commit"]) == 40
