@@ -24,7 +24,7 @@ Models are abstract (`nnx.eval_shape`): the graph is traced at full size with sc
 (shapes only; nothing is allocated). The machine is calibrated by measurement, not by the
 published runs (`gpu_calibration`: jaxpar's Llama-1B step profiled on an H200): the sustained
 FLOP/s is the datasheet peak times the fraction that step's matmul and attention kernels
-reached, and the operators that are not matmuls are priced by the bytes they move
+reached (of the cost model's FLOPs, attention's products counted whole), and the operators that are not matmuls are priced by the bytes they move
 (`CostParams.memory_bandwidth`) at each device's datasheet memory rate times the factor that
 step's other kernels reached. No TPU was measured: the v5p row is priced at the GPU's fraction.
 One run is fitted (``FIT``), every other run is held out: the A3 network's collectives are

@@ -8,8 +8,10 @@ forward program, with ``A(t)`` = the set of mesh axes splitting tensor ``t``:
 * **compute**: ``flops × 3 / (product of the sizes of every axis in A(op))`` for matmuls
   (``2 ·`` result elements ``·`` contracting length, from the dot's dimension numbers),
   grouped matmuls (``ragged_dot``: ``2·m·k·n``, the groups cut the rows, they multiply
-  nothing), gathers and convolutions (forward + two backward products),
-  ``elements × 3 / shards`` for the rest; time = flops / ``CostParams.flops_per_s``.
+  nothing) and convolutions (forward + two backward products); for the rest, gathers
+  included, ``3 ×`` the elements of its largest operand on one device (a gather reads one
+  table row per index, its backward writes a table-sized gradient); time = flops /
+  ``CostParams.flops_per_s``.
 * **forward communication**: an operator whose inputs are split over axes its output is not
   (``A(inputs) − A(output)``: a split contracting dimension, a reduction over a split
   dimension, a gather from a split table) leaves partial sums → an **all-reduce** of the
@@ -342,10 +344,12 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
     elif op.prim in FREE:
         flops = 0.0
     else:
-        flops = 3 * max((graph.tensors[t].nbytes / graph.tensors[t].itemsize for t in ts), default=0) / shards
+        # each device's share of its largest operand (a table split over vocab while the lookup's
+        # output is not: the output whole on every device; a table kept whole: its gradient too)
+        flops = 3 * max((local_bytes(graph, t, axes, sizes) / graph.tensors[t].itemsize for t in ts), default=0)
         if params is not None and params.memory_bandwidth and not (   # a fused kernel's scores stay on chip
                 params.fused_attention and any(attention_scores(graph, t) for t in ts)):
-            moved = 3 * max((graph.tensors[t].nbytes for t in ts), default=0) / shards
+            moved = 3 * max((local_bytes(graph, t, axes, sizes) for t in ts), default=0)
             moved /= math.prod(sizes.get(a, 1) for a in params.sequence_parallel if a not in all_axes)
             flops = max(flops, moved * params.flops_per_s / params.memory_bandwidth)
     out = op.outs[0] if op.outs else -1

@@ -43,7 +43,8 @@ class Strategy:
       batch: ``(leaf path, PartitionSpec)`` per batch leaf.
       classes: ``(name, size, mesh axes)`` per dimension class of the graph.
       cost: the predicted `jaxpar.auto.cost.Cost`, as a dict.
-      operators: ``(operator, input specs, GFLOP, comm bytes)`` of the matmuls and gathers.
+      operators: ``(operator, input specs, GFLOP, comm bytes)`` of the matmuls and gathers (a
+        gather's GFLOP: three times its largest operand's elements, the cost model's measure of it).
       notes: annotations, conflicts and how they were resolved, runners-up.
       cost_params: the `CostParams` used, as a dict.
       search_time_s: wall time of the search.
