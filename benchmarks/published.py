@@ -326,7 +326,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="two small rows, no search, no plot")
     ap.add_argument("--out", default=str(HERE / "results" / "published.json"))
     ap.add_argument("--plot", default=None)
-    ap.add_argument("--runs", nargs="+", metavar="ID", help="only these runs (the fit still runs on FIT); no plot")
+    ap.add_argument("--runs", nargs="+", metavar="ID", help="only these runs; no plot")
     ap.add_argument("--no-search", action="store_true", help="skip the planner's search (fast)")
     ap.add_argument("--no-sequence-parallel", action="store_true",
                     help="price the Megatron TP rows without sequence parallel (the runs file's INFERRED setting)")
