@@ -346,10 +346,11 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
     else:
         # each device's share of its largest operand (a table split over vocab while the lookup's
         # output is not: the output whole on every device; a table kept whole: its gradient too)
-        flops = 3 * max((local_bytes(graph, t, axes, sizes) / graph.tensors[t].itemsize for t in ts), default=0)
+        local = {t: graph.tensors[t].nbytes / math.prod(sizes[a] for a in per[t]) for t in ts}
+        flops = 3 * max((b / graph.tensors[t].itemsize for t, b in local.items()), default=0)
         if params is not None and params.memory_bandwidth and not (   # a fused kernel's scores stay on chip
                 params.fused_attention and any(attention_scores(graph, t) for t in ts)):
-            moved = 3 * max((local_bytes(graph, t, axes, sizes) for t in ts), default=0)
+            moved = 3 * max(local.values(), default=0)
             moved /= math.prod(sizes.get(a, 1) for a in params.sequence_parallel if a not in all_axes)
             flops = max(flops, moved * params.flops_per_s / params.memory_bandwidth)
     out = op.outs[0] if op.outs else -1
