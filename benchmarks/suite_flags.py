@@ -1,8 +1,9 @@
-"""What the test suite's XLA:CPU flags (tests/conftest.py) cost and save, on three of the
+"""What the test suite's XLA:CPU flags (tests/suite_xla.py) cost and save, on three of the
 combination matrix's steps.
 
     .venv/bin/python benchmarks/suite_flags.py                 # about 2 minutes on 2 CPU cores
     .venv/bin/python benchmarks/suite_flags.py --rounds 3 --out /tmp/flags.json
+    .venv/bin/python benchmarks/suite_flags.py --busy --out benchmarks/results/suite_flags_busy.json
 
 Each flag set runs in a fresh process (XLA reads ``XLA_FLAGS`` once), the sets taking turns
 round by round, the order reversed every other round. A process builds three matrix cells'
@@ -27,7 +28,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETS = {
     "-O0 (LLVM only)": "--xla_backend_optimization_level=0",
-    "-O0, classic loop emitters (the suite's)": "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false",
+    "-O0, classic loop emitters": "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false",
+    "-O0, classic loop emitters, one LLVM module (the suite's)": "--xla_backend_optimization_level=0 "
+    "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1",
     "default": "",
 }
 
@@ -65,10 +68,17 @@ def measure() -> dict:
     return out
 
 
-def run(flags: str) -> dict:
+def run(flags: str, busy: bool = False) -> dict:
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=ROOT)
+    # the suite's other xdist worker, as a process that keeps one core busy
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--child"], env=env, capture_output=True, text=True,
+                              timeout=900, cwd=ROOT)
+    finally:
+        if burner is not None:
+            burner.kill()
+            burner.wait()
     if proc.returncode != 0:
         raise RuntimeError(f"flags {flags!r}: the measuring process failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -79,6 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "suite_flags.json"))
     parser.add_argument("--plot", action="store_true", help="also write a PNG beside --out")
+    parser.add_argument("--busy", action="store_true",
+                        help="keep one core busy with another process meanwhile (the suite's second worker)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -88,7 +100,7 @@ def main(argv=None) -> int:
     runs = {name: [] for name in names}
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            runs[name].append(run(SETS[name]))
+            runs[name].append(run(SETS[name], args.busy))
             print(f"  round {r + 1}: {name}: {runs[name][-1]}", file=sys.stderr)
     rows = []
     for name in names:
@@ -98,7 +110,8 @@ def main(argv=None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"three matrix steps, 8 simulated CPU devices, {os.cpu_count()} cores, median of {args.rounds}")
+    busy = ", one core kept busy" if args.busy else ""
+    table = Table(title=f"three matrix steps, 8 simulated CPU devices, {os.cpu_count()} cores{busy}, median of {args.rounds}")
     for col in ("flags", "lower s", "compile s", "3 steps x 3 s", "temp bytes per step"):
         table.add_column(col, justify="left" if col == "flags" else "right")
     for r in rows:

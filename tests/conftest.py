@@ -1,6 +1,7 @@
 """Test set-up: 8 simulated CPU devices, fixed before JAX starts its backend."""
 import os
 import signal
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the run: this process, the xdist workers and every child
@@ -12,18 +13,12 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "jax-tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# The suite compiles hundreds of small programs and runs each for a few steps: the machine
-# code's quality buys nothing here, its compile time is most of the suite's. So LLVM optimises
-# at -O0 (its passes were about 45 % of each compile's CPU time), and XLA:CPU emits fused
-# loops with its classic element-wise emitters instead of its MLIR fusion emitters (a third
-# less backend compile time — 5.2 s against 9.8 s for three of the matrix's steps — with the
-# same run time, and temp bytes within 320 of 0.7-2.3 MB: `python benchmarks/suite_flags.py`,
-# benchmarks/results/suite_flags.json). The HLO passes — sharding propagation, the SPMD
-# partitioner, collectives — run as in production; only the machine code is made another way.
-# Child processes inherit the flags.
-_SUITE_XLA_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false"}
-_flags = os.environ.get("XLA_FLAGS", "")
-os.environ["XLA_FLAGS"] = " ".join([_flags] + [f"--{k}={v}" for k, v in _SUITE_XLA_FLAGS.items() if k not in _flags]).strip()
+# The suite's XLA:CPU flags (tests/suite_xla.py: -O0 machine code, classic loop emitters, one
+# LLVM module a program); child processes inherit them.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import suite_xla  # noqa: E402
+
+os.environ["XLA_FLAGS"] = suite_xla.xla_flags(os.environ.get("XLA_FLAGS", ""))
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)

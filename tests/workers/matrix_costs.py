@@ -63,9 +63,10 @@ def main() -> None:
     sys.path.insert(0, TESTS)
     import matrix
 
-    flags = os.environ.get("XLA_FLAGS", "")
-    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false",   # the suite's flags (tests/conftest.py)
-               XLA_FLAGS=f"{flags} --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+    import suite_xla
+
+    env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false",   # the suite's flags (tests/suite_xla.py)
+               XLA_FLAGS=suite_xla.xla_flags(os.environ.get("XLA_FLAGS", "")))
     open(args.out, "w").close()
     n = len(matrix.CELLS)
     procs = [subprocess.Popen([sys.executable, __file__, "--out", args.out, "--child",
