@@ -221,8 +221,9 @@ def test_modules_assigned_by_path_train_like_one_device(uneven_reference):
     np.testing.assert_allclose(trained[0], reference[0], rtol=1e-5)
     for a, e in zip(jax.tree.leaves(trained[1]), jax.tree.leaves(reference[1]), strict=True):
         # atol: adam divides near-zero bias gradients by their own size, so their last bits
-        # (summed in another order over micro-batches) move a parameter by ~1e-6
-        np.testing.assert_allclose(a, e, rtol=2e-5, atol=2e-6)
+        # (summed in another order over micro-batches) move a parameter by a few 1e-6 (2.7e-6
+        # for one element under the suite's codegen, tests/suite_xla.py; 2e-6 held elsewhere)
+        np.testing.assert_allclose(a, e, rtol=2e-5, atol=3e-6)
 
 
 def test_balance_stages_minimises_the_slowest_stage():
