@@ -156,7 +156,7 @@ def abstract_model(run: dict):
     s = run["shape"]
     if run["model"] == "gpt":
         cfg = GPTConfig(vocab_size=s["vocab"], seq_len=run["seq_len"], embed=s["embed"], heads=s["heads"],
-                        mlp=s["mlp"], layers=s["layers"], scan_layers=True, dtype="bfloat16")
+                        mlp=s["mlp"], layers=s["layers"], scan_layers=True)
         return (lambda: GPT(cfg, rngs=nnx.Rngs(0))), gpt_loss, cfg
     cfg = LlamaConfig(vocab_size=s["vocab"], embed=s["embed"], heads=s["heads"], kv_heads=s["kv_heads"],
                       mlp=s["mlp"], layers=s["layers"], max_seq_len=run["seq_len"], scan_layers=True,
@@ -210,7 +210,7 @@ def predict(run: dict, params: CostParams) -> dict:
     rows = run["global_batch"] // k
     parts: dict = {}
     if lay["pp"] > 1:
-        graph = build_graph(model, gpt_pipeline(), tokens(rows, run["seq_len"]))
+        graph = build_graph(model, gpt_pipeline(), tokens(rows, run["seq_len"]), compute_dtype=compute(run))
         full = {"pipe": lay["pp"], **sizes}
         placed = dataclasses.replace(params.placed(hosts, full), gather_itemsize=MEGATRON_GATHER)
         shape = PipelineShape(stages=lay["pp"], microbatches=k, layers=cfg.layers,
@@ -220,7 +220,8 @@ def predict(run: dict, params: CostParams) -> dict:
         step, args, temp = price_pipeline(graph, hand_axes(graph, config, sizes), sizes, placed, shape,
                                           zero=1, breakdown=parts)
     else:
-        graph = build_graph(model, remat_loss(model, loss_fn, run["remat"]["value"]), tokens(rows, run["seq_len"]))
+        graph = build_graph(model, remat_loss(model, loss_fn, run["remat"]["value"]), tokens(rows, run["seq_len"]),
+                            compute_dtype=compute(run))
         zero, axis = (3, "fsdp") if lay["fsdp"] > 1 else (1, "data")   # Megatron's distributed optimizer
         placed = dataclasses.replace(params.placed(hosts, sizes), gather_itemsize=None if zero == 3 else MEGATRON_GATHER)
         step, args, temp = price(graph, hand_axes(graph, config, sizes), sizes, placed, zero=zero, zero_axis=axis,
@@ -238,6 +239,17 @@ def params_fraction(params: CostParams, run: dict) -> float:
 
 
 PEAKS: dict[str, float] = {}
+# Every run trains in bf16 with fp32 master weights. The Llama rows' model computes in bf16
+# itself (LlamaConfig.dtype), casting each layer's weights where it uses them, as MaxText does;
+# the GPT rows' model computes in its parameters' dtype, so those are priced under jaxpar's
+# "bf16" precision, whose step casts the parameters to bf16 inside the loss (before, they were
+# priced with fp32 activations)
+PRECISION = "bf16"
+
+
+def compute(run: dict) -> str | None:
+    """The compute dtype the graph of ``run`` is traced with (`build_graph`'s ``compute_dtype``)."""
+    return jaxpar.ParallelConfig(precision=PRECISION).precision.compute if run["model"] == "gpt" else None
 SEQUENCE_PARALLEL = [True]     # --no-sequence-parallel: the Megatron TP rows priced without it
 HARDWARE: dict[str, dict] = {}
 
@@ -276,7 +288,8 @@ def planner(run: dict, params: CostParams, budget: float) -> dict:
                            grad_accum=accum, remat=REMAT)
     t0 = time.perf_counter()
     try:
-        job = search_job(model_fn, loss_fn, tokens(rows, run["seq_len"]), space, cost_params=params)
+        job = search_job(model_fn, loss_fn, tokens(rows, run["seq_len"]), space, cost_params=params,
+                         base_config=jaxpar.ParallelConfig(mode="auto", precision=PRECISION if compute(run) else None))
     except ValueError as e:
         return {"chosen": None, "why": str(e).split(";")[0], "search_s": time.perf_counter() - t0}
     c = job.chosen

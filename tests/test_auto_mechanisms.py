@@ -218,3 +218,63 @@ def test_sequence_parallel_divides_the_bytes_of_the_work_between_tensor_parallel
     for bad in ("model", 4, ("model", 4)):
         with pytest.raises(ValueError, match=r"sequence_parallel=.*give a tuple of mesh axis names"):
             CostParams(sequence_parallel=bad)
+
+
+def test_a_config_computing_in_bf16_is_priced_as_the_step_runs_it():
+    """``ParallelConfig(precision="bf16")`` casts the fp32 parameters to bf16 inside the step's loss
+    (`jaxpar.train.step.cast`). The search prices that program, not the fp32 one the model gives
+    alone: the activations it keeps shrink as the step's own residuals do (those of
+    ``jax.vjp`` of the step's cast loss, 0.50 of fp32's here), the parameters and optimizer
+    state stay fp32."""
+    import numpy as np
+    import optax
+
+    from jaxpar.auto.graph import compute_dtype
+    from jaxpar.train.step import Setting, cast, merge
+
+    tokens = np.zeros((8, CFG.seq_len), np.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    model = nnx.eval_shape(lambda: GPT(CFG, rngs=nnx.Rngs(0)))
+    sizes = {"data": 1}
+    priced, kept, searched = {}, {}, {}
+    for precision in ("fp32", "bf16"):
+        config = jaxpar.ParallelConfig(mesh=sizes, precision=precision)
+        graph = build_graph(model, loss_fn, batch, compute_dtype=compute_dtype(config))
+        priced[precision] = evaluate(graph, hand_axes(graph, config, sizes), sizes, CostParams())
+        searched[precision] = jaxpar.auto.search(model, loss_fn, batch, dataclasses.replace(config, mode="auto"),
+                                                 sizes).cost
+        mesh = jaxpar.make_mesh(config, devices=jax.devices()[:1])
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+        s = Setting(jaxpar.make_train_plan(config, mesh, (params, rest), optax.adamw(1e-3)), mesh, graphdef,
+                    params, rest)
+        loss = cast(s, merge(s, loss_fn, batch))          # the step's loss, as differentiate gets it
+        residuals = jax.eval_shape(lambda p: jax.vjp(lambda q: loss(q, rest, batch)[0], p)[1], params)
+        kept[precision] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(residuals))
+    assert priced["bf16"].argument_bytes == priced["fp32"].argument_bytes
+    predicted, actual = (priced["bf16"].temp_bytes / priced["fp32"].temp_bytes, kept["bf16"] / kept["fp32"])
+    assert actual < 0.6 and abs(predicted - actual) < 0.1, (predicted, actual)
+    # the search reads the precision from its config
+    assert searched["bf16"]["temp_bytes"] < 0.7 * searched["fp32"]["temp_bytes"]
+    assert searched["bf16"]["argument_bytes"] == searched["fp32"]["argument_bytes"]
+
+
+def test_a_pipeline_priced_in_bf16_finds_its_stacked_blocks_through_the_cast():
+    """Cast to the compute dtype at the loss's top, the blocks' parameters reach the layer scan
+    as casts: `price_pipeline` and ZeRO still find them stacked (`jaxpar.auto.cost.param_of`),
+    and price the same parameter state with less activation memory."""
+    from jaxpar.auto.pricing import PipelineShape, price_pipeline, stacked_params
+    from jaxpar.models.gpt_parallel import pipeline_loss
+
+    cfg = dataclasses.replace(CFG, layers=4)
+    x = jax.ShapeDtypeStruct((8, cfg.seq_len), jnp.int32)
+    model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
+    sizes = {"data": 2}
+    priced = {}
+    for dtype in (None, "bfloat16"):
+        graph = build_graph(model, pipeline_loss(), {"inputs": x, "targets": x}, compute_dtype=dtype)
+        axes = hand_axes(graph, jaxpar.ParallelConfig(mesh=sizes, rules={"batch": "data"}), sizes)
+        shape = PipelineShape(stages=2, microbatches=4, layers=4, activation_bytes=8 * cfg.seq_len * cfg.embed * 2)
+        assert len(stacked_params(graph, 4)) == 12, dtype      # every block parameter, stacked
+        priced[dtype] = price_pipeline(graph, axes, sizes, CostParams(), shape, zero=1)
+    assert priced["bfloat16"][1] == priced[None][1]                 # the same fp32 parameter state
+    assert priced["bfloat16"][2] < 0.8 * priced[None][2]             # bf16 activations

@@ -149,3 +149,13 @@ def test_precision_forms_agree_and_round_trip():
     assert jaxpar.ParallelConfig().precision is None
     with pytest.raises(TypeError, match="precision=3"):
         jaxpar.ParallelConfig(precision=3)
+
+
+def test_the_example_gpt_refuses_a_compute_dtype_it_would_ignore():
+    """GPTConfig.dtype was accepted and ignored (the model computes in its parameters' dtype):
+    a bf16 request now names the setting that does it."""
+    from jaxpar.models.gpt import GPTConfig
+
+    assert GPTConfig(dtype="float32").dtype == "float32"
+    with pytest.raises(ValueError, match=r"GPTConfig.dtype='bfloat16'.*ParallelConfig\(precision='bf16'\)"):
+        GPTConfig(dtype="bfloat16")

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec
 
 from jaxpar.auto.assign import batch_specs, from_specs, hand_axes, param_specs
 from jaxpar.auto.cost import CostParams, evaluate, op_terms
-from jaxpar.auto.graph import Graph, build_graph
+from jaxpar.auto.graph import Graph, build_graph, compute_dtype
 from jaxpar.auto.strategy import Strategy
 from jaxpar.auto.search import SEARCHES, Problem
 from jaxpar.data import leaf_spec
@@ -75,7 +75,7 @@ def search(model, loss_fn: Callable, batch: Any, config, mesh, *, cost_params: C
     sizes = mesh_sizes(mesh)
     params = cost_params or CostParams()
     algorithm = config.search or "dynamic_programming"
-    graph = graph if graph is not None else build_graph(model, loss_fn, batch)
+    graph = graph if graph is not None else build_graph(model, loss_fn, batch, compute_dtype=compute_dtype(config))
     if isinstance(runs, bool) or not isinstance(runs, (int, float)) or not (math.isfinite(runs) and runs >= 1):
         raise ValueError(f"search: runs={runs!r} must be a number >= 1, the times one step runs the graph of the "
                          f"batch given (1 for a whole step's batch; m for one of m micro-batches)")
@@ -139,7 +139,7 @@ def hand_strategy(model, loss_fn, batch, config, mesh, *, cost_params: CostParam
               graph: Graph | None = None) -> Strategy:
     """The `Strategy` (and predicted cost) of a hand-written config, for comparison."""
     sizes = mesh_sizes(mesh)
-    graph = graph if graph is not None else build_graph(model, loss_fn, batch)
+    graph = graph if graph is not None else build_graph(model, loss_fn, batch, compute_dtype=compute_dtype(config))
     return make_strategy(graph, hand_axes(graph, config, sizes), sizes, cost_params or CostParams(), "hand")
 
 

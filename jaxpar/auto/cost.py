@@ -512,10 +512,23 @@ def analyse(graph: Graph, loops: bool = True, *, fused_attention: bool = False) 
     return Flags(tuple(grad), tuple(t in params for t in range(n)), saved, recomputed, tuple(calls), source, tail)
 
 
+def param_of(graph: Graph) -> dict[int, int]:
+    """Each parameter tensor, and each whole cast of one (a ``convert_element_type`` of the same
+    shape: the step's compute-dtype copy, `build_graph(compute_dtype=...)`), mapped to the
+    parameter."""
+    out = {t: t for _, t in graph.params}
+    for op in graph.ops:
+        if (op.prim == "convert_element_type" and op.ins and op.ins[0] in out and op.outs and op.outs[0] >= 0
+                and graph.tensors[op.outs[0]].shape == graph.tensors[op.ins[0]].shape):
+            out[op.outs[0]] = out[op.ins[0]]
+    return out
+
+
 def scan_slices(graph: Graph) -> list[Op]:
     """The operators by which a scan reads one slice of a parameter per step (``copy`` of a
-    scan's ``xs``): stacked layers' parameters, each read one layer at a time."""
-    params = {t for _, t in graph.params}
+    scan's ``xs``; the parameter or its compute-dtype cast, `param_of`): stacked layers'
+    parameters, each read one layer at a time."""
+    params = param_of(graph)
     return [op for op in graph.ops if op.prim == "copy" and op.get("scan") == "xs" and op.ins[0] in params]
 
 

@@ -171,13 +171,30 @@ class Graph:
 
 # --------------------------------------------------------------------------- tracing
 
-def build_graph(model: nnx.Module, loss_fn: Callable, batch: Any) -> Graph:
-    """Trace ``loss_fn(model, batch)`` (abstractly, nothing runs) into a `Graph`."""
+def compute_dtype(config) -> str | None:
+    """The dtype a step under ``config`` (a ``ParallelConfig``) computes in: its precision's
+    ``compute``, or ``None`` without a precision (the model's own dtypes)."""
+    precision = getattr(config, "precision", None)
+    return None if precision is None else precision.compute
+
+
+def build_graph(model: nnx.Module, loss_fn: Callable, batch: Any, *, compute_dtype: Any = None) -> Graph:
+    """Trace ``loss_fn(model, batch)`` (abstractly, nothing runs) into a `Graph`.
+
+    ``compute_dtype``: the dtype the step computes in (``ParallelConfig.precision``'s ``compute``,
+    `compute_dtype`): floating-point parameters and batch leaves are cast to it inside the
+    loss, as the Trainer's step casts them (`jaxpar.train.step.cast`), so the activations have
+    the dtype they will have in training, while the parameters stay in their stored dtype.
+    ``None``: as the model gives them."""
+    from jaxpar.precision import cast_floats
+
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     abstract = lambda t: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)  # noqa: E731
                                       if not hasattr(x, "dtype") else jax.ShapeDtypeStruct(x.shape, x.dtype), t)
 
     def loss(params, rest, batch):
+        if compute_dtype is not None:
+            params, batch = cast_floats(params, compute_dtype), cast_floats(batch, compute_dtype)
         out = loss_fn(nnx.merge(graphdef, params, rest), batch)
         return out[0] if isinstance(out, tuple) else out
 

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 from jaxpar.auto.context import attention_terms, check_sequence, context_cost, fold
 from jaxpar.auto.cost import evaluate, flags_for
 from jaxpar.auto.experts import experts_cost, moe_layers, pins, tokens_per_device
-from jaxpar.auto.graph import build_graph
+from jaxpar.auto.graph import build_graph, compute_dtype
 from jaxpar.auto.pricing import micro_batch, price
 from jaxpar.auto.search_space import JobSearchSpace
 
@@ -48,7 +48,8 @@ def plain_options(job, abstract, loss_of: Mapping[str, Callable], batch, base, s
                 if rows % k:
                     continue
                 part = micro_batch(batch, k) if k > 1 else batch
-                graph = build_graph(abstract, loss_fn, fold(part, cp) if cp > 1 else part)
+                graph = build_graph(abstract, loss_fn, fold(part, cp) if cp > 1 else part,
+                                    compute_dtype=compute_dtype(base))
                 flags = flags_for(graph, params)
                 meshes = shapes if cp == 1 else [{"data": devices // cp // m, "model": m}
                                                  for m in range(1, devices // cp + 1) if (devices // cp) % m == 0]

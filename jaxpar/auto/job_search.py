@@ -49,7 +49,7 @@ import numpy as np
 from jaxpar.deprecation import RenamedAttribute
 from jaxpar.auto.api import search
 from jaxpar.auto.cost import CostParams, flags_for
-from jaxpar.auto.graph import build_graph
+from jaxpar.auto.graph import build_graph, compute_dtype
 from jaxpar.auto.job_options import needs_constraint, option_config, plain_options, with_constraint
 from jaxpar.auto.pricing import PipelineShape, micro_batch, price_pipeline, stacked_params
 from jaxpar.auto.search_space import JobSearchSpace
@@ -460,11 +460,13 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, space: Jo
             if not fits:
                 continue
             part = micro_batch(batch, m)
-            graph = build_graph(abstract, loss_fn, part)
+            graph = build_graph(abstract, loss_fn, part, compute_dtype=compute_dtype(base))
             flags = flags_for(graph, params)
             stacked = stacked_params(graph, layers)
             paths |= {path for path, t in graph.params if t in stacked}
             h = jax.eval_shape(loss_fn.embed, abstract, part)
+            # what crosses between stages: the embedding's output in the step's compute dtype
+            h_bytes = h.size * (jax.numpy.dtype(compute_dtype(base)).itemsize if compute_dtype(base) else h.dtype.itemsize)
             for inner, layout in [(inner, layout) for inner in mesh_shapes(space.devices // p)
                                   for layout in host_layouts({"pipe": p, **inner}, host_count(space.devices, params))]:
                 if (rows // m) % inner["data"]:
@@ -481,7 +483,7 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, space: Jo
                     for name in fits:
                         v = 2 if name == "interleaved" else 1       # the config's virtual_stages
                         shape = PipelineShape(stages=p, microbatches=m, layers=layers,
-                                              activation_bytes=h.size * h.dtype.itemsize, schedule=name,
+                                              activation_bytes=h_bytes, schedule=name,
                                               virtual_stages=v)
                         t, a, tmp = price_pipeline(graph, axes, inner, placed, shape, zero=z,
                                                    threshold_kb=base.optimizer.threshold_kb, flags=flags)

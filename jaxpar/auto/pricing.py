@@ -54,7 +54,7 @@ import numpy as np
 
 from jaxpar.auto.comm import GRAD, Comm, combined_time, comm_share
 from jaxpar.auto.cost import (Cost, CostParams, evaluate, flags_for, local_bytes, matmul_terms, op_terms,
-                              scan_slices, tensor_axes)
+                              param_of, scan_slices, tensor_axes)
 from jaxpar.auto.graph import Graph
 
 
@@ -81,7 +81,8 @@ def _zero_shardable(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str
     from jaxpar.auto.assign import spec_of
     from jaxpar.optim.zero import zero_spec
 
-    stacked = {op.ins[0] for op in scan_slices(graph)} if per_layer or only_stacked else set()
+    of = param_of(graph)
+    stacked = {of[op.ins[0]] for op in scan_slices(graph)} if per_layer or only_stacked else set()
     total = 0.0
     for _, t in graph.params:
         if only_stacked and t not in stacked:
@@ -223,9 +224,8 @@ def hidden(comm_s: float, compute_s: float) -> float:
 
 def stacked_params(graph: Graph, layers: int) -> set[int]:
     """Parameter tensors a scan over ``layers`` iterations reads slice by slice (the blocks)."""
-    params = {t for _, t in graph.params}
-    return {op.ins[0] for op in graph.ops if op.prim == "copy" and op.get("scan") == "xs"
-            and op.ins[0] in params and graph.tensors[op.ins[0]].shape[:1] == (layers,)}
+    of = param_of(graph)
+    return {of[op.ins[0]] for op in scan_slices(graph) if graph.tensors[op.ins[0]].shape[:1] == (layers,)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,8 +277,9 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     layers, schedule, axis = pipe.layers, pipe.schedule, pipe.axis
     stacked = stacked_params(graph, layers)
     # the blocks: from the scan's first slice of a stacked parameter to the end of its body
+    of = param_of(graph)
     starts = [i for i, op in enumerate(graph.ops) if op.prim == "copy" and op.get("scan") == "xs"
-              and op.ins[0] in stacked]
+              and of.get(op.ins[0]) in stacked]
     if not starts:
         raise ValueError(f"price_pipeline: no lax.scan of the loss reads parameters stacked over layers={layers}; "
                          "the loss must be a jaxpar.pipeline.PipelineLoss whose blocks are stacked on a leading "

@@ -39,7 +39,7 @@ class GPTConfig:
     mlp: int = 256
     layers: int = 2
     scan_layers: bool = False   # stack blocks on a "layers" axis and run them with scan
-    dtype: str = "float32"
+    dtype: str = "float32"      # only "float32": the compute dtype is ParallelConfig.precision's
     dropout: float | None = None  # residual dropout rate; None = no Dropout modules (no RNG state)
     fused_qkv: bool = False     # one [embed, 3 * heads * head_dim] projection for q, k and v
     moe: MoEConfig | None = None  # mixture-of-experts MLPs (jaxpar.nn.MoE) instead of the dense ones
@@ -48,6 +48,11 @@ class GPTConfig:
 
     def __post_init__(self):
         check_loss_chunks("GPTConfig", self.loss_chunks, self.seq_len, "seq_len")
+        if self.dtype != "float32":     # the model computes in its parameters' dtype
+            raise ValueError(f"GPTConfig.dtype={self.dtype!r}: the example GPT computes in its parameters' dtype "
+                             "(float32) and has no compute dtype of its own; train it in bf16 with "
+                             "ParallelConfig(precision='bf16') (fp32 master weights, bf16 compute) and leave "
+                             "GPTConfig.dtype at 'float32'")
 
     @property
     def head_dim(self) -> int:
