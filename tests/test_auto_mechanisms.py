@@ -256,6 +256,15 @@ def test_a_config_computing_in_bf16_is_priced_as_the_step_runs_it():
     # the search reads the precision from its config
     assert searched["bf16"]["temp_bytes"] < 0.7 * searched["fp32"]["temp_bytes"]
     assert searched["bf16"]["argument_bytes"] == searched["fp32"]["argument_bytes"]
+    # data parallel: the gradients are reduced in fp32 under "bf16" (the fp32 master weights'),
+    # so the gradient collectives move the same bytes as fp32's (the compiled step's all-reduces are f32)
+    two = {"data": 2}
+    grads = {}
+    for precision in ("fp32", "bf16"):
+        config = jaxpar.ParallelConfig(mesh=two, rules={"batch": "data"}, precision=precision)
+        graph = build_graph(model, loss_fn, batch, compute_dtype=compute_dtype(config))
+        grads[precision] = evaluate(graph, hand_axes(graph, config, two), two, CostParams()).grad_comm_bytes
+    assert grads["bf16"] == grads["fp32"] > 0
 
 
 def test_a_pipeline_priced_in_bf16_finds_its_stacked_blocks_through_the_cast():

@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxpar.auto.cost import Cost, CostParams, local_bytes, op_terms
+from jaxpar.auto.cost import Cost, CostParams, local_bytes, op_terms, param_of
 from jaxpar.auto.graph import Graph
 
 STRATEGIES = ("ring", "ulysses", "all_gather")
@@ -104,7 +104,7 @@ def attention_terms(graph: Graph, axes, sizes: Mapping[str, int], flags, seq: in
     def two_seq(t):
         return t >= 0 and graph.tensors[t].classes.count(seq_class) >= 2
 
-    params = {t for _, t in graph.params}
+    params = param_of(graph)      # the parameters and their compute-dtype casts
     flops = saved = 0.0
     layers, shape = 0, None
     for op in graph.ops:

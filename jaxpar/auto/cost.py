@@ -371,8 +371,11 @@ def op_terms(graph: Graph, op: Op, axes, sizes: Mapping[str, int], flags: "Flags
         if t >= 0 and flags.grad[t]:
             missing = tuple(sorted(all_axes - per[t], key=list(sizes).index))
             if missing:   # the gradient of a parameter (or of a value of parameters alone) waits
-                comms.append(Comm(kind, missing, local_bytes(graph, t, axes, sizes),   # for the others
-                                  GRAD if source[t] >= 0 else SERIAL, 1, t))
+                nbytes = local_bytes(graph, t, axes, sizes)   # for the others
+                if source[t] >= 0 and source[t] != t:   # a cast / view of a parameter: its gradient is
+                    # reduced in the parameter's dtype (the step's fp32 master weights under "bf16")
+                    nbytes *= max(1.0, graph.tensors[source[t]].itemsize / graph.tensors[t].itemsize)
+                comms.append(Comm(kind, missing, nbytes, GRAD if source[t] >= 0 else SERIAL, 1, t))
     calls = flags.calls or (1,) * len(graph.tensors)
     act = sum(local_bytes(graph, t, axes, sizes) * max(1, calls[t] // max(op.repeat, 1))
               for t in op.outs if flags.saved[t])

@@ -184,8 +184,10 @@ def build_graph(model: nnx.Module, loss_fn: Callable, batch: Any, *, compute_dty
     ``compute_dtype``: the dtype the step computes in (``ParallelConfig.precision``'s ``compute``,
     `compute_dtype`): floating-point parameters and batch leaves are cast to it inside the
     loss, as the Trainer's step casts them (`jaxpar.train.step.cast`), so the activations have
-    the dtype they will have in training, while the parameters stay in their stored dtype.
-    ``None``: as the model gives them."""
+    the dtype they will have in training, while the parameters keep the model's dtype (their
+    gradients are priced in it: the ``"bf16"`` preset reduces in fp32). The precision's other
+    fields are not modelled (``params="bfloat16"`` storage, fp8 matmuls). ``None``: as the
+    model gives them."""
     from jaxpar.precision import cast_floats
 
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -196,7 +198,8 @@ def build_graph(model: nnx.Module, loss_fn: Callable, batch: Any, *, compute_dty
         if compute_dtype is not None:
             params, batch = cast_floats(params, compute_dtype), cast_floats(batch, compute_dtype)
         out = loss_fn(nnx.merge(graphdef, params, rest), batch)
-        return out[0] if isinstance(out, tuple) else out
+        out = out[0] if isinstance(out, tuple) else out
+        return out.astype(np.float32) if compute_dtype is not None else out    # as the step returns it
 
     closed = jax.make_jaxpr(loss)(abstract(params), abstract(rest), abstract(batch))
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731

@@ -465,8 +465,8 @@ def _pipeline_options(options, stages, abstract, loss_fn, batch, base, space: Jo
             stacked = stacked_params(graph, layers)
             paths |= {path for path, t in graph.params if t in stacked}
             h = jax.eval_shape(loss_fn.embed, abstract, part)
-            # what crosses between stages: the embedding's output in the step's compute dtype
-            h_bytes = h.size * (jax.numpy.dtype(compute_dtype(base)).itemsize if compute_dtype(base) else h.dtype.itemsize)
+            # what crosses between stages: the embedding's output, at most the step's compute dtype wide
+            h_bytes = h.size * min(h.dtype.itemsize, jax.numpy.dtype(compute_dtype(base) or h.dtype).itemsize)
             for inner, layout in [(inner, layout) for inner in mesh_shapes(space.devices // p)
                                   for layout in host_layouts({"pipe": p, **inner}, host_count(space.devices, params))]:
                 if (rows // m) % inner["data"]:
