@@ -249,7 +249,7 @@ PRECISION = "bf16"
 
 def compute(run: dict) -> str | None:
     """The compute dtype the graph of ``run`` is traced with (`build_graph`'s ``compute_dtype``)."""
-    return jaxpar.ParallelConfig(precision=PRECISION).precision.compute if run["model"] == "gpt" else None
+    return jaxpar.Precision.named(PRECISION).compute if run["model"] == "gpt" else None
 SEQUENCE_PARALLEL = [True]     # --no-sequence-parallel: the Megatron TP rows priced without it
 HARDWARE: dict[str, dict] = {}
 

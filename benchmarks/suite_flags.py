@@ -26,11 +26,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+import suite_xla  # noqa: E402  the suite's own flags (tests/suite_xla.py)
 SETS = {
     "-O0 (LLVM only)": "--xla_backend_optimization_level=0",
     "-O0, classic loop emitters": "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false",
-    "-O0, classic loop emitters, one LLVM module (the suite's)": "--xla_backend_optimization_level=0 "
-    "--xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1",
+    "-O0, classic loop emitters, one LLVM module (the suite's)": suite_xla.xla_flags(),
     "default": "",
 }
 

@@ -54,7 +54,7 @@ import numpy as np
 
 from jaxpar.auto.comm import GRAD, Comm, combined_time, comm_share
 from jaxpar.auto.cost import (Cost, CostParams, evaluate, flags_for, local_bytes, matmul_terms, op_terms,
-                              param_of, scan_slices, tensor_axes)
+                              param_of, stacked_slices, tensor_axes)
 from jaxpar.auto.graph import Graph
 
 
@@ -75,14 +75,16 @@ def _zero_shardable(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str
     ``per_layer``: what ZeRO 3 holds gathered at once instead, a scan's stacked parameters
     counting one layer's (`jaxpar.train.step.gather_by_layer` gathers them one at a time,
     unless only their layers axis could be split); ``only_stacked``: the scan's stacked
-    parameters alone."""
+    parameters alone. ``per_layer`` counts what the passes gather, a parameter's compute-dtype
+    cast where the loss reads one (``build_graph(compute_dtype=...)``), at the cast's bytes."""
     from jax.sharding import PartitionSpec
 
     from jaxpar.auto.assign import spec_of
     from jaxpar.optim.zero import zero_spec
 
-    of = param_of(graph)
-    stacked = {of[op.ins[0]] for op in scan_slices(graph)} if per_layer or only_stacked else set()
+    read = {} if not per_layer else \
+        {p: v for v, p in param_of(graph).items() if graph.tensors[v].itemsize < graph.tensors[p].itemsize}
+    stacked = {p for _, p in stacked_slices(graph)} if per_layer or only_stacked else set()
     total = 0.0
     for _, t in graph.params:
         if only_stacked and t not in stacked:
@@ -93,7 +95,7 @@ def _zero_shardable(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str
                         0 if t in stacked else -1)
         if out is not None and out != spec and zero_axis not in (tensor_axes(graph, t, axes) or ()):
             layers = tensor.shape[0] if per_layer and t in stacked and tuple(out)[:1] in ((), (None,)) else 1
-            total += local_bytes(graph, t, axes, sizes) * (scale or {}).get(t, 1.0) / layers
+            total += local_bytes(graph, read.get(t, t), axes, sizes) * (scale or {}).get(t, 1.0) / layers
     return total
 
 
@@ -198,7 +200,7 @@ def blocks_recomputed(graph: Graph) -> bool:
     slice. ZeRO 3's gathered layer is then redone in the backward pass, one layer at a time;
     otherwise the scan keeps every layer's gathered parameters for its backward (its
     residuals), the whole model at once."""
-    slices = {t for op in scan_slices(graph) for t in op.outs}
+    slices = {t for op, _ in stacked_slices(graph) for t in op.outs}
     read = {t for op in graph.ops if op.region >= 0 and graph.regions[op.region].repeat > 1
             for t in op.ins if t in slices}
     return bool(slices) and read == slices
@@ -224,8 +226,7 @@ def hidden(comm_s: float, compute_s: float) -> float:
 
 def stacked_params(graph: Graph, layers: int) -> set[int]:
     """Parameter tensors a scan over ``layers`` iterations reads slice by slice (the blocks)."""
-    of = param_of(graph)
-    return {of[op.ins[0]] for op in scan_slices(graph) if graph.tensors[op.ins[0]].shape[:1] == (layers,)}
+    return {p for op, p in stacked_slices(graph) if graph.tensors[op.ins[0]].shape[:1] == (layers,)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,11 +276,11 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     flags = flags_for(graph, params) if flags is None else flags
     p, m, v = pipe.stages, pipe.microbatches, pipe.virtual_stages
     layers, schedule, axis = pipe.layers, pipe.schedule, pipe.axis
-    stacked = stacked_params(graph, layers)
     # the blocks: from the scan's first slice of a stacked parameter to the end of its body
-    of = param_of(graph)
-    starts = [i for i, op in enumerate(graph.ops) if op.prim == "copy" and op.get("scan") == "xs"
-              and of.get(op.ins[0]) in stacked]
+    position = {id(op): i for i, op in enumerate(graph.ops)}
+    slices = [(op, p) for op, p in stacked_slices(graph) if graph.tensors[op.ins[0]].shape[:1] == (layers,)]
+    stacked = {p for _, p in slices}
+    starts = sorted(position[id(op)] for op, _ in slices)
     if not starts:
         raise ValueError(f"price_pipeline: no lax.scan of the loss reads parameters stacked over layers={layers}; "
                          "the loss must be a jaxpar.pipeline.PipelineLoss whose blocks are stacked on a leading "
