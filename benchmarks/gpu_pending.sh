@@ -12,11 +12,13 @@
 #    by this script on an H200 and removed for not paying, has no case any more: the evidence is
 #    benchmarks/results/gpu_nvidia_h200.json and gpu_nvidia_h200_part2.json);
 # 2. the fp8 preset against bf16 on the 1b shape: tokens/s and the loss after 300 steps;
-# 3. the 1b bf16 step with 8 loss chunks: peak memory, ms and the top device ops of a profile.
+# 3. the 1b bf16 step with 8 loss chunks: peak memory, ms and the top device ops of a profile;
+# 4. for issue #40's planner check: GEMM and fused-attention rates by shape (the Llama-1B
+#    profile's against Megatron's small runs' micro-batches; gpu_probe.py's "shapes" section).
 set -u
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
-total=${TOTAL_S:-530}
+total=${TOTAL_S:-575}
 step() {   # step LIMIT_S SCRIPT ARGS...: one measurement under min(LIMIT_S, the time left); go on either way
     local left=$((total - SECONDS)) limit=$1
     shift
@@ -30,3 +32,4 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 step 320 benchmarks/gpu.py --rounds 6 --budget-s 250 --out "$out/gpu_pending.json"
 step 140 benchmarks/fp8.py --steps 300 --batch 4 --out "$out/fp8.json"
 step 70 benchmarks/gpu_probe.py --only 1b --loss-chunks 8 --out "$out/probe_bf16.json"
+step 45 benchmarks/gpu_probe.py --only shapes --out "$out/probe_shapes.json"

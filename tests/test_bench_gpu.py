@@ -91,7 +91,8 @@ def test_the_pending_gpu_script_names_cases_and_flags_that_exist():
     gpu, probe_text = load("gpu"), open(os.path.join(ROOT, "benchmarks", "gpu_probe.py")).read()
     script = open(os.path.join(ROOT, "benchmarks", "gpu_pending.sh")).read().replace("\\\n", " ")
     calls = [shlex.split(line.split("step ", 1)[1]) for line in script.splitlines() if line.startswith("step ")]
-    assert [c[1] for c in calls] == ["benchmarks/gpu.py", "benchmarks/fp8.py", "benchmarks/gpu_probe.py"]
+    assert [c[1] for c in calls] == ["benchmarks/gpu.py", "benchmarks/fp8.py", "benchmarks/gpu_probe.py",
+                                     "benchmarks/gpu_probe.py"]
     args = gpu.parse_args(calls[0][2:])
     names = {c.name for c in gpu.cases("gpu")}
     assert set(args.cases or ()) <= names, set(args.cases) - names
@@ -99,6 +100,8 @@ def test_the_pending_gpu_script_names_cases_and_flags_that_exist():
     assert load("fp8").parse_args(calls[1][2:]).steps == 300
     for flag in (a for call in calls[2:] for a in call[2:] if a.startswith("--")):
         assert f'"{flag}"' in probe_text, flag
+    for call in calls[2:]:      # the probe's sections it asks for by name
+        assert f'"{call[call.index("--only") + 1]}": ' in probe_text, call
 
 
 def test_every_example_config_runs_on_any_device_count():
