@@ -12,8 +12,9 @@ Sections (each guarded: one failing prints its error and the rest run):
 - shapes (``--only shapes``): the rates the cost model's GPU calibration assumes one of for every
   shape (benchmarks/published.py ``gpu_calibration``), measured by shape: one transformer
   layer's bf16 GEMMs forward and backward (QKV, output, MLP up and down) at the Llama-1B
-  profile's 16,384 tokens and at Megatron's small runs' 4,096-token micro-batch (1.7B: h 2048;
-  7.1B under TP 2: h 4096, the heads and MLP halved), and the fused causal attention kernel
+  profile's 16,384 tokens (its GQA and SwiGLU widths) and at Megatron's small runs' 4,096-token
+  micro-batch in the GPT they are priced with (1.7B: h 2048; 7.1B under TP 2: h 4096, the heads
+  and MLP halved), and the fused causal attention kernel
   (``jax.nn.dot_product_attention``, cuDNN) forward and backward at both, its FLOPs counted as
   the cost model counts them (full ``S²``, 3x the forward); a CPU runs it 16x smaller;
 - a Llama-1B step through jaxpar.Trainer (batch 8 x 2048, ``--precision`` (bf16), adamw, ``--loss-chunks``): ms,
@@ -199,46 +200,62 @@ def head_ce():
 
 
 @section("shapes")
-def shapes():
-    """GEMM and fused-attention rates by shape (module docstring)."""
+def shapes(out_path=None):
+    """GEMM and fused-attention rates by shape (module docstring). Each case is written to
+    ``out_path`` as it ends, so a run cut short keeps the cases it measured."""
     gpu = jax.default_backend() == "gpu"
     cut = 1 if gpu else 16
-    # (name, tokens, hidden, heads x head dim, MLP width, attention (batch, seq, heads, head dim))
-    cases = [("llama 1b profile", 16384, 2048, 2048, 8192, (8, 2048, 32, 64)),
-             ("megatron 1.7b micro-batch", 4096, 2048, 2048, 8192, (1, 4096, 16, 128)),
-             ("megatron 7.1b tp2 micro-batch", 4096, 4096, 2048, 8192, (1, 4096, 16, 128))]
+    # (name, tokens, the layer's GEMMs {name: (K, N)}, attention (batch, seq, heads, head dim)):
+    # the Llama-1B profile's layer (32 query heads, 8 K/V heads of 64; SwiGLU 8192) and the
+    # GPT's the Megatron rows are priced with (fused QKV; GELU MLP 4h), 7.1B's halved by TP 2
+    cases = [("megatron 1.7b micro-batch", 4096,
+              {"qkv": (2048, 3 * 2048), "out": (2048, 2048), "mlp up": (2048, 8192), "mlp down": (8192, 2048)},
+              (1, 4096, 16, 128)),
+             ("megatron 7.1b tp2 micro-batch", 4096,
+              {"qkv": (4096, 3 * 2048), "out": (2048, 4096), "mlp up": (4096, 8192), "mlp down": (8192, 4096)},
+              (1, 4096, 16, 128)),
+             ("llama 1b profile", 16384,
+              {"qkv": (2048, 2048 + 2 * 512), "out": (2048, 2048), "mlp up": (2048, 2 * 8192),
+               "mlp down": (8192, 2048)},
+              (8, 2048, 32, 64))]
     out = {"backend": jax.default_backend(), "scale": 1 / cut}
-    for name, t, h, a, f, (b, seq, nh, d) in cases:
-        t, h, a, f, seq = t // cut, h // cut, a // cut, f // cut, seq // (cut // 4 or 1)
-        row = {}
-        key = iter(jax.random.split(jax.random.key(7), 16))
-        x = jax.random.normal(next(key), (t, h), jnp.bfloat16)
-        gemms = {"qkv": (h, 3 * a), "out": (a, h), "mlp up": (h, 2 * f), "mlp down": (f, h)}
-        total_fl = total_s = 0.0
-        for g, (k, n) in gemms.items():
-            lhs = x if k == h else jax.random.normal(next(key), (t, k), jnp.bfloat16)
-            w = jax.random.normal(next(key), (k, n), jnp.bfloat16) * 0.02
-            dy = jax.random.normal(next(key), (t, n), jnp.bfloat16)
-            fwd_bwd = jax.jit(lambda p, q, c: jax.vjp(lambda u, v: u @ v, p, q)[1](c))   # dx, dw only
-            sec = timeit(jax.jit(lambda p, q: p @ q), lhs, w) + timeit(fwd_bwd, lhs, w, dy)
-            fl = 3 * 2 * t * k * n
-            row[g] = {"shape": [t, k, n], "ms": sec * 1e3, "tflops": fl / sec / 1e12}
-            total_fl, total_s = total_fl + fl, total_s + sec
-        row["gemms"] = {"tflops": total_fl / total_s / 1e12, "ms": total_s * 1e3}
-        nh = max(1, nh // cut) if not gpu else nh
-        q, kk, v = (jax.random.normal(next(key), (b, seq, nh, d), jnp.bfloat16) for _ in range(3))
-        impl = "cudnn" if gpu else None
+    for name, t, gemms, (b, seq, nh, d) in cases:
+        t, seq, nh = t // cut, seq // (cut // 4 or 1), nh // (cut // 4 or 1) or 1
+        try:
+            row = {}
+            key = iter(jax.random.split(jax.random.key(7), 4 * len(gemms) + 4))
+            total_fl = total_s = 0.0
+            for g, (k, n) in gemms.items():
+                k, n = k // cut, n // cut
+                x = jax.random.normal(next(key), (t, k), jnp.bfloat16)
+                w = jax.random.normal(next(key), (k, n), jnp.bfloat16) * 0.02
+                dy = jax.random.normal(next(key), (t, n), jnp.bfloat16)
+                # the pullback of a product needs neither its output nor runs it: dx and dw only
+                fwd_bwd = jax.jit(lambda p, q, c: jax.vjp(lambda u, v: u @ v, p, q)[1](c))
+                sec = timeit(jax.jit(lambda p, q: p @ q), x, w) + timeit(fwd_bwd, x, w, dy)
+                fl = 3 * 2 * t * k * n
+                row[g] = {"shape": [t, k, n], "ms": sec * 1e3, "tflops": fl / sec / 1e12}
+                total_fl, total_s = total_fl + fl, total_s + sec
+            row["gemms"] = {"tflops": total_fl / total_s / 1e12, "ms": total_s * 1e3}
+            q, kk, v, do = (jax.random.normal(next(key), (b, seq, nh, d), jnp.bfloat16) for _ in range(4))
+            impl = "cudnn" if gpu else None
 
-        def attn(q, k, v):
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-        do = jax.random.normal(next(key), (b, seq, nh, d), jnp.bfloat16)
-        fwd_bwd = jax.jit(lambda q, k, v, c: jax.vjp(attn, q, k, v)[1](c))
-        sec = timeit(fwd_bwd, q, kk, v, do)         # the backward needs the forward's output: both run
-        fl = 3 * 4 * b * seq * seq * nh * d        # as the cost model counts: full S^2, 3x the forward
-        row["attention"] = {"shape": [b, seq, nh, d], "ms": sec * 1e3, "tflops_as_counted": fl / sec / 1e12}
+            def attn(q, k, v):
+                return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+            fwd_bwd = jax.jit(lambda q, k, v, c: jax.vjp(attn, q, k, v)[1](c))
+            sec = timeit(fwd_bwd, q, kk, v, do)         # the backward needs the forward's output: both run
+            fl = 3 * 4 * b * seq * seq * nh * d        # as the cost model counts: full S^2, 3x the forward
+            row["attention"] = {"shape": [b, seq, nh, d], "ms": sec * 1e3, "tflops_as_counted": fl / sec / 1e12}
+            print(f"   {name:32s} GEMMs {row['gemms']['tflops']:7.1f} TFLOP/s   attention "
+                  f"{row['attention']['tflops_as_counted']:7.1f} TFLOP/s (full S^2 counted)", flush=True)
+        except Exception as e:  # a probe: report and go on
+            traceback.print_exc()
+            row = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
         out[name] = row
-        print(f"   {name:32s} GEMMs {row['gemms']['tflops']:7.1f} TFLOP/s   attention "
-              f"{row['attention']['tflops_as_counted']:7.1f} TFLOP/s (full S^2 counted)", flush=True)
+        if out_path:
+            RESULTS["shapes"] = out
+            with open(out_path, "w") as fh:
+                json.dump(RESULTS, fh, indent=1, default=str)
     return out
 
 
@@ -321,7 +338,7 @@ def main():
     a = p.parse_args()
     RESULTS["devices"] = [str(d) for d in jax.devices()]
     RESULTS["jax"] = jax.__version__
-    todo = {"grouped": grouped, "fp8": fp8, "ce": head_ce, "shapes": shapes,
+    todo = {"grouped": grouped, "fp8": fp8, "ce": head_ce, "shapes": lambda: shapes(a.out),
             "1b": lambda: step_1b("/tmp/jaxpar_trace", a.loss_chunks, a.precision)}
     for k, f in todo.items():
         if not a.only or k in a.only:

@@ -169,8 +169,10 @@ def test_a_parameter_read_through_its_cast_keeps_its_gradient_through_the_backwa
     as `jaxpar.train.step.cast` runs the step), so a parameter's own last reader is the cast at
     the loss's top; its gradient still exists from the cast's last reader (in the layer scan) on.
     Checked where XLA:CPU computes in the cast's dtype natively: f64 parameters cast to f32,
-    against ``memory_analysis`` of the compiled value-and-grad (within 10 %; before, that
-    gradient was priced only from the cast's backward: 12 % under, less than the f32 model's)."""
+    against ``memory_analysis`` of a compiled SGD step (the gradients consumed inside the program,
+    as the Trainer's update consumes them, so they are temp buffers, not outputs; the parameters
+    donated): within 10 % (4.5 % under; before, that gradient was priced only from the cast's
+    backward: 21 % under, less than the f32 model's)."""
     import jax
     import jax.numpy as jnp
 
@@ -193,7 +195,11 @@ def test_a_parameter_read_through_its_cast_keeps_its_gradient_through_the_backwa
                                 compute_dtype=None if stored == jnp.float32 else "float32")
             axes = [()] * graph.num_classes
             priced[stored] = evaluate(graph, axes, {}, COSTS, flags=flags_for(graph, COSTS)).temp_bytes
-            compiled[stored] = memory(jax.jit(jax.value_and_grad(cast_loss)).lower(params, batch).compile()).temp_bytes
+            def sgd(p, b):
+                value, g = jax.value_and_grad(cast_loss)(p, b)
+                return value, jax.tree.map(lambda x, d: x - 1e-3 * d, p, g)
+
+            compiled[stored] = memory(jax.jit(sgd, donate_argnums=0).lower(params, batch).compile()).temp_bytes
     wide = jnp.float64
     assert abs(priced[wide] - compiled[wide]) <= 0.10 * compiled[wide], (priced, compiled)
     assert priced[wide] > priced[jnp.float32] and compiled[wide] > compiled[jnp.float32], (priced, compiled)

@@ -101,6 +101,7 @@ def test_the_pending_gpu_script_names_cases_and_flags_that_exist():
     for flag in (a for call in calls[2:] for a in call[2:] if a.startswith("--")):
         assert f'"{flag}"' in probe_text, flag
     for call in calls[2:]:      # the probe's sections it asks for by name
+        assert "--only" in call, call
         assert f'"{call[call.index("--only") + 1]}": ' in probe_text, call
 
 

@@ -82,9 +82,14 @@ def _zero_shardable(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str
     from jaxpar.auto.assign import spec_of
     from jaxpar.optim.zero import zero_spec
 
-    read = {} if not per_layer else \
-        {p: v for v, p in param_of(graph).items() if graph.tensors[v].itemsize < graph.tensors[p].itemsize}
-    stacked = {p for _, p in stacked_slices(graph)} if per_layer or only_stacked else set()
+    slices = stacked_slices(graph) if per_layer or only_stacked else []
+    stacked = {p for _, p in slices}
+    read: dict[int, int] = {}       # per_layer: parameter -> the tensor the passes gather
+    if per_layer:
+        for v, p in param_of(graph).items():    # the narrowest cast, for parameters outside the scan
+            if graph.tensors[v].itemsize < graph.tensors[read.get(p, p)].itemsize:
+                read[p] = v
+        read.update({p: op.ins[0] for op, p in slices})     # a stacked one: what the scan slices
     total = 0.0
     for _, t in graph.params:
         if only_stacked and t not in stacked:
@@ -278,8 +283,8 @@ def price_pipeline(graph: Graph, axes, sizes: Mapping[str, int], params: CostPar
     layers, schedule, axis = pipe.layers, pipe.schedule, pipe.axis
     # the blocks: from the scan's first slice of a stacked parameter to the end of its body
     position = {id(op): i for i, op in enumerate(graph.ops)}
-    slices = [(op, p) for op, p in stacked_slices(graph) if graph.tensors[op.ins[0]].shape[:1] == (layers,)]
-    stacked = {p for _, p in slices}
+    slices = [(op, q) for op, q in stacked_slices(graph) if graph.tensors[op.ins[0]].shape[:1] == (layers,)]
+    stacked = {q for _, q in slices}
     starts = sorted(position[id(op)] for op, _ in slices)
     if not starts:
         raise ValueError(f"price_pipeline: no lax.scan of the loss reads parameters stacked over layers={layers}; "
