@@ -203,3 +203,41 @@ def test_a_parameter_read_through_its_cast_keeps_its_gradient_through_the_backwa
     wide = jnp.float64
     assert abs(priced[wide] - compiled[wide]) <= 0.10 * compiled[wide], (priced, compiled)
     assert priced[wide] > priced[jnp.float32] and compiled[wide] > compiled[jnp.float32], (priced, compiled)
+
+
+def test_zero3_gathers_of_a_bf16_step_are_priced_in_the_dtype_the_partitioned_step_moves():
+    """Under ``precision="bf16"`` ZeRO 3's all-gathers of the scanned layers move their bf16
+    casts (`jaxpar.train.step.gather_by_layer` pins the cast slices), those of the other
+    parameters (embeddings, final norm) their fp32 shards: XLA's program right after SPMD
+    partitioning (tests/workers/zero3_gathers.py; XLA:CPU later computes bf16 in f32 and rewrites
+    them). The pricing's gathered bytes (`_zero_shardable(gathered=True)`, the all-gather's
+    time and, without recompute, the bytes held) follow the same rule."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from jaxpar.auto.assign import hand_axes
+    from jaxpar.auto.cost import local_bytes, stacked_slices
+    from jaxpar.auto.pricing import _zero_shardable
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    with tempfile.TemporaryDirectory() as dump:
+        run = subprocess.run([sys.executable, os.path.join(here, "workers", "zero3_gathers.py"), dump],
+                             capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    compiled = {(g["dtype"], tuple(g["shape"])) for g in
+                (json.loads(line) for line in run.stdout.splitlines() if line.startswith("{"))}
+    batch = batches(1, batch=64)[0]
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", precision="bf16")
+    graph = build_graph(GPT(SCANNED, rngs=nnx.Rngs(0)), loss_fn, batch, compute_dtype="bfloat16")
+    sliced = {p: op.ins[0] for op, p in stacked_slices(graph)}
+    names = {2: "bf16", 4: "f32"}
+    expected = {(names[graph.tensors[sliced.get(t, t)].itemsize],
+                 graph.tensors[t].shape[1:] if t in sliced else graph.tensors[t].shape) for _, t in graph.params}
+    assert compiled == expected, (compiled, expected)
+    axes = hand_axes(graph, config, {"data": 8})
+    whole = sum(local_bytes(graph, sliced.get(t, t), axes, {"data": 8}) for _, t in graph.params)
+    assert _zero_shardable(graph, axes, {"data": 8}, "data", 0, gathered=True) == whole
+    assert whole < 0.6 * _zero_shardable(graph, axes, {"data": 8}, "data", 0)    # the layers are most of it

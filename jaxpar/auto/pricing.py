@@ -69,27 +69,26 @@ def micro_batch(batch: Any, k: int) -> Any:
 
 def _zero_shardable(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str, threshold_kb: float,
                     scale: Mapping[int, float] | None = None, *, per_layer: bool = False,
-                    only_stacked: bool = False) -> float:
+                    only_stacked: bool = False, gathered: bool = False) -> float:
     """Per-device bytes of the parameters ZeRO shards over ``zero_axis`` (``scale``: per
     parameter tensor, the share a device holds, e.g. ``1/p`` for a pipeline stage's blocks).
     ``per_layer``: what ZeRO 3 holds gathered at once instead, a scan's stacked parameters
     counting one layer's (`jaxpar.train.step.gather_by_layer` gathers them one at a time,
     unless only their layers axis could be split); ``only_stacked``: the scan's stacked
-    parameters alone. ``per_layer`` counts what the passes gather, a parameter's compute-dtype
+    parameters alone. ``gathered`` (and ``per_layer``) count what ZeRO 3's all-gathers move and
+    the passes hold: a stacked parameter's slices as the scan reads them, its compute-dtype
     cast where the loss reads one (``build_graph(compute_dtype=...)``), at the cast's bytes."""
     from jax.sharding import PartitionSpec
 
     from jaxpar.auto.assign import spec_of
     from jaxpar.optim.zero import zero_spec
 
-    slices = stacked_slices(graph) if per_layer or only_stacked else []
-    stacked = {p for _, p in slices}
-    read: dict[int, int] = {}       # per_layer: parameter -> the tensor the passes gather
-    if per_layer:
-        for v, p in param_of(graph).items():    # the narrowest cast, for parameters outside the scan
-            if graph.tensors[v].itemsize < graph.tensors[read.get(p, p)].itemsize:
-                read[p] = v
-        read.update({p: op.ins[0] for op, p in slices})     # a stacked one: what the scan slices
+    slices = stacked_slices(graph) if per_layer or only_stacked or gathered else []
+    stacked = {p for _, p in slices} if per_layer or only_stacked else set()
+    # a stacked parameter is gathered as the scan slices it (its cast; `gather_by_layer` pins
+    # the slices), the others in their stored dtype (the partitioned step gathers them before
+    # the cast: XLA:CPU's program after SPMD partitioning, a bf16 GPT under ZeRO 3)
+    read = {p: op.ins[0] for op, p in slices} if per_layer or gathered else {}
     total = 0.0
     for _, t in graph.params:
         if only_stacked and t not in stacked:
@@ -132,8 +131,11 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
     batch = sum(local_bytes(graph, t, axes, sizes) for _, t in graph.batch)
     shardable = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb) if zero and d > 1 else 0.0
     recomputed = zero >= 2 and d > 1 and blocks_recomputed(graph)     # read below at ZeRO >= 2 only
+    # ZeRO 3's all-gathers: of every shardable parameter, in the compute dtype (the cast's bytes)
+    moved = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, gathered=True) \
+        if zero >= 3 and d > 1 else 0.0
     at_once = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, per_layer=True) \
-        if zero >= 3 and d > 1 and recomputed else None
+        if zero >= 3 and d > 1 and recomputed else moved
     args_saved, gathered, saved = _zero_terms(zero, shardable, d, params, at_once)
     # a scan's stacked gradients are a loop carry: where it is sharded as the update reads it,
     # XLA reduce-scatters each layer's gradient as the backward pass makes it and the passes
@@ -161,7 +163,7 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
         temp = max(during, add, end)
     grad_s, after_s = zero_collectives(graph, axes, sizes, params, cost.grad_comm_s, cost.temp_parts[1], shardable,
                                        zero=zero, zero_axis=zero_axis, gather_itemsize=params.gather_itemsize)
-    gather_s = params.collective_time("all-gather", (zero_axis,), shardable, sizes) if zero >= 3 and shardable else 0.0
+    gather_s = params.collective_time("all-gather", (zero_axis,), moved, sizes) if zero >= 3 and moved else 0.0
     if params.overlap:      # behind compute: the gradients behind the last backward, gathers behind a pass
         grad_s = hidden(grad_s, 2 / 3 * cost.compute_s)
         gather_s = hidden(gather_s, cost.compute_s / 3)
