@@ -195,6 +195,7 @@ def test_a_parameter_read_through_its_cast_keeps_its_gradient_through_the_backwa
                                 compute_dtype=None if stored == jnp.float32 else "float32")
             axes = [()] * graph.num_classes
             priced[stored] = evaluate(graph, axes, {}, COSTS, flags=flags_for(graph, COSTS)).temp_bytes
+
             def sgd(p, b):
                 value, g = jax.value_and_grad(cast_loss)(p, b)
                 return value, jax.tree.map(lambda x, d: x - 1e-3 * d, p, g)

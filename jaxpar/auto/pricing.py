@@ -54,7 +54,7 @@ import numpy as np
 
 from jaxpar.auto.comm import GRAD, Comm, combined_time, comm_share
 from jaxpar.auto.cost import (Cost, CostParams, evaluate, flags_for, local_bytes, matmul_terms, op_terms,
-                              param_of, stacked_slices, tensor_axes)
+                              stacked_slices, tensor_axes)
 from jaxpar.auto.graph import Graph
 
 
@@ -131,7 +131,8 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
     batch = sum(local_bytes(graph, t, axes, sizes) for _, t in graph.batch)
     shardable = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb) if zero and d > 1 else 0.0
     recomputed = zero >= 2 and d > 1 and blocks_recomputed(graph)     # read below at ZeRO >= 2 only
-    # ZeRO 3's all-gathers: of every shardable parameter, in the compute dtype (the cast's bytes)
+    # ZeRO 3's all-gathers of every shardable parameter: the scanned layers' in the compute
+    # dtype (as the scan slices their casts), the others in their stored dtype
     moved = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, gathered=True) \
         if zero >= 3 and d > 1 else 0.0
     at_once = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, per_layer=True) \
