@@ -1,5 +1,7 @@
 """The cost model against compiled programs, and plans trained against one device."""
 
+import math
+
 import optax
 import pytest
 from flax import nnx
@@ -206,13 +208,18 @@ def test_a_parameter_read_through_its_cast_keeps_its_gradient_through_the_backwa
     assert priced[wide] > priced[jnp.float32] and compiled[wide] > compiled[jnp.float32], (priced, compiled)
 
 
-def test_zero3_gathers_of_a_bf16_step_are_priced_in_the_dtype_the_partitioned_step_moves():
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_zero3_gathers_of_a_bf16_step_are_priced_as_the_partitioned_step_moves_them(remat):
     """Under ``precision="bf16"`` ZeRO 3's all-gathers of the scanned layers move their bf16
     casts (`jaxpar.train.step.gather_by_layer` pins the cast slices), those of the other
-    parameters (embeddings, final norm) their fp32 shards: XLA's program right after SPMD
-    partitioning (tests/workers/zero3_gathers.py; XLA:CPU later computes bf16 in f32 and rewrites
-    them). The pricing's gathered bytes (`_zero_shardable(gathered=True)`, the all-gather's
-    time and, without recompute, the bytes held) follow the same rule."""
+    parameters (embeddings, final norm) their fp32 shards; each parameter is gathered once a
+    step, and the layers a recompute region redoes once more for the backward (XLA keeps the
+    forward's gathered values otherwise): XLA's program right after SPMD partitioning
+    (tests/workers/zero3_gathers.py; XLA:CPU later computes bf16 in f32 and rewrites them). The
+    pricing follows the same rule (`_zero_bytes(gathered=True)`, `regathered`): its gathers'
+    time in `price`, and without recompute the bytes held. (Under recompute XLA may skip the
+    second gather of a parameter the backward does not need: one layer-norm bias here.)"""
+    import collections
     import json
     import os
     import subprocess
@@ -221,24 +228,45 @@ def test_zero3_gathers_of_a_bf16_step_are_priced_in_the_dtype_the_partitioned_st
 
     from jaxpar.auto.assign import hand_axes
     from jaxpar.auto.cost import local_bytes, stacked_slices
-    from jaxpar.auto.pricing import _zero_shardable
+    from jaxpar.auto.pricing import _zero_bytes, price, regathered
+    from jaxpar.nn.blocks import remat_loss
 
     here = os.path.dirname(os.path.abspath(__file__))
     with tempfile.TemporaryDirectory() as dump:
-        run = subprocess.run([sys.executable, os.path.join(here, "workers", "zero3_gathers.py"), dump],
+        run = subprocess.run([sys.executable, os.path.join(here, "workers", "zero3_gathers.py"), dump, remat],
                              capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    compiled = {(g["dtype"], tuple(g["shape"])) for g in
-                (json.loads(line) for line in run.stdout.splitlines() if line.startswith("{"))}
+    compiled = collections.Counter((g["dtype"], tuple(g["shape"])) for g in
+                                   (json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")))
     batch = batches(1, batch=64)[0]
-    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", precision="bf16")
-    graph = build_graph(GPT(SCANNED, rngs=nnx.Rngs(0)), loss_fn, batch, compute_dtype="bfloat16")
+    config = jaxpar.ParallelConfig(mesh={"data": 8}, mode="data", precision="bf16", remat=remat)
+    model = GPT(SCANNED, rngs=nnx.Rngs(0))
+    graph = build_graph(model, remat_loss(model, loss_fn, remat), batch, compute_dtype="bfloat16")
     sliced = {p: op.ins[0] for op, p in stacked_slices(graph)}
-    names = {2: "bf16", 4: "f32"}
-    expected = {(names[graph.tensors[sliced.get(t, t)].itemsize],
-                 graph.tensors[t].shape[1:] if t in sliced else graph.tensors[t].shape) for _, t in graph.params}
-    assert compiled == expected, (compiled, expected)
-    axes = hand_axes(graph, config, {"data": 8})
-    whole = sum(local_bytes(graph, sliced.get(t, t), axes, {"data": 8}) for _, t in graph.params)
-    assert _zero_shardable(graph, axes, {"data": 8}, "data", 0, gathered=True) == whole
-    assert whole < 0.6 * _zero_shardable(graph, axes, {"data": 8}, "data", 0)    # the layers are most of it
+    again = regathered(graph)
+    assert again == (set(sliced) if remat == "full" else set())
+    expected = collections.Counter()
+    for _, t in graph.params:
+        dtype = {2: "bf16", 4: "f32"}[graph.tensors[sliced.get(t, t)].itemsize]
+        expected[(dtype, graph.tensors[t].shape[1:] if t in sliced else graph.tensors[t].shape)] += 1 + (t in again)
+
+    def nbytes(counts):
+        return sum(n * math.prod(shape) * (2 if dtype == "bf16" else 4) for (dtype, shape), n in counts.items())
+
+    if remat == "none":
+        assert compiled == expected, (compiled, expected)
+    else:
+        assert not compiled - expected and nbytes(compiled) >= 0.98 * nbytes(expected), (compiled, expected)
+    sizes = {"data": 8}
+    axes = hand_axes(graph, config, sizes)
+    by_param = _zero_bytes(graph, axes, sizes, "data", 0, gathered=True)
+    assert by_param == {t: local_bytes(graph, sliced.get(t, t), axes, sizes) for _, t in graph.params}
+    # the priced gathers' time: once every parameter, again those recomputed, at the bytes they move
+    parts = {}
+    price(graph, axes, sizes, COSTS, zero=3, threshold_kb=0, breakdown=parts)
+    moved = sum(by_param.values())
+    once = COSTS.collective_time("all-gather", ("data",), moved, sizes)
+    twice = COSTS.collective_time("all-gather", ("data",), sum(b for t, b in by_param.items() if t in again), sizes) \
+        if again else 0.0
+    assert parts["zero3_gather_s"] == pytest.approx(once + twice)
+    assert moved < 0.6 * sum(_zero_bytes(graph, axes, sizes, "data", 0).values())     # bf16 layers: most of it

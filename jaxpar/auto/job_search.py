@@ -162,7 +162,14 @@ class JobSearchResult:
         extra = any(o.context or o.experts for o in self.candidates)
         head = f" {'cp/ep coll. B':>13}" if extra else ""
         lines.append(f"  {'option':<64} {'step ms':>9} {'memory B':>12}{head}  verdict")
-        for o in self.candidates[:top]:
+        at = next((i for i, o in enumerate(self.candidates) if o is c), None)
+        shown = self.candidates[:top]
+        if at is not None and at >= top:     # the chosen option's row is always shown
+            shown = [*shown, None, c]
+        for o in shown:
+            if o is None:
+                lines.append(f"  ... ({at - top} more, then the chosen one)")
+                continue
             coll = f" {o.collective_bytes():>13,}" if extra else ""
             lines.append(f"  {o.label():<64} {o.time_s * 1e3:>9.4g} {o.memory_bytes:>12,}{coll}  {o.verdict}")
         if c.pipeline:

@@ -21,8 +21,10 @@ divisible by ``d``), ``f = 1 − 1/d`` and ``s`` the optimizer states per parame
   shardable gradients' collective is a reduce-scatter of ``P`` over the ZeRO axis and an
   all-reduce of each device's ``P / d`` shard over the other batch axes (FSDP inside a host,
   data parallel across hosts: MaxText's ``ici_fsdp`` × ``dcn_data``); ZeRO 1-2 then all-gather
-  the updated parameters over the ZeRO axis. ZeRO 3 adds an all-gather of ``P`` per micro-batch for the forward
-  and one for the backward. With `CostParams.overlap` the gradient collectives run behind the
+  the updated parameters over the ZeRO axis. ZeRO 3 adds an all-gather of ``P`` per micro-batch
+  (the scanned layers' in the compute dtype, as the step gathers their casts), and one more in
+  the backward of the parameters a recompute region reads (`regathered`; XLA keeps the others'
+  gathered values for the backward). With `CostParams.overlap` the gradient collectives run behind the
   last micro-batch's backward (``2/3`` of its compute) and each gather behind a third of a
   micro-batch's compute; only the excess counts (`hidden`).
 
@@ -54,7 +56,7 @@ import numpy as np
 
 from jaxpar.auto.comm import GRAD, Comm, combined_time, comm_share
 from jaxpar.auto.cost import (Cost, CostParams, evaluate, flags_for, local_bytes, matmul_terms, op_terms,
-                              stacked_slices, tensor_axes)
+                              param_of, stacked_slices, tensor_axes)
 from jaxpar.auto.graph import Graph
 
 
@@ -70,7 +72,15 @@ def micro_batch(batch: Any, k: int) -> Any:
 def _zero_shardable(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str, threshold_kb: float,
                     scale: Mapping[int, float] | None = None, *, per_layer: bool = False,
                     only_stacked: bool = False, gathered: bool = False) -> float:
-    """Per-device bytes of the parameters ZeRO shards over ``zero_axis`` (``scale``: per
+    """The sum of `_zero_bytes`."""
+    return sum(_zero_bytes(graph, axes, sizes, zero_axis, threshold_kb, scale, per_layer=per_layer,
+                           only_stacked=only_stacked, gathered=gathered).values())
+
+
+def _zero_bytes(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str, threshold_kb: float,
+                scale: Mapping[int, float] | None = None, *, per_layer: bool = False,
+                only_stacked: bool = False, gathered: bool = False) -> dict[int, float]:
+    """Per parameter tensor, the per-device bytes ZeRO shards over ``zero_axis`` (``scale``: per
     parameter tensor, the share a device holds, e.g. ``1/p`` for a pipeline stage's blocks).
     ``per_layer``: what ZeRO 3 holds gathered at once instead, a scan's stacked parameters
     counting one layer's (`jaxpar.train.step.gather_by_layer` gathers them one at a time,
@@ -89,7 +99,7 @@ def _zero_shardable(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str
     # the slices), the others in their stored dtype (the partitioned step gathers them before
     # the cast: XLA:CPU's program after SPMD partitioning, a bf16 GPT under ZeRO 3)
     read = {p: op.ins[0] for op, p in slices} if per_layer or gathered else {}
-    total = 0.0
+    total: dict[int, float] = {}
     for _, t in graph.params:
         if only_stacked and t not in stacked:
             continue
@@ -99,8 +109,20 @@ def _zero_shardable(graph: Graph, axes, sizes: Mapping[str, int], zero_axis: str
                         0 if t in stacked else -1)
         if out is not None and out != spec and zero_axis not in (tensor_axes(graph, t, axes) or ()):
             layers = tensor.shape[0] if per_layer and t in stacked and tuple(out)[:1] in ((), (None,)) else 1
-            total += local_bytes(graph, read.get(t, t), axes, sizes) * (scale or {}).get(t, 1.0) / layers
+            total[t] = local_bytes(graph, read.get(t, t), axes, sizes) * (scale or {}).get(t, 1.0) / layers
     return total
+
+
+def regathered(graph: Graph) -> set[int]:
+    """Parameters a recompute region reads (itself, its cast or a scan's slice of either): ZeRO 3
+    gathers them again for the backward pass, where the region is redone. The others are
+    gathered once a micro-batch: XLA keeps what the forward gathered for the backward
+    (XLA's program after SPMD partitioning, tests/workers/zero3_gathers.py: without recompute
+    every parameter is gathered once; with each layer recomputed the layers twice, the
+    embeddings and the final norm once)."""
+    of = param_of(graph)
+    of.update({t: p for op, p in stacked_slices(graph) for t in op.outs})
+    return {of[t] for op in graph.ops if op.region >= 0 for t in op.ins if t in of}
 
 
 def _zero_terms(zero: int, shardable: float, d: int, params: CostParams,
@@ -132,9 +154,11 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
     shardable = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb) if zero and d > 1 else 0.0
     recomputed = zero >= 2 and d > 1 and blocks_recomputed(graph)     # read below at ZeRO >= 2 only
     # ZeRO 3's all-gathers of every shardable parameter: the scanned layers' in the compute
-    # dtype (as the scan slices their casts), the others in their stored dtype
-    moved = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, gathered=True) \
-        if zero >= 3 and d > 1 else 0.0
+    # dtype (as the scan slices their casts), the others in their stored dtype; once a
+    # micro-batch, again in the backward for those a recompute region reads (`regathered`)
+    by_param = _zero_bytes(graph, axes, sizes, zero_axis, threshold_kb, gathered=True) if zero >= 3 and d > 1 else {}
+    moved = sum(by_param.values())
+    again = sum(b for t, b in by_param.items() if t in regathered(graph)) if by_param else 0.0
     at_once = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, per_layer=True) \
         if zero >= 3 and d > 1 and recomputed else moved
     args_saved, gathered, saved = _zero_terms(zero, shardable, d, params, at_once)
@@ -164,17 +188,19 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
         temp = max(during, add, end)
     grad_s, after_s = zero_collectives(graph, axes, sizes, params, cost.grad_comm_s, cost.temp_parts[1], shardable,
                                        zero=zero, zero_axis=zero_axis, gather_itemsize=params.gather_itemsize)
-    gather_s = params.collective_time("all-gather", (zero_axis,), moved, sizes) if zero >= 3 and moved else 0.0
+    gather_s = params.collective_time("all-gather", (zero_axis,), moved, sizes) if moved else 0.0
+    again_s = params.collective_time("all-gather", (zero_axis,), again, sizes) if again else 0.0
     if params.overlap:      # behind compute: the gradients behind the last backward, gathers behind a pass
         grad_s = hidden(grad_s, 2 / 3 * cost.compute_s)
-        gather_s = hidden(gather_s, cost.compute_s / 3)
+        gather_s, again_s = hidden(gather_s, cost.compute_s / 3), hidden(again_s, cost.compute_s / 3)
         # the updated parameters' gather behind the next step's first forward, layer by layer
         # (Megatron's --overlap-param-gather)
         after_s = hidden(after_s, cost.compute_s / 3)
-    time = k * (cost.time_s - cost.grad_comm_s) + grad_s + after_s + k * 2 * gather_s
+    time = k * (cost.time_s - cost.grad_comm_s) + grad_s + after_s + k * (gather_s + again_s)
     if breakdown is not None:
         breakdown.update(compute_s=k * cost.compute_s, serial_comm_s=k * (cost.comm_s - cost.grad_comm_s),
-                         grad_comm_exposed_s=grad_s, param_gather_after_s=after_s, zero3_gather_s=k * 2 * gather_s,
+                         grad_comm_exposed_s=grad_s, param_gather_after_s=after_s,
+                         zero3_gather_s=k * (gather_s + again_s),
                          activation_bytes=act, gradient_bytes=grads)
     return time, int(round(args)), int(round(temp))
 
