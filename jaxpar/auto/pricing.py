@@ -158,7 +158,8 @@ def price(graph: Graph, axes, sizes: Mapping[str, int], params: CostParams, *, z
     # micro-batch, again in the backward for those a recompute region reads (`regathered`)
     by_param = _zero_bytes(graph, axes, sizes, zero_axis, threshold_kb, gathered=True) if zero >= 3 and d > 1 else {}
     moved = sum(by_param.values())
-    again = sum(b for t, b in by_param.items() if t in regathered(graph)) if by_param else 0.0
+    redone = regathered(graph) if by_param else set()
+    again = sum(b for t, b in by_param.items() if t in redone)
     at_once = _zero_shardable(graph, axes, sizes, zero_axis, threshold_kb, per_layer=True) \
         if zero >= 3 and d > 1 and recomputed else moved
     args_saved, gathered, saved = _zero_terms(zero, shardable, d, params, at_once)
