@@ -46,6 +46,7 @@ import json
 import math
 import os
 import pathlib
+import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -337,16 +338,28 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def default_out(args: argparse.Namespace) -> pathlib.Path:
+    """Where a run writes its JSON without ``--out``: the committed results for the whole run
+    only; a partial one (``--quick``, ``--runs``, ``--no-search``, ``--no-sequence-parallel``)
+    writes a file git ignores."""
+    partial = args.quick or args.runs or args.no_search or args.no_sequence_parallel
+    return HERE / "results" / ("tmp_published.json" if partial else "published.json")
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two small rows, no search, no plot")
-    ap.add_argument("--out", default=str(HERE / "results" / "published.json"))
+    ap.add_argument("--out", default=None, help="the JSON (default: results/published.json for the whole run; "
+                    "results/tmp_published.json, which git ignores, for --quick, --runs, --no-search or "
+                    "--no-sequence-parallel, so that a partial run never overwrites the committed results)")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--runs", nargs="+", metavar="ID", help="only these runs; no plot")
     ap.add_argument("--no-search", action="store_true", help="skip the planner's search (fast)")
     ap.add_argument("--no-sequence-parallel", action="store_true",
                     help="price the Megatron TP rows without sequence parallel (the runs file's INFERRED setting)")
     args = ap.parse_args(argv)
+    if args.out is None:
+        args.out = str(default_out(args))
     SEQUENCE_PARALLEL[0] = not args.no_sequence_parallel
     data = json.loads(RUNS.read_text())
     hardware, runs = data["hardware"], data["runs"]
@@ -393,13 +406,15 @@ def main(argv=None) -> dict:
                "seconds": time.perf_counter() - t0}
     print(table(rows))
     print(json.dumps(summary, indent=1))
-    result = {"meta": {"command": "python benchmarks/published.py" + (" --quick" if args.quick else ""),
+    command = sys.argv[1:] if argv is None else list(argv)
+    result = {"meta": {"command": " ".join(["python benchmarks/published.py", *command]),
                        "jax": jax.__version__, "runs_file": str(RUNS.relative_to(HERE.parent))},
               "machines": {k: machine(v, fraction, factor).to_dict() for k, v in hardware.items()},
               "summary": summary, "rows": rows}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"written to {out}")
     if not (args.quick or args.runs):
         plot(rows, pathlib.Path(args.plot) if args.plot else out.with_suffix(".png"))
     return result

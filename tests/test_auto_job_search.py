@@ -342,6 +342,13 @@ def test_job_search_errors_name_the_fix():
                                          r"itself.*JobSearchSpace\(remat=\('full',\)\)"):
         search_job(gpt_fn(), loss_fn, batch, JobSearchSpace(devices=8, memory_budget=1e9),
                    base_config=dataclasses.replace(BASE, remat="full"), dry_run=False)
+    with pytest.raises(ValueError, match=r"base_config.rules=\{'batch': 'data'\} would be replaced by the search.*"
+                                         r"parameter_strategy"):
+        search_job(gpt_fn(), loss_fn, batch, JobSearchSpace(devices=8, memory_budget=1e9),
+                   base_config=dataclasses.replace(BASE, mode="semi_auto", rules={"batch": "data"}), dry_run=False)
+    with pytest.raises(ValueError, match=r"base_config.mode='data', but the job search places every parameter"):
+        search_job(gpt_fn(), loss_fn, batch, JobSearchSpace(devices=8, memory_budget=1e9),
+                   base_config=dataclasses.replace(BASE, mode="data"), dry_run=False)
     with pytest.raises(TypeError, match="PipelineLoss"):
         search_job(gpt_fn(), loss_fn, batch, JobSearchSpace(devices=8, memory_budget=1e9, pipeline_stages=(2,)),
                    dry_run=False)
@@ -353,6 +360,47 @@ def test_job_search_errors_name_the_fix():
                    dry_run=False)
     with pytest.raises(TypeError, match="space=.*must be a jaxpar.auto.JobSearchSpace"):
         search_job(gpt_fn(), loss_fn, batch, {"devices": 8, "memory_budget": 1e9})
+
+
+def test_a_larger_budget_never_loses_the_option_a_smaller_one_found():
+    """The strategy search prices memory without ZeRO or micro-batches: its fastest strategy
+    within 1.55 MB had, under every ZeRO level, more than 1.55 MB, while its strategy within
+    1.54 MB fits it. Each mesh's least-memory strategy is priced too, at every budget: the
+    smallest option is the same whatever the budget, and a larger budget's choice is never
+    slower (`jaxpar plan`'s example GPT)."""
+    from jaxpar.job.example import example_job
+    from jaxpar.job.search import _gpt
+    from jaxpar.models.data import ArithmeticData
+
+    gpt = _gpt(example_job(jaxpar.ParallelConfig(mesh={"data": 8})))
+    batch = ArithmeticData(gpt.seq_len, seed=0).batch(32, 0)
+    found = [search_job(lambda: GPT(gpt, rngs=nnx.Rngs(0)), loss_fn, batch,
+                        JobSearchSpace(devices=8, memory_budget=b, search_name="dynamic_programming"),
+                        base_config=jaxpar.ParallelConfig(mode="auto")) for b in (1.54e6, 1.55e6)]
+    assert found[0].chosen.memory_bytes <= 1.54e6
+    assert found[1].chosen.time_s <= found[0].chosen.time_s
+    smallest = [min(o.memory_bytes for o in f.candidates) for f in found]
+    assert smallest[0] == smallest[1] <= found[0].chosen.memory_bytes, smallest
+
+
+def test_machine_numbers_per_axis_are_checked():
+    """Per-axis bandwidths and latencies: positive (latency >= 0) numbers, on axes the search's
+    meshes have."""
+    from jaxpar.auto import CostParams, search
+
+    for bad, message in ((dict(bandwidth={"model": -1e9}), r"CostParams.bandwidth=\{'model': -1000000000.0\} is "
+                                                           r"invalid at .*positive bytes/s"),
+                         (dict(bandwidth={"model": 0}), "CostParams.bandwidth=.* is invalid"),
+                         (dict(bandwidth={"model": True}), "CostParams.bandwidth=.* is invalid"),
+                         (dict(latency_per_axis={"data": -1}), r"latency_per_axis=.* is invalid .*seconds >= 0")):
+        with pytest.raises(ValueError, match=message):
+            CostParams(**bad)
+    batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
+    typo = CostParams(bandwidth={"modle": 1e9})
+    with pytest.raises(ValueError, match=r"search_job: CostParams.bandwidth names \['modle'\], which no mesh"):
+        search_job(gpt_fn(), loss_fn, batch, JobSearchSpace(devices=8, memory_budget=1e9), cost_params=typo)
+    with pytest.raises(ValueError, match=r"search: CostParams.bandwidth names \['modle'\].*\['data', 'model'\]"):
+        search(nnx.eval_shape(gpt_fn()), loss_fn, batch, BASE, {"data": 4, "model": 2}, cost_params=typo)
 
 
 @pytest.mark.parametrize("options, message", [

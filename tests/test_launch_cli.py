@@ -96,6 +96,11 @@ def test_bind_address_and_exit_time_out():
     (["--master-addr", "[::1]"], "(IPv6 without brackets) (--master-addr)"),
     (["--bind-address", "192.0.2.7"], "--bind-address '192.0.2.7:8118': 192.0.2.7 is not an address of this host"),
     (["--bind-address", "no-such-host.invalid"], "no-such-host.invalid does not resolve"),
+    # node 0 runs rank 0: an address of another host left every other process waiting the whole
+    # cluster time-out for a coordinator there (which listened on every interface of this host)
+    (["--master-addr", "192.0.2.7"], "--master-addr '192.0.2.7': 192.0.2.7 is not an address of this host, but "
+                                     "this node (--node-rank 0) runs rank 0"),
+    (["--master-addr", "no-such-host.invalid"], "no-such-host.invalid does not resolve to an address"),
     (["--log-dir", "/proc/no/such"], "--log-dir '/proc/no/such' cannot be created"),
     (["--log-dir", __file__], "is a file, not a folder"),
 ])
@@ -176,3 +181,24 @@ def test_a_directory_as_the_script_is_refused_naming_its_scripts(tmp_path):
                                                    f"... {tmp_path / 'train.py'}")):
         check_script(str(tmp_path))
     check_script(str(tmp_path / "train.py"))          # a file passes; a missing one is the worker's to report
+
+
+def test_a_failure_report_quotes_this_run_not_an_earlier_one_in_the_same_log_folder(tmp_path):
+    """Worker logs are appended to (a restarted rank keeps its first attempt's output above): the
+    tail the launcher quotes when a rank fails starts where this process's output does. It had
+    quoted an earlier job's SyntaxError for a rank that exited with code 3 and printed nothing."""
+    import threading
+
+    from jaxpar.launch.worker import Worker
+
+    def run(code):
+        worker = Worker(rank=1, command=[sys.executable, "-c", code], env=os.environ, log_path=str(log))
+        worker.start_copying(None, threading.Lock())
+        worker.process.wait(timeout=60)
+        worker.close()
+        return worker
+
+    log = tmp_path / "worker_1.log"
+    log.write_text("Traceback (most recent call last):\nSyntaxError: invalid syntax\n")
+    assert run("import os; os._exit(3)").tail() == []
+    assert run("print('step 3 failed')").tail() == ["step 3 failed"] and "SyntaxError" in log.read_text()

@@ -233,7 +233,8 @@ def test_each_process_feeds_its_own_rows(launches, tmp_path, tag):
     """4 processes x 2 devices, each feeding its 4 rows of a global batch of 16: mode data on
     {"data": 8} (fit; place, step, lower), ZeRO-3, ZeRO-3 x grad_accum=2, and {"model": 2,
     "data": 4} with a process's devices along model or along data, each with evaluate: the
-    losses of one device on the same global batches. 3 rows a process are refused by name."""
+    losses of one device on the same global batches. 3 rows a process are refused by name, and so
+    are 8 (or 6) rows on process 0 beside 4 on the others."""
     from workers.per_host_worker import CELLS
 
     run = launch(launches, tmp_path, tag, 4, 4, 2, script="per_host_worker.py")
@@ -252,3 +253,8 @@ def test_each_process_feeds_its_own_rows(launches, tmp_path, tag):
                            "hold 2 of their 8 shards; grad_accum=2 cuts"), step
     assert "must feed a multiple of 4 rows; feed 4 rows per process (a global batch of 16)" in step, step
     assert "must feed a multiple of 2 rows; feed 2 or 4 rows per process" in evaluate, evaluate
+    # a process feeding other rows than the others: refused on every process, naming each one's rows
+    for what, rows in (("uneven_step", 8), ("uneven_evaluate", 6)):
+        said = result["refusals"][what]
+        assert said and said.startswith("Trainer: batch['x']: the processes feed different numbers of their own "
+                                        f"rows (process 0: {rows}, process 1: 4, process 2: 4, process 3: 4)"), said

@@ -41,10 +41,23 @@ def test_every_published_number_has_a_source_and_a_status():
                 assert figure["status"] == "SRC" and figure["source"], name
 
 
+def test_a_partial_run_never_overwrites_the_committed_results():
+    import argparse
+
+    bench = _bench()
+    whole = dict(quick=False, runs=None, no_search=False, no_sequence_parallel=False)
+    assert bench.default_out(argparse.Namespace(**whole)).name == "published.json"
+    for flag, value in (("quick", True), ("runs", ["megatron_32b"]), ("no_search", True),
+                        ("no_sequence_parallel", True)):
+        out = bench.default_out(argparse.Namespace(**{**whole, flag: value}))
+        assert out.name.startswith("tmp") and out.parent.name == "results", (flag, out)
+
+
 def test_quick_rows_predict_and_write_the_json(tmp_path):
     out = tmp_path / "published.json"
     result = _bench().main(["--quick", "--out", str(out)])
     written = json.loads(out.read_text())
+    assert written["meta"]["command"] == f"python benchmarks/published.py --quick --out {out}"
     assert written["summary"]["fitted_on"] == ["maxtext_llama2_7b_16gpu"]
     # the machine is measured on the GPU profile, not fitted: the matmul fraction is the step's
     # matmul FLOPs over its matmul and attention kernels' time, at the H200's peak

@@ -74,6 +74,7 @@ def search(model, loss_fn: Callable, batch: Any, config, mesh, *, cost_params: C
     t0 = time.perf_counter()
     sizes = mesh_sizes(mesh)
     params = cost_params or CostParams()
+    params.check_axes(sizes, "search")
     algorithm = config.search or "dynamic_programming"
     graph = graph if graph is not None else build_graph(model, loss_fn, batch, compute_dtype=compute_dtype(config))
     if isinstance(runs, bool) or not isinstance(runs, (int, float)) or not (math.isfinite(runs) and runs >= 1):

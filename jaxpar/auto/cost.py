@@ -102,11 +102,11 @@ class CostParams:
         attention, TPU Splash): its score matrices (two dimensions of one sequence: the scores,
         their mask, softmax and probabilities; `attention_scores`) stay in on-chip memory, are never saved
         for the backward pass (the kernel recomputes them there) and take no device memory.
+        ``False``: saved as XLA saves any materialised value (jaxpar's own attention on CPU).
       gather_itemsize: bytes per element of the updated parameters' all-gather at ZeRO 1-2
         (`jaxpar.auto.pricing.price`): ``None``, the parameters' own dtype, as jaxpar gathers its
         fp32 master weights; ``2`` for a framework whose optimizer shards fp32 master weights and
         gathers the bf16 model weights (Megatron's distributed optimizer).
-        ``False``: saved as XLA saves any materialised value (jaxpar's own attention on CPU).
       hosts: the layout priced: mesh axis -> hosts it spans (``ParallelConfig.hosts``; set it
         with `placed`). A group over axes spanning ``h`` hosts is priced hierarchically (module
         docstring); the inside part of a spanning axis runs at ``default_bandwidth``, and its
@@ -161,8 +161,16 @@ class CostParams:
                                  "(math.inf for combine_threshold_bytes: no byte limit, as on XLA:CPU)")
         if self.latency < 0 or self.optimizer_states < 0 or self.temp_activation_factor < 0:
             raise ValueError("CostParams: latency, optimizer_states and temp_activation_factor must be >= 0")
-        object.__setattr__(self, "bandwidth", dict(self.bandwidth))
-        object.__setattr__(self, "latency_per_axis", dict(self.latency_per_axis))
+        for name, what, example in (("bandwidth", "positive bytes/s", "{'model': 4.5e11}"),
+                                    ("latency_per_axis", "seconds >= 0", "{'data': 2e-5}")):
+            table = getattr(self, name)
+            bad = {a: v for a, v in table.items() if not isinstance(a, str) or isinstance(v, bool)
+                   or not isinstance(v, (int, float)) or not (v > 0 if name == "bandwidth" else v >= 0)} \
+                if isinstance(table, Mapping) else table
+            if bad:
+                raise ValueError(f"CostParams.{name}={table!r} is invalid at {bad!r}: give mesh axis name -> "
+                                 f"{what}, e.g. {example}")
+            object.__setattr__(self, name, dict(table))
         if self.inter_host_bandwidth is not None and not self.inter_host_bandwidth > 0:
             raise ValueError(f"CostParams.inter_host_bandwidth={self.inter_host_bandwidth!r} is invalid: use a "
                              "positive number of bytes/s, or None for one network")
@@ -224,6 +232,20 @@ class CostParams:
         if self.inter_host_bandwidth is None:
             return 1
         return math.prod(self.hosts.get(a, 1) for a in axes)
+
+    def check_axes(self, axes, where: str) -> None:
+        """Refuse ``bandwidth`` / ``latency_per_axis`` entries for axes outside ``axes`` (the mesh
+        axes ``where`` prices): a misspelt axis would be priced at the defaults unseen."""
+        for name in ("bandwidth", "latency_per_axis"):
+            stray = sorted(set(getattr(self, name)) - set(axes))
+            if stray:
+                raise ValueError(f"{where}: CostParams.{name} names {stray}, which no mesh it prices has (its axes: "
+                                 f"{sorted(set(axes))}); use those names, or drop the entries")
+
+    def only(self, axes) -> "CostParams":
+        """These numbers with the ``bandwidth`` / ``latency_per_axis`` entries of ``axes`` alone."""
+        return dataclasses.replace(self, bandwidth={a: b for a, b in self.bandwidth.items() if a in axes},
+                                   latency_per_axis={a: t for a, t in self.latency_per_axis.items() if a in axes})
 
     def latency_of(self, axes: Sequence[str]) -> float:
         """Seconds of latency of one collective over ``axes`` (the slowest axis's; a group

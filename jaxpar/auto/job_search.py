@@ -262,7 +262,8 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
       space: the choices to search over, checked when it was built.
       base_config: ``ParallelConfig`` whose other settings (``optimizer.threshold_kb``,
         ``dataset_strategy``, annotations in ``parameter_strategy``) are kept; its ``remat``
-        must be ``"none"`` (the search chooses it from ``space.remat``).
+        must be ``"none"`` (the search chooses it from ``space.remat``), its ``rules`` empty
+        and its mode ``"auto"`` or ``"semi_auto"`` (the result's config has mode ``"auto"``).
       tx: the optimizer the dry run compiles with.
       cost_params: the `CostParams` to price with (default ``CostParams()``).
       dry_run: ``compile_fn(model_fn, loss_fn, batch, config, tx) -> jax.stages.Compiled``
@@ -296,9 +297,18 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
         raise ValueError(f"search_job: base_config.remat={base.remat!r}, but the search chooses the recompute "
                          f"policy itself, from space.remat={space.remat}; give JobSearchSpace(remat=({base.remat!r},)) "
                          f"(jaxpar plan: --remat-options {base.remat}) and leave base_config.remat at 'none'")
+    if base.rules:
+        raise ValueError(f"search_job: base_config.rules={dict(base.rules)} would be replaced by the search (it plans "
+                         "every parameter); pin parameters with base_config.parameter_strategy (path glob -> "
+                         "strategy), which it keeps, and leave rules empty (jaxpar plan: --annotate GLOB=SPEC)")
+    if base.mode in ("data", "hybrid"):
+        raise ValueError(f"search_job: base_config.mode={base.mode!r}, but the job search places every parameter "
+                         "itself (mode 'auto' in the config it returns); give mode='auto'")
     params = cost_params or CostParams()
     rows = jax.tree.leaves(batch)[0].shape[0]
     shapes = [dict(m) for m in space.meshes] if space.meshes is not None else mesh_shapes(devices)
+    params.check_axes({a for m in shapes for a in m} | {"data", "model"} | ({"context"} if max(space.context) > 1 else set())
+                      | ({"pipe"} if max(space.pipeline_stages) > 1 else set()), "search_job")
     options: list[JobOption] = []
     abstract = nnx.eval_shape(model_fn)      # one model: recompute goes on its blocks from outside
     check_memory_floor(abstract, batch, devices=devices, memory_budget=memory_budget, params=params)
@@ -318,6 +328,7 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
     options.sort(key=lambda o: (o.memory_bytes > memory_budget, o.time_s, o.memory_bytes))
     done: list[JobOption] = []
     refused: list[str] = []
+    compiled_over: list[tuple[int, JobOption]] = []      # predicted to fit, over the budget compiled
     chosen = report = config = None
     for o in options:
         fits = o.memory_bytes <= memory_budget
@@ -349,6 +360,7 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
                 verdict = "CHOSEN" + (" (dry run confirms)" if report else "")
             else:
                 verdict = f"predicted to fit, dry run {report['total']:,} B does not"
+                compiled_over.append((report["total"], o))
         elif fits:
             verdict = "fits, slower"
         done.append(dataclasses.replace(o, verdict=verdict))
@@ -357,6 +369,13 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
     if chosen is None and refused:
         raise ValueError(f"search_job: every option that fits memory_budget={memory_budget:,.0f} B and was "
                          f"compiled was refused by its dry run; the first: {refused[0]}")
+    if chosen is None and compiled_over:
+        total, o = min(compiled_over, key=lambda x: x[0])
+        raise ValueError(f"search_job: nothing fits memory_budget={memory_budget:,.0f} B per device on {devices} "
+                         f"devices once compiled: {len(compiled_over)} option(s) predicted to fit, and the dry run "
+                         f"of each compiled over it; the smallest, {o.label()}, predicted {o.memory_bytes:,} B, "
+                         f"compiled {total:,} B. Raise the budget to at least {total:,} B, add devices, or allow "
+                         "more grad_accum / zero_levels / remat / pipeline_stages")
     if chosen is None:
         smallest = min(options, key=lambda o: o.memory_bytes)
         raise ValueError(f"search_job: nothing fits memory_budget={memory_budget:,.0f} B per device on {devices} "
@@ -430,13 +449,17 @@ def check_memory_floor(abstract, batch, *, devices: int, memory_budget: float, p
 
 
 def _strategies(graph, loss_fn, batch, base, shape, search_name, params, memory_budget, runs: float = 1) -> list[Strategy]:
-    """The fastest strategy, and the fastest within the budget (once if they agree); ``runs``:
-    how many times one step runs the graph (`jaxpar.auto.search`), so that the search weighs
-    the whole step's compute against the gradient collectives that run once per step."""
+    """The fastest strategy, the fastest within the budget and the one of least memory (each
+    once); ``runs``: how many times one step runs the graph (`jaxpar.auto.search`), so that the
+    search weighs the whole step's compute against the gradient collectives that run once per
+    step. The strategy search prices a strategy's memory without ZeRO or micro-batches, which
+    the job's price then applies: the least-memory strategy keeps what fits a budget fitting
+    every larger one (without it, a larger budget could trade it for a faster strategy that
+    no ZeRO level brings under the budget, and nothing would fit)."""
     cfg = dataclasses.replace(base, mesh=shape, mode="auto", search=search_name, rules={}, grad_accum=1)
     found = {}
-    for budget in (None, memory_budget):
-        s = search(None, loss_fn, batch, cfg, shape, cost_params=params, memory_budget=budget, graph=graph,
+    for budget in (None, memory_budget, 0.0):
+        s = search(None, loss_fn, batch, cfg, shape, cost_params=params.only(shape), memory_budget=budget, graph=graph,
                    runs=runs)
         found[tuple(a for _, _, a in s.classes)] = s
     return list(found.values())

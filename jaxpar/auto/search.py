@@ -125,6 +125,8 @@ def dynamic_programming(problem: Problem, fixed: Sequence[Axes | None] | None = 
     while _memory(problem, _eliminate(tables, doms, hi)) > memory_budget and hi < 1e6:
         hi *= 10
     best = _eliminate(tables, doms, hi)
+    if _memory(problem, best) > memory_budget:
+        return best         # nothing fits: the least memory, no bisection towards a fit
     for _ in range(30):
         mid = (lo + hi) / 2
         cand = _eliminate(tables, doms, mid)

@@ -150,3 +150,29 @@ def check_process_rows(what: str, rows: int, shards: ProcessShards, parts: Mappi
     raise ValueError(f"{what}: this process's {rows} rows do not split: the global batch is {rows} rows x "
                      f"{shards.processes} processes = {rows * shards.processes} rows, and {held}{why}, so every "
                      f"process must feed a multiple of {need} rows; {fix}")
+
+
+def check_processes_agree(batch, where: str) -> None:
+    """In a run of several processes each feeding its own rows, every process must feed the same
+    number (the global batch is that times the process count, which each process works out
+    alone): one all-gather of each leaf's row count, made where every process builds the
+    program for a batch shape (its first step with that shape), so that a process feeding
+    another count is refused on every process alike, naming each process's rows, instead of
+    each process training on a global batch of its own. Leaves that are global ``jax.Array``s
+    already are not counted."""
+    from jax.experimental import multihost_utils
+
+    leaves = [(jax.tree_util.keystr(path), np.shape(x)[0]) for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
+              if np.ndim(x) and (not isinstance(x, jax.Array) or x.is_fully_addressable)]
+    mine = np.asarray([rows for _, rows in leaves] or [0], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+    for i, (name, _) in enumerate(leaves):
+        counts = every[:, i].tolist()
+        if len(set(counts)) > 1:
+            procs = len(counts)
+            raise ValueError(f"{where}: batch{name}: the processes feed different numbers of their own rows ("
+                             + ", ".join(f"process {p}: {n}" for p, n in enumerate(counts)) + "), but each "
+                             f"process's rows are its block of one global batch of rows x {procs} processes; feed "
+                             f"every process the same number of rows (jaxpar.distributed.process_rows(global_batch) "
+                             f"is each process's slice), e.g. {max(counts)} rows each for a global batch of "
+                             f"{max(counts) * procs}")

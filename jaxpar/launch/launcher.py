@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from jaxpar.launch import cluster, deaths, rendezvous, servers, sources
-from jaxpar.launch.ports import BIND_ADDRESS, check_bind_address, check_can_listen, port_problem
+from jaxpar.launch.ports import BIND_ADDRESS, check_bind_address, check_can_listen, listen_problem, port_problem
 from jaxpar.launch.worker import Worker, signal_name, stop_all
 
 # Names shared with jaxpar.distributed, which the launcher must not import (it imports jax).
@@ -195,7 +195,8 @@ class WorkerStartError(RuntimeError):
 
 def check_node(config: LaunchConfig) -> None:
     """What only this node can check, before any worker starts: that ``log_dir`` can be written, and on
-    node 0 that ``bind_address`` is an address of this host (JAX's coordinator dies of SIGSEGV otherwise).
+    node 0 that ``bind_address`` (JAX's coordinator dies of SIGSEGV otherwise), or without it
+    ``master_addr``, is an address of this host.
     Raises a ValueError naming the flag."""
     if os.path.exists(config.log_dir) and not os.path.isdir(config.log_dir):
         raise ValueError(f"--log-dir {config.log_dir!r} is a file, not a folder; give a folder for the logs, "
@@ -211,6 +212,14 @@ def check_node(config: LaunchConfig) -> None:
     if config.node_rank == 0 and config.bind_address is not None:
         check_can_listen(check_bind_address(config.bind_address, config.master_port, "--bind-address"),
                          "--bind-address")
+    elif config.node_rank == 0 and (problem := listen_problem(config.master_addr)):
+        # node 0 runs rank 0: its coordinator listens on --master-addr, where every other process
+        # connects; an address of another host would leave them waiting the whole cluster time-out
+        raise ValueError(f"--master-addr {config.master_addr!r}: {config.master_addr} {problem}, but this node "
+                         "(--node-rank 0) runs rank 0, whose coordinator the other processes reach there. Give "
+                         "this host's IP or name on the network the other nodes reach (ip -brief address lists "
+                         "them); if they reach it through NAT at that address, also say where to listen with "
+                         "--bind-address IP (0.0.0.0: every interface).")
 
 
 def _check_worker_restarts(config: "LaunchConfig") -> None:

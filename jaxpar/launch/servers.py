@@ -121,6 +121,7 @@ class _ServerProcess(Worker):
     def __init__(self, *, index: int, command: list[str], env: Mapping[str, str], log_path: str):
         self.rank, self.log_path, self.ended_at = index, log_path, None
         self._log = open(log_path, "ab", buffering=0)
+        self._start = self._log.tell()
         self.process = subprocess.Popen(
             command, env=dict(env), stdin=subprocess.DEVNULL, stdout=self._log,
             stderr=subprocess.STDOUT, start_new_session=True,

@@ -60,6 +60,8 @@ class Worker:
         self.ended_at: float | None = None
         """``time.time()`` when the process ended (comparable with the workers' own clocks)."""
         self._log = open(log_path, "ab", buffering=0)
+        # this process's output starts here: a log folder used before keeps earlier runs above it
+        self._start = self._log.tell()
         self.process = subprocess.Popen(
             list(command),
             env=dict(env),
@@ -153,10 +155,10 @@ class Worker:
         self._log.close()
 
     def tail(self, lines: int = 20) -> list[str]:
-        """The last ``lines`` lines of the worker's log."""
+        """The last ``lines`` lines this process wrote to its log (not an earlier run's)."""
         try:
             with open(self.log_path, "rb") as f:
-                f.seek(max(0, os.path.getsize(self.log_path) - 64 * 1024))
+                f.seek(max(self._start, os.path.getsize(self.log_path) - 64 * 1024))
                 text = f.read().decode(errors="replace")
         except OSError:
             return []

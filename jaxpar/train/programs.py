@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.data import place_batch, process_view
+from jaxpar.data import check_processes_agree, place_batch, process_view
 from jaxpar.data.sequence import reorder_batch
 from jaxpar.executables import compiled_program, jit_on_disk
 from jaxpar.nn.specs import check_rules_used
@@ -205,6 +205,7 @@ class Programs:
         the batch shards this process's devices hold, not against the whole mesh
         (`jaxpar.data.process_view`; ``training``: cut into the step's parts)."""
         if jax.process_count() > 1 and not self.options.global_batch:
+            check_processes_agree(batch, "Trainer")      # first: every process refuses alike, or none
             return process_view(self.plan.config, self.mesh, batch, training=training)
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)), batch)
 

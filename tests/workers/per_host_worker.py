@@ -76,13 +76,22 @@ def run(trainer, mine, use_fit):
 
 
 def refusals(trainer, mine):
-    """The messages of a step and an evaluation fed 3 rows a process: refused before anything
-    runs, by every process alike (no collective is left waiting)."""
-    three = {k: v[:3] for k, v in mine(global_batches(1)[0]).items()}
+    """The messages of a step and an evaluation fed 3 rows a process, and of both fed 8 rows
+    (step) or 6 (evaluate) on process 0 and 4 on the others, each a count that splits on its
+    own: refused before anything runs, by every process alike (no collective is left waiting)."""
+    import jax
+    import numpy as np
+
+    first = mine(global_batches(1)[0])
+    three = {k: v[:3] for k, v in first.items()}
+    uneven = {k: np.concatenate([v, v]) if jax.process_index() == 0 else v for k, v in first.items()}
     said = {}
-    for what, call in (("step", trainer.step), ("evaluate", lambda b: trainer.evaluate([b]))):
+    for what, call, batch in (("step", trainer.step, three), ("evaluate", lambda b: trainer.evaluate([b]), three),
+                              ("uneven_step", trainer.step, uneven),
+                              ("uneven_evaluate", lambda b: trainer.evaluate([{k: v[:6] for k, v in b.items()}]),
+                               uneven)):
         try:
-            call(three)
+            call(batch)
             said[what] = None
         except ValueError as e:
             said[what] = str(e)
