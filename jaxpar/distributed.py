@@ -278,17 +278,21 @@ def process_rows(
     """
     index = jax.process_index() if process_index is None else process_index
     count = jax.process_count() if process_count is None else process_count
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, (int, np.integer)) \
+            or global_batch_size < 1:
+        raise ValueError(f"global_batch_size={global_batch_size!r} must be a positive whole number of rows, a "
+                         f"multiple of the {count} processes (e.g. {8 * count})")
     if not 0 <= index < count:
         raise ValueError(f"process_index={index} must be in 0..{count - 1} (process_count={count}).")
     if global_batch_size % count:
-        # the rows of each process are split over its devices too: a live job asks for both
+        # a live job's processes split their rows over their devices too, where the batch axes
+        # span them: the advice is a multiple of both; the Trainer checks what the mesh needs
         per = jax.local_device_count() if process_count is None else 1
         need = count * per
-        devices = f" x {per} devices each = {need}" if per > 1 else ""
+        also = f"; a multiple of {need} also splits over each process's {per} devices" if per > 1 else ""
         raise ValueError(
             f"global_batch_size={global_batch_size} does not split over {count} processes; use a multiple of "
-            f"{count}{devices} (and of the devices the batch axes split it over), such as "
-            f"{(global_batch_size // need + 1) * need}."
+            f"{count}, such as {(global_batch_size // need + 1) * need}{also}."
         )
     rows = global_batch_size // count
     return slice(index * rows, (index + 1) * rows)

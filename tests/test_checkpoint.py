@@ -234,3 +234,20 @@ def test_checkpoint_code_assigns_no_trainer_state():
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 assert not any(isinstance(t, ast.Attribute) and t.attr in ("state", "data_state", "step_count")
                                for t in targets), f"{path.name}:{node.lineno} assigns into another object's state"
+
+
+def test_a_reading_manager_does_not_say_the_folder_is_read_only(tmp_path, caplog):
+    """orbax logs "Given directory is read only" for every manager opened to read, which jaxpar
+    does beside its writer on every restore of a job of several processes: the line read as if
+    the folder could not be written, and is dropped (orbax's other lines are not)."""
+    import logging
+
+    from jaxpar.checkpoint.manager import open_manager
+
+    with caplog.at_level(logging.INFO, logger="absl"):
+        with open_manager(str(tmp_path)):
+            pass
+        with open_manager(str(tmp_path), read_only=True):
+            pass
+    said = [r.getMessage() for r in caplog.records if r.name == "absl"]
+    assert said and not any("read only" in line for line in said), said

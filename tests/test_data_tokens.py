@@ -161,7 +161,7 @@ def test_bad_input_names_the_file_or_value(store, corpus, tmp_path):
         TokenLoader(store, seq_len=5000, global_batch=BATCH)
     with pytest.raises(ValueError, match="fewer than global_batch=4096"):
         TokenLoader(store, seq_len=SEQ, global_batch=4096)
-    with pytest.raises(ValueError, match="global_batch_size=6 does not split over 4 processes"):
+    with pytest.raises(ValueError, match="global_batch=6 does not split over 4 processes"):   # its own name
         TokenLoader(store, seq_len=SEQ, global_batch=6, process=LoaderProcess(index=0, count=4))
     with pytest.raises(ValueError, match=r"LoaderProcess: index=4 must be in 0..3 \(count=4\)"):
         LoaderProcess(index=4, count=4)

@@ -61,10 +61,13 @@ def test_process_rows():
     assert dist.process_rows(8) == slice(0, 8)
     with pytest.raises(ValueError, match="global_batch_size=10 does not split over 4"):
         dist.process_rows(10, process_index=0, process_count=4)
-    # the advice is a batch above, which the devices of each process split too (not 15 of 16 over 3)
-    with pytest.raises(ValueError, match=r"does not split over 3 processes; use a multiple of 3 \(and of the "
-                                         r"devices the batch axes split it over\), such as 18\."):
+    # the advice is a batch above (not 15 of 16 over 3)
+    with pytest.raises(ValueError, match=r"does not split over 3 processes; use a multiple of 3, such as 18\.$"):
         dist.process_rows(16, process_index=0, process_count=3)
+    # a row count that is not one was a slice of nothing (0) or of negative bounds (-4)
+    for bad in (0, -4, 2.0, True):
+        with pytest.raises(ValueError, match=f"global_batch_size={bad!r} must be a positive whole number of rows"):
+            dist.process_rows(bad, process_index=0, process_count=4)
 
 
 @requires_devices(8)

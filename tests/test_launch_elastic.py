@@ -208,11 +208,58 @@ def test_a_node_that_never_joins_ends_the_first_group_with_124():
         assert end.code == 124 and "node(s) [1] never joined within 0.5 s (--cluster-time-out)" in end.reason
 
 
+def test_a_launcher_with_other_flags_ends_the_job_at_once_before_the_first_group():
+    """Node 1's launcher started with another --worker-num was refused, and told so at once, but node 0
+    waited the whole --cluster-time-out for it and then said it "never joined" (status 124)."""
+    with Nodes(rendezvous.Terms(4, 2, 1, 4), first=60.0) as nodes:
+        c0, t = nodes.client(0), time.monotonic()
+        why = ("node 1 was started with --worker-num 6 (node 0: 4); give every node's launcher the same "
+               "--worker-num, --local-worker-num, --worker-restarts and --min-workers")
+        with pytest.raises(rendezvous.Refused, match=re.escape(f"node 0 refused this node: {why}")):
+            _next(nodes.client(1, rendezvous.Terms(6, 2, 1, 6)))
+        assert _next(c0) == rendezvous.End(rendezvous.REFUSED_EXIT_CODE, f"node 0 refused node 1: {why}")
+        assert time.monotonic() - t < 30 and rendezvous.REFUSED_EXIT_CODE == 2
+    # once the job runs, such a launcher is refused and the job goes on without it
+    with Nodes(rendezvous.Terms(4, 2, 1, 2)) as nodes:
+        c = nodes.started(2)
+        with pytest.raises(rendezvous.Refused, match=r"node 1 was started with --worker-restarts 3 \(node 0: 1\), "
+                                                     r"--min-workers 4 \(node 0: 2\); give"):
+            _next(nodes.client(1, rendezvous.Terms(4, 2, 3, 4)))
+        _logged(nodes, "rendezvous: refused a launcher: node 1 was started with --worker-restarts 3")
+        assert c[0].stopped() is None and c[1].stopped() is None
+        for x in c:
+            x.done()
+        assert [_next(x) for x in c] == [rendezvous.End(0, "all 2 node(s) finished")] * 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_two_launchers_with_other_worker_nums_both_end_at_once_with_status_2(tmp_path, tag):
+    """The reviewer's case, with real launchers: node 0 (--worker-num 2) and node 1 (--worker-num 3), both
+    with --worker-restarts 1. Node 0 used to wait --cluster-time-out (here 120 s) for node 1; now both
+    end before any worker starts, node 0 naming node 1 and the flag."""
+    ports = ["--master-port", free_port(), "--rendezvous-port", free_port(), "--cluster-time-out", 120]
+    launches = []
+    try:
+        for node, total in ((0, 2), (1, 3)):
+            folder = tmp_path / f"node{node}"
+            folder.mkdir()
+            launches.append(Launch(folder, tag, ["--worker-num", total, "--local-worker-num", 1, "--node-rank", node,
+                                                 "--simulated-devices", 1, "--worker-restarts", 1, *ports]))
+        codes = [launch.wait(timeout=90) for launch in launches]
+        node0, node1 = launches
+        assert codes == [2, 2], (node0.stderr, node1.stderr)
+        why = "node 1 was started with --worker-num 3 (node 0: 2); give every node's launcher the same --worker-num"
+        assert f"the job ended with status 2: node 0 refused node 1: {why}" in node0.stderr, node0.stderr
+        assert f"error: node 0 refused this node: {why}" in node1.stderr, node1.stderr
+        assert "never joined" not in node0.stderr and "started rank" not in node0.stderr + node1.stderr
+    finally:
+        for launch in launches:
+            launch.close()
+
+
 def test_the_rendezvous_refuses_other_terms_and_survives_any_frame():
     with Nodes(rendezvous.Terms(4, 2, 1, 2)) as nodes:
-        with pytest.raises(rendezvous.RendezvousError, match="node 1 was started with .*'min_workers': 4.*give "
-                                                             "every node's launcher the same"):
-            _next(nodes.client(1, rendezvous.Terms(4, 2, 1, 4)))
         with pytest.raises(rendezvous.RendezvousError, match=r"node rank 5 is not in 0\.\.1"):
             _next(nodes.client(5))
         for frame in (b"\xff\xfe\n", b"[1, 2]\n", b'{"op": "fly"}\n', b'{"op": "done"}\n', b"x" * 70000,

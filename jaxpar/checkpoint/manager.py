@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import sys
 import threading
@@ -107,6 +108,18 @@ class StateSave(ocp.args.StandardSave):
 @ocp.args.register_with_handler(StateHandler, for_restore=True)
 class StateRestore(ocp.args.StandardRestore):
     """``ocp.args.StandardRestore`` of the ``state`` item (see `StateSave`)."""
+
+
+class _ReaderNote(logging.Filter):
+    """Drops orbax's "Given directory is read only" line: jaxpar opens a second, reading manager on
+    a folder it also writes (every restore of a job of several processes), and the line read as
+    if the folder could not be written."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING and str(record.msg).startswith("Given directory is read only"))
+
+
+logging.getLogger("absl").addFilter(_ReaderNote())
 
 
 def open_manager(directory: str, *, keep: int | None = None, read_only: bool = False,

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 from jaxpar.cli.common import DEFAULT_BATCH, DEFAULT_DEVICES, JOB_ERRORS, UserError, check_mesh, number, refuse
+
+# the job fields the example's flags set, as `jaxpar.job.batch.check_batch` names them
+EXAMPLE_FLAGS = {"data.batch": "--batch", "parallel.grad_accum": "--grad-accum"}
 
 
 def config_file(text: str) -> str:
@@ -54,6 +58,8 @@ def add_job_args(p: argparse.ArgumentParser, *, train: bool) -> None:
     g.add_argument("--config", type=config_file, help="YAML file with ParallelConfig fields; for train and plan "
                    "also a job file (model, data, parallel, ... sections: see docs/jobs.md)")
     g.add_argument("--mesh", help="mesh axes, e.g. data=2,model=4 (one may be -1)")
+    g.add_argument("--hosts", help="mesh axes that span hosts (two networks), e.g. data=2: data is 2 hosts x "
+                   "the rest inside a host; plan and report lay it out on this machine's devices (docs/startup.md)")
     g.add_argument("--rules", help="logical axis rules, e.g. mlp=model,heads=model,batch=data")
     g.add_argument("--mode", help="data | semi_auto | hybrid")
     g.add_argument("--remat", help="recompute policy name")
@@ -114,7 +120,7 @@ def config_of(args, devices):
     if args.rules is None and (args.mode == "data" or default_rules):
         base = dataclasses.replace(base, rules={})   # mode "data" replicates every parameter
     overrides = []
-    for flag in ("mesh", "rules", "mode", "remat", "optimizer", "pipeline", "grad_accum"):
+    for flag in ("mesh", "hosts", "rules", "mode", "remat", "optimizer", "pipeline", "grad_accum"):
         value = getattr(args, flag)
         if value is not None:
             overrides += [f"--{flag}", str(value)]
@@ -124,16 +130,31 @@ def config_of(args, devices):
     return config
 
 
-def resolve_job(args, logging=None):
+def on_this_machine(config):
+    """``config`` as the devices of this process lay it out: with ``hosts`` that do not multiply to
+    the processes there are (a two-host layout planned on the simulated devices of one), the same
+    mesh on one host. A layout's specs and memory do not depend on which devices share a host."""
+    import jax
+
+    if not config.hosts or math.prod(config.hosts.values()) == jax.process_count():
+        return config
+    return dataclasses.replace(config, hosts={})
+
+
+def resolve_job(args, logging=None, *, plan_hosts: bool = False):
     """``(JobConfig, devices)`` of the flags; a mistake in them raises `UserError` (exit 2).
-    ``logging``: the job's `jaxpar.job.config.LoggingSection` (``jaxpar train``'s watch flags)."""
+    ``logging``: the job's `jaxpar.job.config.LoggingSection` (``jaxpar train``'s watch flags).
+    ``plan_hosts`` (``plan``, ``report``): a ``hosts`` layout for more processes than this one is
+    checked on this machine's devices (`on_this_machine`); the job keeps its ``hosts``."""
+    from jaxpar.job.batch import check_batch
     from jaxpar.job.example import ExampleModel, example_job
+    from jaxpar.job.reports import mesh_sizes
 
     try:
         devices = devices_of(args)
         config = config_of(args, devices)
         where = "--mesh" if args.mesh or not args.config else f"--config {args.config!r}"
-        check_mesh(config, devices, flag=where)      # the mesh must fit the devices
+        check_mesh(on_this_machine(config) if plan_hosts else config, devices, flag=where)   # the mesh fits
         if args.embed % args.heads:
             refuse(f"--embed {args.embed} is not divisible by --heads {args.heads}; use an embed that is a "
                    f"multiple of the heads, e.g. --embed {args.heads * max(1, args.embed // args.heads)}")
@@ -141,6 +162,7 @@ def resolve_job(args, logging=None):
                              scan=args.scan)
         job = example_job(config, model, batch=args.batch or DEFAULT_BATCH, steps=getattr(args, "steps", 1),
                           lr=getattr(args, "lr", 3e-3), seed=getattr(args, "seed", 0), logging=logging)
+        check_batch(job, mesh_sizes(config, devices), names=EXAMPLE_FLAGS)     # named by the flags that set it
     except JOB_ERRORS as e:
         raise UserError(str(e)) from e
     return job, devices

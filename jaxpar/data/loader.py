@@ -77,8 +77,11 @@ class LoaderProcess:
 
     def rows(self, global_batch: int) -> slice:
         """This process's rows of a global batch of ``global_batch`` rows."""
-        return process_rows(global_batch, None if self.index is None else int(self.index),
-                            None if self.count is None else int(self.count))
+        try:
+            return process_rows(global_batch, None if self.index is None else int(self.index),
+                                None if self.count is None else int(self.count))
+        except ValueError as e:      # named as the loader's caller gave it
+            raise ValueError(str(e).replace("global_batch_size=", "global_batch=", 1)) from None
 
 
 def _former_call(arguments: dict) -> tuple[tuple, dict]:
