@@ -83,9 +83,13 @@ def test_the_search_keeps_the_tensor_axis_inside_a_host():
     assert len(tensor) == 1 and not tensor & set(job.chosen.hosts)      # weights split inside a host
     assert job.config.hosts == job.chosen.hosts and math.prod(job.config.hosts.values()) == 2
     assert "hosts " in job.explain() and job.to_dict()["chosen"]["hosts"] == job.chosen.hosts
+    # in mode auto an axis's name does not say what it carries: the label says what spans the hosts
+    (spanning,) = job.chosen.hosts
+    assert f"hosts {spanning}=2 (batch)" in job.chosen.label(), job.chosen.label()
     fitting = [o for o in job.candidates if o.memory_bytes <= 58e6]
     across = [o for o in fitting if weight_axes(o.strategy) & set(o.hosts)]
     assert across and min(o.time_s for o in across) > 1.5 * job.chosen.time_s
+    assert all("weights" in o.label() for o in across)
     # one network: no layouts, the options of before
     flat = search_job(llama, loss_fn, tokens(32, 128), space, base_config=base,
                       cost_params=dataclasses.replace(machine, inter_host_bandwidth=None), dry_run=False)

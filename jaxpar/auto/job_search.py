@@ -97,8 +97,24 @@ class JobOption:
         if self._batch_replicated():
             text += ", batch replicated"
         if self.hosts:
-            text += ", hosts " + " x ".join(f"{k}={v}" for k, v in self.hosts.items())
+            text += ", hosts " + " x ".join(f"{k}={v}{self._splits(k)}" for k, v in self.hosts.items())
         return text + (f", remat={self.remat}" if self.remat != "none" else "")
+
+    def _splits(self, axis: str) -> str:
+        """What the searched strategy splits over ``axis`` (``" (batch)"``, ``" (weights)"``, both,
+        activations only, or nothing): in mode auto an axis's name does not say which it carries, and across hosts it
+        matters (a batch axis moves gradients once a step, a weight axis activations every layer)."""
+        from jaxpar.strategy import spec_axes
+
+        def on(specs):
+            return any(axis in spec_axes(entry) for spec in specs for entry in tuple(spec))
+
+        what = [name for name, specs in (("batch", [s for _, s in self.strategy.batch]),
+                                         ("weights", [s for _, _, s, _ in self.strategy.params])) if on(specs)]
+        if not what:
+            split = any(axis in axes for _, _, axes in self.strategy.classes)
+            what = ["activations only" if split else "nothing: its devices repeat the same work"]
+        return f" ({', '.join(what)})"
 
     def _batch_replicated(self) -> bool:
         """Whether the searched strategy leaves the batch dimension unsplit on a mesh of several
@@ -307,8 +323,8 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
     params = cost_params or CostParams()
     rows = jax.tree.leaves(batch)[0].shape[0]
     shapes = [dict(m) for m in space.meshes] if space.meshes is not None else mesh_shapes(devices)
-    params.check_axes({a for m in shapes for a in m} | {"data", "model"} | ({"context"} if max(space.context) > 1 else set())
-                      | ({"pipe"} if max(space.pipeline_stages) > 1 else set()), "search_job")
+    axes = {a for m in shapes for a in m} | {"data", "model"} | ({"context"} if max(space.context) > 1 else set())
+    params.check_axes(axes | ({"pipe"} if max(space.pipeline_stages) > 1 else set()), "search_job")
     options: list[JobOption] = []
     abstract = nnx.eval_shape(model_fn)      # one model: recompute goes on its blocks from outside
     check_memory_floor(abstract, batch, devices=devices, memory_budget=memory_budget, params=params)
@@ -459,8 +475,8 @@ def _strategies(graph, loss_fn, batch, base, shape, search_name, params, memory_
     cfg = dataclasses.replace(base, mesh=shape, mode="auto", search=search_name, rules={}, grad_accum=1)
     found = {}
     for budget in (None, memory_budget, 0.0):
-        s = search(None, loss_fn, batch, cfg, shape, cost_params=params.only(shape), memory_budget=budget, graph=graph,
-                   runs=runs)
+        s = search(None, loss_fn, batch, cfg, shape, cost_params=params.only(shape), memory_budget=budget,
+                   graph=graph, runs=runs)
         found[tuple(a for _, _, a in s.classes)] = s
     return list(found.values())
 

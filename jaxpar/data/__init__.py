@@ -22,5 +22,5 @@ from jaxpar.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tr
 
 __all__ = ["BatchLayout", "ByteTokenizer", "HFTokenizer", "LoaderProcess", "ProcessShards", "ShardDamage",
            "TokenLoader", "TokenStore", "batch_axes", "batch_shardings", "batch_specs", "check_process_rows",
-           "check_processes_agree", "check_rows", "leaf_spec", "load_tokenizer", "mesh_process_shards", "part_shapes", "place_batch", "prepare",
-           "process_shards", "process_view", "split_rows", "step_parts", "train_tokenizer", "verify_store"]
+           "check_processes_agree", "check_rows", "leaf_spec", "load_tokenizer", "mesh_process_shards", "part_shapes",
+           "place_batch", "prepare", "process_shards", "process_view", "split_rows", "step_parts", "train_tokenizer", "verify_store"]
