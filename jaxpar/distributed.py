@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxpar.launch.cluster import ClusterError, ClusterSpec, detect_cluster, split_address
 from jaxpar.launch.ports import BIND_ADDRESS, coordinator_bind_address, port_problem
-from jaxpar.launch.sources import COORDINATOR_ADDRESS
+from jaxpar.launch.sources import COORDINATOR_ADDRESS, NUM_PROCESSES
 
 SIMULATED_DEVICES = "JAXPAR_SIMULATED_DEVICES"
 CLUSTER_TIMEOUT = "JAXPAR_CLUSTER_TIMEOUT"
@@ -31,6 +31,8 @@ LAUNCH_RUN_DIR = "JAXPAR_LAUNCH_RUN_DIR"
 DEFAULT_TIMEOUT = 600.0
 JOIN_TIMEOUT_EXIT_CODE = 124
 """Exit status of a process that gave up waiting for the cluster (as GNU ``timeout``)."""
+MISCONFIGURED_EXIT_CODE = 2
+"""Exit status of a process whose coordinator formed a job of another size than it was started for."""
 
 # The one piece of process state: the spec this process joined with. jax.distributed is
 # itself process-global, so this mirrors it rather than adding a new kind of state.
@@ -227,9 +229,24 @@ def initialize(
         _mark(spec, "waiting")
         _connect(spec, wait, bind_address)
         sys.excepthook = _exit_on_uncaught(sys.excepthook)
+        _check_formed(spec)
         _mark(spec, "joined")
     _joined = spec
     return spec
+
+
+def _check_formed(spec: ClusterSpec) -> None:
+    """The job the coordinator formed has the processes this one was started for: launchers of
+    several nodes given different ``--worker-num`` each start their ranks, and a rank told of
+    more processes than process 0 was joins a smaller job (and would train in it, or wait)."""
+    formed = jax.process_count()
+    if formed != spec.num_processes:        # a misconfigured job, as a cluster that never forms: leave
+        sys.stderr.write(f"jaxpar: process {spec.process_id} was started for a job of {spec.num_processes} "
+                         f"processes (--worker-num / {NUM_PROCESSES}), but the coordinator at "
+                         f"{spec.coordinator_address} formed a job of {formed}: give every node's launcher the same "
+                         "--worker-num (and --local-worker-num), then start the job again.\n")
+        sys.stderr.flush()
+        os._exit(MISCONFIGURED_EXIT_CODE)
 
 
 def _options(simulated_devices: int | None, timeout: float | None) -> tuple[int | None, float]:

@@ -3,6 +3,7 @@
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -48,6 +49,8 @@ def test_msrun_spellings():
     ({"worker_num": 4, "local_worker_num": 2, "node_rank": 2}, "--worker-num >= 6"),
     ({"master_port": 70000}, "master_port=70000"),
     ({"cluster_time_out": -1.0}, "cluster_time_out=-1.0"),
+    # each worker got the simulated CPU devices, and --devices-per-worker (accelerators) said nothing
+    ({"simulated_devices": 2, "devices_per_worker": 4}, "simulated_devices=2 with devices_per_worker=4"),
 ])
 def test_bad_configs(kw, words):
     with pytest.raises(ValueError) as err:
@@ -57,13 +60,16 @@ def test_bad_configs(kw, words):
 
 def test_worker_env():
     config = LaunchConfig(worker_num=4, local_worker_num=2, node_rank=1, master_port=9000,
-                          simulated_devices=2, devices_per_worker=2, cluster_time_out=7)
+                          simulated_devices=2, cluster_time_out=7)
     env = worker_env(config, 3, "/run", {"SLURM_PROCID": "1", "KEEP": "x"})
     assert env["JAXPAR_COORDINATOR_ADDRESS"] == "127.0.0.1:9000"
     assert (env["JAXPAR_NUM_PROCESSES"], env["JAXPAR_PROCESS_ID"]) == ("4", "3")
-    assert env["JAXPAR_LOCAL_PROCESS_ID"] == "1" and env["JAXPAR_LOCAL_DEVICE_IDS"] == "2,3"
+    assert env["JAXPAR_LOCAL_PROCESS_ID"] == "1" and "JAXPAR_LOCAL_DEVICE_IDS" not in env
     assert env["JAXPAR_SIMULATED_DEVICES"] == "2" and env["JAXPAR_CLUSTER_TIMEOUT"] == "7"
     assert env["JAXPAR_CLUSTER_SOURCE"] == "env" and env["KEEP"] == "x"
+    config = LaunchConfig(worker_num=4, local_worker_num=2, node_rank=1, devices_per_worker=2)
+    env = worker_env(config, 3, "/run", {})
+    assert env["JAXPAR_LOCAL_DEVICE_IDS"] == "2,3" and "JAXPAR_SIMULATED_DEVICES" not in env
 
 
 def test_worker_command():
@@ -103,6 +109,10 @@ def test_bind_address_and_exit_time_out():
     (["--master-addr", "no-such-host.invalid"], "no-such-host.invalid does not resolve to an address"),
     (["--log-dir", "/proc/no/such"], "--log-dir '/proc/no/such' cannot be created"),
     (["--log-dir", __file__], "is a file, not a folder"),
+    (["--devices-per-worker", "4", "--simulated-devices", "2"],
+     "--simulated-devices 2 gives each worker 2 CPU devices, --devices-per-worker 4 picks accelerators i*4..i*4+3 "
+     "for worker i; a worker runs on one or the other. On a CPU machine drop --devices-per-worker; on an "
+     "accelerator node drop --simulated-devices."),
 ])
 def test_bad_launch_flags_exit_2(tmp_path, argv, words):
     result = subprocess.run(
@@ -202,3 +212,62 @@ def test_a_failure_report_quotes_this_run_not_an_earlier_one_in_the_same_log_fol
     log.write_text("Traceback (most recent call last):\nSyntaxError: invalid syntax\n")
     assert run("import os; os._exit(3)").tail() == []
     assert run("print('step 3 failed')").tail() == ["step 3 failed"] and "SyntaxError" in log.read_text()
+
+
+def test_a_missing_script_names_only_the_script(capsys):
+    """Without a script the error said "the following arguments are required: script, script_args",
+    though a script may take no arguments."""
+    from jaxpar.cli import main
+
+    assert main(["launch", "--worker-num", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "the following arguments are required: script (" in err and "script_args" not in err, err
+
+
+def _launch_here(tmp_path, capsys, body, args=(), **kw):
+    """``launch`` in this process on a tiny script (no JAX): (status, the launcher's messages)."""
+    from jaxpar.launch import launch
+    from jaxpar.launch.ports import free_port
+
+    script = tmp_path / "script.py"
+    script.write_text(body)
+    config = LaunchConfig(log_dir=str(tmp_path / "logs"), master_port=free_port(), cluster_time_out=60, **kw)
+    code = launch(config, str(script), list(args))
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_a_restart_without_servers_says_none_and_the_command_can_be_pasted(tmp_path, capsys):
+    """A one-node restart logged "...; the servers keep running" with no --servers; the worker command
+    was joined with spaces (``--mesh {"data": 8}``), which a shell splits otherwise."""
+    body = "import os, sys\nsys.exit(3 if os.environ['JAXPAR_WORKER_RESTART'] == '0' else 0)\n"
+    code, err = _launch_here(tmp_path, capsys, body, ["--mesh", '{"data": 8}'], worker_num=1, local_worker_num=1,
+                             worker_restarts=1)
+    assert code == 0, err
+    assert "restarting the worker group (1 of 1, --worker-restarts)\n" in err, err
+    assert "the servers keep running" not in err, err
+    command = worker_command(str(tmp_path / "script.py"), ["--mesh", '{"data": 8}'])
+    assert f": {shlex.join(command)}\n" in err and """--mesh '{"data": 8}'""" in err, err
+    assert shlex.split(shlex.join(command)) == command
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("node_rank", [0, 1])
+def test_ranks_stopped_by_a_collective_on_one_node_are_not_sent_to_other_nodes(tmp_path, capsys, node_rank):
+    """Every rank died of a peer-failure error (a gloo time-out: ranks that ran different collectives),
+    none on its own. On a one-node job the launcher sent the user to "the other nodes' launcher logs",
+    which do not exist; on several nodes it still does."""
+    body = "raise RuntimeError('Gloo: Timed out waiting 30000ms for recv operation to complete')\n"
+    kw = dict(worker_num=2, local_worker_num=2) if node_rank == 0 else \
+        dict(worker_num=4, local_worker_num=2, node_rank=1)
+    code, err = _launch_here(tmp_path, capsys, body, **kw)
+    assert code == 1, err
+    if node_rank == 0:
+        assert "other nodes" not in err, err
+        assert "but no rank failed on its own (all 2 run on this node): a collective failed or timed out under " \
+               "them. Ranks that run different collectives, or different numbers of them" in err, err
+        assert f"compare where each rank's log ends: {tmp_path / 'logs' / 'worker_<rank>.log'}." in err, err
+    else:
+        assert "no rank of this node failed on its own: look at the other nodes' launcher logs" in err, err

@@ -258,6 +258,29 @@ def test_two_launchers_with_other_worker_nums_both_end_at_once_with_status_2(tmp
             launch.close()
 
 
+def test_without_restarts_a_rank_started_for_another_job_size_leaves_naming_both(tmp_path, tag):
+    """Without --worker-restarts the launchers never meet: node 1 (--worker-num 3) started its rank,
+    which joined node 0's coordinator of 2 processes, and the two trained as a job of 2 while
+    the rank believed in 3. Now the rank sees the job the coordinator formed and leaves at once,
+    with status 2 and both sizes (`jaxpar.distributed.initialize`)."""
+    ports = ["--master-port", free_port(), "--cluster-time-out", 60]
+    launches = []
+    try:
+        for node, total in ((0, 2), (1, 3)):
+            folder = tmp_path / f"node{node}"
+            folder.mkdir()
+            launches.append(Launch(folder, tag, ["--worker-num", total, "--local-worker-num", 1, "--node-rank", node,
+                                                 "--simulated-devices", 1, *ports], ["--steps", 3]))
+        node1 = launches[1]
+        assert node1.wait(timeout=90) == 2, node1.stderr
+        assert ("process 1 was started for a job of 3 processes (--worker-num / JAXPAR_NUM_PROCESSES), but the "
+                "coordinator at") in node1.stderr and "formed a job of 2" in node1.stderr, node1.stderr
+        assert "Traceback" not in node1.stderr
+    finally:
+        for launch in launches:
+            launch.close()
+
+
 def test_the_rendezvous_refuses_other_terms_and_survives_any_frame():
     with Nodes(rendezvous.Terms(4, 2, 1, 2)) as nodes:
         with pytest.raises(rendezvous.RendezvousError, match=r"node rank 5 is not in 0\.\.1"):

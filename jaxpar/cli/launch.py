@@ -59,9 +59,9 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "--cluster-time-out", type=float, default=d.cluster_time_out,
           help="seconds to wait for all workers to join (default %(default)s)")
     _flag(p, "--simulated-devices", type=int, default=None, metavar="K",
-          help="K CPU devices per process (CPU machines)")
+          help="K CPU devices per process (CPU machines; not with --devices-per-worker)")
     _flag(p, "--devices-per-worker", type=int, default=None, metavar="D",
-          help="give local worker i accelerators i*D..i*D+D-1")
+          help="give local worker i accelerators i*D..i*D+D-1 (not with --simulated-devices)")
     _flag(p, "--kill-time-out", type=float, default=d.kill_time_out,
           help="on Ctrl-C/SIGTERM: seconds between SIGTERM and SIGKILL to the workers "
                "(default %(default)s)")
@@ -83,7 +83,9 @@ def _add_launch_arguments(p: argparse.ArgumentParser) -> None:
                "(default %(default)s)")
     _add_server_arguments(p, d)
     p.add_argument("script", help="Python script (or executable) each worker runs")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    # argparse counts a REMAINDER positional as required, and named it in "the following arguments are
+    # required: script, script_args" when the script was missing; the script may take no arguments
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script").required = False
 
 
 def _add_server_arguments(p: argparse.ArgumentParser, d: launcher.LaunchConfig) -> None:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -89,9 +90,11 @@ class LaunchConfig:
     cluster_time_out: float = 600.0
     """Seconds every worker waits for all the others to join before it gives up."""
     simulated_devices: int | None = None
-    """On CPU machines: this many CPU devices in each worker (``JAXPAR_SIMULATED_DEVICES``)."""
+    """On CPU machines: this many CPU devices in each worker (``JAXPAR_SIMULATED_DEVICES``); not with
+    ``devices_per_worker``."""
     devices_per_worker: int | None = None
-    """Give worker ``i`` of this node accelerators ``i*d .. i*d + d - 1`` (several workers a node)."""
+    """Give worker ``i`` of this node accelerators ``i*d .. i*d + d - 1`` (several workers a node);
+    not with ``simulated_devices``."""
     kill_time_out: float = 10.0
     """Seconds between SIGTERM and SIGKILL when the launcher is interrupted."""
     exit_time_out: float = 10.0
@@ -142,6 +145,16 @@ class LaunchConfig:
         for name in ("simulated_devices", "devices_per_worker"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name), "--" + name.replace("_", "-"))
+        if self.simulated_devices is not None and self.devices_per_worker is not None:
+            # simulated devices are CPU devices (JAX_PLATFORMS=cpu); the device ids pick accelerators,
+            # which a CPU worker never uses: each worker got K devices and D said nothing
+            raise ValueError(
+                f"simulated_devices={self.simulated_devices} with devices_per_worker={self.devices_per_worker}: "
+                f"--simulated-devices {self.simulated_devices} gives each worker {self.simulated_devices} CPU "
+                f"devices, --devices-per-worker {self.devices_per_worker} picks accelerators "
+                f"i*{self.devices_per_worker}..i*{self.devices_per_worker}+{self.devices_per_worker - 1} for "
+                "worker i; a worker runs on one or the other. On a CPU machine drop --devices-per-worker; on "
+                "an accelerator node drop --simulated-devices.")
         if not isinstance(self.master_addr, str) or not self.master_addr.strip() or \
                 any(c.isspace() or c in "/[]" for c in self.master_addr):
             raise ValueError(f"master_addr={self.master_addr!r} must be the host name or IP of rank 0's node, "
@@ -393,7 +406,7 @@ def _start(config, command, run_dir, log, workers: list[Worker], extra_env: dict
 
 def _run(config, command, run_dir, log, signals, echo, lock) -> int:
     log(f"node {config.node_rank}: ranks {config.ranks.start}..{config.ranks.stop - 1} of "
-        f"{config.worker_num}, coordinator {config.coordinator_address}: {' '.join(command)}")
+        f"{config.worker_num}, coordinator {config.coordinator_address}: {shlex.join(command)}")
     workers: list[Worker] = []
     pool, server_env = servers.pool_for(config, os.environ, log)
     try:
@@ -413,8 +426,8 @@ def _run(config, command, run_dir, log, signals, echo, lock) -> int:
             if not worker_failed or restart == config.worker_restarts:
                 return code
             restart += 1
-            log(f"restarting the worker group ({restart} of {config.worker_restarts}, "
-                "--worker-restarts); the servers keep running")
+            log(f"restarting the worker group ({restart} of {config.worker_restarts}, --worker-restarts)"
+                + ("; the servers keep running" if pool is not None else ""))
             _clear_group(workers, run_dir)
     finally:
         stop_all(workers, 0.0)  # normally all have ended: this reaps them and their children
@@ -472,7 +485,7 @@ def _run_elastic(node: _NodeRun) -> int:
         if node.signals.received is not None:
             return 128 + node.signals.received
         log(f"error: {err}")
-        return 1
+        return rendezvous.REFUSED_EXIT_CODE if isinstance(err, rendezvous.Refused) else 1
     finally:
         if server is not None:
             server.end(1, "node 0's launcher stopped (see its log)")     # nothing if the job has ended
@@ -654,9 +667,15 @@ def _failed(config, workers, run_dir: str, log) -> int:
         return JOIN_TIMEOUT_EXIT_CODE
     log(f"error: rank {root.rank} (pid {failed.pid}) {root.describe()}, the first rank to "
         f"fail; its log: {failed.log_path}")
-    if root.consequence:
+    if root.consequence and config.worker_num > config.local_worker_num:
         log(f"rank {root.rank}'s error says a peer failed, and no rank of this node failed on "
             "its own: look at the other nodes' launcher logs for the first failure.")
+    elif root.consequence:     # one node: every rank is here, and none failed on its own
+        log(f"rank {root.rank}'s error says a peer failed, but no rank failed on its own (all "
+            f"{config.worker_num} run on this node): a collective failed or timed out under them. Ranks "
+            "that run different collectives, or different numbers of them (a step, an eval or a save "
+            "that only some ranks run), wait for each other until one gives up; compare where each "
+            f"rank's log ends: {os.path.join(config.log_dir, 'worker_<rank>.log')}.")
     _report_others(root, ended, log)
     tail = failed.tail()
     if tail:

@@ -7,7 +7,10 @@ launcher killed, its host lost) must not hold the others forever. Node 0's launc
 serves a small *rendezvous* (torchrun's elastic agent plays this part for PyTorch), and every
 launcher, node 0's included, is its client:
 
-1. each launcher **joins** generation ``g`` (0 at first) and waits;
+1. each launcher **joins** generation ``g`` (0 at first) and waits; one whose ``--worker-num``,
+   ``--local-worker-num``, ``--worker-restarts`` or ``--min-workers`` differ from node 0's is
+   **refused**, and before the first group starts that ends the job on every node at once
+   (status 2, naming the flags), rather than after ``--cluster-time-out``;
 2. when every node of the last group has joined (a node that came back while they gathered
    joins too) — or, after a failure, when
    ``--rejoin-time-out`` seconds have passed and the nodes that came back hold at least
@@ -51,6 +54,9 @@ HEARTBEAT_TIME_OUT = 15.0
 """Seconds of silence after which node 0 counts a node as lost (a host that lost power sends no FIN)."""
 MAX_LINE = 64 * 1024
 """Longest line the rendezvous reads; a longer one closes the connection."""
+REFUSED_EXIT_CODE = 2
+"""Status of every launcher when node 0 refuses a node's launcher before the first group starts (its
+flags differ from node 0's): a mistake in how the job was started, as a bad flag is."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +103,18 @@ class Stop:
 
 class RendezvousError(RuntimeError):
     """The rendezvous refused this node or could not be reached; the message says why."""
+
+
+class Refused(RendezvousError):
+    """Node 0 refused this node's launcher (other flags than node 0's, or another launcher took its
+    ``--node-rank``): a mistake in how the launchers were started (exit status 2)."""
+
+
+def _differences(theirs: dict, ours: dict) -> str:
+    """``--worker-num 3 (node 0: 2), ...``: the terms in which a node's launcher differs from node 0's."""
+    defaults = theirs["min_workers"] == theirs["worker_num"] and ours["min_workers"] == ours["worker_num"]
+    return ", ".join(f"--{name.replace('_', '-')} {theirs[name]} (node 0: {ours[name]})" for name in ours
+                     if theirs[name] != ours[name] and not (name == "min_workers" and defaults))
 
 
 def _send(sock: socket.socket, lock: threading.Lock, message: dict) -> bool:
@@ -219,19 +237,27 @@ class Server:
 
     def _join(self, message: dict, sock, lock) -> int | None:
         node = message.get("node")
-        theirs = message.get("terms")
+        theirs, ours = message.get("terms"), dataclasses.asdict(self.terms)
+        # terms a launcher sent (not a stray frame) that differ: a launcher of this job started with other flags
+        mismatch = isinstance(theirs, dict) and theirs.keys() == ours.keys() and theirs != ours
+        in_range = isinstance(node, int) and not isinstance(node, bool) and 0 <= node < self.terms.nodes
         refuse = None
-        if not isinstance(node, int) or isinstance(node, bool) or not 0 <= node < self.terms.nodes:
+        if mismatch or (in_range and theirs != ours):
+            refuse = f"node {node} was started with {_differences(theirs, ours) if mismatch else theirs}; " \
+                     "give every node's launcher the same --worker-num, --local-worker-num, --worker-restarts " \
+                     "and --min-workers"
+        elif not in_range:
             refuse = f"node rank {node!r} is not in 0..{self.terms.nodes - 1} (--node-rank)"
-        elif theirs != dataclasses.asdict(self.terms):
-            refuse = (f"node {node} was started with {theirs}, node 0 with {dataclasses.asdict(self.terms)}; "
-                      "give every node's launcher the same --worker-num, --local-worker-num, --worker-restarts "
-                      "and --min-workers")
         with self._cond:
             if refuse is not None:
                 _send(sock, lock, {"op": "refused", "reason": refuse})
-                self.log(f"rendezvous: refused a launcher: {refuse}")
                 sock.close()
+                if mismatch and self._end is None and self._generation == 0 and self._phase == "gathering":
+                    # the first group cannot form without that node: end the job now on every node, not
+                    # after --cluster-time-out with "never joined"
+                    self._finish(End(REFUSED_EXIT_CODE, f"node 0 refused node {node}: {refuse}"))
+                else:
+                    self.log(f"rendezvous: refused a launcher: {refuse}")
                 return None
             if node in self._conns:        # a restarted launcher, before its old connection timed out
                 self.log(f"rendezvous: node {node} joined again on a new connection; the old one is closed")
@@ -460,7 +486,7 @@ class Client:
                 while self._inbox:
                     message = self._inbox.pop(0)
                     if message["op"] == "refused":
-                        raise RendezvousError(f"node 0 refused this node: {message.get('reason')}")
+                        raise Refused(f"node 0 refused this node: {message.get('reason')}")
                     if message["op"] in ops and (message["op"] != "stop"
                                                  or message.get("generation", 0) > self.generation):
                         return message
