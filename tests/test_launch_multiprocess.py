@@ -234,7 +234,8 @@ def test_each_process_feeds_its_own_rows(launches, tmp_path, tag):
     {"data": 8} (fit; place, step, lower), ZeRO-3, ZeRO-3 x grad_accum=2, and {"model": 2,
     "data": 4} with a process's devices along model or along data, each with evaluate: the
     losses of one device on the same global batches. 3 rows a process are refused by name, and so
-    are 8 (or 6) rows on process 0 beside 4 on the others."""
+    are 8 (or 6) rows on process 0 beside 4 on the others, and own rows given to a Trainer that
+    takes the whole global batch on every process."""
     from workers.per_host_worker import CELLS
 
     run = launch(launches, tmp_path, tag, 4, 4, 2, script="per_host_worker.py")
@@ -258,3 +259,7 @@ def test_each_process_feeds_its_own_rows(launches, tmp_path, tag):
         said = result["refusals"][what]
         assert said and said.startswith("Trainer: batch['x']: the processes feed different numbers of their own "
                                         f"rows (process 0: {rows}, process 1: 4, process 2: 4, process 3: 4)"), said
+    # Placement(global_batch=True) given each process's own rows (a global batch of mixed rows)
+    said = result["refusals"]["global_batch_own_rows"]
+    assert said and said.startswith("Trainer: Placement(global_batch=True) takes the whole global batch on every "
+                                    "process, but process(es) [1, 2, 3] passed other values than process 0"), said

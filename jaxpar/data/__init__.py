@@ -13,8 +13,8 @@ whose rows it reads), tokenizers.
 
 from jaxpar.data.layout import (BatchLayout, batch_axes, batch_shardings, batch_specs, check_rows, leaf_spec,
                                 part_shapes, place_batch, process_view, split_rows, step_parts)
-from jaxpar.data.processes import (ProcessShards, check_process_rows, check_processes_agree, mesh_process_shards,
-                                   process_shards)
+from jaxpar.data.processes import (ProcessShards, check_process_rows, check_processes_agree, check_processes_same,
+                                   mesh_process_shards, process_shards)
 # Token datasets (after the batch layout, which jaxpar.plan imports without them).
 from jaxpar.data.loader import LoaderProcess, TokenLoader  # noqa: E402
 from jaxpar.data.store import ShardDamage, TokenStore, prepare, verify_store  # noqa: E402
@@ -22,5 +22,5 @@ from jaxpar.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, tr
 
 __all__ = ["BatchLayout", "ByteTokenizer", "HFTokenizer", "LoaderProcess", "ProcessShards", "ShardDamage",
            "TokenLoader", "TokenStore", "batch_axes", "batch_shardings", "batch_specs", "check_process_rows",
-           "check_processes_agree", "check_rows", "leaf_spec", "load_tokenizer", "mesh_process_shards", "part_shapes",
+           "check_processes_agree", "check_processes_same", "check_rows", "leaf_spec", "load_tokenizer", "mesh_process_shards", "part_shapes",
            "place_batch", "prepare", "process_shards", "process_view", "split_rows", "step_parts", "train_tokenizer", "verify_store"]

@@ -176,3 +176,29 @@ def check_processes_agree(batch, where: str) -> None:
                              f"every process the same number of rows (jaxpar.distributed.process_rows(global_batch) "
                              f"is each process's slice), e.g. {max(counts)} rows each for a global batch of "
                              f"{max(counts) * procs}")
+
+
+def check_processes_same(batch, where: str) -> None:
+    """In a run of several processes each given the whole global batch
+    (``Placement(global_batch=True)``), every process must pass the same values: a digest of the
+    host leaves gathered from every process where the program for a batch shape is built (a
+    process passing its own rows instead would make each global row a mix of processes' rows,
+    without an error). Only host values are read (not ``jax.Array``s nor abstract shapes)."""
+    import hashlib
+
+    from jax.experimental import multihost_utils
+
+    digest = hashlib.sha256()
+    for x in jax.tree.leaves(batch):
+        if isinstance(x, (np.ndarray, np.generic, int, float)):      # host values (not arrays, not shapes)
+            a = np.ascontiguousarray(x)
+            digest.update(f"{a.dtype}{a.shape}".encode())
+            digest.update(a.tobytes())
+    mine = np.frombuffer(digest.digest()[:16], np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+    differ = [p for p in range(len(every)) if (every[p] != every[0]).any()]
+    if differ:
+        raise ValueError(f"{where}: Placement(global_batch=True) takes the whole global batch on every process, but "
+                         f"process(es) {differ} passed other values than process 0; pass every process the same "
+                         "global batch, or feed each process its own rows with Placement(global_batch=False) (the "
+                         "default on several processes)")

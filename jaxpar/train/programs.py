@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxpar.data import check_processes_agree, place_batch, process_view
+from jaxpar.data import check_processes_agree, check_processes_same, place_batch, process_view
 from jaxpar.data.sequence import reorder_batch
 from jaxpar.executables import compiled_program, jit_on_disk
 from jaxpar.nn.specs import check_rules_used
@@ -207,6 +207,8 @@ class Programs:
         if jax.process_count() > 1 and not self.options.global_batch:
             check_processes_agree(batch, "Trainer")      # first: every process refuses alike, or none
             return process_view(self.plan.config, self.mesh, batch, training=training)
+        if jax.process_count() > 1:
+            check_processes_same(batch, "Trainer")
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)), batch)
 
     def lowered(self, state_leaves: list, batch, kind: str, platform: str | None = None) -> jax.stages.Lowered:

@@ -98,6 +98,22 @@ def refusals(trainer, mine):
     return said
 
 
+def global_refusal(config, mesh, mine):
+    """The message of a step that says each process passes the whole global batch
+    (``Placement(global_batch=True)``) and is given each process's own rows instead."""
+    import optax
+
+    import jaxpar
+
+    trainer = jaxpar.Trainer(jaxpar.init(model_fn, config, mesh), optax.sgd(0.1), loss_fn, config, mesh,
+                             placement=jaxpar.Placement(global_batch=True))
+    try:
+        trainer.step(mine(global_batches(1)[0]))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -129,6 +145,7 @@ def main():
         trainer = jaxpar.Trainer(jaxpar.init(model_fn, config, mesh), optax.sgd(0.1), loss_fn, config, mesh)
         if name == "zero3_accum2":
             results["refusals"] = refusals(trainer, mine)
+            results["refusals"]["global_batch_own_rows"] = global_refusal(config, mesh, mine)
         losses, evaluated = run(trainer, mine, use_fit=name != "data")
         results["cells"][name] = {"losses": losses, "eval": evaluated,
                                   "spec": str(trainer.place(mine(global_batches(1)[0]))["x"].sharding.spec)}
