@@ -66,7 +66,8 @@ def hybrid_devices(sizes: Mapping[str, int], hosts: Mapping[str, int], devices: 
         granules[getattr(d, key)] = granules.get(getattr(d, key), 0) + 1
     dcn = [hosts.get(a, 1) for a in sizes]
     ici = [s // h for s, h in zip(sizes.values(), dcn)]
-    unit = "slices" if by_slice else "processes (hosts)"
+    unit = ("slice" if by_slice else "process (host)") if len(granules) == 1 else \
+        ("slices" if by_slice else "processes (hosts)")
     if math.prod(dcn) != len(granules) or set(granules.values()) != {math.prod(ici)}:
         counts = sorted(set(granules.values()))
         raise ValueError(

@@ -43,6 +43,7 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "dp.yaml").write_text("mesh: {data: 8}\nrules: {batch: data}\n")
     (tmp_path / "tp.yaml").write_text("mesh: {data: 2, model: 4}\nrules: {mlp: model}\n")
     (tmp_path / "remat.yaml").write_text("mesh: {data: 8}\nremat: full\n")
+    (tmp_path / "hosts.yaml").write_text("mesh: {data: 4, model: 2}\nhosts: {data: 2}\nrules: {batch: data}\n")
     (tmp_path / "afile").write_text("x")
     (tmp_path / "t.py").write_text("")                  # the script `jaxpar launch` is given
     (tmp_path / "adir").mkdir()
@@ -166,6 +167,28 @@ BAD = [
     (["plan", *DP, "--latency", "-1"], "--latency -1: out of range; expected a finite number >= 0"),
     (["plan", *DP, "--annotate", "blocks"], "--annotate 'blocks': not GLOB=SPEC"),
     (["plan", *DP, "--plan-out", "adir"], "--plan-out 'adir' is a directory"),
+    (["plan", "--inter-host-bandwidth", "1e9"], "--inter-host-bandwidth applies to --search only"),
+    (["plan", *DP, "--inter-host-bandwidth", "0"], "--inter-host-bandwidth 0: out of range"),
+    (["plan", *DP, "--inter-host-latency", "-1"], "--inter-host-latency -1: out of range"),
+    (["plan", *DP, "--devices-per-host", "0"], "--devices-per-host 0: out of range"),
+    (["plan", *DP, "--inter-host-latency", "1e-4"], "only --inter-host-bandwidth BYTES_PER_S prices"),
+    (["plan", *DP, "--inter-host-bandwidth", "1e9"], "no mesh axis spans hosts; give the layout with --hosts"),
+    (["plan", *DP, "--hosts", "data=2"], "--hosts data=2: the strategy search prices the collectives that cross "
+                                         "hosts only with the network between them; add --inter-host-bandwidth"),
+    (["plan", *DP, "--memory-budget", "1e6", "--hosts", "data=2"], "chooses which axes span hosts itself"),
+    (["plan", *DP, "--memory-budget", "1e6", "--inter-host-bandwidth", "1e9"], "needs --devices-per-host N"),
+    (["plan", *DP, "--memory-budget", "1e6", "--inter-host-bandwidth", "1e9", "--devices-per-host", "8"],
+     "--devices-per-host 8: the 8 devices the job search plans fit on one host"),
+    (["plan", *DP, "--memory-budget", "1e6", "--inter-host-bandwidth", "1e9", "--devices-per-host", "3"],
+     "do not fill hosts of 3"),
+    (["plan", *DP, "--memory-budget", "1e6", "--mesh", "x=8"], "--mesh x=8 names axes ['x']"),
+    (["plan", *DP, "--memory-budget", "1e6", "--mesh", "data=8", "--pipeline-options", "1,2"],
+     "--mesh data=8 fixes the mesh, but --pipeline-options 1,2 add meshes"),
+    (["plan", *DP, "--mesh", "data=8", "--batch", "12"], "--batch 12 does not split: each step splits it over the "
+                                                         "batch axes ('data',) (8 devices)"),
+    (["report", "--mesh", "data=8", "--batch", "12"], "multiple of 8; give --batch 16 (or 8)"),
+    (["report", "--model", "llama", "--mesh", "data=3"], "--batch 32 does not split"),
+    (["train", "--hosts", "data=3"], "hosts={'data': 3} is invalid: axis 'data' of size 2 cannot span 3 hosts"),
     (["report", "--lr", "0.1"], "--lr is for 'jaxpar train' only"),
     (["report", "--batch", "0"], "--batch 0"),
     (["report", "--json", "--config", "missing.yaml"], "--config 'missing.yaml': does not exist"),
@@ -224,14 +247,15 @@ def test_there_are_at_least_40_bad_inputs_over_every_command():
 # -- every flag changes the result or is refused ------------------------------------------------
 
 # A non-default value for every flag, per command; files are those of the `files` fixture.
-JOB = {"--config": "dp.yaml", "--mesh": "data=8", "--rules": "mlp=model", "--mode": "data", "--remat": "full",
+JOB = {"--config": "dp.yaml", "--mesh": "data=8", "--hosts": "data=2", "--rules": "mlp=model", "--mode": "data", "--remat": "full",
        "--optimizer": "level=1", "--pipeline": "stages=2,microbatches=4", "--grad-accum": "2", "--devices": "4",
        "--layers": "3", "--embed": "32", "--heads": "4", "--seq-len": "16", "--scan": None, "--batch": "16"}
 SEARCH = {"--search": "recursive_programming", "--annotate": "blocks/*/mlp/up=None,model",
           "--memory-budget": "2e6", "--zero-levels": "0,1", "--accum-options": "1", "--remat-options": "none,full",
           "--pipeline-options": "1,2", "--microbatch-options": "2", "--schedule": "gpipe", "--context-options": "1,2",
           "--context-strategies": "ulysses", "--flops": "1e9",
-          "--bandwidth": "1e9", "--latency": "1e-6"}
+          "--bandwidth": "1e9", "--latency": "1e-6", "--inter-host-bandwidth": "1e9", "--inter-host-latency": "1e-4",
+          "--devices-per-host": "4"}
 VALUES = {
     ("train",): {**JOB, "--steps": "5", "--lr": "0.01", "--seed": "1", "--log-dir": "L", "--log-every": "5",
                  "--tensorboard": None, "--profile-steps": "2:4", "--peak-flops": "1e12"},
@@ -374,6 +398,63 @@ def test_annotations_reach_the_job_search(files, recorded, capsys, monkeypatch):
     from jax.sharding import PartitionSpec
 
     assert seen["parameter_strategy"] == {"blocks/*/mlp/up": PartitionSpec(None, "model")}
+
+
+def test_the_two_network_flags_and_the_mesh_reach_the_job_search(files):
+    """--inter-host-bandwidth, --inter-host-latency and --devices-per-host become the CostParams
+    fields of the same names; --mesh (even with -1) the job search's one mesh."""
+    args = cli.make_parser().parse_args(["plan", *DP, "--memory-budget", "1e6", "--mesh", "data=-1,model=2",
+                                         "--inter-host-bandwidth", "2e9", "--inter-host-latency", "1e-4",
+                                         "--devices-per-host", "4"])
+    job, devices = jobflags.resolve_job(args, plan_hosts=True)
+    settings = plan_command.search_settings(args, job)
+    costs = settings.costs
+    assert (costs.inter_host_bandwidth, costs.inter_host_latency, costs.devices_per_host) == (2e9, 1e-4, 4)
+    assert job_search.search_space(settings, len(devices)).meshes == ({"data": 4, "model": 2},)
+
+
+def test_a_hosts_layout_is_priced_by_the_strategy_search(files, monkeypatch):
+    """plan --search --hosts data=2 --inter-host-bandwidth: built as one host on this process,
+    searched with the machine numbers placed on the layout (`CostParams.placed`)."""
+    seen = {}
+
+    def build(job, devices):
+        seen["hosts"] = dict(job.parallel.hosts)
+        return types.SimpleNamespace(mesh=types.SimpleNamespace(shape={"data": 4, "model": 2}),
+                                     trainer=types.SimpleNamespace(model=None), example_batch=lambda: {})
+
+    def search(model, loss_fn, batch, config, mesh, *, cost_params, annotate):
+        seen["costs"] = cost_params
+        raise Stop("search")
+
+    import jaxpar.auto
+
+    monkeypatch.setattr(job_run, "build", build)
+    monkeypatch.setattr(jaxpar.auto, "search", search)
+    args = cli.make_parser().parse_args(["plan", *DP, "--mesh", "data=4,model=2", "--hosts", "data=2",
+                                         "--inter-host-bandwidth", "1e9", "--inter-host-latency", "1e-3"])
+    job, devices = jobflags.resolve_job(args, plan_hosts=True)
+    with pytest.raises(Stop):
+        job_search.run_plan_search(plan_command.search_settings(args, job), job, devices)
+    costs = seen["costs"]
+    assert seen["hosts"] == {} and costs.hosts == {"data": 2} and costs.inter_host_bandwidth == 1e9
+    assert costs.latency_per_axis["data"] == 1e-3 and "model" not in costs.bandwidth    # data crosses hosts
+
+
+def test_plan_and_report_lay_a_hosts_layout_out_on_this_process(files, recorded, capsys):
+    """Two hosts on the 8 simulated devices of one process: planned as one host, with a note."""
+    for argv in (["plan", "--config", "hosts.yaml"], ["report", "--mesh", "data=4,model=2", "--hosts", "data=2"],
+                 ["report", "--config", "hosts.yaml", "--model", "llama"]):
+        try:
+            assert main(argv) == 0, capsys.readouterr().err
+        except Stop:        # at the build of the GPT's Trainer
+            pass
+        assert "note: hosts {'data': 2} (2 hosts of 4 devices) planned on this one process as one host" in capsys.readouterr().out
+        name, args, kwargs = recorded[-1]
+        config = args[0].parallel if name == "build" else args[1]
+        assert config.hosts == {} and config.mesh == {"data": 4, "model": 2}, recorded[-1]
+    assert main(["train", "--config", "hosts.yaml"]) == 2      # training needs the hosts' processes
+    assert "asks for 2 hosts of 4 devices each" in capsys.readouterr().err
 
 
 # -- output streams, --debug, help --------------------------------------------------------------

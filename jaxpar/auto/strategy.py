@@ -113,10 +113,10 @@ class Strategy:
                 o.add_row(name, specs, f"{gflop:.4g}", f"{comm:,}")
             console.print(o)
         c = self.cost
+        by_axes = ", ".join(f"{k or '-'} {v:,}" for k, v in c["comm_by_axes"].items())
         console.print(f"predicted per device: compute {c['compute_s'] * 1e3:.4g} ms, communication "
-                      f"{c['comm_s'] * 1e3:.4g} ms ({c['comm_bytes']:,} B: "
-                      + ", ".join(f"{k or '-'} {v:,}" for k, v in c["comm_by_axes"].items())
-                      + f"), step {c['time_s'] * 1e3:.4g} ms; memory: arguments {c['argument_bytes']:,} B "
+                      f"{c['comm_s'] * 1e3:.4g} ms ({c['comm_bytes']:,} B{': ' + by_axes if by_axes else ''})"
+                      f", step {c['time_s'] * 1e3:.4g} ms; memory: arguments {c['argument_bytes']:,} B "
                       f"(exact), temp ~{c['temp_bytes']:,} B; search {self.search_time_s:.3g} s")
         for note in self.notes:
             console.print(f"note: {note}")

@@ -19,7 +19,7 @@ JOB_ONLY = ("model", "data", "parallel", "train", "checkpoint", "logging", "eval
 # the example's flags -> the job field that does the same
 INSTEAD = {
     "--steps": "--train.steps", "--lr": "--optimizer.lr", "--seed": "--train.seed", "--batch": "--data.batch",
-    "--seq-len": "--data.seq_len", "--mesh": "--parallel.mesh", "--rules": "--parallel.rules",
+    "--seq-len": "--data.seq_len", "--mesh": "--parallel.mesh", "--hosts": "--parallel.hosts", "--rules": "--parallel.rules",
     "--mode": "--parallel.mode", "--remat": "--parallel.remat", "--optimizer": "--parallel.optimizer",
     "--pipeline": "--parallel.pipeline", "--grad-accum": "--parallel.grad_accum", "--layers": "--model.fields",
     "--embed": "--model.fields", "--heads": "--model.fields", "--scan": "--model.fields",

@@ -141,6 +141,17 @@ def on_this_machine(config):
     return dataclasses.replace(config, hosts={})
 
 
+def hosts_note(config, devices) -> str | None:
+    """The line ``plan`` and ``report`` print when ``config``'s hosts are laid out on this
+    process's devices (`on_this_machine`); None when they are the processes there are."""
+    if on_this_machine(config) is config:
+        return None
+    n = math.prod(config.hosts.values())
+    per = math.prod(config.mesh.values()) // n if -1 not in config.mesh.values() else len(devices) // n
+    return (f"note: hosts {dict(config.hosts)} ({n} hosts of {per} devices) planned on this one process as one "
+            "host: a layout's specs and memory do not depend on which devices share a host")
+
+
 def resolve_job(args, logging=None, *, plan_hosts: bool = False):
     """``(JobConfig, devices)`` of the flags; a mistake in them raises `UserError` (exit 2).
     ``logging``: the job's `jaxpar.job.config.LoggingSection` (``jaxpar train``'s watch flags).

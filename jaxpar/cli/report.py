@@ -6,12 +6,14 @@ or (``--model llama --size NAME``) a Llama model's FLOPs, memory per device and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
 
 from jaxpar.cli.common import DEFAULT_BATCH, JOB_ERRORS, UserError, number, print_text, refuse
-from jaxpar.cli.jobflags import add_job_args, config_of, devices_of, resolve_job
+from jaxpar.cli.jobflags import (EXAMPLE_FLAGS, add_job_args, config_of, devices_of, hosts_note, on_this_machine,
+                                 resolve_job)
 
 MODELS = ("gpt", "llama")
 _LLAMA_ONLY = ("size", "step_time", "peak_flops", "dtype", "backend")
@@ -64,17 +66,26 @@ def add_parser(sub) -> None:
 
 def llama_report(args) -> int:
     """Print the Llama report for the flags (``--json``: the JSON document alone on stdout)."""
-    from jaxpar.job.reports import llama_size_report
+    from jaxpar.job.batch import check_batch
+    from jaxpar.job.example import example_job
+    from jaxpar.job.reports import llama_size_report, mesh_sizes
 
+    batch = args.batch or DEFAULT_BATCH
     try:    # planned from mesh sizes: the mesh may be larger than this machine
         devices = devices_of(args)
         config = config_of(args, devices)
+        # the batch the flags give, named by them (a job of the same batch and layout cuts it the same way)
+        check_batch(example_job(config, batch=batch), mesh_sizes(config, devices), names=EXAMPLE_FLAGS)
     except JOB_ERRORS as e:
         raise UserError(str(e)) from e
-    report = llama_size_report(args.size or "tiny", config, devices, args.batch or DEFAULT_BATCH, dtype=args.dtype,
+    tables = sys.stderr if args.json else sys.stdout
+    note = hosts_note(config, devices)
+    if note:
+        print_text(note, file=tables)
+    # the estimate does not read hosts; the compiled step is laid out on this process's devices
+    report = llama_size_report(args.size or "tiny", on_this_machine(config), devices, batch, dtype=args.dtype,
                                seq_len=args.seq_len, step_time=args.step_time, peak_flops=args.peak_flops,
                                backend=args.backend)
-    tables = sys.stderr if args.json else sys.stdout
     print_text(report.format(), file=tables)
     if config.context is not None:
         _print_balance(config, report.seq_len, tables)
@@ -91,6 +102,33 @@ def _print_balance(config, seq_len: int, file) -> None:
 
     cp = math.prod(config.mesh[a] for a in config.context.axes)
     print_text(describe_balance(seq_len, cp), file=file)
+
+
+def host_of_positions(hosts, sizes) -> list[int]:
+    """The host of each device position of a mesh of ``sizes`` whose axes span ``hosts``, as
+    `jaxpar.make_mesh` lays them out (each axis: ``hosts[a]`` blocks of ``sizes[a] / hosts[a]``
+    devices of one host), in the order of ``mesh.devices.flat``.
+
+    >>> host_of_positions({"data": 2}, {"data": 4, "model": 2})
+    [0, 0, 0, 0, 1, 1, 1, 1]
+    """
+    import numpy as np
+
+    dcn = [hosts.get(a, 1) for a in sizes]
+    ici = [n // h for n, h in zip(sizes.values(), dcn)]
+    index = np.indices(list(sizes.values())).reshape(len(sizes), -1)
+    return np.ravel_multi_index(tuple(i // c for i, c in zip(index, ici)), dcn).tolist()
+
+
+def _simulated_hosts_report(built, hosts):
+    """`jaxpar.report.step_report` of a step compiled on this process's devices, its collectives
+    placed on the hosts the layout ``hosts`` gives each device position."""
+    from jaxpar.report import StepReport, collectives, flops, memory, param_table
+
+    compiled = built.trainer.lower(built.example_batch()).compile()
+    mesh = built.trainer.mesh
+    return StepReport(memory(compiled), collectives(compiled, mesh, hosts=host_of_positions(hosts, dict(mesh.shape))),
+                      flops(compiled), param_table(built.trainer))
 
 
 def refuse_job_file(args) -> None:
@@ -123,11 +161,17 @@ def cmd_report(args) -> int:
     check_model_report_flags(args)
     if args.model == "llama":
         return llama_report(args)
-    job, devices = resolve_job(args)
-    built = run.build(job, devices=devices)
-    report = step_report(built.trainer, built.example_batch())
+    job, devices = resolve_job(args, plan_hosts=True)
     # With --json, stdout holds the JSON document alone (so it can be piped); tables go to stderr.
     tables = sys.stderr if args.json else sys.stdout
+    note = hosts_note(job.parallel, devices)
+    if note:
+        print_text(note + "; the collectives that cross hosts are read from the device positions", file=tables)
+    built = run.build(dataclasses.replace(job, parallel=on_this_machine(job.parallel)), devices=devices)
+    if note:
+        report = _simulated_hosts_report(built, job.parallel.hosts)
+    else:
+        report = step_report(built.trainer, built.example_batch())
     print_text(report.format(), file=tables)
     config = job.parallel
     if config.pipeline.stages > 1:

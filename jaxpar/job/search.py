@@ -54,17 +54,21 @@ class SearchSettings:
     context_strategies: tuple = DEFAULT_CONTEXT_STRATEGIES
     costs: Any = None                  # jaxpar.auto.CostParams
     plan_out: str | None = None
+    meshes: tuple | None = None        # the job search's mesh shapes (None: every data x model shape)
 
 
 def search_space(s: SearchSettings, devices: int):
     """The `jaxpar.auto.JobSearchSpace` of the CLI's option lists (checked as it is built, so a
     wrong list is refused before the job's model is built)."""
     from jaxpar.auto import JobSearchSpace
+    from jaxpar.mesh import resolve_axes
 
+    meshes = None if s.meshes is None else [resolve_axes(m, devices) if -1 in m.values() else dict(m)
+                                            for m in s.meshes]
     return JobSearchSpace(devices=devices, memory_budget=s.memory_budget, search_name=s.search,
                           zero_levels=s.zero_levels, grad_accum=s.accum, remat=s.remat, pipeline_stages=s.stages,
                           microbatches=s.microbatches, schedule=s.schedule, context=s.context,
-                          context_strategy=s.context_strategies)
+                          context_strategy=s.context_strategies, meshes=meshes)
 
 
 def _search_job(s: SearchSettings, job: JobConfig, space, batch):
@@ -136,15 +140,25 @@ def _save_job(plan_out: str, found) -> None:
 
 def run_plan_search(s: SearchSettings, job: JobConfig, devices) -> int:
     """Search a strategy (or the whole job within ``memory_budget``) on ``devices``, print the
-    table, save it."""
-    from jaxpar.auto import search
+    table, save it. A ``hosts`` layout of more processes than this one (planned on its simulated
+    devices) is built as one host and priced with ``s.costs`` placed on it (`CostParams.placed`)."""
+    import math
+
+    import jax
+
+    from jaxpar.auto import CostParams, search
     from jaxpar.job.run import build
     from jaxpar.models.gpt import loss_fn
 
     space = search_space(s, len(devices)) if s.memory_budget is not None else None
     if space is not None:
         _check_budget(s, job, len(devices))
+    hosts = dict(job.parallel.hosts)
+    if hosts and math.prod(hosts.values()) != jax.process_count():
+        job = dataclasses.replace(job, parallel=dataclasses.replace(job.parallel, hosts={}))
     built = build(job, devices=devices)
+    if hosts:
+        s = dataclasses.replace(s, costs=(s.costs or CostParams()).placed(hosts, dict(built.mesh.shape)))
     batch = built.example_batch()
     if space is not None:
         found = _search_job(s, job, space, batch)

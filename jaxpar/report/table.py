@@ -38,7 +38,8 @@ def format_collectives(cols: Iterable[Collective], *, width: int = 120) -> str:
     two = bool(cols) and summary["inter_host_bytes"] is not None and any((c.num_hosts or 1) > 1 for c in cols)
     title = f"collectives: {summary['count']}"
     if two:
-        title += (f" ({summary['crossing_hosts']['count']} cross hosts: "
+        crossing = summary["crossing_hosts"]["count"]
+        title += (f" ({crossing} {'crosses' if crossing == 1 else 'cross'} hosts: "
                   f"{format_bytes(summary['inter_host_bytes'])} between hosts, "
                   f"{format_bytes(summary['intra_host_bytes'])} inside)")
     table = Table(box=box.ASCII, title=title, title_justify="left")
