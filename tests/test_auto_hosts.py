@@ -94,3 +94,30 @@ def test_the_search_keeps_the_tensor_axis_inside_a_host():
     flat = search_job(llama, loss_fn, tokens(32, 128), space, base_config=base,
                       cost_params=dataclasses.replace(machine, inter_host_bandwidth=None), dry_run=False)
     assert all(o.hosts is None for o in flat.candidates) and flat.config.hosts == {}
+
+
+def test_an_option_label_says_what_each_axis_spanning_hosts_carries():
+    """In mode auto an axis's name says nothing of what it carries: the label names it for each
+    axis that spans hosts -- the batch, weights, ZeRO's shards, pipeline stages, the sequence,
+    activations only, or nothing (its devices then repeat the same work)."""
+    import types
+
+    from jax.sharding import PartitionSpec as P
+
+    from jaxpar.auto.job_search import JobOption
+
+    def label(mesh, hosts, batch=P(), weights=P(), classes=(), **kw):
+        strategy = types.SimpleNamespace(mesh=mesh, batch=(("x", batch),), params=(("w", (8, 8), weights, 64),),
+                                         classes=classes)
+        return JobOption(mesh=mesh, grad_accum=1, strategy=strategy, time_s=1.0, argument_bytes=0, temp_bytes=0,
+                         hosts=hosts, **{"zero": 0, **kw}).label()
+
+    two = {"data": 4, "model": 2}
+    assert "hosts data=2 (batch)" in label(two, {"data": 2}, batch=P("data"))
+    assert "hosts model=2 (weights)" in label(two, {"model": 2}, batch=P("data"), weights=P(None, "model"))
+    assert "hosts data=2 (batch, ZeRO-3 shards)" in label(two, {"data": 2}, batch=P("data"), zero=3)
+    assert "hosts pipe=2 (stages)" in label({"pipe": 2, "data": 4}, {"pipe": 2}, batch=P("data"),
+                                            pipeline={"schedule": "1f1b", "microbatches": 4})
+    assert "hosts model=2 (activations only)" in label(two, {"model": 2}, batch=P("data"),
+                                                       classes=(("c1", 8, ("model",)),))
+    assert "hosts model=2 (nothing: its devices repeat the same work)" in label(two, {"model": 2}, batch=P("data"))

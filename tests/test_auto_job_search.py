@@ -397,6 +397,7 @@ def test_machine_numbers_per_axis_are_checked():
                          (dict(latency_per_axis={"data": -1}), r"latency_per_axis=.* is invalid .*seconds >= 0")):
         with pytest.raises(ValueError, match=message):
             CostParams(**bad)
+    assert CostParams(bandwidth={"model": np.float32(1e9)}, latency_per_axis={"data": np.int64(0)}).bandwidth
     batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
     typo = CostParams(bandwidth={"modle": 1e9})
     with pytest.raises(ValueError, match=r"search_job: CostParams.bandwidth names \['modle'\], which no mesh"):

@@ -148,7 +148,8 @@ BAD = [
     (["plan", "--memory-budget", "1"], "--memory-budget applies to --search only"),
     (["plan", "--annotate", "blocks/*/mlp/up=None,model"], "--annotate applies to --search only"),
     (["plan", "--plan-out", "p.json"], "--plan-out applies to --search only"),
-    (["plan", "--batch", "16"], "--batch applies to --search only"),
+    # (--batch is the plain plan's too: its step is traced on the example batch, which must split)
+    (["plan", "--mesh", "data=3", "--devices", "3"], "--batch 32 does not split"),
     (["plan", "--steps", "5"], "--steps is for 'jaxpar train' only"),
     (["plan", "--search", "dynamic"], "invalid choice: 'dynamic'"),
     (["plan", *DP, "--zero-levels", "0,1"], "--zero-levels applies only when the whole job is planned"),

@@ -259,6 +259,9 @@ def test_each_process_feeds_its_own_rows(launches, tmp_path, tag):
         said = result["refusals"][what]
         assert said and said.startswith("Trainer: batch['x']: the processes feed different numbers of their own "
                                         f"rows (process 0: {rows}, process 1: 4, process 2: 4, process 3: 4)"), said
+    said = result["refusals"]["no_rows_on_one"]       # refused on process 1 alone, the others waiting
+    assert said and said.startswith("Trainer: batch['x']: the processes feed different numbers of their own "
+                                    "rows (process 0: 4, process 1: 0, process 2: 4, process 3: 4)"), said
     # Placement(global_batch=True) given each process's own rows (a global batch of mixed rows)
     said = result["refusals"]["global_batch_own_rows"]
     assert said and said.startswith("Trainer: Placement(global_batch=True) takes the whole global batch on every "

@@ -44,7 +44,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping, Sequence
+
+import numpy as np
 
 from jaxpar.auto.comm import GRAD, NORM, SERIAL, TAIL, Comm, combined_time, comm_share, derivations, levels
 from jaxpar.auto.derivatives import FREE, LINEAR, LINEAR_COLLECTIVES, derivative_reads, saved_reads
@@ -164,8 +167,8 @@ class CostParams:
         for name, what, example in (("bandwidth", "positive bytes/s", "{'model': 4.5e11}"),
                                     ("latency_per_axis", "seconds >= 0", "{'data': 2e-5}")):
             table = getattr(self, name)
-            bad = {a: v for a, v in table.items() if not isinstance(a, str) or isinstance(v, bool)
-                   or not isinstance(v, (int, float)) or not (v > 0 if name == "bandwidth" else v >= 0)} \
+            bad = {a: v for a, v in table.items() if not isinstance(a, str) or isinstance(v, (bool, np.bool_))
+                   or not isinstance(v, numbers.Real) or not (v > 0 if name == "bandwidth" else v >= 0)} \
                 if isinstance(table, Mapping) else table
             if bad:
                 raise ValueError(f"CostParams.{name}={table!r} is invalid at {bad!r}: give mesh axis name -> "

@@ -111,6 +111,9 @@ class JobOption:
 
         what = [name for name, specs in (("batch", [s for _, s in self.strategy.batch]),
                                          ("weights", [s for _, _, s, _ in self.strategy.params])) if on(specs)]
+        what += [name for name, carries in ((f"ZeRO-{self.zero} shards", self.zero and axis == "data"),
+                                            ("stages", self.pipeline and axis == "pipe"),
+                                            ("sequence", self.context and axis == "context")) if carries]
         if not what:
             split = any(axis in axes for _, _, axes in self.strategy.classes)
             what = ["activations only" if split else "nothing: its devices repeat the same work"]
@@ -382,16 +385,17 @@ def search_job(model_fn: Callable, loss_fn: Callable, batch: Any, space: JobSear
         done.append(dataclasses.replace(o, verdict=verdict))
         if chosen is not None and o is chosen:
             chosen = done[-1]
+    if chosen is None and compiled_over:
+        total, o = min(compiled_over, key=lambda x: x[0])
+        also = f" ({len(refused)} more refused by their dry run; the first: {refused[0]})" if refused else ""
+        raise ValueError(f"search_job: nothing fits memory_budget={memory_budget:,.0f} B per device on {devices} "
+                         f"devices once compiled: {len(compiled_over)} option(s) predicted to fit, and the dry run "
+                         f"of each compiled over it{also}; the smallest, {o.label()}, predicted {o.memory_bytes:,} "
+                         f"B, compiled {total:,} B. Raise the budget (that option needs {total:,} B), add devices, "
+                         "or allow more grad_accum / zero_levels / remat / pipeline_stages")
     if chosen is None and refused:
         raise ValueError(f"search_job: every option that fits memory_budget={memory_budget:,.0f} B and was "
                          f"compiled was refused by its dry run; the first: {refused[0]}")
-    if chosen is None and compiled_over:
-        total, o = min(compiled_over, key=lambda x: x[0])
-        raise ValueError(f"search_job: nothing fits memory_budget={memory_budget:,.0f} B per device on {devices} "
-                         f"devices once compiled: {len(compiled_over)} option(s) predicted to fit, and the dry run "
-                         f"of each compiled over it; the smallest, {o.label()}, predicted {o.memory_bytes:,} B, "
-                         f"compiled {total:,} B. Raise the budget to at least {total:,} B, add devices, or allow "
-                         "more grad_accum / zero_levels / remat / pipeline_stages")
     if chosen is None:
         smallest = min(options, key=lambda o: o.memory_bytes)
         raise ValueError(f"search_job: nothing fits memory_budget={memory_budget:,.0f} B per device on {devices} "
@@ -474,7 +478,7 @@ def _strategies(graph, loss_fn, batch, base, shape, search_name, params, memory_
     no ZeRO level brings under the budget, and nothing would fit)."""
     cfg = dataclasses.replace(base, mesh=shape, mode="auto", search=search_name, rules={}, grad_accum=1)
     found = {}
-    for budget in (None, memory_budget, 0.0):
+    for budget in (None, memory_budget) if memory_budget is None else (None, memory_budget, 0.0):
         s = search(None, loss_fn, batch, cfg, shape, cost_params=params.only(shape), memory_budget=budget,
                    graph=graph, runs=runs)
         found[tuple(a for _, _, a in s.classes)] = s

@@ -165,6 +165,8 @@ def resolve_job(args, logging=None, *, plan_hosts: bool = False):
         devices = devices_of(args)
         config = config_of(args, devices)
         where = "--mesh" if args.mesh or not args.config else f"--config {args.config!r}"
+        if config.hosts and getattr(args, "hosts", None):     # make_mesh's hosts check names the layout
+            where = f"--hosts {args.hosts}" + (f" with {where}" if args.mesh else "")
         check_mesh(on_this_machine(config) if plan_hosts else config, devices, flag=where)   # the mesh fits
         if args.embed % args.heads:
             refuse(f"--embed {args.embed} is not divisible by --heads {args.heads}; use an embed that is a "

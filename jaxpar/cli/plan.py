@@ -161,7 +161,8 @@ def fixed_meshes(args: argparse.Namespace, job) -> tuple | None:
     if stray:
         refuse(f"{where} names axes {stray}, but the job search under --memory-budget plans data x model meshes "
                "(its ZeRO levels shard over data); name the axes data and model, e.g. --mesh "
-               f"data={math.prod(sizes.values())}, or leave the mesh out to let it choose")
+               f"data={math.prod(sizes.values()) if -1 not in sizes.values() else -1}, or leave the mesh out to let "
+               "it choose")
     grown = [f"{flag} {','.join(map(str, values))}" for flag, values in (
         ("--context-options", args.context_options or ()), ("--pipeline-options", args.pipeline_options or ()))
         if max(values, default=1) > 1]
@@ -187,7 +188,7 @@ def check_plan_flags(args) -> None:
         search_only = [f for f in ("annotate", "memory_budget", "zero_levels", "accum_options", "remat_options",
                                    "pipeline_options", "microbatch_options", "schedule", "flops", "bandwidth",
                                    "latency", "inter_host_bandwidth", "inter_host_latency", "devices_per_host",
-                                   "plan_out", "batch") if given(args, f)]
+                                   "plan_out") if given(args, f)]
         if search_only:
             refuse(f"{flags_text(search_only)} {verb(search_only)} to --search only (without it, jaxpar plan prints "
                    "the configured specs, which do not depend on it); add --search dynamic_programming, or leave "
@@ -267,6 +268,9 @@ def cmd_plan(args) -> int:
                    f"--memory-budget chooses itself (it prices each policy on the model's blocks); drop it from the "
                    f"file and offer it with --remat-options {job.parallel.remat} (or none,{job.parallel.remat})")
         check_search_hosts(args, job, len(devices))
+        note = hosts_note(job.parallel, devices)
+        if note:
+            print(note)
         if args.plan_out:
             check_writable("--plan-out", args.plan_out)
         return search.run_plan_search(search_settings(args, job), job, devices)

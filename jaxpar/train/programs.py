@@ -75,24 +75,41 @@ class Programs:
         self.plan, self.mesh, self.graphdef, self.loss_fn, self.tx = plan, mesh, graphdef, loss_fn, tx
         self.state, self.leaves, self.rows, self.options = state, leaves, rows, options
         self.cache: dict = {}
+        self.agreed: set = set()      # batch shapes every process has checked it feeds alike (several processes)
         self.idle_checked = False     # idle mesh axes: warned of once, at the first traced train step
 
     def setting(self, rows=None, row_specs=None) -> Setting:
         s, _ = self.state()
         return Setting(self.plan, self.mesh, self.graphdef, s.params, s.rest, rows, row_specs)
 
-    def get(self, batch, kind: str = "train", rows=None) -> tuple[Program, list]:
+    def get(self, batch, kind: str = "train", rows=None, *, agree: bool = True) -> tuple[Program, list]:
         """``(program, the batch's leaves)``: the compiled step (or evaluation) for batches shaped
-        like ``batch`` (and pulled ``rows`` shaped like these). The batch is flattened once, here."""
+        like ``batch`` (and pulled ``rows`` shaped like these). The batch is flattened once, here.
+        On several processes, the first run (``agree``) of each batch shape checks, by one
+        all-gather, that every process feeds alike (`agree`); lowering does not (one process may
+        lower alone)."""
         leaves, treedef = jax.tree.flatten(batch)
         key = (kind, treedef, tuple((np.shape(x), dtype_of(x)) for x in leaves))
         if rows is not None:
             key += self.rows.key(rows)
+        if agree and key not in self.agreed and jax.process_count() > 1:
+            self.agree(batch)
+            self.agreed.add(key)
         program = self.cache.get(key)
         if program is None:
             check_batch(batch)
             program = self.cache[key] = self._build(batch, kind, treedef, rows)
         return program, leaves
+
+    def agree(self, batch) -> None:
+        """Every process feeds alike, or every process raises the same ``ValueError`` (before any
+        check one process could fail alone): per-process rows, the same row count on each
+        (`jaxpar.data.check_processes_agree`); the whole global batch, the same values on each
+        (`jaxpar.data.check_processes_same`)."""
+        if self.options.global_batch:
+            check_processes_same(batch, "Trainer")
+        else:
+            check_processes_agree(batch, "Trainer")
 
     def _build(self, batch, kind: str, batch_def, rows=None) -> Program:
         fast = jax.process_count() == 1 and self.plan.config.context is None
@@ -152,13 +169,13 @@ class Programs:
         return jax.tree.leaves(place_batch(self.plan.config, self.mesh, batch,
                                            global_batch=self.options.global_batch))
 
-    def place(self, batch):
+    def place(self, batch, *, agree: bool = True):
         """A host batch on the mesh by ``dataset_strategy`` (with rows: the batch the step gets,
-        its rows pulled; nothing is pushed)."""
+        its rows pulled; nothing is pushed); ``agree``: see `get`."""
         rows = None
         if self.rows is not None:
             batch, rows, _ = self.rows.pull(batch)
-        program, leaves = self.get(batch, rows=rows)
+        program, leaves = self.get(batch, rows=rows, agree=agree)
         if program.fast:
             leaves = jax.device_put(leaves, program.shardings)
         else:
@@ -205,10 +222,7 @@ class Programs:
         the batch shards this process's devices hold, not against the whole mesh
         (`jaxpar.data.process_view`; ``training``: cut into the step's parts)."""
         if jax.process_count() > 1 and not self.options.global_batch:
-            check_processes_agree(batch, "Trainer")      # first: every process refuses alike, or none
             return process_view(self.plan.config, self.mesh, batch, training=training)
-        if jax.process_count() > 1:
-            check_processes_same(batch, "Trainer")
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), dtype_of(x)), batch)
 
     def lowered(self, state_leaves: list, batch, kind: str, platform: str | None = None) -> jax.stages.Lowered:
@@ -221,7 +235,7 @@ class Programs:
         if self.rows is not None:
             batch, pulled, _ = self.rows.pull(batch)
             rows = (pulled,)
-        program, leaves = self.get(batch, kind, *rows)
+        program, leaves = self.get(batch, kind, *rows, agree=False)
         args = (state_leaves, self.placed(program, batch, leaves),
                 *(self.rows.placed(program.row_shardings, r) for r in rows))
         if platform is None:
@@ -244,7 +258,7 @@ class Programs:
         if self.rows is not None:
             raise ValueError("Trainer.lower_grads: a Trainer with rows= differentiates the pulled rows too; "
                              "lower the whole step with Trainer.lower(batch) instead")
-        placed = self.place(batch)
+        placed = self.place(batch, agree=False)
         s = self.setting()
         state, _ = self.state()
         grads = build_grads(s, self.loss_fn, self.global_view(placed))

@@ -76,18 +76,22 @@ def run(trainer, mine, use_fit):
 
 
 def refusals(trainer, mine):
-    """The messages of a step and an evaluation fed 3 rows a process, and of both fed 8 rows
-    (step) or 6 (evaluate) on process 0 and 4 on the others, each a count that splits on its
-    own: refused before anything runs, by every process alike (no collective is left waiting)."""
+    """The messages of a step and an evaluation fed 3 rows a process, of both fed 8 rows (step)
+    or 6 (evaluate) on process 0 and 4 on the others, each a count that splits on its own, and
+    of a step fed no rows on process 1: refused before anything runs, by every process alike (no
+    collective is left waiting), after process 0 alone has lowered an evaluation."""
     import jax
     import numpy as np
 
     first = mine(global_batches(1)[0])
     three = {k: v[:3] for k, v in first.items()}
     uneven = {k: np.concatenate([v, v]) if jax.process_index() == 0 else v for k, v in first.items()}
+    none = {k: v[:0] if jax.process_index() == 1 else v for k, v in first.items()}
+    if jax.process_index() == 0:     # one process lowers alone (a report): no collective, so no wait
+        trainer.lower_eval({k: v[:2] for k, v in first.items()})
     said = {}
     for what, call, batch in (("step", trainer.step, three), ("evaluate", lambda b: trainer.evaluate([b]), three),
-                              ("uneven_step", trainer.step, uneven),
+                              ("uneven_step", trainer.step, uneven), ("no_rows_on_one", trainer.step, none),
                               ("uneven_evaluate", lambda b: trainer.evaluate([{k: v[:6] for k, v in b.items()}]),
                                uneven)):
         try:
