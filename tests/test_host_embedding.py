@@ -312,6 +312,14 @@ class _Placed:
         pass
 
 
+def _no_agreement(monkeypatch):
+    """One process posing as two has no other process to gather the batch's agreement from
+    (`jaxpar.train.programs.Programs.agree`, tested under jaxpar launch): skip it."""
+    from jaxpar.train.programs import Programs
+
+    monkeypatch.setattr(Programs, "agree", lambda self, batch: None)
+
+
 @pytest.mark.parametrize("where, got", [("host", "ndarray of shape (100, 8)"),
                                         ("one device", "ArrayImpl of shape (100, 8)")])
 def test_rows_of_several_processes_must_be_global_arrays_on_the_mesh(monkeypatch, where, got):
@@ -320,6 +328,7 @@ def test_rows_of_several_processes_must_be_global_arrays_on_the_mesh(monkeypatch
     place = (lambda x: x) if where == "host" else (lambda x: jax.device_put(x, jax.devices()[0]))
     trainer = host_trainer(_Placed(place))
     monkeypatch.setattr(jax, "process_count", lambda: 2)
+    _no_agreement(monkeypatch)
     with pytest.raises(ValueError) as err:
         trainer.step(DATA.batch(0, BATCH))
     assert (f"Trainer: in a job of 2 processes the row source must pull its rows as global jax.Arrays on the "
@@ -334,6 +343,7 @@ def test_hybrid_mode_refuses_rows_split_over_the_mesh(monkeypatch):
     split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     trainer = host_trainer(_Placed(lambda x: jax.device_put(x, split)), config)
     monkeypatch.setattr(jax, "process_count", lambda: 2)
+    _no_agreement(monkeypatch)
     with pytest.raises(ValueError) as err:
         trainer.step(DATA.batch(0, BATCH))
     assert ("mode='hybrid' runs the loss per device, where pulled rows must be replicated; these are split "

@@ -232,20 +232,27 @@ def test_a_launcher_with_other_flags_ends_the_job_at_once_before_the_first_group
         assert [_next(x) for x in c] == [rendezvous.End(0, "all 2 node(s) finished")] * 2
 
 
+def _mismatched_launchers(launches: list, tmp_path, tag, flags, worker_args=()) -> None:
+    """Append to ``launches`` node 0's launcher (--worker-num 2) and node 1's (--worker-num 3), one
+    rank each on localhost, with ``flags`` besides."""
+    port = free_port()
+    for node, total in ((0, 2), (1, 3)):
+        folder = tmp_path / f"node{node}"
+        folder.mkdir()
+        launches.append(Launch(folder, tag, ["--worker-num", total, "--local-worker-num", 1, "--node-rank", node,
+                                             "--simulated-devices", 1, "--master-port", port, *flags], worker_args))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_two_launchers_with_other_worker_nums_both_end_at_once_with_status_2(tmp_path, tag):
     """The reviewer's case, with real launchers: node 0 (--worker-num 2) and node 1 (--worker-num 3), both
     with --worker-restarts 1. Node 0 used to wait --cluster-time-out (here 120 s) for node 1; now both
     end before any worker starts, node 0 naming node 1 and the flag."""
-    ports = ["--master-port", free_port(), "--rendezvous-port", free_port(), "--cluster-time-out", 120]
     launches = []
     try:
-        for node, total in ((0, 2), (1, 3)):
-            folder = tmp_path / f"node{node}"
-            folder.mkdir()
-            launches.append(Launch(folder, tag, ["--worker-num", total, "--local-worker-num", 1, "--node-rank", node,
-                                                 "--simulated-devices", 1, "--worker-restarts", 1, *ports]))
+        _mismatched_launchers(launches, tmp_path, tag, ["--worker-restarts", 1, "--rendezvous-port", free_port(),
+                                                        "--cluster-time-out", 120])
         codes = [launch.wait(timeout=90) for launch in launches]
         node0, node1 = launches
         assert codes == [2, 2], (node0.stderr, node1.stderr)
@@ -258,19 +265,16 @@ def test_two_launchers_with_other_worker_nums_both_end_at_once_with_status_2(tmp
             launch.close()
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
 def test_without_restarts_a_rank_started_for_another_job_size_leaves_naming_both(tmp_path, tag):
     """Without --worker-restarts the launchers never meet: node 1 (--worker-num 3) started its rank,
     which joined node 0's coordinator of 2 processes, and the two trained as a job of 2 while
     the rank believed in 3. Now the rank sees the job the coordinator formed and leaves at once,
     with status 2 and both sizes (`jaxpar.distributed.initialize`)."""
-    ports = ["--master-port", free_port(), "--cluster-time-out", 60]
     launches = []
     try:
-        for node, total in ((0, 2), (1, 3)):
-            folder = tmp_path / f"node{node}"
-            folder.mkdir()
-            launches.append(Launch(folder, tag, ["--worker-num", total, "--local-worker-num", 1, "--node-rank", node,
-                                                 "--simulated-devices", 1, *ports], ["--steps", 3]))
+        _mismatched_launchers(launches, tmp_path, tag, ["--cluster-time-out", 60], ["--steps", 3])
         node1 = launches[1]
         assert node1.wait(timeout=90) == 2, node1.stderr
         assert ("process 1 was started for a job of 3 processes (--worker-num / JAXPAR_NUM_PROCESSES), but the "

@@ -86,7 +86,7 @@ def test_hybrid_devices_keep_inner_factors_inside_a_host():
 def test_hosts_on_one_process_is_refused_and_no_hosts_keeps_the_mesh():
     from jaxpar.mesh import host_map
 
-    with pytest.raises(ValueError, match="on 1 processes .hosts. of 8 devices; make the hosts factors multiply to 1"):
+    with pytest.raises(ValueError, match="on 1 process .host. of 8 devices; make the hosts factors multiply to 1"):
         make_mesh(ParallelConfig(mesh={"data": 2, "model": -1}, hosts={"data": 2}))
     plain = make_mesh(ParallelConfig(mesh={"data": 2, "model": -1}))
     assert plain.devices.tolist() == make_mesh({"data": 2, "model": 4}).devices.tolist()

@@ -17,11 +17,9 @@ from collections.abc import Callable
 
 from jaxpar.cli.common import (DEFAULT_DEVICES, check_mesh, check_writable, print_text, refuse,
                                set_simulated_devices)
-from jaxpar.cli.jobflags import add_job_args, resolve_job
+from jaxpar.cli.jobflags import EXAMPLE_FLAGS, add_job_args, resolve_job
 
 DEFAULT_LOG_DIR = "runs/train"
-# the job fields the example's flags set, as `check_batch` names them
-EXAMPLE_FLAGS = {"data.batch": "--batch", "parallel.grad_accum": "--grad-accum"}
 
 
 def _profile_steps(text: str) -> tuple[int, int]:

@@ -165,7 +165,7 @@ def check_processes_agree(batch, where: str) -> None:
     leaves = [(jax.tree_util.keystr(path), np.shape(x)[0]) for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
               if np.ndim(x) and (not isinstance(x, jax.Array) or x.is_fully_addressable)]
     mine = np.asarray([rows for _, rows in leaves] or [0], np.int32)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
     for i, (name, _) in enumerate(leaves):
         counts = every[:, i].tolist()
         if len(set(counts)) > 1:
@@ -195,7 +195,7 @@ def check_processes_same(batch, where: str) -> None:
             digest.update(f"{a.dtype}{a.shape}".encode())
             digest.update(a.tobytes())
     mine = np.frombuffer(digest.digest()[:16], np.int32)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
     differ = [p for p in range(len(every)) if (every[p] != every[0]).any()]
     if differ:
         raise ValueError(f"{where}: Placement(global_batch=True) takes the whole global batch on every process, but "
