@@ -385,6 +385,22 @@ def test_a_larger_budget_never_loses_the_option_a_smaller_one_found():
     assert smallest[0] == smallest[1] <= found[0].chosen.memory_bytes, smallest
 
 
+def test_when_every_option_compiles_over_the_budget_the_error_says_so(monkeypatch):
+    """The dry run rejects every option predicted to fit: the error names the dry run and the
+    compiled bytes (it had quoted the smallest predicted option, below the budget)."""
+    import jaxpar.auto.job_search as js
+
+    monkeypatch.setattr(js, "_dry_run", lambda *args: {"devices": 8, "argument_bytes": 1, "temp_bytes": 2,
+                                                       "total": 2_000_000_000, "fits": False})
+    batch = batches(1, batch=32, seq=SCANNED.seq_len)[0]
+    with pytest.raises(ValueError, match=r"nothing fits memory_budget=1,000,000,000 B per device on 8 devices once "
+                                         r"compiled: \d+ option\(s\) predicted to fit, and the dry run of each "
+                                         r"compiled over it; the smallest, .*compiled 2,000,000,000 B"):
+        search_job(gpt_fn(), loss_fn, batch, JobSearchSpace(devices=8, memory_budget=1e9, meshes=[{"data": 8}],
+                                                            zero_levels=(0,), grad_accum=(1,)),
+                   base_config=BASE, cost_params=COSTS, dry_run=compile_step)
+
+
 def test_machine_numbers_per_axis_are_checked():
     """Per-axis bandwidths and latencies: positive (latency >= 0) numbers, on axes the search's
     meshes have."""

@@ -190,6 +190,9 @@ BAD = [
     (["report", "--mesh", "data=8", "--batch", "12"], "multiple of 8; give --batch 16 (or 8)"),
     (["report", "--model", "llama", "--mesh", "data=3"], "--batch 32 does not split"),
     (["train", "--hosts", "data=3"], "hosts={'data': 3} is invalid: axis 'data' of size 2 cannot span 3 hosts"),
+    # the hosts of a layout that does not fit this one process are named by the flag that set them
+    (["train", "--hosts", "data=2", "--mesh", "data=8"], "--hosts data=2 with --mesh: make_mesh: hosts={'data': 2}"),
+    (["plan", *DP, "--memory-budget", "1e6", "--mesh", "data=-1,context=2"], "e.g. --mesh data=-1, or leave"),
     (["report", "--lr", "0.1"], "--lr is for 'jaxpar train' only"),
     (["report", "--batch", "0"], "--batch 0"),
     (["report", "--json", "--config", "missing.yaml"], "--config 'missing.yaml': does not exist"),
