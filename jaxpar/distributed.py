@@ -284,6 +284,16 @@ def shutdown() -> None:
     _joined = None
 
 
+def every_process(values) -> np.ndarray:
+    """Each process's ``values`` (a few ints, as many on every process) on every process, as rows
+    ``[process, value]``: one all-gather, which every process of the job must reach (one process:
+    its own row)."""
+    from jax.experimental import multihost_utils
+
+    mine = np.asarray(values, np.int32).ravel()
+    return np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
+
+
 def process_rows(
     global_batch_size: int, process_index: int | None = None, process_count: int | None = None
 ) -> slice:

@@ -478,7 +478,7 @@ def _strategies(graph, loss_fn, batch, base, shape, search_name, params, memory_
     no ZeRO level brings under the budget, and nothing would fit)."""
     cfg = dataclasses.replace(base, mesh=shape, mode="auto", search=search_name, rules={}, grad_accum=1)
     found = {}
-    for budget in (None, memory_budget) if memory_budget is None else (None, memory_budget, 0.0):
+    for budget in (None,) if memory_budget is None else (None, memory_budget, 0.0):
         s = search(None, loss_fn, batch, cfg, shape, cost_params=params.only(shape), memory_budget=budget,
                    graph=graph, runs=runs)
         found[tuple(a for _, _, a in s.classes)] = s

@@ -23,7 +23,7 @@ def agreed(read, directory, step: int):
     ``read()``."""
     if jax.process_count() == 1:
         return read()
-    from jax.experimental import multihost_utils
+    from jaxpar.distributed import every_process
 
     error, verdict = None, 0
     try:
@@ -32,7 +32,7 @@ def agreed(read, directory, step: int):
         error, verdict = e, 1
     except Exception as e:    # noqa: BLE001  (raised below, once the others know)
         error, verdict = e, 2
-    verdicts = [int(v) for v in np.asarray(multihost_utils.process_allgather(np.asarray([verdict], np.int32))).ravel()]
+    verdicts = [int(v) for v in every_process([verdict])[:, 0]]
     if error is not None:
         raise error
     if any(verdicts):

@@ -57,6 +57,7 @@ import numpy as np
 
 from jaxpar.checkpoint import peer as wire
 from jaxpar.checkpoint import state as st
+from jaxpar.distributed import every_process
 
 FORMAT = 1
 RUN_ID_BYTES = 16
@@ -207,13 +208,11 @@ class LocalTier:
         self.run_id, self.key = bytes(drawn[:RUN_ID_BYTES]).hex(), bytes(drawn[RUN_ID_BYTES:])
         if not (self.use_peer and self.processes > 1):
             return
-        from jax.experimental import multihost_utils
-
         self.server = wire.PeerServer(self.mine, self.key, host=ip)
         crc = lambda name: zlib.crc32(name.encode()) & 0x7FFFFFFF    # noqa: E731
         mine = np.asarray([crc(host_id()), crc(socket.gethostname()), *map(int, ip.split(".")), self.server.port],
                           np.int32)
-        every = np.asarray(multihost_utils.process_allgather(mine)).reshape(self.processes, -1)
+        every = every_process(mine)
         self.addresses = {p: (".".join(str(int(v)) for v in row[2:6]), int(row[6])) for p, row in enumerate(every)}
         hosts = [str(int(row[0])) for row in every]
         loopback = sorted(p for p, (a, _) in self.addresses.items() if a.startswith("127."))
@@ -323,10 +322,7 @@ class LocalTier:
         newest = self.written if self.written is not None else max(self._steps(self.own), default=-1)
         oldest, failures = newest, [self.process] if failed else []
         if self.processes > 1:
-            from jax.experimental import multihost_utils
-
-            every = np.asarray(multihost_utils.process_allgather(np.asarray([newest, int(failed)], np.int32)))
-            every = every.reshape(self.processes, 2)
+            every = every_process([newest, int(failed)])
             oldest, failures = int(every[:, 0].min()), [p for p in range(self.processes) if every[p, 1]]
         if failures and not failed:
             raise OSError(f"local checkpoint tier {self.root}: writing a step failed on process(es) {failures} (see "
@@ -409,10 +405,7 @@ class LocalTier:
             code, why, result, source = self._take(step, own, holders, state, mesh)
             codes = [code]
             if self.processes > 1:
-                from jax.experimental import multihost_utils
-
-                codes = [int(c) for c in
-                         np.asarray(multihost_utils.process_allgather(np.asarray([code], np.int32))).ravel()]
+                codes = [int(c) for c in every_process([code])[:, 0]]
             if not any(codes):
                 self.recovery = Recovery(step, source, time.perf_counter() - start)
                 print(f"jaxpar: resumed step {step} from the local checkpoint tier ({source} copy) in "
@@ -467,9 +460,7 @@ class LocalTier:
         width = 1 + STEPS + SOURCES * (1 + STEPS)
         rows = np.asarray([row + [-1] * (width - len(row))], np.int32)
         if self.processes > 1:
-            from jax.experimental import multihost_utils
-
-            rows = np.asarray(multihost_utils.process_allgather(rows[0])).reshape(self.processes, width)
+            rows = every_process(rows[0])
         floor = int(rows[0, 0])
         available = {p: {int(s) for s in rows[p, 1:1 + STEPS] if s >= 0} for p in range(self.processes)}
         holders: dict[int, int] = {}

@@ -160,12 +160,11 @@ def check_processes_agree(batch, where: str) -> None:
     another count is refused on every process alike, naming each process's rows, instead of
     each process training on a global batch of its own. Leaves that are global ``jax.Array``s
     already are not counted."""
-    from jax.experimental import multihost_utils
+    from jaxpar.distributed import every_process
 
     leaves = [(jax.tree_util.keystr(path), np.shape(x)[0]) for path, x in jax.tree_util.tree_flatten_with_path(batch)[0]
               if np.ndim(x) and (not isinstance(x, jax.Array) or x.is_fully_addressable)]
-    mine = np.asarray([rows for _, rows in leaves] or [0], np.int32)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
+    every = every_process([rows for _, rows in leaves] or [0])
     for i, (name, _) in enumerate(leaves):
         counts = every[:, i].tolist()
         if len(set(counts)) > 1:
@@ -186,7 +185,7 @@ def check_processes_same(batch, where: str) -> None:
     without an error). Only host values are read (not ``jax.Array``s nor abstract shapes)."""
     import hashlib
 
-    from jax.experimental import multihost_utils
+    from jaxpar.distributed import every_process
 
     digest = hashlib.sha256()
     for x in jax.tree.leaves(batch):
@@ -194,8 +193,7 @@ def check_processes_same(batch, where: str) -> None:
             a = np.ascontiguousarray(x)
             digest.update(f"{a.dtype}{a.shape}".encode())
             digest.update(a.tobytes())
-    mine = np.frombuffer(digest.digest()[:16], np.int32)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, mine.size)
+    every = every_process(np.frombuffer(digest.digest()[:16], np.int32))
     differ = [p for p in range(len(every)) if (every[p] != every[0]).any()]
     if differ:
         raise ValueError(f"{where}: Placement(global_batch=True) takes the whole global batch on every process, but "

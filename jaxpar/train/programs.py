@@ -75,7 +75,7 @@ class Programs:
         self.plan, self.mesh, self.graphdef, self.loss_fn, self.tx = plan, mesh, graphdef, loss_fn, tx
         self.state, self.leaves, self.rows, self.options = state, leaves, rows, options
         self.cache: dict = {}
-        self.agreed: set = set()      # batch shapes every process has checked it feeds alike (several processes)
+        self.unagreed: set = set()    # keys built by lowering alone, before any run checked the processes agree
         self.idle_checked = False     # idle mesh axes: warned of once, at the first traced train step
 
     def setting(self, rows=None, row_specs=None) -> Setting:
@@ -87,18 +87,23 @@ class Programs:
         like ``batch`` (and pulled ``rows`` shaped like these). The batch is flattened once, here.
         On several processes, the first run (``agree``) of each batch shape checks, by one
         all-gather, that every process feeds alike (`agree`); lowering does not (one process may
-        lower alone)."""
+        lower alone). A step of a shape it has run costs one dictionary lookup, as before."""
         leaves, treedef = jax.tree.flatten(batch)
         key = (kind, treedef, tuple((np.shape(x), dtype_of(x)) for x in leaves))
         if rows is not None:
             key += self.rows.key(rows)
-        if agree and key not in self.agreed and jax.process_count() > 1:
-            self.agree(batch)
-            self.agreed.add(key)
         program = self.cache.get(key)
+        if program is not None and not (agree and self.unagreed and key in self.unagreed):
+            return program, leaves
+        several = jax.process_count() > 1
+        if agree and several:
+            self.agree(batch)       # before any check one process could fail alone
+            self.unagreed.discard(key)
         if program is None:
             check_batch(batch)
             program = self.cache[key] = self._build(batch, kind, treedef, rows)
+            if several and not agree:
+                self.unagreed.add(key)
         return program, leaves
 
     def agree(self, batch) -> None:
